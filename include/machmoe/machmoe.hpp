@@ -1,0 +1,122 @@
+// machmoe public C++ API (no PyTorch): plan the workspace of an MoE layer and run its forward and
+// backward on device pointers and a caller's stream, plus the kernel-family entry points.
+// Semantics of every tensor: docs/LAYER.md. All entry points are asynchronous on `stream`, never
+// synchronise the host, and throw machmoe::Error with a message naming the argument and the rule.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "machmoe/types.hpp"
+
+namespace machmoe {
+
+// The static description of one layer call.
+struct LayerProblem {
+  int64_t T = 0;  // tokens (0 allowed)
+  int64_t d = 0;  // hidden size
+  int64_t n = 0;  // expert intermediate size
+  int64_t E = 0;  // experts
+  int64_t K = 0;  // experts per token
+  Activation activation = Activation::SwiGLU;
+  GateUpLayout layout = GateUpLayout::Interleaved;
+  bool has_bias = false;
+  RoutingMethod routing = RoutingMethod::SoftmaxTopK;
+  bool renormalize = true;
+  TokenRounding rounding = TokenRounding::None;
+  int64_t rounding_tile_m = 128;
+  DType dtype = DType::BF16;  // x, weights, H and the output
+};
+
+// Throws Error(InvalidArgument) naming the first field that breaks a rule, or
+// Error(Unsupported) for a valid problem beyond this build's limits.
+void validate(const LayerProblem& p);
+
+// Bytes the caller provides. `saved` lives from forward to backward (H bf16, fp32 scores, int32
+// metadata, and logits where a routing variant needs them); `forward_workspace` and
+// `backward_workspace` are scratch for one call each.
+struct WorkspacePlan {
+  size_t saved_bytes = 0;
+  size_t forward_workspace_bytes = 0;
+  size_t backward_workspace_bytes = 0;
+};
+WorkspacePlan plan_workspace(const LayerProblem& p);
+
+// Device pointers; layouts as docs/LAYER.md. Biases and selection_bias may be null when unused.
+struct LayerForwardArgs {
+  const void* x = nullptr;              // [T, d]
+  const void* router_weight = nullptr;  // [E, d]
+  const void* w1 = nullptr;             // [E, n1, d]
+  const void* b1 = nullptr;             // [E, n1]
+  const void* w2 = nullptr;             // [E, d, n]
+  const void* b2 = nullptr;             // [E, d]
+  const float* selection_bias = nullptr;  // [E], Sigmoid routing only
+  void* out = nullptr;                  // [T, d]
+  float* aux_loss = nullptr;            // [1]
+  void* saved = nullptr;                // plan.saved_bytes, 256-byte aligned
+  void* workspace = nullptr;            // plan.forward_workspace_bytes
+  uint64_t seed = 0;                    // stochastic token rounding
+};
+void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_t stream);
+
+struct LayerBackwardArgs {
+  const void* x = nullptr;
+  const void* router_weight = nullptr;
+  const void* w1 = nullptr;
+  const void* b1 = nullptr;
+  const void* w2 = nullptr;
+  const void* b2 = nullptr;
+  const void* saved = nullptr;  // what layer_forward wrote
+  const void* dout = nullptr;   // [T, d]
+  float d_aux = 0.f;            // gradient of the aux loss
+  void* dx = nullptr;           // [T, d]
+  void* d_router_weight = nullptr;
+  void* dw1 = nullptr;
+  void* db1 = nullptr;
+  void* dw2 = nullptr;
+  void* db2 = nullptr;
+  void* workspace = nullptr;    // plan.backward_workspace_bytes
+};
+void layer_backward(const LayerProblem& p, const LayerBackwardArgs& a, cudaStream_t stream);
+
+// ---------------------------------------------------------------- kernel families (SPEC §2)
+
+// 1. top-K router: logits [T, E] fp32 -> scores [T, K] fp32, experts [T, K] int32.
+void topk_router(const float* logits, int64_t T, int64_t E, int64_t K, RoutingMethod method,
+                 bool renormalize, const float* selection_bias, float* scores, int32_t* experts,
+                 cudaStream_t stream);
+
+// 2. routing metadata from R pairs ordered by token: expert_offsets [E+1] (int32), row_token [R],
+// row_pair [R], pair_row [R]. `workspace` of routing_metadata_workspace_bytes(R, E) bytes.
+size_t routing_metadata_workspace_bytes(int64_t R, int64_t E);
+void routing_metadata(const int32_t* pair_expert, const int32_t* pair_token, int64_t R, int64_t T,
+                      int64_t E, int32_t* expert_offsets, int32_t* row_token, int32_t* row_pair,
+                      int32_t* pair_row, void* workspace, cudaStream_t stream);
+
+// 5/10. aggregation: out[t] = Σ_{p in pairs of t} (score[p] or 1) · rows[pair_row[p]], with
+// token_offsets [T+1] over pairs; fp32 accumulation. scores may be null (dX aggregation).
+void aggregate(const void* rows, DType rows_dtype, const int32_t* pair_row,
+               const int32_t* token_offsets, const float* scores, int64_t T, int64_t d, void* out,
+               DType out_dtype, cudaStream_t stream);
+
+// True when this build carries the sm_90a kernels of the layer (false until issue #4 lands).
+bool layer_kernels_available();
+
+// Facts about the current device, read off cudaGetDeviceProperties.
+struct DeviceInfo {
+  int device = 0;
+  int sm_count = 0;
+  int cc_major = 0, cc_minor = 0;
+  size_t smem_per_block_optin = 0;
+  size_t l2_bytes = 0;
+  char name[256] = {};
+};
+DeviceInfo device_info();
+
+// Launches a tiny sm_90a kernel and checks its result: proves the library's device code loads and
+// runs on this GPU. Synchronises the stream (a diagnostic, not a hot-path call).
+void device_self_test(cudaStream_t stream);
+
+}  // namespace machmoe

@@ -1,0 +1,63 @@
+// machmoe public types: enums and the error type shared by the C++ API, the CPU reference and the
+// bindings. No CUDA and no PyTorch here, so a pure-CPU user can include it.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+namespace machmoe {
+
+// Activation of the expert MLP. GLU kinds make W1 produce 2n columns (gate/up pairs).
+enum class Activation : int32_t { SwiGLU = 0, GeGLU = 1, ReGLU = 2, ReLU2 = 3, ReLU = 4, GELU = 5, SiLU = 6 };
+inline constexpr int kNumActivations = 7;
+
+constexpr bool is_glu(Activation a) {
+  return a == Activation::SwiGLU || a == Activation::GeGLU || a == Activation::ReGLU;
+}
+
+// Where gate and up live among the 2n rows of W1 (and columns of H): see docs/LAYER.md.
+enum class GateUpLayout : int32_t { Interleaved = 0, Concatenated = 1 };
+
+// How the router turns logits [T, E] into K (expert, score) pairs per token.
+enum class RoutingMethod : int32_t { SoftmaxTopK = 0, TopKSoftmax = 1, Sigmoid = 2 };
+
+// Tile-aware token rounding (training only). None = plain top-K.
+enum class TokenRounding : int32_t { None = 0, Nearest = 1, Up = 2, Down = 3, Stochastic = 4 };
+
+enum class DType : int32_t { BF16 = 0, FP16 = 1, FP32 = 2 };
+
+inline constexpr int64_t dtype_size(DType t) { return t == DType::FP32 ? 4 : 2; }
+
+enum class ErrorCode : int32_t {
+  InvalidArgument = 1,  // an argument breaks a documented rule; the message names both
+  Unsupported = 2,      // valid, but outside what this build handles (message says what is)
+  NotBuilt = 3,         // the GPU kernel family is not implemented yet
+  CudaError = 4,        // a CUDA runtime call failed
+};
+
+// Every error machmoe raises. what() names the function, the argument and the rule broken.
+class Error : public std::runtime_error {
+ public:
+  Error(ErrorCode code, const std::string& msg) : std::runtime_error(msg), code_(code) {}
+  ErrorCode code() const noexcept { return code_; }
+
+ private:
+  ErrorCode code_;
+};
+
+const char* to_string(Activation a);
+const char* to_string(GateUpLayout l);
+const char* to_string(RoutingMethod m);
+const char* to_string(TokenRounding r);
+const char* to_string(DType t);
+
+// Parse the names used by the Python package ("swiglu", "interleaved", "softmax_topk", "nr", ...).
+// Throws Error(InvalidArgument) listing the accepted names.
+Activation parse_activation(std::string_view s);
+GateUpLayout parse_layout(std::string_view s);
+RoutingMethod parse_routing(std::string_view s);
+TokenRounding parse_token_rounding(std::string_view s);
+
+}  // namespace machmoe

@@ -1,0 +1,66 @@
+// Device facts and a self-test kernel: the first thing the GPU tests run, so that a library built
+// for the wrong architecture or a broken driver says so plainly before any layer test.
+#include <cstring>
+#include <string>
+
+#include "machmoe/machmoe.hpp"
+
+namespace machmoe {
+namespace {
+
+void check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    throw Error(ErrorCode::CudaError, std::string(what) + ": " + cudaGetErrorString(err));
+}
+
+// Each thread writes a value that depends on its index and on the SM it ran on, through 128-bit
+// stores (the width every later kernel relies on).
+__global__ void self_test_kernel(int4* out, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  unsigned smid;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+  if (i < n) out[i] = make_int4(i, 3 * i + 1, static_cast<int>(smid), -i);
+}
+
+}  // namespace
+
+DeviceInfo device_info() {
+  DeviceInfo info;
+  check_cuda(cudaGetDevice(&info.device), "device_info: cudaGetDevice");
+  cudaDeviceProp prop;
+  check_cuda(cudaGetDeviceProperties(&prop, info.device), "device_info: cudaGetDeviceProperties");
+  info.sm_count = prop.multiProcessorCount;
+  info.cc_major = prop.major;
+  info.cc_minor = prop.minor;
+  info.smem_per_block_optin = prop.sharedMemPerBlockOptin;
+  info.l2_bytes = static_cast<size_t>(prop.l2CacheSize);
+  std::strncpy(info.name, prop.name, sizeof(info.name) - 1);
+  return info;
+}
+
+void device_self_test(cudaStream_t stream) {
+  const DeviceInfo info = device_info();
+  if (info.cc_major != 9 || info.cc_minor != 0)
+    throw Error(ErrorCode::Unsupported,
+                std::string("device_self_test: machmoe's kernels are built for sm_90a (H100/H200); "
+                            "device '") + info.name + "' has compute capability " +
+                    std::to_string(info.cc_major) + "." + std::to_string(info.cc_minor));
+  constexpr int n = 1000;
+  int4* d_out = nullptr;
+  check_cuda(cudaMallocAsync(&d_out, n * sizeof(int4), stream), "device_self_test: cudaMallocAsync");
+  self_test_kernel<<<(n + 127) / 128, 128, 0, stream>>>(d_out, n);
+  cudaError_t launch = cudaGetLastError();
+  int4 h_out[n];
+  if (launch == cudaSuccess)
+    launch = cudaMemcpyAsync(h_out, d_out, sizeof(h_out), cudaMemcpyDeviceToHost, stream);
+  if (launch == cudaSuccess) launch = cudaStreamSynchronize(stream);
+  cudaFreeAsync(d_out, stream);
+  check_cuda(launch, "device_self_test: kernel");
+  for (int i = 0; i < n; ++i)
+    if (h_out[i].x != i || h_out[i].y != 3 * i + 1 || h_out[i].w != -i ||
+        h_out[i].z < 0 || h_out[i].z >= info.sm_count)
+      throw Error(ErrorCode::CudaError,
+                  "device_self_test: wrong value at element " + std::to_string(i));
+}
+
+}  // namespace machmoe
