@@ -83,20 +83,38 @@ void layer_backward(const LayerProblem& p, const LayerBackwardArgs& a, cudaStrea
 
 // ---------------------------------------------------------------- kernel families (SPEC §2)
 
-// 1. top-K router: logits [T, E] fp32 -> scores [T, K] fp32, experts [T, K] int32.
+// 1. top-K router: logits [T, E] fp32 -> scores [T, K] fp32, experts [T, K] int32 (docs/LAYER.md;
+// ties to the lower expert index, NaN selected first). Any E >= 1 and 1 <= K <= E; E <= 4096 with
+// K <= 32 keep the row in registers (fast path). selection_bias [E] only with Sigmoid, may be null.
 void topk_router(const float* logits, int64_t T, int64_t E, int64_t K, RoutingMethod method,
                  bool renormalize, const float* selection_bias, float* scores, int32_t* experts,
                  cudaStream_t stream);
+// Its backward: d_scores [T, K] -> d_logits [T, E] (every element written).
+void topk_router_backward(const float* logits, const float* scores, const int32_t* experts,
+                          const float* d_scores, int64_t T, int64_t E, int64_t K,
+                          RoutingMethod method, bool renormalize, float* d_logits,
+                          cudaStream_t stream);
 
-// 2. routing metadata from R pairs ordered by token: expert_offsets [E+1] (int32), row_token [R],
-// row_pair [R], pair_row [R]. `workspace` of routing_metadata_workspace_bytes(R, E) bytes.
-size_t routing_metadata_workspace_bytes(int64_t R, int64_t E);
-void routing_metadata(const int32_t* pair_expert, const int32_t* pair_token, int64_t R, int64_t T,
-                      int64_t E, int32_t* expert_offsets, int32_t* row_token, int32_t* row_pair,
-                      int32_t* pair_row, void* workspace, cudaStream_t stream);
+// 2. routing metadata of R pairs, ordered by token: pair_expert [R], and pair_token [R] or null
+// for a top-K list (token of pair p = p / K). Outputs (int32, device): see RoutingMetadataOutputs.
+// A pair whose expert or token is out of range gets pair_row = -1 and no row (expert_offsets[E]
+// then counts the valid pairs only); a repeated (token, expert) pair sets *duplicate_flag = 1.
+struct RoutingMetadataOutputs {
+  int32_t* expert_offsets = nullptr;  // [E+1]
+  int32_t* row_token = nullptr;       // [R] gather index
+  int32_t* row_pair = nullptr;        // [R]
+  int32_t* pair_row = nullptr;        // [R] reverse index
+  int32_t* token_offsets = nullptr;   // [T+1], may be null
+  int32_t* duplicate_flag = nullptr;  // [1], may be null
+};
+size_t routing_metadata_workspace_bytes(int64_t T, int64_t E);
+void routing_metadata(const int32_t* pair_expert, const int32_t* pair_token, int64_t R, int64_t K,
+                      int64_t T, int64_t E, const RoutingMetadataOutputs& out, void* workspace,
+                      size_t workspace_bytes, cudaStream_t stream);
 
-// 5/10. aggregation: out[t] = Σ_{p in pairs of t} (score[p] or 1) · rows[pair_row[p]], with
-// token_offsets [T+1] over pairs; fp32 accumulation. scores may be null (dX aggregation).
+// 5/10. aggregation: out[t] = Σ_{p in [token_offsets[t], token_offsets[t+1])} (scores[p] or 1) ·
+// rows[pair_row[p]]; rows [R, d], out [T, d], fp32 accumulation; scores null for the dX
+// aggregation. Rows and out may each be bf16, fp16 or fp32.
 void aggregate(const void* rows, DType rows_dtype, const int32_t* pair_row,
                const int32_t* token_offsets, const float* scores, int64_t T, int64_t d, void* out,
                DType out_dtype, cudaStream_t stream);

@@ -19,7 +19,7 @@ void require(bool ok, const char* field, const std::string& rule) {
   throw Error(ErrorCode::NotBuilt,
               std::string("machmoe::") + what +
                   ": the GPU kernels for this are not built yet in this version of machmoe "
-                  "(see issues #3-#5); use the CPU reference (machmoe/reference.hpp) or the "
+                  "(issues #4 and #5); use the CPU reference (machmoe/reference.hpp) or the "
                   "PyTorch 'torch' backend meanwhile");
 }
 
@@ -87,23 +87,6 @@ void layer_forward(const LayerProblem& p, const LayerForwardArgs&, cudaStream_t)
 void layer_backward(const LayerProblem& p, const LayerBackwardArgs&, cudaStream_t) {
   validate(p);
   not_built("layer_backward");
-}
-
-void topk_router(const float*, int64_t, int64_t, int64_t, RoutingMethod, bool, const float*, float*,
-                 int32_t*, cudaStream_t) {
-  not_built("topk_router");
-}
-
-size_t routing_metadata_workspace_bytes(int64_t, int64_t) { not_built("routing_metadata_workspace_bytes"); }
-
-void routing_metadata(const int32_t*, const int32_t*, int64_t, int64_t, int64_t, int32_t*, int32_t*,
-                      int32_t*, int32_t*, void*, cudaStream_t) {
-  not_built("routing_metadata");
-}
-
-void aggregate(const void*, DType, const int32_t*, const int32_t*, const float*, int64_t, int64_t,
-               void*, DType, cudaStream_t) {
-  not_built("aggregate");
 }
 
 }  // namespace machmoe

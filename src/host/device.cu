@@ -3,15 +3,12 @@
 #include <cstring>
 #include <string>
 
+#include "host/check.hpp"
 #include "machmoe/machmoe.hpp"
 
 namespace machmoe {
+using detail::check_cuda;
 namespace {
-
-void check_cuda(cudaError_t err, const char* what) {
-  if (err != cudaSuccess)
-    throw Error(ErrorCode::CudaError, std::string(what) + ": " + cudaGetErrorString(err));
-}
 
 // Each thread writes a value that depends on its index and on the SM it ran on, through 128-bit
 // stores (the width every later kernel relies on).

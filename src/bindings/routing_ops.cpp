@@ -1,0 +1,157 @@
+// PyTorch ops over the routing and data-movement kernel families (docs/OPS.md): CUDA tensors in,
+// launches on the current stream, no host synchronisation.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <optional>
+
+#include "bindings/common.hpp"
+#include "machmoe/machmoe.hpp"
+
+namespace machmoe::bindings {
+namespace {
+
+using at::Tensor;
+
+void check_cuda_tensor(const Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor, got ", t.device());
+  TORCH_CHECK_VALUE(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
+}
+
+DType to_dtype(at::ScalarType t, const char* name) {
+  switch (t) {
+    case at::kBFloat16: return DType::BF16;
+    case at::kHalf: return DType::FP16;
+    case at::kFloat: return DType::FP32;
+    default: TORCH_CHECK_VALUE(false, name, " must be bfloat16, float16 or float32, got ", t);
+  }
+}
+
+std::tuple<Tensor, Tensor> op_topk_router(const Tensor& logits, int64_t K, const std::string& routing,
+                                          bool renormalize, const std::optional<Tensor>& selection_bias) {
+  return translate_errors([&] {
+    check_cuda_tensor(logits, "logits", at::kFloat);
+    check_dims(logits, "logits", 2);
+    const int64_t T = logits.size(0), E = logits.size(1);
+    const c10::cuda::CUDAGuard guard(logits.device());
+    if (selection_bias) {
+      check_cuda_tensor(*selection_bias, "selection_bias", at::kFloat);
+      check_shape(*selection_bias, "selection_bias", {E});
+    }
+    TORCH_CHECK_VALUE(K >= 1 && K <= E, "K must be in [1, E=", E, "], got ", K);
+    Tensor scores = at::empty({T, K}, logits.options());
+    Tensor experts = at::empty({T, K}, logits.options().dtype(at::kInt));
+    topk_router(logits.data_ptr<float>(), T, E, K, parse_routing(routing), renormalize,
+                selection_bias ? selection_bias->data_ptr<float>() : nullptr, scores.data_ptr<float>(),
+                experts.data_ptr<int32_t>(), at::cuda::getCurrentCUDAStream());
+    return std::make_tuple(scores, experts);
+  });
+}
+
+Tensor op_topk_router_backward(const Tensor& logits, const Tensor& scores, const Tensor& experts,
+                               const Tensor& d_scores, const std::string& routing, bool renormalize) {
+  return translate_errors([&] {
+    check_cuda_tensor(logits, "logits", at::kFloat);
+    check_dims(logits, "logits", 2);
+    const int64_t T = logits.size(0), E = logits.size(1);
+    check_dims(scores, "scores", 2);
+    const int64_t K = scores.size(1);
+    check_cuda_tensor(scores, "scores", at::kFloat);
+    check_cuda_tensor(experts, "experts", at::kInt);
+    check_cuda_tensor(d_scores, "d_scores", at::kFloat);
+    check_shape(scores, "scores", {T, K});
+    check_shape(experts, "experts", {T, K});
+    check_shape(d_scores, "d_scores", {T, K});
+    const c10::cuda::CUDAGuard guard(logits.device());
+    Tensor d_logits = at::empty({T, E}, logits.options());
+    topk_router_backward(logits.data_ptr<float>(), scores.data_ptr<float>(), experts.data_ptr<int32_t>(),
+                         d_scores.data_ptr<float>(), T, E, K, parse_routing(routing), renormalize,
+                         d_logits.data_ptr<float>(), at::cuda::getCurrentCUDAStream());
+    return d_logits;
+  });
+}
+
+// pair_expert: [T, K] for a top-K list (pair_token absent), or [R] with pair_token [R].
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> op_routing_metadata(
+    const Tensor& pair_expert, const std::optional<Tensor>& pair_token, int64_t T, int64_t E) {
+  return translate_errors([&] {
+    check_cuda_tensor(pair_expert, "pair_expert", at::kInt);
+    int64_t K = 0;
+    if (pair_token) {
+      check_dims(pair_expert, "pair_expert", 1);
+      check_cuda_tensor(*pair_token, "pair_token", at::kInt);
+      check_shape(*pair_token, "pair_token", pair_expert.sizes());
+    } else {
+      check_dims(pair_expert, "pair_expert", 2);
+      TORCH_CHECK_VALUE(pair_expert.size(0) == T, "pair_expert must be [T=", T, ", K] without pair_token, got ",
+                        pair_expert.sizes());
+      K = pair_expert.size(1);
+    }
+    const int64_t R = pair_expert.numel();
+    const c10::cuda::CUDAGuard guard(pair_expert.device());
+    const auto opts = pair_expert.options();
+    Tensor expert_offsets = at::empty({E + 1}, opts), row_token = at::empty({R}, opts),
+           row_pair = at::empty({R}, opts), pair_row = at::empty({R}, opts),
+           token_offsets = at::empty({T + 1}, opts), duplicate = at::empty({1}, opts);
+    const size_t ws_bytes = routing_metadata_workspace_bytes(T, E);
+    Tensor ws = at::empty({static_cast<int64_t>(ws_bytes)}, opts.dtype(at::kByte));
+    RoutingMetadataOutputs out;
+    out.expert_offsets = expert_offsets.data_ptr<int32_t>();
+    out.row_token = row_token.data_ptr<int32_t>();
+    out.row_pair = row_pair.data_ptr<int32_t>();
+    out.pair_row = pair_row.data_ptr<int32_t>();
+    out.token_offsets = token_offsets.data_ptr<int32_t>();
+    out.duplicate_flag = duplicate.data_ptr<int32_t>();
+    routing_metadata(pair_expert.data_ptr<int32_t>(), pair_token ? pair_token->data_ptr<int32_t>() : nullptr,
+                     R, K, T, E, out, ws.data_ptr(), ws_bytes, at::cuda::getCurrentCUDAStream());
+    return std::make_tuple(expert_offsets, row_token, row_pair, pair_row, token_offsets, duplicate);
+  });
+}
+
+Tensor op_aggregate(const Tensor& rows, const Tensor& pair_row, const Tensor& token_offsets,
+                    const std::optional<Tensor>& scores, std::optional<at::ScalarType> out_dtype) {
+  return translate_errors([&] {
+    TORCH_CHECK_VALUE(rows.is_cuda() && rows.is_contiguous(), "rows must be a contiguous CUDA tensor");
+    check_dims(rows, "rows", 2);
+    check_cuda_tensor(pair_row, "pair_row", at::kInt);
+    check_cuda_tensor(token_offsets, "token_offsets", at::kInt);
+    check_dims(token_offsets, "token_offsets", 1);
+    const int64_t T = token_offsets.size(0) - 1, d = rows.size(1);
+    TORCH_CHECK_VALUE(T >= 0, "token_offsets must have T+1 >= 1 elements");
+    if (scores) {
+      check_cuda_tensor(*scores, "scores", at::kFloat);
+      check_shape(*scores, "scores", pair_row.sizes());
+    }
+    const c10::cuda::CUDAGuard guard(rows.device());
+    const at::ScalarType odt = out_dtype.value_or(rows.scalar_type());
+    Tensor out = at::empty({T, d}, rows.options().dtype(odt));
+    aggregate(rows.data_ptr(), to_dtype(rows.scalar_type(), "rows"), pair_row.data_ptr<int32_t>(),
+              token_offsets.data_ptr<int32_t>(), scores ? scores->data_ptr<float>() : nullptr, T, d,
+              out.data_ptr(), to_dtype(odt, "out_dtype"), at::cuda::getCurrentCUDAStream());
+    return out;
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(machmoe, m) {
+  m.def("topk_router(Tensor logits, int K, str routing, bool renormalize, Tensor? selection_bias)"
+        " -> (Tensor, Tensor)");
+  m.def("topk_router_backward(Tensor logits, Tensor scores, Tensor experts, Tensor d_scores,"
+        " str routing, bool renormalize) -> Tensor");
+  m.def("routing_metadata(Tensor pair_expert, Tensor? pair_token, int T, int E)"
+        " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("aggregate(Tensor rows, Tensor pair_row, Tensor token_offsets, Tensor? scores,"
+        " ScalarType? out_dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {
+  m.impl("topk_router", &op_topk_router);
+  m.impl("topk_router_backward", &op_topk_router_backward);
+  m.impl("routing_metadata", &op_routing_metadata);
+  m.impl("aggregate", &op_aggregate);
+}
+
+}  // namespace machmoe::bindings

@@ -1,0 +1,29 @@
+// Host-side checks shared by the launchers: argument rules that name the function and argument,
+// and CUDA error translation. Everything throws machmoe::Error.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "machmoe/types.hpp"
+
+namespace machmoe::detail {
+
+inline void require_arg(bool ok, const char* fn, const char* arg, const std::string& rule) {
+  if (!ok) throw Error(ErrorCode::InvalidArgument, std::string(fn) + ": " + arg + " " + rule);
+}
+
+inline void check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    throw Error(ErrorCode::CudaError, std::string(what) + ": " + cudaGetErrorString(err));
+}
+
+// After a launch: configuration errors surface here (no synchronisation).
+inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace machmoe::detail

@@ -1,0 +1,221 @@
+// Launchers of the routing and data-movement kernel families (SPEC §2 kernels 1, 2, 5, 10): argument
+// checks, the choice of kernel variant, and launches on the caller's stream. No host sync.
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "host/check.hpp"
+#include "kernels/aggregate.cuh"
+#include "kernels/routing_metadata.cuh"
+#include "kernels/topk_router.cuh"
+#include "machmoe/machmoe.hpp"
+
+namespace machmoe {
+using detail::ceil_div;
+using detail::check_cuda;
+using detail::check_launch;
+using detail::require_arg;
+
+namespace {
+
+constexpr int kRouterThreads = 256;  // 8 tokens (warps) per block
+constexpr int kMaxRegisterExperts = 4096;
+constexpr int kMaxRegisterK = 32;
+
+int router_method(RoutingMethod m) {
+  switch (m) {
+    case RoutingMethod::SoftmaxTopK: return kernels::kSoftmaxTopK;
+    case RoutingMethod::TopKSoftmax: return kernels::kTopKSoftmax;
+    case RoutingMethod::Sigmoid: return kernels::kSigmoid;
+  }
+  throw Error(ErrorCode::InvalidArgument, "routing method out of range");
+}
+
+void check_router_shape(const char* fn, int64_t T, int64_t E, int64_t K) {
+  require_arg(T >= 0, fn, "T", "must be >= 0, got " + std::to_string(T));
+  require_arg(E >= 1 && E <= std::numeric_limits<int32_t>::max(), fn, "E",
+              "must be in [1, 2^31), got " + std::to_string(E));
+  require_arg(K >= 1 && K <= E, fn, "K",
+              "must be in [1, E=" + std::to_string(E) + "], got " + std::to_string(K));
+  require_arg(T <= std::numeric_limits<int32_t>::max() / K, fn, "T",
+              "T*K must fit in int32, got T=" + std::to_string(T) + ", K=" + std::to_string(K));
+}
+
+template <int V>
+void launch_router_registers(const kernels::RouterParams& p, unsigned blocks, cudaStream_t s) {
+  kernels::topk_router_registers<V><<<blocks, kRouterThreads, 0, s>>>(p);
+}
+
+// Runs `launch<T_in, T_out>` for the runtime dtypes (bf16, fp16, fp32 each).
+template <typename F>
+void dispatch_dtypes(DType in, DType out, F&& launch) {
+  auto with_out = [&](auto in_tag) {
+    using TIn = decltype(in_tag);
+    switch (out) {
+      case DType::BF16: return launch(TIn{}, __nv_bfloat16{});
+      case DType::FP16: return launch(TIn{}, __half{});
+      case DType::FP32: return launch(TIn{}, float{});
+    }
+    throw Error(ErrorCode::InvalidArgument, "aggregate: out_dtype out of range");
+  };
+  switch (in) {
+    case DType::BF16: return with_out(__nv_bfloat16{});
+    case DType::FP16: return with_out(__half{});
+    case DType::FP32: return with_out(float{});
+  }
+  throw Error(ErrorCode::InvalidArgument, "aggregate: rows_dtype out of range");
+}
+
+// Workspace of routing_metadata: bit matrix + done counter (zeroed by one memset), then the
+// per-word prefix and per-expert totals.
+struct MetadataWorkspace {
+  size_t bits_bytes, counter_offset, prefix_offset, total_offset, bytes;
+  MetadataWorkspace(int64_t T, int64_t E) {
+    const size_t words = static_cast<size_t>(E) * static_cast<size_t>(ceil_div(T, 32));
+    auto align = [](size_t v) { return (v + 255) / 256 * 256; };
+    bits_bytes = words * 4;
+    counter_offset = bits_bytes;
+    prefix_offset = align(counter_offset + 8);
+    total_offset = prefix_offset + align(words * 4);
+    bytes = total_offset + align(static_cast<size_t>(E) * 4);
+  }
+};
+
+}  // namespace
+
+void topk_router(const float* logits, int64_t T, int64_t E, int64_t K, RoutingMethod method,
+                 bool renormalize, const float* selection_bias, float* scores, int32_t* experts,
+                 cudaStream_t stream) {
+  constexpr const char* fn = "topk_router";
+  check_router_shape(fn, T, E, K);
+  require_arg(selection_bias == nullptr || method == RoutingMethod::Sigmoid, fn, "selection_bias",
+              "is only used with routing=sigmoid");
+  if (T == 0) return;
+  require_arg(logits && scores && experts, fn, "logits/scores/experts", "must not be null");
+  kernels::RouterParams p{logits, selection_bias, scores, experts, T, static_cast<int>(E),
+                          static_cast<int>(K), router_method(method), renormalize};
+  const auto blocks = static_cast<unsigned>(ceil_div(T, kRouterThreads / 32));
+  if (E <= kMaxRegisterExperts && K <= kMaxRegisterK) {
+    const int64_t v = ceil_div(E, 32);
+    if (v <= 1) launch_router_registers<1>(p, blocks, stream);
+    else if (v <= 2) launch_router_registers<2>(p, blocks, stream);
+    else if (v <= 4) launch_router_registers<4>(p, blocks, stream);
+    else if (v <= 8) launch_router_registers<8>(p, blocks, stream);
+    else if (v <= 16) launch_router_registers<16>(p, blocks, stream);
+    else if (v <= 32) launch_router_registers<32>(p, blocks, stream);
+    else if (v <= 64) launch_router_registers<64>(p, blocks, stream);
+    else launch_router_registers<128>(p, blocks, stream);
+  } else {
+    kernels::topk_router_general<<<blocks, kRouterThreads, 0, stream>>>(p);
+  }
+  check_launch(fn);
+}
+
+void topk_router_backward(const float* logits, const float* scores, const int32_t* experts,
+                          const float* d_scores, int64_t T, int64_t E, int64_t K,
+                          RoutingMethod method, bool renormalize, float* d_logits,
+                          cudaStream_t stream) {
+  constexpr const char* fn = "topk_router_backward";
+  check_router_shape(fn, T, E, K);
+  if (T == 0) return;
+  require_arg(logits && scores && experts && d_scores && d_logits, fn, "pointers", "must not be null");
+  kernels::RouterBackwardParams p{logits, scores, experts, d_scores, d_logits, T,
+                                  static_cast<int>(E), static_cast<int>(K), router_method(method),
+                                  renormalize};
+  kernels::topk_router_backward<<<static_cast<unsigned>(ceil_div(T, kRouterThreads / 32)),
+                                  kRouterThreads, 0, stream>>>(p);
+  check_launch(fn);
+}
+
+size_t routing_metadata_workspace_bytes(int64_t T, int64_t E) {
+  require_arg(T >= 0, "routing_metadata_workspace_bytes", "T", "must be >= 0");
+  require_arg(E >= 1, "routing_metadata_workspace_bytes", "E", "must be >= 1");
+  return MetadataWorkspace(T, E).bytes;
+}
+
+void routing_metadata(const int32_t* pair_expert, const int32_t* pair_token, int64_t R, int64_t K,
+                      int64_t T, int64_t E, const RoutingMetadataOutputs& out, void* workspace,
+                      size_t workspace_bytes, cudaStream_t stream) {
+  constexpr const char* fn = "routing_metadata";
+  require_arg(T >= 0 && T < std::numeric_limits<int32_t>::max(), fn, "T", "must be in [0, 2^31 - 1)");
+  require_arg(E >= 1 && E <= std::numeric_limits<int32_t>::max() / 2, fn, "E", "must be in [1, 2^30]");
+  require_arg(R >= 0 && R <= std::numeric_limits<int32_t>::max(), fn, "R", "must be in [0, 2^31)");
+  require_arg(pair_token != nullptr || (K >= 1 && R == T * K), fn, "K",
+              "a top-K list (pair_token null) needs K >= 1 and R == T*K");
+  require_arg(out.expert_offsets && (R == 0 || (out.row_token && out.row_pair && out.pair_row)), fn,
+              "out", "needs expert_offsets, row_token, row_pair and pair_row");
+  require_arg(R == 0 || pair_expert, fn, "pair_expert", "must not be null");
+  const MetadataWorkspace ws(T, E);
+  require_arg(workspace && workspace_bytes >= ws.bytes, fn, "workspace",
+              "needs routing_metadata_workspace_bytes(T, E) = " + std::to_string(ws.bytes) + " bytes");
+  char* base = static_cast<char*>(workspace);
+  kernels::MetadataParams p{};
+  p.pair_expert = pair_expert;
+  p.pair_token = pair_token;
+  p.R = R;
+  p.T = T;
+  p.E = static_cast<int>(E);
+  p.K = static_cast<int>(std::max<int64_t>(K, 1));
+  p.W = static_cast<int>(ceil_div(T, 32));
+  p.bits = reinterpret_cast<uint32_t*>(base);
+  p.done_counter = reinterpret_cast<uint32_t*>(base + ws.counter_offset);
+  p.duplicate_flag = reinterpret_cast<uint32_t*>(base + ws.counter_offset + 4);
+  p.word_prefix = reinterpret_cast<int32_t*>(base + ws.prefix_offset);
+  p.expert_total = reinterpret_cast<int32_t*>(base + ws.total_offset);
+  p.expert_offsets = out.expert_offsets;
+  p.row_token = out.row_token;
+  p.row_pair = out.row_pair;
+  p.pair_row = out.pair_row;
+  p.token_offsets = out.token_offsets;
+  check_cuda(cudaMemsetAsync(base, 0, ws.counter_offset + 8, stream), "routing_metadata: memset");
+  if (out.token_offsets && R == 0)
+    check_cuda(cudaMemsetAsync(out.token_offsets, 0, (T + 1) * sizeof(int32_t), stream),
+               "routing_metadata: memset token_offsets");
+  constexpr int kThreads = 256;
+  const auto pair_blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(std::max<int64_t>(R, 1), kThreads), 1 << 16));
+  const auto place_blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(std::max(R, T + 1), kThreads), 1 << 16));
+  if (R > 0) {
+    kernels::metadata_mark<<<pair_blocks, kThreads, 0, stream>>>(p);
+    check_launch("routing_metadata: mark");
+  }
+  const int scan_threads = static_cast<int>(std::clamp<int64_t>(ceil_div(p.W, 32) * 32, 128, 512));
+  kernels::metadata_scan<<<static_cast<unsigned>(E), scan_threads, 0, stream>>>(p);
+  check_launch("routing_metadata: scan");
+  kernels::metadata_place<<<place_blocks, kThreads, 0, stream>>>(p);
+  check_launch("routing_metadata: place");
+  if (out.duplicate_flag)
+    check_cuda(cudaMemcpyAsync(out.duplicate_flag, p.duplicate_flag, 4, cudaMemcpyDeviceToDevice, stream),
+               "routing_metadata: duplicate flag");
+}
+
+void aggregate(const void* rows, DType rows_dtype, const int32_t* pair_row,
+               const int32_t* token_offsets, const float* scores, int64_t T, int64_t d, void* out,
+               DType out_dtype, cudaStream_t stream) {
+  constexpr const char* fn = "aggregate";
+  require_arg(T >= 0 && T <= std::numeric_limits<int32_t>::max(), fn, "T", "must be in [0, 2^31)");
+  require_arg(d >= 1, fn, "d", "must be >= 1, got " + std::to_string(d));
+  if (T == 0) return;
+  require_arg(token_offsets && out, fn, "token_offsets/out", "must not be null");
+  kernels::AggregateParams p{rows, pair_row, token_offsets, scores, out, T, d};
+  dispatch_dtypes(rows_dtype, out_dtype, [&](auto in_tag, auto out_tag) {
+    using TIn = decltype(in_tag);
+    using TOut = decltype(out_tag);
+    constexpr int in_elems = kernels::Vec16<TIn>::kElems;
+    constexpr bool out_fits = in_elems % kernels::Vec16<TOut>::kElems == 0;
+    const bool vec = out_fits && d % in_elems == 0 && detail::aligned16(rows) && detail::aligned16(out) &&
+                     d % kernels::Vec16<TOut>::kElems == 0;
+    const int64_t work = vec ? d / in_elems : d;
+    const int threads = static_cast<int>(std::clamp<int64_t>(ceil_div(work, 32) * 32, 32, 256));
+    if constexpr (out_fits) {
+      if (vec) {
+        kernels::aggregate_rows_vec<TIn, TOut><<<static_cast<unsigned>(T), threads, 0, stream>>>(p);
+        return;
+      }
+    }
+    kernels::aggregate_rows_scalar<TIn, TOut><<<static_cast<unsigned>(T), threads, 0, stream>>>(p);
+  });
+  check_launch(fn);
+}
+
+}  // namespace machmoe

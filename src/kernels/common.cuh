@@ -1,0 +1,86 @@
+// Small device helpers shared by the kernel families: ordered float keys, warp reductions, and
+// 16-byte vector access of bf16/fp16/fp32 rows. Header-only, CUDA only (no PyTorch).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+
+namespace machmoe::kernels {
+
+constexpr int kWarpSize = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// Maps a float to a uint32 whose unsigned order is the float order, with every NaN above +inf
+// (LAYER.md: NaN counts as the largest logit, so it is selected and propagates). 0 is below the
+// key of -inf, so 0 can mark "already taken".
+__device__ __forceinline__ uint32_t ordered_key(float v) {
+  if (v != v) return 0xffffffffu;
+  const uint32_t b = __float_as_uint(v);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// Selection key of (value, index): larger value first, then lower index. Packing both in 64 bits
+// makes "the best candidate" a plain unsigned max, which is exact and order-independent.
+__device__ __forceinline__ uint64_t selection_key(float v, int idx) {
+  return (static_cast<uint64_t>(ordered_key(v)) << 32) | (0xffffffffu - static_cast<uint32_t>(idx));
+}
+__device__ __forceinline__ int key_index(uint64_t key) {
+  return static_cast<int>(0xffffffffu - static_cast<uint32_t>(key));
+}
+
+__device__ __forceinline__ uint64_t warp_max_u64(uint64_t v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const uint64_t other = __shfl_xor_sync(kFullMask, v, o);
+    v = other > v ? other : v;
+  }
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
+  return v;
+}
+
+// Element type <-> float, for the dtypes rows and outputs may have.
+template <typename T> __device__ __forceinline__ float to_float(T v);
+template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+// A 16-byte vector of T: 8 bf16/fp16 or 4 fp32 elements, loaded and stored with one instruction.
+template <typename T>
+struct Vec16 {
+  static constexpr int kElems = 16 / sizeof(T);
+  union {
+    uint4 raw;
+    T elem[kElems];
+  };
+};
+
+template <typename T>
+__device__ __forceinline__ Vec16<T> load_vec16(const T* p) {
+  Vec16<T> v;
+  v.raw = __ldg(reinterpret_cast<const uint4*>(p));
+  return v;
+}
+
+template <typename T>
+__device__ __forceinline__ void store_vec16(T* p, const Vec16<T>& v) {
+  *reinterpret_cast<uint4*>(p) = v.raw;
+}
+
+}  // namespace machmoe::kernels

@@ -1,0 +1,208 @@
+// Kernel family 1 (SPEC §2): the top-K router. logits [T, E] fp32 -> scores [T, K] fp32 and
+// experts [T, K] int32, for the routing variants of docs/LAYER.md, and its backward
+// d_scores [T, K] -> d_logits [T, E].
+//
+// One warp per token. Selection is K rounds of a warp-wide max over 64-bit keys (value, then lower
+// index; see common.cuh); round k takes the best key strictly below round k-1's winner, so nothing
+// has to be marked as taken and ties resolve exactly as the reference does.
+#pragma once
+
+#include "kernels/common.cuh"
+
+namespace machmoe::kernels {
+
+enum RouterMethod : int { kSoftmaxTopK = 0, kTopKSoftmax = 1, kSigmoid = 2 };
+
+struct RouterParams {
+  const float* logits;          // [T, E]
+  const float* selection_bias;  // [E] or null (sigmoid only)
+  float* scores;                // [T, K]
+  int32_t* experts;             // [T, K]
+  int64_t T;
+  int E, K;
+  int method;
+  bool renormalize;
+};
+
+__device__ __forceinline__ float sigmoidf_(float v) { return 1.f / (1.f + __expf(-v)); }
+
+__device__ __forceinline__ float router_selection_value(const RouterParams& p, float logit, int e) {
+  return p.method == kSigmoid ? sigmoidf_(logit) + (p.selection_bias ? p.selection_bias[e] : 0.f) : logit;
+}
+
+// Turns the selected logits into scores. Lane k < K holds the k-th selected logit `l` (K <= 32);
+// `row_max` and `row_sum` describe the full softmax (used by top-K over softmax without
+// renormalisation only). Returns lane k's score.
+__device__ __forceinline__ float router_score(const RouterParams& p, int lane, float l, float row_max,
+                                              float row_sum) {
+  const bool mine = lane < p.K;
+  if (p.method == kSigmoid) {
+    const float s = mine ? sigmoidf_(l) : 0.f;
+    return p.renormalize ? s / warp_sum(s) : s;
+  }
+  if (p.method == kTopKSoftmax && !p.renormalize) return mine ? __expf(l - row_max) / row_sum : 0.f;
+  // softmax over the K selected logits (= renormalised top-K of the full softmax)
+  const float m = warp_max(mine ? l : -INFINITY);
+  const float e = mine ? __expf(l - m) : 0.f;
+  return e / warp_sum(e);
+}
+
+// Fast path: the row lives in registers, V values per lane (E <= 32 * V), K <= 32.
+template <int V>
+__global__ void __launch_bounds__(256) topk_router_registers(RouterParams p) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
+  if (t >= p.T) return;
+  const float* row = p.logits + t * p.E;
+  float value[V];  // selection value of expert lane + 32 j
+  float local_max = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int e = lane + kWarpSize * j;
+    const float l = e < p.E ? row[e] : -INFINITY;
+    local_max = fmaxf(local_max, l);
+    value[j] = e < p.E ? router_selection_value(p, l, e) : 0.f;
+  }
+  int my_expert = 0;
+  uint64_t prev = ~0ull;
+  for (int k = 0; k < p.K; ++k) {
+    uint64_t best = 0;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int e = lane + kWarpSize * j;
+      const uint64_t key = e < p.E ? selection_key(value[j], e) : 0;
+      if (key < prev && key > best) best = key;
+    }
+    prev = warp_max_u64(best);
+    if (lane == k) my_expert = key_index(prev);
+  }
+  const float l = lane < p.K ? row[my_expert] : 0.f;
+  float row_max = 0.f, row_sum = 1.f;
+  if (p.method == kTopKSoftmax && !p.renormalize) {
+    row_max = warp_max(local_max);
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int e = lane + kWarpSize * j;
+      if (e < p.E) s += __expf(row[e] - row_max);
+    }
+    row_sum = warp_sum(s);
+  }
+  const float score = router_score(p, lane, l, row_max, row_sum);
+  if (lane < p.K) {
+    p.scores[t * p.K + lane] = score;
+    p.experts[t * p.K + lane] = my_expert;
+  }
+}
+
+// General path: any E and K. Each round rescans the row from global memory (L1/L2 hits); the
+// selected logits are parked in `scores` and normalised in a final pass.
+__global__ void __launch_bounds__(256) topk_router_general(RouterParams p) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
+  if (t >= p.T) return;
+  const float* row = p.logits + t * p.E;
+  float* out_s = p.scores + t * p.K;
+  int32_t* out_e = p.experts + t * p.K;
+  uint64_t prev = ~0ull;
+  for (int k = 0; k < p.K; ++k) {
+    uint64_t best = 0;
+    for (int e = lane; e < p.E; e += kWarpSize) {
+      const uint64_t key = selection_key(router_selection_value(p, row[e], e), e);
+      if (key < prev && key > best) best = key;
+    }
+    prev = warp_max_u64(best);
+    if (lane == 0) {
+      out_e[k] = key_index(prev);
+      out_s[k] = row[key_index(prev)];
+    }
+  }
+  __syncwarp();
+  // Normalisation constants over the K selected logits (or the full row), then the scores.
+  float m = -INFINITY, sum = 0.f;
+  const bool full_softmax = p.method == kTopKSoftmax && !p.renormalize;
+  const float* src = full_softmax ? row : out_s;
+  const int count = full_softmax ? p.E : p.K;
+  if (p.method != kSigmoid) {
+    for (int i = lane; i < count; i += kWarpSize) m = fmaxf(m, src[i]);
+    m = warp_max(m);
+    for (int i = lane; i < count; i += kWarpSize) sum += __expf(src[i] - m);
+  } else {
+    for (int i = lane; i < p.K; i += kWarpSize) sum += sigmoidf_(out_s[i]);
+  }
+  sum = warp_sum(sum);
+  __syncwarp();
+  for (int k = lane; k < p.K; k += kWarpSize) {
+    const float l = out_s[k];
+    float s;
+    if (p.method == kSigmoid) s = p.renormalize ? sigmoidf_(l) / sum : sigmoidf_(l);
+    else s = __expf(l - m) / sum;
+    out_s[k] = s;
+  }
+}
+
+struct RouterBackwardParams {
+  const float* logits;    // [T, E]
+  const float* scores;    // [T, K] from the forward
+  const int32_t* experts; // [T, K]
+  const float* d_scores;  // [T, K]
+  float* d_logits;        // [T, E], every element written
+  int64_t T;
+  int E, K;
+  int method;
+  bool renormalize;
+};
+
+// One warp per token: writes the whole d_logits row (zeros where the Jacobian is zero), then the
+// lanes of the selected experts add their terms (distinct experts: no two lanes share a column).
+__global__ void __launch_bounds__(256) topk_router_backward(RouterBackwardParams p) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
+  if (t >= p.T) return;
+  const float* row = p.logits + t * p.E;
+  float* drow = p.d_logits + t * p.E;
+  const float* s = p.scores + t * p.K;
+  const float* g = p.d_scores + t * p.K;
+  const int32_t* ex = p.experts + t * p.K;
+  const bool full_softmax = p.method == kTopKSoftmax && !p.renormalize;
+  // Σ_k s_k g_k (softmax kinds) or, for sigmoid, the pieces of the renormalisation.
+  float dot = 0.f, sig_sum = 0.f, sig_dot = 0.f;
+  for (int k = lane; k < p.K; k += kWarpSize) {
+    dot += s[k] * g[k];
+    if (p.method == kSigmoid) {
+      const float sg = sigmoidf_(row[ex[k]]);
+      sig_sum += sg;
+      sig_dot += sg * g[k];
+    }
+  }
+  dot = warp_sum(dot);
+  sig_sum = warp_sum(sig_sum);
+  sig_dot = warp_sum(sig_dot);
+  float row_max = 0.f, row_sum = 1.f;
+  if (full_softmax) {
+    float m = -INFINITY, sum = 0.f;
+    for (int e = lane; e < p.E; e += kWarpSize) m = fmaxf(m, row[e]);
+    row_max = warp_max(m);
+    for (int e = lane; e < p.E; e += kWarpSize) sum += __expf(row[e] - row_max);
+    row_sum = warp_sum(sum);
+  }
+  for (int e = lane; e < p.E; e += kWarpSize)
+    drow[e] = full_softmax ? -(__expf(row[e] - row_max) / row_sum) * dot : 0.f;
+  __syncwarp();
+  for (int k = lane; k < p.K; k += kWarpSize) {
+    const int e = ex[k];
+    float d;
+    if (p.method == kSigmoid) {
+      const float sg = sigmoidf_(row[e]);
+      const float dsg = p.renormalize ? g[k] / sig_sum - sig_dot / (sig_sum * sig_sum) : g[k];
+      d = dsg * sg * (1.f - sg);
+    } else if (full_softmax) {
+      d = g[k] * s[k];  // added to the -p_e·dot already written
+    } else {
+      d = s[k] * (g[k] - dot);
+    }
+    drow[e] += d;
+  }
+}
+
+}  // namespace machmoe::kernels

@@ -1,0 +1,223 @@
+"""GPU tests of the routing and data-movement kernels (SPEC §2 kernels 1, 2, 5, 10) against the
+float64 CPU reference (machmoe.reference ops) and float64 PyTorch math. Integer outputs must match
+the reference exactly. Tests with "small" in their name also run under compute-sanitizer
+(scripts/gpu_check.sh)."""
+
+import pytest
+import torch
+
+from machmoe import _ops
+
+pytestmark = [pytest.mark.gpu, pytest.mark.ops]
+
+ROUTINGS = [("softmax_topk", True), ("topk_softmax", True), ("topk_softmax", False),
+            ("sigmoid", True), ("sigmoid", False)]
+
+
+def ops():
+    _ops.require_ops()
+    return torch.ops.machmoe
+
+
+def rel_err(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def tied_logits(T, E, dev):
+    # Quarter steps in a narrow range: many exact ties, so the tie rule is exercised.
+    return (torch.randint(-8, 8, (T, E), device=dev).float() / 4)
+
+
+def spread_logits(T, E, dev):
+    # Distinct values per row, far enough apart that fp32 and float64 order them alike
+    # (sigmoid keys are computed in fp32 on the GPU).
+    perm = torch.argsort(torch.rand(T, E, device=dev), dim=1).float()
+    return (perm - E / 2) * (4.0 / E) + 0.001 * torch.rand(T, E, device=dev)
+
+
+def test_small_device_self_test():
+    ops().device_self_test()
+    info = ops().device_info()
+    assert "cc=9.0" in info, info
+
+
+@pytest.mark.parametrize("routing,renorm", ROUTINGS)
+@pytest.mark.parametrize("T,E,K", [(1, 1, 1), (37, 8, 2), (300, 128, 8), (64, 256, 16),
+                                   (33, 1000, 7), (16, 4096, 16), (9, 5000, 3), (12, 64, 40)])
+def test_topk_router_matches_reference(routing, renorm, T, E, K):
+    dev = "cuda"
+    logits = spread_logits(T, E, dev) if routing == "sigmoid" else tied_logits(T, E, dev)
+    bias = (0.01 * torch.randn(E, device=dev)) if routing == "sigmoid" else None
+    scores, experts = ops().topk_router(logits, K, routing, renorm, bias)
+    ref_s, ref_e = ops().reference_topk(logits.cpu(), K, routing, renorm,
+                                        None if bias is None else bias.cpu())
+    assert torch.equal(experts.cpu(), ref_e), "selected experts differ from the reference"
+    assert rel_err(scores, ref_s) < 2e-6
+
+
+def test_small_topk_router_nan_is_selected_and_propagates():
+    logits = torch.randn(4, 16, device="cuda")
+    logits[1, 5] = float("nan")
+    scores, experts = ops().topk_router(logits, 3, "softmax_topk", True, None)
+    assert experts[1, 0].item() == 5
+    assert torch.isnan(scores[1]).all()
+    assert torch.isfinite(scores[[0, 2, 3]]).all()
+
+
+def reference_router_grad(logits, experts, d_scores, routing, renorm):
+    """d logits by float64 autograd of the score formula of docs/LAYER.md for fixed experts."""
+    l = logits.double().cpu().requires_grad_()
+    e = experts.long().cpu()
+    sel = l.gather(1, e)
+    if routing == "sigmoid":
+        s = torch.sigmoid(sel)
+        s = s / s.sum(1, keepdim=True) if renorm else s
+    elif routing == "topk_softmax" and not renorm:
+        s = torch.softmax(l, 1).gather(1, e)
+    else:
+        s = torch.softmax(sel, 1)
+    s.backward(d_scores.double().cpu())
+    return l.grad
+
+
+@pytest.mark.parametrize("routing,renorm", ROUTINGS)
+@pytest.mark.parametrize("T,E,K", [(5, 4, 1), (129, 128, 8), (40, 256, 16), (7, 3000, 5)])
+def test_topk_router_backward(routing, renorm, T, E, K):
+    logits = spread_logits(T, E, "cuda")
+    scores, experts = ops().topk_router(logits, K, routing, renorm, None)
+    d_scores = torch.randn(T, K, device="cuda")
+    d_logits = ops().topk_router_backward(logits, scores, experts, d_scores, routing, renorm)
+    ref = reference_router_grad(logits, experts, d_scores, routing, renorm)
+    assert rel_err(d_logits, ref) < 1e-5
+
+
+def general_list(T, E, max_per_token, dev):
+    """A random general routing list ordered by token, distinct experts per token, some tokens
+    with no pair and experts 0 and E-1 left empty."""
+    tok, exp = [], []
+    for t in range(T):
+        k = int(torch.randint(0, max_per_token + 1, ()).item())
+        chosen = (torch.randperm(E - 2)[:k] + 1).sort().values if E > 2 else torch.arange(0)
+        tok += [t] * len(chosen)
+        exp += chosen.tolist()
+    return (torch.tensor(tok, dtype=torch.int32, device=dev),
+            torch.tensor(exp, dtype=torch.int32, device=dev))
+
+
+def check_metadata(got, ref):
+    names = ["expert_offsets", "row_token", "row_pair", "pair_row", "token_offsets"]
+    for name, g, r in zip(names, got, ref):
+        assert torch.equal(g.cpu().long(), r.long()), f"{name} differs from the reference"
+
+
+@pytest.mark.parametrize("T,E,K", [(1, 1, 1), (13, 4, 2), (1000, 128, 8), (4099, 256, 16), (77, 5000, 3)])
+def test_routing_metadata_topk(T, E, K):
+    # K distinct experts per token; expert 0 left empty whenever E allows it.
+    lo = 1 if K <= E - 1 else 0
+    experts = (torch.argsort(torch.rand(T, E - lo, device="cuda"), dim=1)[:, :K] + lo).int().contiguous()
+    *got, dup = ops().routing_metadata(experts, None, T, E)
+    token = torch.arange(T, dtype=torch.int32).repeat_interleave(K)
+    ref = ops().reference_metadata(token, experts.flatten().cpu(), T, E)
+    check_metadata(got, ref)
+    assert dup.item() == 0
+
+
+@pytest.mark.parametrize("T,E,max_k", [(1, 3, 2), (17, 8, 3), (700, 64, 6)])
+def test_small_routing_metadata_general(T, E, max_k):
+    tok, exp = general_list(T, E, max_k, "cuda")
+    *got, dup = ops().routing_metadata(exp, tok, T, E)
+    ref = ops().reference_metadata(tok.cpu(), exp.cpu(), T, E)
+    check_metadata(got, ref)
+    assert dup.item() == 0
+
+
+def test_small_routing_metadata_bad_input_is_documented():
+    T, E = 6, 4
+    tok = torch.tensor([0, 0, 1, 2, 2, 5], dtype=torch.int32, device="cuda")
+    exp = torch.tensor([1, 9, 3, 2, 2, -1], dtype=torch.int32, device="cuda")  # 9, -1 invalid; (2,2) twice
+    offs, row_token, row_pair, pair_row, tok_offs, dup = ops().routing_metadata(exp, tok, T, E)
+    assert pair_row[1].item() == -1 and pair_row[5].item() == -1
+    assert offs[-1].item() == 4  # the 4 valid pairs only
+    assert dup.item() == 1
+
+
+def test_routing_metadata_is_deterministic_and_graph_capturable():
+    T, E, K = 4096, 128, 8
+    logits = torch.randn(T, E, device="cuda")
+    eager = None
+    g = torch.cuda.CUDAGraph()
+    static_logits = logits.clone()
+    ops().topk_router(static_logits, K, "softmax_topk", True, None)  # warm-up outside capture
+    with torch.cuda.graph(g):
+        scores, experts = ops().topk_router(static_logits, K, "softmax_topk", True, None)
+        md = ops().routing_metadata(experts, None, T, E)
+    for _ in range(2):
+        static_logits.copy_(torch.randn(T, E, device="cuda"))
+        g.replay()
+        torch.cuda.synchronize()
+        s2, e2 = ops().topk_router(static_logits, K, "softmax_topk", True, None)
+        md2 = ops().routing_metadata(e2, None, T, E)
+        assert torch.equal(scores, s2) and torch.equal(experts, e2)
+        for a, b in zip(md, md2):
+            assert torch.equal(a, b)
+        eager = md2
+    assert eager is not None
+
+
+def reference_aggregate(rows, pair_row, tok_offs, scores):
+    rows64, pr, to = rows.double().cpu(), pair_row.long().cpu(), tok_offs.long().cpu()
+    T = to.numel() - 1
+    out = torch.zeros(T, rows.shape[1], dtype=torch.float64)
+    s = None if scores is None else scores.double().cpu()
+    for t in range(T):
+        for p in range(to[t].item(), to[t + 1].item()):
+            if pr[p] >= 0:
+                out[t] += (1.0 if s is None else s[p]) * rows64[pr[p]]
+    return out
+
+
+# Output rounding bounds the error: half an ulp relative per element.
+OUT_TOL = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -10, torch.float32: 1e-6}
+
+
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_scores", [True, False])
+@pytest.mark.parametrize("T,d,max_k", [(1, 8, 1), (37, 128, 4), (64, 100, 3), (5, 4096, 9)])
+def test_aggregate(in_dtype, out_dtype, with_scores, T, d, max_k):
+    tok, exp = general_list(T, 16, max_k, "cuda")
+    _, _, _, pair_row, tok_offs, _ = ops().routing_metadata(exp, tok, T, 16)
+    R = tok.numel()
+    rows = torch.randn(R, d, device="cuda").to(in_dtype)
+    scores = torch.rand(R, device="cuda") if with_scores else None
+    out = ops().aggregate(rows, pair_row, tok_offs, scores, out_dtype)
+    assert out.dtype == out_dtype and out.shape == (T, d)
+    ref = reference_aggregate(rows, pair_row, tok_offs, scores)
+    if ref.norm() == 0:
+        assert out.abs().max().item() == 0
+    else:
+        assert rel_err(out, ref) < OUT_TOL[out_dtype]
+
+
+def test_small_aggregate_small_values_and_empty_tokens():
+    # A tensor of magnitude 1e-5 is checked on its own scale, and tokens with no pairs give zeros.
+    T, d = 9, 64
+    tok = torch.tensor([0, 0, 3, 3, 3, 8], dtype=torch.int32, device="cuda")
+    exp = torch.tensor([0, 1, 0, 1, 2, 3], dtype=torch.int32, device="cuda")
+    _, _, _, pair_row, tok_offs, _ = ops().routing_metadata(exp, tok, T, 4)
+    rows = (1e-5 * torch.randn(6, d, device="cuda")).float()
+    out = ops().aggregate(rows, pair_row, tok_offs, None, torch.float32)
+    ref = reference_aggregate(rows, pair_row, tok_offs, None)
+    assert rel_err(out, ref) < 1e-6
+    assert out[[1, 2, 4, 5, 6, 7]].abs().max().item() == 0
+
+
+def test_small_aggregate_comparison_can_fail():
+    rows = torch.randn(4, 16, device="cuda")
+    tok_offs = torch.tensor([0, 2, 4], dtype=torch.int32, device="cuda")
+    pair_row = torch.arange(4, dtype=torch.int32, device="cuda")
+    out = ops().aggregate(rows, pair_row, tok_offs, None, torch.float32)
+    ref = reference_aggregate(rows, pair_row, tok_offs, None)
+    ref[1, 3] += 1e-3 * ref.norm()
+    assert rel_err(out, ref) > OUT_TOL[torch.float32]
