@@ -112,6 +112,33 @@ void routing_metadata(const int32_t* pair_expert, const int32_t* pair_token, int
                       int64_t T, int64_t E, const RoutingMetadataOutputs& out, void* workspace,
                       size_t workspace_bytes, cudaStream_t stream);
 
+// 3. token rounding (training only; docs/LAYER.md): softmax_topk routing of logits [T, E] fp32,
+// then each expert's row count moved to a multiple of tile_m (mode Nearest/Up/Down/Stochastic),
+// emitted as a general routing list ordered by token, then expert. The list has R rows, R =
+// token_offsets[T] on the device (no host sync), R <= token_rounding_capacity(...); rows past R
+// are not written. K <= 32.
+struct TokenRoundingOutputs {
+  float* topk_scores = nullptr;      // [T, K] the plain top-K routing (kept for the backward)
+  int32_t* topk_experts = nullptr;   // [T, K]
+  int32_t* token = nullptr;          // [capacity]
+  int32_t* expert = nullptr;         // [capacity]
+  float* score = nullptr;            // [capacity] top-K score, or P[t, e] for a padded pair
+  uint8_t* padded = nullptr;         // [capacity] 1 = added by rounding
+  int32_t* token_offsets = nullptr;  // [T+1]
+  int32_t* count_topk = nullptr;     // [E+1] expert offsets of the top-K list (f_e = diff)
+  int32_t* count_rounded = nullptr;  // [E] r_e
+};
+int64_t token_rounding_capacity(int64_t T, int64_t E, int64_t K, int64_t tile_m);
+size_t token_rounding_workspace_bytes(int64_t T, int64_t E, int64_t K);
+void token_rounding(const float* logits, int64_t T, int64_t E, int64_t K, TokenRounding mode,
+                    int64_t tile_m, uint64_t seed, const TokenRoundingOutputs& out, void* workspace,
+                    size_t workspace_bytes, cudaStream_t stream);
+// d_score [capacity] of the list (rows past R ignored) -> d_logits [T, E] (every element written).
+void token_rounding_backward(const float* logits, const float* topk_scores,
+                             const int32_t* topk_experts, const int32_t* token_offsets,
+                             const int32_t* expert, const uint8_t* padded, const float* d_score,
+                             int64_t T, int64_t E, int64_t K, float* d_logits, cudaStream_t stream);
+
 // 5/10. aggregation: out[t] = Σ_{p in [token_offsets[t], token_offsets[t+1])} (scores[p] or 1) ·
 // rows[pair_row[p]]; rows [R, d], out [T, d], fp32 accumulation; scores null for the dX
 // aggregation. Rows and out may each be bf16, fp16 or fp32.

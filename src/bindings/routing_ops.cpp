@@ -134,6 +134,72 @@ Tensor op_aggregate(const Tensor& rows, const Tensor& pair_row, const Tensor& to
   });
 }
 
+using RoundingResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+// The rounded list is returned at its capacity; its length R is token_offsets[T] (on the device).
+RoundingResult op_token_rounding(const Tensor& logits, int64_t K, const std::string& mode, int64_t tile_m,
+                                 int64_t seed) {
+  return translate_errors([&] {
+    check_cuda_tensor(logits, "logits", at::kFloat);
+    check_dims(logits, "logits", 2);
+    const int64_t T = logits.size(0), E = logits.size(1);
+    TORCH_CHECK_VALUE(K >= 1 && K <= E, "K must be in [1, E=", E, "], got ", K);
+    TORCH_CHECK_VALUE(tile_m >= 1, "tile_m must be >= 1, got ", tile_m);
+    const c10::cuda::CUDAGuard guard(logits.device());
+    const int64_t cap = token_rounding_capacity(T, E, K, tile_m);
+    const auto f32 = logits.options(), i32 = logits.options().dtype(at::kInt);
+    Tensor topk_scores = at::empty({T, K}, f32), topk_experts = at::empty({T, K}, i32),
+           token = at::empty({cap}, i32), expert = at::empty({cap}, i32), score = at::empty({cap}, f32),
+           padded = at::empty({cap}, logits.options().dtype(at::kBool)), token_offsets = at::empty({T + 1}, i32),
+           count_topk = at::empty({E + 1}, i32), count_rounded = at::empty({E}, i32);
+    const size_t ws_bytes = token_rounding_workspace_bytes(T, E, K);
+    Tensor ws = at::empty({static_cast<int64_t>(ws_bytes)}, logits.options().dtype(at::kByte));
+    TokenRoundingOutputs out;
+    out.topk_scores = topk_scores.data_ptr<float>();
+    out.topk_experts = topk_experts.data_ptr<int32_t>();
+    out.token = token.data_ptr<int32_t>();
+    out.expert = expert.data_ptr<int32_t>();
+    out.score = score.data_ptr<float>();
+    out.padded = reinterpret_cast<uint8_t*>(padded.data_ptr<bool>());
+    out.token_offsets = token_offsets.data_ptr<int32_t>();
+    out.count_topk = count_topk.data_ptr<int32_t>();
+    out.count_rounded = count_rounded.data_ptr<int32_t>();
+    token_rounding(logits.data_ptr<float>(), T, E, K, parse_token_rounding(mode), tile_m,
+                   static_cast<uint64_t>(seed), out, ws.data_ptr(), ws_bytes, at::cuda::getCurrentCUDAStream());
+    return RoundingResult(token, expert, score, padded, token_offsets, topk_scores, topk_experts, count_topk,
+                          count_rounded);
+  });
+}
+
+Tensor op_token_rounding_backward(const Tensor& logits, const Tensor& topk_scores, const Tensor& topk_experts,
+                                  const Tensor& token_offsets, const Tensor& expert, const Tensor& padded,
+                                  const Tensor& d_score) {
+  return translate_errors([&] {
+    check_cuda_tensor(logits, "logits", at::kFloat);
+    check_dims(logits, "logits", 2);
+    const int64_t T = logits.size(0), E = logits.size(1);
+    check_dims(topk_scores, "topk_scores", 2);
+    const int64_t K = topk_scores.size(1);
+    check_cuda_tensor(topk_scores, "topk_scores", at::kFloat);
+    check_cuda_tensor(topk_experts, "topk_experts", at::kInt);
+    check_shape(topk_experts, "topk_experts", {T, K});
+    check_cuda_tensor(token_offsets, "token_offsets", at::kInt);
+    check_shape(token_offsets, "token_offsets", {T + 1});
+    check_cuda_tensor(expert, "expert", at::kInt);
+    check_cuda_tensor(padded, "padded", at::kBool);
+    check_cuda_tensor(d_score, "d_score", at::kFloat);
+    check_shape(padded, "padded", expert.sizes());
+    check_shape(d_score, "d_score", expert.sizes());
+    const c10::cuda::CUDAGuard guard(logits.device());
+    Tensor d_logits = at::empty({T, E}, logits.options());
+    token_rounding_backward(logits.data_ptr<float>(), topk_scores.data_ptr<float>(), topk_experts.data_ptr<int32_t>(),
+                            token_offsets.data_ptr<int32_t>(), expert.data_ptr<int32_t>(),
+                            reinterpret_cast<const uint8_t*>(padded.data_ptr<bool>()), d_score.data_ptr<float>(),
+                            T, E, K, d_logits.data_ptr<float>(), at::cuda::getCurrentCUDAStream());
+    return d_logits;
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(machmoe, m) {
@@ -145,6 +211,10 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
         " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("aggregate(Tensor rows, Tensor pair_row, Tensor token_offsets, Tensor? scores,"
         " ScalarType? out_dtype) -> Tensor");
+  m.def("token_rounding(Tensor logits, int K, str mode, int tile_m, int seed)"
+        " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("token_rounding_backward(Tensor logits, Tensor topk_scores, Tensor topk_experts,"
+        " Tensor token_offsets, Tensor expert, Tensor padded, Tensor d_score) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {
@@ -152,6 +222,8 @@ TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {
   m.impl("topk_router_backward", &op_topk_router_backward);
   m.impl("routing_metadata", &op_routing_metadata);
   m.impl("aggregate", &op_aggregate);
+  m.impl("token_rounding", &op_token_rounding);
+  m.impl("token_rounding_backward", &op_token_rounding_backward);
 }
 
 }  // namespace machmoe::bindings

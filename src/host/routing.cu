@@ -6,6 +6,7 @@
 #include <string>
 
 #include "host/check.hpp"
+#include "host/routing_internal.hpp"
 #include "kernels/aggregate.cuh"
 #include "kernels/routing_metadata.cuh"
 #include "kernels/topk_router.cuh"
@@ -67,21 +68,6 @@ void dispatch_dtypes(DType in, DType out, F&& launch) {
   throw Error(ErrorCode::InvalidArgument, "aggregate: rows_dtype out of range");
 }
 
-// Workspace of routing_metadata: bit matrix + done counter (zeroed by one memset), then the
-// per-word prefix and per-expert totals.
-struct MetadataWorkspace {
-  size_t bits_bytes, counter_offset, prefix_offset, total_offset, bytes;
-  MetadataWorkspace(int64_t T, int64_t E) {
-    const size_t words = static_cast<size_t>(E) * static_cast<size_t>(ceil_div(T, 32));
-    auto align = [](size_t v) { return (v + 255) / 256 * 256; };
-    bits_bytes = words * 4;
-    counter_offset = bits_bytes;
-    prefix_offset = align(counter_offset + 8);
-    total_offset = prefix_offset + align(words * 4);
-    bytes = total_offset + align(static_cast<size_t>(E) * 4);
-  }
-};
-
 }  // namespace
 
 void topk_router(const float* logits, int64_t T, int64_t E, int64_t K, RoutingMethod method,
@@ -131,7 +117,7 @@ void topk_router_backward(const float* logits, const float* scores, const int32_
 size_t routing_metadata_workspace_bytes(int64_t T, int64_t E) {
   require_arg(T >= 0, "routing_metadata_workspace_bytes", "T", "must be >= 0");
   require_arg(E >= 1, "routing_metadata_workspace_bytes", "E", "must be >= 1");
-  return MetadataWorkspace(T, E).bytes;
+  return detail::MetadataWorkspace(T, E).bytes;
 }
 
 void routing_metadata(const int32_t* pair_expert, const int32_t* pair_token, int64_t R, int64_t K,
@@ -146,7 +132,7 @@ void routing_metadata(const int32_t* pair_expert, const int32_t* pair_token, int
   require_arg(out.expert_offsets && (R == 0 || (out.row_token && out.row_pair && out.pair_row)), fn,
               "out", "needs expert_offsets, row_token, row_pair and pair_row");
   require_arg(R == 0 || pair_expert, fn, "pair_expert", "must not be null");
-  const MetadataWorkspace ws(T, E);
+  const detail::MetadataWorkspace ws(T, E);
   require_arg(workspace && workspace_bytes >= ws.bytes, fn, "workspace",
               "needs routing_metadata_workspace_bytes(T, E) = " + std::to_string(ws.bytes) + " bytes");
   char* base = static_cast<char*>(workspace);

@@ -50,6 +50,35 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// Exclusive block-wide prefix sum of one int per thread (blockDim.x a multiple of 32, <= 1024).
+// Returns the exclusive prefix; *total receives the block's sum.
+__device__ __forceinline__ int block_exclusive_scan(int v, int* smem /*[32]*/, int* total) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  int incl = v;
+#pragma unroll
+  for (int o = 1; o < kWarpSize; o <<= 1) {
+    const int other = __shfl_up_sync(kFullMask, incl, o);
+    if (lane >= o) incl += other;
+  }
+  if (lane == kWarpSize - 1) smem[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    const int nw = blockDim.x / kWarpSize;
+    int w = lane < nw ? smem[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < kWarpSize; o <<= 1) {
+      const int other = __shfl_up_sync(kFullMask, w, o);
+      if (lane >= o) w += other;
+    }
+    if (lane < nw) smem[lane] = w;  // inclusive prefix of warp sums
+  }
+  __syncthreads();
+  const int warp_base = warp > 0 ? smem[warp - 1] : 0;
+  *total = smem[blockDim.x / kWarpSize - 1];
+  __syncthreads();  // smem may be reused by the caller's next scan
+  return warp_base + incl - v;
+}
+
 // Element type <-> float, for the dtypes rows and outputs may have.
 template <typename T> __device__ __forceinline__ float to_float(T v);
 template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }

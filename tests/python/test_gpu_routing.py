@@ -221,3 +221,64 @@ def test_small_aggregate_comparison_can_fail():
     ref = reference_aggregate(rows, pair_row, tok_offs, None)
     ref[1, 3] += 1e-3 * ref.norm()
     assert rel_err(out, ref) > OUT_TOL[torch.float32]
+
+
+def run_rounding(logits, K, mode, M, seed):
+    (token, expert, score, padded, tok_offs, topk_s, topk_e, count_topk,
+     count_rounded) = ops().token_rounding(logits, K, mode, M, seed)
+    R = int(tok_offs[-1].item())  # host read: a test, not the hot path
+    return dict(token=token[:R], expert=expert[:R], score=score[:R], padded=padded[:R],
+                tok_offs=tok_offs, topk_s=topk_s, topk_e=topk_e, count_topk=count_topk,
+                count_rounded=count_rounded, full=(token, expert, padded))
+
+
+@pytest.mark.parametrize("mode", ["nr", "up", "down", "stochastic"])
+@pytest.mark.parametrize("T,E,K,M", [(1, 4, 1, 2), (13, 8, 2, 3), (200, 16, 4, 8), (1000, 64, 8, 16),
+                                     (4096, 128, 8, 128)])
+def test_token_rounding_matches_reference(mode, T, E, K, M):
+    logits = torch.randn(T, E, device="cuda")
+    seed = int(torch.randint(0, 2**31, ()).item())
+    got = run_rounding(logits, K, mode, M, seed)
+    ref_tok, ref_exp, ref_score, ref_pad = ops().reference_token_rounding(logits.cpu(), K, mode, M, seed)
+    assert torch.equal(got["token"].cpu(), ref_tok), "rounded token list differs from the reference"
+    assert torch.equal(got["expert"].cpu(), ref_exp), "rounded expert list differs from the reference"
+    assert torch.equal(got["padded"].cpu(), ref_pad)
+    assert rel_err(got["score"], ref_score) < 1e-5
+    f = torch.diff(got["count_topk"].long()).cpu()
+    r = got["count_rounded"].long().cpu()
+    assert torch.equal(torch.bincount(ref_exp.long(), minlength=E), r)
+    assert ((r % M == 0) | (r == T)).all() and ((r - f).abs() < M).all()
+
+
+def test_small_token_rounding_backward():
+    T, E, K, M = 40, 8, 2, 4
+    logits = torch.randn(T, E, device="cuda")
+    got = run_rounding(logits, K, "nr", M, 0)
+    token, expert, padded = got["full"]
+    d_score = torch.randn(token.numel(), device="cuda")
+    d_logits = ops().token_rounding_backward(logits, got["topk_s"], got["topk_e"], got["tok_offs"],
+                                             expert, padded, d_score)
+    # float64 autograd of the score definition (docs/LAYER.md step 4) for the fixed selection.
+    R = got["token"].numel()
+    l = logits.double().cpu().requires_grad_()
+    topk_e = got["topk_e"].long().cpu()
+    sel = torch.softmax(l.gather(1, topk_e), 1)
+    P = torch.softmax(l, 1)
+    scores = []
+    for t, e, pad in zip(got["token"].tolist(), got["expert"].tolist(), got["padded"].tolist()):
+        scores.append(P[t, e] if pad else sel[t, (topk_e[t] == e).nonzero()[0, 0]])
+    torch.stack(scores).backward(d_score[:R].double().cpu())
+    assert rel_err(d_logits, l.grad) < 1e-5
+
+
+def test_token_rounding_removes_padding_rows():
+    # The share of padding rows a tile-M grouped GEMM would waste, before and after rounding.
+    T, E, K, M = 16384, 128, 2, 128
+    logits = torch.randn(T, E, device="cuda")
+    got = run_rounding(logits, K, "nr", M, 0)
+    f = torch.diff(got["count_topk"].long())
+    r = got["count_rounded"].long()
+    pad_before = ((f + M - 1) // M * M - f).sum().item()
+    pad_after = ((r + M - 1) // M * M - r).sum().item()
+    print(f"padding rows: top-K {pad_before} of {T * K}, rounded {pad_after}")
+    assert pad_after == 0
