@@ -1,0 +1,274 @@
+// Tests of the public host API (include/machmoe/machmoe.hpp, types.hpp) that need no GPU:
+// problem validation, workspace planning, the NotBuilt refusals, and the name parsers.
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "machmoe/machmoe.hpp"
+#include "test_util.hpp"
+
+namespace {
+
+using namespace machmoe;
+
+LayerProblem valid_problem() {
+  LayerProblem p;
+  p.T = 256, p.d = 128, p.n = 64, p.E = 8, p.K = 2;
+  return p;
+}
+
+// validate must throw InvalidArgument whose message names `field` (any of `names`).
+void expect_invalid(const LayerProblem& p, const std::vector<std::string>& names,
+                    const std::string& what) {
+  const std::string msg = mtest::expect_error(
+      ErrorCode::InvalidArgument, [&] { validate(p); }, what);
+  if (msg.empty()) return;
+  bool named = false;
+  for (const auto& n : names)
+    named =
+        named || mtest::contains_word(msg, n) || (n.size() > 1 && msg.find(n) != std::string::npos);
+  EXPECT_TRUE(named) << what << ": message does not name the field: \"" << msg << "\"";
+}
+
+TEST(Validate, AcceptsValidProblems) {
+  LayerProblem p = valid_problem();
+  EXPECT_NO_THROW(validate(p));
+  p.T = 0;  // zero tokens is allowed
+  EXPECT_NO_THROW(validate(p));
+  p = valid_problem();
+  p.K = p.E;  // K = E
+  EXPECT_NO_THROW(validate(p));
+  p.K = 1;
+  EXPECT_NO_THROW(validate(p));
+  for (int a = 0; a < kNumActivations; ++a) {
+    p = valid_problem();
+    p.activation = Activation(a);
+    p.layout = GateUpLayout::Concatenated;
+    p.has_bias = true;
+    EXPECT_NO_THROW(validate(p)) << to_string(Activation(a));
+  }
+  for (RoutingMethod m :
+       {RoutingMethod::SoftmaxTopK, RoutingMethod::TopKSoftmax, RoutingMethod::Sigmoid})
+    for (bool renorm : {false, true}) {
+      p = valid_problem();
+      p.routing = m, p.renormalize = renorm;
+      EXPECT_NO_THROW(validate(p)) << to_string(m);
+    }
+  for (TokenRounding r : {TokenRounding::Nearest, TokenRounding::Up, TokenRounding::Down,
+                          TokenRounding::Stochastic}) {
+    p = valid_problem();
+    p.rounding = r;
+    EXPECT_NO_THROW(validate(p)) << to_string(r);
+    p.rounding_tile_m = 1;
+    EXPECT_NO_THROW(validate(p)) << to_string(r) << " tile_m=1";
+  }
+}
+
+TEST(Validate, RejectsEachBadField) {
+  LayerProblem p = valid_problem();
+  p.T = -1;
+  expect_invalid(p, {"T"}, "T < 0");
+  for (int64_t v : {0, -64}) {
+    p = valid_problem(), p.d = v;
+    expect_invalid(p, {"d"}, "d <= 0");
+    p = valid_problem(), p.n = v;
+    expect_invalid(p, {"n"}, "n <= 0");
+    p = valid_problem(), p.E = v;
+    expect_invalid(p, {"E"}, "E <= 0");
+  }
+  p = valid_problem(), p.K = 0;
+  expect_invalid(p, {"K"}, "K < 1");
+  p = valid_problem(), p.K = -3;
+  expect_invalid(p, {"K"}, "K < 1");
+  p = valid_problem(), p.K = p.E + 1;
+  expect_invalid(p, {"K"}, "K > E");
+  p = valid_problem(), p.E = 1, p.K = 2;
+  expect_invalid(p, {"K"}, "K > E (E = 1)");
+  for (int64_t m : {0, -128}) {
+    p = valid_problem(), p.rounding = TokenRounding::Nearest, p.rounding_tile_m = m;
+    expect_invalid(p, {"rounding_tile_m", "tile_m"}, "rounding_tile_m < 1");
+  }
+  for (RoutingMethod m : {RoutingMethod::TopKSoftmax, RoutingMethod::Sigmoid})
+    for (TokenRounding r : {TokenRounding::Nearest, TokenRounding::Up, TokenRounding::Down,
+                            TokenRounding::Stochastic}) {
+      p = valid_problem(), p.routing = m, p.rounding = r;
+      expect_invalid(p, {"rounding", "routing"},
+                     std::string("token rounding with ") + to_string(m));
+    }
+}
+
+// ---------------------------------------------------------------- workspace planning
+size_t saved_minimum(const LayerProblem& p) {  // H [R, n1] bf16 + fp32 scores [R], R = T*K
+  const size_t n1 = is_glu(p.activation) ? 2 * p.n : p.n;
+  const size_t R = size_t(p.T) * size_t(p.K);
+  return 2 * R * n1 + 4 * R;
+}
+
+TEST(PlanWorkspace, SavedCoversHAndScoresAndIsMonotoneInT) {
+  for (int a = 0; a < kNumActivations; ++a)
+    for (RoutingMethod m :
+         {RoutingMethod::SoftmaxTopK, RoutingMethod::TopKSoftmax, RoutingMethod::Sigmoid}) {
+      LayerProblem p = valid_problem();
+      p.activation = Activation(a), p.routing = m;
+      SCOPED_TRACE(std::string(to_string(p.activation)) + " " + to_string(m));
+      size_t prev = 0;
+      for (int64_t T : {0, 1, 2, 3, 7, 64, 100, 127, 128, 129, 1000, 4096, 40960}) {
+        p.T = T;
+        const WorkspacePlan w = plan_workspace(p);
+        EXPECT_GE(w.saved_bytes, saved_minimum(p)) << "T=" << T;
+        EXPECT_GE(w.saved_bytes, prev) << "saved_bytes decreased at T=" << T;
+        prev = w.saved_bytes;
+      }
+    }
+}
+
+TEST(PlanWorkspace, LargeProblemsUse64BitSizes) {
+  LayerProblem p = valid_problem();  // T*K*n1 far above 2^31
+  p.T = 1 << 20, p.d = 4096, p.n = 2048, p.E = 256, p.K = 16;
+  const WorkspacePlan w = plan_workspace(p);
+  EXPECT_GE(w.saved_bytes, saved_minimum(p));
+  EXPECT_GT(w.saved_bytes, size_t(1) << 32);
+}
+
+// Token rounding can route more pairs than T*K: the saved buffer must hold the worst case.
+TEST(PlanWorkspace, TokenRoundingCoversMoreRowsThanTK) {
+  LayerProblem p = valid_problem();
+  p.activation = Activation::SwiGLU;
+  const size_t n1 = 2 * p.n;
+  // Up, T = E = 4, K = 1, M = 128: one token per expert rounds up to all 4 tokens: R = T*E = 16.
+  p.T = 4, p.E = 4, p.K = 1, p.rounding = TokenRounding::Up, p.rounding_tile_m = 128;
+  EXPECT_GE(plan_workspace(p).saved_bytes, 16 * (2 * n1 + 4)) << "up";
+  p.rounding = TokenRounding::Stochastic;  // may round up like `up`
+  EXPECT_GE(plan_workspace(p).saved_bytes, 16 * (2 * n1 + 4)) << "stochastic";
+  // Nearest, T = 256, E = 4, K = 1, M = 128: 64 tokens per expert round to 128: R = 512 = 2*T*K.
+  p.T = 256, p.rounding = TokenRounding::Nearest;
+  EXPECT_GE(plan_workspace(p).saved_bytes, 512 * (2 * n1 + 4)) << "nearest";
+}
+
+TEST(PlanWorkspace, RejectsInvalidProblems) {
+  LayerProblem p = valid_problem();
+  p.K = p.E + 1;
+  mtest::expect_error(
+      ErrorCode::InvalidArgument, [&] { plan_workspace(p); }, "plan_workspace K > E");
+  p = valid_problem(), p.d = 0;
+  mtest::expect_error(
+      ErrorCode::InvalidArgument, [&] { plan_workspace(p); }, "plan_workspace d = 0");
+}
+
+// ---------------------------------------------------------------- NotBuilt refusals
+// Every GPU entry point, called with the pointers `ptr` (all of them) and a null stream.
+std::vector<std::pair<const char*, std::function<void()>>> gpu_calls(void* ptr) {
+  const LayerProblem p = valid_problem();
+  const cudaStream_t s = nullptr;
+  LayerForwardArgs fa;
+  fa.x = fa.router_weight = fa.w1 = fa.b1 = fa.w2 = fa.b2 = ptr;
+  fa.selection_bias = static_cast<const float*>(ptr);
+  fa.out = fa.saved = fa.workspace = ptr;
+  fa.aux_loss = static_cast<float*>(ptr);
+  LayerBackwardArgs ba;
+  ba.x = ba.router_weight = ba.w1 = ba.b1 = ba.w2 = ba.b2 = ba.saved = ba.dout = ptr;
+  ba.dx = ba.d_router_weight = ba.dw1 = ba.db1 = ba.dw2 = ba.db2 = ba.workspace = ptr;
+  ba.d_aux = 1.f;
+  auto* f = static_cast<float*>(ptr);
+  auto* i = static_cast<int32_t*>(ptr);
+  RoutingMetadataOutputs mo{i, i, i, i, i, i};
+  return {
+      {"layer_forward", [=] { layer_forward(p, fa, s); }},
+      {"layer_backward", [=] { layer_backward(p, ba, s); }},
+      {"topk_router",
+       [=] { topk_router(f, 16, 8, 2, RoutingMethod::SoftmaxTopK, true, nullptr, f, i, s); }},
+      {"topk_router_backward",
+       [=] { topk_router_backward(f, f, i, f, 16, 8, 2, RoutingMethod::SoftmaxTopK, true, f, s); }},
+      {"routing_metadata", [=] { routing_metadata(i, i, 32, 2, 16, 8, mo, ptr, 1 << 16, s); }},
+      {"aggregate", [=] { aggregate(ptr, DType::BF16, i, i, f, 16, 64, ptr, DType::BF16, s); }},
+  };
+}
+
+TEST(NotBuilt, LayerEntryPointsThrowNotBuilt) {
+  if (layer_kernels_available())
+    GTEST_SKIP() << "the layer kernels are built; GPU tests cover them";
+  // Non-null pointers (into a host buffer that nothing may touch): only NotBuilt is left to say.
+  // The kernel families (topk_router, ...) exist without the layer kernels: GPU tests cover them.
+  std::vector<uint64_t> buf(1 << 17, 0x5555555555555555ull);
+  for (auto& [name, call] : gpu_calls(buf.data()))
+    if (std::string(name).rfind("layer_", 0) == 0)
+      mtest::expect_error(ErrorCode::NotBuilt, call, name);
+}
+
+// Null pointers are refused on the host, before any CUDA call (this machine may have no GPU).
+TEST(NotBuilt, NullPointersAreRefusedWithoutACrash) {
+  for (auto& [name, call] : gpu_calls(nullptr)) {
+    try {
+      call();
+      ADD_FAILURE() << name << ": did not throw";
+    } catch (const Error& e) {
+      EXPECT_TRUE(e.code() == ErrorCode::NotBuilt || e.code() == ErrorCode::InvalidArgument)
+          << name << ": code " << int(e.code()) << ": " << e.what();
+    }
+  }
+}
+
+// ---------------------------------------------------------------- names
+template <class Enum, class Parse>
+void check_names(const std::vector<std::pair<Enum, std::string>>& names, Parse parse,
+                 const char* what) {
+  for (const auto& [v, name] : names) {
+    EXPECT_EQ(to_string(v), name) << what;
+    EXPECT_EQ(parse(name), v) << what << " " << name;
+    EXPECT_EQ(parse(to_string(v)), v) << what << " round trip";
+  }
+  for (const std::string bad : {"", "bogus", "swiglu2", "NR-"}) {
+    bool known = false;
+    for (const auto& nv : names) known = known || nv.second == bad;
+    if (known) continue;
+    const std::string msg = mtest::expect_error(
+        ErrorCode::InvalidArgument, [&] { parse(bad); }, std::string(what) + " \"" + bad + "\"");
+    for (const auto& nv : names)
+      EXPECT_TRUE(mtest::contains_word(msg, nv.second))
+          << what << ": message does not list \"" << nv.second << "\": " << msg;
+  }
+}
+
+TEST(Names, ParseRoundTripsAndRejectsBadNames) {
+  check_names<Activation>(
+      {{Activation::SwiGLU, "swiglu"},
+       {Activation::GeGLU, "geglu"},
+       {Activation::ReGLU, "reglu"},
+       {Activation::ReLU2, "relu2"},
+       {Activation::ReLU, "relu"},
+       {Activation::GELU, "gelu"},
+       {Activation::SiLU, "silu"}},
+      [](std::string_view s) { return parse_activation(s); }, "activation");
+  check_names<GateUpLayout>(
+      {{GateUpLayout::Interleaved, "interleaved"}, {GateUpLayout::Concatenated, "concatenated"}},
+      [](std::string_view s) { return parse_layout(s); }, "layout");
+  check_names<RoutingMethod>(
+      {{RoutingMethod::SoftmaxTopK, "softmax_topk"},
+       {RoutingMethod::TopKSoftmax, "topk_softmax"},
+       {RoutingMethod::Sigmoid, "sigmoid"}},
+      [](std::string_view s) { return parse_routing(s); }, "routing");
+  check_names<TokenRounding>(
+      {{TokenRounding::None, "none"},
+       {TokenRounding::Nearest, "nr"},
+       {TokenRounding::Up, "up"},
+       {TokenRounding::Down, "down"},
+       {TokenRounding::Stochastic, "stochastic"}},
+      [](std::string_view s) { return parse_token_rounding(s); }, "token rounding");
+  // DType names: distinct and non-empty.
+  const std::string a = to_string(DType::BF16), b = to_string(DType::FP16),
+                    c = to_string(DType::FP32);
+  EXPECT_FALSE(a.empty() || b.empty() || c.empty());
+  EXPECT_TRUE(a != b && b != c && a != c);
+  EXPECT_EQ(dtype_size(DType::BF16), 2);
+  EXPECT_EQ(dtype_size(DType::FP32), 4);
+}
+
+TEST(Names, GluKinds) {
+  EXPECT_TRUE(is_glu(Activation::SwiGLU) && is_glu(Activation::GeGLU) && is_glu(Activation::ReGLU));
+  EXPECT_FALSE(is_glu(Activation::ReLU2) || is_glu(Activation::ReLU) || is_glu(Activation::GELU) ||
+               is_glu(Activation::SiLU));
+}
+
+}  // namespace
