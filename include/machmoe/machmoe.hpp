@@ -146,6 +146,33 @@ void aggregate(const void* rows, DType rows_dtype, const int32_t* pair_row,
                const int32_t* token_offsets, const float* scores, int64_t T, int64_t d, void* out,
                DType out_dtype, cudaStream_t stream);
 
+// 3/4. the sm_90a grouped GEMM engine: for every expert e with rows [off[e], off[e+1]),
+//   C[r] = epilogue(A[row(r)] · W[e]ᵀ),  row(r) = gather[r] (gathered rows) or r (contiguous),
+// A bf16 rows (lda elements apart), W [E, N, K] bf16 (nn.Linear layout, K contiguous).
+// Epilogues: Store (C = acc + bias), GLU (C = H [R, N = 2n], C2 = act(gate)·up [R, n], gate/up
+// per `layout`), Activation (C = H [R, N], C2 = act(H)). Needs K, N, lda, ldc, ldc2 multiples of 8
+// and 16-byte aligned pointers. R = off[E] is read on the device only: no host sync.
+enum class GemmEpilogue : int32_t { Store = 0, GLU = 1, Activation = 2 };
+struct GroupedGemmArgs {
+  const void* a = nullptr;
+  int64_t lda = 0;
+  const int32_t* gather = nullptr;          // [R] or null
+  const int32_t* expert_offsets = nullptr;  // [E+1] device
+  int64_t E = 0, N = 0, K = 0;
+  const void* w = nullptr;                  // [E, N, K]
+  const void* bias = nullptr;               // [E, N] or null
+  void* c = nullptr;
+  int64_t ldc = 0;
+  void* c2 = nullptr;
+  int64_t ldc2 = 0;
+  GemmEpilogue epilogue = GemmEpilogue::Store;
+  Activation activation = Activation::SwiGLU;
+  GateUpLayout layout = GateUpLayout::Interleaved;
+  int32_t* tile_offsets = nullptr;          // workspace [E+1] int32 (device)
+  int max_ctas = 0;                         // 0: one persistent CTA per SM
+};
+void grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
+
 // True when this build carries the sm_90a kernels of the layer (false until issue #4 lands).
 bool layer_kernels_available();
 
