@@ -1,0 +1,353 @@
+"""The `torch` backend: docs/LAYER.md written in plain, autograd-differentiable PyTorch.
+
+It runs on the CPU and on GPUs, in any float dtype, and is the independent float64 check of the
+C++ CPU reference (tests/python/test_reference_matrix.py). It is written from LAYER.md alone.
+
+Precision: the expert GEMMs and activations run in the input dtype. Routing math (router GEMM,
+sigmoid, softmax, scores, aux loss) and the weighted sum over a token's experts run in the
+"routing dtype": float32 for half inputs, float64 for float64 inputs. The router GEMM is part of
+routing on purpose: rounding logits to bf16 would let the rounding decide which expert a token
+gets, which no fp32-accumulating kernel does.
+
+Arguments are assumed valid; `machmoe.functional` validates them before calling in here.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from .enums import (
+    ActivationType,
+    GateUpLayout,
+    RoutingMethod,
+    TokenRounding,
+    is_glu,
+    parse_enum,
+)
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15
+
+
+def routing_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half inputs, float64 for float64: the dtype of logits, scores and aux."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+# ---------------------------------------------------------------- exact ordering
+
+
+def _descending_order(keys: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Indices sorting `keys` in descending order along `dim`, as LAYER.md compares: NaN above
+    every number (+inf included), equal keys in ascending index order. Two stable sorts make the
+    order lexicographic in (is NaN, value, index); nothing relies on how torch.sort treats NaN.
+    """
+    keys = keys.detach()
+    nan = torch.isnan(keys)
+    # `+ 0.0` turns -0.0 into +0.0, so that a bitwise (radix) sort also sees them as equal.
+    by_value = torch.where(nan, torch.full_like(keys, float("inf")), keys + 0.0)
+    order = torch.sort(by_value, dim=dim, descending=True, stable=True).indices
+    nan_first = torch.sort(nan.gather(dim, order).to(torch.uint8), dim=dim, descending=True,
+                           stable=True).indices
+    return order.gather(dim, nan_first)
+
+
+# ---------------------------------------------------------------- routing
+
+
+def router_logits(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
+    """logits [T, E] = x [T, d] · router_weight [E, d]ᵀ, in the routing dtype."""
+    dtype = routing_dtype(x.dtype)
+    return F.linear(x.to(dtype), router_weight.to(dtype))
+
+
+def route_topk(
+    logits: torch.Tensor,
+    K: int,
+    method: Union[RoutingMethod, str] = RoutingMethod.SOFTMAX_TOPK,
+    renormalize: bool = True,
+    selection_bias: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-K routing of logits [T, E] -> (scores [T, K] routing dtype, experts [T, K] int64).
+
+    Column k is the token's k-th choice (descending selection key, ties to the lower expert).
+    Scores are differentiable w.r.t. logits; the selection is not (it is piecewise constant).
+    """
+    method = parse_enum(RoutingMethod, method, "routing")
+    logits = logits.to(routing_dtype(logits.dtype))
+    if method == RoutingMethod.SIGMOID:
+        gates = torch.sigmoid(logits)  # [T, E]
+        key = gates if selection_bias is None else gates + selection_bias.to(logits.dtype)
+    else:
+        key = logits
+    experts = _descending_order(key, dim=1)[:, :K]  # [T, K]
+
+    if method == RoutingMethod.SOFTMAX_TOPK:
+        return torch.softmax(logits.gather(1, experts), dim=1), experts
+    if method == RoutingMethod.TOPK_SOFTMAX:
+        scores = torch.softmax(logits, dim=1).gather(1, experts)
+    else:
+        scores = gates.gather(1, experts)
+    if renormalize:
+        scores = scores / scores.sum(dim=1, keepdim=True)
+    return scores, experts
+
+
+def splitmix64(z: int) -> int:
+    """One SplitMix64 step on a 64-bit unsigned integer (LAYER.md, token rounding)."""
+    z = (z + _GOLDEN64) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def stochastic_uniform(seed: int, expert: int) -> float:
+    """u_e in [0, 1) of stochastic token rounding; exact: the 53-bit integer / 2^53 is a double."""
+    z = splitmix64((seed & _MASK64) ^ ((expert * _GOLDEN64) & _MASK64))
+    return (z >> 11) / float(1 << 53)
+
+
+def _rounded_counts(counts: torch.Tensor, T: int, mode: TokenRounding, tile_m: int,
+                    seed: int) -> torch.Tensor:
+    """r_e [E] int64 from f_e [E] int64 per LAYER.md step 2, clamped to [0, T]."""
+    floor = counts // tile_m * tile_m
+    ceil = (counts + tile_m - 1) // tile_m * tile_m
+    if mode == TokenRounding.NEAREST:
+        rounded = (counts + tile_m // 2) // tile_m * tile_m  # halves round up
+    elif mode == TokenRounding.UP:
+        rounded = ceil
+    elif mode == TokenRounding.DOWN:
+        rounded = floor
+    else:  # STOCHASTIC
+        uniforms = torch.tensor([stochastic_uniform(seed, e) for e in range(counts.numel())],
+                                dtype=torch.float64, device=counts.device)
+        fraction = (counts % tile_m).to(torch.float64) / tile_m
+        rounded = torch.where(uniforms < fraction, ceil, floor)
+    return rounded.clamp(0, T)
+
+
+class RoundedRouting(NamedTuple):
+    token: torch.Tensor  # [R] int64, non-decreasing
+    expert: torch.Tensor  # [R] int64, ascending within a token
+    score: torch.Tensor  # [R] routing dtype, differentiable w.r.t. logits
+    padded: torch.Tensor  # [R] bool: pair added by rounding (score = P[t, e])
+
+
+def token_rounding(
+    logits: torch.Tensor,
+    K: int,
+    mode: Union[TokenRounding, str] = TokenRounding.NEAREST,
+    tile_m: int = 128,
+    seed: int = 0,
+) -> RoundedRouting:
+    """Tile-aware token rounding of logits [T, E] (LAYER.md) -> a general routing list."""
+    mode = parse_enum(TokenRounding, mode, "mode")
+    if mode == TokenRounding.NONE:
+        raise ValueError("mode must be a rounding mode ('nr', 'up', 'down', 'stochastic'); "
+                         "'none' is plain top-K routing (use route_topk)")
+    logits = logits.to(routing_dtype(logits.dtype))
+    T, E = logits.shape
+    topk_scores, topk_experts = route_topk(logits, K, RoutingMethod.SOFTMAX_TOPK)  # [T, K]
+    probs = torch.softmax(logits, dim=1)  # P [T, E]
+    selected = torch.zeros(T, E, dtype=torch.bool, device=logits.device)
+    selected.scatter_(1, topk_experts, True)
+    selected_score = torch.zeros_like(probs).scatter(1, topk_experts, topk_scores)  # [T, E]
+    # The score a kept pair gets, and the value it ranks by inside its group.
+    pair_score = torch.where(selected, selected_score, probs)  # [T, E]
+
+    rounded = _rounded_counts(selected.sum(dim=0), T, mode, tile_m, seed)  # [E]
+
+    # Per expert, order all T tokens: selected before non-selected, each group by pair_score
+    # descending, ties to the lower token (stable sorts keep the previous order on ties).
+    order = _descending_order(pair_score.T, dim=1)  # [E, T] token ids
+    group = selected.T.gather(1, order).to(torch.uint8)  # [E, T] 1 = selected
+    order = order.gather(1, torch.sort(group, dim=1, descending=True, stable=True).indices)
+    rank = torch.empty_like(order).scatter_(
+        1, order, torch.arange(T, device=logits.device).expand(E, T))  # rank[e, t]
+    keep = (rank < rounded[:, None]).T  # [T, E]
+
+    token, expert = keep.nonzero(as_tuple=True)  # row-major: by token, then by expert
+    return RoundedRouting(token, expert, pair_score[token, expert], ~selected[token, expert])
+
+
+def aux_loss(logits: torch.Tensor, experts_of_pairs: torch.Tensor) -> torch.Tensor:
+    """Load-balancing loss (LAYER.md) from logits [T, E] and the experts of the R routed pairs.
+
+    Differentiable through P = softmax(logits); the expert frequencies are counts, not
+    differentiated. Returns a scalar in the routing dtype (a plain 0 when T = 0 or R = 0).
+    """
+    logits = logits.to(routing_dtype(logits.dtype))
+    T, E = logits.shape
+    R = experts_of_pairs.numel()
+    if T == 0 or R == 0:
+        return logits.new_zeros(())
+    probs = torch.softmax(logits, dim=1)  # [T, E]
+    importance = probs.sum(dim=0) / probs.sum()  # [E]
+    frequency = torch.bincount(experts_of_pairs.reshape(-1), minlength=E).to(logits.dtype) / R
+    return E * (importance * frequency).sum()
+
+
+def route_pairs(
+    logits: torch.Tensor,
+    K: int,
+    routing: Union[RoutingMethod, str] = RoutingMethod.SOFTMAX_TOPK,
+    renormalize: bool = True,
+    selection_bias: Optional[torch.Tensor] = None,
+    rounding: Union[TokenRounding, str] = TokenRounding.NONE,
+    tile_m: int = 128,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The routing list (token [R], expert [R], score [R]) the experts run on: the T·K top-K
+    pairs in (t, k) order, or the token-rounded list (then `routing` must be softmax_topk)."""
+    rounding = parse_enum(TokenRounding, rounding, "rounding")
+    if rounding != TokenRounding.NONE:
+        token, expert, score, _ = token_rounding(logits, K, rounding, tile_m, seed)
+        return token, expert, score
+    scores, experts = route_topk(logits, K, routing, renormalize, selection_bias)
+    tokens = torch.arange(logits.shape[0], device=logits.device).repeat_interleave(K)
+    return tokens, experts.reshape(-1), scores.reshape(-1)
+
+
+# ---------------------------------------------------------------- experts
+
+
+def _gelu_tanh(h: torch.Tensor) -> torch.Tensor:
+    return F.gelu(h, approximate="tanh")
+
+
+_GATE_FUNCTIONS = {
+    ActivationType.SWIGLU: F.silu,
+    ActivationType.GEGLU: _gelu_tanh,
+    ActivationType.REGLU: torch.relu,
+}
+_PLAIN_FUNCTIONS = {
+    ActivationType.RELU_SQ: lambda h: torch.relu(h).square(),  # relu2'(0) = 0 via relu'(0) = 0
+    ActivationType.RELU: torch.relu,  # torch's relu has derivative 0 at 0, as LAYER.md asks
+    ActivationType.GELU: _gelu_tanh,
+    ActivationType.SILU: F.silu,
+}
+
+
+def apply_activation(h: torch.Tensor, activation: Union[ActivationType, str],
+                     layout: Union[GateUpLayout, str] = GateUpLayout.INTERLEAVED) -> torch.Tensor:
+    """A = act(H): H [rows, N1] -> A [rows, n] (N1 = 2n for GLU, n otherwise)."""
+    act = parse_enum(ActivationType, activation, "activation")
+    if not is_glu(act):
+        return _PLAIN_FUNCTIONS[act](h)
+    layout = parse_enum(GateUpLayout, layout, "layout")
+    n = h.shape[-1] // 2
+    if layout == GateUpLayout.INTERLEAVED:
+        gate, up = h[..., 0::2], h[..., 1::2]
+    else:
+        gate, up = h[..., :n], h[..., n:]
+    return _GATE_FUNCTIONS[act](gate) * up
+
+
+def experts(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    b1: Optional[torch.Tensor],
+    w2: torch.Tensor,
+    b2: Optional[torch.Tensor],
+    token: torch.Tensor,
+    expert: torch.Tensor,
+    score: torch.Tensor,
+    activation: Union[ActivationType, str],
+    layout: Union[GateUpLayout, str] = GateUpLayout.INTERLEAVED,
+) -> torch.Tensor:
+    """The experts on a general routing list: out [T, d] = Σ_pairs score · MLP_expert(x_token).
+
+    x [T, d]; w1 [E, N1, d]; b1 [E, N1] or None; w2 [E, d, n]; b2 [E, d] or None;
+    token, expert, score [R] with the pairs ordered by token. Gradients reach x, the weights,
+    the biases and score. Experts with no pairs get exactly zero weight gradients.
+    """
+    T, d = x.shape
+    E = w1.shape[0]
+    token, expert = token.long(), expert.long()
+    acc_dtype = routing_dtype(x.dtype)
+
+    # Rows grouped by expert; the stable sort keeps (token, pair) order inside an expert, which
+    # is LAYER.md's row order.
+    row_pair = torch.sort(expert, stable=True).indices  # [R]
+    row_token = token[row_pair]  # [R]
+    rows_per_expert = torch.bincount(expert, minlength=E).tolist()
+    x_rows = x[row_token].split(rows_per_expert)  # E chunks of [T_e, d]
+
+    # unbind once: its backward stacks the E per-expert gradients in one go.
+    w1_e, w2_e = w1.unbind(0), w2.unbind(0)
+    b1_e = b1.unbind(0) if b1 is not None else [None] * E
+    b2_e = b2.unbind(0) if b2 is not None else [None] * E
+    y_rows = []
+    for e in range(E):  # every expert, empty ones too: they still get (zero) gradients
+        h = F.linear(x_rows[e], w1_e[e], b1_e[e])  # H [T_e, N1]
+        a = apply_activation(h, activation, layout)  # A [T_e, n]
+        y_rows.append(F.linear(a, w2_e[e], b2_e[e]))  # Y [T_e, d]
+    y = torch.cat(y_rows)  # [R, d]
+
+    # out_t = Σ s · Y over the token's pairs, accumulated in the routing dtype.
+    weighted = y.to(acc_dtype) * score[row_pair].to(acc_dtype)[:, None]  # [R, d]
+    out = torch.zeros(T, d, dtype=acc_dtype, device=x.device).index_add(0, row_token, weighted)
+    return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------- the layer
+
+
+class LayerForward(NamedTuple):
+    out: torch.Tensor  # [T, d] input dtype
+    aux: torch.Tensor  # [] routing dtype
+    logits: torch.Tensor  # [T, E] routing dtype
+    token: torch.Tensor  # [R] int64
+    expert: torch.Tensor  # [R] int64
+    score: torch.Tensor  # [R] routing dtype
+
+
+def moe_forward(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    w1: torch.Tensor,
+    b1: Optional[torch.Tensor],
+    w2: torch.Tensor,
+    b2: Optional[torch.Tensor],
+    K: int,
+    activation: Union[ActivationType, str] = ActivationType.SWIGLU,
+    layout: Union[GateUpLayout, str] = GateUpLayout.INTERLEAVED,
+    routing: Union[RoutingMethod, str] = RoutingMethod.SOFTMAX_TOPK,
+    renormalize: bool = True,
+    selection_bias: Optional[torch.Tensor] = None,
+    rounding: Union[TokenRounding, str] = TokenRounding.NONE,
+    tile_m: int = 128,
+    seed: int = 0,
+) -> LayerForward:
+    """The whole layer, with its intermediates (logits and the routing list) exposed."""
+    logits = router_logits(x, router_weight)
+    token, expert, score = route_pairs(logits, K, routing, renormalize, selection_bias,
+                                       rounding, tile_m, seed)
+    out = experts(x, w1, b1, w2, b2, token, expert, score, activation, layout)
+    return LayerForward(out, aux_loss(logits, expert), logits, token, expert, score)
+
+
+def moe(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    w1: torch.Tensor,
+    b1: Optional[torch.Tensor],
+    w2: torch.Tensor,
+    b2: Optional[torch.Tensor],
+    K: int,
+    activation: Union[ActivationType, str] = ActivationType.SWIGLU,
+    layout: Union[GateUpLayout, str] = GateUpLayout.INTERLEAVED,
+    routing: Union[RoutingMethod, str] = RoutingMethod.SOFTMAX_TOPK,
+    renormalize: bool = True,
+    selection_bias: Optional[torch.Tensor] = None,
+    rounding: Union[TokenRounding, str] = TokenRounding.NONE,
+    tile_m: int = 128,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [T, d], aux []) of the MoE layer on x [T, d]."""
+    result = moe_forward(x, router_weight, w1, b1, w2, b2, K, activation, layout, routing,
+                         renormalize, selection_bias, rounding, tile_m, seed)
+    return result.out, result.aux
