@@ -6,8 +6,8 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 py=$("$root/scripts/setup.sh")
 bindir=$(dirname "$py")
 # Prefer the environment's cmake/ninja (pinned), else the system's.
-cmake_bin=$([ -x "$bindir/cmake" ] && echo "$bindir/cmake" || command -v cmake)
-ninja_bin=$([ -x "$bindir/ninja" ] && echo "$bindir/ninja" || command -v ninja)
+cmake_bin=$([ -f "$bindir/cmake" ] && [ -x "$bindir/cmake" ] && echo "$bindir/cmake" || command -v cmake)
+ninja_bin=$([ -f "$bindir/ninja" ] && [ -x "$bindir/ninja" ] && echo "$bindir/ninja" || command -v ninja)
 build=${MACHMOE_BUILD_DIR:-$root/build}
 jobs=${MACHMOE_JOBS:-$(nproc)}
 "$cmake_bin" -S "$root" -B "$build" -G Ninja -DCMAKE_MAKE_PROGRAM="$ninja_bin" \

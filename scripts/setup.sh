@@ -7,7 +7,7 @@
 #   3. else a fresh ./.venv with requirements.txt installed from PyPI.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-if [ -n "${MACHMOE_PYTHON:-}" ]; then echo "$MACHMOE_PYTHON"; exit 0; fi
+if [ -n "${MACHMOE_PYTHON:-}" ]; then command -v "$MACHMOE_PYTHON" || { echo "machmoe setup: MACHMOE_PYTHON=$MACHMOE_PYTHON not found" >&2; exit 1; }; exit 0; fi
 want_torch=$(sed -n 's/^torch==//p' "$root/requirements.txt")
 
 usable() {  # $1: a python executable

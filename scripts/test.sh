@@ -6,7 +6,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 py=$("$root/scripts/setup.sh")
 build=$("$root/scripts/build.sh")
-ctest_bin=$([ -x "$(dirname "$py")/ctest" ] && echo "$(dirname "$py")/ctest" || command -v ctest)
+ctest_bin=$([ -f "$(dirname "$py")/ctest" ] && [ -x "$(dirname "$py")/ctest" ] && echo "$(dirname "$py")/ctest" || command -v ctest)
 echo "== C++ tests (ctest)"
 "$ctest_bin" --test-dir "$build" --output-on-failure -j "$(nproc)"
 echo "== Python tests (pytest)"

@@ -1,6 +1,5 @@
 // The machmoe op library's device-facing ops (schemas in docs/OPS.md). Layer ops arrive with the
 // GPU kernels (issues #3-#5); until then Python asks layer_kernels_available() and refuses.
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <sstream>
@@ -14,8 +13,11 @@ namespace {
 
 bool op_layer_kernels_available() { return layer_kernels_available(); }
 
+// These two take no tensor, so PyTorch's CUDA state may not be up yet (asking it for its current
+// stream then crashed on the GPU machine): they use the CUDA runtime directly and the legacy
+// default stream. device_self_test synchronises anyway; it is a diagnostic.
 void op_device_self_test() {
-  translate_errors([] { device_self_test(c10::cuda::getCurrentCUDAStream().stream()); });
+  translate_errors([] { device_self_test(nullptr); });
 }
 
 std::string op_device_info() {

@@ -2,6 +2,7 @@
 // for the wrong architecture or a broken driver says so plainly before any layer test.
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "host/check.hpp"
 #include "machmoe/machmoe.hpp"
@@ -44,15 +45,15 @@ void device_self_test(cudaStream_t stream) {
                     std::to_string(info.cc_major) + "." + std::to_string(info.cc_minor));
   constexpr int n = 1000;
   int4* d_out = nullptr;
-  check_cuda(cudaMallocAsync(&d_out, n * sizeof(int4), stream), "device_self_test: cudaMallocAsync");
+  check_cuda(cudaMalloc(&d_out, n * sizeof(int4)), "device_self_test: cudaMalloc");
   self_test_kernel<<<(n + 127) / 128, 128, 0, stream>>>(d_out, n);
-  cudaError_t launch = cudaGetLastError();
-  int4 h_out[n];
-  if (launch == cudaSuccess)
-    launch = cudaMemcpyAsync(h_out, d_out, sizeof(h_out), cudaMemcpyDeviceToHost, stream);
-  if (launch == cudaSuccess) launch = cudaStreamSynchronize(stream);
-  cudaFreeAsync(d_out, stream);
-  check_cuda(launch, "device_self_test: kernel");
+  cudaError_t err = cudaGetLastError();
+  std::vector<int4> h_out(n);
+  if (err == cudaSuccess)
+    err = cudaMemcpyAsync(h_out.data(), d_out, n * sizeof(int4), cudaMemcpyDeviceToHost, stream);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+  cudaFree(d_out);
+  check_cuda(err, "device_self_test: kernel");
   for (int i = 0; i < n; ++i)
     if (h_out[i].x != i || h_out[i].y != 3 * i + 1 || h_out[i].w != -i ||
         h_out[i].z < 0 || h_out[i].z >= info.sm_count)

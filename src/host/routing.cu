@@ -127,7 +127,7 @@ void routing_metadata(const int32_t* pair_expert, const int32_t* pair_token, int
   require_arg(T >= 0 && T < std::numeric_limits<int32_t>::max(), fn, "T", "must be in [0, 2^31 - 1)");
   require_arg(E >= 1 && E <= std::numeric_limits<int32_t>::max() / 2, fn, "E", "must be in [1, 2^30]");
   require_arg(R >= 0 && R <= std::numeric_limits<int32_t>::max(), fn, "R", "must be in [0, 2^31)");
-  require_arg(pair_token != nullptr || (K >= 1 && R == T * K), fn, "K",
+  require_arg(pair_token != nullptr || R == 0 || (K >= 1 && R == T * K), fn, "K",
               "a top-K list (pair_token null) needs K >= 1 and R == T*K");
   require_arg(out.expert_offsets && (R == 0 || (out.row_token && out.row_pair && out.pair_row)), fn,
               "out", "needs expert_offsets, row_token, row_pair and pair_row");
@@ -153,7 +153,8 @@ void routing_metadata(const int32_t* pair_expert, const int32_t* pair_token, int
   p.row_token = out.row_token;
   p.row_pair = out.row_pair;
   p.pair_row = out.pair_row;
-  p.token_offsets = out.token_offsets;
+  // With no pairs every token offset is 0 (the memset below); the kernels leave them alone.
+  p.token_offsets = R == 0 ? nullptr : out.token_offsets;
   check_cuda(cudaMemsetAsync(base, 0, ws.counter_offset + 8, stream), "routing_metadata: memset");
   if (out.token_offsets && R == 0)
     check_cuda(cudaMemsetAsync(out.token_offsets, 0, (T + 1) * sizeof(int32_t), stream),

@@ -84,12 +84,22 @@ struct GemmTile {
   int e, row0, rows, n0;
 };
 
+// Tiles of one expert are visited in groups of kGemmGroupM row blocks, column block outer inside a
+// group, so that the CTAs running at the same time share both their A rows and their B columns
+// in L2 (a plain row-major walk streams all of B once per wave of CTAs).
+constexpr int kGemmGroupM = 8;
+
 __device__ __forceinline__ GemmTile gemm_decode_tile(const GroupedGemmParams& p, int t, int bn_cols) {
   GemmTile tile;
   tile.e = gemm_tile_expert(p.tile_offsets, p.E, t);
   const int local = t - __ldg(p.tile_offsets + tile.e);
-  const int m_blk = local / p.n_tiles, n_blk = local % p.n_tiles;
   const int begin = __ldg(p.expert_offsets + tile.e), end = __ldg(p.expert_offsets + tile.e + 1);
+  const int m_tiles = (end - begin + kGemmBM - 1) / kGemmBM;
+  const int group = local / (kGemmGroupM * p.n_tiles);
+  const int first_m = group * kGemmGroupM;
+  const int group_m = min(kGemmGroupM, m_tiles - first_m);
+  const int within = local - group * kGemmGroupM * p.n_tiles;
+  const int m_blk = first_m + within % group_m, n_blk = within / group_m;
   tile.row0 = begin + m_blk * kGemmBM;
   tile.rows = min(kGemmBM, end - tile.row0);
   tile.n0 = n_blk * bn_cols;

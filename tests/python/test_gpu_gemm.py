@@ -126,7 +126,7 @@ def test_grouped_gemm_derived_check_can_fail():
     a, idx, rows, w, off = make_problem([200], 128, 64, gather=False)
     c, _ = ops().grouped_gemm(a, idx, off, w, None, 200, "store", "swiglu", "interleaved")
     ref, base = reference(rows, w, off)
-    c[7, 3] += 0.05 * c.abs().max()
+    c[7] *= 1.5  # one corrupted row out of 200
     with pytest.raises(AssertionError):
         check_derived(c, ref, base, "C")
 

@@ -1,0 +1,67 @@
+"""Kernel-level breakdown of one layer call on the GPU (torch.profiler / kineto).
+
+    python -m machmoe.bench.profile --config 7B-a [--impl grouped_mm|machmoe] [--T-scale 0.5]
+
+Prints the CUDA kernels of a forward and of a forward+backward, sorted by device time, so that
+the layer's time can be attributed (GEMMs vs. routing, gather, scatter, elementwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from .configs import layer_flops, select_configs
+from .grouped_mm_layer import grouped_mm_moe
+from .layer_bench import LayerInputs, machmoe_call
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m machmoe.bench.profile")
+    p.add_argument("--config", default="7B-a")
+    p.add_argument("--impl", default="grouped_mm", choices=("grouped_mm", "machmoe"))
+    p.add_argument("--T-scale", dest="t_scale", type=float, default=1.0)
+    p.add_argument("--rows", type=int, default=25, help="kernel rows to print")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return 1
+    (cfg,) = select_configs(args.config, args.t_scale)
+    inputs = LayerInputs(cfg, sets=1)
+    if args.impl == "machmoe":
+        call = machmoe_call(inputs)
+    else:
+        def call(x):
+            return grouped_mm_moe(x, inputs.router_weight, inputs.w1, inputs.w2, cfg.K,
+                                  impl="grouped_mm")
+    x, dout = inputs.xs[0], inputs.douts[0]
+    params = [x, *inputs.params]
+    fwd_flop, bwd_flop = layer_flops(cfg.T, cfg.K, cfg.n, cfg.d)
+
+    def fwd():
+        out, _ = call(x)
+        return out
+
+    def fwd_bwd():
+        out, _ = call(x)
+        return torch.autograd.grad(out, params, dout)
+
+    for name, fn, flop in (("forward", fwd, fwd_flop), ("forward+backward", fwd_bwd, fwd_flop + bwd_flop)):
+        for _ in range(3):  # warm-up (handles, autotuning)
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        total_us = sum(e.self_device_time_total for e in events)
+        print(f"\n== {cfg.name} T={cfg.T} {args.impl} {name}: kernels {total_us / 1e3:.2f} ms "
+              f"-> {flop / (total_us * 1e-6) / 1e12:.0f} TFLOPS if launch gaps were zero")
+        print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,165 @@
+"""Formatting of benchmark results: the Markdown table (also printed) and the JSON file."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+
+def git_commit() -> str:
+    """Short commit of the repository this package lives in, or "unknown"."""
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    commit = out.stdout.strip()
+    if out.returncode != 0 or not commit:
+        return "unknown"
+    try:
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        dirty = ""
+    return commit + ("+dirty" if dirty else "")
+
+
+def run_header() -> dict:
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "commit": git_commit(),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+
+
+def _num(v, digits: int = 0) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, str):
+        return v
+    return f"{v:.{digits}f}"
+
+
+def short_status(status: str) -> str:
+    """What goes into a table cell for a non-"ok" implementation."""
+    if status.startswith("not built"):
+        return "not built"
+    if status.startswith("OOM"):
+        return "OOM"
+    return "error"
+
+
+def _pair(res: dict | None, key_a: str, key_b: str, digits: int = 0) -> str:
+    """"fwd / bwd" cell of an implementation's result dict, or its status."""
+    if res is None:
+        return "—"
+    if res.get("status") != "ok":
+        return short_status(res.get("status", "error"))
+    return f"{_num(res.get(key_a), digits)} / {_num(res.get(key_b), digits)}"
+
+
+def _ratio(a, b):
+    if a is None or b is None or not b:
+        return None
+    return a / b
+
+
+def derived_ratios(row: dict) -> dict:
+    """machmoe / grouped_mm and machmoe / dense bound, forward and backward."""
+    mm, gm, dn = row.get("machmoe"), row.get("grouped_mm"), row.get("dense")
+    out = {}
+    if mm and mm.get("status") == "ok":
+        for tag, ref in (("grouped_mm", gm), ("dense", dn)):
+            if ref and ref.get("status") == "ok":
+                out[f"fwd_vs_{tag}"] = _ratio(mm.get("fwd_tflops"), ref.get("fwd_tflops"))
+                out[f"bwd_vs_{tag}"] = _ratio(mm.get("bwd_tflops"), ref.get("bwd_tflops"))
+    return out
+
+
+def largest_spread(rows: list[dict]):
+    """(spread %, "config impl phase") of the noisiest timing in the run, or None."""
+    best = None
+    for row in rows:
+        for impl in ("grouped_mm", "dense", "machmoe"):
+            res = row.get(impl) or {}
+            for key, val in res.items():
+                if key.endswith("_timing") and isinstance(val, dict) and "spread_pct" in val:
+                    cand = (val["spread_pct"], f"{row['config']['name']} {impl} {key[:-7]}")
+                    if best is None or cand[0] > best[0]:
+                        best = cand
+    return best
+
+
+def markdown(header: dict, ceilings: dict, rows: list[dict]) -> str:
+    lines = [
+        "# machmoe benchmark",
+        "",
+        f"GPU: {header['gpu']} · commit {header['commit']} · {header['date_utc']} · "
+        f"torch {header['torch']} (CUDA {header['cuda']})",
+        "",
+        f"Ceilings measured in this run: dense bf16 8192³ matmul "
+        f"{_num(ceilings.get('matmul_tflops'))} TFLOPS; device-to-device copy "
+        f"{_num(ceilings.get('copy_gbps'))} GB/s (bytes read + written).",
+        "",
+        "TFLOPS forward / backward (SPEC §1: fwd 6·T·K·n·d, bwd 12·T·K·n·d, bwd time = "
+        "(fwd+bwd) − fwd, routing inside the timed region). Memory: GiB held between forward and "
+        "backward excluding the output; formula 2·T·d + 4·T·K·n bytes.",
+        "",
+        "| config | T | d | n | E | K | SonicMoE (paper) | grouped_mm | grouped_mm GiB | formula GiB "
+        "| dense bound | machmoe | machmoe GiB | machmoe ÷ grouped_mm | machmoe ÷ dense | machmoe err out / dx |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for row in rows:
+        c = row["config"]
+        gm, dn, mm = row.get("grouped_mm"), row.get("dense"), row.get("machmoe")
+        ratios = row.get("ratios", {})
+        mm_ok = bool(mm) and mm.get("status") == "ok"
+        mm_gib = _num(mm.get("held_gib"), 2) if mm_ok else (short_status(mm["status"]) if mm else "—")
+        gm_gib = _num(gm.get("held_gib"), 2) if gm and gm.get("status") == "ok" else (
+            short_status(gm["status"]) if gm else "—")
+        if mm_ok:
+            vs_gm = f"{_num(ratios.get('fwd_vs_grouped_mm'), 2)} / {_num(ratios.get('bwd_vs_grouped_mm'), 2)}"
+            vs_dn = f"{_num(ratios.get('fwd_vs_dense'), 2)} / {_num(ratios.get('bwd_vs_dense'), 2)}"
+            errs = (f"{mm['err_out']:.1e} / {mm['err_dx']:.1e}" if "err_out" in mm else "—")
+        else:
+            vs_gm = vs_dn = errs = short_status(mm["status"]) if mm else "—"
+        lines.append(
+            f"| {c['name']} | {c['T']} | {c['d']} | {c['n']} | {c['E']} | {c['K']} "
+            f"| {_num(row['sonicmoe']['fwd_tflops'])} / {_num(row['sonicmoe']['bwd_tflops'])} "
+            f"| {_pair(gm, 'fwd_tflops', 'bwd_tflops')} | {gm_gib} | {_num(row['formula_gib'], 2)} "
+            f"| {_pair(dn, 'fwd_tflops', 'bwd_tflops')} | {_pair(mm, 'fwd_tflops', 'bwd_tflops')} "
+            f"| {mm_gib} | {vs_gm} | {vs_dn} | {errs} |"
+        )
+    spread = largest_spread(rows)
+    if spread is not None:
+        lines += ["", f"Timing noise: the largest spread between the two timing rounds of one "
+                      f"measurement was {spread[0]:.1f}% ({spread[1]}); smaller differences "
+                      f"between versions are noise."]
+    notes = [r["config"]["name"] + ": " + r[k]["status"]
+             for r in rows for k in ("grouped_mm", "dense", "machmoe")
+             if r.get(k) and r[k].get("status") not in ("ok",) and not r[k]["status"].startswith("not built")]
+    if notes:
+        lines += ["", "Problems:", *[f"- {n}" for n in notes]]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(out_dir: str, header: dict, ceilings: dict, rows: list[dict], args: dict,
+                  extra: dict | None = None, markdown_text: str | None = None) -> list[str]:
+    """Writes bench.json and bench.md into out_dir; returns the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    json_path = os.path.join(out_dir, "bench.json")
+    md_path = os.path.join(out_dir, "bench.md")
+    with open(json_path, "w") as f:
+        json.dump({"header": header, "args": args, "ceilings": ceilings, "configs": rows,
+                   **(extra or {})}, f, indent=1, default=str)
+    with open(md_path, "w") as f:
+        f.write(markdown_text if markdown_text is not None else markdown(header, ceilings, rows))
+    return [json_path, md_path]
