@@ -74,7 +74,7 @@ run_step() {
 # ---------------------------------------------------------------- environment
 env_report() {
   echo "date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')   host: $(hostname)   cores: $(nproc)"
-  echo "repo: $root  commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo "repo: $root  commit: ${MACHMOE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
   nvidia-smi || echo "nvidia-smi failed"
   nvcc --version || echo "nvcc not found"
   command -v compute-sanitizer || echo "compute-sanitizer not on PATH"

@@ -156,6 +156,7 @@ enum class GemmEpilogue : int32_t { Store = 0, GLU = 1, Activation = 2 };
 struct GroupedGemmArgs {
   const void* a = nullptr;
   int64_t lda = 0;
+  int64_t a_rows = 0;                       // rows of A (T with a gather, else >= off[E])
   const int32_t* gather = nullptr;          // [R] or null
   const int32_t* expert_offsets = nullptr;  // [E+1] device
   int64_t E = 0, N = 0, K = 0;

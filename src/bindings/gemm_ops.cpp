@@ -56,6 +56,7 @@ std::tuple<Tensor, Tensor> op_grouped_gemm(const Tensor& a, const std::optional<
     GroupedGemmArgs g;
     g.a = a.data_ptr();
     g.lda = a.stride(0);
+    g.a_rows = a.size(0);
     g.gather = gather ? gather->data_ptr<int32_t>() : nullptr;
     g.expert_offsets = expert_offsets.data_ptr<int32_t>();
     g.E = E;

@@ -2,8 +2,7 @@
 // GPU kernels (issues #3-#5); until then Python asks layer_kernels_available() and refuses.
 #include <torch/library.h>
 
-#include <sstream>
-#include <string>
+#include <vector>
 
 #include "bindings/common.hpp"
 #include "machmoe/machmoe.hpp"
@@ -20,13 +19,13 @@ void op_device_self_test() {
   translate_errors([] { device_self_test(nullptr); });
 }
 
-std::string op_device_info() {
+// [sm_count, cc_major, cc_minor, shared memory per block (opt-in), L2 bytes]. Plain integers: a
+// `str` return crashed the op dispatcher on the GPU machine (torch 2.11), ints do not.
+std::vector<int64_t> op_device_info() {
   return translate_errors([] {
     const DeviceInfo i = device_info();
-    std::ostringstream s;
-    s << "name=" << i.name << ", sm_count=" << i.sm_count << ", cc=" << i.cc_major << "." << i.cc_minor
-      << ", smem_optin=" << i.smem_per_block_optin << ", l2=" << i.l2_bytes;
-    return s.str();
+    return std::vector<int64_t>{i.sm_count, i.cc_major, i.cc_minor, static_cast<int64_t>(i.smem_per_block_optin),
+                                static_cast<int64_t>(i.l2_bytes)};
   });
 }
 
@@ -35,7 +34,7 @@ std::string op_device_info() {
 TORCH_LIBRARY(machmoe, m) {
   m.def("layer_kernels_available() -> bool", &op_layer_kernels_available);
   m.def("device_self_test() -> ()", &op_device_self_test);
-  m.def("device_info() -> str", &op_device_info);
+  m.def("device_info() -> int[]", &op_device_info);
 }
 
 }  // namespace machmoe::bindings

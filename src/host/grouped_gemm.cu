@@ -35,14 +35,15 @@ EncodeTiledFn encode_tiled() {
   return fn;
 }
 
-// W viewed as a 2-D [rows, K] bf16 tensor; boxes of 64 (K) x 128 rows, 128-byte swizzle, zeros out of bounds.
-CUtensorMap weight_tensor_map(const void* w, int64_t rows, int64_t K) {
+// A bf16 matrix [rows, K] with `ld` elements between rows, as a 2-D tensor map: boxes of 64 (K) x
+// 128 rows, 128-byte swizzle (what the wgmma descriptors expect), zeros out of bounds.
+CUtensorMap tile_tensor_map(const void* ptr, int64_t rows, int64_t K, int64_t ld) {
   CUtensorMap map;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(K) * 2};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
   const cuuint32_t box[2] = {kernels::kGemmBK, 128};
   const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(w), dims, strides,
+  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides,
                                     box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
@@ -60,20 +61,28 @@ int epilogue_code(const GroupedGemmArgs& a) {
   throw Error(ErrorCode::InvalidArgument, "grouped_gemm: epilogue out of range");
 }
 
-template <int BN, int EPI>
-void launch(const CUtensorMap& map, const kernels::GroupedGemmParams& p, int ctas, cudaStream_t stream) {
+template <int BN, int EPI, bool GATHER>
+void launch_variant(const CUtensorMap& map_a, const CUtensorMap& map_b, const kernels::GroupedGemmParams& p, int ctas,
+                    cudaStream_t stream) {
   constexpr int smem = kernels::GemmSmem<BN>::kBytes;
   static std::once_flag attr_once;
   std::call_once(attr_once, [] {
-    check_cuda(cudaFuncSetAttribute(kernels::sm90_grouped_gemm<BN, EPI>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    smem),
+    check_cuda(cudaFuncSetAttribute(kernels::sm90_grouped_gemm<BN, EPI, GATHER>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
                "grouped_gemm: cudaFuncSetAttribute");
   });
   const DeviceInfo info = device_info();
   require_arg(info.smem_per_block_optin >= static_cast<size_t>(smem), "grouped_gemm", "device",
               "needs " + std::to_string(smem) + " bytes of shared memory per block, the device allows " +
                   std::to_string(info.smem_per_block_optin));
-  kernels::sm90_grouped_gemm<BN, EPI><<<ctas, kernels::kGemmThreads, smem, stream>>>(map, p);
+  kernels::sm90_grouped_gemm<BN, EPI, GATHER><<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, p);
+}
+
+template <int BN, int EPI>
+void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const kernels::GroupedGemmParams& p, int ctas,
+            cudaStream_t stream) {
+  if (p.gather) launch_variant<BN, EPI, true>(map_a, map_b, p, ctas, stream);
+  else launch_variant<BN, EPI, false>(map_a, map_b, p, ctas, stream);
 }
 
 }  // namespace
@@ -87,6 +96,8 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
                                                    std::to_string(a.K));
   require_arg(a.E * a.N <= (int64_t{1} << 31) - 1, fn, "E*N", "must fit in int32 (TMA row coordinates)");
   require_arg(a.lda >= a.K && a.lda % 8 == 0, fn, "lda", "must be >= K and a multiple of 8");
+  require_arg(a.a_rows >= 1 && a.a_rows <= (int64_t{1} << 31) - 1, fn, "a_rows",
+              "must be in [1, 2^31) (rows of A: T for a gather, R otherwise)");
   require_arg(a.ldc >= a.N && a.ldc % 8 == 0, fn, "ldc", "must be >= N and a multiple of 8");
   require_arg(a.a && a.w && a.c && a.expert_offsets && a.tile_offsets, fn, "a/w/c/expert_offsets/tile_offsets",
               "must not be null");
@@ -126,17 +137,19 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
 
   kernels::grouped_gemm_tile_offsets<<<1, 1024, 0, stream>>>(a.expert_offsets, p.E, p.n_tiles, a.tile_offsets);
   check_launch("grouped_gemm: tile offsets");
-  const CUtensorMap map = weight_tensor_map(a.w, a.E * a.N, a.K);
+  const CUtensorMap map_b = tile_tensor_map(a.w, a.E * a.N, a.K, a.K);
+  // Contiguous A goes through TMA too; with a gather the map is unused (any valid map will do).
+  const CUtensorMap map_a = a.gather ? map_b : tile_tensor_map(a.a, a.a_rows, a.K, a.lda);
   const int sms = device_info().sm_count;
   const int ctas = a.max_ctas > 0 ? std::min(a.max_ctas, sms) : sms;
   switch (epi) {
-    case kernels::kEpiStore: wide ? launch<256, kernels::kEpiStore>(map, p, ctas, stream)
-                                  : launch<128, kernels::kEpiStore>(map, p, ctas, stream); break;
-    case kernels::kEpiGluInter: wide ? launch<256, kernels::kEpiGluInter>(map, p, ctas, stream)
-                                     : launch<128, kernels::kEpiGluInter>(map, p, ctas, stream); break;
-    case kernels::kEpiGluConcat: launch<256, kernels::kEpiGluConcat>(map, p, ctas, stream); break;
-    case kernels::kEpiAct: wide ? launch<256, kernels::kEpiAct>(map, p, ctas, stream)
-                                : launch<128, kernels::kEpiAct>(map, p, ctas, stream); break;
+    case kernels::kEpiStore: wide ? launch<256, kernels::kEpiStore>(map_a, map_b, p, ctas, stream)
+                                  : launch<128, kernels::kEpiStore>(map_a, map_b, p, ctas, stream); break;
+    case kernels::kEpiGluInter: wide ? launch<256, kernels::kEpiGluInter>(map_a, map_b, p, ctas, stream)
+                                     : launch<128, kernels::kEpiGluInter>(map_a, map_b, p, ctas, stream); break;
+    case kernels::kEpiGluConcat: launch<256, kernels::kEpiGluConcat>(map_a, map_b, p, ctas, stream); break;
+    case kernels::kEpiAct: wide ? launch<256, kernels::kEpiAct>(map_a, map_b, p, ctas, stream)
+                                : launch<128, kernels::kEpiAct>(map_a, map_b, p, ctas, stream); break;
   }
   check_launch(fn);
 }

@@ -39,6 +39,9 @@ enum GemmActivation : int { kActSwiGLU = 0, kActGeGLU = 1, kActReGLU = 2, kActRe
 constexpr int kGemmBM = 128;
 constexpr int kGemmBK = 64;  // one 128-byte swizzle row of bf16
 constexpr int kGemmThreads = 384;
+// Register split of the 64K-register file: (56 + 2 x 224) x 128 threads = 64512.
+constexpr int kProducerRegs = 56;
+constexpr int kConsumerRegs = 224;
 
 struct GroupedGemmParams {
   const __nv_bfloat16* a;        // A rows, leading dimension lda (elements)
@@ -193,9 +196,13 @@ __device__ __forceinline__ void gemm_epilogue(const GroupedGemmParams& p, const 
   }
 }
 
-template <int BN, int EPI>
+// GATHER: A rows come through p.gather by 16-byte cp.async from the producer threads; otherwise
+// A is contiguous and loaded by TMA like B (tmap_a over A [rows, K]; a box may run into the next
+// expert's rows, which are computed and not stored).
+template <int BN, int EPI, bool GATHER>
 __global__ void __launch_bounds__(kGemmThreads, 1)
-    sm90_grouped_gemm(const __grid_constant__ CUtensorMap tmap_b, const GroupedGemmParams p) {
+    sm90_grouped_gemm(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
+                      const GroupedGemmParams p) {
   using Smem = GemmSmem<BN>;
   constexpr int S = Smem::kStages;
   // BN columns of C per tile; the concatenated GLU tile spans BN/2 gate + BN/2 up columns.
@@ -210,11 +217,13 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
-      sm90::mbar_init(&full[s], 128 + 1);  // 128 cp.async arrivals + the TMA thread's expect_tx
+      // GATHER: 128 cp.async arrivals + the TMA thread's expect_tx; else the expect_tx alone.
+      sm90::mbar_init(&full[s], GATHER ? 128 + 1 : 1);
       sm90::mbar_init(&empty[s], 2);       // one arrival per consumer warpgroup
     }
     sm90::mbar_fence_init();
     sm90::tma_prefetch_descriptor(&tmap_b);
+    if (!GATHER) sm90::tma_prefetch_descriptor(&tmap_a);
   }
   __syncthreads();
   const int total_tiles = __ldg(p.tile_offsets + p.E);
@@ -222,19 +231,29 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
 
   if (wg == 0) {
     // ------------------------------------------------------------ producer
-    sm90::setmaxnreg_dec<40>();
+    sm90::setmaxnreg_dec<kProducerRegs>();
     const int chunk = tid % 8;  // 16-byte chunk (8 bf16 of K) this thread copies in every row
     int it = 0;
     for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
       const GemmTile tile = gemm_decode_tile(p, t, kTileCols);
+      // GATHER: this thread's 8 rows (tid/8 + 16 i) of the tile, resolved once per tile.
+      const __nv_bfloat16* src[GATHER ? 8 : 1];
+      if constexpr (GATHER) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int r = tid / 8 + 16 * i;
+          src[i] = r < tile.rows ? p.a + static_cast<int64_t>(__ldg(p.gather + tile.row0 + r)) * p.lda + chunk * 8
+                                 : nullptr;
+        }
+      }
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
         const int s = it % S;
         sm90::mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
         uint8_t* a_stage = smem_a + s * Smem::kABytes;
         uint8_t* b_stage = smem_b + s * Smem::kBBytes;
+        const int k0 = kb * kGemmBK;
         if (tid == 0) {
-          sm90::mbar_arrive_expect_tx(&full[s], Smem::kBBytes);
-          const int k0 = kb * kGemmBK;
+          sm90::mbar_arrive_expect_tx(&full[s], GATHER ? Smem::kBBytes : Smem::kBBytes + Smem::kABytes);
           const int wrow = tile.e * p.N;  // first row of W[e] in the [E*N, K] view
 #pragma unroll
           for (int h = 0; h < BN / 128; ++h) {
@@ -242,22 +261,24 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
             const int r = EPI == kEpiGluConcat ? wrow + h * (p.N / 2) + tile.n0 : wrow + tile.n0 + 128 * h;
             sm90::tma_load_2d(b_stage + h * 128 * 128, &tmap_b, &full[s], k0, r);
           }
+          if constexpr (!GATHER) sm90::tma_load_2d(a_stage, &tmap_a, &full[s], k0, tile.row0);
         }
-        const int k = kb * kGemmBK + chunk * 8;
+        if constexpr (GATHER) {
+          const bool k_ok = k0 + chunk * 8 < p.K;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int r = tid / 8 + 16 * i;
-          const bool ok = r < tile.rows && k < p.K;
-          const int64_t arow = ok ? (p.gather ? __ldg(p.gather + tile.row0 + r) : tile.row0 + r) : 0;
-          const uint32_t dst = sm90::smem_addr(a_stage + r * 128 + ((chunk ^ (r & 7)) << 4));
-          sm90::cp_async_16(dst, p.a + arow * p.lda + (ok ? k : 0), ok ? 16 : 0);
+          for (int i = 0; i < 8; ++i) {
+            const int r = tid / 8 + 16 * i;
+            const bool ok = k_ok && src[i] != nullptr;
+            const uint32_t dst = sm90::smem_addr(a_stage + r * 128 + ((chunk ^ (r & 7)) << 4));
+            sm90::cp_async_16(dst, ok ? src[i] + k0 : p.a, ok ? 16 : 0);
+          }
+          sm90::cp_async_arrive_noinc(&full[s]);
         }
-        sm90::cp_async_arrive_noinc(&full[s]);
       }
     }
   } else {
     // ------------------------------------------------------------ consumers
-    sm90::setmaxnreg_inc<232>();
+    sm90::setmaxnreg_inc<kConsumerRegs>();
     const int cw = wg - 1;
     int it = 0;
     for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
@@ -269,7 +290,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
         const int s = it % S;
         sm90::mbar_wait(&full[s], (it / S) & 1);
-        sm90::fence_proxy_async_shared();  // cp.async (generic proxy) writes -> wgmma reads
+        if constexpr (GATHER) sm90::fence_proxy_async_shared();  // cp.async (generic proxy) -> wgmma
         const uint32_t a_addr = sm90::smem_addr(smem_a + s * Smem::kABytes + cw * 64 * 128);
         const uint32_t b_addr = sm90::smem_addr(smem_b + s * Smem::kBBytes);
         sm90::wgmma_fence();

@@ -38,8 +38,10 @@ def spread_logits(T, E, dev):
 
 def test_small_device_self_test():
     ops().device_self_test()
-    info = ops().device_info()
-    assert "cc=9.0" in info, info
+    sm_count, major, minor, smem_optin, l2_bytes = ops().device_info()
+    assert (major, minor) == (9, 0)
+    assert sm_count == torch.cuda.get_device_properties(0).multi_processor_count
+    assert smem_optin >= 200 * 1024 and l2_bytes > 0
 
 
 @pytest.mark.parametrize("routing,renorm", ROUTINGS)

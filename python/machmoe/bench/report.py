@@ -12,7 +12,10 @@ import torch
 
 
 def git_commit() -> str:
-    """Short commit of the repository this package lives in, or "unknown"."""
+    """Short commit of the repository this package lives in, or "unknown". The GPU machine gets a
+    copy of the tree without .git: there scripts/gpu_check.sh passes it in $MACHMOE_COMMIT."""
+    if os.environ.get("MACHMOE_COMMIT"):
+        return os.environ["MACHMOE_COMMIT"]
     here = Path(__file__).resolve().parent
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
