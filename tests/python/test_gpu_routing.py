@@ -91,10 +91,10 @@ def test_topk_router_backward(routing, renorm, T, E, K):
     d_scores = torch.randn(T, K, device="cuda")
     d_logits = ops().topk_router_backward(logits, scores, experts, d_scores, routing, renorm)
     ref = reference_router_grad(logits, experts, d_scores, routing, renorm)
-    if ref.norm() == 0:  # e.g. renormalised sigmoid with K = 1: the score is constant 1
-        assert d_logits.abs().max().item() < 1e-6
-    else:
-        assert rel_err(d_logits, ref) < 1e-5
+    # Relative to the gradient's scale; where the Jacobian vanishes (renormalised sigmoid with
+    # K = 1: the score is the constant 1) the reference is ~0 and fp32 rounding is all that is left.
+    scale = max(ref.norm().item(), 1e-3 * d_scores.norm().item())
+    assert (d_logits.double().cpu() - ref).norm().item() < 1e-5 * scale
 
 
 def general_list(T, E, max_per_token, dev):

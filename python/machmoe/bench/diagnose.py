@@ -1,0 +1,65 @@
+"""Where the time goes, for kernel work on the GPU machine (not part of the main job):
+
+  python -m machmoe.bench.diagnose
+
+* per-kernel device time of routing_metadata (torch.profiler), to see which pass dominates;
+* the up-projection GEMM at a config's shapes in four variants - gathered or pre-gathered A,
+  GLU or plain-store epilogue - to separate the cost of the gather from the cost of the epilogue.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from .timing import cuda_time
+
+
+def metadata_breakdown(T: int = 32768, E: int = 128, K: int = 8) -> None:
+    import machmoe  # noqa: F401  (loads the ops)
+
+    m = torch.ops.machmoe
+    e = torch.argsort(torch.rand(T, E, device="cuda"), dim=1)[:, :K].int().contiguous()
+    for _ in range(3):
+        m.routing_metadata(e, None, T, E)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            m.routing_metadata(e, None, T, E)
+        torch.cuda.synchronize()
+    print(f"routing_metadata T={T} E={E} K={K}, 20 calls:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8))
+
+
+def gemm_variants(T: int, d: int, n: int, E: int, K: int) -> None:
+    import machmoe  # noqa: F401
+
+    m = torch.ops.machmoe
+    R = T * K
+    experts = torch.argsort(torch.rand(T, E, device="cuda"), dim=1)[:, :K].int().contiguous()
+    offs, row_token, _, _, _, _ = m.routing_metadata(experts, None, T, E)
+    x = torch.randn(T, d, device="cuda").bfloat16()
+    xg = x[row_token.long()].contiguous()
+    w1 = (torch.randn(E, 2 * n, d, device="cuda") * 0.02).bfloat16()
+    flops = 2.0 * R * d * 2 * n
+    for name, a, idx in (("gathered", x, row_token), ("pre-gathered", xg, None)):
+        for epi in ("glu", "store"):
+            t = cuda_time(lambda: m.grouped_gemm(a, idx, offs, w1, None, R, epi, "swiglu", "interleaved"), [()]).median_ms
+            print(f"up-proj T={T} d={d} n={n} E={E} K={K}: A {name:12s} epilogue {epi:5s}: "
+                  f"{t:.3f} ms = {flops / t / 1e9:.0f} TFLOPS")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m machmoe.bench.diagnose")
+    p.add_argument("--skip-metadata", action="store_true")
+    args = p.parse_args(argv)
+    if not args.skip_metadata:
+        metadata_breakdown()
+    gemm_variants(24576, 1536, 256, 128, 8)  # 7B-a
+    gemm_variants(32768, 4096, 512, 128, 8)  # 30B-b
+
+
+if __name__ == "__main__":
+    main()
