@@ -166,19 +166,6 @@ def _backend(backend) -> Backend:
     return parse_enum(Backend, backend, "backend")
 
 
-def _machmoe_backend(x: torch.Tensor):
-    """The machmoe backend's entry; raises until the GPU layer kernels and their binding exist."""
-    if x.device.type != "cuda":
-        raise ValueError(f"the machmoe backend runs on CUDA tensors; use backend='torch' on the "
-                         f"CPU (x is on {x.device})")
-    if not _ops.layer_kernels_available():
-        raise NotImplementedError("machmoe backend: the GPU layer kernels are not built yet "
-                                  "(issues #4/#5); use backend='torch'")
-    raise NotImplementedError("machmoe backend: the compiled library reports GPU layer kernels, "
-                              "but this Python package has no binding for them yet; use "
-                              "backend='torch'")
-
-
 # ---------------------------------------------------------------- public API
 
 
@@ -224,7 +211,10 @@ def moe(
     _same_device({**weights, "selection_bias": selection_bias}, "x")
 
     if backend == Backend.MACHMOE:
-        _machmoe_backend(x)
+        from . import machmoe_backend
+
+        return machmoe_backend.moe(x, router_weight, w1, b1, w2, b2, K, activation, layout, routing,
+                                   renormalize, selection_bias, rounding, tile_m, seed)
     return torch_backend.moe(x, router_weight, w1, b1, w2, b2, K, activation, layout, routing,
                              renormalize, selection_bias, rounding, tile_m, seed)
 
@@ -259,7 +249,10 @@ def moe_general(
                   "token_idx": token_idx, "expert_idx": expert_idx}, "x")
 
     if backend == Backend.MACHMOE:
-        _machmoe_backend(x)
+        from . import machmoe_backend
+
+        return machmoe_backend.moe_general(x, w1, b1, w2, b2, scores, token_idx, expert_idx, activation,
+                                           layout)
     return torch_backend.experts(x, w1, b1, w2, b2, token_idx, expert_idx, scores, activation,
                                  layout)
 

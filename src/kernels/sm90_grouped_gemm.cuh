@@ -59,17 +59,20 @@ struct GroupedGemmParams {
   int act;                       // GemmActivation
 };
 
-__device__ __forceinline__ float gemm_act(int act, float h) {
-  switch (act) {
-    case kActSwiGLU:
-    case kActSiLU: return h / (1.f + __expf(-h));
-    case kActGeGLU:
-    case kActGELU: return 0.5f * h * (1.f + tanhf(0.7978845608028654f * (h + 0.044715f * h * h * h)));
-    case kActReGLU:
-    case kActReLU: return fmaxf(h, 0.f);
-    case kActReLU2: return h > 0.f ? h * h : 0.f;
+// The activation as a compile-time choice (the epilogue loop is instantiated once per activation
+// and picked by one switch per tile). Fast intrinsics: the result is rounded to bf16 anyway.
+template <int ACT>
+__device__ __forceinline__ float gemm_act(float h) {
+  if constexpr (ACT == kActSwiGLU || ACT == kActSiLU) {
+    return __fdividef(h, 1.f + __expf(-h));
+  } else if constexpr (ACT == kActGeGLU || ACT == kActGELU) {
+    const float u = 0.7978845608028654f * (h + 0.044715f * h * h * h);
+    return 0.5f * h * (1.f + tanhf(u));
+  } else if constexpr (ACT == kActReGLU || ACT == kActReLU) {
+    return fmaxf(h, 0.f);
+  } else {  // ReLU²
+    return h > 0.f ? h * h : 0.f;
   }
-  return h;
 }
 
 // Expert of tile t: the largest e with tile_offsets[e] <= t (empty experts share an offset).
@@ -86,6 +89,7 @@ __device__ __forceinline__ int gemm_tile_expert(const int32_t* tile_offsets, int
 struct GemmTile {
   int e, row0, rows, n0;
 };
+constexpr int kTileRing = 4;  // tiles the producer may decode ahead of the consumers
 
 // Tiles of one expert are visited in groups of kGemmGroupM row blocks, column block outer inside a
 // group, so that the CTAs running at the same time share both their A rows and their B columns
@@ -132,23 +136,25 @@ struct GemmSmem {
   static constexpr int kBBytes = BN * kGemmBK * 2;       // 32 KB for BN = 256
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kStages = (200 * 1024) / kStageBytes;  // leaves room for barriers and alignment
-  static constexpr int kBytes = kStages * kStageBytes + 1024 /*align*/ + 256 /*barriers*/;
+  // + 1024 for the alignment of the stages, + 256 for the barriers and the tile ring.
+  static constexpr int kBytes = kStages * kStageBytes + 1024 + 256;
 };
 
 // Column c of the consumer's accumulator fragment: register (c / 8) * 4 + (c % 2) for row r0,
 // + 2 for row r0 + 8, where c % 8 / 2 == lane % 4.
-template <int BN, int EPI>
-__device__ __forceinline__ void gemm_epilogue(const GroupedGemmParams& p, const GemmTile& tile, int cw,
-                                              float (&acc)[BN / 2]) {
+template <int BN, int EPI, int ACT>
+__device__ __forceinline__ void gemm_epilogue_act(const GroupedGemmParams& p, const GemmTile& tile, int cw,
+                                                  float (&acc)[BN / 2]) {
   const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
   const int r_local0 = cw * 64 + warp * 16 + lane / 4;
   const __nv_bfloat16* bias = p.bias ? p.bias + static_cast<int64_t>(tile.e) * p.N : nullptr;  // [E, N]
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r_local = r_local0 + half * 8;
-    if (r_local >= tile.rows) continue;
+    const bool row_ok = r_local < tile.rows;
     const int64_t row = tile.row0 + r_local;
     if constexpr (EPI == kEpiGluConcat) {
+      if (!row_ok) continue;
       // Tile columns [0, 128) are gate j0 + c, [128, 256) are up j0 + c - 128; n = N / 2.
       const int n = p.N / 2, j0 = tile.n0;
 #pragma unroll
@@ -163,35 +169,62 @@ __device__ __forceinline__ void gemm_epilogue(const GroupedGemmParams& p, const 
           u0 += __bfloat162float(bias[n + j]);
           u1 += __bfloat162float(bias[n + j + 1]);
         }
-        *reinterpret_cast<__nv_bfloat162*>(p.c + row * p.ldc + j) = __floats2bfloat162_rn(g0, g1);
-        *reinterpret_cast<__nv_bfloat162*>(p.c + row * p.ldc + n + j) = __floats2bfloat162_rn(u0, u1);
+        const __nv_bfloat162 g = __floats2bfloat162_rn(g0, g1), u = __floats2bfloat162_rn(u0, u1);
+        *reinterpret_cast<__nv_bfloat162*>(p.c + row * p.ldc + j) = g;
+        *reinterpret_cast<__nv_bfloat162*>(p.c + row * p.ldc + n + j) = u;
         // A from the bf16-rounded H, so that the backward's recomputation from H matches.
-        const float2 gr = __bfloat1622float2(__floats2bfloat162_rn(g0, g1));
-        const float2 ur = __bfloat1622float2(__floats2bfloat162_rn(u0, u1));
+        const float2 gr = __bfloat1622float2(g), ur = __bfloat1622float2(u);
         *reinterpret_cast<__nv_bfloat162*>(p.c2 + row * p.ldc2 + j) =
-            __floats2bfloat162_rn(gemm_act(p.act, gr.x) * ur.x, gemm_act(p.act, gr.y) * ur.y);
+            __floats2bfloat162_rn(gemm_act<ACT>(gr.x) * ur.x, gemm_act<ACT>(gr.y) * ur.y);
       }
     } else {
 #pragma unroll
       for (int jj = 0; jj < BN / 8; ++jj) {
         const int col = tile.n0 + jj * 8 + 2 * (lane % 4);
-        if (col >= p.N) continue;
+        const bool ok = row_ok && col < p.N;
         float v0 = acc[jj * 4 + half * 2], v1 = acc[jj * 4 + half * 2 + 1];
-        if (bias) {
+        if (bias && ok) {
           v0 += __bfloat162float(bias[col]);
           v1 += __bfloat162float(bias[col + 1]);
         }
         const __nv_bfloat162 h = __floats2bfloat162_rn(v0, v1);
-        *reinterpret_cast<__nv_bfloat162*>(p.c + row * p.ldc + col) = h;
+        if (ok) *reinterpret_cast<__nv_bfloat162*>(p.c + row * p.ldc + col) = h;
         if constexpr (EPI == kEpiGluInter) {
-          const float2 hr = __bfloat1622float2(h);  // (gate, up) of column col / 2
-          p.c2[row * p.ldc2 + col / 2] = __float2bfloat16_rn(gemm_act(p.act, hr.x) * hr.y);
+          // (gate, up) of A column col / 2. Lanes l (even) and l ^ 1 hold the consecutive A
+          // columns col / 2 and col / 2 + 1: the even lane stores both as one 4-byte pair.
+          const float2 hr = __bfloat1622float2(h);
+          const float a = gemm_act<ACT>(hr.x) * hr.y;
+          const float other = __shfl_xor_sync(kFullMask, a, 1);
+          if ((lane & 1) == 0 && ok)
+            *reinterpret_cast<__nv_bfloat162*>(p.c2 + row * p.ldc2 + col / 2) = __floats2bfloat162_rn(a, other);
         } else if constexpr (EPI == kEpiAct) {
           const float2 hr = __bfloat1622float2(h);
-          *reinterpret_cast<__nv_bfloat162*>(p.c2 + row * p.ldc2 + col) =
-              __floats2bfloat162_rn(gemm_act(p.act, hr.x), gemm_act(p.act, hr.y));
+          if (ok)
+            *reinterpret_cast<__nv_bfloat162*>(p.c2 + row * p.ldc2 + col) =
+                __floats2bfloat162_rn(gemm_act<ACT>(hr.x), gemm_act<ACT>(hr.y));
         }
       }
+    }
+  }
+}
+
+template <int BN, int EPI>
+__device__ __forceinline__ void gemm_epilogue(const GroupedGemmParams& p, const GemmTile& tile, int cw,
+                                              float (&acc)[BN / 2]) {
+  if constexpr (EPI == kEpiStore) {
+    gemm_epilogue_act<BN, EPI, kActSwiGLU>(p, tile, cw, acc);  // no activation involved
+  } else if constexpr (EPI == kEpiGluInter || EPI == kEpiGluConcat) {
+    switch (p.act) {
+      case kActGeGLU: gemm_epilogue_act<BN, EPI, kActGeGLU>(p, tile, cw, acc); break;
+      case kActReGLU: gemm_epilogue_act<BN, EPI, kActReGLU>(p, tile, cw, acc); break;
+      default: gemm_epilogue_act<BN, EPI, kActSwiGLU>(p, tile, cw, acc); break;
+    }
+  } else {
+    switch (p.act) {
+      case kActReLU2: gemm_epilogue_act<BN, EPI, kActReLU2>(p, tile, cw, acc); break;
+      case kActReLU: gemm_epilogue_act<BN, EPI, kActReLU>(p, tile, cw, acc); break;
+      case kActGELU: gemm_epilogue_act<BN, EPI, kActGELU>(p, tile, cw, acc); break;
+      default: gemm_epilogue_act<BN, EPI, kActSiLU>(p, tile, cw, acc); break;
     }
   }
 }
@@ -213,6 +246,11 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   uint8_t* smem_b = smem + S * Smem::kABytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * Smem::kStageBytes);
   uint64_t* empty = full + S;
+  // The tile schedule, decoded by the producer (whose latency is hidden: it runs ahead) and
+  // handed to the consumers through a small ring, so that they never stall on the binary search.
+  uint64_t* tile_full = empty + S;
+  uint64_t* tile_empty = tile_full + kTileRing;
+  GemmTile* ring = reinterpret_cast<GemmTile*>(tile_empty + kTileRing);
 
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
@@ -220,6 +258,10 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       // GATHER: 128 cp.async arrivals + the TMA thread's expect_tx; else the expect_tx alone.
       sm90::mbar_init(&full[s], GATHER ? 128 + 1 : 1);
       sm90::mbar_init(&empty[s], 2);       // one arrival per consumer warpgroup
+    }
+    for (int r = 0; r < kTileRing; ++r) {
+      sm90::mbar_init(&tile_full[r], 1);     // the producer's publishing thread
+      sm90::mbar_init(&tile_empty[r], 256);  // every consumer thread, once it has read the slot
     }
     sm90::mbar_fence_init();
     sm90::tma_prefetch_descriptor(&tmap_b);
@@ -234,8 +276,16 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     sm90::setmaxnreg_dec<kProducerRegs>();
     const int chunk = tid % 8;  // 16-byte chunk (8 bf16 of K) this thread copies in every row
     int it = 0;
-    for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
-      const GemmTile tile = gemm_decode_tile(p, t, kTileCols);
+    for (int t = blockIdx.x, n = 0;; t += gridDim.x, ++n) {
+      const bool done = t >= total_tiles;
+      const GemmTile tile = done ? GemmTile{-1, 0, 0, 0} : gemm_decode_tile(p, t, kTileCols);
+      if (tid == 0) {  // publish (e = -1 tells the consumers to stop)
+        const int slot = n % kTileRing;
+        sm90::mbar_wait(&tile_empty[slot], ((n / kTileRing) & 1) ^ 1);
+        ring[slot] = tile;
+        sm90::mbar_arrive(&tile_full[slot]);
+      }
+      if (done) break;
       // GATHER: this thread's 8 rows (tid/8 + 16 i) of the tile, resolved once per tile.
       const __nv_bfloat16* src[GATHER ? 8 : 1];
       if constexpr (GATHER) {
@@ -281,8 +331,12 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     sm90::setmaxnreg_inc<kConsumerRegs>();
     const int cw = wg - 1;
     int it = 0;
-    for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
-      const GemmTile tile = gemm_decode_tile(p, t, kTileCols);
+    for (int n = 0;; ++n) {
+      const int slot = n % kTileRing;
+      sm90::mbar_wait(&tile_full[slot], (n / kTileRing) & 1);
+      const GemmTile tile = ring[slot];
+      sm90::mbar_arrive(&tile_empty[slot]);
+      if (tile.e < 0) break;
       float acc[BN / 2];
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;

@@ -151,12 +151,14 @@ def test_machmoe_backend_refuses_cpu_tensors():
 
 
 @pytest.mark.gpu
-def test_machmoe_backend_on_cuda_is_not_built_yet():
-    if machmoe.layer_kernels_available():
-        pytest.skip("the GPU layer kernels are built: this test is about their absence")
+@pytest.mark.ops
+def test_machmoe_backend_on_cuda_refuses_what_it_cannot_do():
     cuda = {k: None if v is None else v.cuda() for k, v in layer_tensors().items()}
-    with pytest.raises(NotImplementedError, match="not built yet"):
+    with pytest.raises(NotImplementedError, match="bfloat16"):  # float32 inputs
         call_moe(**cuda, backend="machmoe")
+    bf16 = {k: None if v is None else v.bfloat16().requires_grad_() for k, v in cuda.items()}
+    with pytest.raises(NotImplementedError, match="backward kernels are not built yet"):
+        call_moe(**bf16, backend="machmoe")
     out, _ = call_moe(**cuda, backend="torch")
     assert out.is_cuda
 

@@ -93,6 +93,34 @@ def bench_layer(call: Callable[[torch.Tensor], tuple], inputs: LayerInputs, *,
     }
 
 
+def bench_forward_only(call: Callable[[torch.Tensor], tuple], inputs: LayerInputs, *,
+                       min_reps: int = 20) -> dict:
+    """Forward time of `call` under torch.no_grad(), for an implementation whose backward is not
+    built yet (it refuses to run with gradients). The grouped_mm reference's forward is timed
+    with autograd recording; that costs it no extra kernels, only host work."""
+    cfg = inputs.cfg
+    fwd_flop, _ = layer_flops(cfg.T, cfg.K, cfg.n, cfg.d)
+
+    def forward(x):
+        with torch.no_grad():
+            out, aux = call(x)
+        return out
+
+    t_fwd = cuda_time(forward, [(x,) for x in inputs.xs], warmup=3, min_reps=min_reps, max_reps=200,
+                      target_s=0.6)
+    return {"status": "ok", "fwd_ms": t_fwd.median_ms, "fwd_tflops": tflops(fwd_flop, t_fwd.median_ms),
+            "fwd_timing": t_fwd.as_dict(), "backward": "not built"}
+
+
+def compare_forward(call: Callable, ref_call: Callable, inputs: LayerInputs) -> dict:
+    """Relative error of call's out against ref_call's (forward only)."""
+    x = inputs.xs[1]
+    with torch.no_grad():
+        ref_out, _ = ref_call(x)
+        out, _ = call(x)
+    return {"err_out": rel_err(out, ref_out)}
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """‖a − b‖ / ‖b‖ in float32 (NaN propagates)."""
     a32, b32 = a.detach().float(), b.detach().float()

@@ -131,7 +131,8 @@ def markdown(header: dict, ceilings: dict, rows: list[dict]) -> str:
         if mm_ok:
             vs_gm = f"{_num(ratios.get('fwd_vs_grouped_mm'), 2)} / {_num(ratios.get('bwd_vs_grouped_mm'), 2)}"
             vs_dn = f"{_num(ratios.get('fwd_vs_dense'), 2)} / {_num(ratios.get('bwd_vs_dense'), 2)}"
-            errs = (f"{mm['err_out']:.1e} / {mm['err_dx']:.1e}" if "err_out" in mm else "—")
+            errs = (f"{mm['err_out']:.1e} / " + (f"{mm['err_dx']:.1e}" if "err_dx" in mm else "bwd not built")
+                    if "err_out" in mm else "—")
         else:
             vs_gm = vs_dn = errs = short_status(mm["status"]) if mm else "—"
         lines.append(
