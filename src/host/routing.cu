@@ -68,6 +68,33 @@ void dispatch_dtypes(DType in, DType out, F&& launch) {
   throw Error(ErrorCode::InvalidArgument, "aggregate: rows_dtype out of range");
 }
 
+// Tiled top-K metadata: words per tile G (32*G tokens), the largest of 8, 4, 2, 1 whose kernels
+// fit in the default 48 KB of dynamic shared memory (no opt-in call needed); 0 = general path.
+// E = 128, K = 8: G = 8, 22 KB. Roughly E <= 3600 (K = 8) or K <= 150 (E = 128) fit.
+constexpr size_t kTopkSmemLimit = 48 * 1024;
+
+int topk_tile_words(int64_t E, int64_t K) {
+  if (E > (1 << 16) || K > (1 << 16)) return 0;  // keeps the smem arithmetic small; never fits
+  for (int G = 8; G >= 1; G /= 2)
+    if (kernels::topk_place_smem(E, G, K) <= kTopkSmemLimit && kernels::topk_mark_smem(E, G, K) <= kTopkSmemLimit)
+      return G;
+  return 0;
+}
+
+template <int G>
+void launch_topk_metadata(const kernels::MetadataParams& p, cudaStream_t stream) {
+  const auto tiles = static_cast<unsigned>(p.num_tiles);
+  kernels::metadata_topk_mark<G>
+      <<<tiles, kernels::kTileThreads, kernels::topk_mark_smem(p.E, G, p.K), stream>>>(p);
+  check_launch("routing_metadata: topk_mark");
+  kernels::metadata_topk_scan<<<static_cast<unsigned>(ceil_div(p.E, kernels::kWarpSize)),
+                                kernels::kTileScanThreads, 0, stream>>>(p);
+  check_launch("routing_metadata: topk_scan");
+  kernels::metadata_topk_place<G>
+      <<<tiles, kernels::kTileThreads, kernels::topk_place_smem(p.E, G, p.K), stream>>>(p);
+  check_launch("routing_metadata: topk_place");
+}
+
 }  // namespace
 
 void topk_router(const float* logits, int64_t T, int64_t E, int64_t K, RoutingMethod method,
@@ -147,6 +174,7 @@ void routing_metadata(const int32_t* pair_expert, const int32_t* pair_token, int
   p.bits = reinterpret_cast<uint32_t*>(base);
   p.done_counter = reinterpret_cast<uint32_t*>(base + ws.counter_offset);
   p.duplicate_flag = reinterpret_cast<uint32_t*>(base + ws.counter_offset + 4);
+  p.duplicate_out = out.duplicate_flag;
   p.word_prefix = reinterpret_cast<int32_t*>(base + ws.prefix_offset);
   p.expert_total = reinterpret_cast<int32_t*>(base + ws.total_offset);
   p.expert_offsets = out.expert_offsets;
@@ -155,6 +183,25 @@ void routing_metadata(const int32_t* pair_expert, const int32_t* pair_token, int
   p.pair_row = out.pair_row;
   // With no pairs every token offset is 0 (the memset below); the kernels leave them alone.
   p.token_offsets = R == 0 ? nullptr : out.token_offsets;
+
+  // Top-K list: the tiled path (three kernels, no memset) when a tile fits in shared memory.
+  const int G = pair_token == nullptr && R > 0 ? topk_tile_words(E, K) : 0;
+  if (G > 0) {
+    const int64_t tiles = ceil_div(p.W, G);  // <= W: C [tiles, E] fits in the prefix region
+    p.num_tiles = static_cast<int>(tiles);
+    p.tile_counts = p.word_prefix;
+    p.tile_dup = reinterpret_cast<int32_t*>(base + ws.tile_flag_offset);
+    p.experts_aligned16 = detail::aligned16(pair_expert);
+    switch (G) {
+      case 8: launch_topk_metadata<8>(p, stream); break;
+      case 4: launch_topk_metadata<4>(p, stream); break;
+      case 2: launch_topk_metadata<2>(p, stream); break;
+      default: launch_topk_metadata<1>(p, stream); break;
+    }
+    return;
+  }
+
+  // General path: any list, any E (memset, global atomics, per-expert word scan, place).
   check_cuda(cudaMemsetAsync(base, 0, ws.counter_offset + 8, stream), "routing_metadata: memset");
   if (out.token_offsets && R == 0)
     check_cuda(cudaMemsetAsync(out.token_offsets, 0, (T + 1) * sizeof(int32_t), stream),
@@ -169,11 +216,9 @@ void routing_metadata(const int32_t* pair_expert, const int32_t* pair_token, int
   const int scan_threads = static_cast<int>(std::clamp<int64_t>(ceil_div(p.W, 32) * 32, 128, 512));
   kernels::metadata_scan<<<static_cast<unsigned>(E), scan_threads, 0, stream>>>(p);
   check_launch("routing_metadata: scan");
+  // Also copies the duplicate flag into out.duplicate_flag (no memcpy node).
   kernels::metadata_place<<<place_blocks, kThreads, 0, stream>>>(p);
   check_launch("routing_metadata: place");
-  if (out.duplicate_flag)
-    check_cuda(cudaMemcpyAsync(out.duplicate_flag, p.duplicate_flag, 4, cudaMemcpyDeviceToDevice, stream),
-               "routing_metadata: duplicate flag");
 }
 
 void aggregate(const void* rows, DType rows_dtype, const int32_t* pair_row,

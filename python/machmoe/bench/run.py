@@ -203,7 +203,8 @@ def _fmt_impl(name: str, res: dict | None) -> str:
     if res.get("status") != "ok":
         return f"{name} {res['status'].split(' (')[0]}"
     mem = f", held {res['held_gib']:.2f} GiB" if "held_gib" in res else ""
-    return f"{name} {res['fwd_tflops']:.0f}/{res['bwd_tflops']:.0f}{mem}"
+    bwd = f"{res['bwd_tflops']:.0f}" if "bwd_tflops" in res else "bwd not built"
+    return f"{name} {res['fwd_tflops']:.0f}/{bwd}{mem}"
 
 
 def main(argv=None) -> int:
