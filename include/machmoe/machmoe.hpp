@@ -98,7 +98,12 @@ void topk_router_backward(const float* logits, const float* scores, const int32_
 // 2. routing metadata of R pairs, ordered by token: pair_expert [R], and pair_token [R] or null
 // for a top-K list (token of pair p = p / K). Outputs (int32, device): see RoutingMetadataOutputs.
 // A pair whose expert or token is out of range gets pair_row = -1 and no row (expert_offsets[E]
-// then counts the valid pairs only); a repeated (token, expert) pair sets *duplicate_flag = 1.
+// then counts the valid pairs only); a repeated (token, expert) pair sets *duplicate_flag = 1 and
+// its repeats share one row, whose row_pair is the lowest of their pair indices. Rows past
+// expert_offsets[E] are not specified. Deterministic, graph-capturable, no host synchronisation.
+// The workspace (routing_metadata_workspace_bytes) needs no initialisation; top-K lists whose
+// tile fits in shared memory (E = 128 and K <= 180, or K = 8 and E <= 3500, ...) take a faster
+// path with no memset.
 struct RoutingMetadataOutputs {
   int32_t* expert_offsets = nullptr;  // [E+1]
   int32_t* row_token = nullptr;       // [R] gather index

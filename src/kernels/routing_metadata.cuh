@@ -237,7 +237,8 @@ __global__ void __launch_bounds__(kTileThreads) metadata_topk_mark(MetadataParam
     if (atomicOr(&s_words[e * G + (tl >> 5)], bit) & bit) dup = 1;
   }
   dup = __syncthreads_or(dup);
-  // B columns [w0, w0 + G) of every expert row: G consecutive words (G = 8: one 32-byte sector).
+  // B columns [w0, w0 + G) of every expert row: G consecutive words (G = 8: 32 bytes, one sector
+  // when W is a multiple of 8, else two).
   const int64_t w0 = static_cast<int64_t>(blockIdx.x) * G;
   for (int i = threadIdx.x; i < E * G; i += blockDim.x) {
     const int e = i / G, g = i % G;

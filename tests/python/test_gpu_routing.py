@@ -117,7 +117,10 @@ def check_metadata(got, ref):
         assert torch.equal(g.cpu().long(), r.long()), f"{name} differs from the reference"
 
 
-@pytest.mark.parametrize("T,E,K", [(1, 1, 1), (13, 4, 2), (1000, 128, 8), (4099, 256, 16), (77, 5000, 3)])
+# Tiled top-K path: tiles of 256 tokens (G=8) with a short last tile (1000, 4099, 33068 tokens),
+# of 64 tokens (G=2: E=2048 or K=64) and of 32 tokens (G=1: E=3000); E=5000 takes the general path.
+@pytest.mark.parametrize("T,E,K", [(1, 1, 1), (13, 4, 2), (1000, 128, 8), (4099, 256, 16), (33068, 128, 8),
+                                   (300, 2048, 16), (100, 128, 64), (70, 3000, 8), (77, 5000, 3)])
 def test_routing_metadata_topk(T, E, K):
     # K distinct experts per token; expert 0 left empty whenever E allows it.
     lo = 1 if K <= E - 1 else 0
@@ -151,6 +154,55 @@ def test_small_routing_metadata_bad_input_is_documented():
     assert pair_row[3].item() == pair_row[4].item()
 
 
+def expected_metadata_with_repeats(tok, exp, T, E):
+    """The documented result for any list: an out-of-range expert gets pair_row -1 and no row; the
+    repeats of a (token, expert) pair share one row whose row_pair is the lowest pair index.
+    Returns expert_offsets, row_token and row_pair (the first expert_offsets[E] rows), pair_row,
+    token_offsets."""
+    first = {}
+    for p, (t, e) in enumerate(zip(tok, exp)):
+        if 0 <= e < E and (t, e) not in first:
+            first[(t, e)] = p
+    keys = sorted(first, key=lambda te: (te[1], te[0]))
+    row_of = {k: r for r, k in enumerate(keys)}
+    offs = [0] * (E + 1)
+    for _, e in keys:
+        offs[e + 1] += 1
+    for e in range(E):
+        offs[e + 1] += offs[e]
+    pair_row = [row_of[(t, e)] if 0 <= e < E else -1 for t, e in zip(tok, exp)]
+    tok_offs = [0] * (T + 1)
+    for t in tok:
+        tok_offs[t + 1] += 1
+    for t in range(T):
+        tok_offs[t + 1] += tok_offs[t]
+    return (torch.tensor(offs), torch.tensor([k[0] for k in keys], dtype=torch.long),
+            torch.tensor([first[k] for k in keys], dtype=torch.long), torch.tensor(pair_row),
+            torch.tensor(tok_offs))
+
+
+@pytest.mark.parametrize("T,E,K", [(600, 16, 4), (50, 5000, 3)])
+def test_small_routing_metadata_repeats_and_invalid_experts(T, E, K):
+    # Experts drawn with replacement from [-1, E+1]: repeated pairs (also non-adjacent ones) and
+    # out-of-range experts, through the top-K path (tiled for E=16, general for E=5000) and the
+    # general-list path; both must give the documented result and flag the repeats.
+    g = torch.Generator().manual_seed(T + E)
+    experts = torch.randint(-1, E + 2, (T, K), generator=g, dtype=torch.int32)
+    experts[T // 2, :] = 3  # one token with all its pairs on one expert
+    tok = torch.arange(T, dtype=torch.int32).repeat_interleave(K)
+    ref = expected_metadata_with_repeats(tok.tolist(), experts.flatten().tolist(), T, E)
+    runs = [ops().routing_metadata(experts.cuda(), None, T, E),
+            ops().routing_metadata(experts.flatten().cuda(), tok.cuda(), T, E)]
+    for offs, row_token, row_pair, pair_row, tok_offs, dup in runs:
+        n = int(ref[0][-1])
+        assert torch.equal(offs.cpu().long(), ref[0])
+        assert torch.equal(row_token[:n].cpu().long(), ref[1])
+        assert torch.equal(row_pair[:n].cpu().long(), ref[2])
+        assert torch.equal(pair_row.cpu().long(), ref[3])
+        assert torch.equal(tok_offs.cpu().long(), ref[4])
+        assert dup.item() == 1
+
+
 def test_routing_metadata_is_deterministic_and_graph_capturable():
     T, E, K = 4096, 128, 8
     logits = torch.randn(T, E, device="cuda")
@@ -172,6 +224,36 @@ def test_routing_metadata_is_deterministic_and_graph_capturable():
             assert torch.equal(a, b)
         eager = md2
     assert eager is not None
+
+
+def test_routing_metadata_general_graph_replay():
+    # The general path in a graph (memset, kernels, the in-kernel copy of the duplicate flag)
+    # replayed with new inputs: a valid list, then one with a repeated pair.
+    T, E = 700, 64
+    lists = [general_list(T, E, 6, "cuda") for _ in range(2)]
+    n = min(t.numel() for t, _ in lists)
+    tok2, exp2 = lists[1][0][:n].clone(), lists[1][1][:n].clone()
+    j = next(i for i in range(1, n) if int(tok2[i]) == int(tok2[i - 1]))
+    exp2[j] = exp2[j - 1]  # token tok2[j] now routes to one expert twice
+    lists[1] = (tok2, exp2)
+    st, se = lists[0][0][:n].clone(), lists[0][1][:n].clone()
+    ops().routing_metadata(se, st, T, E)  # warm-up outside capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        md = ops().routing_metadata(se, st, T, E)
+    for i, (t, e) in enumerate(lists):
+        st.copy_(t[:n])
+        se.copy_(e[:n])
+        g.replay()
+        torch.cuda.synchronize()
+        ref = expected_metadata_with_repeats(st.tolist(), se.tolist(), T, E)
+        rows = int(ref[0][-1])
+        assert torch.equal(md[0].cpu().long(), ref[0])
+        assert torch.equal(md[1][:rows].cpu().long(), ref[1])
+        assert torch.equal(md[2][:rows].cpu().long(), ref[2])
+        assert torch.equal(md[3].cpu().long(), ref[3])
+        assert torch.equal(md[4].cpu().long(), ref[4])
+        assert md[5].item() == i  # the repeat is in the second list only
 
 
 def reference_aggregate(rows, pair_row, tok_offs, scores):

@@ -175,6 +175,8 @@ def _kernel_rows(mode: str, copy_gbps: float | None):
         free_cuda_memory()
     print("kernel-level: " + "; ".join(
         f"{r['kernel']}: {r['speedup']:.2f}x" if "speedup" in r else
+        f"{r['kernel']}: {r['padding_rows_topk']} -> {r['padding_rows_rounded']} padding rows"
+        if "padding_rows_topk" in r else
         f"{r['kernel']}: {r.get('fraction_of_copy', float('nan')):.2f} of copy" for r in rows), flush=True)
     return rows
 
