@@ -5,75 +5,38 @@
 //   row(r) = gather[r] (gathered activation rows, e.g. X by token) or r (contiguous rows).
 //
 // Persistent and warp-specialised: 3 warpgroups per CTA, one CTA per SM.
-//   warpgroup 0, producer (40 registers): TMA loads of the B tile (weights), and 16-byte cp.async
-//     of the A rows through the gather index, into a ring of shared-memory stages; one mbarrier
-//     per stage completes when both have landed (TMA bytes + 128 cp.async arrivals).
-//   warpgroups 1-2, consumers (232 registers): each owns 64 rows of the 128-row tile, runs
-//     wgmma m64n{BN}k16 with fp32 accumulators, keeps one wgmma group in flight, and releases a
-//     stage as soon as the wgmmas reading it retire. Then the fused epilogue stores from registers.
+//   warpgroup 0 (56 registers):
+//     warp 0, producer: decodes the tile schedule and hands it to the consumers through a ring;
+//       TMA loads of the B tile (weights) and of contiguous A, or 16-byte cp.async of gathered A
+//       rows, into a ring of shared-memory stages (one mbarrier per stage: TMA bytes + the warp's
+//       cp.async arrivals).
+//     warps 1-3, epilogue: write the staged output tile to global memory with the activation
+//       (sm90_gemm_epilogue.cuh) while the consumers already run the next tile.
+//   warpgroups 1-2, consumers (224 registers): each owns 64 rows of the 128-row tile, runs
+//     wgmma m64n{BN}k16 with fp32 accumulators, keeps one wgmma group in flight, releases a stage
+//     as soon as the wgmmas reading it retire, and stages the finished tile (+ bias, bf16) out to
+//     shared memory.
 // Tiles: 128 rows of one expert x BN columns; an expert's last tile is predicated (no expert is
 // padded to the tile), empty experts have no tiles. Tile t of the whole problem is found by a
 // binary search over tile_offsets [E+1] (prefix of per-expert tile counts), so every CTA walks
 // the same static schedule t = blockIdx.x, blockIdx.x + gridDim.x, ...
-// Shared-memory tiles use the 128-byte swizzle (TMA writes it; the cp.async producer computes it)
-// so that wgmma reads them without bank conflicts.
+// Shared-memory operand tiles use the 128-byte swizzle (TMA writes it; the cp.async producer
+// computes it) so that wgmma reads them without bank conflicts.
 #pragma once
 
 #include <cuda_bf16.h>
 
 #include "kernels/common.cuh"
+#include "kernels/sm90_gemm_epilogue.cuh"
 #include "kernels/sm90_ptx.cuh"
 
 namespace machmoe::kernels {
 
-enum GemmEpilogue : int {
-  kEpiStore = 0,      // C = acc (+ bias)
-  kEpiGluInter = 1,   // GLU, gate/up interleaved columns: C = H, C2 = act(gate)·up
-  kEpiGluConcat = 2,  // GLU, B tile = [128 gate rows; 128 up rows] of a concatenated W1
-  kEpiAct = 3,        // non-GLU activation: C = H, C2 = act(H)
-};
-
-enum GemmActivation : int { kActSwiGLU = 0, kActGeGLU = 1, kActReGLU = 2, kActReLU2 = 3, kActReLU = 4,
-                            kActGELU = 5, kActSiLU = 6 };
-
-constexpr int kGemmBM = 128;
 constexpr int kGemmBK = 64;  // one 128-byte swizzle row of bf16
 constexpr int kGemmThreads = 384;
 // Register split of the 64K-register file: (56 + 2 x 224) x 128 threads = 64512.
 constexpr int kProducerRegs = 56;
 constexpr int kConsumerRegs = 224;
-
-struct GroupedGemmParams {
-  const __nv_bfloat16* a;        // A rows, leading dimension lda (elements)
-  int64_t lda;
-  const int32_t* gather;         // [R] row -> A row, or null (row r of A)
-  const int32_t* expert_offsets; // [E+1]
-  const int32_t* tile_offsets;   // [E+1], from grouped_gemm_tile_offsets
-  const __nv_bfloat16* bias;     // [E, N] or null; for kEpiGluConcat [E, 2n] in W1's layout
-  __nv_bfloat16* c;              // [R, ldc]: C (store) or H (GLU / act)
-  int64_t ldc;
-  __nv_bfloat16* c2;             // [R, ldc2]: A = act(H), or null
-  int64_t ldc2;
-  int E, N, K;                   // N: output columns of C (2n for GLU)
-  int n_tiles;                   // column tiles per expert
-  int act;                       // GemmActivation
-};
-
-// The activation as a compile-time choice (the epilogue loop is instantiated once per activation
-// and picked by one switch per tile). Fast intrinsics: the result is rounded to bf16 anyway.
-template <int ACT>
-__device__ __forceinline__ float gemm_act(float h) {
-  if constexpr (ACT == kActSwiGLU || ACT == kActSiLU) {
-    return __fdividef(h, 1.f + __expf(-h));
-  } else if constexpr (ACT == kActGeGLU || ACT == kActGELU) {
-    const float u = 0.7978845608028654f * (h + 0.044715f * h * h * h);
-    return 0.5f * h * (1.f + tanhf(u));
-  } else if constexpr (ACT == kActReGLU || ACT == kActReLU) {
-    return fmaxf(h, 0.f);
-  } else {  // ReLU²
-    return h > 0.f ? h * h : 0.f;
-  }
-}
 
 // Expert of tile t: the largest e with tile_offsets[e] <= t (empty experts share an offset).
 __device__ __forceinline__ int gemm_tile_expert(const int32_t* tile_offsets, int E, int t) {
@@ -86,9 +49,6 @@ __device__ __forceinline__ int gemm_tile_expert(const int32_t* tile_offsets, int
   return lo;
 }
 
-struct GemmTile {
-  int e, row0, rows, n0;
-};
 constexpr int kTileRing = 4;  // tiles the producer may decode ahead of the consumers
 
 // Tiles of one expert are visited in groups of kGemmGroupM row blocks, column block outer inside a
@@ -135,102 +95,18 @@ struct GemmSmem {
   static constexpr int kABytes = kGemmBM * kGemmBK * 2;  // 16 KB
   static constexpr int kBBytes = BN * kGemmBK * 2;       // 32 KB for BN = 256
   static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kStages = (200 * 1024) / kStageBytes;  // leaves room for barriers and alignment
-  // + 1024 for the alignment of the stages, + 256 for the barriers and the tile ring.
-  static constexpr int kBytes = kStages * kStageBytes + 1024 + 256;
+  static constexpr int kEpiBytes = kGemmBM * epi_row_bytes<BN>();  // the staged output tile
+  // Design budget: Hopper's 227 KB per block (the launcher checks the device's opt-in limit).
+  // 1 KB aligns the stages; 1 KB holds the barriers, the tile ring and the gather index table.
+  static constexpr int kBudget = 227 * 1024;
+  static constexpr int kFixed = 2048;
+  static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / kStageBytes;
+  static constexpr int kBytes = kStages * kStageBytes + kEpiBytes + kFixed;
+  static_assert(kStages >= 2, "at least two pipeline stages");
 };
 
-// Column c of the consumer's accumulator fragment: register (c / 8) * 4 + (c % 2) for row r0,
-// + 2 for row r0 + 8, where c % 8 / 2 == lane % 4.
-template <int BN, int EPI, int ACT>
-__device__ __forceinline__ void gemm_epilogue_act(const GroupedGemmParams& p, const GemmTile& tile, int cw,
-                                                  float (&acc)[BN / 2]) {
-  const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
-  const int r_local0 = cw * 64 + warp * 16 + lane / 4;
-  const __nv_bfloat16* bias = p.bias ? p.bias + static_cast<int64_t>(tile.e) * p.N : nullptr;  // [E, N]
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r_local = r_local0 + half * 8;
-    const bool row_ok = r_local < tile.rows;
-    const int64_t row = tile.row0 + r_local;
-    if constexpr (EPI == kEpiGluConcat) {
-      if (!row_ok) continue;
-      // Tile columns [0, 128) are gate j0 + c, [128, 256) are up j0 + c - 128; n = N / 2.
-      const int n = p.N / 2, j0 = tile.n0;
-#pragma unroll
-      for (int jj = 0; jj < BN / 16; ++jj) {
-        const int j = j0 + jj * 8 + 2 * (lane % 4);
-        if (j >= n) continue;
-        float g0 = acc[jj * 4 + half * 2], g1 = acc[jj * 4 + half * 2 + 1];
-        float u0 = acc[(jj + BN / 16) * 4 + half * 2], u1 = acc[(jj + BN / 16) * 4 + half * 2 + 1];
-        if (bias) {
-          g0 += __bfloat162float(bias[j]);
-          g1 += __bfloat162float(bias[j + 1]);
-          u0 += __bfloat162float(bias[n + j]);
-          u1 += __bfloat162float(bias[n + j + 1]);
-        }
-        const __nv_bfloat162 g = __floats2bfloat162_rn(g0, g1), u = __floats2bfloat162_rn(u0, u1);
-        *reinterpret_cast<__nv_bfloat162*>(p.c + row * p.ldc + j) = g;
-        *reinterpret_cast<__nv_bfloat162*>(p.c + row * p.ldc + n + j) = u;
-        // A from the bf16-rounded H, so that the backward's recomputation from H matches.
-        const float2 gr = __bfloat1622float2(g), ur = __bfloat1622float2(u);
-        *reinterpret_cast<__nv_bfloat162*>(p.c2 + row * p.ldc2 + j) =
-            __floats2bfloat162_rn(gemm_act<ACT>(gr.x) * ur.x, gemm_act<ACT>(gr.y) * ur.y);
-      }
-    } else {
-#pragma unroll
-      for (int jj = 0; jj < BN / 8; ++jj) {
-        const int col = tile.n0 + jj * 8 + 2 * (lane % 4);
-        const bool ok = row_ok && col < p.N;
-        float v0 = acc[jj * 4 + half * 2], v1 = acc[jj * 4 + half * 2 + 1];
-        if (bias && ok) {
-          v0 += __bfloat162float(bias[col]);
-          v1 += __bfloat162float(bias[col + 1]);
-        }
-        const __nv_bfloat162 h = __floats2bfloat162_rn(v0, v1);
-        if (ok) *reinterpret_cast<__nv_bfloat162*>(p.c + row * p.ldc + col) = h;
-        if constexpr (EPI == kEpiGluInter) {
-          // (gate, up) of A column col / 2. Lanes l (even) and l ^ 1 hold the consecutive A
-          // columns col / 2 and col / 2 + 1: the even lane stores both as one 4-byte pair.
-          const float2 hr = __bfloat1622float2(h);
-          const float a = gemm_act<ACT>(hr.x) * hr.y;
-          const float other = __shfl_xor_sync(kFullMask, a, 1);
-          if ((lane & 1) == 0 && ok)
-            *reinterpret_cast<__nv_bfloat162*>(p.c2 + row * p.ldc2 + col / 2) = __floats2bfloat162_rn(a, other);
-        } else if constexpr (EPI == kEpiAct) {
-          const float2 hr = __bfloat1622float2(h);
-          if (ok)
-            *reinterpret_cast<__nv_bfloat162*>(p.c2 + row * p.ldc2 + col) =
-                __floats2bfloat162_rn(gemm_act<ACT>(hr.x), gemm_act<ACT>(hr.y));
-        }
-      }
-    }
-  }
-}
-
-template <int BN, int EPI>
-__device__ __forceinline__ void gemm_epilogue(const GroupedGemmParams& p, const GemmTile& tile, int cw,
-                                              float (&acc)[BN / 2]) {
-  if constexpr (EPI == kEpiStore) {
-    gemm_epilogue_act<BN, EPI, kActSwiGLU>(p, tile, cw, acc);  // no activation involved
-  } else if constexpr (EPI == kEpiGluInter || EPI == kEpiGluConcat) {
-    switch (p.act) {
-      case kActGeGLU: gemm_epilogue_act<BN, EPI, kActGeGLU>(p, tile, cw, acc); break;
-      case kActReGLU: gemm_epilogue_act<BN, EPI, kActReGLU>(p, tile, cw, acc); break;
-      default: gemm_epilogue_act<BN, EPI, kActSwiGLU>(p, tile, cw, acc); break;
-    }
-  } else {
-    switch (p.act) {
-      case kActReLU2: gemm_epilogue_act<BN, EPI, kActReLU2>(p, tile, cw, acc); break;
-      case kActReLU: gemm_epilogue_act<BN, EPI, kActReLU>(p, tile, cw, acc); break;
-      case kActGELU: gemm_epilogue_act<BN, EPI, kActGELU>(p, tile, cw, acc); break;
-      default: gemm_epilogue_act<BN, EPI, kActSiLU>(p, tile, cw, acc); break;
-    }
-  }
-}
-
-// GATHER: A rows come through p.gather by 16-byte cp.async from the producer threads; otherwise
-// A is contiguous and loaded by TMA like B (tmap_a over A [rows, K]; a box may run into the next
+// GATHER: A rows come through p.gather by 16-byte cp.async from producer warp 0; otherwise A is
+// contiguous and loaded by TMA like B (tmap_a over A [rows, K]; a box may run into the next
 // expert's rows, which are computed and not stored).
 template <int BN, int EPI, bool GATHER>
 __global__ void __launch_bounds__(kGemmThreads, 1)
@@ -244,25 +120,32 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* smem_a = smem;
   uint8_t* smem_b = smem + S * Smem::kABytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * Smem::kStageBytes);
+  uint8_t* epi = smem + S * Smem::kStageBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(epi + Smem::kEpiBytes);
   uint64_t* empty = full + S;
   // The tile schedule, decoded by the producer (whose latency is hidden: it runs ahead) and
   // handed to the consumers through a small ring, so that they never stall on the binary search.
   uint64_t* tile_full = empty + S;
   uint64_t* tile_empty = tile_full + kTileRing;
-  GemmTile* ring = reinterpret_cast<GemmTile*>(tile_empty + kTileRing);
+  uint64_t* epi_full = tile_empty + kTileRing;  // consumers staged a tile
+  uint64_t* epi_empty = epi_full + 1;           // epilogue warps are done with it
+  GemmTile* ring = reinterpret_cast<GemmTile*>(epi_empty + 1);
+  GemmTile* epi_tile = ring + kTileRing;
+  int32_t* gather_rows = reinterpret_cast<int32_t*>(epi_tile + 1);  // [128] this tile's A rows
 
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
-      // GATHER: 128 cp.async arrivals + the TMA thread's expect_tx; else the expect_tx alone.
-      sm90::mbar_init(&full[s], GATHER ? 128 + 1 : 1);
-      sm90::mbar_init(&empty[s], 2);       // one arrival per consumer warpgroup
+      // GATHER: 32 cp.async arrivals of warp 0 + the TMA thread's expect_tx; else the expect_tx alone.
+      sm90::mbar_init(&full[s], GATHER ? 32 + 1 : 1);
+      sm90::mbar_init(&empty[s], 2);  // one arrival per consumer warpgroup
     }
     for (int r = 0; r < kTileRing; ++r) {
       sm90::mbar_init(&tile_full[r], 1);     // the producer's publishing thread
       sm90::mbar_init(&tile_empty[r], 256);  // every consumer thread, once it has read the slot
     }
+    sm90::mbar_init(epi_full, 256);
+    sm90::mbar_init(epi_empty, kEpilogueThreads);
     sm90::mbar_fence_init();
     sm90::tma_prefetch_descriptor(&tmap_b);
     if (!GATHER) sm90::tma_prefetch_descriptor(&tmap_a);
@@ -272,29 +155,40 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   const int k_blocks = (p.K + kGemmBK - 1) / kGemmBK;
 
   if (wg == 0) {
-    // ------------------------------------------------------------ producer
     sm90::setmaxnreg_dec<kProducerRegs>();
-    const int chunk = tid % 8;  // 16-byte chunk (8 bf16 of K) this thread copies in every row
+    if (tid >= 32) {
+      // ---------------------------------------------------------- epilogue warps (1-3)
+      for (int n = 0;; ++n) {
+        sm90::mbar_wait(epi_full, n & 1);
+        const GemmTile tile = *epi_tile;
+        if (tile.e < 0) break;
+        gemm_write_out<BN, EPI>(p, tile, epi, tid - 32);
+        sm90::mbar_arrive(epi_empty);
+      }
+      return;
+    }
+    // ------------------------------------------------------------ producer (warp 0)
+    const int lane = tid;
+    const int chunk = lane % 8;  // 16-byte chunk (8 bf16 of K) this lane copies in its rows
     int it = 0;
     for (int t = blockIdx.x, n = 0;; t += gridDim.x, ++n) {
       const bool done = t >= total_tiles;
       const GemmTile tile = done ? GemmTile{-1, 0, 0, 0} : gemm_decode_tile(p, t, kTileCols);
-      if (tid == 0) {  // publish (e = -1 tells the consumers to stop)
+      if (lane == 0) {  // publish (e = -1 tells the consumers to stop)
         const int slot = n % kTileRing;
         sm90::mbar_wait(&tile_empty[slot], ((n / kTileRing) & 1) ^ 1);
         ring[slot] = tile;
         sm90::mbar_arrive(&tile_full[slot]);
       }
       if (done) break;
-      // GATHER: this thread's 8 rows (tid/8 + 16 i) of the tile, resolved once per tile.
-      const __nv_bfloat16* src[GATHER ? 8 : 1];
-      if constexpr (GATHER) {
+      if constexpr (GATHER) {  // this tile's 128 A rows (-1 past the expert's end)
+        __syncwarp();
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int r = tid / 8 + 16 * i;
-          src[i] = r < tile.rows ? p.a + static_cast<int64_t>(__ldg(p.gather + tile.row0 + r)) * p.lda + chunk * 8
-                                 : nullptr;
+        for (int i = 0; i < 4; ++i) {
+          const int r = lane + 32 * i;
+          gather_rows[r] = r < tile.rows ? __ldg(p.gather + tile.row0 + r) : -1;
         }
+        __syncwarp();
       }
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
         const int s = it % S;
@@ -302,7 +196,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         uint8_t* a_stage = smem_a + s * Smem::kABytes;
         uint8_t* b_stage = smem_b + s * Smem::kBBytes;
         const int k0 = kb * kGemmBK;
-        if (tid == 0) {
+        if (lane == 0) {
           sm90::mbar_arrive_expect_tx(&full[s], GATHER ? Smem::kBBytes : Smem::kBBytes + Smem::kABytes);
           const int wrow = tile.e * p.N;  // first row of W[e] in the [E*N, K] view
 #pragma unroll
@@ -315,12 +209,13 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         }
         if constexpr (GATHER) {
           const bool k_ok = k0 + chunk * 8 < p.K;
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            const int r = tid / 8 + 16 * i;
-            const bool ok = k_ok && src[i] != nullptr;
+#pragma unroll 8
+          for (int i = 0; i < 32; ++i) {  // rows lane/8 + 4i
+            const int r = lane / 8 + 4 * i;
+            const int arow = gather_rows[r];
+            const bool ok = k_ok && arow >= 0;
             const uint32_t dst = sm90::smem_addr(a_stage + r * 128 + ((chunk ^ (r & 7)) << 4));
-            sm90::cp_async_16(dst, ok ? src[i] + k0 : p.a, ok ? 16 : 0);
+            sm90::cp_async_16(dst, ok ? p.a + static_cast<int64_t>(arow) * p.lda + k0 + chunk * 8 : p.a, ok ? 16 : 0);
           }
           sm90::cp_async_arrive_noinc(&full[s]);
         }
@@ -330,7 +225,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     // ------------------------------------------------------------ consumers
     sm90::setmaxnreg_inc<kConsumerRegs>();
     const int cw = wg - 1;
-    int it = 0;
+    int it = 0, staged = 0;
     for (int n = 0;; ++n) {
       const int slot = n % kTileRing;
       sm90::mbar_wait(&tile_full[slot], (n / kTileRing) & 1);
@@ -363,8 +258,17 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       sm90::wgmma_wait<0>();
       sm90::fence_accumulators(acc);
       if (prev_stage >= 0 && tid == 0) sm90::mbar_arrive(&empty[prev_stage]);
-      gemm_epilogue<BN, EPI>(p, tile, cw, acc);
+      // Stage the tile out for the epilogue warps once they are done with the previous one.
+      sm90::mbar_wait(epi_empty, (staged & 1) ^ 1);
+      gemm_stage_out<BN, EPI>(p, tile, cw, acc, epi);
+      if (threadIdx.x == 128) *epi_tile = tile;
+      sm90::mbar_arrive(epi_full);
+      ++staged;
     }
+    // Tell the epilogue warps to stop.
+    sm90::mbar_wait(epi_empty, (staged & 1) ^ 1);
+    if (threadIdx.x == 128) epi_tile->e = -1;
+    sm90::mbar_arrive(epi_full);
   }
 }
 

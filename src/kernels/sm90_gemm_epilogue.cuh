@@ -1,0 +1,183 @@
+// The grouped GEMM engine's epilogue (sm90_grouped_gemm.cuh), split in two so that it overlaps the
+// next tile's main loop:
+//   1. the consumer warpgroups stage their fp32 accumulators (+ bias) out to shared memory as the
+//      bf16 H tile (a few hundred cycles), then go straight back to the tensor cores;
+//   2. the three epilogue warps of the producer warpgroup read that tile, compute the activation
+//      from the bf16-rounded H (what the backward will recompute), and write H and A (or Y) to
+//      global memory in 16-byte stores, predicated on the expert's last row.
+// Device functions only; included by sm90_grouped_gemm.cuh.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "kernels/common.cuh"
+
+namespace machmoe::kernels {
+
+enum GemmEpilogue : int {
+  kEpiStore = 0,      // C = acc (+ bias)
+  kEpiGluInter = 1,   // GLU, gate/up interleaved columns: C = H, C2 = act(gate)·up
+  kEpiGluConcat = 2,  // GLU, B tile = [BN/2 gate rows; BN/2 up rows] of a concatenated W1
+  kEpiAct = 3,        // non-GLU activation: C = H, C2 = act(H)
+};
+
+enum GemmActivation : int { kActSwiGLU = 0, kActGeGLU = 1, kActReGLU = 2, kActReLU2 = 3, kActReLU = 4,
+                            kActGELU = 5, kActSiLU = 6 };
+
+constexpr int kGemmBM = 128;
+constexpr int kEpilogueThreads = 96;  // warps 1-3 of the producer warpgroup
+
+struct GroupedGemmParams {
+  const __nv_bfloat16* a;        // A rows, leading dimension lda (elements)
+  int64_t lda;
+  const int32_t* gather;         // [R] row -> A row, or null (row r of A)
+  const int32_t* expert_offsets; // [E+1]
+  const int32_t* tile_offsets;   // [E+1], from grouped_gemm_tile_offsets
+  const __nv_bfloat16* bias;     // [E, N] (in W's row order) or null
+  __nv_bfloat16* c;              // [R, ldc]: C (store) or H (GLU / act)
+  int64_t ldc;
+  __nv_bfloat16* c2;             // [R, ldc2]: A = act(H), or null
+  int64_t ldc2;
+  int E, N, K;                   // N: output columns of C (2n for GLU)
+  int n_tiles;                   // column tiles per expert
+  int act;                       // GemmActivation
+};
+
+struct GemmTile {
+  int e, row0, rows, n0;  // expert (-1: no more tiles), first row, rows (<= 128), first column
+};
+
+// The activation as a compile-time choice (one instantiation per activation, picked by a switch
+// per tile). Fast intrinsics: the result is rounded to bf16 anyway.
+template <int ACT>
+__device__ __forceinline__ float gemm_act(float h) {
+  if constexpr (ACT == kActSwiGLU || ACT == kActSiLU) {
+    return __fdividef(h, 1.f + __expf(-h));
+  } else if constexpr (ACT == kActGeGLU || ACT == kActGELU) {
+    const float u = 0.7978845608028654f * (h + 0.044715f * h * h * h);
+    return 0.5f * h * (1.f + tanhf(u));
+  } else if constexpr (ACT == kActReGLU || ACT == kActReLU) {
+    return fmaxf(h, 0.f);
+  } else {  // ReLU²
+    return h > 0.f ? h * h : 0.f;
+  }
+}
+
+// Row stride of the staged tile: BN bf16 + 16 bytes, so that the 8 rows a warp writes at once
+// land in different banks (row stride ≡ 4 banks mod 32).
+template <int BN>
+constexpr int epi_row_bytes() { return BN * 2 + 16; }
+
+// Weight row (and bias index) of tile column c: plain/interleaved n0 + c; concatenated GLU:
+// gate j0 + c for c < BN/2, up n + j0 + c - BN/2.
+template <int BN, int EPI>
+__device__ __forceinline__ int gemm_weight_col(const GroupedGemmParams& p, const GemmTile& t, int c) {
+  if constexpr (EPI == kEpiGluConcat) return c < BN / 2 ? t.n0 + c : p.N / 2 + t.n0 + c - BN / 2;
+  return t.n0 + c;
+}
+
+// Consumer side: accumulator fragment (+ bias) -> bf16 tile in shared memory. Fragment layout of
+// wgmma m64nBN: register 4·jj + 2·half + i holds row (warp·16 + lane/4 + 8·half) of the
+// warpgroup's 64, column 8·jj + 2·(lane % 4) + i.
+template <int BN, int EPI>
+__device__ __forceinline__ void gemm_stage_out(const GroupedGemmParams& p, const GemmTile& tile, int cw,
+                                               const float (&acc)[BN / 2], uint8_t* epi) {
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+  const int r0 = cw * 64 + warp * 16 + lane / 4;
+  const __nv_bfloat16* bias = p.bias ? p.bias + static_cast<int64_t>(tile.e) * p.N : nullptr;
+#pragma unroll
+  for (int jj = 0; jj < BN / 8; ++jj) {
+    const int c = jj * 8 + 2 * (lane % 4);
+    float b0 = 0.f, b1 = 0.f;
+    if (bias) {
+      const int wc = gemm_weight_col<BN, EPI>(p, tile, c);
+      if (wc < p.N) {
+        b0 = __bfloat162float(bias[wc]);
+        b1 = __bfloat162float(bias[wc + 1]);
+      }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(acc[jj * 4 + half * 2] + b0, acc[jj * 4 + half * 2 + 1] + b1);
+      *reinterpret_cast<__nv_bfloat162*>(epi + (r0 + 8 * half) * epi_row_bytes<BN>() + c * 2) = h;
+    }
+  }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_bf16(T* dst, const float (&v)[N]) {
+  static_assert(N == 4 || N == 8, "4 or 8 values");
+  __nv_bfloat162 o[N / 2];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) o[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+  if constexpr (N == 8) *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(o);
+  else *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(o);
+}
+
+// Epilogue warps: the staged tile -> global H/C (and A). Work items are (row, 8-column chunk),
+// consecutive threads on consecutive chunks of a row, so the stores coalesce.
+template <int BN, int EPI, int ACT>
+__device__ __forceinline__ void gemm_write_out_act(const GroupedGemmParams& p, const GemmTile& tile,
+                                                   const uint8_t* epi, int etid) {
+  constexpr int kChunks = EPI == kEpiGluConcat ? BN / 16 : BN / 8;  // per row
+  const int items = tile.rows * kChunks;
+  for (int it = etid; it < items; it += kEpilogueThreads) {
+    const int r = it / kChunks, ch = it % kChunks;
+    const int64_t row = tile.row0 + r;
+    const uint8_t* src = epi + r * epi_row_bytes<BN>() + ch * 16;
+    if constexpr (EPI == kEpiGluConcat) {
+      const int n = p.N / 2, j = tile.n0 + ch * 8;
+      if (j >= n) continue;
+      const uint4 graw = *reinterpret_cast<const uint4*>(src);
+      const uint4 uraw = *reinterpret_cast<const uint4*>(src + BN);  // up half: BN/2 columns later
+      *reinterpret_cast<uint4*>(p.c + row * p.ldc + j) = graw;
+      *reinterpret_cast<uint4*>(p.c + row * p.ldc + n + j) = uraw;
+      const __nv_bfloat16* g = reinterpret_cast<const __nv_bfloat16*>(&graw);
+      const __nv_bfloat16* u = reinterpret_cast<const __nv_bfloat16*>(&uraw);
+      float a[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) a[i] = gemm_act<ACT>(__bfloat162float(g[i])) * __bfloat162float(u[i]);
+      store_bf16(p.c2 + row * p.ldc2 + j, a);
+    } else {
+      const int col = tile.n0 + ch * 8;
+      if (col >= p.N) continue;
+      const uint4 raw = *reinterpret_cast<const uint4*>(src);
+      *reinterpret_cast<uint4*>(p.c + row * p.ldc + col) = raw;
+      const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&raw);
+      if constexpr (EPI == kEpiGluInter) {  // (gate, up) pairs -> 4 A values
+        float a[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[i] = gemm_act<ACT>(__bfloat162float(h[2 * i])) * __bfloat162float(h[2 * i + 1]);
+        store_bf16(p.c2 + row * p.ldc2 + col / 2, a);
+      } else if constexpr (EPI == kEpiAct) {
+        float a[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) a[i] = gemm_act<ACT>(__bfloat162float(h[i]));
+        store_bf16(p.c2 + row * p.ldc2 + col, a);
+      }
+    }
+  }
+}
+
+template <int BN, int EPI>
+__device__ __forceinline__ void gemm_write_out(const GroupedGemmParams& p, const GemmTile& tile,
+                                               const uint8_t* epi, int etid) {
+  if constexpr (EPI == kEpiStore) {
+    gemm_write_out_act<BN, EPI, kActSwiGLU>(p, tile, epi, etid);  // no activation involved
+  } else if constexpr (EPI == kEpiGluInter || EPI == kEpiGluConcat) {
+    switch (p.act) {
+      case kActGeGLU: gemm_write_out_act<BN, EPI, kActGeGLU>(p, tile, epi, etid); break;
+      case kActReGLU: gemm_write_out_act<BN, EPI, kActReGLU>(p, tile, epi, etid); break;
+      default: gemm_write_out_act<BN, EPI, kActSwiGLU>(p, tile, epi, etid); break;
+    }
+  } else {
+    switch (p.act) {
+      case kActReLU2: gemm_write_out_act<BN, EPI, kActReLU2>(p, tile, epi, etid); break;
+      case kActReLU: gemm_write_out_act<BN, EPI, kActReLU>(p, tile, epi, etid); break;
+      case kActGELU: gemm_write_out_act<BN, EPI, kActGELU>(p, tile, epi, etid); break;
+      default: gemm_write_out_act<BN, EPI, kActSiLU>(p, tile, epi, etid); break;
+    }
+  }
+}
+
+}  // namespace machmoe::kernels
