@@ -25,7 +25,6 @@ enum GemmActivation : int { kActSwiGLU = 0, kActGeGLU = 1, kActReGLU = 2, kActRe
                             kActGELU = 5, kActSiLU = 6 };
 
 constexpr int kGemmBM = 128;
-constexpr int kEpilogueThreads = 96;  // warps 1-3 of the producer warpgroup
 
 struct GroupedGemmParams {
   const __nv_bfloat16* a;        // A rows, leading dimension lda (elements)
@@ -118,10 +117,10 @@ __device__ __forceinline__ void store_bf16(T* dst, const float (&v)[N]) {
 // consecutive threads on consecutive chunks of a row, so the stores coalesce.
 template <int BN, int EPI, int ACT>
 __device__ __forceinline__ void gemm_write_out_act(const GroupedGemmParams& p, const GemmTile& tile,
-                                                   const uint8_t* epi, int etid) {
+                                                   const uint8_t* epi, int etid, int nthreads) {
   constexpr int kChunks = EPI == kEpiGluConcat ? BN / 16 : BN / 8;  // per row
   const int items = tile.rows * kChunks;
-  for (int it = etid; it < items; it += kEpilogueThreads) {
+  for (int it = etid; it < items; it += nthreads) {
     const int r = it / kChunks, ch = it % kChunks;
     const int64_t row = tile.row0 + r;
     const uint8_t* src = epi + r * epi_row_bytes<BN>() + ch * 16;
@@ -161,21 +160,21 @@ __device__ __forceinline__ void gemm_write_out_act(const GroupedGemmParams& p, c
 
 template <int BN, int EPI>
 __device__ __forceinline__ void gemm_write_out(const GroupedGemmParams& p, const GemmTile& tile,
-                                               const uint8_t* epi, int etid) {
+                                               const uint8_t* epi, int etid, int nthreads) {
   if constexpr (EPI == kEpiStore) {
-    gemm_write_out_act<BN, EPI, kActSwiGLU>(p, tile, epi, etid);  // no activation involved
+    gemm_write_out_act<BN, EPI, kActSwiGLU>(p, tile, epi, etid, nthreads);  // no activation involved
   } else if constexpr (EPI == kEpiGluInter || EPI == kEpiGluConcat) {
     switch (p.act) {
-      case kActGeGLU: gemm_write_out_act<BN, EPI, kActGeGLU>(p, tile, epi, etid); break;
-      case kActReGLU: gemm_write_out_act<BN, EPI, kActReGLU>(p, tile, epi, etid); break;
-      default: gemm_write_out_act<BN, EPI, kActSwiGLU>(p, tile, epi, etid); break;
+      case kActGeGLU: gemm_write_out_act<BN, EPI, kActGeGLU>(p, tile, epi, etid, nthreads); break;
+      case kActReGLU: gemm_write_out_act<BN, EPI, kActReGLU>(p, tile, epi, etid, nthreads); break;
+      default: gemm_write_out_act<BN, EPI, kActSwiGLU>(p, tile, epi, etid, nthreads); break;
     }
   } else {
     switch (p.act) {
-      case kActReLU2: gemm_write_out_act<BN, EPI, kActReLU2>(p, tile, epi, etid); break;
-      case kActReLU: gemm_write_out_act<BN, EPI, kActReLU>(p, tile, epi, etid); break;
-      case kActGELU: gemm_write_out_act<BN, EPI, kActGELU>(p, tile, epi, etid); break;
-      default: gemm_write_out_act<BN, EPI, kActSiLU>(p, tile, epi, etid); break;
+      case kActReLU2: gemm_write_out_act<BN, EPI, kActReLU2>(p, tile, epi, etid, nthreads); break;
+      case kActReLU: gemm_write_out_act<BN, EPI, kActReLU>(p, tile, epi, etid, nthreads); break;
+      case kActGELU: gemm_write_out_act<BN, EPI, kActGELU>(p, tile, epi, etid, nthreads); break;
+      default: gemm_write_out_act<BN, EPI, kActSiLU>(p, tile, epi, etid, nthreads); break;
     }
   }
 }

@@ -5,13 +5,13 @@
 //   row(r) = gather[r] (gathered activation rows, e.g. X by token) or r (contiguous rows).
 //
 // Persistent and warp-specialised: 3 warpgroups per CTA, one CTA per SM.
-//   warpgroup 0 (56 registers):
-//     warp 0, producer: decodes the tile schedule and hands it to the consumers through a ring;
-//       TMA loads of the B tile (weights) and of contiguous A, or 16-byte cp.async of gathered A
-//       rows, into a ring of shared-memory stages (one mbarrier per stage: TMA bytes + the warp's
-//       cp.async arrivals).
-//     warps 1-3, epilogue: write the staged output tile to global memory with the activation
-//       (sm90_gemm_epilogue.cuh) while the consumers already run the next tile.
+//   warpgroup 0 (56 registers), the loaders and the epilogue:
+//     loader warps (warp 0; warps 0-1 with a gather): thread 0 decodes the tile schedule and hands
+//       it to the consumers through a ring, and issues the TMA loads of the B tile (weights) and
+//       of contiguous A; with a gather the loader threads copy the A rows by 16-byte cp.async. A
+//       ring of shared-memory stages, one mbarrier per stage (TMA bytes + cp.async arrivals).
+//     epilogue warps (the others): write the staged output tile to global memory with the
+//       activation (sm90_gemm_epilogue.cuh) while the consumers already run the next tile.
 //   warpgroups 1-2, consumers (224 registers): each owns 64 rows of the 128-row tile, runs
 //     wgmma m64n{BN}k16 with fp32 accumulators, keeps one wgmma group in flight, releases a stage
 //     as soon as the wgmmas reading it retire, and stages the finished tile (+ bias, bf16) out to
@@ -133,11 +133,14 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   GemmTile* epi_tile = ring + kTileRing;
   int32_t* gather_rows = reinterpret_cast<int32_t*>(epi_tile + 1);  // [128] this tile's A rows
 
+  // A gather needs two warps of cp.async issue to keep up with the tensor cores; TMA needs one thread.
+  constexpr int kLoaders = GATHER ? 64 : 32;
+  constexpr int kEpilogueThreads = 128 - kLoaders;
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
-      // GATHER: 32 cp.async arrivals of warp 0 + the TMA thread's expect_tx; else the expect_tx alone.
-      sm90::mbar_init(&full[s], GATHER ? 32 + 1 : 1);
+      // GATHER: the loaders' cp.async arrivals + the TMA thread's expect_tx; else the expect_tx alone.
+      sm90::mbar_init(&full[s], GATHER ? kLoaders + 1 : 1);
       sm90::mbar_init(&empty[s], 2);  // one arrival per consumer warpgroup
     }
     for (int r = 0; r < kTileRing; ++r) {
@@ -156,20 +159,20 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
 
   if (wg == 0) {
     sm90::setmaxnreg_dec<kProducerRegs>();
-    if (tid >= 32) {
-      // ---------------------------------------------------------- epilogue warps (1-3)
+    if (tid >= kLoaders) {
+      // ---------------------------------------------------------- epilogue warps
       for (int n = 0;; ++n) {
         sm90::mbar_wait(epi_full, n & 1);
         const GemmTile tile = *epi_tile;
         if (tile.e < 0) break;
-        gemm_write_out<BN, EPI>(p, tile, epi, tid - 32);
+        gemm_write_out<BN, EPI>(p, tile, epi, tid - kLoaders, kEpilogueThreads);
         sm90::mbar_arrive(epi_empty);
       }
       return;
     }
-    // ------------------------------------------------------------ producer (warp 0)
-    const int lane = tid;
-    const int chunk = lane % 8;  // 16-byte chunk (8 bf16 of K) this lane copies in its rows
+    // ------------------------------------------------------------ loaders
+    const int lane = tid;        // 0 .. kLoaders-1
+    const int chunk = lane % 8;  // 16-byte chunk (8 bf16 of K) this thread copies in its rows
     int it = 0;
     for (int t = blockIdx.x, n = 0;; t += gridDim.x, ++n) {
       const bool done = t >= total_tiles;
@@ -182,13 +185,13 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       }
       if (done) break;
       if constexpr (GATHER) {  // this tile's 128 A rows (-1 past the expert's end)
-        __syncwarp();
+        sm90::named_barrier_sync(1, kLoaders);  // the previous tile's table is no longer read
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int r = lane + 32 * i;
+        for (int i = 0; i < 128 / kLoaders; ++i) {
+          const int r = lane + kLoaders * i;
           gather_rows[r] = r < tile.rows ? __ldg(p.gather + tile.row0 + r) : -1;
         }
-        __syncwarp();
+        sm90::named_barrier_sync(1, kLoaders);
       }
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
         const int s = it % S;
@@ -210,8 +213,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         if constexpr (GATHER) {
           const bool k_ok = k0 + chunk * 8 < p.K;
 #pragma unroll 8
-          for (int i = 0; i < 32; ++i) {  // rows lane/8 + 4i
-            const int r = lane / 8 + 4 * i;
+          for (int i = 0; i < 128 * 8 / kLoaders; ++i) {  // rows lane/8 + (kLoaders/8)·i
+            const int r = lane / 8 + (kLoaders / 8) * i;
             const int arow = gather_rows[r];
             const bool ok = k_ok && arow >= 0;
             const uint32_t dst = sm90::smem_addr(a_stage + r * 128 + ((chunk ^ (r & 7)) << 4));

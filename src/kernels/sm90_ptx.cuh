@@ -100,6 +100,11 @@ __device__ __forceinline__ uint64_t smem_desc_kmajor_sw128(uint32_t addr) {
   return desc;
 }
 
+// Barrier among `count` threads (a multiple of 32) of the CTA, id 1..15 (0 is __syncthreads).
+__device__ __forceinline__ void named_barrier_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
 // ---------------------------------------------------------------- registers
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() {
