@@ -113,15 +113,24 @@ __device__ __forceinline__ void store_bf16(T* dst, const float (&v)[N]) {
   else *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(o);
 }
 
-// Epilogue warps: the staged tile -> global H/C (and A). Work items are (row, 8-column chunk),
-// consecutive threads on consecutive chunks of a row, so the stores coalesce.
+template <int BN, int EPI>
+constexpr int epi_chunks_per_row() { return EPI == kEpiGluConcat ? BN / 16 : BN / 8; }
+
+__device__ __forceinline__ int gemm_epi_items_of(const GemmTile& tile, int chunks_per_row) {
+  return tile.rows * chunks_per_row;
+}
+
+// The staged tile -> global H/C (and A). Work items are (row, 8-column chunk), consecutive
+// threads on consecutive chunks of a row, so the stores coalesce. A thread handles items
+// next, next + stride, ... and stops after `budget` of them; it returns the item to resume from
+// (>= the item count when it is done), so loader threads can do the work in slices.
 template <int BN, int EPI, int ACT>
-__device__ __forceinline__ void gemm_write_out_act(const GroupedGemmParams& p, const GemmTile& tile,
-                                                   const uint8_t* epi, int etid, int nthreads) {
-  constexpr int kChunks = EPI == kEpiGluConcat ? BN / 16 : BN / 8;  // per row
-  const int items = tile.rows * kChunks;
-  for (int it = etid; it < items; it += nthreads) {
-    const int r = it / kChunks, ch = it % kChunks;
+__device__ __forceinline__ int gemm_write_out_act(const GroupedGemmParams& p, const GemmTile& tile,
+                                                  const uint8_t* epi, int next, int stride, int budget) {
+  constexpr int kChunks = epi_chunks_per_row<BN, EPI>();
+  const int items = gemm_epi_items_of(tile, kChunks);
+  for (; next < items && budget > 0; next += stride, --budget) {
+    const int r = next / kChunks, ch = next % kChunks;
     const int64_t row = tile.row0 + r;
     const uint8_t* src = epi + r * epi_row_bytes<BN>() + ch * 16;
     if constexpr (EPI == kEpiGluConcat) {
@@ -156,25 +165,26 @@ __device__ __forceinline__ void gemm_write_out_act(const GroupedGemmParams& p, c
       }
     }
   }
+  return next;
 }
 
 template <int BN, int EPI>
-__device__ __forceinline__ void gemm_write_out(const GroupedGemmParams& p, const GemmTile& tile,
-                                               const uint8_t* epi, int etid, int nthreads) {
+__device__ __forceinline__ int gemm_write_out(const GroupedGemmParams& p, const GemmTile& tile,
+                                              const uint8_t* epi, int next, int stride, int budget) {
   if constexpr (EPI == kEpiStore) {
-    gemm_write_out_act<BN, EPI, kActSwiGLU>(p, tile, epi, etid, nthreads);  // no activation involved
+    return gemm_write_out_act<BN, EPI, kActSwiGLU>(p, tile, epi, next, stride, budget);  // no activation
   } else if constexpr (EPI == kEpiGluInter || EPI == kEpiGluConcat) {
     switch (p.act) {
-      case kActGeGLU: gemm_write_out_act<BN, EPI, kActGeGLU>(p, tile, epi, etid, nthreads); break;
-      case kActReGLU: gemm_write_out_act<BN, EPI, kActReGLU>(p, tile, epi, etid, nthreads); break;
-      default: gemm_write_out_act<BN, EPI, kActSwiGLU>(p, tile, epi, etid, nthreads); break;
+      case kActGeGLU: return gemm_write_out_act<BN, EPI, kActGeGLU>(p, tile, epi, next, stride, budget);
+      case kActReGLU: return gemm_write_out_act<BN, EPI, kActReGLU>(p, tile, epi, next, stride, budget);
+      default: return gemm_write_out_act<BN, EPI, kActSwiGLU>(p, tile, epi, next, stride, budget);
     }
   } else {
     switch (p.act) {
-      case kActReLU2: gemm_write_out_act<BN, EPI, kActReLU2>(p, tile, epi, etid, nthreads); break;
-      case kActReLU: gemm_write_out_act<BN, EPI, kActReLU>(p, tile, epi, etid, nthreads); break;
-      case kActGELU: gemm_write_out_act<BN, EPI, kActGELU>(p, tile, epi, etid, nthreads); break;
-      default: gemm_write_out_act<BN, EPI, kActSiLU>(p, tile, epi, etid, nthreads); break;
+      case kActReLU2: return gemm_write_out_act<BN, EPI, kActReLU2>(p, tile, epi, next, stride, budget);
+      case kActReLU: return gemm_write_out_act<BN, EPI, kActReLU>(p, tile, epi, next, stride, budget);
+      case kActGELU: return gemm_write_out_act<BN, EPI, kActGELU>(p, tile, epi, next, stride, budget);
+      default: return gemm_write_out_act<BN, EPI, kActSiLU>(p, tile, epi, next, stride, budget);
     }
   }
 }

@@ -49,7 +49,9 @@ __device__ __forceinline__ int gemm_tile_expert(const int32_t* tile_offsets, int
   return lo;
 }
 
-constexpr int kTileRing = 4;  // tiles the producer may decode ahead of the consumers
+// Tiles the producer may decode ahead of the consumers: more than the stages, so that the
+// publishing thread never waits on the consumers while its loads are ahead of them.
+constexpr int kTileRing = 8;
 
 // Tiles of one expert are visited in groups of kGemmGroupM row blocks, column block outer inside a
 // group, so that the CTAs running at the same time share both their A rows and their B columns
@@ -103,6 +105,11 @@ struct GemmSmem {
   static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / kStageBytes;
   static constexpr int kBytes = kStages * kStageBytes + kEpiBytes + kFixed;
   static_assert(kStages >= 2, "at least two pipeline stages");
+  static_assert(kStages < kTileRing, "the tile ring must hold more tiles than there are stages");
+  // barriers (2 per stage, 2 per ring slot, 2 for the epilogue), the ring, the epilogue's tile,
+  // the gather table: all inside kFixed after the 1 KB alignment slack.
+  static_assert((2 * kStages + 2 * kTileRing + 2) * 8 + (kTileRing + 1) * 16 + 128 * 4 <= kFixed - 1024,
+                "fixed shared-memory area too small");
 };
 
 // GATHER: A rows come through p.gather by 16-byte cp.async from producer warp 0; otherwise A is
@@ -133,9 +140,11 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   GemmTile* epi_tile = ring + kTileRing;
   int32_t* gather_rows = reinterpret_cast<int32_t*>(epi_tile + 1);  // [128] this tile's A rows
 
-  // A gather needs two warps of cp.async issue to keep up with the tensor cores; TMA needs one thread.
-  constexpr int kLoaders = GATHER ? 64 : 32;
-  constexpr int kEpilogueThreads = 128 - kLoaders;
+  // A gather needs the cp.async issue of all four warps (one per SM sub-partition) to keep up with
+  // the tensor cores, so with a gather the same 128 threads also write the epilogue, in slices
+  // between their loads. With TMA one loader warp suffices and three warps do the epilogue.
+  constexpr int kLoaders = GATHER ? 128 : 32;
+  constexpr int kEpilogueThreads = GATHER ? 128 : 96;
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
@@ -160,16 +169,40 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   if (wg == 0) {
     sm90::setmaxnreg_dec<kProducerRegs>();
     if (tid >= kLoaders) {
-      // ---------------------------------------------------------- epilogue warps
+      // ---------------------------------------------------------- epilogue warps (TMA path)
       for (int n = 0;; ++n) {
         sm90::mbar_wait(epi_full, n & 1);
         const GemmTile tile = *epi_tile;
         if (tile.e < 0) break;
-        gemm_write_out<BN, EPI>(p, tile, epi, tid - kLoaders, kEpilogueThreads);
+        gemm_write_out<BN, EPI>(p, tile, epi, tid - kLoaders, kEpilogueThreads, 1 << 30);
         sm90::mbar_arrive(epi_empty);
       }
       return;
     }
+    // With a gather the loaders also write the epilogue: `ep` tracks the staged tile in progress.
+    // They never block on a stage while epilogue work is pending (the consumers may be waiting
+    // for it to stage their next tile), and poll it while they wait.
+    struct {
+      int n = 0, next = -1;
+      GemmTile tile;
+    } ep;
+    constexpr int kChunks = epi_chunks_per_row<BN, EPI>();
+    auto epi_step = [&](int budget) {
+      if constexpr (GATHER) {
+        if (ep.next < 0) {
+          if (!sm90::mbar_try_wait(sm90::smem_addr(epi_full), ep.n & 1)) return;
+          ep.tile = *epi_tile;
+          if (ep.tile.e < 0) return;  // the stop signal: handled after the last load
+          ep.next = tid;
+        }
+        ep.next = gemm_write_out<BN, EPI>(p, ep.tile, epi, ep.next, kEpilogueThreads, budget);
+        if (ep.next >= gemm_epi_items_of(ep.tile, kChunks)) {
+          sm90::mbar_arrive(epi_empty);
+          ep.next = -1;
+          ++ep.n;
+        }
+      }
+    };
     // ------------------------------------------------------------ loaders
     const int lane = tid;        // 0 .. kLoaders-1
     const int chunk = lane % 8;  // 16-byte chunk (8 bf16 of K) this thread copies in its rows
@@ -195,7 +228,12 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       }
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
         const int s = it % S;
-        sm90::mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
+        if constexpr (GATHER) {
+          const uint32_t bar = sm90::smem_addr(&empty[s]);
+          while (!sm90::mbar_try_wait(bar, ((it / S) & 1) ^ 1)) epi_step(2);
+        } else {
+          sm90::mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
+        }
         uint8_t* a_stage = smem_a + s * Smem::kABytes;
         uint8_t* b_stage = smem_b + s * Smem::kBBytes;
         const int k0 = kb * kGemmBK;
@@ -221,7 +259,19 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
             sm90::cp_async_16(dst, ok ? p.a + static_cast<int64_t>(arow) * p.lda + k0 + chunk * 8 : p.a, ok ? 16 : 0);
           }
           sm90::cp_async_arrive_noinc(&full[s]);
+          epi_step(4);
         }
+      }
+    }
+    if constexpr (GATHER) {  // drain: the remaining staged tiles, until the consumers say stop
+      for (;;) {
+        if (ep.next < 0) {
+          sm90::mbar_wait(epi_full, ep.n & 1);
+          ep.tile = *epi_tile;
+          if (ep.tile.e < 0) break;
+          ep.next = tid;
+        }
+        epi_step(1 << 30);
       }
     }
   } else {
