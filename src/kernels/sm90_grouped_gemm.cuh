@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     auto epi_step = [&](int budget) {
       if constexpr (GATHER) {
         if (ep.next < 0) {
-          if (!sm90::mbar_try_wait(sm90::smem_addr(epi_full), ep.n & 1)) return;
+          if (!sm90::mbar_test_wait(sm90::smem_addr(epi_full), ep.n & 1)) return;
           ep.tile = *epi_tile;
           if (ep.tile.e < 0) return;  // the stop signal: handled after the last load
           ep.next = tid;
@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         const int s = it % S;
         if constexpr (GATHER) {
           const uint32_t bar = sm90::smem_addr(&empty[s]);
-          while (!sm90::mbar_try_wait(bar, ((it / S) & 1) ^ 1)) epi_step(2);
+          while (!sm90::mbar_test_wait(bar, ((it / S) & 1) ^ 1)) epi_step(2);
         } else {
           sm90::mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
         }
