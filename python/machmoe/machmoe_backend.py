@@ -2,6 +2,7 @@
 
     logits = x · Wrᵀ (cuBLAS, fp32 out) -> topk_router -> routing_metadata -> grouped_gemm (gather
     + GLU/activation epilogue: H, A) -> grouped_gemm (contiguous A, store Y) -> aggregate (scores)
+    -> aux loss; for top-K routing all of it in one C++ call (machmoe::layer_forward).
 
 No host synchronisation: row counts stay on the device (expert_offsets), R = T·K is known.
 The backward kernels are issue #5: a call that would need gradients is refused with
@@ -59,15 +60,12 @@ def moe(x, router_weight, w1, b1, w2, b2, K: int, activation: ActivationType, la
     if rounding != TokenRounding.NONE:
         raise NotImplementedError("machmoe backend: token rounding in the layer is not wired yet "
                                   "(machmoe.functional.token_rounding + backend='torch' work)")
-    x, w1, w2, b1, b2 = (_contiguous(t) for t in (x, w1, w2, b1, b2))
-    logits = torch.mm(x, router_weight.t(), out_dtype=torch.float32)  # [T, E] fp32 (router GEMM)
+    x, router_weight, w1, w2, b1, b2 = (_contiguous(t) for t in (x, router_weight, w1, w2, b1, b2))
     bias = None if selection_bias is None else selection_bias.float().contiguous()
-    scores, experts = torch.ops.machmoe.topk_router(logits, K, routing.value, renormalize, bias)
-    out, offs = _experts(x, w1, b1, w2, b2, activation, layout, experts, T, E, T * K, scores.view(-1))
-    # aux (docs/LAYER.md): E · Σ_e (Σ_t P / Σ P) · (freq_e / Σ freq), freq from the expert offsets.
-    P = torch.softmax(logits, dim=1)
-    freq = torch.diff(offs).float()
-    aux = E * ((P.sum(0) / P.sum()) * (freq / freq.sum().clamp_min(1))).sum()
+    # One C++ call for the whole layer (machmoe::layer_forward): router GEMM, top-K, metadata,
+    # both grouped GEMMs, aggregation and aux loss. `saved` is what the backward will read.
+    out, aux, _saved = torch.ops.machmoe.layer_forward(x, router_weight, w1, b1, w2, b2, bias, K, activation.value,
+                                                       layout.value, routing.value, renormalize)
     return out, aux
 
 

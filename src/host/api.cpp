@@ -1,10 +1,12 @@
-// The public C++ API's host side: problem validation, the workspace plan, and the layer and
-// kernel-family entry points. The GPU kernels of the layer land with issues #3-#5; until then every
-// entry point that would run one refuses with ErrorCode::NotBuilt instead of pretending.
+// The public C++ API's host side: problem validation, the workspace plan, and the layer backward,
+// which refuses with ErrorCode::NotBuilt until its kernels exist (issue #5) instead of pretending.
+// The layer forward is in layer.cu, the kernel families in routing.cu, token_rounding.cu and
+// grouped_gemm.cu.
 #include <cstdint>
 #include <limits>
 #include <string>
 
+#include "host/layer_layout.hpp"
 #include "machmoe/machmoe.hpp"
 
 namespace machmoe {
@@ -21,17 +23,6 @@ void require(bool ok, const char* field, const std::string& rule) {
                   ": the GPU kernels for this are not built yet in this version of machmoe "
                   "(issues #4 and #5); use the CPU reference (machmoe/reference.hpp) or the "
                   "PyTorch 'torch' backend meanwhile");
-}
-
-constexpr size_t kAlign = 256;  // every sub-buffer starts 256-byte aligned (TMA needs 128)
-size_t align_up(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
-
-// Rows the experts may run on: T·K for top-K; token rounding moves each expert by less than one
-// tile, so at most T·K + E·(M-1) rows, and never more than T·E.
-int64_t max_rows(const LayerProblem& p) {
-  int64_t r = p.T * p.K;
-  if (p.rounding != TokenRounding::None) r = std::min(r + p.E * (p.rounding_tile_m - 1), p.T * p.E);
-  return r;
 }
 
 }  // namespace
@@ -57,32 +48,16 @@ void validate(const LayerProblem& p) {
 
 WorkspacePlan plan_workspace(const LayerProblem& p) {
   validate(p);
-  const size_t R = static_cast<size_t>(max_rows(p));
-  const size_t T = static_cast<size_t>(p.T), E = static_cast<size_t>(p.E);
-  const size_t n1 = static_cast<size_t>(is_glu(p.activation) ? 2 * p.n : p.n);
-  const size_t es = static_cast<size_t>(dtype_size(p.dtype));
+  const detail::LayerLayout L(p);  // the same layout layer_forward carves the blocks with
   WorkspacePlan w;
-  // Saved between forward and backward (SPEC §1): H [R, n1], fp32 scores [R], int32 metadata
-  // (expert offsets [E+1], row->token [R], pair->row [R], token offsets [T+1]) and fp32 logits
-  // [T, E] (the aux loss and top-K-over-softmax backward need the full softmax).
-  w.saved_bytes = align_up(R * n1 * es) + align_up(R * 4) + align_up((E + 1) * 4) +
-                  align_up(R * 4) * 2 + align_up((T + 1) * 4) + align_up(T * E * 4);
-  // Forward scratch: Y [R, d] and A [R, n] (transient), routing scratch [R] x 2.
-  w.forward_workspace_bytes = align_up(R * static_cast<size_t>(p.d) * es) +
-                              align_up(R * static_cast<size_t>(p.n) * es) + align_up(R * 4) * 2;
-  // Backward scratch: dH [R, n1], A' [R, n], dX~ [R, d], dS partials [R], d logits [T, E].
-  w.backward_workspace_bytes = align_up(R * n1 * es) + align_up(R * static_cast<size_t>(p.n) * es) +
-                               align_up(R * static_cast<size_t>(p.d) * es) + align_up(R * 4) +
-                               align_up(T * E * 4);
+  w.saved_bytes = L.saved_bytes;
+  w.forward_workspace_bytes = L.forward_bytes;
+  w.backward_workspace_bytes = L.backward_bytes;
   return w;
 }
 
+// True when both directions of the layer run on the GPU (the forward does; the backward is #5).
 bool layer_kernels_available() { return false; }
-
-void layer_forward(const LayerProblem& p, const LayerForwardArgs&, cudaStream_t) {
-  validate(p);
-  not_built("layer_forward");
-}
 
 void layer_backward(const LayerProblem& p, const LayerBackwardArgs&, cudaStream_t) {
   validate(p);

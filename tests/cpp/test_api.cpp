@@ -186,15 +186,37 @@ std::vector<std::pair<const char*, std::function<void()>>> gpu_calls(void* ptr) 
   };
 }
 
-TEST(NotBuilt, LayerEntryPointsThrowNotBuilt) {
+TEST(NotBuilt, LayerBackwardThrowsNotBuilt) {
   if (layer_kernels_available())
     GTEST_SKIP() << "the layer kernels are built; GPU tests cover them";
   // Non-null pointers (into a host buffer that nothing may touch): only NotBuilt is left to say.
-  // The kernel families (topk_router, ...) exist without the layer kernels: GPU tests cover them.
+  // The forward and the kernel families exist: GPU tests cover them.
   std::vector<uint64_t> buf(1 << 17, 0x5555555555555555ull);
   for (auto& [name, call] : gpu_calls(buf.data()))
-    if (std::string(name).rfind("layer_", 0) == 0)
-      mtest::expect_error(ErrorCode::NotBuilt, call, name);
+    if (std::string(name) == "layer_backward") mtest::expect_error(ErrorCode::NotBuilt, call, name);
+}
+
+// The layer forward refuses, before touching memory, what it does not run: token rounding (not
+// built yet), non-bf16 data and sizes that are not multiples of 8 (unsupported).
+TEST(LayerForward, RefusesWhatItDoesNotRun) {
+  std::vector<uint64_t> buf(1 << 17, 0x5555555555555555ull);
+  LayerForwardArgs fa;
+  void* ptr = buf.data();
+  fa.x = fa.router_weight = fa.w1 = fa.w2 = ptr;
+  fa.out = fa.saved = fa.workspace = ptr;
+  fa.aux_loss = static_cast<float*>(ptr);
+  LayerProblem p = valid_problem();
+  p.rounding = TokenRounding::Nearest;
+  mtest::expect_error(ErrorCode::NotBuilt, [&] { layer_forward(p, fa, nullptr); }, "token rounding");
+  p = valid_problem();
+  p.dtype = DType::FP32;
+  mtest::expect_error(ErrorCode::Unsupported, [&] { layer_forward(p, fa, nullptr); }, "fp32");
+  p = valid_problem();
+  p.d = 100;
+  mtest::expect_error(ErrorCode::Unsupported, [&] { layer_forward(p, fa, nullptr); }, "d % 8");
+  p = valid_problem();
+  p.has_bias = true;  // biases announced but not given
+  mtest::expect_error(ErrorCode::InvalidArgument, [&] { layer_forward(p, fa, nullptr); }, "bias");
 }
 
 // Null pointers are refused on the host, before any CUDA call (this machine may have no GPU).

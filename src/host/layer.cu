@@ -1,0 +1,162 @@
+// The layer forward on the GPU, end to end on the caller's stream, no host synchronisation:
+//   logits = x·Wrᵀ (cuBLAS, fp32 out) -> top-K router -> routing metadata -> up-projection
+//   (gathered rows, GLU/activation epilogue: H saved, A scratch) -> down-projection (Y scratch)
+//   -> aggregation with scores -> aux loss.
+// Buffers: host/layer_layout.hpp. The backward is issue #5.
+#include <cublas_v2.h>
+
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "host/check.hpp"
+#include "host/layer_layout.hpp"
+#include "kernels/aux_loss.cuh"
+#include "machmoe/machmoe.hpp"
+
+namespace machmoe {
+using detail::ceil_div;
+using detail::check_cuda;
+using detail::check_launch;
+using detail::LayerLayout;
+using detail::require_arg;
+
+namespace {
+
+void check_cublas(cublasStatus_t st, const char* what) {
+  if (st != CUBLAS_STATUS_SUCCESS)
+    throw Error(ErrorCode::CudaError, std::string(what) + ": cuBLAS status " + std::to_string(static_cast<int>(st)));
+}
+
+// One cuBLAS handle per (thread, device), created on first use: cuBLAS handles are not meant to
+// be shared between threads, and creating one costs milliseconds.
+cublasHandle_t cublas_handle() {
+  thread_local std::unordered_map<int, cublasHandle_t> handles;
+  int dev = 0;
+  check_cuda(cudaGetDevice(&dev), "layer_forward: cudaGetDevice");
+  auto it = handles.find(dev);
+  if (it != handles.end()) return it->second;
+  cublasHandle_t h = nullptr;
+  check_cublas(cublasCreate(&h), "layer_forward: cublasCreate");
+  handles.emplace(dev, h);
+  return h;
+}
+
+// logits [T, E] fp32 = x [T, d] bf16 · Wrᵀ (Wr [E, d] bf16), fp32 accumulation. Column-major
+// view: logitsᵀ [E, T] = Wr · xᵀ. The workspace is ours, so the call is graph-capturable.
+void router_gemm(const void* x, const void* wr, float* logits, int64_t T, int64_t E, int64_t d, void* ws,
+                 size_t ws_bytes, cudaStream_t stream) {
+  cublasHandle_t h = cublas_handle();
+  check_cublas(cublasSetStream(h, stream), "layer_forward: cublasSetStream");
+  check_cublas(cublasSetWorkspace(h, ws, ws_bytes), "layer_forward: cublasSetWorkspace");
+  const float alpha = 1.f, beta = 0.f;
+  check_cublas(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(E), static_cast<int>(T),
+                            static_cast<int>(d), &alpha, wr, CUDA_R_16BF, static_cast<int>(d), x, CUDA_R_16BF,
+                            static_cast<int>(d), &beta, logits, CUDA_R_32F, static_cast<int>(E),
+                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+               "layer_forward: router GEMM (cublasGemmEx)");
+}
+
+template <typename T>
+T* at(void* base, size_t off) {
+  return reinterpret_cast<T*>(static_cast<char*>(base) + off);
+}
+
+}  // namespace
+
+void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_t stream) {
+  constexpr const char* fn = "layer_forward";
+  validate(p);
+  if (p.rounding != TokenRounding::None)
+    throw Error(ErrorCode::NotBuilt,
+                "layer_forward: token rounding inside the layer is not built yet; run token_rounding "
+                "and the general-routing path, or the PyTorch 'torch' backend");
+  if (p.dtype != DType::BF16)
+    throw Error(ErrorCode::Unsupported, std::string("layer_forward: the GPU layer runs in bfloat16, got dtype=") +
+                                            to_string(p.dtype));
+  if (p.d % 8 != 0 || p.n % 8 != 0)
+    throw Error(ErrorCode::Unsupported, "layer_forward: d and n must be multiples of 8 (16-byte rows), got d=" +
+                                            std::to_string(p.d) + ", n=" + std::to_string(p.n));
+  require_arg(a.x && a.router_weight && a.w1 && a.w2 && a.out && a.aux_loss && a.saved && a.workspace, fn,
+              "x/router_weight/w1/w2/out/aux_loss/saved/workspace", "must not be null");
+  require_arg((a.b1 == nullptr) == (a.b2 == nullptr) && (a.b1 != nullptr) == p.has_bias, fn, "b1/b2",
+              "must both be given exactly when has_bias");
+  require_arg(a.selection_bias == nullptr || p.routing == RoutingMethod::Sigmoid, fn, "selection_bias",
+              "is only used with routing=sigmoid");
+  require_arg((reinterpret_cast<uintptr_t>(a.saved) & 255) == 0 && (reinterpret_cast<uintptr_t>(a.workspace) & 255) == 0,
+              fn, "saved/workspace", "must be 256-byte aligned");
+  const LayerLayout L(p);
+  if (p.T == 0) {
+    check_cuda(cudaMemsetAsync(a.aux_loss, 0, sizeof(float), stream), "layer_forward: memset aux");
+    return;
+  }
+  void* s = a.saved;
+  void* w = a.workspace;
+  float* logits = at<float>(s, L.logits);
+  float* scores = at<float>(s, L.scores);
+  int32_t* experts = at<int32_t>(s, L.experts);
+  int32_t* expert_offsets = at<int32_t>(s, L.expert_offsets);
+  const int64_t R = p.T * p.K;
+
+  router_gemm(a.x, a.router_weight, logits, p.T, p.E, p.d, at<void>(w, L.cublas), LayerLayout::kCublasWorkspace,
+              stream);
+  topk_router(logits, p.T, p.E, p.K, p.routing, p.renormalize, a.selection_bias, scores, experts, stream);
+  RoutingMetadataOutputs md;
+  md.expert_offsets = expert_offsets;
+  md.row_token = at<int32_t>(s, L.row_token);
+  md.row_pair = at<int32_t>(s, L.row_pair);
+  md.pair_row = at<int32_t>(s, L.pair_row);
+  md.token_offsets = at<int32_t>(s, L.token_offsets);
+  routing_metadata(experts, nullptr, R, p.K, p.T, p.E, md, at<void>(w, L.metadata),
+                   routing_metadata_workspace_bytes(p.T, p.E), stream);
+
+  GroupedGemmArgs up;
+  up.a = a.x;
+  up.lda = p.d;
+  up.a_rows = p.T;
+  up.gather = md.row_token;
+  up.expert_offsets = expert_offsets;
+  up.E = p.E;
+  up.N = L.n1;
+  up.K = p.d;
+  up.w = a.w1;
+  up.bias = a.b1;
+  up.c = at<void>(s, L.h);
+  up.ldc = L.n1;
+  up.c2 = at<void>(w, L.a);
+  up.ldc2 = p.n;
+  up.epilogue = is_glu(p.activation) ? GemmEpilogue::GLU : GemmEpilogue::Activation;
+  up.activation = p.activation;
+  up.layout = p.layout;
+  up.tile_offsets = at<int32_t>(w, L.tile_offsets);
+  grouped_gemm(up, stream);
+
+  GroupedGemmArgs down;
+  down.a = up.c2;
+  down.lda = p.n;
+  down.a_rows = R;
+  down.expert_offsets = expert_offsets;
+  down.E = p.E;
+  down.N = p.d;
+  down.K = p.n;
+  down.w = a.w2;
+  down.bias = a.b2;
+  down.c = at<void>(w, L.y);
+  down.ldc = p.d;
+  down.epilogue = GemmEpilogue::Store;
+  down.tile_offsets = up.tile_offsets;  // stream order: the up-projection is done with it
+  grouped_gemm(down, stream);
+
+  aggregate(down.c, DType::BF16, md.pair_row, md.token_offsets, scores, p.T, p.d, a.out, DType::BF16, stream);
+
+  const int blocks = static_cast<int>(ceil_div(p.T, LayerLayout::kAuxTokensPerBlock));
+  float* partials = at<float>(w, L.aux_partials);
+  kernels::aux_colsum_partial<LayerLayout::kAuxTokensPerBlock><<<blocks, 256, 0, stream>>>(
+      logits, p.T, static_cast<int>(p.E), partials);
+  check_launch("layer_forward: aux partial sums");
+  kernels::aux_finalize<<<1, 1024, 0, stream>>>(partials, blocks, static_cast<int>(p.E), expert_offsets,
+                                                 at<float>(w, L.aux_colsum), a.aux_loss);
+  check_launch("layer_forward: aux loss");
+}
+
+}  // namespace machmoe

@@ -1,0 +1,75 @@
+// Where every buffer of a layer call lives inside the caller's `saved` and `workspace` blocks.
+// One definition for plan_workspace (sizes) and layer_forward/backward (pointers), so the two can
+// never disagree. All offsets are 256-byte aligned (TMA needs 128, 16-byte vectors need 16).
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "host/routing_internal.hpp"
+#include "machmoe/machmoe.hpp"
+
+namespace machmoe::detail {
+
+// A running allocator over one block: offset of each sub-buffer, then the total.
+struct Carve {
+  size_t bytes = 0;
+  size_t take(size_t n) {
+    const size_t at = bytes;
+    bytes += align256(n);
+    return at;
+  }
+};
+
+struct LayerLayout {
+  int64_t R = 0;   // rows the experts may run on (T·K for top-K)
+  int64_t n1 = 0;  // columns of H
+  // saved (forward -> backward): SPEC §1's X-free minimum
+  size_t h, scores, experts, expert_offsets, row_token, row_pair, pair_row, token_offsets, logits;
+  size_t saved_bytes;
+  // forward workspace
+  size_t a, y, metadata, tile_offsets, aux_partials, aux_colsum, cublas;
+  size_t forward_bytes;
+  // backward workspace (issue #5; sized now so the plan is complete)
+  size_t backward_bytes;
+
+  static constexpr int kAuxTokensPerBlock = 64;
+  static constexpr size_t kCublasWorkspace = size_t{4} << 20;
+
+  explicit LayerLayout(const LayerProblem& p) {
+    R = p.T * p.K;
+    if (p.rounding != TokenRounding::None) R = std::min(R + p.E * (p.rounding_tile_m - 1), p.T * p.E);
+    n1 = is_glu(p.activation) ? 2 * p.n : p.n;
+    const size_t es = static_cast<size_t>(dtype_size(p.dtype));
+    const size_t r = static_cast<size_t>(R), T = static_cast<size_t>(p.T), E = static_cast<size_t>(p.E);
+    Carve s;
+    h = s.take(r * static_cast<size_t>(n1) * es);  // [R, n1]
+    scores = s.take(r * 4);                         // [T*K] fp32 (or [R] for a rounded list)
+    experts = s.take(r * 4);                        // [T*K] int32
+    expert_offsets = s.take((E + 1) * 4);
+    row_token = s.take(r * 4);
+    row_pair = s.take(r * 4);
+    pair_row = s.take(r * 4);
+    token_offsets = s.take((T + 1) * 4);
+    logits = s.take(T * E * 4);  // [T, E] fp32: the aux loss and some routings need the softmax
+    saved_bytes = s.bytes;
+
+    Carve f;
+    a = f.take(r * static_cast<size_t>(p.n) * es);  // [R, n]
+    y = f.take(r * static_cast<size_t>(p.d) * es);  // [R, d]
+    metadata = f.take(routing_metadata_workspace_bytes(p.T, p.E));
+    tile_offsets = f.take((E + 1) * 4);
+    const size_t aux_blocks = static_cast<size_t>(ceil_div(std::max<int64_t>(p.T, 1), kAuxTokensPerBlock));
+    aux_partials = f.take(aux_blocks * E * 4);
+    aux_colsum = f.take(E * 4);
+    cublas = f.take(kCublasWorkspace);
+    forward_bytes = f.bytes;
+
+    // dH [R, n1], A' [R, n], dX~ [R, d], dS [R], d logits [T, E]
+    backward_bytes = align256(r * static_cast<size_t>(n1) * es) + align256(r * static_cast<size_t>(p.n) * es) +
+                     align256(r * static_cast<size_t>(p.d) * es) + align256(r * 4) + align256(T * E * 4);
+  }
+};
+
+}  // namespace machmoe::detail
