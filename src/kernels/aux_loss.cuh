@@ -16,17 +16,10 @@ __global__ void __launch_bounds__(256) aux_colsum_partial(const float* logits, i
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   for (int i = warp; i < kTokens; i += blockDim.x / kWarpSize) {  // one warp per token: max, Σ exp
     const int64_t t = t0 + i;
-    float m = -INFINITY, s = 0.f;
-    if (t < T) {
-      const float* row = logits + t * E;
-      for (int e = lane; e < E; e += kWarpSize) m = fmaxf(m, row[e]);
-      m = warp_max(m);
-      for (int e = lane; e < E; e += kWarpSize) s += __expf(row[e] - m);
-      s = warp_sum(s);
-    }
+    const SoftmaxStats st = t < T ? warp_softmax_stats(logits + t * E, E, lane) : SoftmaxStats{0.f, 0.f};
     if (lane == 0) {
-      row_max[i] = m;
-      row_inv_sum[i] = t < T ? 1.f / s : 0.f;
+      row_max[i] = st.max;
+      row_inv_sum[i] = t < T ? 1.f / st.sum : 0.f;
     }
   }
   __syncthreads();

@@ -79,6 +79,25 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* smem /*[32]*/, i
   return warp_base + incl - v;
 }
 
+// The index of the calling warp across the grid: the kernels that give one warp to each token.
+__device__ __forceinline__ int64_t global_warp_index() {
+  return static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
+}
+
+// Softmax statistics of a row v[0..n) by one warp: max and Σ exp(v - max), both warp-uniform.
+// softmax(v)_i = __expf(v_i - max) / sum.
+struct SoftmaxStats {
+  float max, sum;
+};
+__device__ __forceinline__ SoftmaxStats warp_softmax_stats(const float* v, int n, int lane) {
+  float m = -INFINITY;
+  for (int i = lane; i < n; i += kWarpSize) m = fmaxf(m, v[i]);
+  m = warp_max(m);
+  float s = 0.f;
+  for (int i = lane; i < n; i += kWarpSize) s += __expf(v[i] - m);
+  return {m, warp_sum(s)};
+}
+
 // Element type <-> float, for the dtypes rows and outputs may have.
 template <typename T> __device__ __forceinline__ float to_float(T v);
 template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }

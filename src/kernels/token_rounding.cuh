@@ -47,18 +47,12 @@ __device__ __forceinline__ float rounding_prob(const RoundingParams& p, int64_t 
 
 __global__ void __launch_bounds__(256) rounding_row_stats(RoundingParams p) {
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
+  const int64_t t = global_warp_index();
   if (t >= p.T) return;
-  const float* row = p.logits + t * p.E;
-  float m = -INFINITY;
-  for (int e = lane; e < p.E; e += kWarpSize) m = fmaxf(m, row[e]);
-  m = warp_max(m);
-  float s = 0.f;
-  for (int e = lane; e < p.E; e += kWarpSize) s += __expf(row[e] - m);
-  s = warp_sum(s);
+  const SoftmaxStats st = warp_softmax_stats(p.logits + t * p.E, p.E, lane);
   if (lane == 0) {
-    p.row_max[t] = m;
-    p.row_sum[t] = s;
+    p.row_max[t] = st.max;
+    p.row_sum[t] = st.sum;
   }
 }
 
@@ -252,18 +246,14 @@ struct RoundingBackwardParams {
 // pair of rank k (0 for a dropped one). Padded pairs: the full-softmax Jacobian of P[t, e].
 __global__ void __launch_bounds__(256) rounding_backward(RoundingBackwardParams p) {
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
+  const int64_t t = global_warp_index();
   if (t >= p.T) return;
   const float* row = p.logits + t * p.E;
   float* drow = p.d_logits + t * p.E;
   const int begin = p.token_offsets[t], end = p.token_offsets[t + 1];
   // Full softmax of the row (for padded pairs).
-  float m = -INFINITY;
-  for (int e = lane; e < p.E; e += kWarpSize) m = fmaxf(m, row[e]);
-  m = warp_max(m);
-  float z = 0.f;
-  for (int e = lane; e < p.E; e += kWarpSize) z += __expf(row[e] - m);
-  z = warp_sum(z);
+  const SoftmaxStats st = warp_softmax_stats(row, p.E, lane);
+  const float m = st.max, z = st.sum;
   // pad_dot = Σ_padded g·P_e; lane k collects g_k of rank k.
   float pad_dot = 0.f, g_rank = 0.f;
   for (int q = begin; q < end; ++q) {

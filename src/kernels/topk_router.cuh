@@ -51,7 +51,7 @@ __device__ __forceinline__ float router_score(const RouterParams& p, int lane, f
 template <int V>
 __global__ void __launch_bounds__(256) topk_router_registers(RouterParams p) {
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
+  const int64_t t = global_warp_index();
   if (t >= p.T) return;
   const float* row = p.logits + t * p.E;
   float value[V];  // selection value of expert lane + 32 j
@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(256) topk_router_registers(RouterParams p) {
 // selected logits are parked in `scores` and normalised in a final pass.
 __global__ void __launch_bounds__(256) topk_router_general(RouterParams p) {
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
+  const int64_t t = global_warp_index();
   if (t >= p.T) return;
   const float* row = p.logits + t * p.E;
   float* out_s = p.scores + t * p.K;
@@ -119,18 +119,16 @@ __global__ void __launch_bounds__(256) topk_router_general(RouterParams p) {
   }
   __syncwarp();
   // Normalisation constants over the K selected logits (or the full row), then the scores.
-  float m = -INFINITY, sum = 0.f;
+  float m = 0.f, sum = 0.f;
   const bool full_softmax = p.method == kTopKSoftmax && !p.renormalize;
-  const float* src = full_softmax ? row : out_s;
-  const int count = full_softmax ? p.E : p.K;
   if (p.method != kSigmoid) {
-    for (int i = lane; i < count; i += kWarpSize) m = fmaxf(m, src[i]);
-    m = warp_max(m);
-    for (int i = lane; i < count; i += kWarpSize) sum += __expf(src[i] - m);
+    const SoftmaxStats st = full_softmax ? warp_softmax_stats(row, p.E, lane) : warp_softmax_stats(out_s, p.K, lane);
+    m = st.max;
+    sum = st.sum;
   } else {
     for (int i = lane; i < p.K; i += kWarpSize) sum += sigmoidf_(out_s[i]);
+    sum = warp_sum(sum);
   }
-  sum = warp_sum(sum);
   __syncwarp();
   for (int k = lane; k < p.K; k += kWarpSize) {
     const float l = out_s[k];
@@ -157,7 +155,7 @@ struct RouterBackwardParams {
 // lanes of the selected experts add their terms (distinct experts: no two lanes share a column).
 __global__ void __launch_bounds__(256) topk_router_backward(RouterBackwardParams p) {
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
+  const int64_t t = global_warp_index();
   if (t >= p.T) return;
   const float* row = p.logits + t * p.E;
   float* drow = p.d_logits + t * p.E;
@@ -178,14 +176,9 @@ __global__ void __launch_bounds__(256) topk_router_backward(RouterBackwardParams
   dot = warp_sum(dot);
   sig_sum = warp_sum(sig_sum);
   sig_dot = warp_sum(sig_dot);
-  float row_max = 0.f, row_sum = 1.f;
-  if (full_softmax) {
-    float m = -INFINITY, sum = 0.f;
-    for (int e = lane; e < p.E; e += kWarpSize) m = fmaxf(m, row[e]);
-    row_max = warp_max(m);
-    for (int e = lane; e < p.E; e += kWarpSize) sum += __expf(row[e] - row_max);
-    row_sum = warp_sum(sum);
-  }
+  SoftmaxStats st{0.f, 1.f};
+  if (full_softmax) st = warp_softmax_stats(row, p.E, lane);
+  const float row_max = st.max, row_sum = st.sum;
   for (int e = lane; e < p.E; e += kWarpSize)
     drow[e] = full_softmax ? -(__expf(row[e] - row_max) / row_sum) * dot : 0.f;
   __syncwarp();
