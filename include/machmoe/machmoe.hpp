@@ -121,7 +121,8 @@ void routing_metadata(const int32_t* pair_expert, const int32_t* pair_token, int
 // then each expert's row count moved to a multiple of tile_m (mode Nearest/Up/Down/Stochastic),
 // emitted as a general routing list ordered by token, then expert. The list has R rows, R =
 // token_offsets[T] on the device (no host sync), R <= token_rounding_capacity(...); rows past R
-// are not written. K <= 32.
+// hold invalid pairs (token T, expert -1, score 0), so the whole capacity can go to
+// routing_metadata, which gives them no row. K <= 32.
 struct TokenRoundingOutputs {
   float* topk_scores = nullptr;      // [T, K] the plain top-K routing (kept for the backward)
   int32_t* topk_experts = nullptr;   // [T, K]

@@ -4,10 +4,10 @@
     + GLU/activation epilogue: H, A) -> grouped_gemm (contiguous A, store Y) -> aggregate (scores)
     -> aux loss; for top-K routing all of it in one C++ call (machmoe::layer_forward).
 
-No host synchronisation: row counts stay on the device (expert_offsets), R = T·K is known.
-The backward kernels are issue #5: a call that would need gradients is refused with
-NotImplementedError rather than silently detaching. Token rounding in this backend waits for
-device-side row counts in the GEMM path; it is refused too (use backend='torch').
+No host synchronisation: row counts stay on the device (expert_offsets); buffers are sized for
+R = T·K rows, or for the rounded list's capacity with token rounding. The backward kernels are
+issue #5: a call that would need gradients is refused with NotImplementedError rather than
+silently detaching.
 """
 
 from __future__ import annotations
@@ -57,15 +57,13 @@ def moe(x, router_weight, w1, b1, w2, b2, K: int, activation: ActivationType, la
     T, d = x.shape
     E, n = w1.shape[0], w2.shape[2]
     _check(x, {"x": x, "router_weight": router_weight, "w1": w1, "w2": w2, "b1": b1, "b2": b2}, d, n)
-    if rounding != TokenRounding.NONE:
-        raise NotImplementedError("machmoe backend: token rounding in the layer is not wired yet "
-                                  "(machmoe.functional.token_rounding + backend='torch' work)")
     x, router_weight, w1, w2, b1, b2 = (_contiguous(t) for t in (x, router_weight, w1, w2, b1, b2))
     bias = None if selection_bias is None else selection_bias.float().contiguous()
     # One C++ call for the whole layer (machmoe::layer_forward): router GEMM, top-K, metadata,
     # both grouped GEMMs, aggregation and aux loss. `saved` is what the backward will read.
     out, aux, _saved = torch.ops.machmoe.layer_forward(x, router_weight, w1, b1, w2, b2, bias, K, activation.value,
-                                                       layout.value, routing.value, renormalize)
+                                                       layout.value, routing.value, renormalize, rounding.value,
+                                                       tile_m, seed)
     return out, aux
 
 

@@ -26,7 +26,8 @@ std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tenso
                                                     const std::optional<Tensor>& b2,
                                                     const std::optional<Tensor>& selection_bias, int64_t K,
                                                     const std::string& activation, const std::string& layout,
-                                                    const std::string& routing, bool renormalize) {
+                                                    const std::string& routing, bool renormalize,
+                                                    const std::string& rounding, int64_t tile_m, int64_t seed) {
   return translate_errors([&] {
     check_dims(x, "x", 2);
     check_dims(w1, "w1", 3);
@@ -41,6 +42,8 @@ std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tenso
     p.layout = parse_layout(layout);
     p.routing = parse_routing(routing);
     p.renormalize = renormalize;
+    p.rounding = parse_token_rounding(rounding);
+    p.rounding_tile_m = tile_m;
     p.has_bias = b1.has_value();
     p.dtype = DType::BF16;
     validate(p);
@@ -79,6 +82,7 @@ std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tenso
     a.aux_loss = aux.data_ptr<float>();
     a.saved = saved.data_ptr();
     a.workspace = ws.data_ptr();
+    a.seed = static_cast<uint64_t>(seed);
     layer_forward(p, a, at::cuda::getCurrentCUDAStream());
     return std::make_tuple(out, aux, saved);
   });
@@ -88,7 +92,8 @@ std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tenso
 
 TORCH_LIBRARY_FRAGMENT(machmoe, m) {
   m.def("layer_forward(Tensor x, Tensor router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2,"
-        " Tensor? selection_bias, int K, str activation, str layout, str routing, bool renormalize)"
+        " Tensor? selection_bias, int K, str activation, str layout, str routing, bool renormalize,"
+        " str rounding, int tile_m, int seed)"
         " -> (Tensor, Tensor, Tensor)");
 }
 

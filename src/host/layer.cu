@@ -67,10 +67,7 @@ T* at(void* base, size_t off) {
 void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_t stream) {
   constexpr const char* fn = "layer_forward";
   validate(p);
-  if (p.rounding != TokenRounding::None)
-    throw Error(ErrorCode::NotBuilt,
-                "layer_forward: token rounding inside the layer is not built yet; run token_rounding "
-                "and the general-routing path, or the PyTorch 'torch' backend");
+  require_arg(p.rounding == TokenRounding::None || p.K <= 32, fn, "K", "must be <= 32 with token rounding");
   if (p.dtype != DType::BF16)
     throw Error(ErrorCode::Unsupported, std::string("layer_forward: the GPU layer runs in bfloat16, got dtype=") +
                                             to_string(p.dtype));
@@ -96,19 +93,39 @@ void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_
   float* scores = at<float>(s, L.scores);
   int32_t* experts = at<int32_t>(s, L.experts);
   int32_t* expert_offsets = at<int32_t>(s, L.expert_offsets);
-  const int64_t R = p.T * p.K;
+  const bool rounded = p.rounding != TokenRounding::None;
+  const int64_t R = L.R;  // T·K, or the rounded list's capacity (its length stays on the device)
 
   router_gemm(a.x, a.router_weight, logits, p.T, p.E, p.d, at<void>(w, L.cublas), LayerLayout::kCublasWorkspace,
               stream);
-  topk_router(logits, p.T, p.E, p.K, p.routing, p.renormalize, a.selection_bias, scores, experts, stream);
   RoutingMetadataOutputs md;
   md.expert_offsets = expert_offsets;
   md.row_token = at<int32_t>(s, L.row_token);
   md.row_pair = at<int32_t>(s, L.row_pair);
   md.pair_row = at<int32_t>(s, L.pair_row);
   md.token_offsets = at<int32_t>(s, L.token_offsets);
-  routing_metadata(experts, nullptr, R, p.K, p.T, p.E, md, at<void>(w, L.metadata),
-                   routing_metadata_workspace_bytes(p.T, p.E), stream);
+  if (!rounded) {
+    topk_router(logits, p.T, p.E, p.K, p.routing, p.renormalize, a.selection_bias, scores, experts, stream);
+    routing_metadata(experts, nullptr, R, p.K, p.T, p.E, md, at<void>(w, L.metadata),
+                     routing_metadata_workspace_bytes(p.T, p.E), stream);
+  } else {
+    // Tile-aware routing: the rounded general list (capacity rows, invalid past its length) goes
+    // through the general metadata path; `scores`/`experts` hold the list's scores and experts.
+    TokenRoundingOutputs tr;
+    tr.topk_scores = at<float>(s, L.topk_scores);
+    tr.topk_experts = at<int32_t>(s, L.topk_experts);
+    tr.token = at<int32_t>(s, L.list_token);
+    tr.expert = experts;
+    tr.score = scores;
+    tr.padded = at<uint8_t>(s, L.list_padded);
+    tr.token_offsets = at<int32_t>(s, L.list_token_offsets);
+    tr.count_topk = at<int32_t>(s, L.count_topk);
+    tr.count_rounded = at<int32_t>(s, L.count_rounded);
+    token_rounding(logits, p.T, p.E, p.K, p.rounding, p.rounding_tile_m, a.seed, tr, at<void>(w, L.rounding),
+                   token_rounding_workspace_bytes(p.T, p.E, p.K), stream);
+    routing_metadata(experts, tr.token, R, 0, p.T, p.E, md, at<void>(w, L.metadata),
+                     routing_metadata_workspace_bytes(p.T, p.E), stream);
+  }
 
   GroupedGemmArgs up;
   up.a = a.x;

@@ -27,9 +27,13 @@ struct LayerLayout {
   int64_t n1 = 0;  // columns of H
   // saved (forward -> backward): SPEC §1's X-free minimum
   size_t h, scores, experts, expert_offsets, row_token, row_pair, pair_row, token_offsets, logits;
+  // token rounding only: the rounded list's tokens and padded flags, the top-K it started from,
+  // its per-token offsets and the per-expert counts before/after
+  size_t list_token = 0, list_padded = 0, topk_scores = 0, topk_experts = 0, list_token_offsets = 0,
+         count_topk = 0, count_rounded = 0;
   size_t saved_bytes;
   // forward workspace
-  size_t a, y, metadata, tile_offsets, aux_partials, aux_colsum, cublas;
+  size_t a, y, metadata, tile_offsets, aux_partials, aux_colsum, cublas, rounding = 0;
   size_t forward_bytes;
   // backward workspace (issue #5; sized now so the plan is complete)
   size_t backward_bytes;
@@ -53,6 +57,17 @@ struct LayerLayout {
     pair_row = s.take(r * 4);
     token_offsets = s.take((T + 1) * 4);
     logits = s.take(T * E * 4);  // [T, E] fp32: the aux loss and some routings need the softmax
+    const bool rounded = p.rounding != TokenRounding::None;
+    if (rounded) {
+      const size_t tk = T * static_cast<size_t>(p.K);
+      list_token = s.take(r * 4);
+      list_padded = s.take(r);
+      topk_scores = s.take(tk * 4);
+      topk_experts = s.take(tk * 4);
+      list_token_offsets = s.take((T + 1) * 4);
+      count_topk = s.take((E + 1) * 4);
+      count_rounded = s.take(E * 4);
+    }
     saved_bytes = s.bytes;
 
     Carve f;
@@ -64,6 +79,7 @@ struct LayerLayout {
     aux_partials = f.take(aux_blocks * E * 4);
     aux_colsum = f.take(E * 4);
     cublas = f.take(kCublasWorkspace);
+    if (rounded) rounding = f.take(token_rounding_workspace_bytes(p.T, p.E, p.K));
     forward_bytes = f.bytes;
 
     // dH [R, n1], A' [R, n], dX~ [R, d], dS [R], d logits [T, E]

@@ -136,6 +136,9 @@ void token_rounding(const float* logits, int64_t T, int64_t E, int64_t K, TokenR
   check_launch("token_rounding: scan");
   kernels::rounding_emit<<<token_blocks, 256, 0, stream>>>(p);
   check_launch("token_rounding: emit");
+  const auto tail_blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(capacity, 256), 1024));
+  kernels::rounding_fill_tail<<<tail_blocks, 256, 0, stream>>>(p);
+  check_launch("token_rounding: fill tail");
 }
 
 void token_rounding_backward(const float* logits, const float* topk_scores,

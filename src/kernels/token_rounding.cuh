@@ -10,6 +10,8 @@
 //   3. rounding_count:      per token, the number of experts it keeps (popcount down a column).
 //   4. rounding_scan:       token_offsets = exclusive scan of the counts (one block).
 //   5. rounding_emit:       per token, its pairs in expert order with their scores.
+//   6. rounding_fill_tail:  rows [R, capacity) become invalid pairs (token T, expert -1), so the
+//                           list can go to routing_metadata at its capacity without a host sync.
 // Backward: rounding_backward maps d_score of the list to d_logits [T, E].
 #pragma once
 
@@ -226,6 +228,19 @@ __global__ void rounding_emit(RoundingParams p) {
       p.out_padded[out] = k < p.K ? 0 : 1;
     }
     ++out;
+  }
+}
+
+// The rows past the list's length R = token_offsets[T]: token T and expert -1 keep the list
+// ordered by token and make routing_metadata give them no row (pair_row = -1).
+__global__ void rounding_fill_tail(RoundingParams p) {
+  const int64_t R = p.token_offsets[p.T];
+  for (int64_t i = R + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < p.capacity;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    p.out_token[i] = static_cast<int32_t>(p.T);
+    p.out_expert[i] = -1;
+    p.out_score[i] = 0.f;
+    p.out_padded[i] = 0;
   }
 }
 

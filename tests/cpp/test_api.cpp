@@ -196,8 +196,8 @@ TEST(NotBuilt, LayerBackwardThrowsNotBuilt) {
     if (std::string(name) == "layer_backward") mtest::expect_error(ErrorCode::NotBuilt, call, name);
 }
 
-// The layer forward refuses, before touching memory, what it does not run: token rounding (not
-// built yet), non-bf16 data and sizes that are not multiples of 8 (unsupported).
+// The layer forward refuses, before touching memory, what it does not run: non-bf16 data and
+// sizes that are not multiples of 8 (unsupported), token rounding with K > 32, missing biases.
 TEST(LayerForward, RefusesWhatItDoesNotRun) {
   std::vector<uint64_t> buf(1 << 17, 0x5555555555555555ull);
   LayerForwardArgs fa;
@@ -207,7 +207,8 @@ TEST(LayerForward, RefusesWhatItDoesNotRun) {
   fa.aux_loss = static_cast<float*>(ptr);
   LayerProblem p = valid_problem();
   p.rounding = TokenRounding::Nearest;
-  mtest::expect_error(ErrorCode::NotBuilt, [&] { layer_forward(p, fa, nullptr); }, "token rounding");
+  p.E = 64, p.K = 33;
+  mtest::expect_error(ErrorCode::InvalidArgument, [&] { layer_forward(p, fa, nullptr); }, "rounding K > 32");
   p = valid_problem();
   p.dtype = DType::FP32;
   mtest::expect_error(ErrorCode::Unsupported, [&] { layer_forward(p, fa, nullptr); }, "fp32");

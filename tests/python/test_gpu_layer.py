@@ -34,21 +34,21 @@ def make_layer(T, d, n, E, act, bias, std=0.02):
     return t
 
 
-def run(t, K, act, layout, routing, renorm, backend, dtype=None, selection_bias=None):
+def run(t, K, act, layout, routing, renorm, backend, dtype=None, selection_bias=None, **rounding):
     args = {k: (None if v is None else (v if dtype is None else v.to(dtype))) for k, v in t.items()}
     with torch.no_grad():
         return functional.moe(args["x"], args["router_weight"], args["w1"], args["w2"], num_experts_per_tok=K,
                               activation=act, b1=args["b1"], b2=args["b2"], layout=layout, routing=routing,
-                              renormalize=renorm, selection_bias=selection_bias, backend=backend)
+                              renormalize=renorm, selection_bias=selection_bias, backend=backend, **rounding)
 
 
 def check_layer(T, d, n, E, K, act="swiglu", layout="interleaved", routing="softmax_topk", renorm=True,
-                bias=False, selection_bias=None):
+                bias=False, selection_bias=None, **rounding):
     t = make_layer(T, d, n, E, act, bias)
-    out, aux = run(t, K, act, layout, routing, renorm, "machmoe", selection_bias=selection_bias)
+    out, aux = run(t, K, act, layout, routing, renorm, "machmoe", selection_bias=selection_bias, **rounding)
     ref, ref_aux = run(t, K, act, layout, routing, renorm, "torch", dtype=torch.float64,
-                       selection_bias=None if selection_bias is None else selection_bias.double())
-    base, _ = run(t, K, act, layout, routing, renorm, "torch", selection_bias=selection_bias)
+                       selection_bias=None if selection_bias is None else selection_bias.double(), **rounding)
+    base, _ = run(t, K, act, layout, routing, renorm, "torch", selection_bias=selection_bias, **rounding)
     assert out.dtype == torch.bfloat16 and out.shape == (T, d)
     err, err_base = rel_err(out, ref), rel_err(base, ref)
     assert err <= max(2 * err_base, 2 ** -7), f"out: error {err:.3e} > 2x torch bf16's {err_base:.3e}"
@@ -69,6 +69,16 @@ def test_layer_forward_activations(act, bias, layout):
 def test_layer_forward_routing_variants(routing, renorm):
     sel = 0.01 * torch.randn(16, device="cuda") if routing == "sigmoid" else None
     check_layer(300, 256, 128, 16, 4, routing=routing, renorm=renorm, selection_bias=sel)
+
+
+@pytest.mark.parametrize("mode", ["nr", "up", "down", "stochastic"])
+def test_layer_forward_token_rounding(mode):
+    # Small tiles so that rounding moves most experts; the float64 torch backend rounds the same way.
+    check_layer(300, 128, 64, 16, 2, token_rounding=mode, tile_m=8, seed=1234)
+
+
+def test_layer_forward_d_n_not_multiples_of_64():
+    check_layer(100, 200, 72, 8, 2)
 
 
 @pytest.mark.parametrize("name,T,d,n,E,K", [("7B-a", 1024, 1536, 256, 128, 8), ("30B-b", 512, 4096, 512, 128, 8),
