@@ -335,6 +335,10 @@ def test_token_rounding_matches_reference(mode, T, E, K, M):
     assert torch.equal(got["expert"].cpu(), ref_exp), "rounded expert list differs from the reference"
     assert torch.equal(got["padded"].cpu(), ref_pad)
     assert rel_err(got["score"], ref_score) < 1e-5
+    # Rows past the length are invalid pairs (token T, expert -1) so the capacity can be fed on.
+    tok_full, exp_full, _ = got["full"]
+    R = got["token"].numel()
+    assert (tok_full[R:] == T).all() and (exp_full[R:] == -1).all()
     f = torch.diff(got["count_topk"].long()).cpu()
     r = got["count_rounded"].long().cpu()
     assert torch.equal(torch.bincount(ref_exp.long(), minlength=E), r)
