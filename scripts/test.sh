@@ -9,6 +9,13 @@ build=$("$root/scripts/build.sh")
 ctest_bin=$([ -f "$(dirname "$py")/ctest" ] && [ -x "$(dirname "$py")/ctest" ] && echo "$(dirname "$py")/ctest" || command -v ctest)
 echo "== C++ tests (ctest)"
 "$ctest_bin" --test-dir "$build" --output-on-failure -j "$(nproc)"
+echo "== C++ package: cmake --install + find_package(machmoe) + examples/cpp"
+cmake_bin=$([ -f "$(dirname "$py")/cmake" ] && [ -x "$(dirname "$py")/cmake" ] && echo "$(dirname "$py")/cmake" || command -v cmake)
+"$cmake_bin" --install "$build" --prefix "$build/install" > "$build/install.log"
+"$cmake_bin" -S "$root/examples/cpp" -B "$build/example" -G Ninja -DCMAKE_PREFIX_PATH="$build/install" \
+  -DCMAKE_BUILD_TYPE=Release > "$build/example.log"
+"$cmake_bin" --build "$build/example" >> "$build/example.log"
+LD_LIBRARY_PATH="$build/install/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$build/example/moe_layer"
 echo "== Python tests (pytest)"
 cd "$root"
 export MACHMOE_LIBRARY_DIR="$build/lib" PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}"
