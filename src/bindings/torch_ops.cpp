@@ -29,12 +29,31 @@ std::vector<int64_t> op_device_info() {
   });
 }
 
+// [saved, forward workspace, backward workspace] bytes of one layer call (machmoe::plan_workspace):
+// what the forward keeps for the backward, and the scratch of each direction. No GPU needed.
+std::vector<int64_t> op_layer_workspace_bytes(int64_t T, int64_t d, int64_t n, int64_t E, int64_t K,
+                                              const std::string& activation, const std::string& rounding,
+                                              int64_t tile_m) {
+  return translate_errors([&] {
+    LayerProblem p;
+    p.T = T, p.d = d, p.n = n, p.E = E, p.K = K;
+    p.activation = parse_activation(activation);
+    p.rounding = parse_token_rounding(rounding);
+    p.rounding_tile_m = tile_m;
+    const WorkspacePlan w = plan_workspace(p);
+    return std::vector<int64_t>{static_cast<int64_t>(w.saved_bytes), static_cast<int64_t>(w.forward_workspace_bytes),
+                                static_cast<int64_t>(w.backward_workspace_bytes)};
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(machmoe, m) {
   m.def("layer_kernels_available() -> bool", &op_layer_kernels_available);
   m.def("device_self_test() -> ()", &op_device_self_test);
   m.def("device_info() -> int[]", &op_device_info);
+  m.def("layer_workspace_bytes(int T, int d, int n, int E, int K, str activation, str rounding, int tile_m)"
+        " -> int[]", &op_layer_workspace_bytes);
 }
 
 }  // namespace machmoe::bindings

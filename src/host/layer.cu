@@ -100,10 +100,10 @@ void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_
               stream);
   RoutingMetadataOutputs md;
   md.expert_offsets = expert_offsets;
-  md.row_token = at<int32_t>(s, L.row_token);
+  md.row_token = at<int32_t>(w, L.row_token);
   md.row_pair = at<int32_t>(s, L.row_pair);
   md.pair_row = at<int32_t>(s, L.pair_row);
-  md.token_offsets = at<int32_t>(s, L.token_offsets);
+  md.token_offsets = at<int32_t>(w, L.token_offsets);
   if (!rounded) {
     topk_router(logits, p.T, p.E, p.K, p.routing, p.renormalize, a.selection_bias, scores, experts, stream);
     routing_metadata(experts, nullptr, R, p.K, p.T, p.E, md, at<void>(w, L.metadata),

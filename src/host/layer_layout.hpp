@@ -25,15 +25,18 @@ struct Carve {
 struct LayerLayout {
   int64_t R = 0;   // rows the experts may run on (T·K for top-K)
   int64_t n1 = 0;  // columns of H
-  // saved (forward -> backward): SPEC §1's X-free minimum
-  size_t h, scores, experts, expert_offsets, row_token, row_pair, pair_row, token_offsets, logits;
+  // saved (forward -> backward): SPEC §1's X-free minimum, 16 bytes per routed pair (scores,
+  // experts, row -> pair, pair -> row). The gather index row -> token and the per-token pair
+  // offsets are derivable (pair / K and t·K for top-K; the rounded list saves its own tokens
+  // and offsets), so they live in the forward's workspace only.
+  size_t h, scores, experts, expert_offsets, row_pair, pair_row, logits;
   // token rounding only: the rounded list's tokens and padded flags, the top-K it started from,
   // its per-token offsets and the per-expert counts before/after
   size_t list_token = 0, list_padded = 0, topk_scores = 0, topk_experts = 0, list_token_offsets = 0,
          count_topk = 0, count_rounded = 0;
   size_t saved_bytes;
   // forward workspace
-  size_t a, y, metadata, tile_offsets, aux_partials, aux_colsum, cublas, rounding = 0;
+  size_t row_token, token_offsets, a, y, metadata, tile_offsets, aux_partials, aux_colsum, cublas, rounding = 0;
   size_t forward_bytes;
   // backward workspace (issue #5; sized now so the plan is complete)
   size_t backward_bytes;
@@ -52,10 +55,8 @@ struct LayerLayout {
     scores = s.take(r * 4);                         // [T*K] fp32 (or [R] for a rounded list)
     experts = s.take(r * 4);                        // [T*K] int32
     expert_offsets = s.take((E + 1) * 4);
-    row_token = s.take(r * 4);
     row_pair = s.take(r * 4);
     pair_row = s.take(r * 4);
-    token_offsets = s.take((T + 1) * 4);
     logits = s.take(T * E * 4);  // [T, E] fp32: the aux loss and some routings need the softmax
     const bool rounded = p.rounding != TokenRounding::None;
     if (rounded) {
@@ -71,6 +72,8 @@ struct LayerLayout {
     saved_bytes = s.bytes;
 
     Carve f;
+    row_token = f.take(r * 4);                      // [R] the up-projection's gather index
+    token_offsets = f.take((T + 1) * 4);            // [T+1] the aggregation's pair offsets
     a = f.take(r * static_cast<size_t>(p.n) * es);  // [R, n]
     y = f.take(r * static_cast<size_t>(p.d) * es);  // [R, d]
     metadata = f.take(routing_metadata_workspace_bytes(p.T, p.E));

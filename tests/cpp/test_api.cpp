@@ -295,3 +295,24 @@ TEST(Names, GluKinds) {
 }
 
 }  // namespace
+
+namespace {
+
+// The saved block is SPEC §1's minimum: H (bf16, 4·n bytes per routed pair for a GLU), 16 bytes
+// per pair (scores, experts, row -> pair, pair -> row), fp32 logits [T, E], expert offsets
+// [E+1], plus at most 256 bytes of alignment per sub-buffer. Nothing of size T·K·d (no Y).
+TEST(PlanWorkspace, SavedIsTheMemoryMinimum) {
+  struct Cfg { int64_t T, d, n, E, K; };
+  for (const Cfg c : {Cfg{24576, 1536, 256, 128, 8}, Cfg{32768, 4096, 512, 128, 8}, Cfg{7, 64, 24, 3, 2},
+                      Cfg{32768, 7168, 2048, 256, 8}}) {
+    LayerProblem p;
+    p.T = c.T, p.d = c.d, p.n = c.n, p.E = c.E, p.K = c.K;
+    const size_t saved = plan_workspace(p).saved_bytes;
+    const size_t pairs = static_cast<size_t>(c.T * c.K);
+    const size_t minimum = pairs * 4 * c.n + 16 * pairs + 4 * static_cast<size_t>(c.T * c.E);
+    EXPECT_GE(saved, minimum) << "T=" << c.T;
+    EXPECT_LE(saved, minimum + 4 * static_cast<size_t>(c.E + 1) + 7 * 256) << "T=" << c.T;
+  }
+}
+
+}  // namespace
