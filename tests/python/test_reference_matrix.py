@@ -389,8 +389,10 @@ def test_comparison_rejects_small_corruptions():
     inp = make_inputs(BASE, "swiglu", bias=True)
     ref = check_layer(BASE, inp, "swiglu", "interleaved", "softmax_topk")
 
+    # The largest element, so that 1e-6 of it is always visible in the tensor's norm (a random
+    # element near zero made this check itself flaky: seed 461431679).
     out = ref.out.clone()
-    out[3, 2] *= 1 + 1e-6
+    out.view(-1)[out.abs().argmax()] *= 1 + 1e-6
     with pytest.raises(AssertionError, match="out: relative error"):
         assert_close("out", out, ref.out)
 
