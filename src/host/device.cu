@@ -1,7 +1,9 @@
 // Device facts and a self-test kernel: the first thing the GPU tests run, so that a library built
 // for the wrong architecture or a broken driver says so plainly before any layer test.
 #include <cstring>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "host/check.hpp"
@@ -22,9 +24,10 @@ __global__ void self_test_kernel(int4* out, int n) {
 
 }  // namespace
 
-DeviceInfo device_info() {
+namespace {
+DeviceInfo query_device_info(int device) {
   DeviceInfo info;
-  check_cuda(cudaGetDevice(&info.device), "device_info: cudaGetDevice");
+  info.device = device;
   cudaDeviceProp prop;
   check_cuda(cudaGetDeviceProperties(&prop, info.device), "device_info: cudaGetDeviceProperties");
   info.sm_count = prop.multiProcessorCount;
@@ -34,6 +37,20 @@ DeviceInfo device_info() {
   info.l2_bytes = static_cast<size_t>(prop.l2CacheSize);
   std::strncpy(info.name, prop.name, sizeof(info.name) - 1);
   return info;
+}
+}  // namespace
+
+// Device properties never change while a process runs, and cudaGetDeviceProperties is slow: the
+// GEMM launcher asks on every call, so the answer is cached per device.
+DeviceInfo device_info() {
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "device_info: cudaGetDevice");
+  static std::mutex mu;
+  static std::unordered_map<int, DeviceInfo> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(device);
+  if (it == cache.end()) it = cache.emplace(device, query_device_info(device)).first;
+  return it->second;
 }
 
 void device_self_test(cudaStream_t stream) {
