@@ -330,24 +330,7 @@ def moe_forward(
     return LayerForward(out, aux_loss(logits, expert), logits, token, expert, score)
 
 
-def moe(
-    x: torch.Tensor,
-    router_weight: torch.Tensor,
-    w1: torch.Tensor,
-    b1: Optional[torch.Tensor],
-    w2: torch.Tensor,
-    b2: Optional[torch.Tensor],
-    K: int,
-    activation: Union[ActivationType, str] = ActivationType.SWIGLU,
-    layout: Union[GateUpLayout, str] = GateUpLayout.INTERLEAVED,
-    routing: Union[RoutingMethod, str] = RoutingMethod.SOFTMAX_TOPK,
-    renormalize: bool = True,
-    selection_bias: Optional[torch.Tensor] = None,
-    rounding: Union[TokenRounding, str] = TokenRounding.NONE,
-    tile_m: int = 128,
-    seed: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [T, d], aux []) of the MoE layer on x [T, d]."""
-    result = moe_forward(x, router_weight, w1, b1, w2, b2, K, activation, layout, routing,
-                         renormalize, selection_bias, rounding, tile_m, seed)
+def moe(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [T, d], aux []) of the MoE layer on x [T, d]; arguments as moe_forward."""
+    result = moe_forward(*args, **kwargs)
     return result.out, result.aux
