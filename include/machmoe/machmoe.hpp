@@ -61,6 +61,11 @@ struct LayerForwardArgs {
 };
 void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_t stream);
 
+// Gradients of the layer (docs/LAYER.md "Backward"), from what layer_forward left in `saved`.
+// dx is bf16 [T, d]; the weight and bias gradients (d_router_weight [E, d], dw1 [E, n1, d],
+// db1 [E, n1], dw2 [E, d, n], db2 [E, d]) are written (not accumulated) in weight_grad_dtype
+// (BF16 or FP32). Experts that received no rows get exact zeros. Deterministic: two calls on the
+// same inputs give bitwise-identical results. No host synchronisation.
 struct LayerBackwardArgs {
   const void* x = nullptr;
   const void* router_weight = nullptr;
@@ -77,7 +82,8 @@ struct LayerBackwardArgs {
   void* db1 = nullptr;
   void* dw2 = nullptr;
   void* db2 = nullptr;
-  void* workspace = nullptr;    // plan.backward_workspace_bytes
+  void* workspace = nullptr;    // plan.backward_workspace_bytes, 256-byte aligned
+  DType weight_grad_dtype = DType::BF16;
 };
 void layer_backward(const LayerProblem& p, const LayerBackwardArgs& a, cudaStream_t stream);
 
@@ -152,13 +158,18 @@ void aggregate(const void* rows, DType rows_dtype, const int32_t* pair_row,
                const int32_t* token_offsets, const float* scores, int64_t T, int64_t d, void* out,
                DType out_dtype, cudaStream_t stream);
 
-// 3/4. the sm_90a grouped GEMM engine: for every expert e with rows [off[e], off[e+1]),
+// 3/4/6/9. the sm_90a grouped GEMM engine: for every expert e with rows [off[e], off[e+1]),
 //   C[r] = epilogue(A[row(r)] · W[e]ᵀ),  row(r) = gather[r] (gathered rows) or r (contiguous),
-// A bf16 rows (lda elements apart), W [E, N, K] bf16 (nn.Linear layout, K contiguous).
+// A bf16 rows (lda elements apart), W [E, N, K] bf16 (nn.Linear layout, K contiguous), or with
+// w_n_major W [E, K, N] (N contiguous: the backward's dA' = dout·W2 and dX~ = dH·W1).
 // Epilogues: Store (C = acc + bias), GLU (C = H [R, N = 2n], C2 = act(gate)·up [R, n], gate/up
-// per `layout`), Activation (C = H [R, N], C2 = act(H)). Needs K, N, lda, ldc, ldc2 multiples of 8
-// and 16-byte aligned pointers. R = off[E] is read on the device only: no host sync.
-enum class GemmEpilogue : int32_t { Store = 0, GLU = 1, Activation = 2 };
+// per `layout`), Activation (C = H [R, N], C2 = act(H)), ActivationBackward (the dH kernel: the
+// GEMM gives dA' [R, N = n]; with H [R, n1] (h, ldh) and s_r = row_scores[row_pair[r]] it writes
+// C = dH = dAct(s·dA', H) [R, n1] in H's layout, C2 = A' = s·act(H) [R, n], and
+// ds_partial[r * column_tiles + j] = Σ over column tile j of dA'·act(H), fp32, no atomics).
+// Needs K, N, lda, ldc, ldc2 multiples of 8 and 16-byte aligned pointers. R = off[E] is read on
+// the device only: no host sync.
+enum class GemmEpilogue : int32_t { Store = 0, GLU = 1, Activation = 2, ActivationBackward = 3 };
 struct GroupedGemmArgs {
   const void* a = nullptr;
   int64_t lda = 0;
@@ -177,8 +188,41 @@ struct GroupedGemmArgs {
   GateUpLayout layout = GateUpLayout::Interleaved;
   int32_t* tile_offsets = nullptr;          // workspace [E+1] int32 (device)
   int max_ctas = 0;                         // 0: one persistent CTA per SM
+  bool w_n_major = false;                   // W is [E, K, N]
+  // ActivationBackward only:
+  const void* h = nullptr;                  // [R, n1] bf16
+  int64_t ldh = 0;
+  const float* row_scores = nullptr;        // [pairs] fp32, indexed through row_pair
+  const int32_t* row_pair = nullptr;        // [R]
+  float* ds_partial = nullptr;              // [R, grouped_gemm_column_tiles(N)]
 };
 void grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
+// Column tiles per expert of the ActivationBackward epilogue for N output columns: the row
+// stride of ds_partial.
+int64_t grouped_gemm_column_tiles(int64_t N);
+
+// 7/8. weight gradients as varlen-K grouped GEMMs, the row (token) dimension gathered:
+//   C[e] = Σ_{r in [off[e], off[e+1])} A[row(r)]ᵀ ⊗ B[r]        [M, N] per expert
+// row(r) = a_gather[r] or r. A rows [*, M] bf16 (lda), B rows [R, N] bf16 (ldb, contiguous).
+// C is [E, M, N], or [E, N, M] with transpose_c, in c_dtype (FP32 or BF16), written (not
+// accumulated); an expert with no rows gets exact zeros. dW2 = A: dout gathered by token,
+// B: A'; dW1 (transposed): A: x gathered by token, B: dH. Fixed summation order (deterministic).
+struct GroupedWgradArgs {
+  const void* a = nullptr;
+  int64_t lda = 0;
+  int64_t a_rows = 0;                       // rows of A (T with a gather)
+  const int32_t* a_gather = nullptr;        // [R] or null
+  const void* b = nullptr;
+  int64_t ldb = 0;
+  int64_t b_rows = 0;                       // rows of B (>= off[E])
+  const int32_t* expert_offsets = nullptr;  // [E+1] device
+  int64_t E = 0, M = 0, N = 0;
+  void* c = nullptr;
+  DType c_dtype = DType::FP32;
+  bool transpose_c = false;
+  int max_ctas = 0;
+};
+void grouped_gemm_wgrad(const GroupedWgradArgs& args, cudaStream_t stream);
 
 // True when this build carries the sm_90a kernels of the layer (false until issue #4 lands).
 bool layer_kernels_available();

@@ -87,6 +87,11 @@ void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const kernels::G
 
 }  // namespace
 
+int64_t grouped_gemm_column_tiles(int64_t N) {
+  const int64_t cols = N >= 256 ? 256 : 128;
+  return ceil_div(N, cols);
+}
+
 void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   constexpr const char* fn = "grouped_gemm";
   require_arg(a.E >= 1 && a.E <= (1 << 24), fn, "E", "must be in [1, 2^24], got " + std::to_string(a.E));
