@@ -77,13 +77,134 @@ std::tuple<Tensor, Tensor> op_grouped_gemm(const Tensor& a, const std::optional<
   });
 }
 
+void check_bf16_matrix(const Tensor& t, const char* name, int dims) {
+  TORCH_CHECK_VALUE(t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.dim() == dims && t.is_contiguous(), name,
+                    " must be a contiguous ", dims, "-D bfloat16 CUDA tensor");
+}
+
+void check_int32(const Tensor& t, const char* name, int64_t min_numel) {
+  TORCH_CHECK_VALUE(t.is_cuda() && t.scalar_type() == at::kInt && t.is_contiguous() && t.numel() >= min_numel, name,
+                    " must be a contiguous int32 CUDA tensor of at least ", min_numel, " elements");
+}
+
+// The backward's GEMMs with N-major weights. dact = false: C [num_rows, N] = A[rows] · W[e] with
+// w_kn [E, K, N] (dX~ = dH·W1). dact = true: the dH kernel, w_kn = W2 [E, d, n], h [*, n1],
+// returns (dH [num_rows, n1], A' [num_rows, n], ds_partial [num_rows, column tiles]).
+std::tuple<Tensor, Tensor, Tensor> op_grouped_gemm_nmajor(const Tensor& a, const std::optional<Tensor>& gather,
+                                                          const Tensor& expert_offsets, const Tensor& w_kn,
+                                                          int64_t num_rows, const std::optional<Tensor>& h,
+                                                          const std::optional<Tensor>& row_scores,
+                                                          const std::optional<Tensor>& row_pair,
+                                                          const std::string& activation, const std::string& layout) {
+  return translate_errors([&] {
+    check_bf16_matrix(a, "a", 2);
+    check_bf16_matrix(w_kn, "w_kn", 3);
+    const int64_t E = w_kn.size(0), K = w_kn.size(1), N = w_kn.size(2);
+    TORCH_CHECK_VALUE(a.size(1) == K, "a must have K = ", K, " columns, got ", a.size(1));
+    check_int32(expert_offsets, "expert_offsets", E + 1);
+    TORCH_CHECK_VALUE(num_rows >= 0, "num_rows must be >= 0");
+    if (gather) check_int32(*gather, "gather", num_rows);
+    const bool dact = h.has_value();
+    TORCH_CHECK_VALUE(dact == row_scores.has_value() && dact == row_pair.has_value(),
+                      "h, row_scores and row_pair go together (the dH epilogue)");
+    const Activation act = parse_activation(activation);
+    const int64_t n1 = is_glu(act) ? 2 * N : N;
+    const c10::cuda::CUDAGuard guard(a.device());
+    GroupedGemmArgs g;
+    g.a = a.data_ptr();
+    g.lda = K;
+    g.a_rows = a.size(0);
+    g.gather = gather ? gather->data_ptr<int32_t>() : nullptr;
+    g.expert_offsets = expert_offsets.data_ptr<int32_t>();
+    g.E = E;
+    g.N = N;
+    g.K = K;
+    g.w = w_kn.data_ptr();
+    g.w_n_major = true;
+    g.activation = act;
+    g.layout = parse_layout(layout);
+    Tensor tiles = at::empty({E + 1}, expert_offsets.options());
+    g.tile_offsets = tiles.data_ptr<int32_t>();
+    Tensor c, c2, ds;
+    if (!dact) {
+      c = at::empty({num_rows, N}, a.options());
+      c2 = at::empty({0}, a.options());
+      ds = at::empty({0}, a.options().dtype(at::kFloat));
+      g.epilogue = GemmEpilogue::Store;
+      g.ldc = N;
+    } else {
+      check_bf16_matrix(*h, "h", 2);
+      TORCH_CHECK_VALUE(h->size(1) == n1 && h->size(0) >= num_rows, "h must be [>= num_rows, ", n1, "]");
+      TORCH_CHECK_VALUE(row_scores->is_cuda() && row_scores->scalar_type() == at::kFloat && row_scores->is_contiguous(),
+                        "row_scores must be a contiguous float32 CUDA tensor");
+      check_int32(*row_pair, "row_pair", num_rows);
+      c = at::empty({num_rows, n1}, a.options());
+      c2 = at::empty({num_rows, N}, a.options());
+      ds = at::empty({num_rows, grouped_gemm_column_tiles(N)}, a.options().dtype(at::kFloat));
+      g.epilogue = GemmEpilogue::ActivationBackward;
+      g.ldc = n1;
+      g.c2 = c2.data_ptr();
+      g.ldc2 = N;
+      g.h = h->data_ptr();
+      g.ldh = n1;
+      g.row_scores = row_scores->data_ptr<float>();
+      g.row_pair = row_pair->data_ptr<int32_t>();
+      g.ds_partial = ds.data_ptr<float>();
+    }
+    g.c = c.data_ptr();
+    if (num_rows > 0) grouped_gemm(g, at::cuda::getCurrentCUDAStream());
+    return std::make_tuple(c, c2, ds);
+  });
+}
+
+// C [E, M, N] (or [E, N, M] with transpose_c) = Σ over each expert's rows of a[gather[r]]ᵀ ⊗ b[r].
+Tensor op_grouped_gemm_wgrad(const Tensor& a, const std::optional<Tensor>& a_gather, const Tensor& b,
+                             const Tensor& expert_offsets, bool transpose_c, bool fp32) {
+  return translate_errors([&] {
+    check_bf16_matrix(a, "a", 2);
+    check_bf16_matrix(b, "b", 2);
+    const int64_t E = expert_offsets.numel() - 1, M = a.size(1), N = b.size(1);
+    TORCH_CHECK_VALUE(E >= 1, "expert_offsets must have E+1 >= 2 elements");
+    check_int32(expert_offsets, "expert_offsets", E + 1);
+    if (a_gather) check_int32(*a_gather, "a_gather", 0);
+    const c10::cuda::CUDAGuard guard(a.device());
+    Tensor c = transpose_c ? at::empty({E, N, M}, a.options().dtype(fp32 ? at::kFloat : at::kBFloat16))
+                           : at::empty({E, M, N}, a.options().dtype(fp32 ? at::kFloat : at::kBFloat16));
+    GroupedWgradArgs w;
+    w.a = a.data_ptr();
+    w.lda = M;
+    w.a_rows = a.size(0);
+    w.a_gather = a_gather ? a_gather->data_ptr<int32_t>() : nullptr;
+    w.b = b.data_ptr();
+    w.ldb = N;
+    w.b_rows = b.size(0);
+    w.expert_offsets = expert_offsets.data_ptr<int32_t>();
+    w.E = E;
+    w.M = M;
+    w.N = N;
+    w.c = c.data_ptr();
+    w.c_dtype = fp32 ? DType::FP32 : DType::BF16;
+    w.transpose_c = transpose_c;
+    grouped_gemm_wgrad(w, at::cuda::getCurrentCUDAStream());
+    return c;
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(machmoe, m) {
   m.def("grouped_gemm(Tensor a, Tensor? gather, Tensor expert_offsets, Tensor w, Tensor? bias, int num_rows,"
         " str epilogue, str activation, str layout) -> (Tensor, Tensor)");
+  m.def("grouped_gemm_nmajor(Tensor a, Tensor? gather, Tensor expert_offsets, Tensor w_kn, int num_rows,"
+        " Tensor? h, Tensor? row_scores, Tensor? row_pair, str activation, str layout) -> (Tensor, Tensor, Tensor)");
+  m.def("grouped_gemm_wgrad(Tensor a, Tensor? a_gather, Tensor b, Tensor expert_offsets, bool transpose_c,"
+        " bool fp32) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(machmoe, CUDA, m) { m.impl("grouped_gemm", &op_grouped_gemm); }
+TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {
+  m.impl("grouped_gemm", &op_grouped_gemm);
+  m.impl("grouped_gemm_nmajor", &op_grouped_gemm_nmajor);
+  m.impl("grouped_gemm_wgrad", &op_grouped_gemm_wgrad);
+}
 
 }  // namespace machmoe::bindings

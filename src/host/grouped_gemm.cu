@@ -6,6 +6,7 @@
 #include <string>
 
 #include "host/check.hpp"
+#include "host/tensor_map.hpp"
 #include "kernels/sm90_grouped_gemm.cuh"
 #include "machmoe/machmoe.hpp"
 
@@ -17,72 +18,64 @@ using detail::require_arg;
 
 namespace {
 
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// The driver's tensor-map encoder, found through the runtime (no link against libcuda).
-EncodeTiledFn encode_tiled() {
-  static EncodeTiledFn fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    check_cuda(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &q),
-               "grouped_gemm: cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)");
-    if (q != cudaDriverEntryPointSuccess || !ptr)
-      throw Error(ErrorCode::CudaError, "grouped_gemm: the driver has no cuTensorMapEncodeTiled (needs CUDA 12+)");
-    return reinterpret_cast<EncodeTiledFn>(ptr);
-  }();
-  return fn;
-}
-
-// A bf16 matrix [rows, K] with `ld` elements between rows, as a 2-D tensor map: boxes of 64 (K) x
-// 128 rows, 128-byte swizzle (what the wgmma descriptors expect), zeros out of bounds.
+// A [rows, K] (or W [E*N, K]) in boxes of 64 K x 128 rows: a K-major operand tile.
 CUtensorMap tile_tensor_map(const void* ptr, int64_t rows, int64_t K, int64_t ld) {
-  CUtensorMap map;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
-  const cuuint32_t box[2] = {kernels::kGemmBK, 128};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides,
-                                    box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    throw Error(ErrorCode::CudaError, "grouped_gemm: cuTensorMapEncodeTiled failed with CUresult " + std::to_string(r));
-  return map;
+  return detail::tensor_map_2d(ptr, rows, K, ld, kernels::kGemmBK, 128, "grouped_gemm");
 }
 
 int epilogue_code(const GroupedGemmArgs& a) {
+  const bool glu = is_glu(a.activation);
   switch (a.epilogue) {
     case GemmEpilogue::Store: return kernels::kEpiStore;
     case GemmEpilogue::GLU:
       return a.layout == GateUpLayout::Interleaved ? kernels::kEpiGluInter : kernels::kEpiGluConcat;
     case GemmEpilogue::Activation: return kernels::kEpiAct;
+    case GemmEpilogue::ActivationBackward:
+      if (!glu) return kernels::kEpiDAct;
+      return a.layout == GateUpLayout::Interleaved ? kernels::kEpiDGluInter : kernels::kEpiDGluConcat;
   }
   throw Error(ErrorCode::InvalidArgument, "grouped_gemm: epilogue out of range");
 }
 
-template <int BN, int EPI, bool GATHER>
+template <int BN, int EPI, bool GATHER, bool B_NMAJOR>
 void launch_variant(const CUtensorMap& map_a, const CUtensorMap& map_b, const kernels::GroupedGemmParams& p, int ctas,
                     cudaStream_t stream) {
   constexpr int smem = kernels::GemmSmem<BN>::kBytes;
+  auto* kernel = kernels::sm90_grouped_gemm<BN, EPI, GATHER, B_NMAJOR>;
   static std::once_flag attr_once;
-  std::call_once(attr_once, [] {
-    check_cuda(cudaFuncSetAttribute(kernels::sm90_grouped_gemm<BN, EPI, GATHER>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+  std::call_once(attr_once, [kernel] {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
                "grouped_gemm: cudaFuncSetAttribute");
   });
   const DeviceInfo info = device_info();
   require_arg(info.smem_per_block_optin >= static_cast<size_t>(smem), "grouped_gemm", "device",
               "needs " + std::to_string(smem) + " bytes of shared memory per block, the device allows " +
                   std::to_string(info.smem_per_block_optin));
-  kernels::sm90_grouped_gemm<BN, EPI, GATHER><<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, p);
+  kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, p);
 }
 
+// The variants that exist: the forward's epilogues read K-major W; Store takes either; the dH
+// epilogues read W2 N-major (W2 [E, d, n] is [E, K, N] for dA' = dout·W2).
 template <int BN, int EPI>
-void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const kernels::GroupedGemmParams& p, int ctas,
-            cudaStream_t stream) {
-  if (p.gather) launch_variant<BN, EPI, true>(map_a, map_b, p, ctas, stream);
-  else launch_variant<BN, EPI, false>(map_a, map_b, p, ctas, stream);
+void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const kernels::GroupedGemmParams& p, bool n_major,
+            int ctas, cudaStream_t stream) {
+  constexpr bool kMajorK = !kernels::gemm_epi_is_dact(EPI);
+  constexpr bool kMajorN = EPI == kernels::kEpiStore || kernels::gemm_epi_is_dact(EPI);
+  if (n_major) {
+    if constexpr (kMajorN) {
+      if (p.gather) launch_variant<BN, EPI, true, true>(map_a, map_b, p, ctas, stream);
+      else launch_variant<BN, EPI, false, true>(map_a, map_b, p, ctas, stream);
+      return;
+    }
+  } else {
+    if constexpr (kMajorK) {
+      if (p.gather) launch_variant<BN, EPI, true, false>(map_a, map_b, p, ctas, stream);
+      else launch_variant<BN, EPI, false, false>(map_a, map_b, p, ctas, stream);
+      return;
+    }
+  }
+  throw Error(ErrorCode::Unsupported, "grouped_gemm: this epilogue does not take w_n_major=" +
+                                          std::to_string(static_cast<int>(n_major)));
 }
 
 }  // namespace
@@ -110,12 +103,25 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
               "must be 16-byte aligned");
   const int epi = epilogue_code(a);
   if (a.epilogue != GemmEpilogue::Store) {
-    const int64_t c2_cols = a.epilogue == GemmEpilogue::GLU ? a.N / 2 : a.N;
+    const int64_t c2_cols = a.epilogue == GemmEpilogue::GLU ? a.N / 2 : a.N;  // A, or A' [R, N]
     require_arg(a.c2 && a.ldc2 >= c2_cols && a.ldc2 % 8 == 0, fn, "c2/ldc2",
                 "needs an activation output with ldc2 >= " + std::to_string(c2_cols) + " and a multiple of 8");
   }
   if (a.epilogue == GemmEpilogue::GLU)
     require_arg(a.N % 16 == 0, fn, "N", "must be a multiple of 16 for a GLU (2n with n a multiple of 8)");
+  const bool dact = a.epilogue == GemmEpilogue::ActivationBackward;
+  require_arg(!a.w_n_major || a.epilogue == GemmEpilogue::Store || dact, fn, "w_n_major",
+              "is taken by the Store and ActivationBackward epilogues only");
+  require_arg(!dact || a.w_n_major, fn, "w_n_major", "must be set with ActivationBackward (W2 [E, d, n] is N-major)");
+  if (dact) {
+    const int64_t n1 = is_glu(a.activation) ? 2 * a.N : a.N;
+    require_arg(a.h && a.ldh >= n1 && a.ldh % 8 == 0 && detail::aligned16(a.h), fn, "h/ldh",
+                "ActivationBackward needs H with ldh >= " + std::to_string(n1) + ", a multiple of 8, 16-byte aligned");
+    require_arg(a.ldc >= n1, fn, "ldc", "must be >= n1 = " + std::to_string(n1) + " (dH has H's columns)");
+    require_arg(a.row_scores && a.row_pair && a.ds_partial, fn, "row_scores/row_pair/ds_partial",
+                "must not be null with ActivationBackward");
+    require_arg(a.bias == nullptr, fn, "bias", "must be null with ActivationBackward");
+  }
 
   // Configuration (data, not code): 256-column tiles when N allows, else 128. The concatenated
   // GLU tile holds 128 gate + 128 up columns.
@@ -139,22 +145,35 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   p.K = static_cast<int>(a.K);
   p.n_tiles = static_cast<int>(ceil_div(n_cols, tile_cols));
   p.act = static_cast<int>(a.activation);
+  p.h = static_cast<const __nv_bfloat16*>(a.h);
+  p.ldh = a.ldh;
+  p.row_scores = a.row_scores;
+  p.row_pair = a.row_pair;
+  p.ds_partial = a.ds_partial;
 
   kernels::grouped_gemm_tile_offsets<<<1, 1024, 0, stream>>>(a.expert_offsets, p.E, p.n_tiles, a.tile_offsets);
   check_launch("grouped_gemm: tile offsets");
-  const CUtensorMap map_b = tile_tensor_map(a.w, a.E * a.N, a.K, a.K);
+  const CUtensorMap map_b = a.w_n_major ? detail::tensor_map_nmajor(a.w, a.E, a.K, a.N, kernels::kGemmBK, fn) : tile_tensor_map(a.w, a.E * a.N, a.K, a.K);
   // Contiguous A goes through TMA too; with a gather the map is unused (any valid map will do).
   const CUtensorMap map_a = a.gather ? map_b : tile_tensor_map(a.a, a.a_rows, a.K, a.lda);
   const int sms = device_info().sm_count;
   const int ctas = a.max_ctas > 0 ? std::min(a.max_ctas, sms) : sms;
+  const bool nm = a.w_n_major;
+  namespace k = kernels;
   switch (epi) {
-    case kernels::kEpiStore: wide ? launch<256, kernels::kEpiStore>(map_a, map_b, p, ctas, stream)
-                                  : launch<128, kernels::kEpiStore>(map_a, map_b, p, ctas, stream); break;
-    case kernels::kEpiGluInter: wide ? launch<256, kernels::kEpiGluInter>(map_a, map_b, p, ctas, stream)
-                                     : launch<128, kernels::kEpiGluInter>(map_a, map_b, p, ctas, stream); break;
-    case kernels::kEpiGluConcat: launch<256, kernels::kEpiGluConcat>(map_a, map_b, p, ctas, stream); break;
-    case kernels::kEpiAct: wide ? launch<256, kernels::kEpiAct>(map_a, map_b, p, ctas, stream)
-                                : launch<128, kernels::kEpiAct>(map_a, map_b, p, ctas, stream); break;
+    case k::kEpiStore: wide ? launch<256, k::kEpiStore>(map_a, map_b, p, nm, ctas, stream)
+                            : launch<128, k::kEpiStore>(map_a, map_b, p, nm, ctas, stream); break;
+    case k::kEpiGluInter: wide ? launch<256, k::kEpiGluInter>(map_a, map_b, p, nm, ctas, stream)
+                               : launch<128, k::kEpiGluInter>(map_a, map_b, p, nm, ctas, stream); break;
+    case k::kEpiGluConcat: launch<256, k::kEpiGluConcat>(map_a, map_b, p, nm, ctas, stream); break;
+    case k::kEpiAct: wide ? launch<256, k::kEpiAct>(map_a, map_b, p, nm, ctas, stream)
+                          : launch<128, k::kEpiAct>(map_a, map_b, p, nm, ctas, stream); break;
+    case k::kEpiDGluInter: wide ? launch<256, k::kEpiDGluInter>(map_a, map_b, p, nm, ctas, stream)
+                                : launch<128, k::kEpiDGluInter>(map_a, map_b, p, nm, ctas, stream); break;
+    case k::kEpiDGluConcat: wide ? launch<256, k::kEpiDGluConcat>(map_a, map_b, p, nm, ctas, stream)
+                                 : launch<128, k::kEpiDGluConcat>(map_a, map_b, p, nm, ctas, stream); break;
+    case k::kEpiDAct: wide ? launch<256, k::kEpiDAct>(map_a, map_b, p, nm, ctas, stream)
+                           : launch<128, k::kEpiDAct>(map_a, map_b, p, nm, ctas, stream); break;
   }
   check_launch(fn);
 }

@@ -1,11 +1,83 @@
-// Launcher of the weight-gradient grouped GEMM (varlen K, kernels/sm90_grouped_wgrad.cuh).
+// Launcher of the weight-gradient grouped GEMM (varlen K, kernels/sm90_grouped_wgrad.cuh):
+// argument rules, the TMA descriptor of B, and the persistent launch.
+#include <cuda.h>
+
+#include <algorithm>
+#include <limits>
+#include <mutex>
+#include <string>
+
 #include "host/check.hpp"
+#include "host/tensor_map.hpp"
+#include "kernels/sm90_grouped_wgrad.cuh"
 #include "machmoe/machmoe.hpp"
 
 namespace machmoe {
+using detail::ceil_div;
+using detail::check_cuda;
+using detail::check_launch;
+using detail::require_arg;
 
-void grouped_gemm_wgrad(const GroupedWgradArgs&, cudaStream_t) {
-  throw Error(ErrorCode::NotBuilt, "grouped_gemm_wgrad: not built yet (issue #5)");
+namespace {
+
+template <int BN>
+void launch(const CUtensorMap& map_b, const kernels::GroupedWgradParams& p, int ctas, cudaStream_t stream) {
+  constexpr int smem = kernels::WgradSmem<BN>::kBytes;
+  static std::once_flag attr_once;
+  std::call_once(attr_once, [] {
+    check_cuda(cudaFuncSetAttribute(kernels::sm90_grouped_wgrad<BN>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+               "grouped_gemm_wgrad: cudaFuncSetAttribute");
+  });
+  require_arg(device_info().smem_per_block_optin >= static_cast<size_t>(smem), "grouped_gemm_wgrad", "device",
+              "needs " + std::to_string(smem) + " bytes of shared memory per block");
+  kernels::sm90_grouped_wgrad<BN><<<ctas, kernels::kWgradThreads, smem, stream>>>(map_b, p);
+}
+
+}  // namespace
+
+void grouped_gemm_wgrad(const GroupedWgradArgs& a, cudaStream_t stream) {
+  constexpr const char* fn = "grouped_gemm_wgrad";
+  constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+  require_arg(a.E >= 1 && a.E <= (1 << 24), fn, "E", "must be in [1, 2^24], got " + std::to_string(a.E));
+  require_arg(a.M >= 8 && a.M % 8 == 0 && a.M <= (1 << 24), fn, "M",
+              "must be a positive multiple of 8 (16-byte rows), got " + std::to_string(a.M));
+  require_arg(a.N >= 8 && a.N % 8 == 0 && a.N <= (1 << 24), fn, "N",
+              "must be a positive multiple of 8 (16-byte rows), got " + std::to_string(a.N));
+  require_arg(a.lda >= a.M && a.lda % 8 == 0, fn, "lda", "must be >= M and a multiple of 8");
+  require_arg(a.ldb >= a.N && a.ldb % 8 == 0, fn, "ldb", "must be >= N and a multiple of 8");
+  require_arg(a.a_rows >= 1 && a.a_rows <= kInt32Max && a.b_rows >= 1 && a.b_rows <= kInt32Max, fn, "a_rows/b_rows",
+              "must be in [1, 2^31)");
+  require_arg(a.a && a.b && a.c && a.expert_offsets, fn, "a/b/c/expert_offsets", "must not be null");
+  require_arg(detail::aligned16(a.a) && detail::aligned16(a.b) && detail::aligned16(a.c), fn, "a/b/c",
+              "must be 16-byte aligned");
+  require_arg(a.c_dtype == DType::FP32 || a.c_dtype == DType::BF16, fn, "c_dtype", "must be FP32 or BF16");
+  const int bn = a.N >= 256 ? 256 : 128;
+  const int64_t m_tiles = ceil_div(a.M, int64_t{kernels::kWgradBM}), n_tiles = ceil_div(a.N, int64_t{bn});
+  require_arg(a.E * m_tiles * n_tiles <= kInt32Max, fn, "E*M*N", "too many output tiles for int32 tile indices");
+
+  kernels::GroupedWgradParams p{};
+  p.a = static_cast<const __nv_bfloat16*>(a.a);
+  p.lda = a.lda;
+  p.gather = a.a_gather;
+  p.b = static_cast<const __nv_bfloat16*>(a.b);
+  p.ldb = a.ldb;
+  p.expert_offsets = a.expert_offsets;
+  p.E = static_cast<int>(a.E);
+  p.M = static_cast<int>(a.M);
+  p.N = static_cast<int>(a.N);
+  p.m_tiles = static_cast<int>(m_tiles);
+  p.n_tiles = static_cast<int>(n_tiles);
+  p.c = a.c;
+  p.c_fp32 = a.c_dtype == DType::FP32;
+  p.transpose_c = a.transpose_c;
+  // B [b_rows, N] in boxes of 64 columns x 64 rows (an MN-major operand block).
+  const CUtensorMap map_b = detail::tensor_map_2d(a.b, a.b_rows, a.N, a.ldb, 64, kernels::kWgradBK, fn);
+  const int sms = device_info().sm_count;
+  const int ctas = static_cast<int>(std::min<int64_t>(a.max_ctas > 0 ? std::min(a.max_ctas, sms) : sms,
+                                                      a.E * m_tiles * n_tiles));
+  if (bn == 256) launch<256>(map_b, p, ctas, stream);
+  else launch<128>(map_b, p, ctas, stream);
+  check_launch(fn);
 }
 
 }  // namespace machmoe

@@ -19,7 +19,14 @@ enum GemmEpilogue : int {
   kEpiGluInter = 1,   // GLU, gate/up interleaved columns: C = H, C2 = act(gate)·up
   kEpiGluConcat = 2,  // GLU, B tile = [BN/2 gate rows; BN/2 up rows] of a concatenated W1
   kEpiAct = 3,        // non-GLU activation: C = H, C2 = act(H)
+  // The backward's dH kernel (sm90_gemm_epilogue_dact.cuh): the GEMM gives dA' [R, n]; with the
+  // saved H it writes C = dH [R, n1], C2 = A' = s·act(H) [R, n] and the per-row dS partials.
+  kEpiDGluInter = 4,
+  kEpiDGluConcat = 5,
+  kEpiDAct = 6,
 };
+
+constexpr bool gemm_epi_is_dact(int epi) { return epi >= kEpiDGluInter; }
 
 enum GemmActivation : int { kActSwiGLU = 0, kActGeGLU = 1, kActReGLU = 2, kActReLU2 = 3, kActReLU = 4,
                             kActGELU = 5, kActSiLU = 6 };
@@ -40,6 +47,13 @@ struct GroupedGemmParams {
   int E, N, K;                   // N: output columns of C (2n for GLU)
   int n_tiles;                   // column tiles per expert
   int act;                       // GemmActivation
+  // dH epilogue (kEpiD*) only: H [R, n1] (ldh), s_r = row_scores[row_pair[r]], and
+  // ds_partial [R, n_tiles] fp32
+  const __nv_bfloat16* h;
+  int64_t ldh;
+  const float* row_scores;
+  const int32_t* row_pair;
+  float* ds_partial;
 };
 
 struct GemmTile {

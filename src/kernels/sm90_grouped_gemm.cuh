@@ -28,6 +28,7 @@
 
 #include "kernels/common.cuh"
 #include "kernels/sm90_gemm_epilogue.cuh"
+#include "kernels/sm90_gemm_epilogue_dact.cuh"
 #include "kernels/sm90_ptx.cuh"
 
 namespace machmoe::kernels {
@@ -115,7 +116,9 @@ struct GemmSmem {
 // GATHER: A rows come through p.gather by 16-byte cp.async from producer warp 0; otherwise A is
 // contiguous and loaded by TMA like B (tmap_a over A [rows, K]; a box may run into the next
 // expert's rows, which are computed and not stored).
-template <int BN, int EPI, bool GATHER>
+// B_NMAJOR: W is [E, K, N] (N contiguous), read through a 3-D map {N, K, E} in boxes of 64 N x 64 K
+// and handed to wgmma as an N-major operand (the backward's dA' = dout·W2 and dX~ = dH·W1).
+template <int BN, int EPI, bool GATHER, bool B_NMAJOR>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     sm90_grouped_gemm(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                       const GroupedGemmParams p) {
@@ -174,7 +177,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         sm90::mbar_wait(epi_full, n & 1);
         const GemmTile tile = *epi_tile;
         if (tile.e < 0) break;
-        gemm_write_out<BN, EPI>(p, tile, epi, tid - kLoaders, kEpilogueThreads, 1 << 30);
+        gemm_epilogue_step<BN, EPI>(p, tile, epi, tid - kLoaders, kEpilogueThreads, 1 << 30);
         sm90::mbar_arrive(epi_empty);
       }
       return;
@@ -186,7 +189,6 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       int n = 0, next = -1;
       GemmTile tile;
     } ep;
-    constexpr int kChunks = epi_chunks_per_row<BN, EPI>();
     auto epi_step = [&](int budget) {
       if constexpr (GATHER) {
         if (ep.next < 0) {
@@ -195,8 +197,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
           if (ep.tile.e < 0) return;  // the stop signal: handled after the last load
           ep.next = tid;
         }
-        ep.next = gemm_write_out<BN, EPI>(p, ep.tile, epi, ep.next, kEpilogueThreads, budget);
-        if (ep.next >= gemm_epi_items_of(ep.tile, kChunks)) {
+        ep.next = gemm_epilogue_step<BN, EPI>(p, ep.tile, epi, ep.next, kEpilogueThreads, budget);
+        if (ep.next >= gemm_epilogue_end<BN, EPI>(ep.tile)) {
           sm90::mbar_arrive(epi_empty);
           ep.next = -1;
           ++ep.n;
@@ -239,12 +241,18 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         const int k0 = kb * kGemmBK;
         if (lane == 0) {
           sm90::mbar_arrive_expect_tx(&full[s], GATHER ? Smem::kBBytes : Smem::kBBytes + Smem::kABytes);
-          const int wrow = tile.e * p.N;  // first row of W[e] in the [E*N, K] view
+          if constexpr (B_NMAJOR) {  // BN/64 blocks of [64 K rows][64 N], 8 KB apart
 #pragma unroll
-          for (int h = 0; h < BN / 128; ++h) {
-            // Interleaved/plain: rows n0 + 128h; concatenated GLU: gate rows j0.., up rows n + j0..
-            const int r = EPI == kEpiGluConcat ? wrow + h * (p.N / 2) + tile.n0 : wrow + tile.n0 + 128 * h;
-            sm90::tma_load_2d(b_stage + h * 128 * 128, &tmap_b, &full[s], k0, r);
+            for (int h = 0; h < BN / 64; ++h)
+              sm90::tma_load_3d(b_stage + h * 64 * 128, &tmap_b, &full[s], tile.n0 + 64 * h, k0, tile.e);
+          } else {
+            const int wrow = tile.e * p.N;  // first row of W[e] in the [E*N, K] view
+#pragma unroll
+            for (int h = 0; h < BN / 128; ++h) {
+              // Interleaved/plain: rows n0 + 128h; concatenated GLU: gate rows j0.., up rows n + j0..
+              const int r = EPI == kEpiGluConcat ? wrow + h * (p.N / 2) + tile.n0 : wrow + tile.n0 + 128 * h;
+              sm90::tma_load_2d(b_stage + h * 128 * 128, &tmap_b, &full[s], k0, r);
+            }
           }
           if constexpr (!GATHER) sm90::tma_load_2d(a_stage, &tmap_a, &full[s], k0, tile.row0);
         }
@@ -298,8 +306,11 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         sm90::wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kGemmBK / 16; ++ks) {
-          sm90::wgmma_bf16<BN, 0>(acc, sm90::smem_desc_kmajor_sw128(a_addr + ks * 32),
-                                  sm90::smem_desc_kmajor_sw128(b_addr + ks * 32), 1);
+          const uint64_t desc_a = sm90::smem_desc_kmajor_sw128(a_addr + ks * 32);
+          if constexpr (B_NMAJOR)
+            sm90::wgmma_bf16<BN, 0, 1>(acc, desc_a, sm90::smem_desc_mnmajor_sw128(b_addr + ks * 2048, 64 * 128), 1);
+          else
+            sm90::wgmma_bf16<BN, 0, 0>(acc, desc_a, sm90::smem_desc_kmajor_sw128(b_addr + ks * 32), 1);
         }
         sm90::wgmma_commit();
         // Keep this stage's group in flight; the previous one is done after wait<1>.

@@ -75,6 +75,14 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
       ::"r"(smem_addr(dst)), "l"(map), "r"(smem_addr(bar)), "r"(x), "r"(y)
       : "memory");
 }
+// 3-D box at (x, y, z) (x innermost): N-major weights [E, K, N] read per expert, so that a K
+// block running past the expert's K rows is zero-filled instead of reading the next expert.
+__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int x, int y, int z) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];"
+      ::"r"(smem_addr(dst)), "l"(map), "r"(smem_addr(bar)), "r"(x), "r"(y), "r"(z)
+      : "memory");
+}
 __device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
 }
@@ -107,6 +115,19 @@ __device__ __forceinline__ uint64_t smem_desc_kmajor_sw128(uint32_t addr) {
   desc |= static_cast<uint64_t>(1) << 16;        // leading-dimension byte offset (unused here)
   desc |= static_cast<uint64_t>(1024 >> 4) << 32;  // stride byte offset: 8 rows x 128 bytes
   desc |= static_cast<uint64_t>(1) << 62;        // swizzle mode: 128 bytes
+  return desc;
+}
+
+// Descriptor of an MN-major operand tile (transposed wgmma operand, tnspA/tnspB = 1) with the
+// 128-byte swizzle: blocks of 64 M (or N) elements, each stored as K rows of 128 bytes (what a
+// TMA box {64 MN, K rows} or a row-wise cp.async writes). PTX canonical layout
+// ((8,8,m),(8,k)) : ((1,8,LBO),(64,SBO)) in elements: LBO = bytes between the 64-wide MN blocks,
+// SBO = 1024 bytes between groups of 8 K rows. Stepping k by 16 adds 16 rows = 2048 bytes.
+__device__ __forceinline__ uint64_t smem_desc_mnmajor_sw128(uint32_t addr, uint32_t block_bytes) {
+  uint64_t desc = (addr & 0x3FFFFu) >> 4;
+  desc |= static_cast<uint64_t>((block_bytes & 0x3FFFFu) >> 4) << 16;  // leading: next 64-wide MN block
+  desc |= static_cast<uint64_t>(1024 >> 4) << 32;                     // stride: next 8 K rows
+  desc |= static_cast<uint64_t>(1) << 62;
   return desc;
 }
 

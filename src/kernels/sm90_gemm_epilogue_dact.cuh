@@ -1,0 +1,173 @@
+// The dH epilogue of the grouped GEMM engine (SPEC §2 kernel 6, docs/BACKWARD.md): the engine
+// computes dA'_r = dout_{tok(r)} · W2_e (fp32, staged to shared memory as bf16 like every tile),
+// and the epilogue warps finish the backward of the activation per routed row r with score s_r:
+//   A_r  = act(H_r)                  recomputed from the saved bf16 H (bitwise the forward's A)
+//   dS_r = Σ_j dA'_rj · A_rj          written per column tile (ds_partial [R, n_tiles], fp32):
+//                                    no atomics, the tiles are added in order afterwards
+//   dA   = s_r · dA'_r
+//   dH_r = dA ⊙ act'(H_r)            GLU: d gate = dA·f'(g)·u, d up = dA·f(g), in H's layout
+//   A'_r = s_r · A_r                 the dW2 GEMM's operand (bf16 [R, n])
+// Work items are (row, 8-column chunk of dA'); a row's chunks are consecutive lanes of one warp
+// (BN/8 = 32 or 16 of them), so the row's dS partial is a shuffle reduction. Device functions
+// only; included by sm90_grouped_gemm.cuh.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "kernels/common.cuh"
+#include "kernels/sm90_gemm_epilogue.cuh"
+
+namespace machmoe::kernels {
+
+// act(h) exactly as the forward epilogue computes it, and act'(h).
+template <int ACT>
+__device__ __forceinline__ float gemm_act_grad(float h, float& f) {
+  f = gemm_act<ACT>(h);
+  if constexpr (ACT == kActSwiGLU || ACT == kActSiLU) {
+    const float sig = __fdividef(1.f, 1.f + __expf(-h));
+    return sig * (1.f + h * (1.f - sig));
+  } else if constexpr (ACT == kActGeGLU || ACT == kActGELU) {
+    constexpr float c = 0.7978845608028654f;
+    const float th = tanhf(c * (h + 0.044715f * h * h * h));
+    return 0.5f * (1.f + th) + 0.5f * h * (1.f - th * th) * c * (1.f + 3.f * 0.044715f * h * h);
+  } else if constexpr (ACT == kActReGLU || ACT == kActReLU) {
+    return h > 0.f ? 1.f : 0.f;
+  } else {  // ReLU²
+    return h > 0.f ? 2.f * h : 0.f;
+  }
+}
+
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+__device__ __forceinline__ void load_bf16x8(const __nv_bfloat16* src, float (&v)[8]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(src);
+  const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = __bfloat162float(b[i]);
+}
+
+// Items a thread walks through: rows·chunks, rounded up to whole warps so that every lane of a
+// warp runs the same number of iterations (the dS shuffle needs all 32).
+template <int BN>
+__device__ __forceinline__ int gemm_dact_items(const GemmTile& tile) {
+  return (tile.rows * (BN / 8) + 31) & ~31;
+}
+
+template <int BN, int EPI, int ACT>
+__device__ __forceinline__ int gemm_write_out_dact_act(const GroupedGemmParams& p, const GemmTile& tile,
+                                                       const uint8_t* epi, int next, int stride, int budget) {
+  constexpr int kChunks = BN / 8;  // 8 dA' columns per item
+  static_assert(kChunks == 16 || kChunks == 32, "a row's chunks must tile a warp");
+  const int items = tile.rows * kChunks, end = gemm_dact_items<BN>(tile);
+  const int n = p.N;  // columns of dA' (= of A'); H has 2n (GLU) or n
+  for (; next < end && budget > 0; next += stride, --budget) {
+    const int r = next / kChunks, ch = next % kChunks;
+    const int j = tile.n0 + ch * 8;
+    const bool valid = next < items && j < n;
+    float ds = 0.f;
+    if (valid) {
+      const int64_t row = tile.row0 + r;
+      float da[8];
+      load_bf16x8(reinterpret_cast<const __nv_bfloat16*>(epi + r * epi_row_bytes<BN>() + ch * 16), da);
+      const float s = __ldg(p.row_scores + __ldg(p.row_pair + row));
+      const __nv_bfloat16* h = p.h + row * p.ldh;
+      __nv_bfloat16* dh = p.c + row * p.ldc;
+      float a_scaled[8];
+      if constexpr (EPI == kEpiDAct) {
+        float hv[8], g[8];
+        load_bf16x8(h + j, hv);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          float f;
+          const float df = gemm_act_grad<ACT>(hv[i], f);
+          const float a = round_bf16(f);
+          ds += da[i] * a;
+          g[i] = s * da[i] * df;
+          a_scaled[i] = s * a;
+        }
+        store_bf16(dh + j, g);
+      } else {
+        float gate[8], up[8];
+        if constexpr (EPI == kEpiDGluInter) {  // (gate, up) pairs at columns 2j, 2j+1
+          float lo[8], hi[8];
+          load_bf16x8(h + 2 * j, lo);
+          load_bf16x8(h + 2 * j + 8, hi);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            gate[i] = lo[2 * i], up[i] = lo[2 * i + 1];
+            gate[4 + i] = hi[2 * i], up[4 + i] = hi[2 * i + 1];
+          }
+        } else {  // gate at j, up at n + j
+          load_bf16x8(h + j, gate);
+          load_bf16x8(h + n + j, up);
+        }
+        float dgate[8], dup[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          float f;
+          const float df = gemm_act_grad<ACT>(gate[i], f);
+          const float a = round_bf16(f * up[i]);
+          ds += da[i] * a;
+          const float d = s * da[i];
+          dgate[i] = d * df * up[i];
+          dup[i] = d * f;
+          a_scaled[i] = s * a;
+        }
+        if constexpr (EPI == kEpiDGluInter) {
+          float lo[8], hi[8];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            lo[2 * i] = dgate[i], lo[2 * i + 1] = dup[i];
+            hi[2 * i] = dgate[4 + i], hi[2 * i + 1] = dup[4 + i];
+          }
+          store_bf16(dh + 2 * j, lo);
+          store_bf16(dh + 2 * j + 8, hi);
+        } else {
+          store_bf16(dh + j, dgate);
+          store_bf16(dh + n + j, dup);
+        }
+      }
+      store_bf16(p.c2 + row * p.ldc2 + j, a_scaled);
+    }
+    // The row's chunks are kChunks consecutive lanes (next ≡ lane mod 32, stride a multiple of 32).
+#pragma unroll
+    for (int off = kChunks / 2; off > 0; off >>= 1) ds += __shfl_xor_sync(0xffffffffu, ds, off);
+    if (ch == 0 && next < items)
+      p.ds_partial[static_cast<int64_t>(tile.row0 + r) * p.n_tiles + tile.n0 / BN] = ds;
+  }
+  return next;
+}
+
+template <int BN, int EPI>
+__device__ __forceinline__ int gemm_write_out_dact(const GroupedGemmParams& p, const GemmTile& tile,
+                                                   const uint8_t* epi, int next, int stride, int budget) {
+  if constexpr (EPI == kEpiDAct) {
+    switch (p.act) {
+      case kActReLU2: return gemm_write_out_dact_act<BN, EPI, kActReLU2>(p, tile, epi, next, stride, budget);
+      case kActReLU: return gemm_write_out_dact_act<BN, EPI, kActReLU>(p, tile, epi, next, stride, budget);
+      case kActGELU: return gemm_write_out_dact_act<BN, EPI, kActGELU>(p, tile, epi, next, stride, budget);
+      default: return gemm_write_out_dact_act<BN, EPI, kActSiLU>(p, tile, epi, next, stride, budget);
+    }
+  } else {
+    switch (p.act) {
+      case kActGeGLU: return gemm_write_out_dact_act<BN, EPI, kActGeGLU>(p, tile, epi, next, stride, budget);
+      case kActReGLU: return gemm_write_out_dact_act<BN, EPI, kActReGLU>(p, tile, epi, next, stride, budget);
+      default: return gemm_write_out_dact_act<BN, EPI, kActSwiGLU>(p, tile, epi, next, stride, budget);
+    }
+  }
+}
+
+// The epilogue of any EPI, in slices (see gemm_write_out), and the item count it runs to.
+template <int BN, int EPI>
+__device__ __forceinline__ int gemm_epilogue_step(const GroupedGemmParams& p, const GemmTile& tile,
+                                                  const uint8_t* epi, int next, int stride, int budget) {
+  if constexpr (gemm_epi_is_dact(EPI)) return gemm_write_out_dact<BN, EPI>(p, tile, epi, next, stride, budget);
+  else return gemm_write_out<BN, EPI>(p, tile, epi, next, stride, budget);
+}
+template <int BN, int EPI>
+__device__ __forceinline__ int gemm_epilogue_end(const GemmTile& tile) {
+  if constexpr (gemm_epi_is_dact(EPI)) return gemm_dact_items<BN>(tile);
+  else return gemm_epi_items_of(tile, epi_chunks_per_row<BN, EPI>());
+}
+
+}  // namespace machmoe::kernels

@@ -1,0 +1,209 @@
+// Kernel families 7 and 8 of SPEC §2: the weight gradients as varlen-K grouped GEMMs on sm_90a.
+//
+//   for every expert e with rows [off[e], off[e+1]):
+//     C[e] (M x N) = Σ_r A[row(r), :]ᵀ ⊗ B[r, :]      A rows [*, M] bf16, B rows [R, N] bf16
+//   row(r) = gather[r] (dout or x gathered by token) or r. K = the expert's row count.
+//   dW2 = doutᵀ·A' (A = dout gathered, B = A'), dW1ᵀ = xᵀ·dH (A = x gathered, B = dH, C stored
+//   transposed into dW1 [E, n1, d]).
+//
+// Both operands are MN-major in shared memory (the reduction runs over their rows): each 64-row K
+// block of A is two [64 K][64 M] blocks, of B BN/64 [64 K][64 N] blocks, 128-byte swizzled, and
+// wgmma reads them with tnspA = tnspB = 1.
+// Warpgroup 0 loads: all 128 threads copy the gathered A rows by 16-byte cp.async (zero-filled
+// past the expert's last row), thread 0 loads B by TMA for full 64-row blocks; the expert's last,
+// partial block of B is copied by cp.async too, zero-filled, so that no row of the next expert (or
+// the uninitialised tail of the buffer) ever enters the sum. Warpgroups 1-2 run wgmma on 64 rows
+// of M each and write C straight from the accumulators (the K loop is the expert's whole row
+// range, long next to the epilogue). Tiles (e, m_blk, n_blk) are walked statically, expert-major;
+// an expert with no rows gets its tiles written with zeros. Fixed K order: deterministic.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "kernels/common.cuh"
+#include "kernels/sm90_ptx.cuh"
+
+namespace machmoe::kernels {
+
+constexpr int kWgradBM = 128, kWgradBK = 64, kWgradThreads = 384;
+
+struct GroupedWgradParams {
+  const __nv_bfloat16* a;  // [*, M], lda
+  int64_t lda;
+  const int32_t* gather;   // [R] or null
+  const __nv_bfloat16* b;  // [R, N], ldb
+  int64_t ldb;
+  const int32_t* expert_offsets;  // [E+1]
+  int E, M, N;
+  int m_tiles, n_tiles;
+  void* c;                 // [E, M, N] or [E, N, M]
+  bool c_fp32, transpose_c;
+};
+
+template <int BN>
+struct WgradSmem {
+  static constexpr int kABytes = kWgradBM * kWgradBK * 2;  // 16 KB: two [64 K][64 M] blocks
+  static constexpr int kBBytes = BN * kWgradBK * 2;        // 32 KB for BN = 256
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kBudget = 227 * 1024;
+  static constexpr int kFixed = 2048;  // 1 KB alignment slack + barriers
+  static constexpr int kStages = (kBudget - kFixed) / kStageBytes;
+  static constexpr int kBytes = kStages * kStageBytes + kFixed;
+  static_assert(kStages >= 2, "at least two pipeline stages");
+  static_assert(2 * kStages * 8 <= kFixed - 1024, "fixed shared-memory area too small");
+};
+
+// Copies rows [r0, r0 + rows) x columns [c0, c0 + W) of a bf16 matrix into MN-major blocks
+// [64 K rows][64 columns] (8 KB apart), 128-byte swizzle; missing rows/columns are zero-filled.
+// 16-byte chunks are spread over the `threads` copying threads.
+template <int W>
+__device__ __forceinline__ void wgrad_copy_rows(uint8_t* stage, const __nv_bfloat16* base, int64_t ld,
+                                                const int32_t* gather, int r0, int rows, int c0, int cols,
+                                                int tid, int threads) {
+  constexpr int kChunksPerRow = W / 8;
+  for (int q = tid; q < kWgradBK * kChunksPerRow; q += threads) {
+    const int kr = q / kChunksPerRow, c = q % kChunksPerRow;
+    const int col = c0 + c * 8;
+    const bool ok = kr < rows && col < cols;
+    const __nv_bfloat16* src = base;
+    if (ok) {
+      const int64_t row = gather ? __ldg(gather + r0 + kr) : static_cast<int64_t>(r0 + kr);
+      src = base + row * ld + col;
+    }
+    const uint32_t dst = sm90::smem_addr(stage + (c / 8) * (kWgradBK * 128) + kr * 128 + (((c % 8) ^ (kr & 7)) << 4));
+    sm90::cp_async_16(dst, src, ok ? 16 : 0);
+  }
+}
+
+// Tile t -> expert, first row of M, column block (m inner: the CTAs running together share the
+// expert's B rows and most of its A rows in L2).
+__device__ __forceinline__ void wgrad_decode(const GroupedWgradParams& p, int t, int& e, int& m0, int& n_blk) {
+  const int per_expert = p.m_tiles * p.n_tiles;
+  e = t / per_expert;
+  const int local = t - e * per_expert;
+  m0 = (local % p.m_tiles) * kWgradBM;
+  n_blk = local / p.m_tiles;
+}
+
+template <int BN>
+__global__ void __launch_bounds__(kWgradThreads, 1)
+    sm90_grouped_wgrad(const __grid_constant__ CUtensorMap tmap_b, const GroupedWgradParams p) {
+  using Smem = WgradSmem<BN>;
+  constexpr int S = Smem::kStages;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* smem_a = smem;
+  uint8_t* smem_b = smem + S * Smem::kABytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * Smem::kStageBytes);
+  uint64_t* empty = full + S;
+  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      sm90::mbar_init(&full[s], 128 + 1);  // 128 cp.async arrivals + thread 0's (expect_tx) arrival
+      sm90::mbar_init(&empty[s], 2);       // one per consumer warpgroup
+    }
+    sm90::mbar_fence_init();
+    sm90::tma_prefetch_descriptor(&tmap_b);
+  }
+  __syncthreads();
+  const int total = p.E * p.m_tiles * p.n_tiles;
+
+  if (wg == 0) {
+    sm90::setmaxnreg_dec<56>();
+    int it = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+      int e, m0, nb;
+      wgrad_decode(p, t, e, m0, nb);
+      const int n0 = nb * BN;
+      const int begin = __ldg(p.expert_offsets + e), end = __ldg(p.expert_offsets + e + 1);
+      for (int r0 = begin; r0 < end; r0 += kWgradBK, ++it) {
+        const int s = it % S;
+        sm90::mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
+        uint8_t* a_stage = smem_a + s * Smem::kABytes;
+        uint8_t* b_stage = smem_b + s * Smem::kBBytes;
+        const int rows = min(kWgradBK, end - r0);
+        if (rows == kWgradBK) {
+          if (tid == 0) {
+            sm90::mbar_arrive_expect_tx(&full[s], Smem::kBBytes);
+#pragma unroll
+            for (int h = 0; h < BN / 64; ++h) sm90::tma_load_2d(b_stage + h * 64 * 128, &tmap_b, &full[s], n0 + 64 * h, r0);
+          }
+        } else {
+          wgrad_copy_rows<BN>(b_stage, p.b, p.ldb, nullptr, r0, rows, n0, p.N, tid, 128);
+          if (tid == 0) sm90::mbar_arrive(&full[s]);
+        }
+        wgrad_copy_rows<kWgradBM>(a_stage, p.a, p.lda, p.gather, r0, rows, m0, p.M, tid, 128);
+        sm90::cp_async_arrive_noinc(&full[s]);
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------ consumers
+  sm90::setmaxnreg_inc<224>();
+  const int cw = wg - 1;
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+  int it = 0;
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    int e, m0, nb;
+    wgrad_decode(p, t, e, m0, nb);
+    const int n0 = nb * BN;
+    const int begin = __ldg(p.expert_offsets + e), end = __ldg(p.expert_offsets + e + 1);
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    int prev_stage = -1;
+    for (int r0 = begin; r0 < end; r0 += kWgradBK, ++it) {
+      const int s = it % S;
+      sm90::mbar_wait(&full[s], (it / S) & 1);
+      sm90::fence_proxy_async_shared();  // cp.async (generic proxy) -> wgmma (async proxy)
+      const uint32_t a_addr = sm90::smem_addr(smem_a + s * Smem::kABytes + cw * 64 * 128);
+      const uint32_t b_addr = sm90::smem_addr(smem_b + s * Smem::kBBytes);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kWgradBK / 16; ++ks) {
+        sm90::wgmma_bf16<BN, 1, 1>(acc, sm90::smem_desc_mnmajor_sw128(a_addr + ks * 2048, 64 * 128),
+                                   sm90::smem_desc_mnmajor_sw128(b_addr + ks * 2048, 64 * 128), 1);
+      }
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<1>();
+      sm90::fence_accumulators(acc);
+      if (prev_stage >= 0 && tid == 0) sm90::mbar_arrive(&empty[prev_stage]);
+      prev_stage = s;
+    }
+    sm90::wgmma_wait<0>();
+    sm90::fence_accumulators(acc);
+    if (prev_stage >= 0 && tid == 0) sm90::mbar_arrive(&empty[prev_stage]);
+
+    // Accumulator fragment: register 4·jj + 2·half + i is row (warp·16 + lane/4 + 8·half) of the
+    // warpgroup's 64, column 8·jj + 2·(lane % 4) + i.
+    const int64_t base = static_cast<int64_t>(e) * p.M * p.N;
+#pragma unroll
+    for (int jj = 0; jj < BN / 8; ++jj) {
+      const int n = n0 + jj * 8 + 2 * (lane % 4);
+      if (n >= p.N) continue;  // N is a multiple of 8: n + 1 < N too
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int m = m0 + cw * 64 + warp * 16 + lane / 4 + 8 * half;
+        if (m >= p.M) continue;
+        const float v0 = acc[jj * 4 + half * 2], v1 = acc[jj * 4 + half * 2 + 1];
+        if (p.transpose_c) {
+          const int64_t i0 = base + static_cast<int64_t>(n) * p.M + m, i1 = i0 + p.M;
+          if (p.c_fp32) {
+            static_cast<float*>(p.c)[i0] = v0;
+            static_cast<float*>(p.c)[i1] = v1;
+          } else {
+            static_cast<__nv_bfloat16*>(p.c)[i0] = __float2bfloat16_rn(v0);
+            static_cast<__nv_bfloat16*>(p.c)[i1] = __float2bfloat16_rn(v1);
+          }
+        } else {
+          const int64_t i0 = base + static_cast<int64_t>(m) * p.N + n;
+          if (p.c_fp32) *reinterpret_cast<float2*>(static_cast<float*>(p.c) + i0) = make_float2(v0, v1);
+          else *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.c) + i0) = __floats2bfloat162_rn(v0, v1);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace machmoe::kernels
