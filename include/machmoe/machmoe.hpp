@@ -76,6 +76,9 @@ struct LayerBackwardArgs {
   const void* saved = nullptr;  // what layer_forward wrote
   const void* dout = nullptr;   // [T, d]
   float d_aux = 0.f;            // gradient of the aux loss
+  // The same on the device ([1] fp32), or null. When given it replaces d_aux and is read by a
+  // kernel, so a framework can pass the aux loss's gradient without a host synchronisation.
+  const float* d_aux_device = nullptr;
   void* dx = nullptr;           // [T, d]
   void* d_router_weight = nullptr;
   void* dw1 = nullptr;
@@ -224,7 +227,7 @@ struct GroupedWgradArgs {
 };
 void grouped_gemm_wgrad(const GroupedWgradArgs& args, cudaStream_t stream);
 
-// True when this build carries the sm_90a kernels of the layer (false until issue #4 lands).
+// True when this build carries the sm_90a kernels of the layer, forward and backward.
 bool layer_kernels_available();
 
 // Facts about the current device, read off cudaGetDeviceProperties.

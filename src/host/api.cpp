@@ -1,7 +1,6 @@
-// The public C++ API's host side: problem validation, the workspace plan, and the layer backward,
-// which refuses with ErrorCode::NotBuilt until its kernels exist (issue #5) instead of pretending.
-// The layer forward is in layer.cu, the kernel families in routing.cu, token_rounding.cu and
-// grouped_gemm.cu.
+// The public C++ API's host side: problem validation and the workspace plan. The layer forward is in
+// layer.cu, the backward in layer_backward.cu, the kernel families in routing.cu, token_rounding.cu,
+// grouped_gemm.cu and grouped_wgrad.cu.
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -15,14 +14,6 @@ namespace {
 void require(bool ok, const char* field, const std::string& rule) {
   if (!ok)
     throw Error(ErrorCode::InvalidArgument, std::string("LayerProblem.") + field + ": " + rule);
-}
-
-[[noreturn]] void not_built(const char* what) {
-  throw Error(ErrorCode::NotBuilt,
-              std::string("machmoe::") + what +
-                  ": the GPU kernels for this are not built yet in this version of machmoe "
-                  "(issues #4 and #5); use the CPU reference (machmoe/reference.hpp) or the "
-                  "PyTorch 'torch' backend meanwhile");
 }
 
 }  // namespace
@@ -56,12 +47,7 @@ WorkspacePlan plan_workspace(const LayerProblem& p) {
   return w;
 }
 
-// True when both directions of the layer run on the GPU (the forward does; the backward is #5).
-bool layer_kernels_available() { return false; }
-
-void layer_backward(const LayerProblem& p, const LayerBackwardArgs&, cudaStream_t) {
-  validate(p);
-  not_built("layer_backward");
-}
+// Both directions of the layer run on the GPU (layer.cu, layer_backward.cu).
+bool layer_kernels_available() { return true; }
 
 }  // namespace machmoe

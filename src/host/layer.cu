@@ -2,14 +2,11 @@
 //   logits = x·Wrᵀ (cuBLAS, fp32 out) -> top-K router -> routing metadata -> up-projection
 //   (gathered rows, GLU/activation epilogue: H saved, A scratch) -> down-projection (Y scratch)
 //   -> aggregation with scores -> aux loss.
-// Buffers: host/layer_layout.hpp. The backward is issue #5.
-#include <cublas_v2.h>
-
-#include <mutex>
+// Buffers: host/layer_layout.hpp. The backward is layer_backward.cu.
 #include <string>
-#include <unordered_map>
 
 #include "host/check.hpp"
+#include "host/cublas_internal.hpp"
 #include "host/layer_layout.hpp"
 #include "kernels/aux_loss.cuh"
 #include "machmoe/machmoe.hpp"
@@ -17,38 +14,19 @@
 namespace machmoe {
 using detail::ceil_div;
 using detail::check_cuda;
+using detail::check_cublas;
 using detail::check_launch;
 using detail::LayerLayout;
+using detail::at;
 using detail::require_arg;
 
 namespace {
-
-void check_cublas(cublasStatus_t st, const char* what) {
-  if (st != CUBLAS_STATUS_SUCCESS)
-    throw Error(ErrorCode::CudaError, std::string(what) + ": cuBLAS status " + std::to_string(static_cast<int>(st)));
-}
-
-// One cuBLAS handle per (thread, device), created on first use: cuBLAS handles are not meant to
-// be shared between threads, and creating one costs milliseconds.
-cublasHandle_t cublas_handle() {
-  thread_local std::unordered_map<int, cublasHandle_t> handles;
-  int dev = 0;
-  check_cuda(cudaGetDevice(&dev), "layer_forward: cudaGetDevice");
-  auto it = handles.find(dev);
-  if (it != handles.end()) return it->second;
-  cublasHandle_t h = nullptr;
-  check_cublas(cublasCreate(&h), "layer_forward: cublasCreate");
-  handles.emplace(dev, h);
-  return h;
-}
 
 // logits [T, E] fp32 = x [T, d] bf16 · Wrᵀ (Wr [E, d] bf16), fp32 accumulation. Column-major
 // view: logitsᵀ [E, T] = Wr · xᵀ. The workspace is ours, so the call is graph-capturable.
 void router_gemm(const void* x, const void* wr, float* logits, int64_t T, int64_t E, int64_t d, void* ws,
                  size_t ws_bytes, cudaStream_t stream) {
-  cublasHandle_t h = cublas_handle();
-  check_cublas(cublasSetStream(h, stream), "layer_forward: cublasSetStream");
-  check_cublas(cublasSetWorkspace(h, ws, ws_bytes), "layer_forward: cublasSetWorkspace");
+  cublasHandle_t h = detail::cublas_on(stream, ws, ws_bytes, "layer_forward");
   const float alpha = 1.f, beta = 0.f;
   check_cublas(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(E), static_cast<int>(T),
                             static_cast<int>(d), &alpha, wr, CUDA_R_16BF, static_cast<int>(d), x, CUDA_R_16BF,
@@ -57,23 +35,11 @@ void router_gemm(const void* x, const void* wr, float* logits, int64_t T, int64_
                "layer_forward: router GEMM (cublasGemmEx)");
 }
 
-template <typename T>
-T* at(void* base, size_t off) {
-  return reinterpret_cast<T*>(static_cast<char*>(base) + off);
-}
-
 }  // namespace
 
 void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_t stream) {
   constexpr const char* fn = "layer_forward";
-  validate(p);
-  require_arg(p.rounding == TokenRounding::None || p.K <= 32, fn, "K", "must be <= 32 with token rounding");
-  if (p.dtype != DType::BF16)
-    throw Error(ErrorCode::Unsupported, std::string("layer_forward: the GPU layer runs in bfloat16, got dtype=") +
-                                            to_string(p.dtype));
-  if (p.d % 8 != 0 || p.n % 8 != 0)
-    throw Error(ErrorCode::Unsupported, "layer_forward: d and n must be multiples of 8 (16-byte rows), got d=" +
-                                            std::to_string(p.d) + ", n=" + std::to_string(p.n));
+  detail::require_gpu_layer(p, fn);
   require_arg(a.x && a.router_weight && a.w1 && a.w2 && a.out && a.aux_loss && a.saved && a.workspace, fn,
               "x/router_weight/w1/w2/out/aux_loss/saved/workspace", "must not be null");
   require_arg((a.b1 == nullptr) == (a.b2 == nullptr) && (a.b1 != nullptr) == p.has_bias, fn, "b1/b2",
@@ -171,7 +137,7 @@ void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_
   kernels::aux_colsum_partial<LayerLayout::kAuxTokensPerBlock><<<blocks, 256, 0, stream>>>(
       logits, p.T, static_cast<int>(p.E), partials);
   check_launch("layer_forward: aux partial sums");
-  kernels::aux_finalize<<<1, 1024, 0, stream>>>(partials, blocks, static_cast<int>(p.E), expert_offsets,
+  kernels::aux_finalize<1024><<<1, 1024, 0, stream>>>(partials, blocks, static_cast<int>(p.E), expert_offsets,
                                                  at<float>(w, L.aux_colsum), a.aux_loss);
   check_launch("layer_forward: aux loss");
 }

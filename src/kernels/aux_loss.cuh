@@ -3,6 +3,7 @@
 // 1. aux_colsum_partial: block b sums P over its kTokens tokens for every expert, each thread
 //    owning experts and adding tokens in order -> partials [blocks, E] (no atomics).
 // 2. aux_finalize: one block adds the partials in block order, then the weighted sum.
+// The backward (kernels/layer_backward.cuh) reuses step 1 for ∂aux/∂logits.
 #pragma once
 
 #include "kernels/common.cuh"
@@ -31,8 +32,11 @@ __global__ void __launch_bounds__(256) aux_colsum_partial(const float* logits, i
   }
 }
 
-__global__ void __launch_bounds__(1024) aux_finalize(const float* partials, int blocks, int E,
-                                                     const int32_t* expert_offsets, float* colsum, float* aux) {
+// A template (on its block size) like every kernel here: the header is included by layer.cu and
+// layer_backward.cu, and a non-template __global__ in two translation units would clash at link.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) aux_finalize(const float* partials, int blocks, int E,
+                                                         const int32_t* expert_offsets, float* colsum, float* aux) {
   __shared__ float red[32];
   __shared__ float s_total;
   float local_total = 0.f;

@@ -1,7 +1,9 @@
 // Tests of the public host API (include/machmoe/machmoe.hpp, types.hpp) that need no GPU:
-// problem validation, workspace planning, the NotBuilt refusals, and the name parsers.
+// problem validation, workspace planning, the refusals before any GPU work, and the name parsers.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
@@ -157,7 +159,29 @@ TEST(PlanWorkspace, RejectsInvalidProblems) {
       ErrorCode::InvalidArgument, [&] { plan_workspace(p); }, "plan_workspace d = 0");
 }
 
-// ---------------------------------------------------------------- NotBuilt refusals
+// The backward workspace holds, per routed row, dH [n1] + A' [n] + dX~ [d] bf16 and the fp32 dS
+// partials and d score, plus d_logits [T, E] in fp32 and bf16 and the cuBLAS workspace; biases
+// add the per-chunk partial sums. Checked against those sizes, within sub-buffer alignment.
+TEST(PlanWorkspace, BackwardHoldsTheGradientBuffers) {
+  for (bool bias : {false, true})
+    for (Activation act : {Activation::SwiGLU, Activation::ReLU}) {
+      LayerProblem p = valid_problem();
+      p.T = 1000, p.d = 256, p.n = 320, p.E = 16, p.K = 4, p.activation = act, p.has_bias = bias;
+      SCOPED_TRACE(std::string(to_string(act)) + (bias ? " bias" : ""));
+      const size_t R = size_t(p.T * p.K), n1 = is_glu(act) ? 2 * p.n : p.n, T = p.T, E = p.E;
+      const size_t tiles = static_cast<size_t>(grouped_gemm_column_tiles(p.n));
+      size_t need = R * 2 * (n1 + p.n + p.d) + R * 4 * (tiles + 1) + T * E * (4 + 2) + (size_t{4} << 20);
+      const size_t chunks = (R + 255) / 256 + E;
+      if (bias) need += chunks * std::max<size_t>(p.d, n1) * 4;
+      const size_t bytes = plan_workspace(p).backward_workspace_bytes;
+      EXPECT_GE(bytes, need);
+      // The rest: row_token, token_offsets, tile offsets, aux scratch, chunk offsets, alignment.
+      const size_t aux = ((T + 63) / 64) * E * 4 + (E + 1) * 4;
+      EXPECT_LE(bytes, need + R * 4 + (T + 1) * 4 + 2 * (E + 1) * 4 + aux + 16 * 256);
+    }
+}
+
+// ---------------------------------------------------------------- refusals before any GPU work
 // Every GPU entry point, called with the pointers `ptr` (all of them) and a null stream.
 std::vector<std::pair<const char*, std::function<void()>>> gpu_calls(void* ptr) {
   const LayerProblem p = valid_problem();
@@ -186,14 +210,45 @@ std::vector<std::pair<const char*, std::function<void()>>> gpu_calls(void* ptr) 
   };
 }
 
-TEST(NotBuilt, LayerBackwardThrowsNotBuilt) {
-  if (layer_kernels_available())
-    GTEST_SKIP() << "the layer kernels are built; GPU tests cover them";
-  // Non-null pointers (into a host buffer that nothing may touch): only NotBuilt is left to say.
-  // The forward and the kernel families exist: GPU tests cover them.
+// The layer backward refuses, before touching memory (this machine may have no GPU), what it does
+// not run: non-bf16 data, sizes that are not multiples of 8, biases and bias gradients not given
+// together with has_bias, a weight-gradient dtype other than bf16/fp32, a misaligned workspace.
+TEST(LayerBackward, RefusesWhatItDoesNotRun) {
   std::vector<uint64_t> buf(1 << 17, 0x5555555555555555ull);
-  for (auto& [name, call] : gpu_calls(buf.data()))
-    if (std::string(name) == "layer_backward") mtest::expect_error(ErrorCode::NotBuilt, call, name);
+  void* ptr = buf.data();  // 8-byte aligned host memory that nothing may touch
+  void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(ptr) + 255) & ~uintptr_t{255});
+  LayerBackwardArgs ba;
+  ba.x = ba.router_weight = ba.w1 = ba.w2 = ba.dout = aligned;
+  ba.dx = ba.d_router_weight = ba.dw1 = ba.dw2 = aligned;
+  ba.saved = ba.workspace = aligned;
+  auto refuses = [&](ErrorCode code, LayerProblem p, LayerBackwardArgs a, const std::string& what,
+                     const std::string& word) {
+    const std::string msg = mtest::expect_error(code, [&] { layer_backward(p, a, nullptr); }, what);
+    EXPECT_NE(msg.find(word), std::string::npos) << what << ": message does not name " << word << ": " << msg;
+  };
+  LayerProblem p = valid_problem();
+  p.dtype = DType::FP32;
+  refuses(ErrorCode::Unsupported, p, ba, "fp32 data", "bfloat16");
+  p = valid_problem(), p.n = 100;
+  refuses(ErrorCode::Unsupported, p, ba, "n % 8", "multiples of 8");
+  p = valid_problem(), p.rounding = TokenRounding::Up, p.E = 64, p.K = 33;
+  refuses(ErrorCode::InvalidArgument, p, ba, "rounding K > 32", "K");
+  p = valid_problem(), p.has_bias = true;
+  refuses(ErrorCode::InvalidArgument, p, ba, "has_bias without biases", "b1/b2/db1/db2");
+  LayerBackwardArgs half = ba;
+  half.b1 = half.b2 = half.db1 = aligned;  // db2 missing
+  refuses(ErrorCode::InvalidArgument, p, half, "db2 missing", "b1/b2/db1/db2");
+  p = valid_problem();
+  refuses(ErrorCode::InvalidArgument, p, half, "biases without has_bias", "b1/b2/db1/db2");
+  LayerBackwardArgs a = ba;
+  a.weight_grad_dtype = DType::FP16;
+  refuses(ErrorCode::InvalidArgument, p, a, "fp16 weight gradients", "weight_grad_dtype");
+  a = ba, a.workspace = static_cast<char*>(aligned) + 16;
+  refuses(ErrorCode::InvalidArgument, p, a, "workspace 16-byte aligned", "256-byte aligned");
+  a = ba, a.dout = static_cast<char*>(aligned) + 2;
+  refuses(ErrorCode::InvalidArgument, p, a, "dout 2-byte aligned", "16-byte aligned");
+  a = ba, a.dw1 = nullptr;
+  refuses(ErrorCode::InvalidArgument, p, a, "null dw1", "must not be null");
 }
 
 // The layer forward refuses, before touching memory, what it does not run: non-bf16 data and

@@ -10,41 +10,16 @@
 
 #include "machmoe/machmoe.hpp"
 #include "machmoe/reference.hpp"
-#include "test_util.hpp"
+#include "gpu_util.hpp"
 
 namespace {
 
 using namespace machmoe;
 
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-// Device buffer that frees itself.
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  explicit DeviceBuffer(size_t bytes) { EXPECT_EQ(cudaMalloc(&ptr, bytes < 256 ? 256 : bytes), cudaSuccess); }
-  ~DeviceBuffer() { cudaFree(ptr); }
-};
-
-// Random values rounded to bf16; returns the doubles the reference sees and uploads the bf16s.
-std::vector<double> upload_bf16(mtest::Rng& rng, size_t count, double scale, DeviceBuffer& dst) {
-  std::vector<double> v = mtest::uniform(rng, count, -scale, scale);
-  std::vector<__nv_bfloat16> h(count);
-  for (size_t i = 0; i < count; ++i) {
-    h[i] = __float2bfloat16_rn(static_cast<float>(v[i]));
-    v[i] = static_cast<double>(__bfloat162float(h[i]));
-  }
-  EXPECT_EQ(cudaMemcpy(dst.ptr, h.data(), count * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  return v;
-}
-
-double rel_err(const std::vector<double>& a, const std::vector<double>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) num += (a[i] - b[i]) * (a[i] - b[i]), den += b[i] * b[i];
-  return std::sqrt(num / den);
-}
+using mtest::DeviceBuffer;
+using mtest::have_gpu;
+using mtest::rel_err;
+using mtest::upload_bf16;
 
 void check_layer_forward(int64_t T, int64_t d, int64_t n, int64_t E, int64_t K, Activation act, bool bias,
                          GateUpLayout layout) {
