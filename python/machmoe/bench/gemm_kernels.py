@@ -67,12 +67,50 @@ def bench_expert_gemms(name: str, T: int, d: int, n: int, E: int, K: int) -> lis
 
     t_up = cuda_time(up, sets_up).median_ms
     t_down = cuda_time(down, sets_down).median_ms
+    rows = bench_backward_gemms(name, T, d, n, E, K)
     return [
         {"kernel": f"{name} up-proj (gather + SwiGLU, H and A)", "machmoe_tflops": 2.0 * R * d * 2 * n / t_up / 1e9,
          "ms": t_up, "target": ">= 560 TFLOPS" if name == "7B-a" else ""},
         {"kernel": f"{name} down-proj (contiguous, store Y)", "machmoe_tflops": 2.0 * R * n * d / t_down / 1e9,
          "ms": t_down, "target": ""},
-    ]
+    ] + rows
+
+
+def bench_backward_gemms(name: str, T: int, d: int, n: int, E: int, K: int) -> list[dict]:
+    """The backward's four expert GEMMs (SwiGLU, interleaved) at a config's shapes, random top-K."""
+    ops = _ops()
+    R, n1 = T * K, 2 * n
+    w1 = (torch.randn(E, n1, d, device="cuda") * 0.02).bfloat16()
+    w2 = (torch.randn(E, d, n, device="cuda") * 0.02).bfloat16()
+    sets = []
+    for _ in range(3):
+        offs, row_token = _routing(T, E, K)
+        sets.append((torch.randn(T, d, device="cuda").bfloat16(), row_token, offs,
+                     torch.randn(R, n1, device="cuda").bfloat16(), torch.rand(R, device="cuda"),
+                     torch.randperm(R, device="cuda").int(), torch.randn(R, n, device="cuda").bfloat16()))
+
+    def dh(dout, row_token, offs, h, scores, row_pair, _ap):
+        return ops.grouped_gemm_nmajor(dout, row_token, offs, w2, R, h, scores, row_pair, "swiglu", "interleaved")
+
+    def dx(dout, row_token, offs, dH, *_):
+        return ops.grouped_gemm_nmajor(dH, None, offs, w1, R, None, None, None, "swiglu", "interleaved")
+
+    def dw2(dout, row_token, offs, h, scores, row_pair, ap):
+        return ops.grouped_gemm_wgrad(dout, row_token, ap, offs, False, False)
+
+    def dw1(x, row_token, offs, dH, *_):
+        return ops.grouped_gemm_wgrad(x, row_token, dH, offs, True, False)
+
+    out = []
+    for label, fn, flops, target in (
+            ("dH (gather dout·W2 + dSwiGLU, A', dS)", dh, 2.0 * R * d * n, ">= 330 TFLOPS"),
+            ("dX~ (dH·W1, contiguous)", dx, 2.0 * R * n1 * d, ">= 620 TFLOPS"),
+            ("dW2 (varlen-K, dout gathered, bf16)", dw2, 2.0 * R * d * n, ""),
+            ("dW1 (varlen-K, x gathered, bf16)", dw1, 2.0 * R * d * n1, "")):
+        t = cuda_time(fn, sets).median_ms
+        out.append({"kernel": f"{name} {label}", "machmoe_tflops": flops / t / 1e9, "ms": t,
+                    "target": target if name == "7B-a" else ""})
+    return out
 
 
 def run() -> list[dict]:
