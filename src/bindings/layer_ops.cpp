@@ -1,5 +1,6 @@
-// PyTorch op over the layer forward (docs/OPS.md): one call for the whole layer, on the current
-// stream. Returns the output, the aux loss and the `saved` block the backward will read.
+// PyTorch ops over the layer (docs/OPS.md), one call per direction on the current stream:
+// layer_forward returns the output, the aux loss and the `saved` block; layer_backward reads that
+// block back and returns every gradient.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -21,6 +22,46 @@ void check_bf16(const Tensor& t, const char* name, at::IntArrayRef shape) {
   check_shape(t, name, shape);
 }
 
+// The problem of a layer call from the tensors' shapes and the string options.
+LayerProblem layer_problem(const Tensor& x, const Tensor& w1, const Tensor& w2, bool has_bias, int64_t K,
+                           const std::string& activation, const std::string& layout, const std::string& routing,
+                           bool renormalize, const std::string& rounding, int64_t tile_m) {
+  check_dims(x, "x", 2);
+  check_dims(w1, "w1", 3);
+  check_dims(w2, "w2", 3);
+  LayerProblem p;
+  p.T = x.size(0);
+  p.d = x.size(1);
+  p.E = w1.size(0);
+  p.n = w2.size(2);
+  p.K = K;
+  p.activation = parse_activation(activation);
+  p.layout = parse_layout(layout);
+  p.routing = parse_routing(routing);
+  p.renormalize = renormalize;
+  p.rounding = parse_token_rounding(rounding);
+  p.rounding_tile_m = tile_m;
+  p.has_bias = has_bias;
+  p.dtype = DType::BF16;
+  validate(p);
+  return p;
+}
+
+// x, router weight, expert weights and biases of problem p: bf16, contiguous, shaped as LAYER.md.
+void check_layer_tensors(const LayerProblem& p, const Tensor& x, const Tensor& router_weight, const Tensor& w1,
+                         const std::optional<Tensor>& b1, const Tensor& w2, const std::optional<Tensor>& b2) {
+  const int64_t n1 = is_glu(p.activation) ? 2 * p.n : p.n;
+  check_bf16(x, "x", {p.T, p.d});
+  check_bf16(router_weight, "router_weight", {p.E, p.d});
+  check_bf16(w1, "w1", {p.E, n1, p.d});
+  check_bf16(w2, "w2", {p.E, p.d, p.n});
+  TORCH_CHECK_VALUE(b1.has_value() == b2.has_value(), "b1 and b2 must be given together or not at all");
+  if (b1) {
+    check_bf16(*b1, "b1", {p.E, n1});
+    check_bf16(*b2, "b2", {p.E, p.d});
+  }
+}
+
 std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tensor& router_weight, const Tensor& w1,
                                                     const std::optional<Tensor>& b1, const Tensor& w2,
                                                     const std::optional<Tensor>& b2,
@@ -29,34 +70,9 @@ std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tenso
                                                     const std::string& routing, bool renormalize,
                                                     const std::string& rounding, int64_t tile_m, int64_t seed) {
   return translate_errors([&] {
-    check_dims(x, "x", 2);
-    check_dims(w1, "w1", 3);
-    check_dims(w2, "w2", 3);
-    LayerProblem p;
-    p.T = x.size(0);
-    p.d = x.size(1);
-    p.E = w1.size(0);
-    p.n = w2.size(2);
-    p.K = K;
-    p.activation = parse_activation(activation);
-    p.layout = parse_layout(layout);
-    p.routing = parse_routing(routing);
-    p.renormalize = renormalize;
-    p.rounding = parse_token_rounding(rounding);
-    p.rounding_tile_m = tile_m;
-    p.has_bias = b1.has_value();
-    p.dtype = DType::BF16;
-    validate(p);
-    const int64_t n1 = is_glu(p.activation) ? 2 * p.n : p.n;
-    check_bf16(x, "x", {p.T, p.d});
-    check_bf16(router_weight, "router_weight", {p.E, p.d});
-    check_bf16(w1, "w1", {p.E, n1, p.d});
-    check_bf16(w2, "w2", {p.E, p.d, p.n});
-    TORCH_CHECK_VALUE(b1.has_value() == b2.has_value(), "b1 and b2 must be given together or not at all");
-    if (b1) {
-      check_bf16(*b1, "b1", {p.E, n1});
-      check_bf16(*b2, "b2", {p.E, p.d});
-    }
+    const LayerProblem p =
+        layer_problem(x, w1, w2, b1.has_value(), K, activation, layout, routing, renormalize, rounding, tile_m);
+    check_layer_tensors(p, x, router_weight, w1, b1, w2, b2);
     if (selection_bias) {
       TORCH_CHECK_VALUE(selection_bias->is_cuda() && selection_bias->scalar_type() == at::kFloat &&
                             selection_bias->is_contiguous(),
@@ -88,6 +104,71 @@ std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tenso
   });
 }
 
+using Grads = std::tuple<Tensor, Tensor, Tensor, std::optional<Tensor>, Tensor, std::optional<Tensor>>;
+
+// Gradients of the layer from layer_forward's `saved` block (same problem arguments as the forward
+// that wrote it), in the weights' dtype (bf16). d_aux: the aux loss's gradient as a one-element
+// CUDA tensor, read on the device (no host synchronisation), or None for 0.
+Grads op_layer_backward(const Tensor& x, const Tensor& router_weight, const Tensor& w1, const std::optional<Tensor>& b1,
+                        const Tensor& w2, const std::optional<Tensor>& b2, const Tensor& saved, const Tensor& dout,
+                        const std::optional<Tensor>& d_aux, int64_t K, const std::string& activation,
+                        const std::string& layout, const std::string& routing, bool renormalize,
+                        const std::string& rounding, int64_t tile_m) {
+  return translate_errors([&] {
+    const LayerProblem p =
+        layer_problem(x, w1, w2, b1.has_value(), K, activation, layout, routing, renormalize, rounding, tile_m);
+    check_layer_tensors(p, x, router_weight, w1, b1, w2, b2);
+    check_bf16(dout, "dout", {p.T, p.d});
+    const WorkspacePlan plan = plan_workspace(p);
+    TORCH_CHECK_VALUE(saved.is_cuda() && saved.scalar_type() == at::kByte && saved.is_contiguous() && saved.dim() == 1,
+                      "saved must be the contiguous uint8 CUDA tensor layer_forward returned");
+    TORCH_CHECK_VALUE(saved.numel() == static_cast<int64_t>(plan.saved_bytes), "saved must have ", plan.saved_bytes,
+                      " bytes for this problem (the layer_forward call with the same arguments), got ",
+                      saved.numel());
+    TORCH_CHECK_VALUE(saved.device() == x.device(), "saved must be on x's device (", x.device(), "), got ",
+                      saved.device());
+    if (d_aux)
+      TORCH_CHECK_VALUE(d_aux->numel() == 1 && d_aux->is_floating_point() && d_aux->device() == x.device(),
+                        "d_aux must be a one-element floating-point tensor on x's device, got shape ",
+                        d_aux->sizes(), " ", d_aux->scalar_type(), " on ", d_aux->device());
+    const c10::cuda::CUDAGuard guard(x.device());
+    // fp32 copy on the stream (no host read); the kernel takes its pointer.
+    const std::optional<Tensor> d_aux32 =
+        d_aux ? std::optional<Tensor>(d_aux->to(at::kFloat).contiguous()) : std::nullopt;
+    const int64_t n1 = is_glu(p.activation) ? 2 * p.n : p.n;
+    Tensor dx = at::empty({p.T, p.d}, x.options());
+    Tensor dwr = at::empty({p.E, p.d}, x.options());
+    Tensor dw1 = at::empty({p.E, n1, p.d}, x.options());
+    Tensor dw2 = at::empty({p.E, p.d, p.n}, x.options());
+    std::optional<Tensor> db1, db2;
+    if (p.has_bias) {
+      db1 = at::empty({p.E, n1}, x.options());
+      db2 = at::empty({p.E, p.d}, x.options());
+    }
+    Tensor ws = at::empty({static_cast<int64_t>(plan.backward_workspace_bytes)}, x.options().dtype(at::kByte));
+    LayerBackwardArgs a;
+    a.x = x.data_ptr();
+    a.router_weight = router_weight.data_ptr();
+    a.w1 = w1.data_ptr();
+    a.b1 = b1 ? b1->data_ptr() : nullptr;
+    a.w2 = w2.data_ptr();
+    a.b2 = b2 ? b2->data_ptr() : nullptr;
+    a.saved = saved.data_ptr();
+    a.dout = dout.data_ptr();
+    a.d_aux_device = d_aux32 ? d_aux32->data_ptr<float>() : nullptr;
+    a.dx = dx.data_ptr();
+    a.d_router_weight = dwr.data_ptr();
+    a.dw1 = dw1.data_ptr();
+    a.db1 = db1 ? db1->data_ptr() : nullptr;
+    a.dw2 = dw2.data_ptr();
+    a.db2 = db2 ? db2->data_ptr() : nullptr;
+    a.workspace = ws.data_ptr();
+    a.weight_grad_dtype = DType::BF16;
+    layer_backward(p, a, at::cuda::getCurrentCUDAStream());
+    return Grads(dx, dwr, dw1, db1, dw2, db2);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(machmoe, m) {
@@ -95,8 +176,15 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
         " Tensor? selection_bias, int K, str activation, str layout, str routing, bool renormalize,"
         " str rounding, int tile_m, int seed)"
         " -> (Tensor, Tensor, Tensor)");
+  m.def("layer_backward(Tensor x, Tensor router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2,"
+        " Tensor saved, Tensor dout, Tensor? d_aux, int K, str activation, str layout, str routing,"
+        " bool renormalize, str rounding, int tile_m)"
+        " -> (Tensor dx, Tensor d_router_weight, Tensor dw1, Tensor? db1, Tensor dw2, Tensor? db2)");
 }
 
-TORCH_LIBRARY_IMPL(machmoe, CUDA, m) { m.impl("layer_forward", &op_layer_forward); }
+TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {
+  m.impl("layer_forward", &op_layer_forward);
+  m.impl("layer_backward", &op_layer_backward);
+}
 
 }  // namespace machmoe::bindings

@@ -40,8 +40,10 @@ void router_gemm(const void* x, const void* wr, float* logits, int64_t T, int64_
 void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_t stream) {
   constexpr const char* fn = "layer_forward";
   detail::require_gpu_layer(p, fn);
-  require_arg(a.x && a.router_weight && a.w1 && a.w2 && a.out && a.aux_loss && a.saved && a.workspace, fn,
-              "x/router_weight/w1/w2/out/aux_loss/saved/workspace", "must not be null");
+  require_arg(a.router_weight && a.w1 && a.w2 && a.aux_loss && a.saved && a.workspace, fn,
+              "router_weight/w1/w2/aux_loss/saved/workspace", "must not be null");
+  // x and out have T rows: empty (and so possibly null, as an empty framework tensor is) when T = 0.
+  require_arg(p.T == 0 || (a.x && a.out), fn, "x/out", "must not be null when T > 0");
   require_arg((a.b1 == nullptr) == (a.b2 == nullptr) && (a.b1 != nullptr) == p.has_bias, fn, "b1/b2",
               "must both be given exactly when has_bias");
   require_arg(a.selection_bias == nullptr || p.routing == RoutingMethod::Sigmoid, fn, "selection_bias",

@@ -40,9 +40,10 @@ cudaDataType_t cuda_type(DType t) { return t == DType::FP32 ? CUDA_R_32F : CUDA_
 void check_args(const LayerProblem& p, const LayerBackwardArgs& a) {
   constexpr const char* fn = "layer_backward";
   detail::require_gpu_layer(p, fn);
-  require_arg(a.x && a.router_weight && a.w1 && a.w2 && a.saved && a.dout && a.dx && a.d_router_weight && a.dw1 &&
-                  a.dw2 && a.workspace,
-              fn, "x/router_weight/w1/w2/saved/dout/dx/d_router_weight/dw1/dw2/workspace", "must not be null");
+  require_arg(a.router_weight && a.w1 && a.w2 && a.saved && a.d_router_weight && a.dw1 && a.dw2 && a.workspace, fn,
+              "router_weight/w1/w2/saved/d_router_weight/dw1/dw2/workspace", "must not be null");
+  // x, dout and dx have T rows: empty (and so possibly null, as an empty framework tensor is) when T = 0.
+  require_arg(p.T == 0 || (a.x && a.dout && a.dx), fn, "x/dout/dx", "must not be null when T > 0");
   const bool b = p.has_bias;
   require_arg((a.b1 != nullptr) == b && (a.b2 != nullptr) == b && (a.db1 != nullptr) == b && (a.db2 != nullptr) == b,
               fn, "b1/b2/db1/db2", "must all be given exactly when has_bias");

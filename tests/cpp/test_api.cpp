@@ -249,6 +249,8 @@ TEST(LayerBackward, RefusesWhatItDoesNotRun) {
   refuses(ErrorCode::InvalidArgument, p, a, "dout 2-byte aligned", "16-byte aligned");
   a = ba, a.dw1 = nullptr;
   refuses(ErrorCode::InvalidArgument, p, a, "null dw1", "must not be null");
+  a = ba, a.dout = nullptr;  // allowed only when T = 0 (an empty tensor)
+  refuses(ErrorCode::InvalidArgument, p, a, "null dout", "must not be null when T > 0");
 }
 
 // The layer forward refuses, before touching memory, what it does not run: non-bf16 data and

@@ -157,8 +157,14 @@ def test_machmoe_backend_on_cuda_refuses_what_it_cannot_do():
     with pytest.raises(NotImplementedError, match="bfloat16"):  # float32 inputs
         call_moe(**cuda, backend="machmoe")
     bf16 = {k: None if v is None else v.bfloat16().requires_grad_() for k, v in cuda.items()}
-    with pytest.raises(NotImplementedError, match="backward kernels are not built yet"):
-        call_moe(**bf16, backend="machmoe")
+    general = {k: v.cuda() for k, v in general_args().items() if isinstance(v, torch.Tensor)}
+    general.update({k: bf16[k] for k in ("x", "w1", "w2", "b1", "b2")})
+    with pytest.raises(NotImplementedError, match=r"backward of moe_general \(general routing lists\) is not "
+                                                  "built yet"):
+        call_general(**general, backend="machmoe")
+    with pytest.raises(NotImplementedError, match="multiples of 8"):  # n = 12: refused without gradients too
+        with torch.no_grad():
+            call_general(**general, backend="machmoe")
     out, _ = call_moe(**cuda, backend="torch")
     assert out.is_cuda
 
