@@ -222,6 +222,23 @@ def test_report_marks_unbuilt_machmoe_without_numbers():
     assert "OOM" in oom
 
 
+def test_report_names_a_failed_backward():
+    # The backward ran and failed: the forward's numbers stay, the cells say "bwd error" (not "not
+    # built") and the problem is listed under the table.
+    header = {"gpu": "fake", "commit": "abc", "date_utc": "now", "torch": "x", "cuda": "y"}
+    row = _fake_row()
+    row["machmoe"] = {"status": "ok", "fwd_tflops": 170.0, "held_gib": 0.3, "err_out": 1e-3,
+                      "backward": "error: RuntimeError: layer_backward: boom"}
+    row["ratios"] = report.derived_ratios(row)
+    text = report.markdown(header, {}, [row])
+    line = [ln for ln in text.splitlines() if ln.startswith("| 7B-a")][0]
+    assert "bwd error" in line and "not built" not in line
+    assert "machmoe backward error: RuntimeError: layer_backward: boom" in text
+    row["machmoe"]["backward"] = "not built (issue #5)"
+    line = [ln for ln in report.markdown(header, {}, [row]).splitlines() if ln.startswith("| 7B-a")][0]
+    assert "bwd not built" in line
+
+
 def test_report_ratios_when_machmoe_runs():
     row = _fake_row()
     row["machmoe"] = {"status": "ok", "fwd_tflops": 170.0, "bwd_tflops": 338.0, "held_gib": 0.3,

@@ -96,8 +96,9 @@ def bench_layer(call: Callable[[torch.Tensor], tuple], inputs: LayerInputs, *,
 def bench_forward_only(call: Callable[[torch.Tensor], tuple], inputs: LayerInputs, *,
                        min_reps: int = 20) -> dict:
     """Forward time of `call` under torch.no_grad(), for an implementation whose backward is not
-    built yet (it refuses to run with gradients). The grouped_mm reference's forward is timed
-    with autograd recording; that costs it no extra kernels, only host work."""
+    built (it refuses to run with gradients) or failed; the caller records why in "backward". The
+    grouped_mm reference's forward is timed with autograd recording; that costs it no extra
+    kernels, only host work."""
     cfg = inputs.cfg
     fwd_flop, _ = layer_flops(cfg.T, cfg.K, cfg.n, cfg.d)
 

@@ -60,6 +60,13 @@ def short_status(status: str) -> str:
     return "error"
 
 
+def backward_status(res: dict) -> str:
+    """The cell text for an implementation timed forward-only: "bwd not built", or "bwd error"
+    when its backward ran and failed (the row's "backward" entry holds the message)."""
+    why = str(res.get("backward", "not built"))
+    return "bwd not built" if why.startswith("not built") else "bwd error"
+
+
 def _pair(res: dict | None, key_a: str, key_b: str, digits: int = 0) -> str:
     """"fwd / bwd" cell of an implementation's result dict, or its status."""
     if res is None:
@@ -131,7 +138,7 @@ def markdown(header: dict, ceilings: dict, rows: list[dict]) -> str:
         if mm_ok:
             vs_gm = f"{_num(ratios.get('fwd_vs_grouped_mm'), 2)} / {_num(ratios.get('bwd_vs_grouped_mm'), 2)}"
             vs_dn = f"{_num(ratios.get('fwd_vs_dense'), 2)} / {_num(ratios.get('bwd_vs_dense'), 2)}"
-            errs = (f"{mm['err_out']:.1e} / " + (f"{mm['err_dx']:.1e}" if "err_dx" in mm else "bwd not built")
+            errs = (f"{mm['err_out']:.1e} / " + (f"{mm['err_dx']:.1e}" if "err_dx" in mm else backward_status(mm))
                     if "err_out" in mm else "—")
         else:
             vs_gm = vs_dn = errs = short_status(mm["status"]) if mm else "—"
@@ -150,6 +157,9 @@ def markdown(header: dict, ceilings: dict, rows: list[dict]) -> str:
     notes = [r["config"]["name"] + ": " + r[k]["status"]
              for r in rows for k in ("grouped_mm", "dense", "machmoe")
              if r.get(k) and r[k].get("status") not in ("ok",) and not r[k]["status"].startswith("not built")]
+    notes += [r["config"]["name"] + ": machmoe backward " + str(r["machmoe"]["backward"])
+              for r in rows if (r.get("machmoe") or {}).get("status") == "ok"
+              and backward_status(r["machmoe"]) == "bwd error" and "bwd_tflops" not in r["machmoe"]]
     if notes:
         lines += ["", "Problems:", *[f"- {n}" for n in notes]]
     return "\n".join(lines) + "\n"

@@ -21,7 +21,7 @@ from .grouped_mm_layer import grouped_mm_moe
 from .layer_bench import (NOT_BUILT, OOM, LayerInputs, bench_forward_only, bench_layer, compare_forward,
                           compare_outputs, is_oom,
                           probe_machmoe)
-from .report import derived_ratios, markdown, run_header, write_outputs
+from .report import backward_status, derived_ratios, markdown, run_header, write_outputs
 from .timing import copy_bandwidth, free_cuda_memory, matmul_tflops
 
 NO_GPU_LINE = "No CUDA GPU found: running a small CPU demo of the layer instead"
@@ -129,18 +129,25 @@ def _bench_machmoe(inputs: LayerInputs, baseline, min_reps: int) -> dict:
         return _failure(err)
     if call is None:
         return {"status": status}
-    forward_only = False
+    # Forward + backward through autograd, as for grouped_mm. If the backward is refused
+    # (NotImplementedError: not built) or fails, the forward is still timed on its own and the
+    # row says why the backward is missing ("backward": "not built" or the error).
+    forward_only, why = False, None
     try:
         res = bench_layer(call, inputs, min_reps=min_reps)
-    except NotImplementedError:  # the forward exists, the backward not yet: time the forward
+    except NotImplementedError as err:
+        forward_only, why = True, f"{NOT_BUILT} ({str(err).strip()[:200]})"
+    except Exception as err:  # noqa: BLE001
+        if is_oom(err):
+            return _failure(err)
+        forward_only, why = True, _failure(err)["status"]
+    if forward_only:
         free_cuda_memory()
-        forward_only = True
         try:
             res = bench_forward_only(call, inputs, min_reps=min_reps)
         except Exception as err:  # noqa: BLE001
             return _failure(err)
-    except Exception as err:  # noqa: BLE001
-        return _failure(err)
+        res["backward"] = why
     free_cuda_memory()
     try:
         res.update((compare_forward if forward_only else compare_outputs)(call, baseline, inputs))
@@ -205,7 +212,7 @@ def _fmt_impl(name: str, res: dict | None) -> str:
     if res.get("status") != "ok":
         return f"{name} {res['status'].split(' (')[0]}"
     mem = f", held {res['held_gib']:.2f} GiB" if "held_gib" in res else ""
-    bwd = f"{res['bwd_tflops']:.0f}" if "bwd_tflops" in res else "bwd not built"
+    bwd = f"{res['bwd_tflops']:.0f}" if "bwd_tflops" in res else backward_status(res)
     return f"{name} {res['fwd_tflops']:.0f}/{bwd}{mem}"
 
 
