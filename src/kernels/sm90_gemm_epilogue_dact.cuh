@@ -53,87 +53,109 @@ __device__ __forceinline__ int gemm_dact_items(const GemmTile& tile) {
   return (tile.rows * (BN / 8) + 31) & ~31;
 }
 
+// Items per load phase: a thread first issues the global loads of kDactGroup items (H chunks,
+// row -> pair -> score), then computes them, so that their latencies overlap instead of adding up
+// (the epilogue threads also issue the A gather, which waits meanwhile).
+constexpr int kDactGroup = 4;
+
 template <int BN, int EPI, int ACT>
 __device__ __forceinline__ int gemm_write_out_dact_act(const GroupedGemmParams& p, const GemmTile& tile,
                                                        const uint8_t* epi, int next, int stride, int budget) {
   constexpr int kChunks = BN / 8;  // 8 dA' columns per item
   static_assert(kChunks == 16 || kChunks == 32, "a row's chunks must tile a warp");
+  constexpr bool kGlu = EPI != kEpiDAct;
   const int items = tile.rows * kChunks, end = gemm_dact_items<BN>(tile);
   const int n = p.N;  // columns of dA' (= of A'); H has 2n (GLU) or n
-  for (; next < end && budget > 0; next += stride, --budget) {
-    const int r = next / kChunks, ch = next % kChunks;
-    const int j = tile.n0 + ch * 8;
-    const bool valid = next < items && j < n;
-    float ds = 0.f;
-    if (valid) {
-      const int64_t row = tile.row0 + r;
-      float da[8];
-      load_bf16x8(reinterpret_cast<const __nv_bfloat16*>(epi + r * epi_row_bytes<BN>() + ch * 16), da);
-      const float s = __ldg(p.row_scores + __ldg(p.row_pair + row));
-      const __nv_bfloat16* h = p.h + row * p.ldh;
-      __nv_bfloat16* dh = p.c + row * p.ldc;
-      float a_scaled[8];
-      if constexpr (EPI == kEpiDAct) {
-        float hv[8], g[8];
-        load_bf16x8(h + j, hv);
+  for (; next < end && budget > 0; next += kDactGroup * stride, budget -= kDactGroup) {
+    // ---- load phase
+    uint4 hraw[kDactGroup][2];
+    float s[kDactGroup];
+    int32_t pair[kDactGroup];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          float f;
-          const float df = gemm_act_grad<ACT>(hv[i], f);
-          const float a = round_bf16(f);
-          ds += da[i] * a;
-          g[i] = s * da[i] * df;
-          a_scaled[i] = s * a;
-        }
-        store_bf16(dh + j, g);
-      } else {
-        float gate[8], up[8];
-        if constexpr (EPI == kEpiDGluInter) {  // (gate, up) pairs at columns 2j, 2j+1
-          float lo[8], hi[8];
-          load_bf16x8(h + 2 * j, lo);
-          load_bf16x8(h + 2 * j + 8, hi);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            gate[i] = lo[2 * i], up[i] = lo[2 * i + 1];
-            gate[4 + i] = hi[2 * i], up[4 + i] = hi[2 * i + 1];
-          }
-        } else {  // gate at j, up at n + j
-          load_bf16x8(h + j, gate);
-          load_bf16x8(h + n + j, up);
-        }
-        float dgate[8], dup[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          float f;
-          const float df = gemm_act_grad<ACT>(gate[i], f);
-          const float a = round_bf16(f * up[i]);
-          ds += da[i] * a;
-          const float d = s * da[i];
-          dgate[i] = d * df * up[i];
-          dup[i] = d * f;
-          a_scaled[i] = s * a;
-        }
-        if constexpr (EPI == kEpiDGluInter) {
-          float lo[8], hi[8];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            lo[2 * i] = dgate[i], lo[2 * i + 1] = dup[i];
-            hi[2 * i] = dgate[4 + i], hi[2 * i + 1] = dup[4 + i];
-          }
-          store_bf16(dh + 2 * j, lo);
-          store_bf16(dh + 2 * j + 8, hi);
+    for (int u = 0; u < kDactGroup; ++u) {
+      const int it = next + u * stride;
+      const int r = it / kChunks, j = tile.n0 + (it % kChunks) * 8;
+      pair[u] = -1;
+      if (it < items && j < n) {
+        const int64_t row = tile.row0 + r;
+        const __nv_bfloat16* h = p.h + row * p.ldh;
+        pair[u] = __ldg(p.row_pair + row);
+        if constexpr (EPI == kEpiDGluInter) {  // (gate, up) pairs at columns 2j .. 2j + 15
+          hraw[u][0] = __ldg(reinterpret_cast<const uint4*>(h + 2 * j));
+          hraw[u][1] = __ldg(reinterpret_cast<const uint4*>(h + 2 * j + 8));
+        } else if constexpr (EPI == kEpiDGluConcat) {  // gate at j, up at n + j
+          hraw[u][0] = __ldg(reinterpret_cast<const uint4*>(h + j));
+          hraw[u][1] = __ldg(reinterpret_cast<const uint4*>(h + n + j));
         } else {
-          store_bf16(dh + j, dgate);
-          store_bf16(dh + n + j, dup);
+          hraw[u][0] = __ldg(reinterpret_cast<const uint4*>(h + j));
         }
       }
-      store_bf16(p.c2 + row * p.ldc2 + j, a_scaled);
     }
-    // The row's chunks are kChunks consecutive lanes (next ≡ lane mod 32, stride a multiple of 32).
 #pragma unroll
-    for (int off = kChunks / 2; off > 0; off >>= 1) ds += __shfl_xor_sync(0xffffffffu, ds, off);
-    if (ch == 0 && next < items)
-      p.ds_partial[static_cast<int64_t>(tile.row0 + r) * p.n_tiles + tile.n0 / BN] = ds;
+    for (int u = 0; u < kDactGroup; ++u) s[u] = pair[u] >= 0 ? __ldg(p.row_scores + pair[u]) : 0.f;
+    // ---- compute phase
+#pragma unroll
+    for (int u = 0; u < kDactGroup; ++u) {
+      const int it = next + u * stride;
+      if (it >= end) break;  // warp-uniform: end is a multiple of 32
+      const int r = it / kChunks, ch = it % kChunks;
+      const int j = tile.n0 + ch * 8;
+      float ds = 0.f;
+      if (pair[u] >= 0) {
+        const int64_t row = tile.row0 + r;
+        float da[8];
+        load_bf16x8(reinterpret_cast<const __nv_bfloat16*>(epi + r * epi_row_bytes<BN>() + ch * 16), da);
+        __nv_bfloat16* dh = p.c + row * p.ldc;
+        const __nv_bfloat16* h0 = reinterpret_cast<const __nv_bfloat16*>(&hraw[u][0]);
+        const __nv_bfloat16* h1 = reinterpret_cast<const __nv_bfloat16*>(&hraw[u][1]);
+        float a_scaled[8], d0[8], d1[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          float g, up = 1.f;
+          if constexpr (EPI == kEpiDGluInter) {
+            const __nv_bfloat16* hp = i < 4 ? h0 : h1;
+            g = __bfloat162float(hp[2 * (i % 4)]);
+            up = __bfloat162float(hp[2 * (i % 4) + 1]);
+          } else if constexpr (EPI == kEpiDGluConcat) {
+            g = __bfloat162float(h0[i]);
+            up = __bfloat162float(h1[i]);
+          } else {
+            g = __bfloat162float(h0[i]);
+          }
+          float f;
+          const float df = gemm_act_grad<ACT>(g, f);
+          const float a = round_bf16(kGlu ? f * up : f);
+          ds += da[i] * a;
+          const float dd = s[u] * da[i];
+          a_scaled[i] = s[u] * a;
+          if constexpr (EPI == kEpiDGluInter) {  // back to (gate, up) pairs
+            float* dst = i < 4 ? d0 : d1;
+            dst[2 * (i % 4)] = dd * df * up;
+            dst[2 * (i % 4) + 1] = dd * f;
+          } else if constexpr (EPI == kEpiDGluConcat) {
+            d0[i] = dd * df * up;
+            d1[i] = dd * f;
+          } else {
+            d0[i] = dd * df;
+          }
+        }
+        if constexpr (EPI == kEpiDGluInter) {
+          store_bf16(dh + 2 * j, d0);
+          store_bf16(dh + 2 * j + 8, d1);
+        } else if constexpr (EPI == kEpiDGluConcat) {
+          store_bf16(dh + j, d0);
+          store_bf16(dh + n + j, d1);
+        } else {
+          store_bf16(dh + j, d0);
+        }
+        store_bf16(p.c2 + row * p.ldc2 + j, a_scaled);
+      }
+      // The row's chunks are kChunks consecutive lanes (it ≡ lane mod 32, stride a multiple of 32).
+#pragma unroll
+      for (int off = kChunks / 2; off > 0; off >>= 1) ds += __shfl_xor_sync(0xffffffffu, ds, off);
+      if (ch == 0 && it < items)
+        p.ds_partial[static_cast<int64_t>(tile.row0 + r) * p.n_tiles + tile.n0 / BN] = ds;
+    }
   }
   return next;
 }

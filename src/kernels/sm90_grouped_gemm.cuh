@@ -35,9 +35,13 @@ namespace machmoe::kernels {
 
 constexpr int kGemmBK = 64;  // one 128-byte swizzle row of bf16
 constexpr int kGemmThreads = 384;
-// Register split of the 64K-register file: (56 + 2 x 224) x 128 threads = 64512.
-constexpr int kProducerRegs = 56;
-constexpr int kConsumerRegs = 224;
+// Register split of the 64K-register file: (56 + 2 x 224) x 128 threads = 64512. The dH
+// epilogue (four items' H chunks in flight, activation derivatives) runs on the producer
+// warpgroup and gets more: 120 + 2 x 192, the least split without spills (ptxas -v).
+template <int EPI>
+constexpr int gemm_producer_regs() { return gemm_epi_is_dact(EPI) ? 120 : 56; }
+template <int EPI>
+constexpr int gemm_consumer_regs() { return gemm_epi_is_dact(EPI) ? 192 : 224; }
 
 // Expert of tile t: the largest e with tile_offsets[e] <= t (empty experts share an offset).
 __device__ __forceinline__ int gemm_tile_expert(const int32_t* tile_offsets, int E, int t) {
@@ -170,7 +174,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   const int k_blocks = (p.K + kGemmBK - 1) / kGemmBK;
 
   if (wg == 0) {
-    sm90::setmaxnreg_dec<kProducerRegs>();
+    sm90::setmaxnreg_dec<gemm_producer_regs<EPI>()>();
     if (tid >= kLoaders) {
       // ---------------------------------------------------------- epilogue warps (TMA path)
       for (int n = 0;; ++n) {
@@ -284,7 +288,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     }
   } else {
     // ------------------------------------------------------------ consumers
-    sm90::setmaxnreg_inc<kConsumerRegs>();
+    sm90::setmaxnreg_inc<gemm_consumer_regs<EPI>()>();
     const int cw = wg - 1;
     int it = 0, staged = 0;
     for (int n = 0;; ++n) {

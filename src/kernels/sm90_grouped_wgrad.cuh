@@ -55,25 +55,39 @@ struct WgradSmem {
 
 // Copies rows [r0, r0 + rows) x columns [c0, c0 + W) of a bf16 matrix into MN-major blocks
 // [64 K rows][64 columns] (8 KB apart), 128-byte swizzle; missing rows/columns are zero-filled.
-// 16-byte chunks are spread over the `threads` copying threads.
+// The 128 loader threads take 16-byte chunks, consecutive threads on consecutive chunks of a row.
 template <int W>
-__device__ __forceinline__ void wgrad_copy_rows(uint8_t* stage, const __nv_bfloat16* base, int64_t ld,
-                                                const int32_t* gather, int r0, int rows, int c0, int cols,
-                                                int tid, int threads) {
-  constexpr int kChunksPerRow = W / 8;
-  for (int q = tid; q < kWgradBK * kChunksPerRow; q += threads) {
-    const int kr = q / kChunksPerRow, c = q % kChunksPerRow;
-    const int col = c0 + c * 8;
-    const bool ok = kr < rows && col < cols;
-    const __nv_bfloat16* src = base;
-    if (ok) {
-      const int64_t row = gather ? __ldg(gather + r0 + kr) : static_cast<int64_t>(r0 + kr);
-      src = base + row * ld + col;
+struct WgradRows {
+  static constexpr int kChunksPerRow = W / 8;
+  static constexpr int kRowsPerPass = 128 / kChunksPerRow;
+  static constexpr int kPasses = kWgradBK / kRowsPerPass;  // chunks per thread per K block
+  static_assert(128 % kChunksPerRow == 0 && kWgradBK % kRowsPerPass == 0, "chunks must tile the threads");
+
+  // Source row of each of this thread's chunks (-1: past the expert's rows), loaded a K block ahead
+  // so that the gather index's latency hides behind the previous block's copies.
+  static __device__ __forceinline__ void rows_of(int32_t (&row)[kPasses], const int32_t* gather, int r0, int end,
+                                                 int tid) {
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int r = r0 + tid / kChunksPerRow + kRowsPerPass * i;
+      row[i] = r < end ? (gather ? __ldg(gather + r) : r) : -1;
     }
-    const uint32_t dst = sm90::smem_addr(stage + (c / 8) * (kWgradBK * 128) + kr * 128 + (((c % 8) ^ (kr & 7)) << 4));
-    sm90::cp_async_16(dst, src, ok ? 16 : 0);
   }
-}
+
+  static __device__ __forceinline__ void copy(uint8_t* stage, const __nv_bfloat16* base, int64_t ld,
+                                              const int32_t (&row)[kPasses], int c0, int cols, int tid) {
+    const int c = tid % kChunksPerRow;
+    const int col = c0 + c * 8;
+    uint8_t* block = stage + (c / 8) * (kWgradBK * 128);
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int kr = tid / kChunksPerRow + kRowsPerPass * i;
+      const bool ok = row[i] >= 0 && col < cols;
+      const __nv_bfloat16* src = ok ? base + static_cast<int64_t>(row[i]) * ld + col : base;
+      sm90::cp_async_16(sm90::smem_addr(block + kr * 128 + (((c % 8) ^ (kr & 7)) << 4)), src, ok ? 16 : 0);
+    }
+  }
+};
 
 // Tile t -> expert, first row of M, column block (m inner: the CTAs running together share the
 // expert's B rows and most of its A rows in L2).
@@ -116,24 +130,30 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
       wgrad_decode(p, t, e, m0, nb);
       const int n0 = nb * BN;
       const int begin = __ldg(p.expert_offsets + e), end = __ldg(p.expert_offsets + e + 1);
+      using RowsA = WgradRows<kWgradBM>;
+      using RowsB = WgradRows<BN>;
+      int32_t a_rows[RowsA::kPasses];
+      if (begin < end) RowsA::rows_of(a_rows, p.gather, begin, end, tid);
       for (int r0 = begin; r0 < end; r0 += kWgradBK, ++it) {
         const int s = it % S;
         sm90::mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
         uint8_t* a_stage = smem_a + s * Smem::kABytes;
         uint8_t* b_stage = smem_b + s * Smem::kBBytes;
-        const int rows = min(kWgradBK, end - r0);
-        if (rows == kWgradBK) {
+        if (end - r0 >= kWgradBK) {
           if (tid == 0) {
             sm90::mbar_arrive_expect_tx(&full[s], Smem::kBBytes);
 #pragma unroll
             for (int h = 0; h < BN / 64; ++h) sm90::tma_load_2d(b_stage + h * 64 * 128, &tmap_b, &full[s], n0 + 64 * h, r0);
           }
-        } else {
-          wgrad_copy_rows<BN>(b_stage, p.b, p.ldb, nullptr, r0, rows, n0, p.N, tid, 128);
+        } else {  // the expert's last, partial block: B by cp.async too, zero-filled
+          int32_t b_rows[RowsB::kPasses];
+          RowsB::rows_of(b_rows, nullptr, r0, end, tid);
+          RowsB::copy(b_stage, p.b, p.ldb, b_rows, n0, p.N, tid);
           if (tid == 0) sm90::mbar_arrive(&full[s]);
         }
-        wgrad_copy_rows<kWgradBM>(a_stage, p.a, p.lda, p.gather, r0, rows, m0, p.M, tid, 128);
+        RowsA::copy(a_stage, p.a, p.lda, a_rows, m0, p.M, tid);
         sm90::cp_async_arrive_noinc(&full[s]);
+        if (r0 + kWgradBK < end) RowsA::rows_of(a_rows, p.gather, r0 + kWgradBK, end, tid);
       }
     }
     return;
