@@ -191,9 +191,12 @@ def test_small_moe_module_trains_with_the_machmoe_backend():
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     x = torch.randn(4, 9, 64, device="cuda").bfloat16().requires_grad_()
     out, aux = layer(x)
-    (out.float().square().mean() + 0.01 * aux).backward()
+    # A sum against random weights, not a mean: the gradients must be large enough for a bf16 SGD
+    # step to move the weights (a mean over 2304 outputs of a near-zero layer does not).
+    (out.float() * torch.randn_like(out, dtype=torch.float32)).sum().add(0.01 * aux).backward()
     for name, p in layer.named_parameters():
         assert p.grad is not None and p.grad.dtype == torch.bfloat16 and p.grad.isfinite().all(), name
+        assert torch.count_nonzero(p.grad) > 0, f"{name}: gradient is all zeros"
     assert x.grad is not None and x.grad.shape == x.shape
     assert layer.selection_bias.grad is None  # a buffer: it steers selection, it gets no gradient
     before = layer.c_fc.weight.detach().clone()
