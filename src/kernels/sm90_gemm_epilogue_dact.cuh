@@ -53,47 +53,47 @@ __device__ __forceinline__ int gemm_dact_items(const GemmTile& tile) {
   return (tile.rows * (BN / 8) + 31) & ~31;
 }
 
-// Items per load phase: a thread first issues the global loads of kDactGroup items (H chunks,
-// row -> pair -> score), then computes them, so that their latencies overlap instead of adding up
-// (the epilogue threads also issue the A gather, which waits meanwhile).
+// Items per load phase.
 constexpr int kDactGroup = 4;
 
-template <int BN, int EPI, int ACT>
-__device__ __forceinline__ int gemm_write_out_dact_act(const GroupedGemmParams& p, const GemmTile& tile,
-                                                       const uint8_t* epi, int next, int stride, int budget) {
-  constexpr int kChunks = BN / 8;  // 8 dA' columns per item
+// The dH epilogue as a two-phase pipe, so that the loads of H overlap other work: load() issues
+// the global loads of a group of kDactGroup items (a thread's items next, next + stride, ...)
+// into registers and returns at once; compute() (called later, e.g. after the thread has issued
+// its next cp.async batch of the A gather) finishes the group. The scores come from shared memory
+// (`scale` [128], staged by the consumers with the tile), so no load chain row -> pair -> score.
+template <int BN, int EPI>
+struct DactPipe {
+  static constexpr int kChunks = BN / 8;  // 8 dA' columns per item
   static_assert(kChunks == 16 || kChunks == 32, "a row's chunks must tile a warp");
-  constexpr bool kGlu = EPI != kEpiDAct;
-  const int items = tile.rows * kChunks, end = gemm_dact_items<BN>(tile);
-  const int n = p.N;  // columns of dA' (= of A'); H has 2n (GLU) or n
-  for (; next < end && budget > 0; next += kDactGroup * stride, budget -= kDactGroup) {
-    // ---- load phase
-    uint4 hraw[kDactGroup][2];
-    float s[kDactGroup];
-    int32_t pair[kDactGroup];
+  uint4 h[kDactGroup][2];
+
+  __device__ __forceinline__ void load(const GroupedGemmParams& p, const GemmTile& tile, int next, int stride) {
+    const int items = tile.rows * kChunks;
 #pragma unroll
     for (int u = 0; u < kDactGroup; ++u) {
       const int it = next + u * stride;
       const int r = it / kChunks, j = tile.n0 + (it % kChunks) * 8;
-      pair[u] = -1;
-      if (it < items && j < n) {
-        const int64_t row = tile.row0 + r;
-        const __nv_bfloat16* h = p.h + row * p.ldh;
-        pair[u] = __ldg(p.row_pair + row);
+      if (it < items && j < p.N) {
+        const __nv_bfloat16* hrow = p.h + static_cast<int64_t>(tile.row0 + r) * p.ldh;
         if constexpr (EPI == kEpiDGluInter) {  // (gate, up) pairs at columns 2j .. 2j + 15
-          hraw[u][0] = __ldg(reinterpret_cast<const uint4*>(h + 2 * j));
-          hraw[u][1] = __ldg(reinterpret_cast<const uint4*>(h + 2 * j + 8));
+          h[u][0] = __ldg(reinterpret_cast<const uint4*>(hrow + 2 * j));
+          h[u][1] = __ldg(reinterpret_cast<const uint4*>(hrow + 2 * j + 8));
         } else if constexpr (EPI == kEpiDGluConcat) {  // gate at j, up at n + j
-          hraw[u][0] = __ldg(reinterpret_cast<const uint4*>(h + j));
-          hraw[u][1] = __ldg(reinterpret_cast<const uint4*>(h + n + j));
+          h[u][0] = __ldg(reinterpret_cast<const uint4*>(hrow + j));
+          h[u][1] = __ldg(reinterpret_cast<const uint4*>(hrow + p.N + j));
         } else {
-          hraw[u][0] = __ldg(reinterpret_cast<const uint4*>(h + j));
+          h[u][0] = __ldg(reinterpret_cast<const uint4*>(hrow + j));
         }
       }
     }
-#pragma unroll
-    for (int u = 0; u < kDactGroup; ++u) s[u] = pair[u] >= 0 ? __ldg(p.row_scores + pair[u]) : 0.f;
-    // ---- compute phase
+  }
+
+  template <int ACT>
+  __device__ __forceinline__ void compute_act(const GroupedGemmParams& p, const GemmTile& tile, const uint8_t* epi,
+                                              const float* scale, int next, int stride) {
+    constexpr bool kGlu = EPI != kEpiDAct;
+    const int items = tile.rows * kChunks, end = gemm_dact_items<BN>(tile);
+    const int n = p.N;
 #pragma unroll
     for (int u = 0; u < kDactGroup; ++u) {
       const int it = next + u * stride;
@@ -101,13 +101,14 @@ __device__ __forceinline__ int gemm_write_out_dact_act(const GroupedGemmParams& 
       const int r = it / kChunks, ch = it % kChunks;
       const int j = tile.n0 + ch * 8;
       float ds = 0.f;
-      if (pair[u] >= 0) {
+      if (it < items && j < n) {
         const int64_t row = tile.row0 + r;
+        const float s = scale[r];
         float da[8];
         load_bf16x8(reinterpret_cast<const __nv_bfloat16*>(epi + r * epi_row_bytes<BN>() + ch * 16), da);
         __nv_bfloat16* dh = p.c + row * p.ldc;
-        const __nv_bfloat16* h0 = reinterpret_cast<const __nv_bfloat16*>(&hraw[u][0]);
-        const __nv_bfloat16* h1 = reinterpret_cast<const __nv_bfloat16*>(&hraw[u][1]);
+        const __nv_bfloat16* h0 = reinterpret_cast<const __nv_bfloat16*>(&h[u][0]);
+        const __nv_bfloat16* h1 = reinterpret_cast<const __nv_bfloat16*>(&h[u][1]);
         float a_scaled[8], d0[8], d1[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
@@ -126,8 +127,8 @@ __device__ __forceinline__ int gemm_write_out_dact_act(const GroupedGemmParams& 
           const float df = gemm_act_grad<ACT>(g, f);
           const float a = round_bf16(kGlu ? f * up : f);
           ds += da[i] * a;
-          const float dd = s[u] * da[i];
-          a_scaled[i] = s[u] * a;
+          const float dd = s * da[i];
+          a_scaled[i] = s * a;
           if constexpr (EPI == kEpiDGluInter) {  // back to (gate, up) pairs
             float* dst = i < 4 ? d0 : d1;
             dst[2 * (i % 4)] = dd * df * up;
@@ -157,35 +158,51 @@ __device__ __forceinline__ int gemm_write_out_dact_act(const GroupedGemmParams& 
         p.ds_partial[static_cast<int64_t>(tile.row0 + r) * p.n_tiles + tile.n0 / BN] = ds;
     }
   }
-  return next;
-}
 
-template <int BN, int EPI>
-__device__ __forceinline__ int gemm_write_out_dact(const GroupedGemmParams& p, const GemmTile& tile,
-                                                   const uint8_t* epi, int next, int stride, int budget) {
-  if constexpr (EPI == kEpiDAct) {
-    switch (p.act) {
-      case kActReLU2: return gemm_write_out_dact_act<BN, EPI, kActReLU2>(p, tile, epi, next, stride, budget);
-      case kActReLU: return gemm_write_out_dact_act<BN, EPI, kActReLU>(p, tile, epi, next, stride, budget);
-      case kActGELU: return gemm_write_out_dact_act<BN, EPI, kActGELU>(p, tile, epi, next, stride, budget);
-      default: return gemm_write_out_dact_act<BN, EPI, kActSiLU>(p, tile, epi, next, stride, budget);
-    }
-  } else {
-    switch (p.act) {
-      case kActGeGLU: return gemm_write_out_dact_act<BN, EPI, kActGeGLU>(p, tile, epi, next, stride, budget);
-      case kActReGLU: return gemm_write_out_dact_act<BN, EPI, kActReGLU>(p, tile, epi, next, stride, budget);
-      default: return gemm_write_out_dact_act<BN, EPI, kActSwiGLU>(p, tile, epi, next, stride, budget);
+  __device__ __forceinline__ void compute(const GroupedGemmParams& p, const GemmTile& tile, const uint8_t* epi,
+                                          const float* scale, int next, int stride) {
+    if constexpr (EPI == kEpiDAct) {
+      switch (p.act) {
+        case kActReLU2: return compute_act<kActReLU2>(p, tile, epi, scale, next, stride);
+        case kActReLU: return compute_act<kActReLU>(p, tile, epi, scale, next, stride);
+        case kActGELU: return compute_act<kActGELU>(p, tile, epi, scale, next, stride);
+        default: return compute_act<kActSiLU>(p, tile, epi, scale, next, stride);
+      }
+    } else {
+      switch (p.act) {
+        case kActGeGLU: return compute_act<kActGeGLU>(p, tile, epi, scale, next, stride);
+        case kActReGLU: return compute_act<kActReGLU>(p, tile, epi, scale, next, stride);
+        default: return compute_act<kActSwiGLU>(p, tile, epi, scale, next, stride);
+      }
     }
   }
-}
+};
 
-// The epilogue of any EPI, in slices (see gemm_write_out), and the item count it runs to.
-template <int BN, int EPI>
-__device__ __forceinline__ int gemm_epilogue_step(const GroupedGemmParams& p, const GemmTile& tile,
-                                                  const uint8_t* epi, int next, int stride, int budget) {
-  if constexpr (gemm_epi_is_dact(EPI)) return gemm_write_out_dact<BN, EPI>(p, tile, epi, next, stride, budget);
-  else return gemm_write_out<BN, EPI>(p, tile, epi, next, stride, budget);
-}
+// Consumer side: the scores of the warpgroup's rows, staged with the tile. Loaded in two steps
+// during the main loop (row -> pair at the tile's start, pair -> score after its first K block)
+// so that neither load stalls the tensor cores.
+struct DactRowScale {
+  int32_t pair[2];
+  float s[2];
+  __device__ __forceinline__ void load_pairs(const GroupedGemmParams& p, const GemmTile& tile, int cw) {
+    const int r0 = cw * 64 + ((threadIdx.x / 32) % 4) * 16 + (threadIdx.x % 32) / 4;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) pair[i] = r0 + 8 * i < tile.rows ? __ldg(p.row_pair + tile.row0 + r0 + 8 * i) : -1;
+  }
+  __device__ __forceinline__ void load_scores(const GroupedGemmParams& p) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) s[i] = pair[i] >= 0 ? __ldg(p.row_scores + pair[i]) : 0.f;
+  }
+  __device__ __forceinline__ void stage(float* scale, int cw) const {
+    const int r0 = cw * 64 + ((threadIdx.x / 32) % 4) * 16 + (threadIdx.x % 32) / 4;
+    if (threadIdx.x % 4 == 0) {
+      scale[r0] = s[0];
+      scale[r0 + 8] = s[1];
+    }
+  }
+};
+
+// The item count a thread's epilogue walk runs to (whole warps for the dH epilogue).
 template <int BN, int EPI>
 __device__ __forceinline__ int gemm_epilogue_end(const GemmTile& tile) {
   if constexpr (gemm_epi_is_dact(EPI)) return gemm_dact_items<BN>(tile);

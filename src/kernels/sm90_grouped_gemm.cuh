@@ -106,14 +106,14 @@ struct GemmSmem {
   // Design budget: Hopper's 227 KB per block (the launcher checks the device's opt-in limit).
   // 1 KB aligns the stages; 1 KB holds the barriers, the tile ring and the gather index table.
   static constexpr int kBudget = 227 * 1024;
-  static constexpr int kFixed = 2048;
+  static constexpr int kFixed = 2560;
   static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / kStageBytes;
   static constexpr int kBytes = kStages * kStageBytes + kEpiBytes + kFixed;
   static_assert(kStages >= 2, "at least two pipeline stages");
   static_assert(kStages < kTileRing, "the tile ring must hold more tiles than there are stages");
   // barriers (2 per stage, 2 per ring slot, 2 for the epilogue), the ring, the epilogue's tile,
-  // the gather table: all inside kFixed after the 1 KB alignment slack.
-  static_assert((2 * kStages + 2 * kTileRing + 2) * 8 + (kTileRing + 1) * 16 + 128 * 4 <= kFixed - 1024,
+  // the gather table, the dH epilogue's row scores: all inside kFixed after the 1 KB alignment slack.
+  static_assert((2 * kStages + 2 * kTileRing + 2) * 8 + (kTileRing + 1) * 16 + 2 * 128 * 4 <= kFixed - 1024,
                 "fixed shared-memory area too small");
 };
 
@@ -146,6 +146,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   GemmTile* ring = reinterpret_cast<GemmTile*>(epi_empty + 1);
   GemmTile* epi_tile = ring + kTileRing;
   int32_t* gather_rows = reinterpret_cast<int32_t*>(epi_tile + 1);  // [128] this tile's A rows
+  float* epi_scale = reinterpret_cast<float*>(gather_rows + 128);    // [128] dH epilogue: the staged rows' s
+  constexpr bool kDact = gemm_epi_is_dact(EPI);
 
   // A gather needs the cp.async issue of all four warps (one per SM sub-partition) to keep up with
   // the tensor cores, so with a gather the same 128 threads also write the epilogue, in slices
@@ -181,7 +183,15 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         sm90::mbar_wait(epi_full, n & 1);
         const GemmTile tile = *epi_tile;
         if (tile.e < 0) break;
-        gemm_epilogue_step<BN, EPI>(p, tile, epi, tid - kLoaders, kEpilogueThreads, 1 << 30);
+        if constexpr (kDact) {
+          DactPipe<BN, EPI> pipe;
+          for (int next = tid - kLoaders; next < gemm_dact_items<BN>(tile); next += kDactGroup * kEpilogueThreads) {
+            pipe.load(p, tile, next, kEpilogueThreads);
+            pipe.compute(p, tile, epi, epi_scale, next, kEpilogueThreads);
+          }
+        } else {
+          gemm_write_out<BN, EPI>(p, tile, epi, tid - kLoaders, kEpilogueThreads, 1 << 30);
+        }
         sm90::mbar_arrive(epi_empty);
       }
       return;
@@ -193,20 +203,41 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       int n = 0, next = -1;
       GemmTile tile;
     } ep;
+    // The dH epilogue runs as a two-phase pipe: each step computes the group of items loaded by
+    // the previous step and issues the next group's loads, which land while this thread issues
+    // its next cp.async batch.
+    DactPipe<BN, EPI> pipe;
+    auto epi_begin = [&](const GemmTile& t) {  // a staged tile was taken: start its walk
+      ep.tile = t;
+      ep.next = tid;
+      if constexpr (kDact) pipe.load(p, ep.tile, ep.next, kEpilogueThreads);
+    };
+    auto epi_work = [&](int budget) {  // one slice of the tile in progress
+      if constexpr (kDact) {
+        pipe.compute(p, ep.tile, epi, epi_scale, ep.next, kEpilogueThreads);
+        ep.next += kDactGroup * kEpilogueThreads;
+        if (ep.next < gemm_dact_items<BN>(ep.tile)) {
+          pipe.load(p, ep.tile, ep.next, kEpilogueThreads);
+          return;
+        }
+      } else {
+        ep.next = gemm_write_out<BN, EPI>(p, ep.tile, epi, ep.next, kEpilogueThreads, budget);
+        if (ep.next < gemm_epilogue_end<BN, EPI>(ep.tile)) return;
+      }
+      sm90::mbar_arrive(epi_empty);
+      ep.next = -1;
+      ++ep.n;
+    };
     auto epi_step = [&](int budget) {
       if constexpr (GATHER) {
         if (ep.next < 0) {
           if (!sm90::mbar_test_wait(sm90::smem_addr(epi_full), ep.n & 1)) return;
-          ep.tile = *epi_tile;
-          if (ep.tile.e < 0) return;  // the stop signal: handled after the last load
-          ep.next = tid;
+          const GemmTile t = *epi_tile;
+          if (t.e < 0) return;  // the stop signal: handled after the last load
+          epi_begin(t);
+          if constexpr (kDact) return;  // its loads are in flight: compute on the next step
         }
-        ep.next = gemm_epilogue_step<BN, EPI>(p, ep.tile, epi, ep.next, kEpilogueThreads, budget);
-        if (ep.next >= gemm_epilogue_end<BN, EPI>(ep.tile)) {
-          sm90::mbar_arrive(epi_empty);
-          ep.next = -1;
-          ++ep.n;
-        }
+        epi_work(budget);
       }
     };
     // ------------------------------------------------------------ loaders
@@ -279,11 +310,11 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       for (;;) {
         if (ep.next < 0) {
           sm90::mbar_wait(epi_full, ep.n & 1);
-          ep.tile = *epi_tile;
-          if (ep.tile.e < 0) break;
-          ep.next = tid;
+          const GemmTile t = *epi_tile;
+          if (t.e < 0) break;
+          epi_begin(t);
         }
-        epi_step(1 << 30);
+        epi_work(1 << 30);
       }
     }
   } else {
@@ -301,6 +332,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
       int prev_stage = -1;
+      DactRowScale rs;
+      if constexpr (kDact) rs.load_pairs(p, tile, cw);
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
         const int s = it % S;
         sm90::mbar_wait(&full[s], (it / S) & 1);
@@ -322,6 +355,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         sm90::fence_accumulators(acc);
         if (prev_stage >= 0 && tid == 0) sm90::mbar_arrive(&empty[prev_stage]);
         prev_stage = s;
+        if constexpr (kDact) {
+          if (kb == 0) rs.load_scores(p);
+        }
       }
       sm90::wgmma_wait<0>();
       sm90::fence_accumulators(acc);
@@ -329,6 +365,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       // Stage the tile out for the epilogue warps once they are done with the previous one.
       sm90::mbar_wait(epi_empty, (staged & 1) ^ 1);
       gemm_stage_out<BN, EPI>(p, tile, cw, acc, epi);
+      if constexpr (kDact) rs.stage(epi_scale, cw);
       if (threadIdx.x == 128) *epi_tile = tile;
       sm90::mbar_arrive(epi_full);
       ++staged;
