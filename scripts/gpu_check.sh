@@ -5,7 +5,7 @@
 # Every step's log goes to $OUT (the folder whose files come back; at most 8 files):
 #   $OUT/build.log      environment (nvidia-smi, nvcc, python, torch) + the build
 #   $OUT/tests.log      scripts/test.sh (ctest + pytest) with MACHMOE_REQUIRE_GPU=1
-#   $OUT/sanitizer.log  compute-sanitizer --tool memcheck on `pytest -m gpu -k small`
+#   $OUT/sanitizer.log  compute-sanitizer memcheck on `pytest -m gpu -k small`, racecheck on the small GEMM cases
 #   $OUT/bench.log      python -m machmoe.bench (+ $OUT/bench.json, $OUT/bench.md)
 #   $OUT/summary.txt    the table printed last
 # A failing step does not stop the next one; the exit status is non-zero if any step failed.
@@ -126,10 +126,17 @@ sanitize() {
   echo "$collect" | tail -n 20
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 MACHMOE_REQUIRE_GPU=1 \
     "$cs" --tool memcheck --report-api-errors no --error-exitcode 97 \
-    "$PY" -m pytest tests/python -m gpu -k small -q -p no:cacheprovider
+    "$PY" -m pytest tests/python -m gpu -k small -q -p no:cacheprovider || return $?
+  # Racecheck (shared-memory hazards) on the GEMM engine's small cases: the kernels whose shared
+  # memory is written by cp.async, TMA and st.shared and read by wgmma under mbarrier hand-offs.
+  echo "== racecheck: small GEMM cases"
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 MACHMOE_REQUIRE_GPU=1 \
+    "$cs" --tool racecheck --racecheck-report hazard --report-api-errors no --error-exitcode 98 \
+    "$PY" -m pytest tests/python/test_gpu_gemm.py tests/python/test_gpu_gemm_backward.py -m gpu -k small -q \
+    -p no:cacheprovider
 }
 export -f sanitize
-run_step sanitizer "$OUT/sanitizer.log" "$(timeout_for 120 250)" sanitize
+run_step sanitizer "$OUT/sanitizer.log" "$(timeout_for 200 200)" sanitize
 
 # ---------------------------------------------------------------- benchmark
 # expandable segments: fewer fragmentation OOMs when big configs follow each other.
