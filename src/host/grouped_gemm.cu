@@ -38,8 +38,8 @@ int epilogue_code(const GroupedGemmArgs& a) {
 }
 
 template <int BN, int EPI, bool GATHER, bool B_NMAJOR>
-void launch_variant(const CUtensorMap& map_a, const CUtensorMap& map_b, const kernels::GroupedGemmParams& p, int ctas,
-                    cudaStream_t stream) {
+void launch_variant(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c,
+                    const kernels::GroupedGemmParams& p, int ctas, cudaStream_t stream) {
   constexpr int smem = kernels::GemmSmem<BN>::kBytes;
   auto* kernel = kernels::sm90_grouped_gemm<BN, EPI, GATHER, B_NMAJOR>;
   static std::once_flag attr_once;
@@ -51,26 +51,26 @@ void launch_variant(const CUtensorMap& map_a, const CUtensorMap& map_b, const ke
   require_arg(info.smem_per_block_optin >= static_cast<size_t>(smem), "grouped_gemm", "device",
               "needs " + std::to_string(smem) + " bytes of shared memory per block, the device allows " +
                   std::to_string(info.smem_per_block_optin));
-  kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, p);
+  kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, map_c, p);
 }
 
 // The variants that exist: the forward's epilogues read K-major W; Store takes either; the dH
 // epilogues read W2 N-major (W2 [E, d, n] is [E, K, N] for dA' = dout·W2).
 template <int BN, int EPI>
-void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const kernels::GroupedGemmParams& p, bool n_major,
-            int ctas, cudaStream_t stream) {
+void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c,
+            const kernels::GroupedGemmParams& p, bool n_major, int ctas, cudaStream_t stream) {
   constexpr bool kMajorK = !kernels::gemm_epi_is_dact(EPI);
   constexpr bool kMajorN = EPI == kernels::kEpiStore || kernels::gemm_epi_is_dact(EPI);
   if (n_major) {
     if constexpr (kMajorN) {
-      if (p.gather) launch_variant<BN, EPI, true, true>(map_a, map_b, p, ctas, stream);
-      else launch_variant<BN, EPI, false, true>(map_a, map_b, p, ctas, stream);
+      if (p.gather) launch_variant<BN, EPI, true, true>(map_a, map_b, map_c, p, ctas, stream);
+      else launch_variant<BN, EPI, false, true>(map_a, map_b, map_c, p, ctas, stream);
       return;
     }
   } else {
     if constexpr (kMajorK) {
-      if (p.gather) launch_variant<BN, EPI, true, false>(map_a, map_b, p, ctas, stream);
-      else launch_variant<BN, EPI, false, false>(map_a, map_b, p, ctas, stream);
+      if (p.gather) launch_variant<BN, EPI, true, false>(map_a, map_b, map_c, p, ctas, stream);
+      else launch_variant<BN, EPI, false, false>(map_a, map_b, map_c, p, ctas, stream);
       return;
     }
   }
@@ -156,24 +156,30 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   const CUtensorMap map_b = a.w_n_major ? detail::tensor_map_nmajor(a.w, a.E, a.K, a.N, kernels::kGemmBK, fn) : tile_tensor_map(a.w, a.E * a.N, a.K, a.K);
   // Contiguous A goes through TMA too; with a gather the map is unused (any valid map will do).
   const CUtensorMap map_a = a.gather ? map_b : tile_tensor_map(a.a, a.a_rows, a.K, a.lda);
+  // The plain store's full tiles leave by TMA: C [rows, N] in boxes of 64 columns x 128 rows. Only
+  // whole 128-row tiles inside an expert go this way, so the row bound only has to cover them:
+  // the rows of C are not known on the host (R = off[E] is on the device).
+  const CUtensorMap map_c = epi == kernels::kEpiStore && !a.gather
+                                ? detail::tensor_map_2d(a.c, int64_t{1} << 31, a.N, a.ldc, 64, 128, fn)
+                                : map_b;
   const int sms = device_info().sm_count;
   const int ctas = a.max_ctas > 0 ? std::min(a.max_ctas, sms) : sms;
   const bool nm = a.w_n_major;
   namespace k = kernels;
   switch (epi) {
-    case k::kEpiStore: wide ? launch<256, k::kEpiStore>(map_a, map_b, p, nm, ctas, stream)
-                            : launch<128, k::kEpiStore>(map_a, map_b, p, nm, ctas, stream); break;
-    case k::kEpiGluInter: wide ? launch<256, k::kEpiGluInter>(map_a, map_b, p, nm, ctas, stream)
-                               : launch<128, k::kEpiGluInter>(map_a, map_b, p, nm, ctas, stream); break;
-    case k::kEpiGluConcat: launch<256, k::kEpiGluConcat>(map_a, map_b, p, nm, ctas, stream); break;
-    case k::kEpiAct: wide ? launch<256, k::kEpiAct>(map_a, map_b, p, nm, ctas, stream)
-                          : launch<128, k::kEpiAct>(map_a, map_b, p, nm, ctas, stream); break;
-    case k::kEpiDGluInter: wide ? launch<256, k::kEpiDGluInter>(map_a, map_b, p, nm, ctas, stream)
-                                : launch<128, k::kEpiDGluInter>(map_a, map_b, p, nm, ctas, stream); break;
-    case k::kEpiDGluConcat: wide ? launch<256, k::kEpiDGluConcat>(map_a, map_b, p, nm, ctas, stream)
-                                 : launch<128, k::kEpiDGluConcat>(map_a, map_b, p, nm, ctas, stream); break;
-    case k::kEpiDAct: wide ? launch<256, k::kEpiDAct>(map_a, map_b, p, nm, ctas, stream)
-                           : launch<128, k::kEpiDAct>(map_a, map_b, p, nm, ctas, stream); break;
+    case k::kEpiStore: wide ? launch<256, k::kEpiStore>(map_a, map_b, map_c, p, nm, ctas, stream)
+                            : launch<128, k::kEpiStore>(map_a, map_b, map_c, p, nm, ctas, stream); break;
+    case k::kEpiGluInter: wide ? launch<256, k::kEpiGluInter>(map_a, map_b, map_c, p, nm, ctas, stream)
+                               : launch<128, k::kEpiGluInter>(map_a, map_b, map_c, p, nm, ctas, stream); break;
+    case k::kEpiGluConcat: launch<256, k::kEpiGluConcat>(map_a, map_b, map_c, p, nm, ctas, stream); break;
+    case k::kEpiAct: wide ? launch<256, k::kEpiAct>(map_a, map_b, map_c, p, nm, ctas, stream)
+                          : launch<128, k::kEpiAct>(map_a, map_b, map_c, p, nm, ctas, stream); break;
+    case k::kEpiDGluInter: wide ? launch<256, k::kEpiDGluInter>(map_a, map_b, map_c, p, nm, ctas, stream)
+                                : launch<128, k::kEpiDGluInter>(map_a, map_b, map_c, p, nm, ctas, stream); break;
+    case k::kEpiDGluConcat: wide ? launch<256, k::kEpiDGluConcat>(map_a, map_b, map_c, p, nm, ctas, stream)
+                                 : launch<128, k::kEpiDGluConcat>(map_a, map_b, map_c, p, nm, ctas, stream); break;
+    case k::kEpiDAct: wide ? launch<256, k::kEpiDAct>(map_a, map_b, map_c, p, nm, ctas, stream)
+                           : launch<128, k::kEpiDAct>(map_a, map_b, map_c, p, nm, ctas, stream); break;
   }
   check_launch(fn);
 }

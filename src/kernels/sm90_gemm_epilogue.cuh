@@ -81,6 +81,21 @@ __device__ __forceinline__ float gemm_act(float h) {
 template <int BN>
 constexpr int epi_row_bytes() { return BN * 2 + 16; }
 
+// The plain-store epilogue stages its tile as BN/64 TMA boxes [128 rows][64 columns] with the
+// 128-byte swizzle instead (conflict-free too: the 8 rows of a warp's store hit 8 different
+// 16-byte slots), so that a full tile leaves by TMA stores.
+constexpr int kEpiBoxBytes = 128 * 128;
+template <int EPI>
+constexpr bool epi_boxed() { return EPI == kEpiStore; }
+template <int BN>
+constexpr int epi_tile_bytes() { return 128 * epi_row_bytes<BN>(); }
+// Byte offset in the staged tile of row r, 16-byte chunk ch (8 columns) of the BN-wide row.
+template <int BN, int EPI>
+__device__ __forceinline__ int epi_chunk_offset(int r, int ch) {
+  if constexpr (epi_boxed<EPI>()) return (ch / 8) * kEpiBoxBytes + r * 128 + (((ch % 8) ^ (r % 8)) << 4);
+  else return r * epi_row_bytes<BN>() + ch * 16;
+}
+
 // Weight row (and bias index) of tile column c: plain/interleaved n0 + c; concatenated GLU:
 // gate j0 + c for c < BN/2, up n + j0 + c - BN/2.
 template <int BN, int EPI>
@@ -112,7 +127,8 @@ __device__ __forceinline__ void gemm_stage_out(const GroupedGemmParams& p, const
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const __nv_bfloat162 h = __floats2bfloat162_rn(acc[jj * 4 + half * 2] + b0, acc[jj * 4 + half * 2 + 1] + b1);
-      *reinterpret_cast<__nv_bfloat162*>(epi + (r0 + 8 * half) * epi_row_bytes<BN>() + c * 2) = h;
+      const int r = r0 + 8 * half;
+      *reinterpret_cast<__nv_bfloat162*>(epi + epi_chunk_offset<BN, EPI>(r, c / 8) + (c % 8) * 2) = h;
     }
   }
 }
@@ -146,7 +162,7 @@ __device__ __forceinline__ int gemm_write_out_act(const GroupedGemmParams& p, co
   for (; next < items && budget > 0; next += stride, --budget) {
     const int r = next / kChunks, ch = next % kChunks;
     const int64_t row = tile.row0 + r;
-    const uint8_t* src = epi + r * epi_row_bytes<BN>() + ch * 16;
+    const uint8_t* src = epi + epi_chunk_offset<BN, EPI>(r, ch);
     if constexpr (EPI == kEpiGluConcat) {
       const int n = p.N / 2, j = tile.n0 + ch * 8;
       if (j >= n) continue;

@@ -102,7 +102,7 @@ struct GemmSmem {
   static constexpr int kABytes = kGemmBM * kGemmBK * 2;  // 16 KB
   static constexpr int kBBytes = BN * kGemmBK * 2;       // 32 KB for BN = 256
   static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kEpiBytes = kGemmBM * epi_row_bytes<BN>();  // the staged output tile
+  static constexpr int kEpiBytes = epi_tile_bytes<BN>();  // the staged output tile
   // Design budget: Hopper's 227 KB per block (the launcher checks the device's opt-in limit).
   // 1 KB aligns the stages; 1 KB holds the barriers, the tile ring and the gather index table.
   static constexpr int kBudget = 227 * 1024;
@@ -125,7 +125,7 @@ struct GemmSmem {
 template <int BN, int EPI, bool GATHER, bool B_NMAJOR>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     sm90_grouped_gemm(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
-                      const GroupedGemmParams p) {
+                      const __grid_constant__ CUtensorMap tmap_c, const GroupedGemmParams p) {
   using Smem = GemmSmem<BN>;
   constexpr int S = Smem::kStages;
   // BN columns of C per tile; the concatenated GLU tile spans BN/2 gate + BN/2 up columns.
@@ -148,6 +148,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   int32_t* gather_rows = reinterpret_cast<int32_t*>(epi_tile + 1);  // [128] this tile's A rows
   float* epi_scale = reinterpret_cast<float*>(gather_rows + 128);    // [128] dH epilogue: the staged rows' s
   constexpr bool kDact = gemm_epi_is_dact(EPI);
+  // Full tiles of the plain store leave by TMA (C = tmap_c) from the dedicated epilogue warps.
+  constexpr bool kTmaStore = epi_boxed<EPI>() && !GATHER;
 
   // A gather needs the cp.async issue of all four warps (one per SM sub-partition) to keep up with
   // the tensor cores, so with a gather the same 128 threads also write the epilogue, in slices
@@ -170,6 +172,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     sm90::mbar_fence_init();
     sm90::tma_prefetch_descriptor(&tmap_b);
     if (!GATHER) sm90::tma_prefetch_descriptor(&tmap_a);
+    if (kTmaStore) sm90::tma_prefetch_descriptor(&tmap_c);
   }
   __syncthreads();
   const int total_tiles = __ldg(p.tile_offsets + p.E);
@@ -183,6 +186,19 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         sm90::mbar_wait(epi_full, n & 1);
         const GemmTile tile = *epi_tile;
         if (tile.e < 0) break;
+        if constexpr (kTmaStore) {
+          if (tile.rows == kGemmBM) {  // a partial tile must not write the next expert's rows
+            if (tid == kLoaders) {
+#pragma unroll
+              for (int h = 0; h < BN / 64; ++h)
+                if (tile.n0 + 64 * h < p.N) sm90::tma_store_2d(&tmap_c, epi + h * kEpiBoxBytes, tile.n0 + 64 * h, tile.row0);
+              sm90::bulk_commit_group();
+              sm90::bulk_wait_read_all();  // the staged tile may be overwritten after this
+            }
+            sm90::mbar_arrive(epi_empty);
+            continue;
+          }
+        }
         if constexpr (kDact) {
           DactPipe<BN, EPI> pipe;
           for (int next = tid - kLoaders; next < gemm_dact_items<BN>(tile); next += kDactGroup * kEpilogueThreads) {
@@ -194,6 +210,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         }
         sm90::mbar_arrive(epi_empty);
       }
+      if (kTmaStore && tid == kLoaders) sm90::bulk_wait_all();
       return;
     }
     // With a gather the loaders also write the epilogue: `ep` tracks the staged tile in progress.
@@ -366,6 +383,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       sm90::mbar_wait(epi_empty, (staged & 1) ^ 1);
       gemm_stage_out<BN, EPI>(p, tile, cw, acc, epi);
       if constexpr (kDact) rs.stage(epi_scale, cw);
+      if constexpr (kTmaStore) sm90::fence_proxy_async_shared();  // st.shared -> the TMA store's reads
       if (threadIdx.x == 128) *epi_tile = tile;
       sm90::mbar_arrive(epi_full);
       ++staged;
