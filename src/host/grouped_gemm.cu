@@ -156,12 +156,12 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   const CUtensorMap map_b = a.w_n_major ? detail::tensor_map_nmajor(a.w, a.E, a.K, a.N, kernels::kGemmBK, fn) : tile_tensor_map(a.w, a.E * a.N, a.K, a.K);
   // Contiguous A goes through TMA too; with a gather the map is unused (any valid map will do).
   const CUtensorMap map_a = a.gather ? map_b : tile_tensor_map(a.a, a.a_rows, a.K, a.lda);
-  // The plain store's full tiles leave by TMA: C [rows, N] in boxes of 64 columns x 128 rows. Only
+  // Full tiles' C (store) or H (interleaved GLU, activation) leave by TMA: C [rows, N] in boxes of
+  // 64 columns x 128 rows. Only
   // whole 128-row tiles inside an expert go this way, so the row bound only has to cover them:
   // the rows of C are not known on the host (R = off[E] is on the device).
-  const CUtensorMap map_c = epi == kernels::kEpiStore && !a.gather
-                                ? detail::tensor_map_2d(a.c, int64_t{1} << 31, a.N, a.ldc, 64, 128, fn)
-                                : map_b;
+  const bool boxed = epi == kernels::kEpiStore || epi == kernels::kEpiGluInter || epi == kernels::kEpiAct;
+  const CUtensorMap map_c = boxed ? detail::tensor_map_2d(a.c, int64_t{1} << 31, a.N, a.ldc, 64, 128, fn) : map_b;
   const int sms = device_info().sm_count;
   const int ctas = a.max_ctas > 0 ? std::min(a.max_ctas, sms) : sms;
   const bool nm = a.w_n_major;

@@ -81,12 +81,13 @@ __device__ __forceinline__ float gemm_act(float h) {
 template <int BN>
 constexpr int epi_row_bytes() { return BN * 2 + 16; }
 
-// The plain-store epilogue stages its tile as BN/64 TMA boxes [128 rows][64 columns] with the
-// 128-byte swizzle instead (conflict-free too: the 8 rows of a warp's store hit 8 different
-// 16-byte slots), so that a full tile leaves by TMA stores.
+// The plain-store, interleaved-GLU and activation epilogues stage their tile (C or H) as BN/64 TMA
+// boxes [128 rows][64 columns] with the 128-byte swizzle instead (conflict-free too: the 8 rows
+// of a warp's store hit 8 different 16-byte slots), so that a full tile's C/H leaves by TMA
+// stores and the epilogue threads only compute and write A.
 constexpr int kEpiBoxBytes = 128 * 128;
 template <int EPI>
-constexpr bool epi_boxed() { return EPI == kEpiStore; }
+constexpr bool epi_boxed() { return EPI == kEpiStore || EPI == kEpiGluInter || EPI == kEpiAct; }
 template <int BN>
 constexpr int epi_tile_bytes() { return 128 * epi_row_bytes<BN>(); }
 // Byte offset in the staged tile of row r, 16-byte chunk ch (8 columns) of the BN-wide row.
@@ -154,9 +155,11 @@ __device__ __forceinline__ int gemm_epi_items_of(const GemmTile& tile, int chunk
 // threads on consecutive chunks of a row, so the stores coalesce. A thread handles items
 // next, next + stride, ... and stops after `budget` of them; it returns the item to resume from
 // (>= the item count when it is done), so loader threads can do the work in slices.
+// h_by_tma: C/H of this tile was stored by TMA; only A is left to write.
 template <int BN, int EPI, int ACT>
 __device__ __forceinline__ int gemm_write_out_act(const GroupedGemmParams& p, const GemmTile& tile,
-                                                  const uint8_t* epi, int next, int stride, int budget) {
+                                                  const uint8_t* epi, int next, int stride, int budget,
+                                                  bool h_by_tma) {
   constexpr int kChunks = epi_chunks_per_row<BN, EPI>();
   const int items = gemm_epi_items_of(tile, kChunks);
   for (; next < items && budget > 0; next += stride, --budget) {
@@ -180,7 +183,7 @@ __device__ __forceinline__ int gemm_write_out_act(const GroupedGemmParams& p, co
       const int col = tile.n0 + ch * 8;
       if (col >= p.N) continue;
       const uint4 raw = *reinterpret_cast<const uint4*>(src);
-      *reinterpret_cast<uint4*>(p.c + row * p.ldc + col) = raw;
+      if (!h_by_tma) *reinterpret_cast<uint4*>(p.c + row * p.ldc + col) = raw;
       const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&raw);
       if constexpr (EPI == kEpiGluInter) {  // (gate, up) pairs -> 4 A values
         float a[4];
@@ -200,21 +203,22 @@ __device__ __forceinline__ int gemm_write_out_act(const GroupedGemmParams& p, co
 
 template <int BN, int EPI>
 __device__ __forceinline__ int gemm_write_out(const GroupedGemmParams& p, const GemmTile& tile,
-                                              const uint8_t* epi, int next, int stride, int budget) {
+                                              const uint8_t* epi, int next, int stride, int budget,
+                                              bool h_by_tma = false) {
   if constexpr (EPI == kEpiStore) {
-    return gemm_write_out_act<BN, EPI, kActSwiGLU>(p, tile, epi, next, stride, budget);  // no activation
+    return gemm_write_out_act<BN, EPI, kActSwiGLU>(p, tile, epi, next, stride, budget, h_by_tma);  // no activation
   } else if constexpr (EPI == kEpiGluInter || EPI == kEpiGluConcat) {
     switch (p.act) {
-      case kActGeGLU: return gemm_write_out_act<BN, EPI, kActGeGLU>(p, tile, epi, next, stride, budget);
-      case kActReGLU: return gemm_write_out_act<BN, EPI, kActReGLU>(p, tile, epi, next, stride, budget);
-      default: return gemm_write_out_act<BN, EPI, kActSwiGLU>(p, tile, epi, next, stride, budget);
+      case kActGeGLU: return gemm_write_out_act<BN, EPI, kActGeGLU>(p, tile, epi, next, stride, budget, h_by_tma);
+      case kActReGLU: return gemm_write_out_act<BN, EPI, kActReGLU>(p, tile, epi, next, stride, budget, h_by_tma);
+      default: return gemm_write_out_act<BN, EPI, kActSwiGLU>(p, tile, epi, next, stride, budget, h_by_tma);
     }
   } else {
     switch (p.act) {
-      case kActReLU2: return gemm_write_out_act<BN, EPI, kActReLU2>(p, tile, epi, next, stride, budget);
-      case kActReLU: return gemm_write_out_act<BN, EPI, kActReLU>(p, tile, epi, next, stride, budget);
-      case kActGELU: return gemm_write_out_act<BN, EPI, kActGELU>(p, tile, epi, next, stride, budget);
-      default: return gemm_write_out_act<BN, EPI, kActSiLU>(p, tile, epi, next, stride, budget);
+      case kActReLU2: return gemm_write_out_act<BN, EPI, kActReLU2>(p, tile, epi, next, stride, budget, h_by_tma);
+      case kActReLU: return gemm_write_out_act<BN, EPI, kActReLU>(p, tile, epi, next, stride, budget, h_by_tma);
+      case kActGELU: return gemm_write_out_act<BN, EPI, kActGELU>(p, tile, epi, next, stride, budget, h_by_tma);
+      default: return gemm_write_out_act<BN, EPI, kActSiLU>(p, tile, epi, next, stride, budget, h_by_tma);
     }
   }
 }

@@ -148,8 +148,21 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   int32_t* gather_rows = reinterpret_cast<int32_t*>(epi_tile + 1);  // [128] this tile's A rows
   float* epi_scale = reinterpret_cast<float*>(gather_rows + 128);    // [128] dH epilogue: the staged rows' s
   constexpr bool kDact = gemm_epi_is_dact(EPI);
-  // Full tiles of the plain store leave by TMA (C = tmap_c) from the dedicated epilogue warps.
-  constexpr bool kTmaStore = epi_boxed<EPI>() && !GATHER;
+  // Full tiles' C (plain store) or H (interleaved GLU, activation) leave by TMA (tmap_c); the
+  // epilogue threads then only write A.
+  constexpr bool kTmaStore = epi_boxed<EPI>();
+  // One thread stores a full staged tile's boxes (a partial tile must not write the next
+  // expert's rows: it takes the thread path). Returns whether it went by TMA.
+  auto tma_store_tile = [&](const GemmTile& t, bool issuer) {
+    if (!kTmaStore || t.rows != kGemmBM) return false;
+    if (issuer) {
+#pragma unroll
+      for (int h = 0; h < BN / 64; ++h)
+        if (t.n0 + 64 * h < p.N) sm90::tma_store_2d(&tmap_c, epi + h * kEpiBoxBytes, t.n0 + 64 * h, t.row0);
+      sm90::bulk_commit_group();
+    }
+    return true;
+  };
 
   // A gather needs the cp.async issue of all four warps (one per SM sub-partition) to keep up with
   // the tensor cores, so with a gather the same 128 threads also write the epilogue, in slices
@@ -186,18 +199,11 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         sm90::mbar_wait(epi_full, n & 1);
         const GemmTile tile = *epi_tile;
         if (tile.e < 0) break;
-        if constexpr (kTmaStore) {
-          if (tile.rows == kGemmBM) {  // a partial tile must not write the next expert's rows
-            if (tid == kLoaders) {
-#pragma unroll
-              for (int h = 0; h < BN / 64; ++h)
-                if (tile.n0 + 64 * h < p.N) sm90::tma_store_2d(&tmap_c, epi + h * kEpiBoxBytes, tile.n0 + 64 * h, tile.row0);
-              sm90::bulk_commit_group();
-              sm90::bulk_wait_read_all();  // the staged tile may be overwritten after this
-            }
-            sm90::mbar_arrive(epi_empty);
-            continue;
-          }
+        const bool by_tma = tma_store_tile(tile, tid == kLoaders);
+        if (by_tma && EPI == kEpiStore) {  // nothing left for the threads
+          if (tid == kLoaders) sm90::bulk_wait_read_all();  // the staged tile may be overwritten after this
+          sm90::mbar_arrive(epi_empty);
+          continue;
         }
         if constexpr (kDact) {
           DactPipe<BN, EPI> pipe;
@@ -206,8 +212,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
             pipe.compute(p, tile, epi, epi_scale, next, kEpilogueThreads);
           }
         } else {
-          gemm_write_out<BN, EPI>(p, tile, epi, tid - kLoaders, kEpilogueThreads, 1 << 30);
+          gemm_write_out<BN, EPI>(p, tile, epi, tid - kLoaders, kEpilogueThreads, 1 << 30, by_tma);
         }
+        if (by_tma && tid == kLoaders) sm90::bulk_wait_read_all();
         sm90::mbar_arrive(epi_empty);
       }
       if (kTmaStore && tid == kLoaders) sm90::bulk_wait_all();
@@ -218,6 +225,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     // for it to stage their next tile), and poll it while they wait.
     struct {
       int n = 0, next = -1;
+      bool tma = false;  // this tile's C/H went by TMA (issued by loader thread 0)
       GemmTile tile;
     } ep;
     // The dH epilogue runs as a two-phase pipe: each step computes the group of items loaded by
@@ -227,6 +235,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     auto epi_begin = [&](const GemmTile& t) {  // a staged tile was taken: start its walk
       ep.tile = t;
       ep.next = tid;
+      ep.tma = tma_store_tile(t, tid == 0);
+      if (ep.tma && EPI == kEpiStore) ep.next = 1 << 30;  // nothing left for the threads
       if constexpr (kDact) pipe.load(p, ep.tile, ep.next, kEpilogueThreads);
     };
     auto epi_work = [&](int budget) {  // one slice of the tile in progress
@@ -238,9 +248,10 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
           return;
         }
       } else {
-        ep.next = gemm_write_out<BN, EPI>(p, ep.tile, epi, ep.next, kEpilogueThreads, budget);
+        ep.next = gemm_write_out<BN, EPI>(p, ep.tile, epi, ep.next, kEpilogueThreads, budget, ep.tma);
         if (ep.next < gemm_epilogue_end<BN, EPI>(ep.tile)) return;
       }
+      if (ep.tma && tid == 0) sm90::bulk_wait_read_all();
       sm90::mbar_arrive(epi_empty);
       ep.next = -1;
       ++ep.n;
@@ -333,6 +344,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         }
         epi_work(1 << 30);
       }
+      if (kTmaStore && tid == 0) sm90::bulk_wait_all();
     }
   } else {
     // ------------------------------------------------------------ consumers
