@@ -90,6 +90,79 @@ struct LayerBackwardArgs {
 };
 void layer_backward(const LayerProblem& p, const LayerBackwardArgs& a, cudaStream_t stream);
 
+// ---------------------------------------------------------------- experts on a general routing list
+// The expert part of the layer alone, on a routing list the caller gives (docs/LAYER.md, "general"):
+// R pairs (score, token, expert), no router, no aux loss. layer_forward/layer_backward run the same
+// expert code on the list their router made.
+//
+// The list's rules (not checked on the device, which would need a host synchronisation):
+//   - ordered by token (pair_token non-decreasing), tokens in [0, T), experts in [0, E);
+//   - no (token, expert) pair twice. The routing metadata gives a repeated pair one shared row:
+//     the forward is still right (the row is added once per pair), the backward is not (the row's
+//     H gradient carries one pair's score only). ExpertsForwardArgs.duplicate_flag reports a
+//     repeat on the device; the Python front end refuses repeats on the host before calling.
+// A pair outside [0, T) x [0, E) gets no row: it adds nothing and its score's gradient is 0.
+struct ExpertsProblem {
+  int64_t T = 0;  // tokens (0 allowed)
+  int64_t d = 0;  // hidden size
+  int64_t n = 0;  // expert intermediate size
+  int64_t E = 0;  // experts
+  int64_t R = 0;  // pairs in the list (0 allowed; at most T·E, the most a list without repeats has)
+  Activation activation = Activation::SwiGLU;
+  GateUpLayout layout = GateUpLayout::Interleaved;
+  bool has_bias = false;
+  DType dtype = DType::BF16;  // x, weights, H and the output
+};
+
+// Throws Error(InvalidArgument) naming the first field that breaks a rule.
+void validate(const ExpertsProblem& p);
+// Bytes the caller provides, exact for this problem (as the layer's plan): `saved` holds H [R, n1]
+// bf16, the fp32 scores [R], expert_offsets [E+1], row_pair / pair_row [R] and the list's
+// per-token offsets [T+1]; nothing of size R·d.
+WorkspacePlan plan_workspace(const ExpertsProblem& p);
+
+struct ExpertsForwardArgs {
+  const void* x = nullptr;             // [T, d]
+  const void* w1 = nullptr;            // [E, n1, d]
+  const void* b1 = nullptr;            // [E, n1] or null
+  const void* w2 = nullptr;            // [E, d, n]
+  const void* b2 = nullptr;            // [E, d] or null
+  const float* scores = nullptr;       // [R] fp32 (copied into `saved`)
+  const int32_t* pair_token = nullptr; // [R]
+  const int32_t* pair_expert = nullptr;  // [R]
+  void* out = nullptr;                 // [T, d]: out_t = Σ_{pairs (t, e, s)} s · MLP_e(x_t)
+  void* saved = nullptr;               // plan.saved_bytes, 256-byte aligned
+  void* workspace = nullptr;           // plan.forward_workspace_bytes, 256-byte aligned
+  int32_t* duplicate_flag = nullptr;   // [1] or null: set to 1 when the list repeats a pair, else 0
+};
+void experts_forward(const ExpertsProblem& p, const ExpertsForwardArgs& a, cudaStream_t stream);
+
+// Gradients of experts_forward from what it left in `saved` and the same list (pair_token and
+// pair_expert; the scores are read from `saved`). dx bf16 [T, d]; d_scores fp32 [R] in the list's
+// pair order; dw1 [E, n1, d], db1 [E, n1], dw2 [E, d, n], db2 [E, d] written (not accumulated) in
+// weight_grad_dtype (BF16 or FP32). Experts without rows get exact zeros. Deterministic (bitwise),
+// no host synchronisation, no float atomics.
+struct ExpertsBackwardArgs {
+  const void* x = nullptr;
+  const void* w1 = nullptr;
+  const void* b1 = nullptr;
+  const void* w2 = nullptr;
+  const void* b2 = nullptr;
+  const int32_t* pair_token = nullptr;   // [R] the forward's list
+  const int32_t* pair_expert = nullptr;  // [R]
+  const void* saved = nullptr;           // what experts_forward wrote
+  const void* dout = nullptr;            // [T, d]
+  void* dx = nullptr;
+  void* dw1 = nullptr;
+  void* db1 = nullptr;
+  void* dw2 = nullptr;
+  void* db2 = nullptr;
+  float* d_scores = nullptr;             // [R]
+  void* workspace = nullptr;             // plan.backward_workspace_bytes, 256-byte aligned
+  DType weight_grad_dtype = DType::BF16;
+};
+void experts_backward(const ExpertsProblem& p, const ExpertsBackwardArgs& a, cudaStream_t stream);
+
 // ---------------------------------------------------------------- kernel families (SPEC §2)
 
 // 1. top-K router: logits [T, E] fp32 -> scores [T, K] fp32, experts [T, K] int32 (docs/LAYER.md;

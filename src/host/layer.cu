@@ -1,12 +1,13 @@
 // The layer forward on the GPU, end to end on the caller's stream, no host synchronisation:
-//   logits = x·Wrᵀ (cuBLAS, fp32 out) -> top-K router -> routing metadata -> up-projection
-//   (gathered rows, GLU/activation epilogue: H saved, A scratch) -> down-projection (Y scratch)
-//   -> aggregation with scores -> aux loss.
+//   logits = x·Wrᵀ (cuBLAS, fp32 out) -> top-K router (or token rounding) -> the expert part
+//   (experts.cpp: routing metadata -> up-projection (gathered rows, GLU/activation epilogue: H saved,
+//   A scratch) -> down-projection (Y scratch) -> aggregation with scores) -> aux loss.
 // Buffers: host/layer_layout.hpp. The backward is layer_backward.cu.
 #include <string>
 
 #include "host/check.hpp"
 #include "host/cublas_internal.hpp"
+#include "host/experts_internal.hpp"
 #include "host/layer_layout.hpp"
 #include "kernels/aux_loss.cuh"
 #include "machmoe/machmoe.hpp"
@@ -66,19 +67,17 @@ void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_
 
   router_gemm(a.x, a.router_weight, logits, p.T, p.E, p.d, at<void>(w, L.cublas), LayerLayout::kCublasWorkspace,
               stream);
-  RoutingMetadataOutputs md;
-  md.expert_offsets = expert_offsets;
-  md.row_token = at<int32_t>(w, L.row_token);
-  md.row_pair = at<int32_t>(s, L.row_pair);
-  md.pair_row = at<int32_t>(s, L.pair_row);
-  md.token_offsets = at<int32_t>(w, L.token_offsets);
+  // The expert part runs on the list the router made: top-K (token = pair / K) or the rounded list
+  // (capacity rows, invalid past its length); `scores`/`experts` hold the list's scores and experts.
+  detail::ExpertsForwardRun r;
+  r.shape = detail::experts_shape(p);
+  r.list.expert = experts;
+  r.list.scores = scores;
+  r.list.pairs = R;
   if (!rounded) {
     topk_router(logits, p.T, p.E, p.K, p.routing, p.renormalize, a.selection_bias, scores, experts, stream);
-    routing_metadata(experts, nullptr, R, p.K, p.T, p.E, md, at<void>(w, L.metadata),
-                     routing_metadata_workspace_bytes(p.T, p.E), stream);
+    r.list.K = p.K;
   } else {
-    // Tile-aware routing: the rounded general list (capacity rows, invalid past its length) goes
-    // through the general metadata path; `scores`/`experts` hold the list's scores and experts.
     TokenRoundingOutputs tr;
     tr.topk_scores = at<float>(s, L.topk_scores);
     tr.topk_experts = at<int32_t>(s, L.topk_experts);
@@ -91,48 +90,18 @@ void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_
     tr.count_rounded = at<int32_t>(s, L.count_rounded);
     token_rounding(logits, p.T, p.E, p.K, p.rounding, p.rounding_tile_m, a.seed, tr, at<void>(w, L.rounding),
                    token_rounding_workspace_bytes(p.T, p.E, p.K), stream);
-    routing_metadata(experts, tr.token, R, 0, p.T, p.E, md, at<void>(w, L.metadata),
-                     routing_metadata_workspace_bytes(p.T, p.E), stream);
+    r.list.token = tr.token;
   }
-
-  GroupedGemmArgs up;
-  up.a = a.x;
-  up.lda = p.d;
-  up.a_rows = p.T;
-  up.gather = md.row_token;
-  up.expert_offsets = expert_offsets;
-  up.E = p.E;
-  up.N = L.n1;
-  up.K = p.d;
-  up.w = a.w1;
-  up.bias = a.b1;
-  up.c = at<void>(s, L.h);
-  up.ldc = L.n1;
-  up.c2 = at<void>(w, L.a);
-  up.ldc2 = p.n;
-  up.epilogue = is_glu(p.activation) ? GemmEpilogue::GLU : GemmEpilogue::Activation;
-  up.activation = p.activation;
-  up.layout = p.layout;
-  up.tile_offsets = at<int32_t>(w, L.tile_offsets);
-  grouped_gemm(up, stream);
-
-  GroupedGemmArgs down;
-  down.a = up.c2;
-  down.lda = p.n;
-  down.a_rows = R;
-  down.expert_offsets = expert_offsets;
-  down.E = p.E;
-  down.N = p.d;
-  down.K = p.n;
-  down.w = a.w2;
-  down.bias = a.b2;
-  down.c = at<void>(w, L.y);
-  down.ldc = p.d;
-  down.epilogue = GemmEpilogue::Store;
-  down.tile_offsets = up.tile_offsets;  // stream order: the up-projection is done with it
-  grouped_gemm(down, stream);
-
-  aggregate(down.c, DType::BF16, md.pair_row, md.token_offsets, scores, p.T, p.d, a.out, DType::BF16, stream);
+  r.x = a.x, r.w1 = a.w1, r.b1 = a.b1, r.w2 = a.w2, r.b2 = a.b2;
+  r.out = a.out;
+  r.h = at<void>(s, L.h);
+  r.md.expert_offsets = expert_offsets;
+  r.md.row_pair = at<int32_t>(s, L.row_pair);
+  r.md.pair_row = at<int32_t>(s, L.pair_row);
+  r.md.token_offsets = at<int32_t>(w, L.token_offsets);
+  r.scratch = L.fwd;
+  r.workspace = w;
+  detail::experts_forward_run(r, stream);
 
   const int blocks = static_cast<int>(ceil_div(p.T, LayerLayout::kAuxTokensPerBlock));
   float* partials = at<float>(w, L.aux_partials);

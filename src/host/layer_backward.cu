@@ -1,9 +1,9 @@
 // The layer backward on the GPU (docs/LAYER.md "Backward", docs/BACKWARD.md), end to end on the
 // caller's stream, no host synchronisation, no float atomics (bitwise deterministic):
-//   rebuild row_token / token_offsets -> dH kernel (dA' = dout·W2 gathered; epilogue: dH, A' = s·A,
-//   dS partials) -> d scores (+ ⟨dout, b2⟩) -> router backward (top-K or token rounding) + aux
-//   backward -> d_logits -> dW2, dW1 (varlen-K GEMMs) -> db2, db1 -> dX~ = dH·W1 -> dx (aggregate)
-//   -> dWr = d_logitsᵀ·x and dx += d_logits·Wr (cuBLAS).
+//   the expert part (experts_backward.cu: rebuild row_token / token_offsets -> dH kernel (dA' =
+//   dout·W2 gathered; epilogue: dH, A' = s·A, dS partials) -> d scores (+ ⟨dout, b2⟩) -> dW2, dW1
+//   (varlen-K GEMMs) -> db2, db1 -> dX~ = dH·W1 -> dx (aggregate)) -> router backward (top-K or
+//   token rounding) + aux backward -> d_logits -> dWr = d_logitsᵀ·x and dx += d_logits·Wr (cuBLAS).
 // Reads only x, the weights and what layer_forward left in `saved`; scratch in the backward
 // workspace (host/layer_layout.hpp).
 #include <algorithm>
@@ -11,6 +11,7 @@
 
 #include "host/check.hpp"
 #include "host/cublas_internal.hpp"
+#include "host/experts_internal.hpp"
 #include "host/layer_layout.hpp"
 #include "kernels/aux_loss.cuh"
 #include "kernels/layer_backward.cuh"
@@ -57,137 +58,61 @@ void check_args(const LayerProblem& p, const LayerBackwardArgs& a) {
                 "must be 16-byte aligned (16-byte row vectors)");
 }
 
-// T == 0: no token, so every gradient is zero (dx is empty).
-void zero_gradients(const LayerProblem& p, const LayerBackwardArgs& a, int64_t n1, cudaStream_t stream) {
-  const size_t es = static_cast<size_t>(dtype_size(a.weight_grad_dtype));
-  const size_t E = static_cast<size_t>(p.E), d = static_cast<size_t>(p.d), n = static_cast<size_t>(p.n);
-  const size_t N1 = static_cast<size_t>(n1);
-  check_cuda(cudaMemsetAsync(a.d_router_weight, 0, E * d * es, stream), "layer_backward: zero d_router_weight");
-  check_cuda(cudaMemsetAsync(a.dw1, 0, E * N1 * d * es, stream), "layer_backward: zero dw1");
-  check_cuda(cudaMemsetAsync(a.dw2, 0, E * d * n * es, stream), "layer_backward: zero dw2");
-  if (p.has_bias) {
-    check_cuda(cudaMemsetAsync(a.db1, 0, E * N1 * es, stream), "layer_backward: zero db1");
-    check_cuda(cudaMemsetAsync(a.db2, 0, E * d * es, stream), "layer_backward: zero db2");
-  }
-}
-
-// db[e] [cols] = Σ_{rows r of e} scale_r · src[row(r)] (fixed order; kernels/layer_backward.cuh).
-void bias_gradient(const LayerLayout& L, const LayerProblem& p, void* ws, const __nv_bfloat16* src,
-                   const int32_t* gather, const float* pair_scores, const int32_t* row_pair,
-                   const int32_t* expert_offsets, int64_t cols, void* out, DType out_dtype, cudaStream_t stream) {
-  constexpr int kChunk = LayerLayout::kBiasChunkRows;
-  kernels::BiasGradParams bp{};
-  bp.src = src;
-  bp.gather = gather;
-  bp.pair_scores = pair_scores;
-  bp.row_pair = row_pair;
-  bp.expert_offsets = expert_offsets;
-  bp.chunk_prefix = at<int32_t>(ws, L.bias_chunk_prefix);
-  bp.partials = at<float>(ws, L.bias_partials);
-  bp.out = out;
-  bp.E = static_cast<int>(p.E);
-  bp.cols = static_cast<int>(cols);
-  const unsigned col_blocks = static_cast<unsigned>(ceil_div(cols, kThreads));
-  kernels::bwd_bias_partial<kThreads, kChunk>
-      <<<dim3(static_cast<unsigned>(L.bias_chunks), col_blocks), kThreads, 0, stream>>>(bp);
-  check_launch("layer_backward: bias gradient partial sums");
-  const dim3 grid(static_cast<unsigned>(p.E), col_blocks);
-  if (out_dtype == DType::FP32) kernels::bwd_bias_finalize<kThreads, float><<<grid, kThreads, 0, stream>>>(bp);
-  else kernels::bwd_bias_finalize<kThreads, __nv_bfloat16><<<grid, kThreads, 0, stream>>>(bp);
-  check_launch("layer_backward: bias gradient");
-}
-
 }  // namespace
 
 void layer_backward(const LayerProblem& p, const LayerBackwardArgs& a, cudaStream_t stream) {
   constexpr const char* fn = "layer_backward";
   check_args(p, a);
   const LayerLayout L(p);
-  const int64_t n1 = L.n1, R = L.R;
-  if (p.T == 0) {
-    zero_gradients(p, a, n1, stream);
+  const int64_t R = L.R;  // T·K, or the rounded list's capacity
+  if (p.T == 0) {  // no token: every gradient is zero (dx is empty)
+    check_cuda(cudaMemsetAsync(a.d_router_weight, 0, static_cast<size_t>(p.E * p.d * dtype_size(a.weight_grad_dtype)),
+                               stream),
+               "layer_backward: zero d_router_weight");
+    detail::zero_expert_gradients(detail::experts_shape(p), a.dw1, a.db1, a.dw2, a.db2, a.weight_grad_dtype, fn,
+                                  stream);
     return;
   }
   const void* s = a.saved;
   void* w = a.workspace;
   const bool rounded = p.rounding != TokenRounding::None;
   const float* logits = at<float>(s, L.logits);
-  const float* scores = at<float>(s, L.scores);    // [pairs] top-K scores or the rounded list's
+  const float* scores = at<float>(s, L.scores);  // [pairs] top-K scores or the rounded list's
   const int32_t* experts = at<int32_t>(s, L.experts);
   const int32_t* expert_offsets = at<int32_t>(s, L.expert_offsets);
-  const int32_t* row_pair = at<int32_t>(s, L.row_pair);
-  const int32_t* pair_row = at<int32_t>(s, L.pair_row);
-  const int32_t* list_token = rounded ? at<int32_t>(s, L.list_token) : nullptr;
-  int32_t* row_token = at<int32_t>(w, L.b_row_token);
-  // Pairs of token t: [t·K, (t+1)·K) for top-K (rebuilt here), the rounded list's own offsets else.
-  const int32_t* token_offsets = rounded ? at<int32_t>(s, L.list_token_offsets) : at<int32_t>(w, L.b_token_offsets);
-  auto* dh = at<__nv_bfloat16>(w, L.dh);
-  auto* a_prime = at<__nv_bfloat16>(w, L.a_prime);
-  float* ds_partial = at<float>(w, L.ds_partial);
   float* d_scores = at<float>(w, L.d_scores);
   float* d_logits = at<float>(w, L.d_logits);
   auto* d_logits_bf16 = at<__nv_bfloat16>(w, L.d_logits_bf16);
-  int32_t* tile_offsets = at<int32_t>(w, L.b_tile_offsets);
 
-  // 1. The gather index row -> token [R] (and t·K offsets for top-K): not saved (SPEC minimum).
-  kernels::bwd_rebuild_index<kThreads><<<blocks_for(std::max(R, p.T + 1), kThreads), kThreads, 0, stream>>>(
-      row_pair, list_token, static_cast<int>(p.K), expert_offsets, static_cast<int>(p.E), R, p.T, row_token,
-      rounded ? nullptr : at<int32_t>(w, L.b_token_offsets));
-  check_launch("layer_backward: rebuild row_token");
-
-  // 2. dH kernel: dA' [R, n] = dout[row_token] · W2_e (W2 [E, d, n] read as [E, K = d, N = n]);
-  //    epilogue: dH [R, n1] = dAct(s·dA', H), A' [R, n] = s·act(H), ds_partial [R, tiles].
-  GroupedGemmArgs g;
-  g.a = a.dout;
-  g.lda = p.d;
-  g.a_rows = p.T;
-  g.gather = row_token;
-  g.expert_offsets = expert_offsets;
-  g.E = p.E;
-  g.N = p.n;
-  g.K = p.d;
-  g.w = a.w2;
-  g.w_n_major = true;
-  g.c = dh;
-  g.ldc = n1;
-  g.c2 = a_prime;
-  g.ldc2 = p.n;
-  g.epilogue = GemmEpilogue::ActivationBackward;
-  g.activation = p.activation;
-  g.layout = p.layout;
-  g.h = at<__nv_bfloat16>(s, L.h);
-  g.ldh = n1;
-  g.row_scores = scores;
-  g.row_pair = row_pair;
-  g.ds_partial = ds_partial;
-  g.tile_offsets = tile_offsets;
-  grouped_gemm(g, stream);
-
-  // 3. d scores [pairs] in pair order: Σ_j ds_partial[pair_row[p], j] (+ ⟨dout_t, b2_e⟩).
-  kernels::PairScoreParams ps{};
-  ps.ds_partial = ds_partial;
-  ps.pair_row = pair_row;
-  ps.dout = static_cast<const __nv_bfloat16*>(a.dout);
-  ps.b2 = static_cast<const __nv_bfloat16*>(a.b2);
-  ps.pair_expert = experts;
-  ps.list_token = list_token;
-  ps.d_score = d_scores;
-  ps.pairs = R;
-  ps.tiles = static_cast<int>(L.ds_tiles);
-  ps.K = static_cast<int>(p.K);
-  ps.d = static_cast<int>(p.d);
-  if (p.has_bias)
-    kernels::bwd_pair_scores_bias<kThreads><<<blocks_for(R, kWarpsPerBlock), kThreads, 0, stream>>>(ps);
-  else
-    kernels::bwd_pair_scores<kThreads><<<blocks_for(R, kThreads), kThreads, 0, stream>>>(ps);
-  check_launch("layer_backward: d scores");
+  // 1-3, 7-11. The expert part: d scores [pairs], dW2, dW1, db2, db1 and dx's expert part.
+  detail::ExpertsBackwardRun r;
+  r.shape = detail::experts_shape(p);
+  r.list.expert = experts;
+  r.list.token = rounded ? at<int32_t>(s, L.list_token) : nullptr;
+  r.list.scores = scores;
+  r.list.pairs = R;
+  r.list.K = p.K;
+  r.x = a.x, r.w1 = a.w1, r.w2 = a.w2, r.b2 = a.b2, r.dout = a.dout;
+  r.h = at<void>(s, L.h);
+  r.expert_offsets = expert_offsets;
+  r.row_pair = at<int32_t>(s, L.row_pair);
+  r.pair_row = at<int32_t>(s, L.pair_row);
+  // Pairs of token t: the rounded list's saved offsets, or t·K for top-K (rebuilt into scratch).
+  r.token_offsets = rounded ? at<int32_t>(s, L.list_token_offsets) : nullptr;
+  r.topk_token_offsets = rounded ? nullptr : at<int32_t>(w, L.b_token_offsets);
+  r.scratch = L.bwd;
+  r.workspace = w;
+  r.d_scores = d_scores;
+  r.dx = a.dx, r.dw1 = a.dw1, r.db1 = a.db1, r.dw2 = a.dw2, r.db2 = a.db2;
+  r.grad_dtype = a.weight_grad_dtype;
+  detail::experts_backward_run(r, stream);
 
   // 4. Router backward: d scores -> d_logits [T, E] fp32 (every element written).
   if (!rounded) {
     topk_router_backward(logits, scores, experts, d_scores, p.T, p.E, p.K, p.routing, p.renormalize, d_logits,
                          stream);
   } else {
-    token_rounding_backward(logits, at<float>(s, L.topk_scores), at<int32_t>(s, L.topk_experts), token_offsets,
+    token_rounding_backward(logits, at<float>(s, L.topk_scores), at<int32_t>(s, L.topk_experts), r.token_offsets,
                             experts, at<uint8_t>(s, L.list_padded), d_scores, p.T, p.E, p.K, d_logits, stream);
   }
   // 5. Aux loss: d_logits += d_aux · ∂aux/∂logits. A host d_aux of 0 (and no device scalar) adds
@@ -210,72 +135,6 @@ void layer_backward(const LayerProblem& p, const LayerBackwardArgs& a, cudaStrea
   kernels::bwd_to_bf16<kThreads><<<blocks_for(p.T * p.E, kThreads * 4), kThreads, 0, stream>>>(
       d_logits, p.T * p.E, d_logits_bf16);
   check_launch("layer_backward: d_logits to bf16");
-
-  // 7. dW2 [E, d, n] = Σ_r dout[row_token[r]]ᵀ ⊗ A'_r (varlen K over the expert's rows).
-  GroupedWgradArgs w2g;
-  w2g.a = a.dout;
-  w2g.lda = p.d;
-  w2g.a_rows = p.T;
-  w2g.a_gather = row_token;
-  w2g.b = a_prime;
-  w2g.ldb = p.n;
-  w2g.b_rows = R;
-  w2g.expert_offsets = expert_offsets;
-  w2g.E = p.E;
-  w2g.M = p.d;
-  w2g.N = p.n;
-  w2g.c = a.dw2;
-  w2g.c_dtype = a.weight_grad_dtype;
-  w2g.transpose_c = false;
-  grouped_gemm_wgrad(w2g, stream);
-
-  // 8. dW1 [E, n1, d] = (Σ_r x[row_token[r]]ᵀ ⊗ dH_r)ᵀ: [E, M = d, N = n1] stored transposed.
-  GroupedWgradArgs w1g;
-  w1g.a = a.x;
-  w1g.lda = p.d;
-  w1g.a_rows = p.T;
-  w1g.a_gather = row_token;
-  w1g.b = dh;
-  w1g.ldb = n1;
-  w1g.b_rows = R;
-  w1g.expert_offsets = expert_offsets;
-  w1g.E = p.E;
-  w1g.M = p.d;
-  w1g.N = n1;
-  w1g.c = a.dw1;
-  w1g.c_dtype = a.weight_grad_dtype;
-  w1g.transpose_c = true;
-  grouped_gemm_wgrad(w1g, stream);
-
-  // 9. Bias gradients: db2[e] = Σ_r s_r · dout[row_token[r]], db1[e] = Σ_r dH_r.
-  if (p.has_bias) {
-    kernels::bwd_bias_chunk_prefix<1024, LayerLayout::kBiasChunkRows><<<1, 1024, 0, stream>>>(
-        expert_offsets, static_cast<int>(p.E), at<int32_t>(w, L.bias_chunk_prefix));
-    check_launch("layer_backward: bias chunk offsets");
-    bias_gradient(L, p, w, static_cast<const __nv_bfloat16*>(a.dout), row_token, scores, row_pair, expert_offsets,
-                  p.d, a.db2, a.weight_grad_dtype, stream);
-    bias_gradient(L, p, w, dh, nullptr, nullptr, nullptr, expert_offsets, n1, a.db1, a.weight_grad_dtype, stream);
-  }
-
-  // 10. dX~ [R, d] = dH · W1_e (W1 [E, n1, d] read as [E, K = n1, N = d]), contiguous rows.
-  GroupedGemmArgs gx;
-  gx.a = dh;
-  gx.lda = n1;
-  gx.a_rows = R;
-  gx.expert_offsets = expert_offsets;
-  gx.E = p.E;
-  gx.N = p.d;
-  gx.K = n1;
-  gx.w = a.w1;
-  gx.w_n_major = true;
-  gx.c = at<__nv_bfloat16>(w, L.dx_rows);
-  gx.ldc = p.d;
-  gx.epilogue = GemmEpilogue::Store;
-  gx.tile_offsets = tile_offsets;  // stream order: the dH kernel is done with it
-  grouped_gemm(gx, stream);
-
-  // 11. dx [T, d] = Σ_{pairs of t} dX~[pair_row] (no scores).
-  aggregate(gx.c, DType::BF16, pair_row, token_offsets, nullptr, p.T, p.d, a.dx, DType::BF16, stream);
 
   // 12. Router GEMMs (cuBLAS, bf16 operands, fp32 accumulation), column-major views of row-major
   //     arrays: dWrᵀ [d, E] = xᵀ [d, T] · d_logits [T, E]; dxᵀ [d, T] += Wrᵀ [d, E] · d_logitsᵀ [E, T].

@@ -1,0 +1,72 @@
+// The expert part of a layer call, shared by the router-driven layer (layer.cu, layer_backward.cu)
+// and the experts on a general routing list (experts.cpp, experts_backward.cu): the routing list
+// -> metadata -> up-projection (H) -> down-projection -> aggregation, and its backward. The callers
+// own the blocks; these runs take pointers into them (host/layer_layout.hpp). Nothing here checks
+// arguments: the public entry points have done that.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "host/layer_layout.hpp"
+#include "machmoe/machmoe.hpp"
+
+namespace machmoe::detail {
+
+// A routing list of `pairs` pairs in token order: pair p sends token token[p] to expert expert[p]
+// with weight scores[p]. A top-K list has no token array (token = p / K, pairs = T·K). `pairs` is
+// also the capacity of the rows (a rounded list's tail holds invalid pairs that get no row).
+struct PairList {
+  const int32_t* expert = nullptr;  // [pairs]
+  const int32_t* token = nullptr;   // [pairs], or null for a top-K list
+  const float* scores = nullptr;    // [pairs] fp32
+  int64_t pairs = 0;
+  int64_t K = 0;  // top-K lists only
+};
+
+struct ExpertsForwardRun {
+  ExpertsShape shape;
+  PairList list;
+  const void *x = nullptr, *w1 = nullptr, *b1 = nullptr, *w2 = nullptr, *b2 = nullptr;
+  void* out = nullptr;  // [T, d]
+  void* h = nullptr;    // [pairs, n1] (saved for the backward)
+  // Where the metadata goes (the saved block's or scratch); md.row_token is set by the run (scratch).
+  RoutingMetadataOutputs md;
+  ExpertsForwardScratch scratch;  // offsets into `workspace`
+  void* workspace = nullptr;
+};
+
+// Forward, T > 0 and pairs > 0: routing_metadata of the list, H [rows, n1] = x[row_token]·W1ᵀ (+b1)
+// with the GLU/activation epilogue (A scratch), Y = A·W2ᵀ (+b2), out = Σ scores·Y per token.
+void experts_forward_run(const ExpertsForwardRun& r, cudaStream_t stream);
+
+struct ExpertsBackwardRun {
+  ExpertsShape shape;
+  PairList list;
+  const void *x = nullptr, *w1 = nullptr, *w2 = nullptr, *b2 = nullptr, *dout = nullptr;
+  // What the forward saved.
+  const void* h = nullptr;
+  const int32_t *expert_offsets = nullptr, *row_pair = nullptr, *pair_row = nullptr;
+  // The per-token pair offsets [T+1] of a list with tokens. A top-K list's (t·K) are rebuilt into
+  // topk_token_offsets [T+1] (scratch) instead.
+  const int32_t* token_offsets = nullptr;
+  int32_t* topk_token_offsets = nullptr;
+  ExpertsBackwardScratch scratch;  // offsets into `workspace`
+  void* workspace = nullptr;
+  // Outputs: d_scores [pairs] fp32 (pair order); dx [T, d] bf16; weight and bias gradients in
+  // grad_dtype (db1/db2 only with biases).
+  float* d_scores = nullptr;
+  void *dx = nullptr, *dw1 = nullptr, *db1 = nullptr, *dw2 = nullptr, *db2 = nullptr;
+  DType grad_dtype = DType::BF16;
+};
+
+// Backward, T > 0 and pairs > 0 (docs/BACKWARD.md steps 1-3 and 7-11): rebuild row_token, the
+// dH kernel (dH, A', dS partials), d_scores, dW2, dW1, db2/db1, dX~ = dH·W1, dx = Σ dX~ per token.
+void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream);
+
+// Zeros for the expert weight and bias gradients (no rows: T = 0 or an empty list).
+void zero_expert_gradients(const ExpertsShape& s, void* dw1, void* db1, void* dw2, void* db2, DType grad_dtype,
+                           const char* fn, cudaStream_t stream);
+
+}  // namespace machmoe::detail

@@ -1,0 +1,234 @@
+// Tests of the experts-on-a-general-list API (include/machmoe/machmoe.hpp: ExpertsProblem,
+// experts_forward, experts_backward) that need no GPU: problem validation, the exact workspace
+// plan, and the refusals before any GPU work.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "machmoe/machmoe.hpp"
+#include "test_util.hpp"
+
+namespace {
+
+using namespace machmoe;
+
+ExpertsProblem valid_experts() {
+  ExpertsProblem p;
+  p.T = 256, p.d = 128, p.n = 64, p.E = 8, p.R = 600;
+  return p;
+}
+
+// validate must throw InvalidArgument whose message names ExpertsProblem.<field>.
+void expect_invalid(const ExpertsProblem& p, const std::string& field, const std::string& what) {
+  const std::string msg = mtest::expect_error(ErrorCode::InvalidArgument, [&] { validate(p); }, what);
+  if (msg.empty()) return;
+  EXPECT_NE(msg.find("ExpertsProblem." + field + ":"), std::string::npos)
+      << what << ": message does not name the field " << field << ": \"" << msg << "\"";
+}
+
+TEST(ExpertsValidate, AcceptsValidProblems) {
+  ExpertsProblem p = valid_experts();
+  EXPECT_NO_THROW(validate(p));
+  p.R = 0;  // an empty list
+  EXPECT_NO_THROW(validate(p));
+  p.T = 0;  // no tokens, no pairs
+  EXPECT_NO_THROW(validate(p));
+  p = valid_experts(), p.R = p.T * p.E;  // every token to every expert
+  EXPECT_NO_THROW(validate(p));
+  for (int a = 0; a < kNumActivations; ++a) {
+    p = valid_experts();
+    p.activation = Activation(a), p.layout = GateUpLayout::Concatenated, p.has_bias = true;
+    EXPECT_NO_THROW(validate(p)) << to_string(Activation(a));
+  }
+}
+
+TEST(ExpertsValidate, RejectsEachBadField) {
+  ExpertsProblem p = valid_experts();
+  p.T = -1;
+  expect_invalid(p, "T", "T < 0");
+  for (int64_t v : {0, -8}) {
+    p = valid_experts(), p.d = v;
+    expect_invalid(p, "d", "d <= 0");
+    p = valid_experts(), p.n = v;
+    expect_invalid(p, "n", "n <= 0");
+    p = valid_experts(), p.E = v;
+    expect_invalid(p, "E", "E <= 0");
+  }
+  p = valid_experts(), p.R = -1;
+  expect_invalid(p, "R", "R < 0");
+  // More pairs than T·E: some (token, expert) pair repeats.
+  p = valid_experts(), p.R = p.T * p.E + 1;
+  expect_invalid(p, "R", "R > T*E");
+  p = valid_experts(), p.T = 0, p.R = 1;
+  expect_invalid(p, "R", "R > 0 with T = 0");
+  // Rows are int32 on the device.
+  p = valid_experts(), p.T = 1 << 20, p.E = 1 << 12, p.R = int64_t{1} << 31;
+  expect_invalid(p, "R", "R = 2^31");
+  p = valid_experts(), p.T = std::numeric_limits<int32_t>::max(), p.R = 0;
+  expect_invalid(p, "T", "T = 2^31 - 1");
+  p = valid_experts(), p.E = (int64_t{1} << 30) + 1;
+  expect_invalid(p, "E", "E > 2^30");
+  mtest::expect_error(ErrorCode::InvalidArgument, [&] { plan_workspace(p); }, "plan_workspace E > 2^30");
+}
+
+// ---------------------------------------------------------------- the plan, restated
+size_t a256(size_t v) { return (v + 255) / 256 * 256; }
+
+// The blocks of experts_forward/backward written out from BACKWARD.md / the API comments: saved =
+// H [R, n1] bf16, scores fp32 [R], expert_offsets [E+1], row_pair [R], pair_row [R], token offsets
+// [T+1]; forward = row_token [R], A [R, n], Y [R, d] bf16, metadata workspace, tile offsets [E+1];
+// backward = row_token [R], dH [R, n1], A' [R, n], dX~ [R, d] bf16, dS partials [R, tiles] fp32,
+// tile offsets [E+1], with biases chunk offsets [E+1] and partial sums [ceil(R/256) + E, max(d, n1)]
+// fp32. Each sub-buffer starts on a 256-byte boundary.
+WorkspacePlan restated(const ExpertsProblem& p) {
+  const size_t R = p.R, T = p.T, E = p.E, d = p.d, n = p.n, n1 = is_glu(p.activation) ? 2 * n : n;
+  const size_t tiles = static_cast<size_t>(grouped_gemm_column_tiles(p.n));
+  WorkspacePlan w;
+  w.saved_bytes = a256(R * n1 * 2) + 3 * a256(R * 4) + a256((E + 1) * 4) + a256((T + 1) * 4);
+  w.forward_workspace_bytes = a256(R * 4) + a256(R * n * 2) + a256(R * d * 2) +
+                              a256(routing_metadata_workspace_bytes(p.T, p.E)) + a256((E + 1) * 4);
+  w.backward_workspace_bytes = a256(R * 4) + a256(R * n1 * 2) + a256(R * n * 2) + a256(R * d * 2) +
+                               a256(R * tiles * 4) + a256((E + 1) * 4);
+  if (p.has_bias) {
+    const size_t chunks = (R + 255) / 256 + E;
+    w.backward_workspace_bytes += a256((E + 1) * 4) + a256(chunks * std::max(d, n1) * 4);
+  }
+  return w;
+}
+
+TEST(ExpertsPlan, IsExact) {
+  struct Cfg {
+    int64_t T, d, n, E, R;
+  };
+  for (const Cfg c : {Cfg{24576, 1536, 256, 128, 24576 * 8}, Cfg{1, 64, 32, 8, 3}, Cfg{13, 64, 40, 64, 13},
+                      Cfg{4096, 4096, 512, 128, 0}, Cfg{0, 64, 32, 4, 0}, Cfg{777, 768, 1024, 32, 1501}})
+    for (Activation act : {Activation::SwiGLU, Activation::ReLU2})
+      for (bool bias : {false, true}) {
+        ExpertsProblem p;
+        p.T = c.T, p.d = c.d, p.n = c.n, p.E = c.E, p.R = c.R, p.activation = act, p.has_bias = bias;
+        SCOPED_TRACE("T=" + std::to_string(c.T) + " R=" + std::to_string(c.R) + " " + to_string(act) +
+                     (bias ? " bias" : ""));
+        const WorkspacePlan got = plan_workspace(p), want = restated(p);
+        EXPECT_EQ(got.saved_bytes, want.saved_bytes);
+        EXPECT_EQ(got.forward_workspace_bytes, want.forward_workspace_bytes);
+        EXPECT_EQ(got.backward_workspace_bytes, want.backward_workspace_bytes);
+      }
+}
+
+// The saved block holds no Y and no copy of x: below H + 12 bytes a pair + offsets + alignment.
+TEST(ExpertsPlan, SavedIsTheMemoryMinimum) {
+  ExpertsProblem p;
+  p.T = 32768, p.d = 4096, p.n = 512, p.E = 128, p.R = 32768 * 8;
+  const size_t R = p.R, minimum = R * 4 * p.n + 12 * R + 4 * (p.E + 1) + 4 * (p.T + 1);
+  const size_t saved = plan_workspace(p).saved_bytes;
+  EXPECT_GE(saved, minimum);
+  EXPECT_LE(saved, minimum + 6 * 256);
+}
+
+// ---------------------------------------------------------------- refusals before any GPU work
+// Host memory that nothing may touch (this machine may have no GPU): every refusal must come first.
+struct HostArgs {
+  std::vector<uint64_t> buf = std::vector<uint64_t>(1 << 17, 0x5555555555555555ull);
+  void* ptr() { return reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(buf.data()) + 255) & ~uintptr_t{255}); }
+};
+
+void expect_refusal(ErrorCode code, const std::function<void()>& call, const std::string& what,
+                    const std::string& word) {
+  const std::string msg = mtest::expect_error(code, call, what);
+  EXPECT_NE(msg.find(word), std::string::npos) << what << ": message does not say " << word << ": " << msg;
+}
+
+TEST(ExpertsForward, RefusesWhatItDoesNotRun) {
+  HostArgs h;
+  void* m = h.ptr();
+  const auto* i = static_cast<const int32_t*>(m);
+  ExpertsForwardArgs fa;
+  fa.x = fa.w1 = fa.w2 = m;
+  fa.out = fa.saved = fa.workspace = m;
+  fa.scores = static_cast<const float*>(m);
+  fa.pair_token = fa.pair_expert = i;
+  auto refuses = [&](ErrorCode code, ExpertsProblem p, ExpertsForwardArgs a, const std::string& what,
+                     const std::string& word) {
+    expect_refusal(code, [&] { experts_forward(p, a, nullptr); }, what, word);
+  };
+  ExpertsProblem p = valid_experts();
+  p.dtype = DType::FP32;
+  refuses(ErrorCode::Unsupported, p, fa, "fp32 data", "bfloat16");
+  p = valid_experts(), p.n = 100;
+  refuses(ErrorCode::Unsupported, p, fa, "n % 8", "multiples of 8");
+  p = valid_experts(), p.R = p.T * p.E + 1;
+  refuses(ErrorCode::InvalidArgument, p, fa, "R > T*E", "ExpertsProblem.R");
+  p = valid_experts(), p.has_bias = true;
+  refuses(ErrorCode::InvalidArgument, p, fa, "has_bias without biases", "b1/b2");
+  ExpertsForwardArgs a = fa;
+  a.b1 = a.b2 = m;
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "biases without has_bias", "b1/b2");
+  a = fa, a.pair_token = nullptr;
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "null pair_token", "must not be null when R > 0");
+  a = fa, a.scores = nullptr;
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "null scores", "scores/pair_token/pair_expert");
+  a = fa, a.out = nullptr;
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "null out", "must not be null when T > 0");
+  a = fa, a.w2 = nullptr;
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "null w2", "w1/w2/saved/workspace");
+  a = fa, a.saved = static_cast<char*>(m) + 128;
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "saved 128-byte aligned", "256-byte aligned");
+  a = fa, a.x = static_cast<char*>(m) + 8;
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "x 8-byte aligned", "16-byte aligned");
+}
+
+TEST(ExpertsBackward, RefusesWhatItDoesNotRun) {
+  HostArgs h;
+  void* m = h.ptr();
+  const auto* i = static_cast<const int32_t*>(m);
+  ExpertsBackwardArgs ba;
+  ba.x = ba.w1 = ba.w2 = ba.saved = ba.dout = m;
+  ba.dx = ba.dw1 = ba.dw2 = ba.workspace = m;
+  ba.d_scores = static_cast<float*>(m);
+  ba.pair_token = ba.pair_expert = i;
+  auto refuses = [&](ErrorCode code, ExpertsProblem p, ExpertsBackwardArgs a, const std::string& what,
+                     const std::string& word) {
+    expect_refusal(code, [&] { experts_backward(p, a, nullptr); }, what, word);
+  };
+  ExpertsProblem p = valid_experts();
+  p.dtype = DType::FP16;
+  refuses(ErrorCode::Unsupported, p, ba, "fp16 data", "bfloat16");
+  p = valid_experts(), p.d = 60;
+  refuses(ErrorCode::Unsupported, p, ba, "d % 8", "multiples of 8");
+  p = valid_experts(), p.has_bias = true;
+  ExpertsBackwardArgs a = ba;
+  a.b1 = a.b2 = a.db1 = m;  // db2 missing
+  refuses(ErrorCode::InvalidArgument, p, a, "db2 missing", "b1/b2/db1/db2");
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "biases without has_bias", "b1/b2/db1/db2");
+  a = ba, a.weight_grad_dtype = DType::FP16;
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "fp16 weight gradients", "weight_grad_dtype");
+  a = ba, a.d_scores = nullptr;
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "null d_scores", "pair_token/pair_expert/d_scores");
+  a = ba, a.pair_expert = nullptr;
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "null pair_expert", "must not be null when R > 0");
+  a = ba, a.dout = nullptr;
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "null dout", "must not be null when T > 0");
+  a = ba, a.dw1 = nullptr;
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "null dw1", "must not be null");
+  a = ba, a.workspace = static_cast<char*>(m) + 16;
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "workspace 16-byte aligned", "256-byte aligned");
+  a = ba, a.dout = static_cast<char*>(m) + 2;
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "dout 2-byte aligned", "16-byte aligned");
+}
+
+// All-null arguments are refused on the host, before any CUDA call, for the empty cases too.
+TEST(ExpertsApi, NullPointersAreRefusedWithoutACrash) {
+  for (ExpertsProblem p : {valid_experts(), ExpertsProblem{0, 64, 32, 4, 0}}) {
+    mtest::expect_error(ErrorCode::InvalidArgument, [&] { experts_forward(p, ExpertsForwardArgs{}, nullptr); },
+                        "experts_forward with null pointers");
+    mtest::expect_error(ErrorCode::InvalidArgument, [&] { experts_backward(p, ExpertsBackwardArgs{}, nullptr); },
+                        "experts_backward with null pointers");
+  }
+}
+
+}  // namespace
