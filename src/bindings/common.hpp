@@ -35,4 +35,22 @@ inline void check_shape(const at::Tensor& t, const char* name, at::IntArrayRef s
   TORCH_CHECK_VALUE(t.sizes() == shape, name, " must have shape ", shape, ", got ", t.sizes());
 }
 
+// A bfloat16 CUDA tensor, contiguous, of the given shape (the layer's data).
+inline void check_bf16(const at::Tensor& t, const char* name, at::IntArrayRef shape) {
+  TORCH_CHECK_VALUE(t.is_cuda() && t.scalar_type() == at::kBFloat16, name, " must be a bfloat16 CUDA tensor, got ",
+                    t.scalar_type(), " on ", t.device());
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
+  check_shape(t, name, shape);
+}
+
+// The `saved` block a forward op returned, handed back to its backward op: uint8, contiguous,
+// on `device`, of the plan's size for the same problem.
+inline void check_saved(const at::Tensor& saved, size_t bytes, const at::Device& device, const char* forward_op) {
+  TORCH_CHECK_VALUE(saved.is_cuda() && saved.scalar_type() == at::kByte && saved.is_contiguous() && saved.dim() == 1,
+                    "saved must be the contiguous uint8 CUDA tensor ", forward_op, " returned");
+  TORCH_CHECK_VALUE(saved.numel() == static_cast<int64_t>(bytes), "saved must have ", bytes,
+                    " bytes for this problem (the ", forward_op, " call with the same arguments), got ", saved.numel());
+  TORCH_CHECK_VALUE(saved.device() == device, "saved must be on x's device (", device, "), got ", saved.device());
+}
+
 }  // namespace machmoe::bindings

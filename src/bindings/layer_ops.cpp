@@ -15,13 +15,6 @@ namespace {
 
 using at::Tensor;
 
-void check_bf16(const Tensor& t, const char* name, at::IntArrayRef shape) {
-  TORCH_CHECK_VALUE(t.is_cuda() && t.scalar_type() == at::kBFloat16, name, " must be a bfloat16 CUDA tensor, got ",
-                    t.scalar_type(), " on ", t.device());
-  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
-  check_shape(t, name, shape);
-}
-
 // The problem of a layer call from the tensors' shapes and the string options.
 LayerProblem layer_problem(const Tensor& x, const Tensor& w1, const Tensor& w2, bool has_bias, int64_t K,
                            const std::string& activation, const std::string& layout, const std::string& routing,
@@ -120,13 +113,7 @@ Grads op_layer_backward(const Tensor& x, const Tensor& router_weight, const Tens
     check_layer_tensors(p, x, router_weight, w1, b1, w2, b2);
     check_bf16(dout, "dout", {p.T, p.d});
     const WorkspacePlan plan = plan_workspace(p);
-    TORCH_CHECK_VALUE(saved.is_cuda() && saved.scalar_type() == at::kByte && saved.is_contiguous() && saved.dim() == 1,
-                      "saved must be the contiguous uint8 CUDA tensor layer_forward returned");
-    TORCH_CHECK_VALUE(saved.numel() == static_cast<int64_t>(plan.saved_bytes), "saved must have ", plan.saved_bytes,
-                      " bytes for this problem (the layer_forward call with the same arguments), got ",
-                      saved.numel());
-    TORCH_CHECK_VALUE(saved.device() == x.device(), "saved must be on x's device (", x.device(), "), got ",
-                      saved.device());
+    check_saved(saved, plan.saved_bytes, x.device(), "layer_forward");
     if (d_aux)
       TORCH_CHECK_VALUE(d_aux->numel() == 1 && d_aux->is_floating_point() && d_aux->device() == x.device(),
                         "d_aux must be a one-element floating-point tensor on x's device, got shape ",
