@@ -141,7 +141,8 @@ def _validate_routing(E: int, num_experts_per_tok, routing, renormalize, selecti
 
 
 def _validate_routing_list(scores, token_idx, expert_idx, T: int, E: int) -> None:
-    """scores [R] float, token_idx / expert_idx [R] integer, in range, ordered by token."""
+    """scores [R] float, token_idx / expert_idx [R] integer, in range, ordered by token, no
+    (token, expert) pair twice."""
     scores = _float_tensor(scores, "scores", 1)
     token_idx = _index_tensor(token_idx, "token_idx")
     expert_idx = _index_tensor(expert_idx, "expert_idx")
@@ -160,6 +161,15 @@ def _validate_routing_list(scores, token_idx, expert_idx, T: int, E: int) -> Non
                          f"[{int(expert_idx.min())}, {int(expert_idx.max())}]")
     if R > 1 and bool((token_idx[1:] < token_idx[:-1]).any()):
         raise ValueError("token_idx must be ordered by token (non-decreasing)")
+    # No (token, expert) pair twice (LAYER.md). The machmoe kernels' routing metadata would give
+    # the repeats one shared row, whose backward carries one pair's score only; every backend
+    # refuses them, so both compute the same function.
+    keys = (token_idx.long() * E + expert_idx.long()).sort().values
+    repeated = keys[1:] == keys[:-1]
+    if R > 1 and bool(repeated.any()):
+        token, expert = divmod(int(keys[1:][repeated][0]), E)
+        raise ValueError(f"token_idx/expert_idx must not repeat a (token, expert) pair; token {token} is "
+                         f"sent to expert {expert} more than once")
 
 
 def _backend(backend) -> Backend:
@@ -236,8 +246,9 @@ def moe_general(
     """The experts on a general routing list -> out [T, d].
 
     Pair r sends token token_idx[r] to expert expert_idx[r] with weight scores[r] (any float
-    dtype; it receives gradients). Pairs must be ordered by token; a token may have any number
-    of pairs (none gives a zero output row). No router, so no aux loss.
+    dtype; it receives gradients, on both backends). Pairs must be ordered by token and must not
+    repeat a (token, expert) pair; a token may have any number of pairs (none gives a zero output
+    row). No router, so no aux loss.
     """
     backend = _backend(backend)
     activation = parse_enum(ActivationType, activation, "activation")

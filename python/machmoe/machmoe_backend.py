@@ -7,11 +7,14 @@ routing metadata, logits) and nothing else is kept for the backward (SPEC §1).
 Backward, one C++ call (machmoe::layer_backward, docs/BACKWARD.md): from x, the weights and
 `saved`, every gradient (dx, router weight, w1, b1, w2, b2), the aux loss's included.
 
+General routing lists (moe_general), the same way: forward = machmoe::experts_forward (routing
+metadata of the given list -> the two grouped GEMMs -> aggregate with the scores), saving H, a copy
+of the scores and the metadata; backward = machmoe::experts_backward: dx, the weights', the biases'
+and the scores' gradients (no router, no aux loss).
+
 No host synchronisation: row counts stay on the device (expert_offsets), and the aux loss's
 gradient is passed to the backward as a device scalar. Buffers are sized for R = T·K rows, or for
-the rounded list's capacity with token rounding. General routing lists (moe_general) run forward
-only: their backward (gradients of the scores) is not built yet, and a call that would need
-gradients is refused rather than silently detached.
+the rounded list's capacity with token rounding, or for the general list's length.
 """
 
 from __future__ import annotations
@@ -21,21 +24,15 @@ from typing import Optional
 import torch
 
 from . import _ops
-from .enums import ActivationType, GateUpLayout, RoutingMethod, TokenRounding, is_glu
+from .enums import ActivationType, GateUpLayout, RoutingMethod, TokenRounding
 
 
-def _check(x: torch.Tensor, d: int, n: int, no_grad_for: Optional[dict] = None) -> None:
-    """What the kernels run: CUDA, the op library, bf16, 16-byte rows; and, for the entry points
-    without a backward (`no_grad_for`: their differentiable inputs), no gradients asked."""
+def _check(x: torch.Tensor, d: int, n: int) -> None:
+    """What the kernels run: CUDA, the op library, bf16, 16-byte rows."""
     if x.device.type != "cuda":
         raise ValueError(f"the machmoe backend runs on CUDA tensors; use backend='torch' on the CPU "
                          f"(x is on {x.device})")
     _ops.require_ops()
-    if no_grad_for is not None and torch.is_grad_enabled() and \
-            any(t is not None and t.requires_grad for t in no_grad_for.values()):
-        raise NotImplementedError("machmoe backend: the backward of moe_general (general routing lists) is not "
-                                  "built yet; run it under torch.no_grad() / torch.inference_mode(), or use "
-                                  "backend='torch' to train on a general routing list")
     if x.dtype != torch.bfloat16:
         raise NotImplementedError(f"machmoe backend: the kernels take bfloat16 x and weights; got {x.dtype} "
                                   "(use backend='torch' for other dtypes)")
@@ -46,16 +43,6 @@ def _check(x: torch.Tensor, d: int, n: int, no_grad_for: Optional[dict] = None) 
 
 def _contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else t.contiguous()
-
-
-def _experts(x, w1, b1, w2, b2, activation, layout, experts_by, T, E, R, scores_flat, pair_token=None):
-    """The expert MLP and the aggregation for pairs given by `experts_by` ([T, K] or [R])."""
-    ops = torch.ops.machmoe
-    offs, row_token, _, pair_row, tok_offs, _ = ops.routing_metadata(experts_by, pair_token, T, E)
-    epi = "glu" if is_glu(activation) else "activation"
-    _, a = ops.grouped_gemm(x, row_token, offs, w1, b1, R, epi, activation.value, layout.value)
-    y, _ = ops.grouped_gemm(a, None, offs, w2, b2, R, "store", activation.value, layout.value)
-    return ops.aggregate(y, pair_row, tok_offs, scores_flat, x.dtype), offs
 
 
 class _Layer(torch.autograd.Function):
@@ -96,14 +83,44 @@ def moe(x, router_weight, w1, b1, w2, b2, K: int, activation: ActivationType, la
     return _Layer.apply(x, router_weight, w1, b1, w2, b2, bias, opts)
 
 
+class _General(torch.autograd.Function):
+    """The experts on a general routing list as one autograd node: forward =
+    machmoe::experts_forward, backward = machmoe::experts_backward. Saves x, the weights, the list's
+    int32 indices (which the caller holds anyway) and the `saved` block (H, the fp32 scores, the
+    routing metadata); nothing else. The indices get no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2, scores, token, expert, opts):
+        # scores [R] any float dtype -> fp32 for the kernels; token/expert [R] int32.
+        out, saved = torch.ops.machmoe.experts_forward(x, w1, b1, w2, b2, scores.float().contiguous(), token,
+                                                       expert, *opts)
+        ctx.save_for_backward(x, w1, b1, w2, b2, token, expert, saved)
+        ctx.opts = opts
+        ctx.scores_dtype = scores.dtype
+        ctx.set_materialize_grads(False)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        if dout is None:
+            return (None,) * 9
+        x, w1, b1, w2, b2, token, expert, saved = ctx.saved_tensors
+        dout = dout.to(torch.bfloat16).contiguous()  # [T, d]
+        dx, dw1, db1, dw2, db2, d_scores = torch.ops.machmoe.experts_backward(
+            x, w1, b1, w2, b2, token, expert, saved, dout, *ctx.opts)
+        return dx, dw1, db1, dw2, db2, d_scores.to(ctx.scores_dtype), None, None, None
+
+
 def moe_general(x, w1, b1, w2, b2, scores, token_idx, expert_idx, activation: ActivationType,
                 layout: GateUpLayout):
+    """out [T, d] of the experts on the list (scores, token_idx, expert_idx) [R], differentiable in x,
+    the weights, the biases and the scores. machmoe.functional has checked the list (ordered by
+    token, in range, no repeated (token, expert) pair: the kernels' metadata would merge a repeat
+    into one row, whose backward is wrong)."""
     T, d = x.shape
-    E, n = w1.shape[0], w2.shape[2]
-    _check(x, d, n, no_grad_for={"x": x, "w1": w1, "w2": w2, "b1": b1, "b2": b2, "scores": scores})
+    n = w2.shape[2]
+    _check(x, d, n)
     x, w1, w2, b1, b2 = (_contiguous(t) for t in (x, w1, w2, b1, b2))
     tok = token_idx.to(torch.int32).contiguous()
     exp = expert_idx.to(torch.int32).contiguous()
-    out, _ = _experts(x, w1, b1, w2, b2, activation, layout, exp, T, E, tok.numel(),
-                      scores.float().contiguous(), pair_token=tok)
-    return out
+    return _General.apply(x, w1, b1, w2, b2, scores, tok, exp, (activation.value, layout.value))

@@ -159,10 +159,9 @@ def test_machmoe_backend_on_cuda_refuses_what_it_cannot_do():
     bf16 = {k: None if v is None else v.bfloat16().requires_grad_() for k, v in cuda.items()}
     general = {k: v.cuda() for k, v in general_args().items() if isinstance(v, torch.Tensor)}
     general.update({k: bf16[k] for k in ("x", "w1", "w2", "b1", "b2")})
-    with pytest.raises(NotImplementedError, match=r"backward of moe_general \(general routing lists\) is not "
-                                                  "built yet"):
+    with pytest.raises(NotImplementedError, match="multiples of 8"):  # n = 12: refused with gradients
         call_general(**general, backend="machmoe")
-    with pytest.raises(NotImplementedError, match="multiples of 8"):  # n = 12: refused without gradients too
+    with pytest.raises(NotImplementedError, match="multiples of 8"):  # and without
         with torch.no_grad():
             call_general(**general, backend="machmoe")
     out, _ = call_moe(**cuda, backend="torch")
@@ -230,6 +229,12 @@ RULES = [
      r"expert_idx must be in \[0, E\)"),
     ("tokens unordered", lambda: call_general(token_idx=torch.tensor([0, 3, 0, 9])), V,
      "token_idx must be ordered by token"),
+    ("pair repeated", lambda: call_general(token_idx=torch.tensor([0, 3, 3, 9]),
+                                           expert_idx=torch.tensor([1, 5, 5, 2])), V,
+     r"must not repeat a \(token, expert\) pair; token 3 is sent to expert 5 more than once"),
+    ("pair repeated, not adjacent", lambda: call_general(token_idx=torch.tensor([0, 3, 3, 3]),
+                                                         expert_idx=torch.tensor([1, 5, 0, 5])), V,
+     "token 3 is sent to expert 5 more than once"),
     ("general device mix", lambda: call_general(scores=torch.rand(4, device="meta")), V,
      "scores must be on the same device as x"),
     ("route logits 1-D", lambda: functional.route(torch.randn(E), 2), V, "logits must be 2-D"),
@@ -390,3 +395,29 @@ def test_layer_workspace_bytes_is_the_memory_minimum():
     assert saved_r > saved
     with pytest.raises(ValueError, match="K"):
         torch.ops.machmoe.layer_workspace_bytes(T, d, n, E, E + 1, "swiglu", "none", 128)
+
+
+@pytest.mark.ops
+def test_experts_workspace_bytes_is_exact():
+    # The saved block of experts_forward on a general list of R pairs: H (bf16, 4n bytes a pair for
+    # a GLU), the fp32 scores, row -> pair and pair -> row (12 bytes a pair), the expert offsets and
+    # the per-token offsets, within sub-buffer alignment; nothing of size R·d.
+    T, d, n, E, R = 4096, 1536, 256, 128, 4096 * 3 + 17
+    saved, fwd, bwd = torch.ops.machmoe.experts_workspace_bytes(T, d, n, E, R, "swiglu", False)
+    minimum = R * 4 * n + 12 * R + 4 * (E + 1) + 4 * (T + 1)
+    assert minimum <= saved <= minimum + 6 * 256
+    # The forward's scratch holds A [R, n] and Y [R, d] in bf16; the backward's dH, A', dX~.
+    assert fwd >= R * 2 * (n + d)
+    assert bwd >= R * 2 * (2 * n + n + d)
+    # Biases add the backward's partial sums only.
+    saved_b, fwd_b, bwd_b = torch.ops.machmoe.experts_workspace_bytes(T, d, n, E, R, "swiglu", True)
+    assert (saved_b, fwd_b) == (saved, fwd) and bwd_b > bwd
+    # An empty list still has its offsets; relu halves H.
+    empty, _, _ = torch.ops.machmoe.experts_workspace_bytes(T, d, n, E, 0, "swiglu", False)
+    assert 0 < empty < saved
+    relu, _, _ = torch.ops.machmoe.experts_workspace_bytes(T, d, n, E, R, "relu", False)
+    assert relu < saved
+    with pytest.raises(ValueError, match=r"ExpertsProblem.R: must be <= T\*E"):
+        torch.ops.machmoe.experts_workspace_bytes(2, d, n, 3, 7, "swiglu", False)
+    with pytest.raises(ValueError, match="ExpertsProblem.n"):
+        torch.ops.machmoe.experts_workspace_bytes(T, d, 0, E, R, "swiglu", False)
