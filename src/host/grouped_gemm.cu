@@ -2,7 +2,6 @@
 // tile configuration, the TMA descriptor of the weights, and the persistent launch.
 #include <cuda.h>
 
-#include <cstdlib>
 #include <mutex>
 #include <string>
 
@@ -22,17 +21,6 @@ namespace {
 // A [rows, K] (or W [E*N, K]) in boxes of 64 K x 128 rows: a K-major operand tile.
 CUtensorMap tile_tensor_map(const void* ptr, int64_t rows, int64_t K, int64_t ld) {
   return detail::tensor_map_2d(ptr, rows, K, ld, kernels::kGemmBK, 128, "grouped_gemm");
-}
-
-// Rows of a gathered A tile loaded by TMA rather than cp.async (a tuning knob; the environment
-// variable MACHMOE_GATHER_TMA_ROWS overrides it for experiments: a multiple of 8 in [0, 128]).
-int gather_tma_rows() {
-  static const int rows = [] {
-    const char* env = std::getenv("MACHMOE_GATHER_TMA_ROWS");
-    const int v = env ? std::atoi(env) : 0;
-    return v >= 0 && v <= 128 && v % 8 == 0 ? v : 0;
-  }();
-  return rows;
 }
 
 int epilogue_code(const GroupedGemmArgs& a) {
@@ -167,10 +155,11 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   check_launch("grouped_gemm: tile offsets");
   const CUtensorMap map_b = a.w_n_major ? detail::tensor_map_nmajor(a.w, a.E, a.K, a.N, kernels::kGemmBK, fn) : tile_tensor_map(a.w, a.E * a.N, a.K, a.K);
   // Contiguous A goes through TMA too, in boxes of 64 K x 128 rows.
-  // Gathered A: the rows that go by TMA take boxes of 64 K x 1 row (see sm90_grouped_gemm.cuh).
-  const CUtensorMap map_a = a.gather ? detail::tensor_map_2d(a.a, a.a_rows, a.K, a.lda, kernels::kGemmBK, 1, fn)
+  // Gathered A goes row by row: boxes of 64 K x 1 row (kernels::kGemmGatherByTma).
+  const CUtensorMap map_a = a.gather ? (kernels::kGemmGatherByTma
+                                            ? detail::tensor_map_2d(a.a, a.a_rows, a.K, a.lda, kernels::kGemmBK, 1, fn)
+                                            : map_b)
                                      : tile_tensor_map(a.a, a.a_rows, a.K, a.lda);
-  p.gather_tma_rows = a.gather ? gather_tma_rows() : 0;
   // Full tiles' C (store) or H (interleaved GLU, activation) leave by TMA: C [rows, N] in boxes of
   // 64 columns x 128 rows. Only
   // whole 128-row tiles inside an expert go this way, so the row bound only has to cover them:

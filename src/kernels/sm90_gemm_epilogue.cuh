@@ -54,7 +54,6 @@ struct GroupedGemmParams {
   const float* row_scores;
   const int32_t* row_pair;
   float* ds_partial;
-  int gather_tma_rows;           // gathered A: rows of a tile loaded by 1-row TMA boxes (0..128, x8)
 };
 
 struct GemmTile {
