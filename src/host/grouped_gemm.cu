@@ -154,12 +154,8 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   kernels::grouped_gemm_tile_offsets<<<1, 1024, 0, stream>>>(a.expert_offsets, p.E, p.n_tiles, a.tile_offsets);
   check_launch("grouped_gemm: tile offsets");
   const CUtensorMap map_b = a.w_n_major ? detail::tensor_map_nmajor(a.w, a.E, a.K, a.N, kernels::kGemmBK, fn) : tile_tensor_map(a.w, a.E * a.N, a.K, a.K);
-  // Contiguous A goes through TMA too, in boxes of 64 K x 128 rows.
-  // Gathered A goes row by row: boxes of 64 K x 1 row (kernels::kGemmGatherByTma).
-  const CUtensorMap map_a = a.gather ? (kernels::kGemmGatherByTma
-                                            ? detail::tensor_map_2d(a.a, a.a_rows, a.K, a.lda, kernels::kGemmBK, 1, fn)
-                                            : map_b)
-                                     : tile_tensor_map(a.a, a.a_rows, a.K, a.lda);
+  // Contiguous A goes through TMA too; with a gather the map is unused (any valid map will do).
+  const CUtensorMap map_a = a.gather ? map_b : tile_tensor_map(a.a, a.a_rows, a.K, a.lda);
   // Full tiles' C (store) or H (interleaved GLU, activation) leave by TMA: C [rows, N] in boxes of
   // 64 columns x 128 rows. Only
   // whole 128-row tiles inside an expert go this way, so the row bound only has to cover them:

@@ -122,12 +122,6 @@ struct GemmSmem {
 // expert's rows, which are computed and not stored).
 // B_NMAJOR: W is [E, K, N] (N contiguous), read through a 3-D map {N, K, E} in boxes of 64 N x 64 K
 // and handed to wgmma as an N-major operand (the backward's dA' = dout·W2 and dX~ = dH·W1).
-// How gathered A rows are loaded: one 1-row TMA box {64 K, 1 row} per row and K block, issued by
-// the 128 loader threads (one row each; TMA applies the 128-byte swizzle from the destination
-// address, and a row past the expert's end reads row -1: out of bounds, zero-filled), or 16-byte
-// cp.async chunks (8 per row).
-constexpr bool kGemmGatherByTma = true;
-
 template <int BN, int EPI, bool GATHER, bool B_NMAJOR>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     sm90_grouped_gemm(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
@@ -179,7 +173,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
       // GATHER: the loaders' cp.async arrivals + the TMA thread's expect_tx; else the expect_tx alone.
-      sm90::mbar_init(&full[s], GATHER && !kGemmGatherByTma ? kLoaders + 1 : 1);
+      sm90::mbar_init(&full[s], GATHER ? kLoaders + 1 : 1);
       sm90::mbar_init(&empty[s], 2);  // one arrival per consumer warpgroup
     }
     for (int r = 0; r < kTileRing; ++r) {
@@ -190,7 +184,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     sm90::mbar_init(epi_empty, kEpilogueThreads);
     sm90::mbar_fence_init();
     sm90::tma_prefetch_descriptor(&tmap_b);
-    if (!GATHER || kGemmGatherByTma) sm90::tma_prefetch_descriptor(&tmap_a);
+    if (!GATHER) sm90::tma_prefetch_descriptor(&tmap_a);
     if (kTmaStore) sm90::tma_prefetch_descriptor(&tmap_c);
   }
   __syncthreads();
@@ -309,8 +303,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         uint8_t* b_stage = smem_b + s * Smem::kBBytes;
         const int k0 = kb * kGemmBK;
         if (lane == 0) {
-          sm90::mbar_arrive_expect_tx(&full[s], GATHER && !kGemmGatherByTma ? Smem::kBBytes
-                                                                            : Smem::kBBytes + Smem::kABytes);
+          sm90::mbar_arrive_expect_tx(&full[s], GATHER ? Smem::kBBytes : Smem::kBBytes + Smem::kABytes);
           if constexpr (B_NMAJOR) {  // BN/64 blocks of [64 K rows][64 N], 8 KB apart
 #pragma unroll
             for (int h = 0; h < BN / 64; ++h)
@@ -326,11 +319,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
           }
           if constexpr (!GATHER) sm90::tma_load_2d(a_stage, &tmap_a, &full[s], k0, tile.row0);
         }
-        if constexpr (GATHER && kGemmGatherByTma) {
-          const int arow = gather_rows[lane];  // lane = row of the tile (kLoaders = 128)
-          sm90::tma_load_2d(a_stage + lane * 128, &tmap_a, &full[s], k0, arow);
-          epi_step(4);
-        } else if constexpr (GATHER) {
+        if constexpr (GATHER) {
           const bool k_ok = k0 + chunk * 8 < p.K;
 #pragma unroll 8
           for (int i = 0; i < 128 * 8 / kLoaders; ++i) {  // rows lane/8 + (kLoaders/8)·i
@@ -377,7 +366,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
         const int s = it % S;
         sm90::mbar_wait(&full[s], (it / S) & 1);
-        if constexpr (GATHER && !kGemmGatherByTma) sm90::fence_proxy_async_shared();  // cp.async (generic proxy) -> wgmma
+        if constexpr (GATHER) sm90::fence_proxy_async_shared();  // cp.async (generic proxy) -> wgmma
         const uint32_t a_addr = sm90::smem_addr(smem_a + s * Smem::kABytes + cw * 64 * 128);
         const uint32_t b_addr = sm90::smem_addr(smem_b + s * Smem::kBBytes);
         sm90::wgmma_fence();
