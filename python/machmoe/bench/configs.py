@@ -102,6 +102,13 @@ def activation_bytes_formula(T: int, d: int, K: int, n: int, glu: bool = True) -
     return 2 * T * d + 2 * T * K * n1
 
 
+def held_bound_bytes(T: int, d: int, K: int, n: int, E: int) -> int:
+    """Issue #5's bound on the bytes held between forward and backward, output excluded:
+    2·T·d (x) + 4·T·K·n (H) + 16·T·K (scores and int32 metadata per routed pair) + 4·T·E (fp32
+    logits)."""
+    return 2 * T * d + 4 * T * K * n + 16 * T * K + 4 * T * E
+
+
 def weight_bytes(cfg: MoEConfig, glu: bool = True, itemsize: int = 2) -> int:
     """Bytes of W1 [E, N1, d] + W2 [E, d, n] + router [E, d]."""
     n1 = 2 * cfg.n if glu else cfg.n

@@ -121,11 +121,12 @@ def markdown(header: dict, ceilings: dict, rows: list[dict]) -> str:
         "",
         "TFLOPS forward / backward (SPEC §1: fwd 6·T·K·n·d, bwd 12·T·K·n·d, bwd time = "
         "(fwd+bwd) − fwd, routing inside the timed region). Memory: GiB held between forward and "
-        "backward excluding the output; formula 2·T·d + 4·T·K·n bytes.",
+        "backward excluding the output and x (the caller's); formula 2·T·d + 4·T·K·n bytes; bound: issue #5's "
+        "2·T·d + 4·T·K·n + 16·T·K + 4·T·E less x's 2·T·d, to compare with the measured machmoe GiB.",
         "",
         "| config | T | d | n | E | K | SonicMoE (paper) | grouped_mm | grouped_mm GiB | formula GiB "
-        "| dense bound | machmoe | machmoe GiB | machmoe ÷ grouped_mm | machmoe ÷ dense | machmoe err out / dx |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| dense bound | machmoe | machmoe GiB | bound GiB | machmoe ÷ grouped_mm | machmoe ÷ dense | machmoe err out / dx |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for row in rows:
         c = row["config"]
@@ -147,7 +148,7 @@ def markdown(header: dict, ceilings: dict, rows: list[dict]) -> str:
             f"| {_num(row['sonicmoe']['fwd_tflops'])} / {_num(row['sonicmoe']['bwd_tflops'])} "
             f"| {_pair(gm, 'fwd_tflops', 'bwd_tflops')} | {gm_gib} | {_num(row['formula_gib'], 2)} "
             f"| {_pair(dn, 'fwd_tflops', 'bwd_tflops')} | {_pair(mm, 'fwd_tflops', 'bwd_tflops')} "
-            f"| {mm_gib} | {vs_gm} | {vs_dn} | {errs} |"
+            f"| {mm_gib} | {_num(row.get('bound_gib'), 2)} | {vs_gm} | {vs_dn} | {errs} |"
         )
     spread = largest_spread(rows)
     if spread is not None:
