@@ -60,7 +60,7 @@ void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_
   void* w = a.workspace;
   float* logits = at<float>(s, L.logits);
   float* scores = at<float>(s, L.scores);
-  int32_t* experts = at<int32_t>(s, L.experts);
+  int32_t* experts = at<int32_t>(w, L.experts);  // workspace: the backward rebuilds it
   int32_t* expert_offsets = at<int32_t>(s, L.expert_offsets);
   const bool rounded = p.rounding != TokenRounding::None;
   const int64_t R = L.R;  // T·K, or the rounded list's capacity (its length stays on the device)

@@ -78,8 +78,12 @@ void layer_backward(const LayerProblem& p, const LayerBackwardArgs& a, cudaStrea
   const bool rounded = p.rounding != TokenRounding::None;
   const float* logits = at<float>(s, L.logits);
   const float* scores = at<float>(s, L.scores);  // [pairs] top-K scores or the rounded list's
-  const int32_t* experts = at<int32_t>(s, L.experts);
   const int32_t* expert_offsets = at<int32_t>(s, L.expert_offsets);
+  // Each pair's expert, rebuilt (not saved): the expert whose rows hold the pair's row.
+  int32_t* experts = at<int32_t>(w, L.b_experts);
+  kernels::bwd_pair_experts<kThreads><<<blocks_for(R, kThreads), kThreads, 0, stream>>>(
+      at<int32_t>(s, L.pair_row), expert_offsets, static_cast<int>(p.E), R, experts);
+  check_launch("layer_backward: pair experts");
   float* d_scores = at<float>(w, L.d_scores);
   float* d_logits = at<float>(w, L.d_logits);
   auto* d_logits_bf16 = at<__nv_bfloat16>(w, L.d_logits_bf16);

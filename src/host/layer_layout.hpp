@@ -155,11 +155,12 @@ struct ExpertsLayout {
 struct LayerLayout {
   int64_t R = 0;   // rows the experts may run on (T·K for top-K)
   int64_t n1 = 0;  // columns of H
-  // saved (forward -> backward): SPEC §1's X-free minimum, 16 bytes per routed pair (scores,
-  // experts, row -> pair, pair -> row). The gather index row -> token and the per-token pair
-  // offsets are derivable (pair / K and t·K for top-K; the rounded list saves its own tokens
-  // and offsets), so they live in the forward's workspace only.
-  size_t h, scores, experts, expert_offsets, row_pair, pair_row, logits;
+  // saved (forward -> backward): SPEC §1's X-free minimum: H, 12 bytes per routed pair (scores,
+  // row -> pair, pair -> row), the expert offsets and the logits. Everything else is derivable and
+  // lives in the forward's workspace only: the gather index row -> token and the per-token pair
+  // offsets (pair / K and t·K for top-K; the rounded list saves its own tokens and offsets), and
+  // each pair's expert (the expert whose rows hold the pair's row; the backward rebuilds it).
+  size_t h, scores, expert_offsets, row_pair, pair_row, logits;
   // token rounding only: the rounded list's tokens and padded flags, the top-K it started from,
   // its per-token offsets and the per-expert counts before/after
   size_t list_token = 0, list_padded = 0, topk_scores = 0, topk_experts = 0, list_token_offsets = 0,
@@ -168,12 +169,12 @@ struct LayerLayout {
   // forward workspace: the expert part's scratch (gather index, A, Y, metadata, tile offsets),
   // the aggregation's pair offsets, the aux loss's partial sums, cuBLAS, token rounding
   ExpertsForwardScratch fwd;
-  size_t token_offsets, aux_partials, aux_colsum, cublas, rounding = 0;
+  size_t experts, token_offsets, aux_partials, aux_colsum, cublas, rounding = 0;
   size_t forward_bytes;
   // backward workspace: the expert part's scratch (host/experts_backward.cu), the top-K list's
   // token offsets t·K, the d scores, the router's gradients and scratch (layer_backward.cu)
   ExpertsBackwardScratch bwd;
-  size_t b_token_offsets, d_scores, d_logits, d_logits_bf16, b_cublas, b_aux_partials, aux_grad;
+  size_t b_experts, b_token_offsets, d_scores, d_logits, d_logits_bf16, b_cublas, b_aux_partials, aux_grad;
   size_t backward_bytes;
 
   static constexpr int kAuxTokensPerBlock = 64;
@@ -189,7 +190,6 @@ struct LayerLayout {
     Carve s;
     h = s.take(r * static_cast<size_t>(n1) * es);  // [R, n1]
     scores = s.take(r * 4);                         // [T*K] fp32 (or [R] for a rounded list)
-    experts = s.take(r * 4);                        // [T*K] int32
     expert_offsets = s.take((E + 1) * 4);
     row_pair = s.take(r * 4);
     pair_row = s.take(r * 4);
@@ -209,6 +209,7 @@ struct LayerLayout {
 
     Carve f;
     fwd.carve(f, sh, R);
+    experts = f.take(r * 4);              // [pairs] int32: the router's (or rounded list's) experts
     token_offsets = f.take((T + 1) * 4);  // [T+1] the aggregation's pair offsets
     const size_t aux_blocks = static_cast<size_t>(ceil_div(std::max<int64_t>(p.T, 1), kAuxTokensPerBlock));
     aux_partials = f.take(aux_blocks * E * 4);
@@ -219,6 +220,7 @@ struct LayerLayout {
 
     Carve b;
     bwd.carve(b, sh, R);
+    b_experts = b.take(r * 4);              // [pairs] int32, rebuilt from pair_row
     b_token_offsets = b.take((T + 1) * 4);  // [T+1] t·K (top-K; rounding has its own)
     d_scores = b.take(r * 4);               // [R] fp32, pair order
     d_logits = b.take(T * E * 4);           // [T, E] fp32

@@ -1,6 +1,7 @@
 // The small kernels of the layer backward (host/layer_backward.cu; the GEMMs are the grouped GEMM
 // engine's). Every sum runs in a fixed order, no float atomics: the backward is bitwise
 // deterministic. Shapes: T tokens, E experts, R rows (= pairs' capacity), d hidden, n1 columns of H.
+//   bwd_pair_experts     expert [pairs] from pair_row and expert_offsets (not saved by the forward)
 //   bwd_rebuild_index    row_token [R] and token_offsets [T+1] (not saved by the forward)
 //   bwd_pair_scores      d_score [pairs] = Σ_j dS partials of the pair's row (+ ⟨dout_t, b2_e⟩)
 //   bwd_bias_*           db1 / db2: per-expert column sums over the expert's rows, in row order
@@ -12,6 +13,31 @@
 #include "kernels/common.cuh"
 
 namespace machmoe::kernels {
+
+// ---------------------------------------------------------------- pair experts
+
+// expert[p] of every pair, rebuilt from the metadata (the forward does not save it: that keeps the
+// held memory within 16 bytes per pair): the expert whose rows [off[e], off[e+1]) hold the pair's
+// row pair_row[p]; -1 for a pair without a row (pair_row -1: an invalid entry of a rounded list).
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads)
+    bwd_pair_experts(const int32_t* pair_row, const int32_t* expert_offsets, int E, int64_t pairs, int32_t* expert) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; p < pairs; p += stride) {
+    const int32_t row = pair_row[p];
+    int32_t e = -1;
+    if (row >= 0) {  // the largest e with off[e] <= row (empty experts share an offset)
+      int lo = 0, hi = E;
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (__ldg(expert_offsets + mid) <= row) lo = mid;
+        else hi = mid;
+      }
+      e = lo;
+    }
+    expert[p] = e;
+  }
+}
 
 // ---------------------------------------------------------------- gather index
 

@@ -175,9 +175,10 @@ TEST(PlanWorkspace, BackwardHoldsTheGradientBuffers) {
       if (bias) need += chunks * std::max<size_t>(p.d, n1) * 4;
       const size_t bytes = plan_workspace(p).backward_workspace_bytes;
       EXPECT_GE(bytes, need);
-      // The rest: row_token, token_offsets, tile offsets, aux scratch, chunk offsets, alignment.
+      // The rest: row_token, the pairs' experts, token_offsets, tile offsets, aux scratch, chunk
+      // offsets, alignment.
       const size_t aux = ((T + 63) / 64) * E * 4 + (E + 1) * 4;
-      EXPECT_LE(bytes, need + R * 4 + (T + 1) * 4 + 2 * (E + 1) * 4 + aux + 16 * 256);
+      EXPECT_LE(bytes, need + 2 * R * 4 + (T + 1) * 4 + 2 * (E + 1) * 4 + aux + 17 * 256);
     }
 }
 
@@ -355,9 +356,11 @@ TEST(Names, GluKinds) {
 
 namespace {
 
-// The saved block is SPEC §1's minimum: H (bf16, 4·n bytes per routed pair for a GLU), 16 bytes
-// per pair (scores, experts, row -> pair, pair -> row), fp32 logits [T, E], expert offsets
-// [E+1], plus at most 256 bytes of alignment per sub-buffer. Nothing of size T·K·d (no Y).
+// The saved block is SPEC §1's minimum: H (bf16, 4·n bytes per routed pair for a GLU), 12 bytes
+// per pair (scores, row -> pair, pair -> row; each pair's expert is rebuilt by the backward),
+// fp32 logits [T, E], expert offsets [E+1], plus at most 256 bytes of alignment per sub-buffer.
+// Nothing of size T·K·d (no Y). With x it stays within issue #5's bound
+// 2·T·d + 4·T·K·n + 16·T·K + 4·T·E bytes.
 TEST(PlanWorkspace, SavedIsTheMemoryMinimum) {
   struct Cfg { int64_t T, d, n, E, K; };
   for (const Cfg c : {Cfg{24576, 1536, 256, 128, 8}, Cfg{32768, 4096, 512, 128, 8}, Cfg{7, 64, 24, 3, 2},
@@ -366,9 +369,13 @@ TEST(PlanWorkspace, SavedIsTheMemoryMinimum) {
     p.T = c.T, p.d = c.d, p.n = c.n, p.E = c.E, p.K = c.K;
     const size_t saved = plan_workspace(p).saved_bytes;
     const size_t pairs = static_cast<size_t>(c.T * c.K);
-    const size_t minimum = pairs * 4 * c.n + 16 * pairs + 4 * static_cast<size_t>(c.T * c.E);
+    const size_t minimum = pairs * 4 * c.n + 12 * pairs + 4 * static_cast<size_t>(c.T * c.E);
     EXPECT_GE(saved, minimum) << "T=" << c.T;
-    EXPECT_LE(saved, minimum + 4 * static_cast<size_t>(c.E + 1) + 7 * 256) << "T=" << c.T;
+    EXPECT_LE(saved, minimum + 4 * static_cast<size_t>(c.E + 1) + 6 * 256) << "T=" << c.T;
+    const size_t bound = pairs * 4 * c.n + 16 * pairs + 4 * static_cast<size_t>(c.T * c.E);  // less x
+    // The 4 bytes per pair of slack cover the expert offsets and the sub-buffers' alignment once
+    // there are more than E + 1 + 384 pairs (all the SPEC configs; not the tiny one).
+    if (pairs >= static_cast<size_t>(c.E) + 1 + 384) EXPECT_LE(saved, bound) << "T=" << c.T;
   }
 }
 

@@ -383,12 +383,14 @@ def test_module_validation_names_the_argument(call, error, match):
 
 @pytest.mark.ops
 def test_layer_workspace_bytes_is_the_memory_minimum():
-    # The saved block of a layer call: H (bf16) + 16 bytes per routed pair + fp32 logits + the
-    # expert offsets, within sub-buffer alignment (the same rule as the C++ plan test).
+    # The saved block of a layer call: H (bf16) + 12 bytes per routed pair + fp32 logits + the
+    # expert offsets, within sub-buffer alignment (the same rule as the C++ plan test), and with x
+    # within issue #5's bound 2·T·d + 4·T·K·n + 16·T·K + 4·T·E.
     T, d, n, E, K = 24576, 1536, 256, 128, 8
     saved, fwd, bwd = torch.ops.machmoe.layer_workspace_bytes(T, d, n, E, K, "swiglu", "none", 128)
-    minimum = T * K * 4 * n + 16 * T * K + 4 * T * E
-    assert minimum <= saved <= minimum + 4 * (E + 1) + 7 * 256
+    minimum = T * K * 4 * n + 12 * T * K + 4 * T * E
+    assert minimum <= saved <= minimum + 4 * (E + 1) + 6 * 256
+    assert 2 * T * d + saved <= 2 * T * d + 4 * T * K * n + 16 * T * K + 4 * T * E
     assert fwd > 0 and bwd > 0
     # Token rounding adds the rounded list and the top-K it started from.
     saved_r, _, _ = torch.ops.machmoe.layer_workspace_bytes(T, d, n, E, K, "swiglu", "nr", 128)
