@@ -58,6 +58,9 @@ struct LayerForwardArgs {
   void* saved = nullptr;                // plan.saved_bytes, 256-byte aligned
   void* workspace = nullptr;            // plan.forward_workspace_bytes
   uint64_t seed = 0;                    // stochastic token rounding
+  // false: inference, H is not written (the up-projection writes only A), and `saved` then cannot
+  // feed layer_backward; everything else is the same, the output bitwise so.
+  bool write_h = true;
 };
 void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_t stream);
 
@@ -239,7 +242,8 @@ void aggregate(const void* rows, DType rows_dtype, const int32_t* pair_row,
 // A bf16 rows (lda elements apart), W [E, N, K] bf16 (nn.Linear layout, K contiguous), or with
 // w_n_major W [E, K, N] (N contiguous: the backward's dA' = dout·W2 and dX~ = dH·W1).
 // Epilogues: Store (C = acc + bias), GLU (C = H [R, N = 2n], C2 = act(gate)·up [R, n], gate/up
-// per `layout`), Activation (C = H [R, N], C2 = act(H)), ActivationBackward (the dH kernel: the
+// per `layout`), Activation (C = H [R, N], C2 = act(H)) - for these two C may be null (inference:
+// H is not written) -, ActivationBackward (the dH kernel: the
 // GEMM gives dA' [R, N = n]; with H [R, n1] (h, ldh) and s_r = row_scores[row_pair[r]] it writes
 // C = dH = dAct(s·dA', H) [R, n1] in H's layout, C2 = A' = s·act(H) [R, n], and
 // ds_partial[r * column_tiles + j] = Σ over column tile j of dA'·act(H), fp32, no atomics).

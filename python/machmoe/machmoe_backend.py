@@ -80,6 +80,11 @@ def moe(x, router_weight, w1, b1, w2, b2, K: int, activation: ActivationType, la
     x, router_weight, w1, w2, b1, b2 = (_contiguous(t) for t in (x, router_weight, w1, w2, b1, b2))
     bias = None if selection_bias is None else selection_bias.detach().float().contiguous()
     opts = (K, activation.value, layout.value, routing.value, renormalize, rounding.value, tile_m, seed)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                            for t in (x, router_weight, w1, b1, w2, b2))):
+        # Inference: no autograd node, and the up-projection does not write H (nothing will read it).
+        out, aux, _ = torch.ops.machmoe.layer_forward(x, router_weight, w1, b1, w2, b2, bias, *opts, False)
+        return out, aux
     return _Layer.apply(x, router_weight, w1, b1, w2, b2, bias, opts)
 
 

@@ -61,7 +61,8 @@ std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tenso
                                                     const std::optional<Tensor>& selection_bias, int64_t K,
                                                     const std::string& activation, const std::string& layout,
                                                     const std::string& routing, bool renormalize,
-                                                    const std::string& rounding, int64_t tile_m, int64_t seed) {
+                                                    const std::string& rounding, int64_t tile_m, int64_t seed,
+                                                    bool write_h) {
   return translate_errors([&] {
     const LayerProblem p =
         layer_problem(x, w1, w2, b1.has_value(), K, activation, layout, routing, renormalize, rounding, tile_m);
@@ -92,6 +93,7 @@ std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tenso
     a.saved = saved.data_ptr();
     a.workspace = ws.data_ptr();
     a.seed = static_cast<uint64_t>(seed);
+    a.write_h = write_h;
     layer_forward(p, a, at::cuda::getCurrentCUDAStream());
     return std::make_tuple(out, aux, saved);
   });
@@ -161,7 +163,7 @@ Grads op_layer_backward(const Tensor& x, const Tensor& router_weight, const Tens
 TORCH_LIBRARY_FRAGMENT(machmoe, m) {
   m.def("layer_forward(Tensor x, Tensor router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2,"
         " Tensor? selection_bias, int K, str activation, str layout, str routing, bool renormalize,"
-        " str rounding, int tile_m, int seed)"
+        " str rounding, int tile_m, int seed, bool write_h=True)"
         " -> (Tensor, Tensor, Tensor)");
   m.def("layer_backward(Tensor x, Tensor router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2,"
         " Tensor saved, Tensor dout, Tensor? d_aux, int K, str activation, str layout, str routing,"

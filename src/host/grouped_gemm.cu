@@ -96,10 +96,12 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   require_arg(a.lda >= a.K && a.lda % 8 == 0, fn, "lda", "must be >= K and a multiple of 8");
   require_arg(a.a_rows >= 1 && a.a_rows <= (int64_t{1} << 31) - 1, fn, "a_rows",
               "must be in [1, 2^31) (rows of A: T for a gather, R otherwise)");
-  require_arg(a.ldc >= a.N && a.ldc % 8 == 0, fn, "ldc", "must be >= N and a multiple of 8");
-  require_arg(a.a && a.w && a.c && a.expert_offsets && a.tile_offsets, fn, "a/w/c/expert_offsets/tile_offsets",
-              "must not be null");
-  require_arg(detail::aligned16(a.a) && detail::aligned16(a.w) && detail::aligned16(a.c), fn, "a/w/c",
+  require_arg(a.c == nullptr || (a.ldc >= a.N && a.ldc % 8 == 0), fn, "ldc", "must be >= N and a multiple of 8");
+  // c may be null for the GLU and activation epilogues: inference, H is not written (only A).
+  const bool h_optional = a.epilogue == GemmEpilogue::GLU || a.epilogue == GemmEpilogue::Activation;
+  require_arg(a.a && a.w && (a.c || h_optional) && a.expert_offsets && a.tile_offsets, fn,
+              "a/w/c/expert_offsets/tile_offsets", "must not be null (c only with the GLU/activation epilogues)");
+  require_arg(detail::aligned16(a.a) && detail::aligned16(a.w) && (a.c == nullptr || detail::aligned16(a.c)), fn, "a/w/c",
               "must be 16-byte aligned");
   const int epi = epilogue_code(a);
   if (a.epilogue != GemmEpilogue::Store) {
@@ -161,7 +163,8 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   // whole 128-row tiles inside an expert go this way, so the row bound only has to cover them:
   // the rows of C are not known on the host (R = off[E] is on the device).
   const bool boxed = epi == kernels::kEpiStore || epi == kernels::kEpiGluInter || epi == kernels::kEpiAct;
-  const CUtensorMap map_c = boxed ? detail::tensor_map_2d(a.c, int64_t{1} << 31, a.N, a.ldc, 64, 128, fn) : map_b;
+  const CUtensorMap map_c =
+      boxed && a.c ? detail::tensor_map_2d(a.c, int64_t{1} << 31, a.N, a.ldc, 64, 128, fn) : map_b;
   const int sms = device_info().sm_count;
   const int ctas = a.max_ctas > 0 ? std::min(a.max_ctas, sms) : sms;
   const bool nm = a.w_n_major;

@@ -94,7 +94,7 @@ void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_
   }
   r.x = a.x, r.w1 = a.w1, r.b1 = a.b1, r.w2 = a.w2, r.b2 = a.b2;
   r.out = a.out;
-  r.h = at<void>(s, L.h);
+  r.h = a.write_h ? at<void>(s, L.h) : nullptr;  // inference: H is not written
   r.md.expert_offsets = expert_offsets;
   r.md.row_pair = at<int32_t>(s, L.row_pair);
   r.md.pair_row = at<int32_t>(s, L.pair_row);

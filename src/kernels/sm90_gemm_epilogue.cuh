@@ -40,7 +40,7 @@ struct GroupedGemmParams {
   const int32_t* expert_offsets; // [E+1]
   const int32_t* tile_offsets;   // [E+1], from grouped_gemm_tile_offsets
   const __nv_bfloat16* bias;     // [E, N] (in W's row order) or null
-  __nv_bfloat16* c;              // [R, ldc]: C (store) or H (GLU / act)
+  __nv_bfloat16* c;              // [R, ldc]: C (store) or H (GLU / act; null: H not written)
   int64_t ldc;
   __nv_bfloat16* c2;             // [R, ldc2]: A = act(H), or null
   int64_t ldc2;
@@ -171,8 +171,10 @@ __device__ __forceinline__ int gemm_write_out_act(const GroupedGemmParams& p, co
       if (j >= n) continue;
       const uint4 graw = *reinterpret_cast<const uint4*>(src);
       const uint4 uraw = *reinterpret_cast<const uint4*>(src + BN);  // up half: BN/2 columns later
-      *reinterpret_cast<uint4*>(p.c + row * p.ldc + j) = graw;
-      *reinterpret_cast<uint4*>(p.c + row * p.ldc + n + j) = uraw;
+      if (p.c) {  // null: inference, H is not written
+        *reinterpret_cast<uint4*>(p.c + row * p.ldc + j) = graw;
+        *reinterpret_cast<uint4*>(p.c + row * p.ldc + n + j) = uraw;
+      }
       const __nv_bfloat16* g = reinterpret_cast<const __nv_bfloat16*>(&graw);
       const __nv_bfloat16* u = reinterpret_cast<const __nv_bfloat16*>(&uraw);
       float a[8];
@@ -183,7 +185,7 @@ __device__ __forceinline__ int gemm_write_out_act(const GroupedGemmParams& p, co
       const int col = tile.n0 + ch * 8;
       if (col >= p.N) continue;
       const uint4 raw = *reinterpret_cast<const uint4*>(src);
-      if (!h_by_tma) *reinterpret_cast<uint4*>(p.c + row * p.ldc + col) = raw;
+      if (!h_by_tma && p.c) *reinterpret_cast<uint4*>(p.c + row * p.ldc + col) = raw;  // null c: inference
       const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&raw);
       if constexpr (EPI == kEpiGluInter) {  // (gate, up) pairs -> 4 A values
         float a[4];

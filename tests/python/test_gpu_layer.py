@@ -132,3 +132,27 @@ def test_layer_forward_is_deterministic_and_graph_capturable():
     g.replay()
     want, want_aux = fwd(new_x)
     assert torch.equal(g_out, want) and torch.equal(g_aux, want_aux), "graph replay differs from eager"
+
+
+@pytest.mark.parametrize("act,layout", [("swiglu", "interleaved"), ("geglu", "concatenated"), ("relu2", "interleaved")])
+def test_layer_forward_inference_skips_h_and_matches(act, layout):
+    # write_h=False (inference: the up-projection skips H) must give bitwise the same output and
+    # aux loss as the training-mode call, which does write H.
+    T, d, n, E, K = 300, 256, 136, 16, 4
+    t = make_layer(T, d, n, E, act, True)
+    ops = torch.ops.machmoe
+    args = (t["x"], t["router_weight"], t["w1"], t["b1"], t["w2"], t["b2"], None, K, act, layout, "softmax_topk",
+            True, "none", 128, 0)
+    out_t, aux_t, saved_t = ops.layer_forward(*args)
+    out_i, aux_i, saved_i = ops.layer_forward(*args, False)
+    assert torch.equal(out_t, out_i) and torch.equal(aux_t, aux_i)
+    # The backend takes the inference path under no_grad and the autograd path otherwise.
+    with torch.no_grad():
+        out_b, _ = functional.moe(t["x"], t["router_weight"], t["w1"], t["w2"], num_experts_per_tok=K,
+                                  activation=act, b1=t["b1"], b2=t["b2"], layout=layout, backend="machmoe")
+    assert torch.equal(out_b, out_t)
+    # H is the first sub-buffer of `saved` (src/host/layer_layout.hpp): written in training mode.
+    n1 = 2 * n if act in GLU else n
+    h_bytes = T * K * n1 * 2
+    h_train = saved_t[:h_bytes].view(torch.bfloat16).view(T * K, n1)
+    assert torch.count_nonzero(h_train) > 0.99 * h_train.numel()
