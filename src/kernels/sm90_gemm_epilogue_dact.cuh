@@ -53,26 +53,29 @@ __device__ __forceinline__ int gemm_dact_items(const GemmTile& tile) {
   return (tile.rows * (BN / 8) + 31) & ~31;
 }
 
-// Items per load phase.
-constexpr int kDactGroup = 4;
+// The consumer warpgroups run the dH epilogue themselves, each on its own 64 rows of the staged
+// tile, in groups of this many items per thread, one group per K block of the next tile.
+constexpr int kDactGroupConsumer = 2;
 
 // The dH epilogue as a two-phase pipe, so that the loads of H overlap other work: load() issues
-// the global loads of a group of kDactGroup items (a thread's items next, next + stride, ...)
-// into registers and returns at once; compute() (called later, e.g. after the thread has issued
-// its next cp.async batch of the A gather) finishes the group. The scores come from shared memory
-// (`scale` [128], staged by the consumers with the tile), so no load chain row -> pair -> score.
-template <int BN, int EPI>
+// the global loads of a group of G items (a thread's items next, next + stride, ...) into
+// registers and returns at once; compute() (called later: the consumer warpgroups call it while
+// their next K block's wgmma runs) finishes the group. Items are (row, 8-column chunk) of rows
+// row_base + it / kChunks of the staged tile; `items` counts them, `end` rounds that up to whole
+// warps. The scores come from shared memory (`scale` [128], staged with the tile), so no load
+// chain row -> pair -> score.
+template <int BN, int EPI, int G>
 struct DactPipe {
   static constexpr int kChunks = BN / 8;  // 8 dA' columns per item
   static_assert(kChunks == 16 || kChunks == 32, "a row's chunks must tile a warp");
-  uint4 h[kDactGroup][2];
+  uint4 h[G][2];
 
-  __device__ __forceinline__ void load(const GroupedGemmParams& p, const GemmTile& tile, int next, int stride) {
-    const int items = tile.rows * kChunks;
+  __device__ __forceinline__ void load(const GroupedGemmParams& p, const GemmTile& tile, int row_base, int items,
+                                       int next, int stride) {
 #pragma unroll
-    for (int u = 0; u < kDactGroup; ++u) {
+    for (int u = 0; u < G; ++u) {
       const int it = next + u * stride;
-      const int r = it / kChunks, j = tile.n0 + (it % kChunks) * 8;
+      const int r = row_base + it / kChunks, j = tile.n0 + (it % kChunks) * 8;
       if (it < items && j < p.N) {
         const __nv_bfloat16* hrow = p.h + static_cast<int64_t>(tile.row0 + r) * p.ldh;
         if constexpr (EPI == kEpiDGluInter) {  // (gate, up) pairs at columns 2j .. 2j + 15
@@ -90,15 +93,15 @@ struct DactPipe {
 
   template <int ACT>
   __device__ __forceinline__ void compute_act(const GroupedGemmParams& p, const GemmTile& tile, const uint8_t* epi,
-                                              const float* scale, int next, int stride) {
+                                              const float* scale, int row_base, int items, int end, int next,
+                                              int stride) {
     constexpr bool kGlu = EPI != kEpiDAct;
-    const int items = tile.rows * kChunks, end = gemm_dact_items<BN>(tile);
     const int n = p.N;
 #pragma unroll
-    for (int u = 0; u < kDactGroup; ++u) {
+    for (int u = 0; u < G; ++u) {
       const int it = next + u * stride;
       if (it >= end) break;  // warp-uniform: end is a multiple of 32
-      const int r = it / kChunks, ch = it % kChunks;
+      const int r = row_base + it / kChunks, ch = it % kChunks;
       const int j = tile.n0 + ch * 8;
       float ds = 0.f;
       if (it < items && j < n) {
@@ -160,21 +163,24 @@ struct DactPipe {
   }
 
   __device__ __forceinline__ void compute(const GroupedGemmParams& p, const GemmTile& tile, const uint8_t* epi,
-                                          const float* scale, int next, int stride) {
+                                          const float* scale, int row_base, int items, int end, int next,
+                                          int stride) {
+#define MACHMOE_DACT_ARGS p, tile, epi, scale, row_base, items, end, next, stride
     if constexpr (EPI == kEpiDAct) {
       switch (p.act) {
-        case kActReLU2: return compute_act<kActReLU2>(p, tile, epi, scale, next, stride);
-        case kActReLU: return compute_act<kActReLU>(p, tile, epi, scale, next, stride);
-        case kActGELU: return compute_act<kActGELU>(p, tile, epi, scale, next, stride);
-        default: return compute_act<kActSiLU>(p, tile, epi, scale, next, stride);
+        case kActReLU2: return compute_act<kActReLU2>(MACHMOE_DACT_ARGS);
+        case kActReLU: return compute_act<kActReLU>(MACHMOE_DACT_ARGS);
+        case kActGELU: return compute_act<kActGELU>(MACHMOE_DACT_ARGS);
+        default: return compute_act<kActSiLU>(MACHMOE_DACT_ARGS);
       }
     } else {
       switch (p.act) {
-        case kActGeGLU: return compute_act<kActGeGLU>(p, tile, epi, scale, next, stride);
-        case kActReGLU: return compute_act<kActReGLU>(p, tile, epi, scale, next, stride);
-        default: return compute_act<kActSwiGLU>(p, tile, epi, scale, next, stride);
+        case kActGeGLU: return compute_act<kActGeGLU>(MACHMOE_DACT_ARGS);
+        case kActReGLU: return compute_act<kActReGLU>(MACHMOE_DACT_ARGS);
+        default: return compute_act<kActSwiGLU>(MACHMOE_DACT_ARGS);
       }
     }
+#undef MACHMOE_DACT_ARGS
   }
 };
 

@@ -35,13 +35,11 @@ namespace machmoe::kernels {
 
 constexpr int kGemmBK = 64;  // one 128-byte swizzle row of bf16
 constexpr int kGemmThreads = 384;
-// Register split of the 64K-register file: (56 + 2 x 224) x 128 threads = 64512. The dH
-// epilogue (four items' H chunks in flight, activation derivatives) runs on the producer
-// warpgroup and gets more: 120 + 2 x 192, the least split without spills (ptxas -v).
+// Register split of the 64K-register file: (56 + 2 x 224) x 128 threads = 64512.
 template <int EPI>
-constexpr int gemm_producer_regs() { return gemm_epi_is_dact(EPI) ? 120 : 56; }
+constexpr int gemm_producer_regs() { return 56; }
 template <int EPI>
-constexpr int gemm_consumer_regs() { return gemm_epi_is_dact(EPI) ? 192 : 224; }
+constexpr int gemm_consumer_regs() { return 224; }
 
 // Expert of tile t: the largest e with tile_offsets[e] <= t (empty experts share an offset).
 __device__ __forceinline__ int gemm_tile_expert(const int32_t* tile_offsets, int E, int t) {
@@ -205,15 +203,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
           sm90::mbar_arrive(epi_empty);
           continue;
         }
-        if constexpr (kDact) {
-          DactPipe<BN, EPI> pipe;
-          for (int next = tid - kLoaders; next < gemm_dact_items<BN>(tile); next += kDactGroup * kEpilogueThreads) {
-            pipe.load(p, tile, next, kEpilogueThreads);
-            pipe.compute(p, tile, epi, epi_scale, next, kEpilogueThreads);
-          }
-        } else {
-          gemm_write_out<BN, EPI>(p, tile, epi, tid - kLoaders, kEpilogueThreads, 1 << 30, by_tma);
-        }
+        // (the dH epilogue runs in the consumers: only the stop signal reaches here)
+        if constexpr (!kDact) gemm_write_out<BN, EPI>(p, tile, epi, tid - kLoaders, kEpilogueThreads, 1 << 30, by_tma);
         if (by_tma && tid == kLoaders) sm90::bulk_wait_read_all();
         sm90::mbar_arrive(epi_empty);
       }
@@ -228,26 +219,15 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       bool tma = false;  // this tile's C/H went by TMA (issued by loader thread 0)
       GemmTile tile;
     } ep;
-    // The dH epilogue runs as a two-phase pipe: each step computes the group of items loaded by
-    // the previous step and issues the next group's loads, which land while this thread issues
-    // its next cp.async batch.
-    DactPipe<BN, EPI> pipe;
+    // (The dH epilogue runs in the consumers: with it, only the stop signal reaches the loaders.)
     auto epi_begin = [&](const GemmTile& t) {  // a staged tile was taken: start its walk
       ep.tile = t;
       ep.next = tid;
       ep.tma = tma_store_tile(t, tid == 0);
       if (ep.tma && EPI == kEpiStore) ep.next = 1 << 30;  // nothing left for the threads
-      if constexpr (kDact) pipe.load(p, ep.tile, ep.next, kEpilogueThreads);
     };
     auto epi_work = [&](int budget) {  // one slice of the tile in progress
-      if constexpr (kDact) {
-        pipe.compute(p, ep.tile, epi, epi_scale, ep.next, kEpilogueThreads);
-        ep.next += kDactGroup * kEpilogueThreads;
-        if (ep.next < gemm_dact_items<BN>(ep.tile)) {
-          pipe.load(p, ep.tile, ep.next, kEpilogueThreads);
-          return;
-        }
-      } else {
+      if constexpr (!kDact) {
         ep.next = gemm_write_out<BN, EPI>(p, ep.tile, epi, ep.next, kEpilogueThreads, budget, ep.tma);
         if (ep.next < gemm_epilogue_end<BN, EPI>(ep.tile)) return;
       }
@@ -263,7 +243,6 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
           const GemmTile t = *epi_tile;
           if (t.e < 0) return;  // the stop signal: handled after the last load
           epi_begin(t);
-          if constexpr (kDact) return;  // its loads are in flight: compute on the next step
         }
         epi_work(budget);
       }
@@ -351,6 +330,21 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     sm90::setmaxnreg_inc<gemm_consumer_regs<EPI>()>();
     const int cw = wg - 1;
     int it = 0, staged = 0;
+    // The dH epilogue, run by each consumer warpgroup on its own 64 rows of the staged tile while
+    // the next tile's wgmmas run: one group of items per K block (loads issued a block ahead).
+    DactPipe<BN, EPI, kDactGroupConsumer> pipe;
+    struct {
+      GemmTile tile;
+      int next = 0, items = 0, end = 0;
+      bool on = false;
+    } dw;
+    const int row_base = cw * 64;
+    auto dact_step = [&]() {  // compute the loaded group, load the next one
+      pipe.compute(p, dw.tile, epi, epi_scale, row_base, dw.items, dw.end, dw.next, 128);
+      dw.next += kDactGroupConsumer * 128;
+      dw.on = dw.next < dw.end;  // warp-uniform (end is a multiple of 32)
+      if (dw.on) pipe.load(p, dw.tile, row_base, dw.items, dw.next, 128);
+    };
     for (int n = 0;; ++n) {
       const int slot = n % kTileRing;
       sm90::mbar_wait(&tile_full[slot], (n / kTileRing) & 1);
@@ -386,11 +380,27 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         prev_stage = s;
         if constexpr (kDact) {
           if (kb == 0) rs.load_scores(p);
+          if (dw.on) dact_step();  // the previous tile's epilogue, under this block's wgmma
         }
       }
       sm90::wgmma_wait<0>();
       sm90::fence_accumulators(acc);
       if (prev_stage >= 0 && tid == 0) sm90::mbar_arrive(&empty[prev_stage]);
+      if constexpr (kDact) {
+        while (dw.on) dact_step();               // the rest of the previous tile's epilogue
+        sm90::named_barrier_sync(2 + cw, 128);   // every thread of this warpgroup is done reading it
+        gemm_stage_out<BN, EPI>(p, tile, cw, acc, epi);
+        rs.stage(epi_scale, cw);
+        sm90::named_barrier_sync(2 + cw, 128);   // this warpgroup's half is staged
+        const int rows = max(0, min(64, tile.rows - row_base));
+        dw.tile = tile;
+        dw.items = rows * (BN / 8);
+        dw.end = (dw.items + 31) & ~31;
+        dw.next = tid;
+        dw.on = dw.next < dw.end;
+        if (dw.on) pipe.load(p, dw.tile, row_base, dw.items, dw.next, 128);
+        continue;
+      }
       // Stage the tile out for the epilogue warps once they are done with the previous one.
       sm90::mbar_wait(epi_empty, (staged & 1) ^ 1);
       gemm_stage_out<BN, EPI>(p, tile, cw, acc, epi);
@@ -399,6 +409,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       if (threadIdx.x == 128) *epi_tile = tile;
       sm90::mbar_arrive(epi_full);
       ++staged;
+    }
+    if constexpr (kDact) {
+      while (dw.on) dact_step();  // the last tile's epilogue
     }
     // Tell the epilogue warps to stop.
     sm90::mbar_wait(epi_empty, (staged & 1) ^ 1);
