@@ -1,6 +1,7 @@
 // The dH epilogue of the grouped GEMM engine (SPEC §2 kernel 6, docs/BACKWARD.md): the engine
 // computes dA'_r = dout_{tok(r)} · W2_e (fp32, staged to shared memory as bf16 like every tile),
-// and the epilogue warps finish the backward of the activation per routed row r with score s_r:
+// and the consumer warpgroups themselves finish the backward of the activation per routed row r
+// with score s_r, each on its own 64 staged rows while the next tile's wgmmas run:
 //   A_r  = act(H_r)                  recomputed from the saved bf16 H (bitwise the forward's A)
 //   dS_r = Σ_j dA'_rj · A_rj          written per column tile (ds_partial [R, n_tiles], fp32):
 //                                    no atomics, the tiles are added in order afterwards

@@ -11,7 +11,9 @@
 //       of contiguous A; with a gather the loader threads copy the A rows by 16-byte cp.async. A
 //       ring of shared-memory stages, one mbarrier per stage (TMA bytes + cp.async arrivals).
 //     epilogue warps (the others): write the staged output tile to global memory with the
-//       activation (sm90_gemm_epilogue.cuh) while the consumers already run the next tile.
+//       activation (sm90_gemm_epilogue.cuh) while the consumers already run the next tile; full
+//       tiles' C/H leave by TMA stores. The dH epilogue (sm90_gemm_epilogue_dact.cuh) is the
+//       exception: the consumers run it on their own staged rows under the next tile's wgmmas.
 //   warpgroups 1-2, consumers (224 registers): each owns 64 rows of the 128-row tile, runs
 //     wgmma m64n{BN}k16 with fp32 accumulators, keeps one wgmma group in flight, releases a stage
 //     as soon as the wgmmas reading it retire, and stages the finished tile (+ bias, bf16) out to
