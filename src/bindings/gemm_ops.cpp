@@ -78,8 +78,8 @@ std::tuple<Tensor, Tensor> op_grouped_gemm(const Tensor& a, const std::optional<
 }
 
 void check_bf16_matrix(const Tensor& t, const char* name, int dims) {
-  TORCH_CHECK_VALUE(t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.dim() == dims && t.is_contiguous(), name,
-                    " must be a contiguous ", dims, "-D bfloat16 CUDA tensor");
+  check_dims(t, name, dims);
+  check_bf16(t, name, t.sizes());  // dtype, device and contiguity; any shape of `dims` dimensions
 }
 
 void check_int32(const Tensor& t, const char* name, int64_t min_numel) {

@@ -78,12 +78,13 @@ void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMa
                                           std::to_string(static_cast<int>(n_major)));
 }
 
+// Columns of C per tile (the configuration, as data): 256 when N allows, else 128; the
+// concatenated GLU tile always holds 128 gate + 128 up columns.
+int tile_width(int64_t N, int epi) { return N >= 256 || epi == kernels::kEpiGluConcat ? 256 : 128; }
+
 }  // namespace
 
-int64_t grouped_gemm_column_tiles(int64_t N) {
-  const int64_t cols = N >= 256 ? 256 : 128;
-  return ceil_div(N, cols);
-}
+int64_t grouped_gemm_column_tiles(int64_t N) { return ceil_div(N, int64_t{tile_width(N, kernels::kEpiStore)}); }
 
 void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   constexpr const char* fn = "grouped_gemm";
@@ -125,10 +126,10 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
     require_arg(a.bias == nullptr, fn, "bias", "must be null with ActivationBackward");
   }
 
-  // Configuration (data, not code): 256-column tiles when N allows, else 128. The concatenated
-  // GLU tile holds 128 gate + 128 up columns.
-  const bool wide = a.N >= 256 || epi == kernels::kEpiGluConcat;
-  const int bn = wide ? 256 : 128;
+  // Configuration (data, not code): tile_width, also the column-tile count of the dH epilogue's
+  // ds_partial (grouped_gemm_column_tiles).
+  const int bn = tile_width(a.N, epi);
+  const bool wide = bn == 256;
   const int tile_cols = epi == kernels::kEpiGluConcat ? bn / 2 : bn;
   const int64_t n_cols = epi == kernels::kEpiGluConcat ? a.N / 2 : a.N;
   kernels::GroupedGemmParams p{};

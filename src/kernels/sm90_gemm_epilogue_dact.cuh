@@ -47,13 +47,6 @@ __device__ __forceinline__ void load_bf16x8(const __nv_bfloat16* src, float (&v)
   for (int i = 0; i < 8; ++i) v[i] = __bfloat162float(b[i]);
 }
 
-// Items a thread walks through: rows·chunks, rounded up to whole warps so that every lane of a
-// warp runs the same number of iterations (the dS shuffle needs all 32).
-template <int BN>
-__device__ __forceinline__ int gemm_dact_items(const GemmTile& tile) {
-  return (tile.rows * (BN / 8) + 31) & ~31;
-}
-
 // The consumer warpgroups run the dH epilogue themselves, each on its own 64 rows of the staged
 // tile, in groups of this many items per thread, one group per K block of the next tile.
 constexpr int kDactGroupConsumer = 2;
@@ -208,12 +201,5 @@ struct DactRowScale {
     }
   }
 };
-
-// The item count a thread's epilogue walk runs to (whole warps for the dH epilogue).
-template <int BN, int EPI>
-__device__ __forceinline__ int gemm_epilogue_end(const GemmTile& tile) {
-  if constexpr (gemm_epi_is_dact(EPI)) return gemm_dact_items<BN>(tile);
-  else return gemm_epi_items_of(tile, epi_chunks_per_row<BN, EPI>());
-}
 
 }  // namespace machmoe::kernels

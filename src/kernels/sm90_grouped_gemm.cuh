@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     auto epi_work = [&](int budget) {  // one slice of the tile in progress
       if constexpr (!kDact) {
         ep.next = gemm_write_out<BN, EPI>(p, ep.tile, epi, ep.next, kEpilogueThreads, budget, ep.tma);
-        if (ep.next < gemm_epilogue_end<BN, EPI>(ep.tile)) return;
+        if (ep.next < gemm_epi_items_of(ep.tile, epi_chunks_per_row<BN, EPI>())) return;
       }
       if (ep.tma && tid == 0) sm90::bulk_wait_read_all();
       sm90::mbar_arrive(epi_empty);
@@ -397,7 +397,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         const int rows = max(0, min(64, tile.rows - row_base));
         dw.tile = tile;
         dw.items = rows * (BN / 8);
-        dw.end = (dw.items + 31) & ~31;
+        dw.end = (dw.items + 31) & ~31;  // whole warps: every lane runs the dS shuffle
         dw.next = tid;
         dw.on = dw.next < dw.end;
         if (dw.on) pipe.load(p, dw.tile, row_base, dw.items, dw.next, 128);
