@@ -3,8 +3,9 @@
   python -m machmoe.bench.diagnose
 
 * per-kernel device time of routing_metadata (torch.profiler), to see which pass dominates;
-* the up-projection GEMM at a config's shapes in four variants - gathered or pre-gathered A,
-  GLU or plain-store epilogue - to separate the cost of the gather from the cost of the epilogue.
+* the up-projection GEMM at a config's shapes in six variants - A gathered by token, gathered by
+  an identity index (the cp.async path over consecutive rows) or pre-gathered (TMA), each with the
+  GLU or the plain-store epilogue - to separate the cost of the gather from the cost of the epilogue.
 """
 
 from __future__ import annotations
@@ -44,7 +45,10 @@ def gemm_variants(T: int, d: int, n: int, E: int, K: int) -> None:
     xg = x[row_token.long()].contiguous()
     w1 = (torch.randn(E, 2 * n, d, device="cuda") * 0.02).bfloat16()
     flops = 2.0 * R * d * 2 * n
-    for name, a, idx in (("gathered", x, row_token), ("pre-gathered", xg, None)):
+    ident = torch.arange(R, device="cuda", dtype=torch.int32)
+    # "identity" runs the cp.async gather path over rows that follow each other in memory: if it
+    # is as slow as "gathered", the cost is the cp.async path itself, not where the rows live.
+    for name, a, idx in (("gathered", x, row_token), ("identity", xg, ident), ("pre-gathered", xg, None)):
         for epi in ("glu", "store"):
             t = cuda_time(lambda: m.grouped_gemm(a, idx, offs, w1, None, R, epi, "swiglu", "interleaved"), [()]).median_ms
             print(f"up-proj T={T} d={d} n={n} E={E} K={K}: A {name:12s} epilogue {epi:5s}: "
