@@ -58,11 +58,17 @@ def gemm_variants(T: int, d: int, n: int, E: int, K: int) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m machmoe.bench.diagnose")
     p.add_argument("--skip-metadata", action="store_true")
+    p.add_argument("--shape", action="append", default=[], metavar="T,d,n,E,K",
+                   help="up-projection shapes to run (default: 7B-a and 30B-b)")
     args = p.parse_args(argv)
     if not args.skip_metadata:
         metadata_breakdown()
-    gemm_variants(24576, 1536, 256, 128, 8)  # 7B-a
-    gemm_variants(32768, 4096, 512, 128, 8)  # 30B-b
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shape] or [
+        (24576, 1536, 256, 128, 8),  # 7B-a
+        (32768, 4096, 512, 128, 8),  # 30B-b
+    ]
+    for shape in shapes:
+        gemm_variants(*shape)
 
 
 if __name__ == "__main__":
