@@ -97,6 +97,9 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   require_arg(a.lda >= a.K && a.lda % 8 == 0, fn, "lda", "must be >= K and a multiple of 8");
   require_arg(a.a_rows >= 1 && a.a_rows <= (int64_t{1} << 31) - 1, fn, "a_rows",
               "must be in [1, 2^31) (rows of A: T for a gather, R otherwise)");
+  // The gather addresses rows in 16-byte units held in 32 bits (fewer loader registers).
+  require_arg(a.gather == nullptr || a.a_rows * (a.lda / 8) <= (int64_t{1} << 32) - 1, fn, "a_rows*lda",
+              "a gathered A must hold fewer than 2^35 elements (64 GiB of bf16)");
   require_arg(a.c == nullptr || (a.ldc >= a.N && a.ldc % 8 == 0), fn, "ldc", "must be >= N and a multiple of 8");
   // c may be null for the GLU and activation epilogues: inference, H is not written (only A).
   const bool h_optional = a.epilogue == GemmEpilogue::GLU || a.epilogue == GemmEpilogue::Activation;

@@ -47,6 +47,9 @@ void grouped_gemm_wgrad(const GroupedWgradArgs& a, cudaStream_t stream) {
   require_arg(a.ldb >= a.N && a.ldb % 8 == 0, fn, "ldb", "must be >= N and a multiple of 8");
   require_arg(a.a_rows >= 1 && a.a_rows <= kInt32Max && a.b_rows >= 1 && a.b_rows <= kInt32Max, fn, "a_rows/b_rows",
               "must be in [1, 2^31)");
+  // The loaders address rows in 16-byte units held in 32 bits.
+  require_arg(a.a_rows * (a.lda / 8) <= (int64_t{1} << 32) - 1 && a.b_rows * (a.ldb / 8) <= (int64_t{1} << 32) - 1, fn,
+              "a_rows*lda/b_rows*ldb", "each operand must hold fewer than 2^35 elements (64 GiB of bf16)");
   require_arg(a.a && a.b && a.c && a.expert_offsets, fn, "a/b/c/expert_offsets", "must not be null");
   require_arg(detail::aligned16(a.a) && detail::aligned16(a.b) && detail::aligned16(a.c), fn, "a/b/c",
               "must be 16-byte aligned");

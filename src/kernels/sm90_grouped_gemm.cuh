@@ -104,7 +104,7 @@ struct GemmSmem {
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kEpiBytes = epi_tile_bytes<BN>();  // the staged output tile
   // Design budget: Hopper's 227 KB per block (the launcher checks the device's opt-in limit).
-  // 1 KB aligns the stages; 1 KB holds the barriers, the tile ring and the gather index table.
+  // 1 KB aligns the stages; 1 KB holds the barriers, the tile ring and the dH row scores.
   static constexpr int kBudget = 227 * 1024;
   static constexpr int kFixed = 2560;
   static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / kStageBytes;
@@ -112,8 +112,8 @@ struct GemmSmem {
   static_assert(kStages >= 2, "at least two pipeline stages");
   static_assert(kStages < kTileRing, "the tile ring must hold more tiles than there are stages");
   // barriers (2 per stage, 2 per ring slot, 2 for the epilogue), the ring, the epilogue's tile,
-  // the gather table, the dH epilogue's row scores: all inside kFixed after the 1 KB alignment slack.
-  static_assert((2 * kStages + 2 * kTileRing + 2) * 8 + (kTileRing + 1) * 16 + 2 * 128 * 4 <= kFixed - 1024,
+  // the dH epilogue's row scores: all inside kFixed after the 1 KB alignment slack.
+  static_assert((2 * kStages + 2 * kTileRing + 2) * 8 + (kTileRing + 1) * 16 + 128 * 4 <= kFixed - 1024,
                 "fixed shared-memory area too small");
 };
 
@@ -145,8 +145,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   uint64_t* epi_empty = epi_full + 1;           // epilogue warps are done with it
   GemmTile* ring = reinterpret_cast<GemmTile*>(epi_empty + 1);
   GemmTile* epi_tile = ring + kTileRing;
-  int32_t* gather_rows = reinterpret_cast<int32_t*>(epi_tile + 1);  // [128] this tile's A rows
-  float* epi_scale = reinterpret_cast<float*>(gather_rows + 128);    // [128] dH epilogue: the staged rows' s
+  float* epi_scale = reinterpret_cast<float*>(epi_tile + 1) + 128;  // [128] dH epilogue: the staged rows' s
   constexpr bool kDact = gemm_epi_is_dact(EPI);
   // Full tiles' C (plain store) or H (interleaved GLU, activation) leave by TMA (tmap_c); the
   // epilogue threads then only write A.
@@ -253,6 +252,11 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     const int lane = tid;        // 0 .. kLoaders-1
     const int chunk = lane % 8;  // 16-byte chunk (8 bf16 of K) this thread copies in its rows
     int it = 0;
+    // With a gather, this thread's rows of the tile, in registers for the whole tile: re-reading
+    // them from shared memory each K block put a load in front of every cp.async (ncu: the loader
+    // warps stalled on the L1TEX scoreboard, queued behind the cp.async traffic).
+    constexpr int kRowsPerLoader = GATHER ? 128 * 8 / kLoaders : 1;
+    uint32_t arow[kRowsPerLoader];
     for (int t = blockIdx.x, n = 0;; t += gridDim.x, ++n) {
       const bool done = t >= total_tiles;
       const GemmTile tile = done ? GemmTile{-1, 0, 0, 0} : gemm_decode_tile(p, t, kTileCols);
@@ -263,14 +267,14 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         sm90::mbar_arrive(&tile_full[slot]);
       }
       if (done) break;
-      if constexpr (GATHER) {  // this tile's 128 A rows (-1 past the expert's end)
-        sm90::named_barrier_sync(1, kLoaders);  // the previous tile's table is no longer read
+      if constexpr (GATHER) {  // this thread's A rows of the tile (-1 past the expert's end)
 #pragma unroll
-        for (int i = 0; i < 128 / kLoaders; ++i) {
-          const int r = lane + kLoaders * i;
-          gather_rows[r] = r < tile.rows ? __ldg(p.gather + tile.row0 + r) : -1;
+        for (int i = 0; i < kRowsPerLoader; ++i) {
+          const int r = lane / 8 + (kLoaders / 8) * i;
+          // in 16-byte units (the launcher bounds A below 2^32 of them); -1: zero-fill
+          arow[i] = r < tile.rows ? static_cast<uint32_t>(__ldg(p.gather + tile.row0 + r)) * static_cast<uint32_t>(p.lda / 8)
+                                  : ~0u;
         }
-        sm90::named_barrier_sync(1, kLoaders);
       }
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
         const int s = it % S;
@@ -302,13 +306,15 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         }
         if constexpr (GATHER) {
           const bool k_ok = k0 + chunk * 8 < p.K;
+          const uint32_t k_units = k0 / 8 + chunk;  // this thread's 16 bytes of the K block
 #pragma unroll 8
-          for (int i = 0; i < 128 * 8 / kLoaders; ++i) {  // rows lane/8 + (kLoaders/8)·i
+          for (int i = 0; i < kRowsPerLoader; ++i) {  // rows lane/8 + (kLoaders/8)·i
             const int r = lane / 8 + (kLoaders / 8) * i;
-            const int arow = gather_rows[r];
-            const bool ok = k_ok && arow >= 0;
+            const bool ok = k_ok && arow[i] != ~0u;
             const uint32_t dst = sm90::smem_addr(a_stage + r * 128 + ((chunk ^ (r & 7)) << 4));
-            sm90::cp_async_16(dst, ok ? p.a + static_cast<int64_t>(arow) * p.lda + k0 + chunk * 8 : p.a, ok ? 16 : 0);
+            // arow + k_units < a_rows * lda / 8 < 2^32: a 32-bit add and one wide multiply-add
+            const void* src = ok ? static_cast<const void*>(reinterpret_cast<const uint4*>(p.a) + (arow[i] + k_units)) : p.a;
+            sm90::cp_async_16(dst, src, ok ? 16 : 0);
           }
           sm90::cp_async_arrive_noinc(&full[s]);
           epi_step(4);

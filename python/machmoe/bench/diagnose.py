@@ -34,6 +34,14 @@ def metadata_breakdown(T: int = 32768, E: int = 128, K: int = 8) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8))
 
 
+def dense_reference() -> None:
+    """cuBLAS bf16 8192^3 in the same run: the yardstick to compare runs on different machines."""
+    a = torch.randn(8192, 8192, device="cuda").bfloat16()
+    b = torch.randn(8192, 8192, device="cuda").bfloat16()
+    t = cuda_time(lambda: a @ b, [()]).median_ms
+    print(f"cuBLAS bf16 8192^3 (this run's yardstick): {2 * 8192**3 / t / 1e9:.0f} TFLOPS")
+
+
 def gemm_variants(T: int, d: int, n: int, E: int, K: int) -> None:
     import machmoe  # noqa: F401
 
@@ -67,6 +75,7 @@ def main(argv=None) -> None:
         (24576, 1536, 256, 128, 8),  # 7B-a
         (32768, 4096, 512, 128, 8),  # 30B-b
     ]
+    dense_reference()
     for shape in shapes:
         gemm_variants(*shape)
 
