@@ -63,31 +63,32 @@ struct WgradRows {
   static constexpr int kPasses = kWgradBK / kRowsPerPass;  // chunks per thread per K block
   static_assert(128 % kChunksPerRow == 0 && kWgradBK % kRowsPerPass == 0, "chunks must tile the threads");
 
-  // Offset of the source row of each of this thread's chunks, in 16-byte units (the launcher
-  // bounds both operands below 2^32 of them; ~0: past the expert's rows), loaded a K block ahead so
-  // that the gather index's latency hides behind the previous block's copies. 32-bit offsets keep
-  // the loaders' per-copy work to one wide multiply-add (measured on the forward's gather: the
-  // loader instructions, not the memory, bounded it).
-  static __device__ __forceinline__ void rows_of(uint32_t (&row)[kPasses], const int32_t* gather, int64_t ld, int r0,
-                                                 int end, int tid) {
+  // Source row of each of this thread's chunks (-1: past the expert's rows), loaded a K block ahead
+  // so that the gather index's latency hides behind the previous block's copies (nothing may use
+  // the loaded value before copy(), or the thread waits for it here).
+  static __device__ __forceinline__ void rows_of(int32_t (&row)[kPasses], const int32_t* gather, int r0, int end,
+                                                 int tid) {
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int r = r0 + tid / kChunksPerRow + kRowsPerPass * i;
-      row[i] = r < end ? static_cast<uint32_t>(gather ? __ldg(gather + r) : r) * static_cast<uint32_t>(ld / 8) : ~0u;
+      row[i] = r < end ? (gather ? __ldg(gather + r) : r) : -1;
     }
   }
 
-  static __device__ __forceinline__ void copy(uint8_t* stage, const __nv_bfloat16* base,
-                                              const uint32_t (&row)[kPasses], int c0, int cols, int tid) {
+  // Addresses in 16-byte units held in 32 bits (the launcher bounds both operands below 2^32 of
+  // them): a multiply-add and one wide multiply-add per copy (measured on the forward's gather: the
+  // loader instructions, not the memory, bounded it).
+  static __device__ __forceinline__ void copy(uint8_t* stage, const __nv_bfloat16* base, int64_t ld,
+                                              const int32_t (&row)[kPasses], int c0, int cols, int tid) {
     const int c = tid % kChunksPerRow;
     const int col = c0 + c * 8;
     uint8_t* block = stage + (c / 8) * (kWgradBK * 128);
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int kr = tid / kChunksPerRow + kRowsPerPass * i;
-      const bool ok = row[i] != ~0u && col < cols;
-      // row[i] + col / 8 < rows * ld / 8 < 2^32: one 32-bit add, one wide multiply-add
-      const void* src = ok ? static_cast<const void*>(reinterpret_cast<const uint4*>(base) + (row[i] + col / 8)) : base;
+      const bool ok = row[i] >= 0 && col < cols;
+      const uint32_t unit = static_cast<uint32_t>(row[i]) * static_cast<uint32_t>(ld / 8) + col / 8;
+      const void* src = ok ? static_cast<const void*>(reinterpret_cast<const uint4*>(base) + unit) : base;
       sm90::cp_async_16(sm90::smem_addr(block + kr * 128 + (((c % 8) ^ (kr & 7)) << 4)), src, ok ? 16 : 0);
     }
   }
@@ -136,8 +137,8 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
       const int begin = __ldg(p.expert_offsets + e), end = __ldg(p.expert_offsets + e + 1);
       using RowsA = WgradRows<kWgradBM>;
       using RowsB = WgradRows<BN>;
-      uint32_t a_rows[RowsA::kPasses];
-      if (begin < end) RowsA::rows_of(a_rows, p.gather, p.lda, begin, end, tid);
+      int32_t a_rows[RowsA::kPasses];
+      if (begin < end) RowsA::rows_of(a_rows, p.gather, begin, end, tid);
       for (int r0 = begin; r0 < end; r0 += kWgradBK, ++it) {
         const int s = it % S;
         sm90::mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
@@ -150,14 +151,14 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
             for (int h = 0; h < BN / 64; ++h) sm90::tma_load_2d(b_stage + h * 64 * 128, &tmap_b, &full[s], n0 + 64 * h, r0);
           }
         } else {  // the expert's last, partial block: B by cp.async too, zero-filled
-          uint32_t b_rows[RowsB::kPasses];
-          RowsB::rows_of(b_rows, nullptr, p.ldb, r0, end, tid);
-          RowsB::copy(b_stage, p.b, b_rows, n0, p.N, tid);
+          int32_t b_rows[RowsB::kPasses];
+          RowsB::rows_of(b_rows, nullptr, r0, end, tid);
+          RowsB::copy(b_stage, p.b, p.ldb, b_rows, n0, p.N, tid);
           if (tid == 0) sm90::mbar_arrive(&full[s]);
         }
-        RowsA::copy(a_stage, p.a, a_rows, m0, p.M, tid);
+        RowsA::copy(a_stage, p.a, p.lda, a_rows, m0, p.M, tid);
         sm90::cp_async_arrive_noinc(&full[s]);
-        if (r0 + kWgradBK < end) RowsA::rows_of(a_rows, p.gather, p.lda, r0 + kWgradBK, end, tid);
+        if (r0 + kWgradBK < end) RowsA::rows_of(a_rows, p.gather, r0 + kWgradBK, end, tid);
       }
     }
     return;
