@@ -151,18 +151,20 @@ __device__ __forceinline__ int gemm_epi_items_of(const GemmTile& tile, int chunk
   return tile.rows * chunks_per_row;
 }
 
-// The staged tile -> global H/C (and A). Work items are (row, 8-column chunk), consecutive
+// The staged tile -> global H/C and/or A. Work items are (row, 8-column chunk), consecutive
 // threads on consecutive chunks of a row, so the stores coalesce. A thread handles items
-// next, next + stride, ... and stops after `budget` of them; it returns the item to resume from
-// (>= the item count when it is done), so loader threads can do the work in slices.
-// h_by_tma: C/H of this tile was stored by TMA; only A is left to write.
+// next, next + stride, ... below `end` and stops after `budget` of them; it returns the item to
+// resume from (>= end when it is done), so the work can be done in slices between other work.
+// Two parts, run by different threads: write_h stores C/H (the epilogue threads, for tiles that
+// did not leave by TMA), write_a computes and stores the activation output A (the consumer
+// warpgroups, each over its own 64 rows, under the next tile's wgmmas).
 template <int BN, int EPI, int ACT>
 __device__ __forceinline__ int gemm_write_out_act(const GroupedGemmParams& p, const GemmTile& tile,
-                                                  const uint8_t* epi, int next, int stride, int budget,
-                                                  bool h_by_tma) {
+                                                  const uint8_t* epi, int next, int end, int stride, int budget,
+                                                  bool write_h, bool write_a) {
   constexpr int kChunks = epi_chunks_per_row<BN, EPI>();
-  const int items = gemm_epi_items_of(tile, kChunks);
-  for (; next < items && budget > 0; next += stride, --budget) {
+  write_h = write_h && p.c;  // null c: inference, H is not written
+  for (; next < end && budget > 0; next += stride, --budget) {
     const int r = next / kChunks, ch = next % kChunks;
     const int64_t row = tile.row0 + r;
     const uint8_t* src = epi + epi_chunk_offset<BN, EPI>(r, ch);
@@ -171,32 +173,38 @@ __device__ __forceinline__ int gemm_write_out_act(const GroupedGemmParams& p, co
       if (j >= n) continue;
       const uint4 graw = *reinterpret_cast<const uint4*>(src);
       const uint4 uraw = *reinterpret_cast<const uint4*>(src + BN);  // up half: BN/2 columns later
-      if (p.c) {  // null: inference, H is not written
+      if (write_h) {
         *reinterpret_cast<uint4*>(p.c + row * p.ldc + j) = graw;
         *reinterpret_cast<uint4*>(p.c + row * p.ldc + n + j) = uraw;
       }
-      const __nv_bfloat16* g = reinterpret_cast<const __nv_bfloat16*>(&graw);
-      const __nv_bfloat16* u = reinterpret_cast<const __nv_bfloat16*>(&uraw);
-      float a[8];
+      if (write_a) {
+        const __nv_bfloat16* g = reinterpret_cast<const __nv_bfloat16*>(&graw);
+        const __nv_bfloat16* u = reinterpret_cast<const __nv_bfloat16*>(&uraw);
+        float a[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) a[i] = gemm_act<ACT>(__bfloat162float(g[i])) * __bfloat162float(u[i]);
-      store_bf16(p.c2 + row * p.ldc2 + j, a);
+        for (int i = 0; i < 8; ++i) a[i] = gemm_act<ACT>(__bfloat162float(g[i])) * __bfloat162float(u[i]);
+        store_bf16(p.c2 + row * p.ldc2 + j, a);
+      }
     } else {
       const int col = tile.n0 + ch * 8;
       if (col >= p.N) continue;
       const uint4 raw = *reinterpret_cast<const uint4*>(src);
-      if (!h_by_tma && p.c) *reinterpret_cast<uint4*>(p.c + row * p.ldc + col) = raw;  // null c: inference
+      if (write_h) *reinterpret_cast<uint4*>(p.c + row * p.ldc + col) = raw;
       const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&raw);
       if constexpr (EPI == kEpiGluInter) {  // (gate, up) pairs -> 4 A values
-        float a[4];
+        if (write_a) {
+          float a[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) a[i] = gemm_act<ACT>(__bfloat162float(h[2 * i])) * __bfloat162float(h[2 * i + 1]);
-        store_bf16(p.c2 + row * p.ldc2 + col / 2, a);
+          for (int i = 0; i < 4; ++i) a[i] = gemm_act<ACT>(__bfloat162float(h[2 * i])) * __bfloat162float(h[2 * i + 1]);
+          store_bf16(p.c2 + row * p.ldc2 + col / 2, a);
+        }
       } else if constexpr (EPI == kEpiAct) {
-        float a[8];
+        if (write_a) {
+          float a[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) a[i] = gemm_act<ACT>(__bfloat162float(h[i]));
-        store_bf16(p.c2 + row * p.ldc2 + col, a);
+          for (int i = 0; i < 8; ++i) a[i] = gemm_act<ACT>(__bfloat162float(h[i]));
+          store_bf16(p.c2 + row * p.ldc2 + col, a);
+        }
       }
     }
   }
@@ -204,23 +212,22 @@ __device__ __forceinline__ int gemm_write_out_act(const GroupedGemmParams& p, co
 }
 
 template <int BN, int EPI>
-__device__ __forceinline__ int gemm_write_out(const GroupedGemmParams& p, const GemmTile& tile,
-                                              const uint8_t* epi, int next, int stride, int budget,
-                                              bool h_by_tma = false) {
-  if constexpr (EPI == kEpiStore) {
-    return gemm_write_out_act<BN, EPI, kActSwiGLU>(p, tile, epi, next, stride, budget, h_by_tma);  // no activation
+__device__ __forceinline__ int gemm_write_out(const GroupedGemmParams& p, const GemmTile& tile, const uint8_t* epi,
+                                              int next, int end, int stride, int budget, bool write_h, bool write_a) {
+  if constexpr (EPI == kEpiStore) {  // no activation
+    return gemm_write_out_act<BN, EPI, kActSwiGLU>(p, tile, epi, next, end, stride, budget, write_h, false);
   } else if constexpr (EPI == kEpiGluInter || EPI == kEpiGluConcat) {
     switch (p.act) {
-      case kActGeGLU: return gemm_write_out_act<BN, EPI, kActGeGLU>(p, tile, epi, next, stride, budget, h_by_tma);
-      case kActReGLU: return gemm_write_out_act<BN, EPI, kActReGLU>(p, tile, epi, next, stride, budget, h_by_tma);
-      default: return gemm_write_out_act<BN, EPI, kActSwiGLU>(p, tile, epi, next, stride, budget, h_by_tma);
+      case kActGeGLU: return gemm_write_out_act<BN, EPI, kActGeGLU>(p, tile, epi, next, end, stride, budget, write_h, write_a);
+      case kActReGLU: return gemm_write_out_act<BN, EPI, kActReGLU>(p, tile, epi, next, end, stride, budget, write_h, write_a);
+      default: return gemm_write_out_act<BN, EPI, kActSwiGLU>(p, tile, epi, next, end, stride, budget, write_h, write_a);
     }
   } else {
     switch (p.act) {
-      case kActReLU2: return gemm_write_out_act<BN, EPI, kActReLU2>(p, tile, epi, next, stride, budget, h_by_tma);
-      case kActReLU: return gemm_write_out_act<BN, EPI, kActReLU>(p, tile, epi, next, stride, budget, h_by_tma);
-      case kActGELU: return gemm_write_out_act<BN, EPI, kActGELU>(p, tile, epi, next, stride, budget, h_by_tma);
-      default: return gemm_write_out_act<BN, EPI, kActSiLU>(p, tile, epi, next, stride, budget, h_by_tma);
+      case kActReLU2: return gemm_write_out_act<BN, EPI, kActReLU2>(p, tile, epi, next, end, stride, budget, write_h, write_a);
+      case kActReLU: return gemm_write_out_act<BN, EPI, kActReLU>(p, tile, epi, next, end, stride, budget, write_h, write_a);
+      case kActGELU: return gemm_write_out_act<BN, EPI, kActGELU>(p, tile, epi, next, end, stride, budget, write_h, write_a);
+      default: return gemm_write_out_act<BN, EPI, kActSiLU>(p, tile, epi, next, end, stride, budget, write_h, write_a);
     }
   }
 }

@@ -6,18 +6,22 @@
 //
 // Persistent and warp-specialised: 3 warpgroups per CTA, one CTA per SM.
 //   warpgroup 0 (56 registers), the loaders and the epilogue:
-//     loader warps (warp 0; warps 0-1 with a gather): thread 0 decodes the tile schedule and hands
+//     loader warps (warp 0; all four with a gather): thread 0 decodes the tile schedule and hands
 //       it to the consumers through a ring, and issues the TMA loads of the B tile (weights) and
-//       of contiguous A; with a gather the loader threads copy the A rows by 16-byte cp.async. A
-//       ring of shared-memory stages, one mbarrier per stage (TMA bytes + cp.async arrivals).
-//     epilogue warps (the others): write the staged output tile to global memory with the
-//       activation (sm90_gemm_epilogue.cuh) while the consumers already run the next tile; full
-//       tiles' C/H leave by TMA stores. The dH epilogue (sm90_gemm_epilogue_dact.cuh) is the
-//       exception: the consumers run it on their own staged rows under the next tile's wgmmas.
+//       of contiguous A; with a gather the loader threads copy the A rows by 16-byte cp.async,
+//       each keeping its 8 rows of the tile in registers as 32-bit offsets. A ring of
+//       shared-memory stages, one mbarrier per stage (TMA bytes + cp.async arrivals).
+//     epilogue (warps 1-3 without a gather; the loaders themselves, between loads, with one):
+//       stores the staged C/H tile while the consumers already run the next tile: full tiles by
+//       TMA from one thread, partial tiles (an expert's last) by the threads.
 //   warpgroups 1-2, consumers (224 registers): each owns 64 rows of the 128-row tile, runs
 //     wgmma m64n{BN}k16 with fp32 accumulators, keeps one wgmma group in flight, releases a stage
 //     as soon as the wgmmas reading it retire, and stages the finished tile (+ bias, bf16) out to
-//     shared memory.
+//     shared memory. The work an epilogue does per element runs here too, on the warpgroup's own
+//     64 staged rows, in slices under the next tile's wgmmas: the activation output A of the
+//     GLU/activation epilogues (sm90_gemm_epilogue.cuh) and the whole dH epilogue
+//     (sm90_gemm_epilogue_dact.cuh). Measured: on the loaders, A cost the gathered up-projection
+//     18% (the loaders' cp.async issue bounds it); here, 9%.
 // Tiles: 128 rows of one expert x BN columns; an expert's last tile is predicated (no expert is
 // padded to the tile), empty experts have no tiles. Tile t of the whole problem is found by a
 // binary search over tile_offsets [E+1] (prefix of per-expert tile counts), so every CTA walks
@@ -202,20 +206,22 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         const GemmTile tile = *epi_tile;
         if (tile.e < 0) break;
         const bool by_tma = tma_store_tile(tile, tid == kLoaders);
-        if (by_tma && EPI == kEpiStore) {  // nothing left for the threads
+        if (by_tma) {  // nothing left for the threads (A is the consumers')
           if (tid == kLoaders) sm90::bulk_wait_read_all();  // the staged tile may be overwritten after this
           sm90::mbar_arrive(epi_empty);
           continue;
         }
         // (the dH epilogue runs in the consumers: only the stop signal reaches here)
-        if constexpr (!kDact) gemm_write_out<BN, EPI>(p, tile, epi, tid - kLoaders, kEpilogueThreads, 1 << 30, by_tma);
-        if (by_tma && tid == kLoaders) sm90::bulk_wait_read_all();
+        if constexpr (!kDact)
+          gemm_write_out<BN, EPI>(p, tile, epi, tid - kLoaders, gemm_epi_items_of(tile, epi_chunks_per_row<BN, EPI>()),
+                                  kEpilogueThreads, 1 << 30, true, false);
         sm90::mbar_arrive(epi_empty);
       }
       if (kTmaStore && tid == kLoaders) sm90::bulk_wait_all();
       return;
     }
-    // With a gather the loaders also write the epilogue: `ep` tracks the staged tile in progress.
+    // With a gather the loaders also write the epilogue's C/H (tiles that do not leave by TMA):
+    // `ep` tracks the staged tile in progress.
     // They never block on a stage while epilogue work is pending (the consumers may be waiting
     // for it to stage their next tile), and poll it while they wait.
     struct {
@@ -228,12 +234,13 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       ep.tile = t;
       ep.next = tid;
       ep.tma = tma_store_tile(t, tid == 0);
-      if (ep.tma && EPI == kEpiStore) ep.next = 1 << 30;  // nothing left for the threads
+      if (ep.tma) ep.next = 1 << 30;  // nothing left for the threads (A is the consumers')
     };
     auto epi_work = [&](int budget) {  // one slice of the tile in progress
       if constexpr (!kDact) {
-        ep.next = gemm_write_out<BN, EPI>(p, ep.tile, epi, ep.next, kEpilogueThreads, budget, ep.tma);
-        if (ep.next < gemm_epi_items_of(ep.tile, epi_chunks_per_row<BN, EPI>())) return;
+        const int items = gemm_epi_items_of(ep.tile, epi_chunks_per_row<BN, EPI>());
+        if (ep.next < items) ep.next = gemm_write_out<BN, EPI>(p, ep.tile, epi, ep.next, items, kEpilogueThreads, budget, true, false);
+        if (ep.next < items) return;
       }
       if (ep.tma && tid == 0) sm90::bulk_wait_read_all();
       sm90::mbar_arrive(epi_empty);
@@ -350,6 +357,18 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       bool on = false;
     } dw;
     const int row_base = cw * 64;
+    // The activation output A of the GLU/activation epilogues, also run by each consumer
+    // warpgroup on its own 64 staged rows under the next tile's wgmmas: the loader threads, which
+    // bound a gathered GEMM by their cp.async issue, then only store C/H (by TMA for full tiles).
+    constexpr bool kActOut = EPI == kEpiGluInter || EPI == kEpiGluConcat || EPI == kEpiAct;
+    constexpr int kActItemsPerBlock = 2;
+    struct {
+      GemmTile tile;
+      int next = 0, end = 0;
+    } aw;
+    auto act_step = [&](int budget) {
+      aw.next = gemm_write_out<BN, EPI>(p, aw.tile, epi, aw.next, aw.end, 128, budget, false, true);
+    };
     auto dact_step = [&]() {  // compute the loaded group, load the next one
       pipe.compute(p, dw.tile, epi, epi_scale, row_base, dw.items, dw.end, dw.next, 128);
       dw.next += kDactGroupConsumer * 128;
@@ -393,6 +412,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
           if (kb == 0) rs.load_scores(p);
           if (dw.on) dact_step();  // the previous tile's epilogue, under this block's wgmma
         }
+        if constexpr (kActOut) {
+          if (aw.next < aw.end) act_step(kActItemsPerBlock);  // the previous tile's A
+        }
       }
       sm90::wgmma_wait<0>();
       sm90::fence_accumulators(acc);
@@ -412,17 +434,30 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         if (dw.on) pipe.load(p, dw.tile, row_base, dw.items, dw.next, 128);
         continue;
       }
+      if constexpr (kActOut) {
+        while (aw.next < aw.end) act_step(1 << 30);  // the rest of the previous tile's A
+        sm90::named_barrier_sync(2 + cw, 128);       // every thread of this warpgroup is done reading it
+      }
       // Stage the tile out for the epilogue warps once they are done with the previous one.
       sm90::mbar_wait(epi_empty, (staged & 1) ^ 1);
       gemm_stage_out<BN, EPI>(p, tile, cw, acc, epi);
-      if constexpr (kDact) rs.stage(epi_scale, cw);
       if constexpr (kTmaStore) sm90::fence_proxy_async_shared();  // st.shared -> the TMA store's reads
       if (threadIdx.x == 128) *epi_tile = tile;
       sm90::mbar_arrive(epi_full);
       ++staged;
+      if constexpr (kActOut) {
+        sm90::named_barrier_sync(2 + cw, 128);  // this warpgroup's rows are staged
+        constexpr int kChunks = epi_chunks_per_row<BN, EPI>();
+        aw.tile = tile;
+        aw.next = row_base * kChunks + tid;
+        aw.end = (row_base + max(0, min(64, tile.rows - row_base))) * kChunks;
+      }
     }
     if constexpr (kDact) {
       while (dw.on) dact_step();  // the last tile's epilogue
+    }
+    if constexpr (kActOut) {
+      while (aw.next < aw.end) act_step(1 << 30);  // the last tile's A
     }
     // Tell the epilogue warps to stop.
     sm90::mbar_wait(epi_empty, (staged & 1) ^ 1);
