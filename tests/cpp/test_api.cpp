@@ -278,6 +278,29 @@ TEST(LayerForward, RefusesWhatItDoesNotRun) {
   mtest::expect_error(ErrorCode::InvalidArgument, [&] { layer_forward(p, fa, nullptr); }, "bias");
 }
 
+// The gather loaders address rows in 32-bit offsets of 16 bytes: a gathered operand of 2^35
+// elements or more is refused by name, on the host, before any CUDA call.
+TEST(GroupedGemm, RefusesGatheredOperandsTooLargeFor32BitOffsets) {
+  std::vector<uint64_t> buf(64, 0);
+  void* ptr = buf.data();
+  GroupedGemmArgs g;
+  g.a = g.w = g.c = ptr;
+  g.gather = g.expert_offsets = g.tile_offsets = static_cast<int32_t*>(ptr);
+  g.E = 1, g.N = 64, g.K = 64, g.ldc = 64;
+  g.lda = 64, g.a_rows = (int64_t{1} << 31) - 1;  // 2^37 elements
+  const std::string msg =
+      mtest::expect_error(ErrorCode::InvalidArgument, [&] { grouped_gemm(g, nullptr); }, "gathered A of 2^37");
+  EXPECT_NE(msg.find("a_rows*lda"), std::string::npos) << msg;
+  GroupedWgradArgs w;
+  w.a = w.b = w.c = ptr;
+  w.a_gather = w.expert_offsets = static_cast<int32_t*>(ptr);
+  w.E = 1, w.M = 64, w.N = 64, w.ldb = 64, w.b_rows = 64;
+  w.lda = 64, w.a_rows = (int64_t{1} << 31) - 1;
+  const std::string wmsg =
+      mtest::expect_error(ErrorCode::InvalidArgument, [&] { grouped_gemm_wgrad(w, nullptr); }, "wgrad A of 2^37");
+  EXPECT_NE(wmsg.find("a_rows*lda"), std::string::npos) << wmsg;
+}
+
 // Null pointers are refused on the host, before any CUDA call (this machine may have no GPU).
 TEST(NotBuilt, NullPointersAreRefusedWithoutACrash) {
   for (auto& [name, call] : gpu_calls(nullptr)) {
