@@ -39,6 +39,9 @@ void validate(const LayerProblem& p);
 // `backward_workspace` are scratch for one call each.
 struct WorkspacePlan {
   size_t saved_bytes = 0;
+  // What layer_forward needs in `saved` with write_h = false (inference): saved_bytes less H's
+  // R·n1 bf16 (H is carved last). For an ExpertsProblem, equal to saved_bytes.
+  size_t inference_saved_bytes = 0;
   size_t forward_workspace_bytes = 0;
   size_t backward_workspace_bytes = 0;
 };
@@ -55,7 +58,7 @@ struct LayerForwardArgs {
   const float* selection_bias = nullptr;  // [E], Sigmoid routing only
   void* out = nullptr;                  // [T, d]
   float* aux_loss = nullptr;            // [1]
-  void* saved = nullptr;                // plan.saved_bytes, 256-byte aligned
+  void* saved = nullptr;                // plan.saved_bytes (inference_saved_bytes with write_h = false), 256-byte aligned
   void* workspace = nullptr;            // plan.forward_workspace_bytes
   uint64_t seed = 0;                    // stochastic token rounding
   // false: inference, H is not written (the up-projection writes only A), and `saved` then cannot

@@ -78,7 +78,8 @@ std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tenso
     const auto bytes = x.options().dtype(at::kByte);
     Tensor out = at::empty({p.T, p.d}, x.options());
     Tensor aux = at::empty({}, x.options().dtype(at::kFloat));
-    Tensor saved = at::empty({static_cast<int64_t>(plan.saved_bytes)}, bytes);
+    // Inference (write_h false): H is not written, and the block stops before it.
+    Tensor saved = at::empty({static_cast<int64_t>(write_h ? plan.saved_bytes : plan.inference_saved_bytes)}, bytes);
     Tensor ws = at::empty({static_cast<int64_t>(plan.forward_workspace_bytes)}, bytes);
     LayerForwardArgs a;
     a.x = x.data_ptr();

@@ -44,6 +44,7 @@ WorkspacePlan plan_workspace(const LayerProblem& p) {
   const detail::LayerLayout L(p);  // the same layout layer_forward carves the blocks with
   WorkspacePlan w;
   w.saved_bytes = L.saved_bytes;
+  w.inference_saved_bytes = L.inference_saved_bytes;
   w.forward_workspace_bytes = L.forward_bytes;
   w.backward_workspace_bytes = L.backward_bytes;
   return w;
@@ -78,6 +79,7 @@ WorkspacePlan plan_workspace(const ExpertsProblem& p) {
   const detail::ExpertsLayout L(p);  // the same layout experts_forward/backward carve the blocks with
   WorkspacePlan w;
   w.saved_bytes = L.saved_bytes;
+  w.inference_saved_bytes = L.saved_bytes;  // experts_forward always writes H
   w.forward_workspace_bytes = L.forward_bytes;
   w.backward_workspace_bytes = L.backward_bytes;
   return w;

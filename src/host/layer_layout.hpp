@@ -166,6 +166,7 @@ struct LayerLayout {
   size_t list_token = 0, list_padded = 0, topk_scores = 0, topk_experts = 0, list_token_offsets = 0,
          count_topk = 0, count_rounded = 0;
   size_t saved_bytes;
+  size_t inference_saved_bytes;  // everything before H (carved last): enough when H is not written
   // forward workspace: the expert part's scratch (gather index, A, Y, metadata, tile offsets),
   // the aggregation's pair offsets, the aux loss's partial sums, cuBLAS, token rounding
   ExpertsForwardScratch fwd;
@@ -188,7 +189,6 @@ struct LayerLayout {
     const size_t es = static_cast<size_t>(dtype_size(p.dtype));
     const size_t r = static_cast<size_t>(R), T = static_cast<size_t>(p.T), E = static_cast<size_t>(p.E);
     Carve s;
-    h = s.take(r * static_cast<size_t>(n1) * es);  // [R, n1]
     scores = s.take(r * 4);                         // [T*K] fp32 (or [R] for a rounded list)
     expert_offsets = s.take((E + 1) * 4);
     row_pair = s.take(r * 4);
@@ -205,6 +205,9 @@ struct LayerLayout {
       count_topk = s.take((E + 1) * 4);
       count_rounded = s.take(E * 4);
     }
+    // H last, so that inference (layer_forward with write_h = false) needs only what precedes it.
+    inference_saved_bytes = s.bytes;
+    h = s.take(r * static_cast<size_t>(n1) * es);  // [R, n1]
     saved_bytes = s.bytes;
 
     Carve f;

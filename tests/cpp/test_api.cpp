@@ -402,4 +402,25 @@ TEST(PlanWorkspace, SavedIsTheMemoryMinimum) {
   }
 }
 
+// Inference (write_h = false) needs the saved block less H: R·n1 bf16 rounded to 256 bytes, for
+// every activation kind and with token rounding (more rows); an experts call always writes H.
+TEST(PlanWorkspace, InferenceSavedDropsExactlyH) {
+  for (const Activation act : {Activation::SwiGLU, Activation::GELU}) {
+    for (const TokenRounding rnd : {TokenRounding::None, TokenRounding::Nearest}) {
+      LayerProblem p;
+      p.T = 1000, p.d = 256, p.n = 72, p.E = 16, p.K = 3;
+      p.activation = act, p.rounding = rnd;
+      const WorkspacePlan w = plan_workspace(p);
+      const int64_t n1 = is_glu(act) ? 2 * p.n : p.n;
+      const int64_t rows = rnd == TokenRounding::None ? p.T * p.K : std::min(p.T * p.K + p.E * (p.rounding_tile_m - 1), p.T * p.E);
+      const size_t h = (static_cast<size_t>(rows * n1 * 2) + 255) / 256 * 256;
+      EXPECT_EQ(w.inference_saved_bytes + h, w.saved_bytes) << to_string(act) << " " << to_string(rnd);
+    }
+  }
+  ExpertsProblem e;
+  e.T = 100, e.d = 64, e.n = 32, e.E = 4, e.R = 150;
+  const WorkspacePlan we = plan_workspace(e);
+  EXPECT_EQ(we.inference_saved_bytes, we.saved_bytes);
+}
+
 }  // namespace
