@@ -7,7 +7,8 @@
 #   $OUT/tests.log      scripts/test.sh (ctest + pytest) with MACHMOE_REQUIRE_GPU=1
 #   $OUT/sanitizer.log  compute-sanitizer memcheck on `pytest -m gpu -k small`, racecheck on the small GEMM cases
 #   $OUT/bench.log      python -m machmoe.bench (+ $OUT/bench.json, $OUT/bench.md)
-#   $OUT/summary.txt    the table printed last
+#   $OUT/summary.txt    the table printed last, and the figures that fell against
+#                       results/baseline_h100.json (python -m machmoe.bench.compare)
 # A failing step does not stop the next one; the exit status is non-zero if any step failed.
 # The whole run is held under GPU_CHECK_BUDGET_S seconds (default 560, the lease allows 600):
 # each step gets a timeout from what is left, keeping time in reserve for the benchmark.
@@ -159,6 +160,12 @@ run_step bench "$OUT/bench.log" "$(timeout_for 400 15)" run_bench "$@"
   if [[ -f "$OUT/bench.md" ]]; then
     echo
     grep -E '^(GPU:|Ceilings|\| )' "$OUT/bench.md" | cut -c1-400
+  fi
+  # Regression alarm against results/baseline_h100.json (the full table goes to bench.log).
+  if [[ -f "$OUT/bench.json" ]]; then
+    echo
+    { "$PY" -m machmoe.bench.compare "$OUT/bench.json" 2>&1 || true; } | tee -a "$OUT/bench.log" |
+      grep -E '^(new:|no baseline|regressions)|REGRESSION|Error' || true
   fi
   echo
   if (( failed )); then echo "RESULT: FAILED"; else echo "RESULT: OK"; fi

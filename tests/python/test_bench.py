@@ -300,3 +300,49 @@ def test_bench_runs_tiny_config_on_gpu():
         assert row[k]["fwd_tflops"] > 0 and row[k]["bwd_tflops"] > 0
     assert row["grouped_mm"]["held_bytes"] > 0
     assert row["machmoe"]["status"] == "ok" or row["machmoe"]["status"].startswith("not built")
+
+
+# ---------------------------------------------------------------- regression alarm (bench.compare)
+
+def _baseline() -> dict:
+    import json
+    return json.loads((ROOT / "results" / "baseline_h100.json").read_text())
+
+
+def test_baseline_holds_every_layer_config_and_kernel():
+    from machmoe.bench import compare as K
+    figures = K._figures(_baseline())
+    assert sum(name.endswith(" layer fwd") for name in figures) == len(C.CONFIGS)
+    assert sum(name.endswith(" layer bwd") for name in figures) == len(C.CONFIGS)
+    assert any("dH" in name for name in figures) and all(v > 0 for v in figures.values())
+
+
+def test_compare_flags_exactly_the_figures_that_fell():
+    import copy
+    from machmoe.bench import compare as K
+    base = _baseline()
+    same = K.compare(base, base)
+    assert same and all(abs(r["normalised"] - 1) < 1e-12 and not r["regression"] for r in same)
+    new = copy.deepcopy(base)
+    victim = next(k for k in new["gemm_kernels"] if "dW1" in k["kernel"])
+    victim["machmoe_tflops"] *= 0.5  # what 0758b7f did to the weight gradients
+    new["configs"][2]["machmoe"]["bwd_tflops"] *= 0.95  # within the 8% tolerance
+    flagged = [r["figure"] for r in K.compare(new, base) if r["regression"]]
+    assert flagged == [victim["kernel"]]
+
+
+def test_compare_normalises_by_each_runs_ceiling():
+    import copy
+    from machmoe.bench import compare as K
+    base = _baseline()
+    slow = copy.deepcopy(base)  # a machine 15% slower in every figure, its cuBLAS too
+    slow["ceilings"]["matmul_tflops"] *= 0.85
+    for c in slow["configs"]:
+        c["machmoe"]["fwd_tflops"] *= 0.85
+        c["machmoe"]["bwd_tflops"] *= 0.85
+    for k in slow["gemm_kernels"]:
+        k["machmoe_tflops"] *= 0.85
+    rows = K.compare(slow, base)
+    assert all(abs(r["ratio"] - 0.85) < 1e-9 and not r["regression"] for r in rows)
+    text = K.format_rows(rows, slow, base)
+    assert "regressions beyond tolerance: 0" in text
