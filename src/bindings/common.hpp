@@ -43,6 +43,26 @@ inline void check_bf16(const at::Tensor& t, const char* name, at::IntArrayRef sh
   check_shape(t, name, shape);
 }
 
+// The fields a LayerProblem or an ExpertsProblem takes from the tensors (x [T, d], w1 [E, n1, d],
+// w2 [E, d, n]) and the options both have; the caller sets the rest and validates.
+template <typename Problem>
+Problem problem_from_tensors(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2, bool has_bias,
+                             const std::string& activation, const std::string& layout) {
+  check_dims(x, "x", 2);
+  check_dims(w1, "w1", 3);
+  check_dims(w2, "w2", 3);
+  Problem p;
+  p.T = x.size(0);
+  p.d = x.size(1);
+  p.E = w1.size(0);
+  p.n = w2.size(2);
+  p.activation = parse_activation(activation);
+  p.layout = parse_layout(layout);
+  p.has_bias = has_bias;
+  p.dtype = DType::BF16;
+  return p;
+}
+
 // The `saved` block a forward op returned, handed back to its backward op: uint8, contiguous,
 // on `device`, of the plan's size for the same problem.
 inline void check_saved(const at::Tensor& saved, size_t bytes, const at::Device& device, const char* forward_op) {

@@ -21,19 +21,8 @@ using at::Tensor;
 // the list's length R and the string options.
 ExpertsProblem experts_problem(const Tensor& x, const Tensor& w1, const Tensor& w2, bool has_bias, int64_t R,
                                const std::string& activation, const std::string& layout) {
-  check_dims(x, "x", 2);
-  check_dims(w1, "w1", 3);
-  check_dims(w2, "w2", 3);
-  ExpertsProblem p;
-  p.T = x.size(0);
-  p.d = x.size(1);
-  p.E = w1.size(0);
-  p.n = w2.size(2);
+  ExpertsProblem p = problem_from_tensors<ExpertsProblem>(x, w1, w2, has_bias, activation, layout);
   p.R = R;
-  p.activation = parse_activation(activation);
-  p.layout = parse_layout(layout);
-  p.has_bias = has_bias;
-  p.dtype = DType::BF16;
   validate(p);
   return p;
 }

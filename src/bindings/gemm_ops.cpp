@@ -20,6 +20,36 @@ GemmEpilogue parse_epilogue(const std::string& s) {
   TORCH_CHECK_VALUE(false, "epilogue: unknown value '", s, "'; choose one of store, glu, activation");
 }
 
+void check_bf16_matrix(const Tensor& t, const char* name, int dims) {
+  check_dims(t, name, dims);
+  check_bf16(t, name, t.sizes());  // dtype, device and contiguity; any shape of `dims` dimensions
+}
+
+void check_int32(const Tensor& t, const char* name, int64_t min_numel) {
+  TORCH_CHECK_VALUE(t.is_cuda() && t.scalar_type() == at::kInt && t.is_contiguous() && t.numel() >= min_numel, name,
+                    " must be a contiguous int32 CUDA tensor of at least ", min_numel, " elements");
+}
+
+// The arguments both GEMM ops share: A rows (lda apart; a_rows of them), the gather index or none,
+// the expert offsets, W [E, *, *] and the tile-offset workspace (returned: it must outlive the call).
+GroupedGemmArgs gemm_args(const Tensor& a, int64_t lda, const std::optional<Tensor>& gather,
+                          const Tensor& expert_offsets, const Tensor& w, int64_t E, int64_t N, int64_t K,
+                          Tensor& tiles) {
+  tiles = at::empty({E + 1}, expert_offsets.options());
+  GroupedGemmArgs g;
+  g.a = a.data_ptr();
+  g.lda = lda;
+  g.a_rows = a.size(0);
+  g.gather = gather ? gather->data_ptr<int32_t>() : nullptr;
+  g.expert_offsets = expert_offsets.data_ptr<int32_t>();
+  g.E = E;
+  g.N = N;
+  g.K = K;
+  g.w = w.data_ptr();
+  g.tile_offsets = tiles.data_ptr<int32_t>();
+  return g;
+}
+
 // a [*, K] bf16 rows; gather [R] int32 or none; expert_offsets [E+1] int32; w [E, N, K] bf16;
 // bias [E, N] bf16 or none; num_rows = R (the caller's bound; off[E] <= R on the device).
 std::tuple<Tensor, Tensor> op_grouped_gemm(const Tensor& a, const std::optional<Tensor>& gather,
@@ -34,14 +64,10 @@ std::tuple<Tensor, Tensor> op_grouped_gemm(const Tensor& a, const std::optional<
                       "w must be a contiguous [E, N, K] bfloat16 CUDA tensor");
     const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
     TORCH_CHECK_VALUE(a.size(1) == K, "a must have K = ", K, " columns, got ", a.size(1));
-    TORCH_CHECK_VALUE(expert_offsets.is_cuda() && expert_offsets.scalar_type() == at::kInt &&
-                          expert_offsets.numel() == E + 1,
-                      "expert_offsets must be an int32 CUDA tensor of E+1 = ", E + 1, " elements");
+    check_int32(expert_offsets, "expert_offsets", E + 1);
+    TORCH_CHECK_VALUE(expert_offsets.numel() == E + 1, "expert_offsets must have E+1 = ", E + 1, " elements");
     TORCH_CHECK_VALUE(num_rows >= 0, "num_rows must be >= 0");
-    if (gather) {
-      TORCH_CHECK_VALUE(gather->is_cuda() && gather->scalar_type() == at::kInt && gather->numel() >= num_rows,
-                        "gather must be an int32 CUDA tensor of at least num_rows elements");
-    }
+    if (gather) check_int32(*gather, "gather", num_rows);
     if (bias) {
       TORCH_CHECK_VALUE(bias->is_cuda() && bias->scalar_type() == at::kBFloat16 && bias->is_contiguous(),
                         "bias must be a contiguous bfloat16 CUDA tensor");
@@ -52,17 +78,8 @@ std::tuple<Tensor, Tensor> op_grouped_gemm(const Tensor& a, const std::optional<
     Tensor c = at::empty({num_rows, N}, a.options());
     const int64_t c2_cols = epi == GemmEpilogue::GLU ? N / 2 : N;
     Tensor c2 = epi == GemmEpilogue::Store ? at::empty({0}, a.options()) : at::empty({num_rows, c2_cols}, a.options());
-    Tensor tiles = at::empty({E + 1}, expert_offsets.options());
-    GroupedGemmArgs g;
-    g.a = a.data_ptr();
-    g.lda = a.stride(0);
-    g.a_rows = a.size(0);
-    g.gather = gather ? gather->data_ptr<int32_t>() : nullptr;
-    g.expert_offsets = expert_offsets.data_ptr<int32_t>();
-    g.E = E;
-    g.N = N;
-    g.K = K;
-    g.w = w.data_ptr();
+    Tensor tiles;
+    GroupedGemmArgs g = gemm_args(a, a.stride(0), gather, expert_offsets, w, E, N, K, tiles);
     g.bias = bias ? bias->data_ptr() : nullptr;
     g.c = c.data_ptr();
     g.ldc = N;
@@ -71,20 +88,9 @@ std::tuple<Tensor, Tensor> op_grouped_gemm(const Tensor& a, const std::optional<
     g.epilogue = epi;
     g.activation = parse_activation(activation);
     g.layout = parse_layout(layout);
-    g.tile_offsets = tiles.data_ptr<int32_t>();
     if (num_rows > 0) grouped_gemm(g, at::cuda::getCurrentCUDAStream());
     return std::make_tuple(c, c2);
   });
-}
-
-void check_bf16_matrix(const Tensor& t, const char* name, int dims) {
-  check_dims(t, name, dims);
-  check_bf16(t, name, t.sizes());  // dtype, device and contiguity; any shape of `dims` dimensions
-}
-
-void check_int32(const Tensor& t, const char* name, int64_t min_numel) {
-  TORCH_CHECK_VALUE(t.is_cuda() && t.scalar_type() == at::kInt && t.is_contiguous() && t.numel() >= min_numel, name,
-                    " must be a contiguous int32 CUDA tensor of at least ", min_numel, " elements");
 }
 
 // The backward's GEMMs with N-major weights. dact = false: C [num_rows, N] = A[rows] · W[e] with
@@ -110,21 +116,11 @@ std::tuple<Tensor, Tensor, Tensor> op_grouped_gemm_nmajor(const Tensor& a, const
     const Activation act = parse_activation(activation);
     const int64_t n1 = is_glu(act) ? 2 * N : N;
     const c10::cuda::CUDAGuard guard(a.device());
-    GroupedGemmArgs g;
-    g.a = a.data_ptr();
-    g.lda = K;
-    g.a_rows = a.size(0);
-    g.gather = gather ? gather->data_ptr<int32_t>() : nullptr;
-    g.expert_offsets = expert_offsets.data_ptr<int32_t>();
-    g.E = E;
-    g.N = N;
-    g.K = K;
-    g.w = w_kn.data_ptr();
+    Tensor tiles;
+    GroupedGemmArgs g = gemm_args(a, K, gather, expert_offsets, w_kn, E, N, K, tiles);
     g.w_n_major = true;
     g.activation = act;
     g.layout = parse_layout(layout);
-    Tensor tiles = at::empty({E + 1}, expert_offsets.options());
-    g.tile_offsets = tiles.data_ptr<int32_t>();
     Tensor c, c2, ds;
     if (!dact) {
       c = at::empty({num_rows, N}, a.options());

@@ -19,23 +19,12 @@ using at::Tensor;
 LayerProblem layer_problem(const Tensor& x, const Tensor& w1, const Tensor& w2, bool has_bias, int64_t K,
                            const std::string& activation, const std::string& layout, const std::string& routing,
                            bool renormalize, const std::string& rounding, int64_t tile_m) {
-  check_dims(x, "x", 2);
-  check_dims(w1, "w1", 3);
-  check_dims(w2, "w2", 3);
-  LayerProblem p;
-  p.T = x.size(0);
-  p.d = x.size(1);
-  p.E = w1.size(0);
-  p.n = w2.size(2);
+  LayerProblem p = problem_from_tensors<LayerProblem>(x, w1, w2, has_bias, activation, layout);
   p.K = K;
-  p.activation = parse_activation(activation);
-  p.layout = parse_layout(layout);
   p.routing = parse_routing(routing);
   p.renormalize = renormalize;
   p.rounding = parse_token_rounding(rounding);
   p.rounding_tile_m = tile_m;
-  p.has_bias = has_bias;
-  p.dtype = DType::BF16;
   validate(p);
   return p;
 }

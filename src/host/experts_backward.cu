@@ -23,13 +23,9 @@ using detail::require_arg;
 
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarpsPerBlock = kThreads / 32;
-
-// Blocks covering `work` items at `per_block` each, at least one (grid.x may reach 2^31 - 1).
-unsigned blocks_for(int64_t work, int64_t per_block) {
-  return static_cast<unsigned>(std::max<int64_t>(ceil_div(work, per_block), 1));
-}
+constexpr int kThreads = detail::kBackwardThreads;
+constexpr int kWarpsPerBlock = detail::kBackwardWarpsPerBlock;
+using detail::blocks_for;
 
 // db[e] [cols] = Σ_{rows r of e} scale_r · src[row(r)] (fixed order; kernels/layer_backward.cuh).
 void bias_gradient(const ExpertsBackwardScratch& S, int64_t E, void* ws, const __nv_bfloat16* src,

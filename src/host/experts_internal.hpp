@@ -7,12 +7,23 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 
+#include "host/check.hpp"
 #include "host/layer_layout.hpp"
 #include "machmoe/machmoe.hpp"
 
 namespace machmoe::detail {
+
+// Launch shape of the backward's small kernels (kernels/layer_backward.cuh), shared by the layer's
+// and the general list's backward: 256 threads, and a grid of blocks covering `work` items at
+// `per_block` each, at least one (grid.x may reach 2^31 - 1).
+constexpr int kBackwardThreads = 256;
+constexpr int kBackwardWarpsPerBlock = kBackwardThreads / 32;
+inline unsigned blocks_for(int64_t work, int64_t per_block) {
+  return static_cast<unsigned>(std::max<int64_t>(ceil_div(work, per_block), 1));
+}
 
 // A routing list of `pairs` pairs in token order: pair p sends token token[p] to expert expert[p]
 // with weight scores[p]. A top-K list has no token array (token = p / K, pairs = T·K). `pairs` is

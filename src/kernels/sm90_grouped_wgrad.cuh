@@ -94,14 +94,23 @@ struct WgradRows {
   }
 };
 
-// Tile t -> expert, first row of M, column block (m inner: the CTAs running together share the
-// expert's B rows and most of its A rows in L2).
-__device__ __forceinline__ void wgrad_decode(const GroupedWgradParams& p, int t, int& e, int& m0, int& n_blk) {
+// Tile t -> expert, first row of M, first column, and the expert's rows [begin, end) (m inner:
+// the CTAs running together share the expert's B rows and most of its A rows in L2). Decoded by
+// the loaders and the consumers alike.
+struct WgradTile {
+  int e, m0, n0, begin, end;
+};
+template <int BN>
+__device__ __forceinline__ WgradTile wgrad_decode(const GroupedWgradParams& p, int t) {
   const int per_expert = p.m_tiles * p.n_tiles;
-  e = t / per_expert;
-  const int local = t - e * per_expert;
-  m0 = (local % p.m_tiles) * kWgradBM;
-  n_blk = local / p.m_tiles;
+  WgradTile w;
+  w.e = t / per_expert;
+  const int local = t - w.e * per_expert;
+  w.m0 = (local % p.m_tiles) * kWgradBM;
+  w.n0 = local / p.m_tiles * BN;
+  w.begin = __ldg(p.expert_offsets + w.e);
+  w.end = __ldg(p.expert_offsets + w.e + 1);
+  return w;
 }
 
 template <int BN>
@@ -134,10 +143,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
     sm90::setmaxnreg_dec<56>();
     int it = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
-      int e, m0, nb;
-      wgrad_decode(p, t, e, m0, nb);
-      const int n0 = nb * BN;
-      const int begin = __ldg(p.expert_offsets + e), end = __ldg(p.expert_offsets + e + 1);
+      const auto [e, m0, n0, begin, end] = wgrad_decode<BN>(p, t);
       using RowsA = WgradRows<kWgradBM>;
       using RowsB = WgradRows<BN>;
       int32_t a_rows[RowsA::kPasses];
@@ -173,10 +179,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
   const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
   int it = 0;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    int e, m0, nb;
-    wgrad_decode(p, t, e, m0, nb);
-    const int n0 = nb * BN;
-    const int begin = __ldg(p.expert_offsets + e), end = __ldg(p.expert_offsets + e + 1);
+    const auto [e, m0, n0, begin, end] = wgrad_decode<BN>(p, t);
     float acc[BN / 2];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
