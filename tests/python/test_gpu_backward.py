@@ -13,29 +13,12 @@ import torch
 
 from machmoe import MoE, functional
 
+from gpu_test_helpers import GLU, make_layer, rel_err
+
 pytestmark = [pytest.mark.gpu, pytest.mark.ops]
 
-GLU = ("swiglu", "geglu", "reglu")
 AUX_WEIGHT = 0.37
 NAMES = ("x", "router_weight", "w1", "w2", "b1", "b2")
-
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
-
-
-def make_layer(T, d, n, E, act, bias, std=0.02):
-    n1 = 2 * n if act in GLU else n
-    dev = "cuda"
-    return {
-        "x": torch.randn(T, d, device=dev).bfloat16(),
-        "router_weight": (torch.randn(E, d, device=dev) * std).bfloat16(),
-        "w1": (torch.randn(E, n1, d, device=dev) * std).bfloat16(),
-        "w2": (torch.randn(E, d, n, device=dev) * std).bfloat16(),
-        "b1": (torch.randn(E, n1, device=dev) * 0.1).bfloat16() if bias else None,
-        "b2": (torch.randn(E, d, device=dev) * 0.1).bfloat16() if bias else None,
-    }
 
 
 def grads(t, g, K, backend, dtype=None, aux_weight=AUX_WEIGHT, **opts):

@@ -12,16 +12,12 @@ import torch
 
 from machmoe import functional
 
+from gpu_test_helpers import GLU, rel_err
+
 pytestmark = [pytest.mark.gpu, pytest.mark.ops]
 
 ACTIVATIONS = ("swiglu", "geglu", "reglu", "relu2", "relu", "gelu", "silu")
-GLU = ("swiglu", "geglu", "reglu")
 NAMES = ("x", "w1", "w2", "b1", "b2", "scores")
-
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
 def make_experts(T, d, n, E, act, bias, std=0.02):

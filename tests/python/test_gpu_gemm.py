@@ -6,32 +6,10 @@ the same test), per SPEC §4. Tests with "small" in their name also run under co
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from machmoe import _ops
+from gpu_test_helpers import ACTS, GLU, ops, rel_err, offsets
 
 pytestmark = [pytest.mark.gpu, pytest.mark.ops]
-
-ACTS = {
-    "swiglu": F.silu, "geglu": lambda g: F.gelu(g, approximate="tanh"), "reglu": F.relu,
-    "relu2": lambda h: F.relu(h) ** 2, "relu": F.relu, "gelu": lambda h: F.gelu(h, approximate="tanh"),
-    "silu": F.silu,
-}
-GLU = ("swiglu", "geglu", "reglu")
-
-
-def ops():
-    _ops.require_ops()
-    return torch.ops.machmoe
-
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
-
-
-def offsets(counts):
-    return torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
 
 
 def make_problem(counts, N, K, gather, T=None):

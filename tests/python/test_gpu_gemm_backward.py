@@ -8,32 +8,10 @@ plain PyTorch bf16 (bf16 matmul, bf16-rounded outputs) measured in the same test
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from machmoe import _ops
+from gpu_test_helpers import ACTS, GLU, ops, rel_err, offsets
 
 pytestmark = [pytest.mark.gpu, pytest.mark.ops]
-
-GLU = ("swiglu", "geglu", "reglu")
-ACTS = {
-    "swiglu": F.silu, "geglu": lambda g: F.gelu(g, approximate="tanh"), "reglu": F.relu,
-    "relu2": lambda h: F.relu(h) ** 2, "relu": F.relu, "gelu": lambda h: F.gelu(h, approximate="tanh"),
-    "silu": F.silu,
-}
-
-
-def ops():
-    _ops.require_ops()
-    return torch.ops.machmoe
-
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
-
-
-def offsets(counts):
-    return torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
 
 
 def check(got, ref, base, what, floor=0.0):

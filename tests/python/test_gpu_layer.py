@@ -10,28 +10,9 @@ import torch
 from machmoe import functional, torch_backend
 from machmoe.enums import ActivationType, GateUpLayout, RoutingMethod, TokenRounding
 
+from gpu_test_helpers import GLU, make_layer, rel_err
+
 pytestmark = [pytest.mark.gpu, pytest.mark.ops]
-
-GLU = ("swiglu", "geglu", "reglu")
-
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
-
-
-def make_layer(T, d, n, E, act, bias, std=0.02):
-    n1 = 2 * n if act in GLU else n
-    dev = "cuda"
-    t = {
-        "x": torch.randn(T, d, device=dev).bfloat16(),
-        "router_weight": (torch.randn(E, d, device=dev) * std).bfloat16(),
-        "w1": (torch.randn(E, n1, d, device=dev) * std).bfloat16(),
-        "w2": (torch.randn(E, d, n, device=dev) * std).bfloat16(),
-        "b1": (torch.randn(E, n1, device=dev) * 0.1).bfloat16() if bias else None,
-        "b2": (torch.randn(E, d, device=dev) * 0.1).bfloat16() if bias else None,
-    }
-    return t
 
 
 def run(t, K, act, layout, routing, renorm, backend, dtype=None, selection_bias=None, **rounding):
