@@ -6,8 +6,9 @@
   python -m machmoe.bench.ncu_probe --top src.csv
 
 The first form runs one expert GEMM of 7B-a (SwiGLU, interleaved) three times: `up` (gathered
-up-projection), `down` (down-projection), `dh`, `dx` (dX~). The second prints the SASS
-instructions where the warps were sampled most, with their share: the place to look first.
+up-projection), `upc` (the same on pre-gathered rows, A by TMA), `down` (down-projection), `dh`,
+`dx` (dX~). The second prints the SASS instructions where the warps were sampled most, with
+their share: the place to look first.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ def run_kernel(which: str, T: int = 24576, d: int = 1536, n: int = 256, E: int =
     x = torch.randn(T, d, device="cuda").bfloat16()
     if which == "up":
         fn = lambda: m.grouped_gemm(x, row_token, offs, w1, None, R, "glu", "swiglu", "interleaved")  # noqa: E731
+    elif which == "upc":  # the same GEMM on pre-gathered rows (A by TMA): the engine's own ceiling
+        xg = x[row_token.long()].contiguous()
+        fn = lambda: m.grouped_gemm(xg, None, offs, w1, None, R, "glu", "swiglu", "interleaved")  # noqa: E731
     elif which == "down":
         a = torch.randn(R, n, device="cuda").bfloat16()
         fn = lambda: m.grouped_gemm(a, None, offs, w2, None, R, "store", "swiglu", "interleaved")  # noqa: E731
@@ -41,7 +45,7 @@ def run_kernel(which: str, T: int = 24576, d: int = 1536, n: int = 256, E: int =
         dh = torch.randn(R, 2 * n, device="cuda").bfloat16()
         fn = lambda: m.grouped_gemm_nmajor(dh, None, offs, w1, R, None, None, None, "swiglu", "interleaved")  # noqa: E731
     else:
-        raise SystemExit(f"unknown kernel {which!r}: up, down, dh, dx")
+        raise SystemExit(f"unknown kernel {which!r}: up, upc, down, dh, dx")
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -68,7 +72,7 @@ def top_instructions(path: str, count: int = 40) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m machmoe.bench.ncu_probe")
-    p.add_argument("kernel", nargs="?", help="up, down, dh or dx")
+    p.add_argument("kernel", nargs="?", help="up, upc, down, dh or dx")
     p.add_argument("--top", metavar="CSV", help="summarise an ncu source-page CSV instead")
     args = p.parse_args(argv)
     if args.top:
