@@ -7,14 +7,19 @@
 
 The first form runs one expert GEMM of 7B-a (SwiGLU, interleaved) three times: `up` (gathered
 up-projection), `upc` (the same on pre-gathered rows, A by TMA), `down` (down-projection), `dh`,
-`dx` (dX~). The second prints the SASS instructions where the warps were sampled most, with
-their share: the place to look first.
+`dx` (dX~), `dense` (8192³ through the same engine). The second prints the SASS instructions
+where the warps were sampled most, with their share: the place to look first.
+`scripts/gpu_profile.sh` runs both forms, with the speed-of-light and memory tables, for a list of
+kernels in one device call.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+
+
+KERNELS = ("up", "upc", "down", "dh", "dx", "dense")
 
 
 def run_kernel(which: str, T: int = 24576, d: int = 1536, n: int = 256, E: int = 128, K: int = 8) -> None:
@@ -44,8 +49,13 @@ def run_kernel(which: str, T: int = 24576, d: int = 1536, n: int = 256, E: int =
     elif which == "dx":
         dh = torch.randn(R, 2 * n, device="cuda").bfloat16()
         fn = lambda: m.grouped_gemm_nmajor(dh, None, offs, w1, R, None, None, None, "swiglu", "interleaved")  # noqa: E731
+    elif which == "dense":  # 8192³ through the same engine (one expert): the mainloop's ceiling
+        a = torch.randn(8192, 8192, device="cuda").bfloat16()
+        w = (torch.randn(1, 8192, 8192, device="cuda") / 8192 ** 0.5).bfloat16()
+        off = torch.tensor([0, 8192], dtype=torch.int32, device="cuda")
+        fn = lambda: m.grouped_gemm(a, None, off, w, None, 8192, "store", "swiglu", "interleaved")  # noqa: E731
     else:
-        raise SystemExit(f"unknown kernel {which!r}: up, upc, down, dh, dx")
+        raise SystemExit(f"unknown kernel {which!r}: {', '.join(KERNELS)}")
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -72,7 +82,7 @@ def top_instructions(path: str, count: int = 40) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m machmoe.bench.ncu_probe")
-    p.add_argument("kernel", nargs="?", help="up, upc, down, dh or dx")
+    p.add_argument("kernel", nargs="?", help=", ".join(KERNELS))
     p.add_argument("--top", metavar="CSV", help="summarise an ncu source-page CSV instead")
     args = p.parse_args(argv)
     if args.top:
