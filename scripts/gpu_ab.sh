@@ -12,7 +12,9 @@
 #
 # Usage, locally:   git diff main my-branch -- src include > ab.patch   (untracked, travels along)
 #        on device: OUT=$OUT scripts/gpu_ab.sh ab.patch
-# Environment: AB_REPS, AB_LAYER, AB_SKIP_TESTS=1 (timing only, for a variant already verified).
+# Environment: AB_REPS, AB_LAYER, AB_SKIP_TESTS=1 (timing only, for a variant already verified),
+#   AB_ENV_B="NAME=VALUE ..." (set for every B run, tests included: a branch's runtime knob, e.g.
+#   AB_ENV_B="MACHMOE_GEMM_L2HINTS=3").
 set -uo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -30,7 +32,7 @@ export MACHMOE_JOBS=${MACHMOE_JOBS:-$(nproc)}
 b_root=/tmp/machmoe_ab_b
 say() { echo "$*" | tee -a "$log"; }
 
-say "gpu_ab: A = $root (commit ${MACHMOE_COMMIT:-unknown}), B = A + $(basename "$patch_file"), $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+say "gpu_ab: A = $root (commit ${MACHMOE_COMMIT:-unknown}), B = A + $(basename "$patch_file") ${AB_ENV_B:+with $AB_ENV_B}, $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader 2>&1 | tee -a "$log"
 
 rm -rf "$b_root" && mkdir -p "$b_root"
@@ -49,9 +51,12 @@ say "build A rc=$a_rc, B rc=$b_rc"
 (( a_rc == 0 && b_rc == 0 )) || { grep -m5 -i error "$OUT"/build_*.log | tee -a "$log"; exit 1; }
 
 lib() { if [[ $1 == A ]]; then echo "$root"; else echo "$b_root"; fi; }
-in_tree() {  # in_tree A|B CMD...: run CMD with that tree's library and package
-  local t; t=$(lib "$1"); shift
-  MACHMOE_LIBRARY_DIR="$t/build/lib" PYTHONPATH="$t/python" "$@"
+in_tree() {  # in_tree A|B CMD...: run CMD with that tree's library and package (B: and AB_ENV_B)
+  local v=$1 t; t=$(lib "$1"); shift
+  local -a extra=()
+  # shellcheck disable=SC2206  # AB_ENV_B is a list of NAME=VALUE words
+  [[ $v == B && -n "${AB_ENV_B:-}" ]] && extra=(${AB_ENV_B})
+  env MACHMOE_LIBRARY_DIR="$t/build/lib" PYTHONPATH="$t/python" "${extra[@]}" "$@"
 }
 
 if [[ -z "${AB_SKIP_TESTS:-}" ]]; then
