@@ -17,18 +17,13 @@
 #   AB_ENV_B="MACHMOE_GEMM_L2HINTS=3").
 set -uo pipefail
 
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$root" || exit 2
 patch_file=${1:?usage: scripts/gpu_ab.sh PATCH (a diff of the B variant against this tree)}
 [[ -f "$patch_file" ]] || { echo "gpu_ab: no patch file $patch_file"; exit 2; }
 patch_file=$(cd "$(dirname "$patch_file")" && pwd)/$(basename "$patch_file")
-OUT=${OUT:-$root/gpu_ab_out}
-mkdir -p "$OUT"
+# shellcheck source=scripts/gpu_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" gpu_ab_out
 log=$OUT/ab.log
 : > "$log"
-export PYTHONUNBUFFERED=1
-export MACHMOE_PYTHON=${MACHMOE_PYTHON:-$(command -v python3)}
-export MACHMOE_JOBS=${MACHMOE_JOBS:-$(nproc)}
 b_root=/tmp/machmoe_ab_b
 say() { echo "$*" | tee -a "$log"; }
 

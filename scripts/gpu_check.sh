@@ -17,15 +17,8 @@
 #   GPU_CHECK_SKIP="tests sanitizer"  skips steps by name (build, tests, sanitizer, bench)
 set -uo pipefail
 
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$root" || exit 2
-OUT=${OUT:-$root/gpu_check_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-# The GPU machine's python3 already has torch/numpy/pytest and there is no network: never let
-# scripts/setup.sh try to create a virtual environment there.
-export MACHMOE_PYTHON=${MACHMOE_PYTHON:-$(command -v python3)}
-export MACHMOE_JOBS=${MACHMOE_JOBS:-$(nproc)}
+# shellcheck source=scripts/gpu_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" gpu_check_out
 export MACHMOE_LIBRARY_DIR="$root/build/lib"
 export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}"
 export PY=$MACHMOE_PYTHON
@@ -75,7 +68,7 @@ run_step() {
 # ---------------------------------------------------------------- environment
 env_report() {
   echo "date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')   host: $(hostname)   cores: $(nproc)"
-  echo "repo: $root  commit: ${MACHMOE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+  echo "repo: $PWD  commit: ${MACHMOE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
   nvidia-smi || echo "nvidia-smi failed"
   nvcc --version || echo "nvcc not found"
   command -v compute-sanitizer || echo "compute-sanitizer not on PATH"

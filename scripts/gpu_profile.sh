@@ -10,15 +10,10 @@
 # Usage: OUT=$OUT scripts/gpu_profile.sh [kernel ...]   (PROFILE_SKIP_BUILD=1 reuses ./build)
 set -uo pipefail
 
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$root" || exit 2
-OUT=${OUT:-$root/gpu_profile_out}
-mkdir -p "$OUT"
+# shellcheck source=scripts/gpu_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" gpu_profile_out
 log=$OUT/ncu.log
 : > "$log"
-export PYTHONUNBUFFERED=1
-export MACHMOE_PYTHON=${MACHMOE_PYTHON:-$(command -v python3)}
-export MACHMOE_JOBS=${MACHMOE_JOBS:-$(nproc)}
 export MACHMOE_LIBRARY_DIR=$root/build/lib PYTHONPATH=$root/python
 ncu_bin=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 kernels=("$@")
