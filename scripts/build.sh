@@ -10,7 +10,10 @@ cmake_bin=$([ -f "$bindir/cmake" ] && [ -x "$bindir/cmake" ] && echo "$bindir/cm
 ninja_bin=$([ -f "$bindir/ninja" ] && [ -x "$bindir/ninja" ] && echo "$bindir/ninja" || command -v ninja)
 build=${MACHMOE_BUILD_DIR:-$root/build}
 jobs=${MACHMOE_JOBS:-$(nproc)}
+# MACHMOE_BUILD_TARGETS="machmoe machmoe_torch" builds only those (scripts/gpu_ab.sh's variants).
+targets=()
+for t in ${MACHMOE_BUILD_TARGETS:-}; do targets+=(--target "$t"); done
 "$cmake_bin" -S "$root" -B "$build" -G Ninja -DCMAKE_MAKE_PROGRAM="$ninja_bin" \
   -DCMAKE_BUILD_TYPE=Release -DPython3_EXECUTABLE="$py" "$@" >&2
-"$cmake_bin" --build "$build" -j "$jobs" >&2
+"$cmake_bin" --build "$build" -j "$jobs" "${targets[@]}" >&2
 echo "$build"

@@ -1,90 +1,130 @@
 #!/usr/bin/env bash
-# A/B of a kernel change on the GPU machine, in one device call: the working tree as it is (A,
-# usually main) against the same tree with a patch applied (B). What session 4 ran five times by
-# hand. Prints and writes $OUT/ab.log:
-#   1. both trees built at once (A in ./build, B in /tmp/machmoe_ab_b/build);
-#   2. B's GPU GEMM, layer and backward tests (pytest, MACHMOE_REQUIRE_GPU=1), then racecheck on
-#      the small GEMM cases: a variant that is wrong is not timed;
+# A/B/C/... of kernel changes on the GPU machine, in one device call: the working tree as it is (A,
+# usually main) against variants, each the same tree with a patch applied and/or a runtime knob
+# set. Prints and writes $OUT/ab.log:
+#   1. A and every patched tree built at once (the library and the torch ops only, no C++ tests;
+#      A in ./build, patch P in /tmp/machmoe_ab_P/build);
+#   2. each variant's GPU GEMM, layer and backward tests (pytest, MACHMOE_REQUIRE_GPU=1), run
+#      side by side, then racecheck on the small GEMM cases: a variant that is wrong is not timed;
 #   3. the kernel table (python -m machmoe.bench.gemm_kernels rows: dense 8192³ with cuBLAS, the
-#      six expert GEMMs of 7B-a and 30B-b) for A, B, A, B, ... (AB_REPS rounds, default 2): compare
-#      A and B only within this call (lent machines differ by up to ~10%);
-#   4. with AB_LAYER="7B-a,30B-b" (config names), the layer benchmark of both (machmoe only).
+#      six expert GEMMs of 7B-a and 30B-b) for A, B, C, ..., A, B, C, ... (AB_REPS rounds, default
+#      2): compare variants only within this call (lent machines differ by up to ~10%);
+#   4. with AB_LAYER="7B-a,30B-b" (config names), the layer benchmark of each (machmoe only).
 #
-# Usage, locally:   git diff main my-branch -- src include > ab.patch   (untracked, travels along)
-#        on device: OUT=$OUT scripts/gpu_ab.sh ab.patch
-# Environment: AB_REPS, AB_LAYER, AB_SKIP_TESTS=1 (timing only, for a variant already verified),
-#   AB_ENV_B="NAME=VALUE ..." (set for every B run, tests included: a branch's runtime knob, e.g.
-#   AB_ENV_B="MACHMOE_GEMM_L2HINTS=3").
+# Usage, locally:   git diff main my-branch -- src include > ds.patch   (untracked, travels along)
+#        on device: OUT=$OUT scripts/gpu_ab.sh VARIANT...
+# VARIANT: PATCH, PATCH@NAME=VALUE[,NAME=VALUE...] (a branch's runtime knob, set for that variant's
+#   tests and timings), or @NAME=VALUE[,...] (A's build with a knob). One build per distinct patch.
+# Environment: AB_REPS, AB_LAYER, AB_SKIP_TESTS=1 (timing only, for variants already verified),
+#   AB_TESTS=gemm (a screening: only the GEMM test files, no racecheck; verify a winner in full).
 set -uo pipefail
 
-patch_file=${1:?usage: scripts/gpu_ab.sh PATCH (a diff of the B variant against this tree)}
-[[ -f "$patch_file" ]] || { echo "gpu_ab: no patch file $patch_file"; exit 2; }
-patch_file=$(cd "$(dirname "$patch_file")" && pwd)/$(basename "$patch_file")
+(( $# )) || { echo "usage: scripts/gpu_ab.sh VARIANT... (PATCH, PATCH@NAME=VALUE,..., or @NAME=VALUE,...)"; exit 2; }
+specs=("$@")
 # shellcheck source=scripts/gpu_env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" gpu_ab_out
 log=$OUT/ab.log
 : > "$log"
-b_root=/tmp/machmoe_ab_b
+aux=/tmp/machmoe_ab_logs   # build/test/layer logs stay here (few files may come back from $OUT);
+rm -rf "$aux" && mkdir -p "$aux"   # failures are quoted into ab.log
 say() { echo "$*" | tee -a "$log"; }
 
-say "gpu_ab: A = $root (commit ${MACHMOE_COMMIT:-unknown}), B = A + $(basename "$patch_file") ${AB_ENV_B:+with $AB_ENV_B}, $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+# Variant i: label[i], tree[i] (repository root), envs[i] (space-separated NAME=VALUE words).
+labels=(A); trees=("$root"); envs=("")
+declare -A patch_tree=()
+for spec in "${specs[@]}"; do
+  patch=${spec%%@*}; knobs=""
+  [[ $spec == *@* ]] && knobs=${spec#*@}
+  tree=$root
+  if [[ -n $patch ]]; then
+    [[ -f $patch ]] || { say "gpu_ab: no patch file $patch"; exit 2; }
+    name=$(basename "$patch" .patch)
+    tree=/tmp/machmoe_ab_$name
+    if [[ -z ${patch_tree[$name]:-} ]]; then
+      rm -rf "$tree" && mkdir -p "$tree"
+      tar --exclude=./build --exclude=./.venv --exclude=./.git -cf - . | (cd "$tree" && tar xf -)
+      (cd "$tree" && { patch -p1 --quiet < "$root/$patch" || git apply "$root/$patch"; }) || { say "gpu_ab: $patch does not apply to this tree"; exit 2; }
+      patch_tree[$name]=$tree
+    fi
+  fi
+  labels+=("${patch:+$(basename "$patch" .patch)}${knobs:+@$knobs}")
+  trees+=("$tree")
+  envs+=("${knobs//,/ }")
+done
+
+say "gpu_ab: A = $root (commit ${MACHMOE_COMMIT:-unknown}), variants: ${labels[*]:1}, $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader 2>&1 | tee -a "$log"
 
-rm -rf "$b_root" && mkdir -p "$b_root"
-tar --exclude=./build --exclude=./.venv --exclude=./.git -cf - . | (cd "$b_root" && tar xf -)
-if ! (cd "$b_root" && patch -p1 --quiet < "$patch_file"); then
-  say "gpu_ab: the patch does not apply to this tree"; exit 2
-fi
-half=$(( (MACHMOE_JOBS + 1) / 2 ))
-(MACHMOE_JOBS=$half "$b_root/scripts/build.sh" > "$OUT/build_b.log" 2>&1) &
-b_pid=$!
-MACHMOE_JOBS=$half scripts/build.sh > "$OUT/build_a.log" 2>&1
-a_rc=$?
-wait "$b_pid"
-b_rc=$?
-say "build A rc=$a_rc, B rc=$b_rc"
-(( a_rc == 0 && b_rc == 0 )) || { grep -m5 -i error "$OUT"/build_*.log | tee -a "$log"; exit 1; }
+# Builds: A and each distinct patched tree at once, the cores shared out.
+build_roots=("$root" "${patch_tree[@]}")
+share=$(( MACHMOE_JOBS / ${#build_roots[@]} )); (( share >= 1 )) || share=1
+pids=()
+for t in "${build_roots[@]}"; do
+  (MACHMOE_JOBS=$share MACHMOE_BUILD_TARGETS="machmoe machmoe_torch" "$t/scripts/build.sh" \
+    > "$aux/build_$(basename "$t").log" 2>&1 || exit 1) &
+  pids+=($!)
+done
+failed=0
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}" || { failed=1; say "build failed: ${build_roots[$i]}"; grep -m5 -i error "$aux/build_$(basename "${build_roots[$i]}").log" | tee -a "$log"; }
+done
+(( failed == 0 )) || exit 1
+say "builds done ($SECONDS s)"
 
-lib() { if [[ $1 == A ]]; then echo "$root"; else echo "$b_root"; fi; }
-in_tree() {  # in_tree A|B CMD...: run CMD with that tree's library and package (B: and AB_ENV_B)
-  local v=$1 t; t=$(lib "$1"); shift
+in_variant() {  # in_variant I CMD...: run CMD with variant I's library, package and knobs
+  local i=$1; shift
   local -a extra=()
-  # shellcheck disable=SC2206  # AB_ENV_B is a list of NAME=VALUE words
-  [[ $v == B && -n "${AB_ENV_B:-}" ]] && extra=(${AB_ENV_B})
-  env MACHMOE_LIBRARY_DIR="$t/build/lib" PYTHONPATH="$t/python" "${extra[@]}" "$@"
+  # shellcheck disable=SC2206  # a list of NAME=VALUE words
+  [[ -n ${envs[$i]} ]] && extra=(${envs[$i]})
+  (cd "${trees[$i]}" && env MACHMOE_LIBRARY_DIR="${trees[$i]}/build/lib" PYTHONPATH="${trees[$i]}/python" "${extra[@]}" "$@")
 }
 
 if [[ -z "${AB_SKIP_TESTS:-}" ]]; then
-  (cd "$b_root" && in_tree B env MACHMOE_REQUIRE_GPU=1 timeout 150 "$MACHMOE_PYTHON" -m pytest -q -x \
-    tests/python/test_gpu_gemm.py tests/python/test_gpu_gemm_backward.py tests/python/test_gpu_layer.py \
-    tests/python/test_gpu_backward.py -p no:cacheprovider) > "$OUT/tests_b.log" 2>&1
-  rc=$?
-  say "B tests rc=$rc: $(tail -n 1 "$OUT/tests_b.log")"
-  (( rc == 0 )) || { tail -n 30 "$OUT/tests_b.log" | tee -a "$log"; exit 1; }
+  test_files=(tests/python/test_gpu_gemm.py tests/python/test_gpu_gemm_backward.py)
+  quick=""
+  if [[ ${AB_TESTS:-full} == gemm ]]; then quick=1
+  else test_files+=(tests/python/test_gpu_layer.py tests/python/test_gpu_backward.py); fi
   cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-  (cd "$b_root" && in_tree B env PYTORCH_NO_CUDA_MEMORY_CACHING=1 MACHMOE_REQUIRE_GPU=1 timeout 120 "$cs" --tool racecheck \
-    --racecheck-report hazard --report-api-errors no --error-exitcode 98 "$MACHMOE_PYTHON" -m pytest -q \
-    tests/python/test_gpu_gemm.py tests/python/test_gpu_gemm_backward.py -m gpu -k small -p no:cacheprovider) \
-    > "$OUT/racecheck_b.log" 2>&1
-  rc=$?
-  say "B racecheck rc=$rc: $(grep -m1 'RACECHECK SUMMARY' "$OUT/racecheck_b.log")"
-  (( rc == 0 )) || exit 1
+  variant_tests() {  # variant_tests I: its pytest files, then (unless a screening) racecheck
+    in_variant "$1" env MACHMOE_REQUIRE_GPU=1 timeout 240 "$MACHMOE_PYTHON" -m pytest -q -x "${test_files[@]}" \
+      -p no:cacheprovider || return
+    [[ -z $quick ]] || return 0
+    in_variant "$1" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 MACHMOE_REQUIRE_GPU=1 timeout 180 "$cs" --tool racecheck \
+      --racecheck-report hazard --report-api-errors no --error-exitcode 98 "$MACHMOE_PYTHON" -m pytest -q \
+      tests/python/test_gpu_gemm.py tests/python/test_gpu_gemm_backward.py -m gpu -k small -p no:cacheprovider
+  }
+  pids=()
+  for (( i = 1; i < ${#labels[@]}; ++i )); do
+    variant_tests "$i" > "$aux/tests_$i.log" 2>&1 &
+    pids+=($!)
+  done
+  ok=(1)
+  for (( i = 1; i < ${#labels[@]}; ++i )); do
+    wait "${pids[$((i - 1))]}"; rc=$?
+    say "${labels[$i]} tests+racecheck rc=$rc: $(grep -E '(passed|failed|error)' "$aux/tests_$i.log" | head -n 1) / $(grep -m1 'RACECHECK SUMMARY' "$aux/tests_$i.log")"
+    if (( rc == 0 )); then ok+=(1); else ok+=(0); tail -n 25 "$aux/tests_$i.log" | tee -a "$log"; fi
+  done
+  say "tests done ($SECONDS s)"
+else
+  ok=(); for (( i = 0; i < ${#labels[@]}; ++i )); do ok+=(1); done
 fi
 
 table='from machmoe.bench import gemm_kernels as g; print(g.format_rows(g.run()))'
 for (( rep = 1; rep <= ${AB_REPS:-2}; ++rep )); do
-  for v in A B; do
-    say "== $v, round $rep"
-    (cd "$(lib $v)" && in_tree "$v" timeout 120 "$MACHMOE_PYTHON" -c "$table") 2>&1 | grep -v '^|---' | tee -a "$log"
+  for (( i = 0; i < ${#labels[@]}; ++i )); do
+    (( ok[i] )) || continue
+    say "== ${labels[$i]}, round $rep"
+    in_variant "$i" timeout 120 "$MACHMOE_PYTHON" -c "$table" 2>&1 | grep -v '^|---' | tee -a "$log"
   done
 done
 
 if [[ -n "${AB_LAYER:-}" ]]; then
-  for v in A B; do
-    say "== layer, $v"
-    (cd "$(lib $v)" && in_tree "$v" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 200 "$MACHMOE_PYTHON" \
-      -m machmoe.bench --configs "$AB_LAYER" --impls machmoe --kernels off --out "$OUT/layer_$v") > "$OUT/layer_$v.log" 2>&1
-    grep -E '^\| [0-9A-Za-z.-]+ \| [0-9]+ \|' "$OUT/layer_$v/bench.md" | tee -a "$log"
+  for (( i = 0; i < ${#labels[@]}; ++i )); do
+    (( ok[i] )) || continue
+    say "== layer, ${labels[$i]}"
+    in_variant "$i" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 200 "$MACHMOE_PYTHON" \
+      -m machmoe.bench --configs "$AB_LAYER" --impls machmoe --kernels off --out "$aux/layer_$i" > "$aux/layer_$i.log" 2>&1
+    grep -E '^\| [0-9A-Za-z.-]+ \| [0-9]+ \|' "$aux/layer_$i/bench.md" | tee -a "$log"
   done
 fi
-say "gpu_ab: done"
+say "gpu_ab: done ($SECONDS s)"
