@@ -2,6 +2,7 @@
 // tile configuration, the TMA descriptor of the weights, and the persistent launch.
 #include <cuda.h>
 
+#include <cstdlib>
 #include <mutex>
 #include <string>
 
@@ -151,6 +152,14 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   p.K = static_cast<int>(a.K);
   p.n_tiles = static_cast<int>(ceil_div(n_cols, tile_cols));
   p.act = static_cast<int>(a.activation);
+#if MACHMOE_GEMM_PROBES
+  // Timing probes (a -DMACHMOE_GEMM_PROBES=ON build only): GroupedGemmParams::probe.
+  static const int probe = [] {
+    const char* v = std::getenv("MACHMOE_GEMM_PROBE");
+    return v ? std::atoi(v) & 7 : 0;
+  }();
+  p.probe = probe;
+#endif
   p.h = static_cast<const __nv_bfloat16*>(a.h);
   p.ldh = a.ldh;
   p.row_scores = a.row_scores;

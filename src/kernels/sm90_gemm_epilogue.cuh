@@ -54,7 +54,22 @@ struct GroupedGemmParams {
   const float* row_scores;
   const int32_t* row_pair;
   float* ds_partial;
+  // Timing probes, compiled in only with MACHMOE_GEMM_PROBES (scripts/gpu_probe.sh; the results
+  // are wrong): bit 0 the consumers skip the epilogue, bit 1 the wgmmas, bit 2 the producer skips
+  // the loads. 0 otherwise.
+  int probe;
 };
+
+// Whether probe `bit` is on: a constant false unless the probes are compiled in.
+__device__ __forceinline__ bool gemm_probe(const GroupedGemmParams& p, int bit) {
+#if MACHMOE_GEMM_PROBES
+  return (p.probe & bit) != 0;
+#else
+  (void)p;
+  (void)bit;
+  return false;
+#endif
+}
 
 struct GemmTile {
   int e, row0, rows, n0;  // expert (-1: no more tiles), first row, rows (<= 128), first column

@@ -298,6 +298,11 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         uint8_t* a_stage = smem_a + s * Smem::kABytes;
         uint8_t* b_stage = smem_b + s * Smem::kBBytes;
         const int k0 = kb * kGemmBK;
+        if (gemm_probe(p, 4)) {  // timing probe: no loads, the stage is "full" at once
+          if (lane == 0) sm90::mbar_arrive(&full[s]);
+          if constexpr (GATHER) sm90::cp_async_arrive_noinc(&full[s]);
+          continue;
+        }
         if (lane == 0) {
           sm90::mbar_arrive_expect_tx(&full[s], GATHER ? Smem::kBBytes : Smem::kBBytes + Smem::kABytes);
           if constexpr (B_NMAJOR) {  // BN/64 blocks of [64 K rows][64 N], 8 KB apart
@@ -395,13 +400,15 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         const uint32_t a_addr = sm90::smem_addr(smem_a + s * Smem::kABytes + cw * 64 * 128);
         const uint32_t b_addr = sm90::smem_addr(smem_b + s * Smem::kBBytes);
         sm90::wgmma_fence();
+        if (!gemm_probe(p, 2)) {  // (timing probe: no wgmma)
 #pragma unroll
-        for (int ks = 0; ks < kGemmBK / 16; ++ks) {
-          const uint64_t desc_a = sm90::smem_desc_kmajor_sw128(a_addr + ks * 32);
-          if constexpr (B_NMAJOR)
-            sm90::wgmma_bf16<BN, 0, 1>(acc, desc_a, sm90::smem_desc_mnmajor_sw128(b_addr + ks * 2048, 64 * 128), 1);
-          else
-            sm90::wgmma_bf16<BN, 0, 0>(acc, desc_a, sm90::smem_desc_kmajor_sw128(b_addr + ks * 32), 1);
+          for (int ks = 0; ks < kGemmBK / 16; ++ks) {
+            const uint64_t desc_a = sm90::smem_desc_kmajor_sw128(a_addr + ks * 32);
+            if constexpr (B_NMAJOR)
+              sm90::wgmma_bf16<BN, 0, 1>(acc, desc_a, sm90::smem_desc_mnmajor_sw128(b_addr + ks * 2048, 64 * 128), 1);
+            else
+              sm90::wgmma_bf16<BN, 0, 0>(acc, desc_a, sm90::smem_desc_kmajor_sw128(b_addr + ks * 32), 1);
+          }
         }
         sm90::wgmma_commit();
         // Keep this stage's group in flight; the previous one is done after wait<1>.
@@ -420,6 +427,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       sm90::wgmma_wait<0>();
       sm90::fence_accumulators(acc);
       if (prev_stage >= 0 && tid == 0) sm90::mbar_arrive(&empty[prev_stage]);
+      if (gemm_probe(p, 1)) continue;  // timing probe: no epilogue
       if constexpr (kDact) {
         while (dw.on) dact_step();               // the rest of the previous tile's epilogue
         sm90::named_barrier_sync(2 + cw, 128);   // every thread of this warpgroup is done reading it

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Where a grouped GEMM's time goes, in one device call: the kernel table (python -m
+# machmoe.bench.gemm_kernels: dense 8192³ and the expert GEMMs of 7B-a and 30B-b) of the normal
+# build (./build) beside a build with the timing probes compiled in (-DMACHMOE_GEMM_PROBES=ON, in
+# ./build-probe), run with MACHMOE_GEMM_PROBE = each of
+#   0 the probe build as is (its own baseline: the probe branches cost it a few per cent)
+#   1 no epilogue (the consumers drop the accumulators)   -> main loop: loads + wgmma
+#   2 no wgmma                                             -> loads + epilogue
+#   4 no loads (stages are "full" at once, stale data)     -> wgmma + epilogue
+#   3 loads only, 5 wgmma only, 6 epilogue only
+# and writes the milliseconds per kernel as one table, $OUT/probe.md (and probe.log). The probes'
+# results are wrong; only their times mean something. Weight-gradient rows are not probed.
+#
+# Usage: OUT=$OUT scripts/gpu_probe.sh   (PROBE_SET="0 1 3 5" picks the probes)
+set -uo pipefail
+
+# shellcheck source=scripts/gpu_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" gpu_probe_out
+log=$OUT/probe.log
+: > "$log"
+aux=/tmp/machmoe_probe
+rm -rf "$aux" && mkdir -p "$aux"
+say() { echo "$*" | tee -a "$log"; }
+say "gpu_probe: commit ${MACHMOE_COMMIT:-unknown}, $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader 2>&1 | tee -a "$log"
+
+half=$(( (MACHMOE_JOBS + 1) / 2 ))
+(MACHMOE_JOBS=$half MACHMOE_BUILD_TARGETS="machmoe machmoe_torch" scripts/build.sh > "$aux/build.log" 2>&1) &
+pid=$!
+MACHMOE_JOBS=$half MACHMOE_BUILD_DIR=$root/build-probe MACHMOE_BUILD_TARGETS="machmoe machmoe_torch" \
+  scripts/build.sh -DMACHMOE_GEMM_PROBES=ON > "$aux/build_probe.log" 2>&1
+rc=$?
+wait "$pid" || rc=1
+(( rc == 0 )) || { say "gpu_probe: a build failed"; tail -n 20 "$aux"/build*.log | tee -a "$log"; exit 1; }
+say "builds done ($SECONDS s)"
+
+table='import json, sys; from machmoe.bench import gemm_kernels as g; json.dump(g.run(), open(sys.argv[1], "w"))'
+run_table() {  # run_table NAME LIBDIR [NAME=VALUE]: the kernel rows as JSON in $aux/NAME.json
+  local name=$1 lib=$2; shift 2
+  env MACHMOE_LIBRARY_DIR="$lib" PYTHONPATH="$root/python" "$@" timeout 120 "$MACHMOE_PYTHON" -c "$table" \
+    "$aux/$name.json" >> "$log" 2>&1 || say "gpu_probe: the table for $name failed"
+}
+run_table normal "$root/build/lib"
+for probe in ${PROBE_SET:-0 1 2 4 3 5 6}; do
+  run_table "probe$probe" "$root/build-probe/lib" MACHMOE_GEMM_PROBE="$probe"
+done
+run_table normal2 "$root/build/lib"
+
+"$MACHMOE_PYTHON" - "$aux" "${PROBE_SET:-0 1 2 4 3 5 6}" <<'EOF' | tee "$OUT/probe.md" | tee -a "$log"
+import json, os, sys
+aux, probes = sys.argv[1], sys.argv[2].split()
+what = {"0": "probe build", "1": "no epilogue", "2": "no wgmma", "4": "no loads", "3": "loads only",
+        "5": "wgmma only", "6": "epilogue only"}
+cols = ["normal"] + [f"probe{p}" for p in probes] + ["normal2"]
+data = {}
+for c in cols:
+    path = os.path.join(aux, c + ".json")
+    data[c] = {r["kernel"]: r["ms"] for r in json.load(open(path))} if os.path.exists(path) else {}
+names = [k for k in data["normal"] if "dW" not in k]
+heads = ["normal"] + [f"{p}: {what.get(p, p)}" for p in probes] + ["normal again"]
+print("Milliseconds per call (probe results are wrong; only their times mean something).\n")
+print("| kernel | " + " | ".join(heads) + " |")
+print("|---" * (len(heads) + 1) + "|")
+for k in names:
+    cells = [f"{data[c][k]:.3f}" if k in data[c] else "—" for c in cols]
+    print(f"| {k} | " + " | ".join(cells) + " |")
+EOF
+say "gpu_probe: done ($SECONDS s)"
