@@ -8,6 +8,7 @@
 #   2 no wgmma                                             -> loads + epilogue
 #   4 no loads (stages are "full" at once, stale data)     -> wgmma + epilogue
 #   3 loads only, 5 wgmma only, 6 epilogue only
+#   8 full tiles staged but not stored (no TMA store of C/H): the store traffic's share
 # and writes the milliseconds per kernel as one table, $OUT/probe.md (and probe.log). The probes'
 # results are wrong; only their times mean something. Weight-gradient rows are not probed.
 #
@@ -41,16 +42,16 @@ run_table() {  # run_table NAME LIBDIR [NAME=VALUE]: the kernel rows as JSON in 
     "$aux/$name.json" >> "$log" 2>&1 || say "gpu_probe: the table for $name failed"
 }
 run_table normal "$root/build/lib"
-for probe in ${PROBE_SET:-0 1 2 4 3 5 6}; do
+for probe in ${PROBE_SET:-0 1 8 2 4 3 5 6}; do
   run_table "probe$probe" "$root/build-probe/lib" MACHMOE_GEMM_PROBE="$probe"
 done
 run_table normal2 "$root/build/lib"
 
-"$MACHMOE_PYTHON" - "$aux" "${PROBE_SET:-0 1 2 4 3 5 6}" <<'EOF' | tee "$OUT/probe.md" | tee -a "$log"
+"$MACHMOE_PYTHON" - "$aux" "${PROBE_SET:-0 1 8 2 4 3 5 6}" <<'EOF' | tee "$OUT/probe.md" | tee -a "$log"
 import json, os, sys
 aux, probes = sys.argv[1], sys.argv[2].split()
 what = {"0": "probe build", "1": "no epilogue", "2": "no wgmma", "4": "no loads", "3": "loads only",
-        "5": "wgmma only", "6": "epilogue only"}
+        "5": "wgmma only", "6": "epilogue only", "8": "no TMA store"}
 cols = ["normal"] + [f"probe{p}" for p in probes] + ["normal2"]
 data = {}
 for c in cols:

@@ -156,7 +156,7 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   // Timing probes (a -DMACHMOE_GEMM_PROBES=ON build only): GroupedGemmParams::probe.
   static const int probe = [] {
     const char* v = std::getenv("MACHMOE_GEMM_PROBE");
-    return v ? std::atoi(v) & 7 : 0;
+    return v ? std::atoi(v) & 15 : 0;
   }();
   p.probe = probe;
 #endif

@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   // expert's rows: it takes the thread path). Returns whether it went by TMA.
   auto tma_store_tile = [&](const GemmTile& t, bool issuer) {
     if (!kTmaStore || t.rows != kGemmBM) return false;
-    if (issuer && p.c) {  // null c (inference): H is not written
+    if (issuer && p.c && !gemm_probe(p, 8)) {  // null c (inference): H is not written
 #pragma unroll
       for (int h = 0; h < BN / 64; ++h)
         if (t.n0 + 64 * h < p.N) sm90::tma_store_2d(&tmap_c, epi + h * kEpiBoxBytes, t.n0 + 64 * h, t.row0);
