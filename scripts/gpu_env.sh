@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# Sourced by the GPU-machine scripts (gpu_check.sh, gpu_ab.sh, gpu_profile.sh): the shared
+# Sourced by the GPU-machine scripts (gpu_check, gpu_ab, gpu_probe, gpu_profile): the shared
 # preamble. Usage: source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" DEFAULT_OUT_NAME
 # Sets root (the repository, also the working directory) and OUT (created; default
 # $root/DEFAULT_OUT_NAME), and exports the build/Python settings for a machine without network:
