@@ -411,6 +411,13 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
           }
         }
         sm90::wgmma_commit();
+        // The dH epilogue's slice (the previous tile's) runs before the wait, while two wgmma
+        // groups are queued (the previous block's and this one), so that the tensor cores have
+        // work for its whole length. Measured: 30B-b dH +5%, 7B-a +1%; the GLU's A slice below
+        // did not gain from the same move (7B-a up-projection -3%), so it stays after the wait.
+        if constexpr (kDact) {
+          if (dw.on) dact_step();
+        }
         // Keep this stage's group in flight; the previous one is done after wait<1>.
         sm90::wgmma_wait<1>();
         sm90::fence_accumulators(acc);
@@ -418,10 +425,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         prev_stage = s;
         if constexpr (kDact) {
           if (kb == 0) rs.load_scores(p);
-          if (dw.on) dact_step();  // the previous tile's epilogue, under this block's wgmma
         }
         if constexpr (kActOut) {
-          if (aw.next < aw.end) act_step(kActItemsPerBlock);  // the previous tile's A
+          if (aw.next < aw.end) act_step(kActItemsPerBlock);  // the previous tile's A, under this block's wgmma
         }
       }
       sm90::wgmma_wait<0>();
