@@ -47,23 +47,6 @@ for probe in ${PROBE_SET:-0 1 8 2 4 3 5 6}; do
 done
 run_table normal2 "$root/build/lib"
 
-"$MACHMOE_PYTHON" - "$aux" "${PROBE_SET:-0 1 8 2 4 3 5 6}" <<'EOF' | tee "$OUT/probe.md" | tee -a "$log"
-import json, os, sys
-aux, probes = sys.argv[1], sys.argv[2].split()
-what = {"0": "probe build", "1": "no epilogue", "2": "no wgmma", "4": "no loads", "3": "loads only",
-        "5": "wgmma only", "6": "epilogue only", "8": "no TMA store"}
-cols = ["normal"] + [f"probe{p}" for p in probes] + ["normal2"]
-data = {}
-for c in cols:
-    path = os.path.join(aux, c + ".json")
-    data[c] = {r["kernel"]: r["ms"] for r in json.load(open(path))} if os.path.exists(path) else {}
-names = [k for k in data["normal"] if "dW" not in k]
-heads = ["normal"] + [f"{p}: {what.get(p, p)}" for p in probes] + ["normal again"]
-print("Milliseconds per call (probe results are wrong; only their times mean something).\n")
-print("| kernel | " + " | ".join(heads) + " |")
-print("|---" * (len(heads) + 1) + "|")
-for k in names:
-    cells = [f"{data[c][k]:.3f}" if k in data[c] else "—" for c in cols]
-    print(f"| {k} | " + " | ".join(cells) + " |")
-EOF
+PYTHONPATH="$root/python" "$MACHMOE_PYTHON" -m machmoe.bench.probe_table "$aux" "${PROBE_SET:-0 1 8 2 4 3 5 6}" \
+  | tee "$OUT/probe.md" | tee -a "$log"
 say "gpu_probe: done ($SECONDS s)"

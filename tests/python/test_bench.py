@@ -346,3 +346,32 @@ def test_compare_normalises_by_each_runs_ceiling():
     assert all(abs(r["ratio"] - 0.85) < 1e-9 and not r["regression"] for r in rows)
     text = K.format_rows(rows, slow, base)
     assert "regressions beyond tolerance: 0" in text
+
+
+def test_probe_table_lines_up_the_runs(tmp_path):
+    """scripts/gpu_probe.sh's table: one column per run, ms per kernel, weight gradients left out,
+    a dash where a run has no figure, the kernel order of the normal build."""
+    import json
+
+    from machmoe.bench import probe_table as P
+
+    def save(name, rows):
+        (tmp_path / f"{name}.json").write_text(json.dumps(rows))
+
+    normal = [{"kernel": "dense", "ms": 1.6604}, {"kernel": "7B-a dX~", "ms": 0.63},
+              {"kernel": "7B-a dW1 (varlen-K)", "ms": 0.75}]
+    save("normal", normal)
+    save("probe0", [{"kernel": "7B-a dX~", "ms": 0.682}, {"kernel": "dense", "ms": 1.882}])
+    save("probe3", [{"kernel": "dense", "ms": 1.479}])  # dX~ missing: the run stopped early
+    # probe5.json absent: the run failed; normal2.json identical to normal
+    save("normal2", normal)
+    text = P.format_table(str(tmp_path), ["0", "3", "5"])
+    lines = text.splitlines()
+    head = next(line for line in lines if line.startswith("| kernel"))
+    assert head == ("| kernel | normal | 0: probe build | 3: loads only | 5: wgmma only | normal again |")
+    body = [line for line in lines if line.startswith("| ") and not line.startswith("| kernel")]
+    assert body == ["| dense | 1.660 | 1.882 | 1.479 | — | 1.660 |",
+                    "| 7B-a dX~ | 0.630 | 0.682 | — | — | 0.630 |"]
+    assert "dW1" not in text
+    # Every probe bit combination the script runs by default has a name.
+    assert all(p in P.PROBE_NAMES for p in "0 1 8 2 4 3 5 6".split())

@@ -1,0 +1,49 @@
+"""The table of `scripts/gpu_probe.sh`: milliseconds per expert GEMM under each timing probe.
+
+The script runs `gemm_kernels.run()` once per build/probe and saves each run's rows as
+`<column>.json` in one folder (`normal`, `probe<P>` for each probe P, `normal2`); this module
+lines them up. Weight-gradient rows are left out: the probes are in the grouped GEMM engine only.
+
+    python -m machmoe.bench.probe_table FOLDER "0 1 8 2 4 3 5 6"
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+# What each MACHMOE_GEMM_PROBE value skips (bits: 1 epilogue, 2 wgmma, 4 loads, 8 TMA store).
+PROBE_NAMES = {"0": "probe build", "1": "no epilogue", "2": "no wgmma", "4": "no loads", "3": "loads only",
+               "5": "wgmma only", "6": "epilogue only", "8": "no TMA store"}
+
+
+def load_columns(folder: str, probes: list[str]) -> tuple[list[str], dict[str, dict[str, float]]]:
+    """The columns in order and, per column, kernel name -> ms (empty where a run failed)."""
+    cols = ["normal"] + [f"probe{p}" for p in probes] + ["normal2"]
+    data: dict[str, dict[str, float]] = {}
+    for c in cols:
+        path = os.path.join(folder, c + ".json")
+        rows = json.load(open(path)) if os.path.exists(path) else []
+        data[c] = {r["kernel"]: float(r["ms"]) for r in rows if "ms" in r}
+    return cols, data
+
+
+def format_table(folder: str, probes: list[str]) -> str:
+    cols, data = load_columns(folder, probes)
+    # Kernel order: the first column that has rows (the normal build, unless it failed).
+    order = next((list(data[c]) for c in cols if data[c]), [])
+    names = [k for k in order if "dW" not in k]
+    heads = ["normal"] + [f"{p}: {PROBE_NAMES.get(p, 'probe ' + p)}" for p in probes] + ["normal again"]
+    lines = ["Milliseconds per call (probe results are wrong; only their times mean something).", "",
+             "| kernel | " + " | ".join(heads) + " |", "|---" * (len(heads) + 1) + "|"]
+    for k in names:
+        cells = [f"{data[c][k]:.3f}" if k in data[c] else "—" for c in cols]
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m machmoe.bench.probe_table FOLDER 'PROBE ...'")
+    print(format_table(sys.argv[1], sys.argv[2].split()))
