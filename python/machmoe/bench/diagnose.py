@@ -15,7 +15,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from .timing import cuda_time
+from .timing import cuda_time, matmul_tflops
 
 
 def metadata_breakdown(T: int = 32768, E: int = 128, K: int = 8) -> None:
@@ -36,10 +36,8 @@ def metadata_breakdown(T: int = 32768, E: int = 128, K: int = 8) -> None:
 
 def dense_reference() -> None:
     """cuBLAS bf16 8192^3 in the same run: the yardstick to compare runs on different machines."""
-    a = torch.randn(8192, 8192, device="cuda").bfloat16()
-    b = torch.randn(8192, 8192, device="cuda").bfloat16()
-    t = cuda_time(lambda: a @ b, [()]).median_ms
-    print(f"cuBLAS bf16 8192^3 (this run's yardstick): {2 * 8192**3 / t / 1e9:.0f} TFLOPS")
+    tflops, _ = matmul_tflops(8192)
+    print(f"cuBLAS bf16 8192^3 (this run's yardstick): {tflops:.0f} TFLOPS")
 
 
 def gemm_variants(T: int, d: int, n: int, E: int, K: int) -> None:
