@@ -12,6 +12,10 @@
 # and writes the milliseconds per kernel as one table, $OUT/probe.md (and probe.log). The probes'
 # results are wrong; only their times mean something. Weight-gradient rows are not probed.
 #
+# With PROBE_POWER="7B-a,dense" (substrings of kernel labels), each run is followed by
+# python -m machmoe.bench.power on those kernels: the SM clock, board power and clock-event reasons
+# while each runs back to back, into $OUT/power.md.
+#
 # Usage: OUT=$OUT scripts/gpu_probe.sh   (PROBE_SET="0 1 3 5" picks the probes)
 set -uo pipefail
 
@@ -41,12 +45,22 @@ run_table() {  # run_table NAME LIBDIR [NAME=VALUE]: the kernel rows as JSON in 
   env MACHMOE_LIBRARY_DIR="$lib" PYTHONPATH="$root/python" "$@" timeout 120 "$MACHMOE_PYTHON" -c "$table" \
     "$aux/$name.json" >> "$log" 2>&1 || say "gpu_probe: the table for $name failed"
 }
+power() {  # power TITLE LIBDIR [NAME=VALUE]: clocks and power of the PROBE_POWER kernels
+  [[ -n ${PROBE_POWER:-} ]] || return 0
+  local title=$1 lib=$2; shift 2
+  { echo; echo "### $title"; env MACHMOE_LIBRARY_DIR="$lib" PYTHONPATH="$root/python" "$@" timeout 200 \
+      "$MACHMOE_PYTHON" -m machmoe.bench.power --only "$PROBE_POWER" 2>&1; } | tee -a "$OUT/power.md" >> "$log"
+}
+[[ -n ${PROBE_POWER:-} ]] && : > "$OUT/power.md"
 run_table normal "$root/build/lib"
+power "normal build" "$root/build/lib"
 for probe in ${PROBE_SET:-0 1 8 2 4 3 5 6}; do
   run_table "probe$probe" "$root/build-probe/lib" MACHMOE_GEMM_PROBE="$probe"
+  power "probe $probe" "$root/build-probe/lib" MACHMOE_GEMM_PROBE="$probe"
 done
 run_table normal2 "$root/build/lib"
 
 PYTHONPATH="$root/python" "$MACHMOE_PYTHON" -m machmoe.bench.probe_table "$aux" "${PROBE_SET:-0 1 8 2 4 3 5 6}" \
   | tee "$OUT/probe.md" | tee -a "$log"
+[[ -n ${PROBE_POWER:-} ]] && cat "$OUT/power.md"
 say "gpu_probe: done ($SECONDS s)"

@@ -375,3 +375,47 @@ def test_probe_table_lines_up_the_runs(tmp_path):
     assert "dW1" not in text
     # Every probe bit combination the script runs by default has a name.
     assert all(p in P.PROBE_NAMES for p in "0 1 8 2 4 3 5 6".split())
+
+
+def test_power_samples_parse_and_summarise():
+    """machmoe.bench.power: nvidia-smi lines -> per-window medians; headers and N/A lines dropped;
+    the reason mask is the union over the window, named by NVML's bits; the settling margin
+    excludes the first samples."""
+    import datetime as dt
+
+    from machmoe.bench import power as P
+
+    text = "\n".join([
+        "timestamp, clocks.sm [MHz], power.draw.instant [W], clocks_event_reasons.active, temperature.gpu",
+        "2026/11/22 17:00:00.000, 1980, 120.5, 0x0000000000000001, 40",
+        "2026/11/22 17:00:00.100, 1980, 650.0, 0x0000000000000000, 50",
+        "2026/11/22 17:00:00.400, 1755, 699.0, 0x0000000000000004, 60",
+        "2026/11/22 17:00:00.500, 1700, 701.0, 0x0000000000000004, 61",
+        "2026/11/22 17:00:00.600, N/A, 701.0, 0x4, 61",
+        "2026/11/22 17:00:00.700, 1650, 698.0, 0x000000000000000C, 62",
+    ])
+    samples = P.parse_samples(text)
+    assert len(samples) == 5  # header and the N/A line dropped
+    t0 = dt.datetime(2026, 11, 22, 17, 0, 0).timestamp()
+    s = P.summarise(samples, t0, t0 + 0.8, settle_s=0.3)
+    assert s["samples"] == 3
+    assert s["sm_mhz"] == 1700 and s["sm_mhz_min"] == 1650
+    assert s["watts"] == 699.0 and s["watts_max"] == 701.0
+    assert s["reasons"] == "sw-power-cap+hw-slowdown"
+    assert P.summarise(samples, t0 + 5, t0 + 6)["samples"] == 0
+    assert P.reason_names(0) == "none"
+
+
+def test_power_picks_the_fields_this_driver_accepts():
+    from machmoe.bench import power as P
+
+    class R:
+        def __init__(self, ok):
+            self.returncode, self.stdout, self.stderr = (0, "1\n", "") if ok else (2, "", 'Field "x" is not a valid field to query.')
+
+    old = {"power.draw.instant", "clocks_event_reasons.active"}
+    assert P.pick_fields(lambda cmd, **_: R(cmd[1].split("=")[1] not in old)) == \
+        ["clocks.sm", "power.draw", "clocks_throttle_reasons.active", "temperature.gpu"]
+    assert P.pick_fields(lambda cmd, **_: R(True))[1:3] == ["power.draw.instant", "clocks_event_reasons.active"]
+    with pytest.raises(RuntimeError, match="temperature.gpu"):
+        P.pick_fields(lambda cmd, **_: R("temperature" not in cmd[1]))

@@ -2,15 +2,35 @@
 the same run:
 
 * the engine as a plain dense GEMM (one expert) at 8192 x 8192 x 8192 bf16 vs torch.matmul;
-* the up-projection (gather + GLU epilogue writing H and A) and the down-projection (contiguous
-  rows, plain store) at a SPEC config's shapes with random top-K routing.
+* the up-projection (gather + GLU epilogue writing H and A), the down-projection (contiguous
+  rows, plain store) and the backward's four expert GEMMs at a SPEC config's shapes with random
+  top-K routing.
+
+`cases()` builds each kernel's call and rotated inputs once; `run()` times them, and
+`machmoe.bench.power` runs the same cases while sampling the GPU's clock and power.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, Callable
+
 import torch
 
 from .timing import cuda_time
+
+# (name, T, d, n, E, K): the configs whose expert GEMMs the table shows.
+TABLE_CONFIGS = (("7B-a", 24576, 1536, 256, 128, 8), ("30B-b", 32768, 4096, 512, 128, 8))
+
+
+@dataclasses.dataclass
+class KernelCase:
+    kernel: str  # row label
+    fn: Callable[..., Any]  # fn(*sets[i]) launches the kernel
+    sets: list  # rotated argument sets (fresh tensors, so L2 does not carry inputs over)
+    flops: float
+    target: str = ""
+    reference: Callable[..., Any] | None = None  # cuBLAS on the same sets (dense only)
 
 
 def _ops():
@@ -20,7 +40,7 @@ def _ops():
     return torch.ops.machmoe
 
 
-def bench_dense(M: int = 8192, N: int = 8192, K: int = 8192) -> dict:
+def dense_case(M: int = 8192, N: int = 8192, K: int = 8192) -> KernelCase:
     ops = _ops()
     sets = [(torch.randn(M, K, device="cuda").bfloat16(), (torch.randn(1, N, K, device="cuda") / K ** 0.5).bfloat16())
             for _ in range(2)]
@@ -32,11 +52,7 @@ def bench_dense(M: int = 8192, N: int = 8192, K: int = 8192) -> dict:
     def cublas(a, w):
         return a @ w[0].T
 
-    flops = 2.0 * M * N * K
-    t_ours = cuda_time(ours, sets, min_reps=10).median_ms
-    t_ref = cuda_time(cublas, sets, min_reps=10).median_ms
-    return {"kernel": f"dense GEMM {M}x{N}x{K} bf16", "machmoe_tflops": flops / t_ours / 1e9, "ms": t_ours,
-            "cublas_tflops": flops / t_ref / 1e9, "fraction": t_ref / t_ours, "target": ">= 0.90 of cuBLAS"}
+    return KernelCase(f"dense GEMM {M}x{N}x{K} bf16", ours, sets, 2.0 * M * N * K, ">= 0.90 of cuBLAS", cublas)
 
 
 def _routing(T: int, E: int, K: int):
@@ -46,38 +62,8 @@ def _routing(T: int, E: int, K: int):
     return offs, row_token
 
 
-def bench_expert_gemms(name: str, T: int, d: int, n: int, E: int, K: int) -> list[dict]:
-    ops = _ops()
-    R = T * K
-    sets_up, sets_down = [], []
-    w1 = (torch.randn(E, 2 * n, d, device="cuda") * 0.02).bfloat16()
-    w2 = (torch.randn(E, d, n, device="cuda") * 0.02).bfloat16()
-    for _ in range(3):
-        offs, row_token = _routing(T, E, K)
-        x = torch.randn(T, d, device="cuda").bfloat16()
-        a = torch.randn(R, n, device="cuda").bfloat16()
-        sets_up.append((x, row_token, offs))
-        sets_down.append((a, offs))
-
-    def up(x, row_token, offs):
-        return ops.grouped_gemm(x, row_token, offs, w1, None, R, "glu", "swiglu", "interleaved")
-
-    def down(a, offs):
-        return ops.grouped_gemm(a, None, offs, w2, None, R, "store", "swiglu", "interleaved")
-
-    t_up = cuda_time(up, sets_up).median_ms
-    t_down = cuda_time(down, sets_down).median_ms
-    rows = bench_backward_gemms(name, T, d, n, E, K)
-    return [
-        {"kernel": f"{name} up-proj (gather + SwiGLU, H and A)", "machmoe_tflops": 2.0 * R * d * 2 * n / t_up / 1e9,
-         "ms": t_up, "target": ">= 560 TFLOPS" if name == "7B-a" else ""},
-        {"kernel": f"{name} down-proj (contiguous, store Y)", "machmoe_tflops": 2.0 * R * n * d / t_down / 1e9,
-         "ms": t_down, "target": ""},
-    ] + rows
-
-
-def bench_backward_gemms(name: str, T: int, d: int, n: int, E: int, K: int) -> list[dict]:
-    """The backward's four expert GEMMs (SwiGLU, interleaved) at a config's shapes, random top-K."""
+def expert_cases(name: str, T: int, d: int, n: int, E: int, K: int) -> list[KernelCase]:
+    """The forward's two and the backward's four expert GEMMs (SwiGLU, interleaved), random top-K."""
     ops = _ops()
     R, n1 = T * K, 2 * n
     w1 = (torch.randn(E, n1, d, device="cuda") * 0.02).bfloat16()
@@ -85,9 +71,17 @@ def bench_backward_gemms(name: str, T: int, d: int, n: int, E: int, K: int) -> l
     sets = []
     for _ in range(3):
         offs, row_token = _routing(T, E, K)
+        # x [T, d], row_token [R], offs [E+1], dH or H [R, 2n], scores [R], row_pair [R],
+        # A' or A [R, n]; dout [T, d] is x's stand-in (same shape).
         sets.append((torch.randn(T, d, device="cuda").bfloat16(), row_token, offs,
                      torch.randn(R, n1, device="cuda").bfloat16(), torch.rand(R, device="cuda"),
                      torch.randperm(R, device="cuda").int(), torch.randn(R, n, device="cuda").bfloat16()))
+
+    def up(x, row_token, offs, *_):
+        return ops.grouped_gemm(x, row_token, offs, w1, None, R, "glu", "swiglu", "interleaved")
+
+    def down(x, row_token, offs, h, scores, row_pair, a):
+        return ops.grouped_gemm(a, None, offs, w2, None, R, "store", "swiglu", "interleaved")
 
     def dh(dout, row_token, offs, h, scores, row_pair, _ap):
         return ops.grouped_gemm_nmajor(dout, row_token, offs, w2, R, h, scores, row_pair, "swiglu", "interleaved")
@@ -101,23 +95,34 @@ def bench_backward_gemms(name: str, T: int, d: int, n: int, E: int, K: int) -> l
     def dw1(x, row_token, offs, dH, *_):
         return ops.grouped_gemm_wgrad(x, row_token, dH, offs, True, False)
 
-    out = []
-    for label, fn, flops, target in (
-            ("dH (gather dout·W2 + dSwiGLU, A', dS)", dh, 2.0 * R * d * n, ">= 330 TFLOPS"),
-            ("dX~ (dH·W1, contiguous)", dx, 2.0 * R * n1 * d, ">= 620 TFLOPS"),
-            ("dW2 (varlen-K, dout gathered, bf16)", dw2, 2.0 * R * d * n, ""),
-            ("dW1 (varlen-K, x gathered, bf16)", dw1, 2.0 * R * d * n1, "")):
-        t = cuda_time(fn, sets).median_ms
-        out.append({"kernel": f"{name} {label}", "machmoe_tflops": flops / t / 1e9, "ms": t,
-                    "target": target if name == "7B-a" else ""})
-    return out
+    first = name == "7B-a"  # the issues' kernel targets are set on 7B-a
+    return [KernelCase(f"{name} {label}", fn, sets, flops, target if first else "") for label, fn, flops, target in (
+        ("up-proj (gather + SwiGLU, H and A)", up, 2.0 * R * d * n1, ">= 560 TFLOPS"),
+        ("down-proj (contiguous, store Y)", down, 2.0 * R * n * d, ""),
+        ("dH (gather dout·W2 + dSwiGLU, A', dS)", dh, 2.0 * R * d * n, ">= 330 TFLOPS"),
+        ("dX~ (dH·W1, contiguous)", dx, 2.0 * R * n1 * d, ">= 620 TFLOPS"),
+        ("dW2 (varlen-K, dout gathered, bf16)", dw2, 2.0 * R * d * n, ""),
+        ("dW1 (varlen-K, x gathered, bf16)", dw1, 2.0 * R * d * n1, ""))]
+
+
+def time_case(case: KernelCase) -> dict:
+    t = cuda_time(case.fn, case.sets, min_reps=10 if case.reference else 20).median_ms
+    row = {"kernel": case.kernel, "machmoe_tflops": case.flops / t / 1e9, "ms": t, "target": case.target}
+    if case.reference is not None:
+        t_ref = cuda_time(case.reference, case.sets, min_reps=10).median_ms
+        row.update(cublas_tflops=case.flops / t_ref / 1e9, fraction=t_ref / t)
+    return row
+
+
+def cases():
+    """Yields every kernel case of the table, one config's inputs alive at a time."""
+    yield dense_case()
+    for cfg in TABLE_CONFIGS:
+        yield from expert_cases(*cfg)
 
 
 def run() -> list[dict]:
-    rows = [bench_dense()]
-    rows += bench_expert_gemms("7B-a", 24576, 1536, 256, 128, 8)
-    rows += bench_expert_gemms("30B-b", 32768, 4096, 512, 128, 8)
-    return rows
+    return [time_case(c) for c in cases()]
 
 
 def format_rows(rows: list[dict]) -> str:

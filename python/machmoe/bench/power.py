@@ -1,0 +1,161 @@
+"""Clock and power of the GPU while each kernel of the table runs back to back.
+
+Why: the timing probes (docs/PERF.md) show loads alone and wgmmas alone each taking about the
+same time, and both together 1.4-1.6x that. Whether the SM clock falls when both run (a power cap)
+or stays (a scheduling problem) decides which lever is worth trying. `nvidia-smi` samples the
+clock, the board power and the active clock-event reasons every `interval_ms` in the background;
+each kernel runs on its rotated inputs for `seconds`; the samples inside each window (minus a
+settling margin) are summarised per kernel.
+
+Run on the GPU machine: python -m machmoe.bench.power [--seconds 2] [--only 7B-a]
+(the probe build's MACHMOE_GEMM_PROBE applies as usual).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+# Sampled fields, first choice then fallbacks (names differ between driver versions).
+FIELDS = (("clocks.sm",), ("power.draw.instant", "power.draw"),
+          ("clocks_event_reasons.active", "clocks_throttle_reasons.active"), ("temperature.gpu",))
+
+# Bits of the clock-event reason mask (nvml.h, nvmlClocksEventReason*).
+REASONS = {0x1: "idle", 0x2: "app-clocks", 0x4: "sw-power-cap", 0x8: "hw-slowdown", 0x20: "sw-thermal",
+           0x40: "hw-thermal", 0x80: "hw-power-brake", 0x100: "display-clocks"}
+
+
+def reason_names(mask: int) -> str:
+    names = [name for bit, name in REASONS.items() if mask & bit]
+    return "+".join(names) if names else "none"
+
+
+def pick_fields(query=subprocess.run) -> list[str]:
+    """The first name of each field that this nvidia-smi accepts."""
+    chosen = []
+    for options in FIELDS:
+        for name in options:
+            r = query(["nvidia-smi", f"--query-gpu={name}", "--format=csv,noheader,nounits", "-i", "0"],
+                      capture_output=True, text=True)
+            if r.returncode == 0 and "not a valid field" not in (r.stdout + r.stderr).lower():
+                chosen.append(name)
+                break
+        else:
+            raise RuntimeError(f"nvidia-smi accepts none of {options}")
+    return chosen
+
+
+def parse_samples(text: str) -> list[tuple[float, float, float, int, float]]:
+    """Lines 'YYYY/MM/DD HH:MM:SS.mmm, clock MHz, power W, reasons 0x.., temp C' ->
+    (epoch seconds, MHz, W, reason mask, C); lines that do not parse (headers, N/A) are dropped."""
+    out = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 5:
+            continue
+        try:
+            stamp = dt.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            out.append((stamp, float(parts[1]), float(parts[2]), int(parts[3], 16), float(parts[4])))
+        except ValueError:
+            continue
+    return out
+
+
+def summarise(samples, start: float, end: float, settle_s: float = 0.3) -> dict:
+    """Median clock/power/temperature and the reasons seen over the samples in [start+settle, end]."""
+    window = [s for s in samples if start + settle_s <= s[0] <= end]
+    if not window:
+        return {"samples": 0}
+    mask = 0
+    for s in window:
+        mask |= s[3]
+    return {"samples": len(window), "sm_mhz": statistics.median(s[1] for s in window),
+            "sm_mhz_min": min(s[1] for s in window), "watts": statistics.median(s[2] for s in window),
+            "watts_max": max(s[2] for s in window), "temp_c": statistics.median(s[4] for s in window),
+            "reasons": reason_names(mask)}
+
+
+def sustain(case, seconds: float) -> tuple[float, float, float]:
+    """Runs case.fn over its sets for about `seconds`; returns (wall start, wall end, TFLOPS)."""
+    import torch
+
+    n = len(case.sets)
+    for i in range(3):
+        case.fn(*case.sets[i % n])
+    torch.cuda.synchronize()
+    t0 = time.time()
+    calls = 0
+    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ev0.record()
+    while time.time() - t0 < seconds:
+        for _ in range(8):  # queue a few calls between host checks; the queue stays full
+            r = case.fn(*case.sets[calls % n])
+            del r
+            calls += 1
+        if calls % 64 == 0:
+            torch.cuda.synchronize()
+    ev1.record()
+    torch.cuda.synchronize()
+    t1 = time.time()
+    ms = ev0.elapsed_time(ev1) / calls
+    return t0, t1, case.flops / (ms * 1e-3) / 1e12
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seconds", type=float, default=2.0)
+    p.add_argument("--interval-ms", type=int, default=50)
+    p.add_argument("--only", default="", help="comma-separated substrings of the kernel labels")
+    args = p.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("power: no CUDA GPU here; nothing to sample")
+        return 0
+    from . import gemm_kernels
+
+    fields = pick_fields()
+    log = tempfile.NamedTemporaryFile("w+", suffix=".csv", delete=False)
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp," + ",".join(fields), "--format=csv,noheader,nounits",
+                            "-i", str(torch.cuda.current_device()), "-lms", str(args.interval_ms)],
+                           stdout=log, stderr=subprocess.DEVNULL)
+    wanted = [w for w in args.only.split(",") if w]
+    windows = []
+    try:
+        time.sleep(0.5)
+        for case in gemm_kernels.cases():
+            if wanted and not any(w in case.kernel for w in wanted):
+                continue
+            runs = [case]
+            if case.reference is not None:  # cuBLAS on the same inputs: the same question for it
+                runs.append(dataclasses.replace(case, kernel=f"cuBLAS {case.kernel}", fn=case.reference))
+            for c in runs:
+                t0, t1, tflops = sustain(c, args.seconds)
+                windows.append((c.kernel, t0, t1, tflops))
+                time.sleep(0.3)  # a gap between windows, so the next one starts from its own state
+    finally:
+        smi.terminate()
+        smi.wait()
+    samples = parse_samples(open(log.name).read())
+    print(f"fields: {', '.join(fields)}; {len(samples)} samples every {args.interval_ms} ms")
+    print("| kernel | TFLOPS (sustained) | SM MHz median (min) | W median (max) | C | clock-event reasons |")
+    print("|---|--:|--:|--:|--:|---|")
+    for kernel, t0, t1, tflops in windows:
+        s = summarise(samples, t0, t1)
+        if not s["samples"]:
+            print(f"| {kernel} | {tflops:.0f} | no samples | | | |")
+            continue
+        print(f"| {kernel} | {tflops:.0f} | {s['sm_mhz']:.0f} ({s['sm_mhz_min']:.0f}) | {s['watts']:.0f} "
+              f"({s['watts_max']:.0f}) | {s['temp_c']:.0f} | {s['reasons']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
