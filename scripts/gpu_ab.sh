@@ -9,7 +9,10 @@
 #   3. the kernel table (python -m machmoe.bench.gemm_kernels rows: dense 8192³ with cuBLAS, the
 #      six expert GEMMs of 7B-a and 30B-b) for A, B, C, ..., A, B, C, ... (AB_REPS rounds, default
 #      2): compare variants only within this call (lent machines differ by up to ~10%);
-#   4. with AB_LAYER="7B-a,30B-b" (config names), the layer benchmark of each (machmoe only).
+#   4. with AB_LAYER="7B-a,30B-b" (config names), the layer benchmark of each (machmoe only);
+#   5. with AB_POWER="7B-a,dense" (substrings of kernel labels), python -m machmoe.bench.power on
+#      those kernels for each variant: SM clock, board power, clock-event reasons (docs/PERF.md:
+#      the expert GEMMs run at the power cap, so a variant can also win by using less energy).
 #
 # Usage, locally:   git diff main my-branch -- src include > ds.patch   (untracked, travels along)
 #        on device: OUT=$OUT scripts/gpu_ab.sh VARIANT...
@@ -125,6 +128,14 @@ if [[ -n "${AB_LAYER:-}" ]]; then
     in_variant "$i" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 200 "$MACHMOE_PYTHON" \
       -m machmoe.bench --configs "$AB_LAYER" --impls machmoe --kernels off --out "$aux/layer_$i" > "$aux/layer_$i.log" 2>&1
     grep -E '^\| [0-9A-Za-z.-]+ \| [0-9]+ \|' "$aux/layer_$i/bench.md" | tee -a "$log"
+  done
+fi
+if [[ -n "${AB_POWER:-}" ]]; then
+  for (( i = 0; i < ${#labels[@]}; ++i )); do
+    (( ok[i] )) || continue
+    say "== power, ${labels[$i]}"
+    in_variant "$i" timeout 300 "$MACHMOE_PYTHON" -m machmoe.bench.power --only "$AB_POWER" 2>&1 | grep '^| ' \
+      | grep -v '^|---' | tee -a "$log"
   done
 fi
 say "gpu_ab: done ($SECONDS s)"
