@@ -116,8 +116,8 @@ struct GemmSmem {
   static_assert(kStages >= 2, "at least two pipeline stages");
   static_assert(kStages < kTileRing, "the tile ring must hold more tiles than there are stages");
   // barriers (2 per stage, 2 per ring slot, 2 for the epilogue), the ring, the epilogue's tile,
-  // 128 unused ints, the dH epilogue's row scores: all inside kFixed after the 1 KB alignment slack.
-  static_assert((2 * kStages + 2 * kTileRing + 2) * 8 + (kTileRing + 1) * 16 + 2 * 128 * 4 <= kFixed - 1024,
+  // the dH epilogue's row scores [128]: all inside kFixed after the 1 KB alignment slack.
+  static_assert((2 * kStages + 2 * kTileRing + 2) * 8 + (kTileRing + 1) * 16 + 128 * 4 <= kFixed - 1024,
                 "fixed shared-memory area too small");
 };
 
@@ -152,8 +152,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   uint64_t* epi_empty = epi_full + 1;           // epilogue warps are done with it
   GemmTile* ring = reinterpret_cast<GemmTile*>(epi_empty + 1);
   GemmTile* epi_tile = ring + kTileRing;
-  // (128 ints after the epilogue's tile are unused: the gather table that lived there is gone)
-  float* epi_scale = reinterpret_cast<float*>(epi_tile + 1) + 128;  // [128] dH epilogue: the staged rows' s
+  float* epi_scale = reinterpret_cast<float*>(epi_tile + 1);  // [128] dH epilogue: the staged rows' s
   constexpr bool kDact = gemm_epi_is_dact(EPI);
   // Full tiles' C (plain store) or H (interleaved GLU, activation) leave by TMA (tmap_c); the
   // epilogue threads then have nothing to write (A is the consumers').
