@@ -419,3 +419,10 @@ def test_power_picks_the_fields_this_driver_accepts():
     assert P.pick_fields(lambda cmd, **_: R(True))[1:3] == ["power.draw.instant", "clocks_event_reasons.active"]
     with pytest.raises(RuntimeError, match="temperature.gpu"):
         P.pick_fields(lambda cmd, **_: R("temperature" not in cmd[1]))
+
+
+def test_power_energy_per_call():
+    from machmoe.bench import power as P
+
+    assert P.energy_mj(700.0, 0.5, 100.0) == (350.0, 300.0)
+    assert P.energy_mj(700.0, 0.5, None) == (350.0, None)

@@ -81,8 +81,8 @@ def summarise(samples, start: float, end: float, settle_s: float = 0.3) -> dict:
             "reasons": reason_names(mask)}
 
 
-def sustain(case, seconds: float) -> tuple[float, float, float]:
-    """Runs case.fn over its sets for about `seconds`; returns (wall start, wall end, TFLOPS)."""
+def sustain(case, seconds: float) -> tuple[float, float, float, float]:
+    """Runs case.fn over its sets for about `seconds`; returns (wall start, wall end, TFLOPS, ms per call)."""
     import torch
 
     n = len(case.sets)
@@ -104,7 +104,30 @@ def sustain(case, seconds: float) -> tuple[float, float, float]:
     torch.cuda.synchronize()
     t1 = time.time()
     ms = ev0.elapsed_time(ev1) / calls
-    return t0, t1, case.flops / (ms * 1e-3) / 1e12
+    return t0, t1, case.flops / (ms * 1e-3) / 1e12 if case.flops else 0.0, ms
+
+
+def idle_case():
+    """One thread spinning on the clock (torch.cuda._sleep): the GPU awake, at its clock, doing
+    nothing else. Its power is the baseline that 'mJ above idle' subtracts."""
+    import torch
+
+    from .gemm_kernels import KernelCase
+
+    return KernelCase("idle (one spinning thread)", lambda: torch.cuda._sleep(1_000_000), [()], 0.0)
+
+
+def limits(query=subprocess.run) -> str:
+    """The board's power limits as nvidia-smi reports them (W), or why not."""
+    r = query(["nvidia-smi", "--query-gpu=name,power.limit,enforced.power.limit,power.max_limit,clocks.max.sm",
+               "--format=csv,noheader", "-i", "0"], capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else f"(nvidia-smi: {r.stderr.strip()})"
+
+
+def energy_mj(watts: float, ms: float, idle_watts: float | None) -> tuple[float, float | None]:
+    """Energy per call in mJ, total and above the idle baseline."""
+    total = watts * ms
+    return total, None if idle_watts is None else (watts - idle_watts) * ms
 
 
 def main(argv=None) -> int:
@@ -130,6 +153,9 @@ def main(argv=None) -> int:
     windows = []
     try:
         time.sleep(0.5)
+        t0, t1, _, ms = sustain(idle_case(), args.seconds)
+        windows.append(("idle (one spinning thread)", t0, t1, 0.0, ms))
+        time.sleep(0.3)
         for case in gemm_kernels.cases():
             if wanted and not any(w in case.kernel for w in wanted):
                 continue
@@ -137,23 +163,32 @@ def main(argv=None) -> int:
             if case.reference is not None:  # cuBLAS on the same inputs: the same question for it
                 runs.append(dataclasses.replace(case, kernel=f"cuBLAS {case.kernel}", fn=case.reference))
             for c in runs:
-                t0, t1, tflops = sustain(c, args.seconds)
-                windows.append((c.kernel, t0, t1, tflops))
+                t0, t1, tflops, ms = sustain(c, args.seconds)
+                windows.append((c.kernel, t0, t1, tflops, ms))
                 time.sleep(0.3)  # a gap between windows, so the next one starts from its own state
     finally:
         smi.terminate()
         smi.wait()
     samples = parse_samples(open(log.name).read())
+    print(f"board: {limits()}")
     print(f"fields: {', '.join(fields)}; {len(samples)} samples every {args.interval_ms} ms")
-    print("| kernel | TFLOPS (sustained) | SM MHz median (min) | W median (max) | C | clock-event reasons |")
-    print("|---|--:|--:|--:|--:|---|")
-    for kernel, t0, t1, tflops in windows:
+    print("| kernel | TFLOPS (sustained) | ms/call | SM MHz median (min) | W median (max) | mJ/call | mJ above idle"
+          " | C | clock-event reasons |")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|---|")
+    idle_watts = None
+    for kernel, t0, t1, tflops, ms in windows:
         s = summarise(samples, t0, t1)
         if not s["samples"]:
-            print(f"| {kernel} | {tflops:.0f} | no samples | | | |")
+            print(f"| {kernel} | {tflops:.0f} | {ms:.3f} | no samples | | | | | |")
             continue
-        print(f"| {kernel} | {tflops:.0f} | {s['sm_mhz']:.0f} ({s['sm_mhz_min']:.0f}) | {s['watts']:.0f} "
-              f"({s['watts_max']:.0f}) | {s['temp_c']:.0f} | {s['reasons']} |")
+        if kernel.startswith("idle"):
+            idle_watts = s["watts"]
+            total, above = None, None
+        else:
+            total, above = energy_mj(s["watts"], ms, idle_watts)
+        cells = ["—" if total is None else f"{total:.0f}", "—" if above is None else f"{above:.0f}"]
+        print(f"| {kernel} | {tflops:.0f} | {ms:.3f} | {s['sm_mhz']:.0f} ({s['sm_mhz_min']:.0f}) | {s['watts']:.0f} "
+              f"({s['watts_max']:.0f}) | {cells[0]} | {cells[1]} | {s['temp_c']:.0f} | {s['reasons']} |")
     return 0
 
 
