@@ -426,3 +426,25 @@ def test_power_energy_per_call():
 
     assert P.energy_mj(700.0, 0.5, 100.0) == (350.0, 300.0)
     assert P.energy_mj(700.0, 0.5, None) == (350.0, None)
+
+
+def test_power_sampler_without_nvidia_smi_says_why(monkeypatch):
+    """No nvidia-smi (the CPU machines): the benchmark's ceiling still runs; the clock is reported as
+    not sampled, and the markdown header leaves it out."""
+    from machmoe.bench import power as P
+    from machmoe.bench import report
+
+    def missing(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(P.subprocess, "run", missing)
+    monkeypatch.setattr(P.subprocess, "Popen", missing)
+    with P.Sampler() as smp:
+        pass
+    s = smp.summary(0.0, 1e12)
+    assert s["samples"] == 0 and "nvidia-smi" in s["error"]
+    assert P.describe(s).startswith("clock not sampled (FileNotFoundError")
+    assert report._clock({"matmul_clock": s}) == ""
+    sampled = {"samples": 9, "sm_mhz": 1425.0, "watts": 759.0, "reasons": "sw-power-cap"}
+    assert report._clock({"matmul_clock": sampled}) == " (SM 1425 MHz, 759 W, clock-event reasons: sw-power-cap)"
+    assert P.describe(sampled) == "SM 1425 MHz, 759 W, clock-event reasons: sw-power-cap"

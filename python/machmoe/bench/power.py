@@ -130,6 +130,53 @@ def energy_mj(watts: float, ms: float, idle_watts: float | None) -> tuple[float,
     return total, None if idle_watts is None else (watts - idle_watts) * ms
 
 
+class Sampler:
+    """nvidia-smi sampling in the background: `with Sampler() as smp: ...; smp.summary(t0, t1)`.
+    Without nvidia-smi (or with fields it lacks) it samples nothing and summary() says so."""
+
+    def __init__(self, interval_ms: int = 50, device: int = 0):
+        self.interval_ms, self.device = interval_ms, device
+        self.fields: list[str] = []
+        self.samples: list = []
+        self._proc = None
+        self._log = None
+        self.error = ""
+
+    def __enter__(self):
+        try:
+            self.fields = pick_fields()
+            self._log = tempfile.NamedTemporaryFile("w+", suffix=".csv")
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=timestamp," + ",".join(self.fields), "--format=csv,noheader,nounits",
+                 "-i", str(self.device), "-lms", str(self.interval_ms)], stdout=self._log, stderr=subprocess.DEVNULL)
+            time.sleep(0.3)  # nvidia-smi's own start
+        except (OSError, RuntimeError) as err:
+            self.error = f"{type(err).__name__}: {err}"
+            self._proc = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait()
+            self._log.seek(0)
+            self.samples = parse_samples(self._log.read())
+            self._log.close()
+        return False
+
+    def summary(self, start: float, end: float, settle_s: float = 0.3) -> dict:
+        if self._proc is None:
+            return {"samples": 0, "error": self.error or "not sampled"}
+        return summarise(self.samples, start, end, settle_s)
+
+
+def describe(s: dict) -> str:
+    """'SM 1425 MHz, 759 W, sw-power-cap' (medians over the window), or why there is nothing."""
+    if not s.get("samples"):
+        return f"clock not sampled ({s.get('error', 'no samples')})"
+    return f"SM {s['sm_mhz']:.0f} MHz, {s['watts']:.0f} W, clock-event reasons: {s['reasons']}"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seconds", type=float, default=2.0)
@@ -144,15 +191,9 @@ def main(argv=None) -> int:
         return 0
     from . import gemm_kernels
 
-    fields = pick_fields()
-    log = tempfile.NamedTemporaryFile("w+", suffix=".csv", delete=False)
-    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp," + ",".join(fields), "--format=csv,noheader,nounits",
-                            "-i", str(torch.cuda.current_device()), "-lms", str(args.interval_ms)],
-                           stdout=log, stderr=subprocess.DEVNULL)
     wanted = [w for w in args.only.split(",") if w]
     windows = []
-    try:
-        time.sleep(0.5)
+    with Sampler(args.interval_ms, torch.cuda.current_device()) as smp:
         t0, t1, _, ms = sustain(idle_case(), args.seconds)
         windows.append(("idle (one spinning thread)", t0, t1, 0.0, ms))
         time.sleep(0.3)
@@ -166,18 +207,17 @@ def main(argv=None) -> int:
                 t0, t1, tflops, ms = sustain(c, args.seconds)
                 windows.append((c.kernel, t0, t1, tflops, ms))
                 time.sleep(0.3)  # a gap between windows, so the next one starts from its own state
-    finally:
-        smi.terminate()
-        smi.wait()
-    samples = parse_samples(open(log.name).read())
+    if smp.error:
+        print(f"power: {smp.error}")
+        return 1
     print(f"board: {limits()}")
-    print(f"fields: {', '.join(fields)}; {len(samples)} samples every {args.interval_ms} ms")
+    print(f"fields: {', '.join(smp.fields)}; {len(smp.samples)} samples every {args.interval_ms} ms")
     print("| kernel | TFLOPS (sustained) | ms/call | SM MHz median (min) | W median (max) | mJ/call | mJ above idle"
           " | C | clock-event reasons |")
     print("|---|--:|--:|--:|--:|--:|--:|--:|---|")
     idle_watts = None
     for kernel, t0, t1, tflops, ms in windows:
-        s = summarise(samples, t0, t1)
+        s = smp.summary(t0, t1)
         if not s["samples"]:
             print(f"| {kernel} | {tflops:.0f} | {ms:.3f} | no samples | | | | | |")
             continue

@@ -108,6 +108,14 @@ def largest_spread(rows: list[dict]):
     return best
 
 
+def _clock(ceilings: dict) -> str:
+    """' (SM 1425 MHz, 759 W, clock-event reasons: sw-power-cap)' when the run sampled it."""
+    c = ceilings.get("matmul_clock") or {}
+    if not c.get("samples"):
+        return ""
+    return f" (SM {c['sm_mhz']:.0f} MHz, {c['watts']:.0f} W, clock-event reasons: {c['reasons']})"
+
+
 def markdown(header: dict, ceilings: dict, rows: list[dict]) -> str:
     lines = [
         "# machmoe benchmark",
@@ -116,7 +124,7 @@ def markdown(header: dict, ceilings: dict, rows: list[dict]) -> str:
         f"torch {header['torch']} (CUDA {header['cuda']})",
         "",
         f"Ceilings measured in this run: dense bf16 8192³ matmul "
-        f"{_num(ceilings.get('matmul_tflops'))} TFLOPS; device-to-device copy "
+        f"{_num(ceilings.get('matmul_tflops'))} TFLOPS{_clock(ceilings)}; device-to-device copy "
         f"{_num(ceilings.get('copy_gbps'))} GB/s (bytes read + written).",
         "",
         "TFLOPS forward / backward (SPEC §1: fwd 6·T·K·n·d, bwd 12·T·K·n·d, bwd time = "

@@ -22,6 +22,7 @@ from .layer_bench import (NOT_BUILT, OOM, LayerInputs, bench_forward_only, bench
                           compare_outputs, is_oom,
                           probe_machmoe)
 from .report import backward_status, derived_ratios, markdown, run_header, write_outputs
+from . import power
 from .timing import copy_bandwidth, free_cuda_memory, matmul_tflops
 
 NO_GPU_LINE = "No CUDA GPU found: running a small CPU demo of the layer instead"
@@ -253,14 +254,21 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     ceilings = {}
     try:
-        ceilings["matmul_tflops"], t_mm = matmul_tflops(8192, min_reps=args.min_reps)
+        # The SM clock and board power while cuBLAS runs: these GPUs run dense GEMMs at their power
+        # cap (docs/PERF.md), so the clock says how much headroom this board has next to others.
+        with power.Sampler() as smp:
+            t0 = time.time()
+            ceilings["matmul_tflops"], t_mm = matmul_tflops(8192, min_reps=args.min_reps)
+            t1 = time.time()
         ceilings["matmul_timing"] = t_mm.as_dict()
+        ceilings["matmul_clock"] = smp.summary(t0, t1, settle_s=0.5)
         ceilings["copy_gbps"], t_copy = copy_bandwidth(1 << 30, min_reps=args.min_reps)
         ceilings["copy_timing"] = t_copy.as_dict()
     except Exception as err:  # noqa: BLE001
         ceilings["error"] = _failure(err)["status"]
     free_cuda_memory()
-    print(f"dense bf16 8192x8192x8192 matmul: {ceilings.get('matmul_tflops', float('nan')):.0f} TFLOPS;"
+    print(f"dense bf16 8192x8192x8192 matmul: {ceilings.get('matmul_tflops', float('nan')):.0f} TFLOPS"
+          f" ({power.describe(ceilings.get('matmul_clock', {}))});"
           f" device-to-device copy: {ceilings.get('copy_gbps', float('nan')):.0f} GB/s "
           f"(bytes read + written)", flush=True)
 
