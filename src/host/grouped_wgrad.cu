@@ -73,6 +73,7 @@ void grouped_gemm_wgrad(const GroupedWgradArgs& a, cudaStream_t stream) {
   p.c = a.c;
   p.c_fp32 = a.c_dtype == DType::FP32;
   p.transpose_c = a.transpose_c;
+  p.probe = detail::gemm_probe_from_env();  // 0 unless a -DMACHMOE_GEMM_PROBES=ON build
   // B [b_rows, N] in boxes of 64 columns x 64 rows (an MN-major operand block).
   const CUtensorMap map_b = detail::tensor_map_2d(a.b, a.b_rows, a.N, a.ldb, 64, kernels::kWgradBK, fn);
   const int sms = device_info().sm_count;

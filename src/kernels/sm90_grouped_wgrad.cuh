@@ -21,6 +21,7 @@
 #include <cuda_bf16.h>
 
 #include "kernels/common.cuh"
+#include "kernels/sm90_gemm_epilogue.cuh"  // gemm_probe
 #include "kernels/sm90_ptx.cuh"
 
 namespace machmoe::kernels {
@@ -38,6 +39,9 @@ struct GroupedWgradParams {
   int m_tiles, n_tiles;
   void* c;                 // [E, M, N] or [E, N, M]
   bool c_fp32, transpose_c;
+  // Timing probes (a -DMACHMOE_GEMM_PROBES=ON build only; wrong results): bit 0 no epilogue
+  // stores, bit 1 no wgmma, bit 2 no loads (stages are "full" at once). 0 otherwise.
+  int probe;
 };
 
 template <int BN>
@@ -153,6 +157,11 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
         sm90::mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
         uint8_t* a_stage = smem_a + s * Smem::kABytes;
         uint8_t* b_stage = smem_b + s * Smem::kBBytes;
+        if (gemm_probe(p, 4)) {  // timing probe: no loads; 129 arrivals complete the stage
+          sm90::mbar_arrive(&full[s]);
+          if (tid == 0) sm90::mbar_arrive(&full[s]);
+          continue;
+        }
         if (end - r0 >= kWgradBK) {
           if (tid == 0) {
             sm90::mbar_arrive_expect_tx(&full[s], Smem::kBBytes);
@@ -191,10 +200,12 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
       const uint32_t a_addr = sm90::smem_addr(smem_a + s * Smem::kABytes + cw * 64 * 128);
       const uint32_t b_addr = sm90::smem_addr(smem_b + s * Smem::kBBytes);
       sm90::wgmma_fence();
+      if (!gemm_probe(p, 2)) {  // (timing probe: no wgmma)
 #pragma unroll
-      for (int ks = 0; ks < kWgradBK / 16; ++ks) {
-        sm90::wgmma_bf16<BN, 1, 1>(acc, sm90::smem_desc_mnmajor_sw128(a_addr + ks * 2048, 64 * 128),
-                                   sm90::smem_desc_mnmajor_sw128(b_addr + ks * 2048, 64 * 128), 1);
+        for (int ks = 0; ks < kWgradBK / 16; ++ks) {
+          sm90::wgmma_bf16<BN, 1, 1>(acc, sm90::smem_desc_mnmajor_sw128(a_addr + ks * 2048, 64 * 128),
+                                     sm90::smem_desc_mnmajor_sw128(b_addr + ks * 2048, 64 * 128), 1);
+        }
       }
       sm90::wgmma_commit();
       sm90::wgmma_wait<1>();
@@ -205,6 +216,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
     sm90::wgmma_wait<0>();
     sm90::fence_accumulators(acc);
     if (prev_stage >= 0 && tid == 0) sm90::mbar_arrive(&empty[prev_stage]);
+    if (gemm_probe(p, 1)) continue;  // timing probe: no epilogue
 
     // Accumulator fragment: register 4·jj + 2·half + i is row (warp·16 + lane/4 + 8·half) of the
     // warpgroup's 64, column 8·jj + 2·(lane % 4) + i.
