@@ -4,6 +4,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
 #include <string>
 
 #include "machmoe/types.hpp"
@@ -25,5 +26,19 @@ inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), ke
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The timing probes' bits (MACHMOE_GEMM_PROBE; scripts/gpu_probe.sh) in a -DMACHMOE_GEMM_PROBES=ON
+// build, read once; 0 in a normal build, where the kernels compile the probes out.
+inline int gemm_probe_from_env() {
+#if MACHMOE_GEMM_PROBES
+  static const int probe = [] {
+    const char* v = std::getenv("MACHMOE_GEMM_PROBE");
+    return v ? std::atoi(v) & 15 : 0;
+  }();
+  return probe;
+#else
+  return 0;
+#endif
+}
 
 }  // namespace machmoe::detail

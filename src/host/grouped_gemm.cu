@@ -152,14 +152,7 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   p.K = static_cast<int>(a.K);
   p.n_tiles = static_cast<int>(ceil_div(n_cols, tile_cols));
   p.act = static_cast<int>(a.activation);
-#if MACHMOE_GEMM_PROBES
-  // Timing probes (a -DMACHMOE_GEMM_PROBES=ON build only): GroupedGemmParams::probe.
-  static const int probe = [] {
-    const char* v = std::getenv("MACHMOE_GEMM_PROBE");
-    return v ? std::atoi(v) & 15 : 0;
-  }();
-  p.probe = probe;
-#endif
+  p.probe = detail::gemm_probe_from_env();  // 0 unless a -DMACHMOE_GEMM_PROBES=ON build
   p.h = static_cast<const __nv_bfloat16*>(a.h);
   p.ldh = a.ldh;
   p.row_scores = a.row_scores;

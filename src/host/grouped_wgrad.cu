@@ -21,7 +21,8 @@ using detail::require_arg;
 namespace {
 
 template <int BN>
-void launch(const CUtensorMap& map_b, const kernels::GroupedWgradParams& p, int ctas, cudaStream_t stream) {
+void launch(const CUtensorMap& map_b, const CUtensorMap& map_c, const kernels::GroupedWgradParams& p, int ctas,
+            cudaStream_t stream) {
   constexpr int smem = kernels::WgradSmem<BN>::kBytes;
   static std::once_flag attr_once;
   std::call_once(attr_once, [] {
@@ -30,7 +31,7 @@ void launch(const CUtensorMap& map_b, const kernels::GroupedWgradParams& p, int 
   });
   require_arg(device_info().smem_per_block_optin >= static_cast<size_t>(smem), "grouped_gemm_wgrad", "device",
               "needs " + std::to_string(smem) + " bytes of shared memory per block");
-  kernels::sm90_grouped_wgrad<BN><<<ctas, kernels::kWgradThreads, smem, stream>>>(map_b, p);
+  kernels::sm90_grouped_wgrad<BN><<<ctas, kernels::kWgradThreads, smem, stream>>>(map_b, map_c, p);
 }
 
 }  // namespace
@@ -73,13 +74,20 @@ void grouped_gemm_wgrad(const GroupedWgradArgs& a, cudaStream_t stream) {
   p.c = a.c;
   p.c_fp32 = a.c_dtype == DType::FP32;
   p.transpose_c = a.transpose_c;
+  p.probe = detail::gemm_probe_from_env();  // 0 unless a -DMACHMOE_GEMM_PROBES=ON build
   // B [b_rows, N] in boxes of 64 columns x 64 rows (an MN-major operand block).
   const CUtensorMap map_b = detail::tensor_map_2d(a.b, a.b_rows, a.N, a.ldb, 64, kernels::kWgradBK, fn);
+  // bf16 C: full tiles leave by TMA from each consumer warpgroup's staged part: C [E*M, N] in
+  // boxes {64 n, 64 m}, or transposed C [E*N, M] in boxes {64 m, bn n}.
+  p.tma_c = a.c_dtype == DType::BF16;
+  const CUtensorMap map_c = !p.tma_c ? map_b
+                            : a.transpose_c ? detail::tensor_map_2d(a.c, a.E * a.N, a.M, a.M, 64, bn, fn)
+                                            : detail::tensor_map_2d(a.c, a.E * a.M, a.N, a.N, 64, 64, fn);
   const int sms = device_info().sm_count;
   const int ctas = static_cast<int>(std::min<int64_t>(a.max_ctas > 0 ? std::min(a.max_ctas, sms) : sms,
                                                       a.E * m_tiles * n_tiles));
-  if (bn == 256) launch<256>(map_b, p, ctas, stream);
-  else launch<128>(map_b, p, ctas, stream);
+  if (bn == 256) launch<256>(map_b, map_c, p, ctas, stream);
+  else launch<128>(map_b, map_c, p, ctas, stream);
   check_launch(fn);
 }
 

@@ -60,8 +60,10 @@ struct GroupedGemmParams {
   int probe;
 };
 
-// Whether probe `bit` is on: a constant false unless the probes are compiled in.
-__device__ __forceinline__ bool gemm_probe(const GroupedGemmParams& p, int bit) {
+// Whether probe `bit` is on: a constant false unless the probes are compiled in. Params: the
+// grouped GEMM's or the weight-gradient kernel's (both carry `probe`).
+template <class Params>
+__device__ __forceinline__ bool gemm_probe(const Params& p, int bit) {
 #if MACHMOE_GEMM_PROBES
   return (p.probe & bit) != 0;
 #else

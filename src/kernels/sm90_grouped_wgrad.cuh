@@ -13,14 +13,18 @@
 // past the expert's last row), thread 0 loads B by TMA for full 64-row blocks; the expert's last,
 // partial block of B is copied by cp.async too, zero-filled, so that no row of the next expert (or
 // the uninitialised tail of the buffer) ever enters the sum. Warpgroups 1-2 run wgmma on 64 rows
-// of M each and write C straight from the accumulators (the K loop is the expert's whole row
-// range, long next to the epilogue). Tiles (e, m_blk, n_blk) are walked statically, expert-major;
+// of M each. A full bf16 tile leaves by TMA: each warpgroup stages its 64 rows of C (or, with
+// transpose_c, its 64 columns of Cᵀ) in its own buffer and one of its threads issues the store,
+// which runs under the next tile's main loop (timing probes: the epilogue straight from the
+// accumulators cost 15% on 7B-a, scattered 2-byte stores for the transposed dW1). Partial tiles
+// (at M's or N's end) and fp32 C are written straight from the accumulators. Tiles (e, m_blk, n_blk) are walked statically, expert-major;
 // an expert with no rows gets its tiles written with zeros. Fixed K order: deterministic.
 #pragma once
 
 #include <cuda_bf16.h>
 
 #include "kernels/common.cuh"
+#include "kernels/sm90_gemm_epilogue.cuh"  // gemm_probe
 #include "kernels/sm90_ptx.cuh"
 
 namespace machmoe::kernels {
@@ -38,6 +42,10 @@ struct GroupedWgradParams {
   int m_tiles, n_tiles;
   void* c;                 // [E, M, N] or [E, N, M]
   bool c_fp32, transpose_c;
+  bool tma_c;              // bf16 C: full tiles leave by TMA (tmap_c: C [E*M, N], or [E*N, M] transposed)
+  // Timing probes (a -DMACHMOE_GEMM_PROBES=ON build only; wrong results): bit 0 no epilogue
+  // stores, bit 1 no wgmma, bit 2 no loads (stages are "full" at once). 0 otherwise.
+  int probe;
 };
 
 template <int BN>
@@ -45,10 +53,13 @@ struct WgradSmem {
   static constexpr int kABytes = kWgradBM * kWgradBK * 2;  // 16 KB: two [64 K][64 M] blocks
   static constexpr int kBBytes = BN * kWgradBK * 2;        // 32 KB for BN = 256
   static constexpr int kStageBytes = kABytes + kBBytes;
+  // One staging buffer per consumer warpgroup: its 64 rows x BN bf16 of C (either layout).
+  static constexpr int kEpiBufBytes = 64 * BN * 2;
+  static constexpr int kEpiBytes = 2 * kEpiBufBytes;
   static constexpr int kBudget = 227 * 1024;
   static constexpr int kFixed = 2048;  // 1 KB alignment slack + barriers
-  static constexpr int kStages = (kBudget - kFixed) / kStageBytes;
-  static constexpr int kBytes = kStages * kStageBytes + kFixed;
+  static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / kStageBytes;
+  static constexpr int kBytes = kStages * kStageBytes + kEpiBytes + kFixed;
   static_assert(kStages >= 2, "at least two pipeline stages");
   static_assert(2 * kStages * 8 <= kFixed - 1024, "fixed shared-memory area too small");
 };
@@ -115,7 +126,8 @@ __device__ __forceinline__ WgradTile wgrad_decode(const GroupedWgradParams& p, i
 
 template <int BN>
 __global__ void __launch_bounds__(kWgradThreads, 1)
-    sm90_grouped_wgrad(const __grid_constant__ CUtensorMap tmap_b, const GroupedWgradParams p) {
+    sm90_grouped_wgrad(const __grid_constant__ CUtensorMap tmap_b, const __grid_constant__ CUtensorMap tmap_c,
+                       const GroupedWgradParams p) {
   using Smem = WgradSmem<BN>;
   constexpr int S = Smem::kStages;
   extern __shared__ uint8_t smem_raw[];
@@ -125,7 +137,8 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
   uint8_t* smem = smem_raw + ((1024u - (sm90::smem_addr(smem_raw) & 1023u)) & 1023u);
   uint8_t* smem_a = smem;
   uint8_t* smem_b = smem + S * Smem::kABytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * Smem::kStageBytes);
+  uint8_t* epi = smem + S * Smem::kStageBytes;  // [2][kEpiBufBytes], 1024-byte aligned
+  uint64_t* full = reinterpret_cast<uint64_t*>(epi + Smem::kEpiBytes);
   uint64_t* empty = full + S;
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
@@ -135,6 +148,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
     }
     sm90::mbar_fence_init();
     sm90::tma_prefetch_descriptor(&tmap_b);
+    if (p.tma_c) sm90::tma_prefetch_descriptor(&tmap_c);
   }
   __syncthreads();
   const int total = p.E * p.m_tiles * p.n_tiles;
@@ -153,6 +167,11 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
         sm90::mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
         uint8_t* a_stage = smem_a + s * Smem::kABytes;
         uint8_t* b_stage = smem_b + s * Smem::kBBytes;
+        if (gemm_probe(p, 4)) {  // timing probe: no loads; 129 arrivals complete the stage
+          sm90::mbar_arrive(&full[s]);
+          if (tid == 0) sm90::mbar_arrive(&full[s]);
+          continue;
+        }
         if (end - r0 >= kWgradBK) {
           if (tid == 0) {
             sm90::mbar_arrive_expect_tx(&full[s], Smem::kBBytes);
@@ -191,10 +210,12 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
       const uint32_t a_addr = sm90::smem_addr(smem_a + s * Smem::kABytes + cw * 64 * 128);
       const uint32_t b_addr = sm90::smem_addr(smem_b + s * Smem::kBBytes);
       sm90::wgmma_fence();
+      if (!gemm_probe(p, 2)) {  // (timing probe: no wgmma)
 #pragma unroll
-      for (int ks = 0; ks < kWgradBK / 16; ++ks) {
-        sm90::wgmma_bf16<BN, 1, 1>(acc, sm90::smem_desc_mnmajor_sw128(a_addr + ks * 2048, 64 * 128),
-                                   sm90::smem_desc_mnmajor_sw128(b_addr + ks * 2048, 64 * 128), 1);
+        for (int ks = 0; ks < kWgradBK / 16; ++ks) {
+          sm90::wgmma_bf16<BN, 1, 1>(acc, sm90::smem_desc_mnmajor_sw128(a_addr + ks * 2048, 64 * 128),
+                                     sm90::smem_desc_mnmajor_sw128(b_addr + ks * 2048, 64 * 128), 1);
+        }
       }
       sm90::wgmma_commit();
       sm90::wgmma_wait<1>();
@@ -205,6 +226,56 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
     sm90::wgmma_wait<0>();
     sm90::fence_accumulators(acc);
     if (prev_stage >= 0 && tid == 0) sm90::mbar_arrive(&empty[prev_stage]);
+    if (gemm_probe(p, 1)) continue;  // timing probe: no epilogue
+
+    if (p.tma_c && m0 + kWgradBM <= p.M && n0 + BN <= p.N) {
+      // A full tile: stage this warpgroup's part in its buffer, 128-byte swizzled rows as the
+      // TMA store reads them, once the buffer's previous store has read it.
+      uint8_t* buf = epi + cw * Smem::kEpiBufBytes;
+      if (tid == 0) sm90::bulk_wait_read_all();
+      sm90::named_barrier_sync(1 + cw, 128);
+      if (p.transpose_c) {
+        // [BN rows n][64 m] (one box {64 m, BN n} of C [E*N, M]): 2-byte stores, conflict-free
+        // (the 4 n of a warp's store fall in 4 different swizzled 16-byte slots).
+#pragma unroll
+        for (int jj = 0; jj < BN / 8; ++jj) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int m = warp * 16 + lane / 4 + 8 * half;
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+              const int n = jj * 8 + 2 * (lane % 4) + i;
+              *reinterpret_cast<__nv_bfloat16*>(buf + n * 128 + (((m >> 3) ^ (n & 7)) << 4) + (m & 7) * 2) =
+                  __float2bfloat16_rn(acc[jj * 4 + half * 2 + i]);
+            }
+          }
+        }
+      } else {
+        // BN/64 boxes [64 rows m][64 n] (boxes {64 n, 64 m} of C [E*M, N]).
+#pragma unroll
+        for (int jj = 0; jj < BN / 8; ++jj) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int r = warp * 16 + lane / 4 + 8 * half;
+            *reinterpret_cast<__nv_bfloat162*>(buf + (jj / 8) * (64 * 128) + r * 128 + (((jj % 8) ^ (r & 7)) << 4) +
+                                               (lane % 4) * 4) =
+                __floats2bfloat162_rn(acc[jj * 4 + half * 2], acc[jj * 4 + half * 2 + 1]);
+          }
+        }
+      }
+      sm90::fence_proxy_async_shared();  // st.shared -> the TMA store's reads
+      sm90::named_barrier_sync(1 + cw, 128);
+      if (tid == 0) {
+        if (p.transpose_c) {
+          sm90::tma_store_2d(&tmap_c, buf, m0 + cw * 64, e * p.N + n0);
+        } else {
+#pragma unroll
+          for (int h = 0; h < BN / 64; ++h) sm90::tma_store_2d(&tmap_c, buf + h * (64 * 128), n0 + 64 * h, e * p.M + m0 + cw * 64);
+        }
+        sm90::bulk_commit_group();
+      }
+      continue;
+    }
 
     // Accumulator fragment: register 4·jj + 2·half + i is row (warp·16 + lane/4 + 8·half) of the
     // warpgroup's 64, column 8·jj + 2·(lane % 4) + i.
@@ -235,6 +306,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
       }
     }
   }
+  if (tid == 0) sm90::bulk_wait_all();  // this warpgroup's TMA stores are complete
 }
 
 }  // namespace machmoe::kernels
