@@ -17,8 +17,9 @@
 // transpose_c, its 64 columns of Cᵀ) in its own buffer and one of its threads issues the store,
 // which runs under the next tile's main loop (timing probes: the epilogue straight from the
 // accumulators cost 15% on 7B-a, scattered 2-byte stores for the transposed dW1). Partial tiles
-// (at M's or N's end) and fp32 C are written straight from the accumulators. Tiles (e, m_blk, n_blk) are walked statically, expert-major;
-// an expert with no rows gets its tiles written with zeros. Fixed K order: deterministic.
+// (at M's or N's end) and fp32 C are written straight from the accumulators. Tiles (e, m_blk,
+// n_blk) are walked statically, expert-major; an expert with no rows gets its tiles written with
+// zeros. Fixed K order: deterministic.
 #pragma once
 
 #include <cuda_bf16.h>
