@@ -254,6 +254,10 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
           const GemmTile t = *epi_tile;
           if (t.e < 0) return;  // the stop signal: handled after the last load
           epi_begin(t);
+          // A full tile's TMA store was just issued: finish (wait for it to have read the staged
+          // tile, free it) at the next step, a K block later, instead of stalling this warp's
+          // copies now; the consumers need the buffer again only at their next tile's staging.
+          if (ep.tma) return;
         }
         epi_work(budget);
       }
