@@ -2,7 +2,6 @@
 // tile configuration, the TMA descriptor of the weights, and the persistent launch.
 #include <cuda.h>
 
-#include <cstdlib>
 #include <mutex>
 #include <string>
 

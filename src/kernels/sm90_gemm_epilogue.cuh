@@ -60,19 +60,6 @@ struct GroupedGemmParams {
   int probe;
 };
 
-// Whether probe `bit` is on: a constant false unless the probes are compiled in. Params: the
-// grouped GEMM's or the weight-gradient kernel's (both carry `probe`).
-template <class Params>
-__device__ __forceinline__ bool gemm_probe(const Params& p, int bit) {
-#if MACHMOE_GEMM_PROBES
-  return (p.probe & bit) != 0;
-#else
-  (void)p;
-  (void)bit;
-  return false;
-#endif
-}
-
 struct GemmTile {
   int e, row0, rows, n0;  // expert (-1: no more tiles), first row, rows (<= 128), first column
 };

@@ -25,7 +25,6 @@
 #include <cuda_bf16.h>
 
 #include "kernels/common.cuh"
-#include "kernels/sm90_gemm_epilogue.cuh"  // gemm_probe
 #include "kernels/sm90_ptx.cuh"
 
 namespace machmoe::kernels {

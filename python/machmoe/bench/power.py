@@ -117,10 +117,10 @@ def idle_case():
     return KernelCase("idle (one spinning thread)", lambda: torch.cuda._sleep(1_000_000), [()], 0.0)
 
 
-def limits(query=subprocess.run) -> str:
+def limits(device: int = 0, query=subprocess.run) -> str:
     """The board's power limits as nvidia-smi reports them (W), or why not."""
     r = query(["nvidia-smi", "--query-gpu=name,power.limit,enforced.power.limit,power.max_limit,clocks.max.sm",
-               "--format=csv,noheader", "-i", "0"], capture_output=True, text=True)
+               "--format=csv,noheader", "-i", str(device)], capture_output=True, text=True)
     return r.stdout.strip() if r.returncode == 0 else f"(nvidia-smi: {r.stderr.strip()})"
 
 
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     if smp.error:
         print(f"power: {smp.error}")
         return 1
-    print(f"board: {limits()}")
+    print(f"board: {limits(smp.device)}")
     print(f"fields: {', '.join(smp.fields)}; {len(smp.samples)} samples every {args.interval_ms} ms")
     print("| kernel | TFLOPS (sustained) | ms/call | SM MHz median (min) | W median (max) | mJ/call | mJ above idle"
           " | C | clock-event reasons |")

@@ -33,8 +33,7 @@ def load_columns(folder: str, probes: list[str]) -> tuple[list[str], dict[str, d
 def format_table(folder: str, probes: list[str]) -> str:
     cols, data = load_columns(folder, probes)
     # Kernel order: the first column that has rows (the normal build, unless it failed).
-    order = next((list(data[c]) for c in cols if data[c]), [])
-    names = order
+    names = next((list(data[c]) for c in cols if data[c]), [])
     heads = ["normal"] + [f"{p}: {PROBE_NAMES.get(p, 'probe ' + p)}" for p in probes] + ["normal again"]
     lines = ["Milliseconds per call (probe results are wrong; only their times mean something).", "",
              "| kernel | " + " | ".join(heads) + " |", "|---" * (len(heads) + 1) + "|"]
