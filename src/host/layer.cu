@@ -9,6 +9,7 @@
 #include "host/cublas_internal.hpp"
 #include "host/experts_internal.hpp"
 #include "host/layer_layout.hpp"
+#include "host/routing_internal.hpp"
 #include "kernels/aux_loss.cuh"
 #include "machmoe/machmoe.hpp"
 
@@ -74,8 +75,14 @@ void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_
   r.list.expert = experts;
   r.list.scores = scores;
   r.list.pairs = R;
+  const int aux_blocks = static_cast<int>(ceil_div(p.T, LayerLayout::kAuxTokensPerBlock));
+  float* aux_partials = at<float>(w, L.aux_partials);
+  static_assert(LayerLayout::kAuxTokensPerBlock == detail::kRouterAuxTokens,
+                "the router kernel's aux partial sums use the aux loss's token blocks");
+  bool have_aux_partials = false;
   if (!rounded) {
-    topk_router(logits, p.T, p.E, p.K, p.routing, p.renormalize, a.selection_bias, scores, experts, stream);
+    have_aux_partials = detail::topk_router_with_aux(logits, p.T, p.E, p.K, p.routing, p.renormalize,
+                                                     a.selection_bias, scores, experts, aux_partials, stream);
     r.list.K = p.K;
   } else {
     TokenRoundingOutputs tr;
@@ -103,13 +110,13 @@ void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_
   r.workspace = w;
   detail::experts_forward_run(r, stream);
 
-  const int blocks = static_cast<int>(ceil_div(p.T, LayerLayout::kAuxTokensPerBlock));
-  float* partials = at<float>(w, L.aux_partials);
-  kernels::aux_colsum_partial<LayerLayout::kAuxTokensPerBlock><<<blocks, 256, 0, stream>>>(
-      logits, p.T, static_cast<int>(p.E), partials);
-  check_launch("layer_forward: aux partial sums");
-  kernels::aux_finalize<1024><<<1, 1024, 0, stream>>>(partials, blocks, static_cast<int>(p.E), expert_offsets,
-                                                 at<float>(w, L.aux_colsum), a.aux_loss);
+  if (!have_aux_partials) {
+    kernels::aux_colsum_partial<LayerLayout::kAuxTokensPerBlock><<<aux_blocks, 256, 0, stream>>>(
+        logits, p.T, static_cast<int>(p.E), aux_partials);
+    check_launch("layer_forward: aux partial sums");
+  }
+  kernels::aux_finalize<1024><<<1, 1024, 0, stream>>>(aux_partials, aux_blocks, static_cast<int>(p.E),
+                                                      expert_offsets, at<float>(w, L.aux_colsum), a.aux_loss);
   check_launch("layer_forward: aux loss");
 }
 

@@ -98,25 +98,36 @@ void launch_topk_metadata(const kernels::MetadataParams& p, cudaStream_t stream)
 
 }  // namespace
 
-void topk_router(const float* logits, int64_t T, int64_t E, int64_t K, RoutingMethod method,
-                 bool renormalize, const float* selection_bias, float* scores, int32_t* experts,
-                 cudaStream_t stream) {
+namespace detail {
+
+static_assert(kernels::kRouterBlockTokens == kRouterAuxTokens, "aux partials: 64 tokens per block");
+
+bool topk_router_with_aux(const float* logits, int64_t T, int64_t E, int64_t K, RoutingMethod method,
+                          bool renormalize, const float* selection_bias, float* scores, int32_t* experts,
+                          float* aux_partials, cudaStream_t stream) {
   constexpr const char* fn = "topk_router";
   check_router_shape(fn, T, E, K);
   require_arg(selection_bias == nullptr || method == RoutingMethod::Sigmoid, fn, "selection_bias",
               "is only used with routing=sigmoid");
-  if (T == 0) return;
+  if (T == 0) return aux_partials != nullptr;  // no token: no partials to write
   require_arg(logits && scores && experts, fn, "logits/scores/experts", "must not be null");
-  kernels::RouterParams p{logits, selection_bias, scores, experts, T, static_cast<int>(E),
+  kernels::RouterParams p{logits, selection_bias, scores, experts, nullptr, T, static_cast<int>(E),
                           static_cast<int>(K), router_method(method), renormalize};
+  const int64_t v = ceil_div(E, 32);
+  if (v <= kernels::kRouterSortedMaxV && K <= kMaxRegisterK) {
+    p.aux_partials = aux_partials;
+    const auto blocks = static_cast<unsigned>(ceil_div(T, kernels::kRouterBlockTokens));
+    constexpr unsigned threads = kernels::kRouterBlockWarps * kernels::kWarpSize;
+    if (v <= 1) kernels::topk_router_sorted<1><<<blocks, threads, 0, stream>>>(p);
+    else if (v <= 2) kernels::topk_router_sorted<2><<<blocks, threads, 0, stream>>>(p);
+    else if (v <= 4) kernels::topk_router_sorted<4><<<blocks, threads, 0, stream>>>(p);
+    else kernels::topk_router_sorted<8><<<blocks, threads, 0, stream>>>(p);
+    check_launch(fn);
+    return aux_partials != nullptr;
+  }
   const auto blocks = static_cast<unsigned>(ceil_div(T, kRouterThreads / 32));
   if (E <= kMaxRegisterExperts && K <= kMaxRegisterK) {
-    const int64_t v = ceil_div(E, 32);
-    if (v <= 1) launch_router_registers<1>(p, blocks, stream);
-    else if (v <= 2) launch_router_registers<2>(p, blocks, stream);
-    else if (v <= 4) launch_router_registers<4>(p, blocks, stream);
-    else if (v <= 8) launch_router_registers<8>(p, blocks, stream);
-    else if (v <= 16) launch_router_registers<16>(p, blocks, stream);
+    if (v <= 16) launch_router_registers<16>(p, blocks, stream);
     else if (v <= 32) launch_router_registers<32>(p, blocks, stream);
     else if (v <= 64) launch_router_registers<64>(p, blocks, stream);
     else launch_router_registers<128>(p, blocks, stream);
@@ -124,6 +135,16 @@ void topk_router(const float* logits, int64_t T, int64_t E, int64_t K, RoutingMe
     kernels::topk_router_general<<<blocks, kRouterThreads, 0, stream>>>(p);
   }
   check_launch(fn);
+  return false;
+}
+
+}  // namespace detail
+
+void topk_router(const float* logits, int64_t T, int64_t E, int64_t K, RoutingMethod method,
+                 bool renormalize, const float* selection_bias, float* scores, int32_t* experts,
+                 cudaStream_t stream) {
+  detail::topk_router_with_aux(logits, T, E, K, method, renormalize, selection_bias, scores, experts, nullptr,
+                               stream);
 }
 
 void topk_router_backward(const float* logits, const float* scores, const int32_t* experts,

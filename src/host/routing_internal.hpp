@@ -1,11 +1,15 @@
-// Layout of routing_metadata's workspace, shared with token rounding, which reads the bit matrix
-// the metadata pass leaves behind (bit (e, t) set <=> token t routed to expert e).
+// Routing internals shared by the launchers: the layout of routing_metadata's workspace (also
+// read by token rounding, which uses the bit matrix the metadata pass leaves behind: bit (e, t)
+// set <=> token t routed to expert e), and the top-K router with the aux loss's partial sums.
 #pragma once
+
+#include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
 
 #include "host/check.hpp"
+#include "machmoe/machmoe.hpp"
 
 namespace machmoe::detail {
 
@@ -29,5 +33,14 @@ struct MetadataWorkspace {
     bytes = tile_flag_offset + align256(W * 4);
   }
 };
+
+// topk_router, and where the kernel can (E <= 256, K <= 32) also the aux loss's column sums of
+// softmax(logits) per 64 tokens into aux_partials [ceil(T / 64), E] (kernels/aux_loss.cuh's
+// aux_colsum_partial layout) in the same pass. Returns whether it wrote them; if not, the caller
+// runs aux_colsum_partial.
+constexpr int kRouterAuxTokens = 64;  // tokens per block of aux_partials
+bool topk_router_with_aux(const float* logits, int64_t T, int64_t E, int64_t K, RoutingMethod method,
+                          bool renormalize, const float* selection_bias, float* scores, int32_t* experts,
+                          float* aux_partials, cudaStream_t stream);
 
 }  // namespace machmoe::detail
