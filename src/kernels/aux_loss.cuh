@@ -39,12 +39,35 @@ __global__ void __launch_bounds__(kThreads) aux_finalize(const float* partials, 
                                                          const int32_t* expert_offsets, float* colsum, float* aux) {
   __shared__ float red[32];
   __shared__ float s_total;
-  float local_total = 0.f;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+  // The partials were written long before (the router kernel writes them before the expert GEMMs
+  // evict them from L2), so the sums are bound by load latency: up to 8 lanes per expert, each
+  // with 4 loads in flight, then a fixed shuffle tree (deterministic for a given E and block).
+  const int fit = kThreads / E;
+  const int lanes = fit >= 8 ? 8 : fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
+  const int group = threadIdx.x / lanes, sub = threadIdx.x % lanes, groups = kThreads / lanes;
+  float local_total = 0.f, local_weighted = 0.f;
+  for (int e0 = 0; e0 < E; e0 += groups) {  // uniform trip count: the shuffles below need every lane
+    const int e = e0 + group;
     float acc = 0.f;
-    for (int b = 0; b < blocks; ++b) acc += partials[static_cast<int64_t>(b) * E + e];
-    colsum[e] = acc;
-    local_total += acc;
+    if (e < E) {
+      const float* col = partials + e;
+      float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+      int b = sub;
+      for (; b + 3 * lanes < blocks; b += 4 * lanes) {
+        a0 += col[static_cast<int64_t>(b) * E];
+        a1 += col[static_cast<int64_t>(b + lanes) * E];
+        a2 += col[static_cast<int64_t>(b + 2 * lanes) * E];
+        a3 += col[static_cast<int64_t>(b + 3 * lanes) * E];
+      }
+      for (; b < blocks; b += lanes) a0 += col[static_cast<int64_t>(b) * E];
+      acc = (a0 + a1) + (a2 + a3);
+    }
+    for (int o = lanes / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(kFullMask, acc, o);
+    if (sub == 0 && e < E) {
+      colsum[e] = acc;
+      local_total += acc;
+      local_weighted += acc * static_cast<float>(expert_offsets[e + 1] - expert_offsets[e]);
+    }
   }
   // Fixed-shape block reduction: deterministic for a given E and block size.
   auto block_sum = [&](float v) {
@@ -63,10 +86,7 @@ __global__ void __launch_bounds__(kThreads) aux_finalize(const float* partials, 
   if (threadIdx.x == 0) s_total = total;
   __syncthreads();
   const int rows = expert_offsets[E];
-  float local = 0.f;
-  for (int e = threadIdx.x; e < E; e += blockDim.x)
-    local += colsum[e] * static_cast<float>(expert_offsets[e + 1] - expert_offsets[e]);
-  const float weighted = block_sum(local);
+  const float weighted = block_sum(local_weighted);
   if (threadIdx.x == 0)
     *aux = (rows > 0 && s_total > 0.f) ? static_cast<float>(E) * weighted / (s_total * static_cast<float>(rows)) : 0.f;
 }

@@ -99,14 +99,14 @@ __global__ void __launch_bounds__(256) topk_router_registers(RouterParams p) {
 // Fast path for E <= 32 * kRouterSortedMaxV: each lane sorts its V candidate keys once, so that a
 // selection round is two warp reductions (REDUX) over the lanes' heads and a shift in the winning
 // lane, instead of a rescan of V keys plus a 64-bit shuffle tree (the previous kernel: 27 µs for
-// 24576 tokens at E = 128, issue-bound). A block takes kRouterBlockTokens consecutive tokens, 8
+// 24576 tokens at E = 128, issue-bound). A block takes kRouterBlockTokens consecutive tokens, 4
 // per warp in order, with the next token's logits loaded while this one is selected; with
 // aux_partials it also writes the aux loss's column sums of softmax(logits) over its tokens
 // (partials [blocks, E]; fixed order, so deterministic), which saves the aux loss a second pass
 // over the logits and a launch.
 constexpr int kRouterSortedMaxV = 8;
 constexpr int kRouterBlockTokens = 64;
-constexpr int kRouterBlockWarps = 8;
+constexpr int kRouterBlockWarps = 16;  // 4 tokens per warp: enough warps per SM to hide the loads
 
 template <int V>
 __global__ void __launch_bounds__(kRouterBlockWarps * kWarpSize) topk_router_sorted(RouterParams p) {
