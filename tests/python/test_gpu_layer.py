@@ -68,9 +68,11 @@ def test_layer_forward_spec_shapes_reduced_T(name, T, d, n, E, K):
     check_layer(T, d, n, E, K)
 
 
-@pytest.mark.parametrize("T,E,K", [(1, 8, 2), (13, 64, 1), (5, 4, 4), (3, 1, 1)])
+@pytest.mark.parametrize("T,E,K", [(1, 8, 2), (13, 64, 1), (5, 4, 4), (3, 1, 1), (130, 256, 16), (70, 300, 3)])
 def test_small_layer_forward_awkward_shapes(T, E, K):
-    # T = 1, odd T, most experts empty (T*K << E), K = E, E = 1.
+    # T = 1, odd T, most experts empty (T*K << E), K = E, E = 1; E = 256 (the router kernel's
+    # largest E that also writes the aux partial sums, two 64-token blocks + 2 tokens) and E = 300
+    # (the aux loss's own partial-sum kernel).
     check_layer(T, 64, 32, E, K)
 
 
