@@ -1,9 +1,12 @@
 // The aux load-balancing loss (docs/LAYER.md), deterministically:
 //   aux = E · Σ_e (Σ_t P[t,e] / Σ_{t,e} P) · (freq_e / Σ freq),  P = softmax(logits [T, E])
-// 1. aux_colsum_partial: block b sums P over its kTokens tokens for every expert, each thread
-//    owning experts and adding tokens in order -> partials [blocks, E] (no atomics).
-// 2. aux_finalize: one block adds the partials in block order, then the weighted sum.
-// The backward (kernels/layer_backward.cuh) reuses step 1 for ∂aux/∂logits.
+// 1. Partial sums of P per 64 tokens -> partials [blocks, E] (no atomics): the top-K router kernel
+//    writes them in its own pass where it can (E <= 256), aux_colsum_partial otherwise (block b
+//    sums P over its kTokens tokens, each thread owning experts and adding tokens in order).
+// 2. aux_finalize: one block sums the partials per expert in a fixed shape (aux_column_sums),
+//    then the weighted sum.
+// The backward (kernels/layer_backward.cuh) reuses aux_colsum_partial, aux_column_sums and
+// aux_block_sum for ∂aux/∂logits.
 #pragma once
 
 #include "kernels/common.cuh"
@@ -32,20 +35,34 @@ __global__ void __launch_bounds__(256) aux_colsum_partial(const float* logits, i
   }
 }
 
-// A template (on its block size) like every kernel here: the header is included by layer.cu and
-// layer_backward.cu, and a non-template __global__ in two translation units would clash at link.
+// Sum of v over a block of kThreads in a fixed shape (deterministic), returned to every thread.
 template <int kThreads>
-__global__ void __launch_bounds__(kThreads) aux_finalize(const float* partials, int blocks, int E,
-                                                         const int32_t* expert_offsets, float* colsum, float* aux) {
-  __shared__ float red[32];
-  __shared__ float s_total;
-  // The partials were written long before (the router kernel writes them before the expert GEMMs
-  // evict them from L2), so the sums are bound by load latency: up to 8 lanes per expert, each
-  // with 4 loads in flight, then a fixed shuffle tree (deterministic for a given E and block).
+__device__ __forceinline__ float aux_block_sum(float v, float* red /*[32]*/) {
+  v = warp_sum(v);
+  if (threadIdx.x % kWarpSize == 0) red[threadIdx.x / kWarpSize] = v;
+  __syncthreads();
+  float r = threadIdx.x < kThreads / kWarpSize ? red[threadIdx.x] : 0.f;
+  if (threadIdx.x < kWarpSize) r = warp_sum(r);
+  if (threadIdx.x == 0) red[0] = r;
+  __syncthreads();
+  r = red[0];
+  __syncthreads();  // red may be reused by the next call
+  return r;
+}
+
+// Column sums of the partials, for aux_finalize and the backward's coefficients (one block of
+// kThreads): colsum[e] = C_e = Σ_b partials[b, e], and this thread's shares of S = Σ_e C_e and of
+// Σ_e C_e · count_e (count_e = rows of expert e). The partials may come from DRAM (the router
+// kernel writes them before the expert GEMMs), so the sums are bound by load latency: up to 8
+// lanes per expert, each with 4 loads in flight, then a fixed shuffle tree (deterministic for a
+// given E and kThreads).
+template <int kThreads>
+__device__ __forceinline__ void aux_column_sums(const float* partials, int blocks, int E,
+                                                const int32_t* expert_offsets, float* colsum, float& local_total,
+                                                float& local_weighted) {
   const int fit = kThreads / E;
   const int lanes = fit >= 8 ? 8 : fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
   const int group = threadIdx.x / lanes, sub = threadIdx.x % lanes, groups = kThreads / lanes;
-  float local_total = 0.f, local_weighted = 0.f;
   for (int e0 = 0; e0 < E; e0 += groups) {  // uniform trip count: the shuffles below need every lane
     const int e = e0 + group;
     float acc = 0.f;
@@ -69,26 +86,21 @@ __global__ void __launch_bounds__(kThreads) aux_finalize(const float* partials, 
       local_weighted += acc * static_cast<float>(expert_offsets[e + 1] - expert_offsets[e]);
     }
   }
-  // Fixed-shape block reduction: deterministic for a given E and block size.
-  auto block_sum = [&](float v) {
-    v = warp_sum(v);
-    if (threadIdx.x % kWarpSize == 0) red[threadIdx.x / kWarpSize] = v;
-    __syncthreads();
-    float r = 0.f;
-    if (threadIdx.x < kWarpSize) {
-      r = threadIdx.x < blockDim.x / kWarpSize ? red[threadIdx.x] : 0.f;
-      r = warp_sum(r);
-    }
-    __syncthreads();
-    return r;  // valid in warp 0
-  };
-  const float total = block_sum(local_total);
-  if (threadIdx.x == 0) s_total = total;
-  __syncthreads();
+}
+
+// A template (on its block size) like every kernel here: the header is included by layer.cu and
+// layer_backward.cu, and a non-template __global__ in two translation units would clash at link.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) aux_finalize(const float* partials, int blocks, int E,
+                                                         const int32_t* expert_offsets, float* colsum, float* aux) {
+  __shared__ float red[32];
+  float local_total = 0.f, local_weighted = 0.f;
+  aux_column_sums<kThreads>(partials, blocks, E, expert_offsets, colsum, local_total, local_weighted);
+  const float total = aux_block_sum<kThreads>(local_total, red);
   const int rows = expert_offsets[E];
-  const float weighted = block_sum(local_weighted);
+  const float weighted = aux_block_sum<kThreads>(local_weighted, red);
   if (threadIdx.x == 0)
-    *aux = (rows > 0 && s_total > 0.f) ? static_cast<float>(E) * weighted / (s_total * static_cast<float>(rows)) : 0.f;
+    *aux = (rows > 0 && total > 0.f) ? static_cast<float>(E) * weighted / (total * static_cast<float>(rows)) : 0.f;
 }
 
 }  // namespace machmoe::kernels

@@ -10,6 +10,7 @@
 // Templates only: a non-template __global__ in a header included by two TUs would clash at link.
 #pragma once
 
+#include "kernels/aux_loss.cuh"
 #include "kernels/common.cuh"
 
 namespace machmoe::kernels {
@@ -201,20 +202,6 @@ __global__ void __launch_bounds__(kThreads) bwd_bias_finalize(BiasGradParams p) 
 //   ∂aux/∂C_j = E · (w_j / S − Σ_e C_e w_e / S²) =: g_j,   d_logits[t] += P_t ⊙ (d_aux·g − ⟨P_t, d_aux·g⟩)
 // (the softmax Jacobian of row t). The column sums come from aux_colsum_partial (aux_loss.cuh).
 
-template <int kThreads>
-__device__ __forceinline__ float bwd_block_sum(float v, float* red /*[32]*/) {
-  v = warp_sum(v);
-  if (threadIdx.x % kWarpSize == 0) red[threadIdx.x / kWarpSize] = v;
-  __syncthreads();
-  float r = threadIdx.x < kThreads / kWarpSize ? red[threadIdx.x] : 0.f;
-  if (threadIdx.x < kWarpSize) r = warp_sum(r);
-  if (threadIdx.x == 0) red[0] = r;
-  __syncthreads();
-  r = red[0];
-  __syncthreads();  // red may be reused by the next call
-  return r;
-}
-
 // One block: grad[e] = d_aux · g_e for e < E, grad[E] = 1 when the loss has a gradient (rows > 0,
 // S > 0), else 0 (LAYER.md: aux = 0 when R = 0). d_aux_device (if set) replaces d_aux.
 template <int kThreads>
@@ -224,15 +211,9 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float red[32];
   float local_total = 0.f, local_weighted = 0.f;
   const float rows = static_cast<float>(expert_offsets[E]);
-  for (int e = threadIdx.x; e < E; e += kThreads) {
-    float acc = 0.f;
-    for (int b = 0; b < blocks; ++b) acc += partials[static_cast<int64_t>(b) * E + e];
-    grad[e] = acc;  // C_e for now
-    local_total += acc;
-    local_weighted += acc * static_cast<float>(expert_offsets[e + 1] - expert_offsets[e]);
-  }
-  const float S = bwd_block_sum<kThreads>(local_total, red);
-  const float aw = bwd_block_sum<kThreads>(local_weighted, red) / rows;  // Σ C_e w_e
+  aux_column_sums<kThreads>(partials, blocks, E, expert_offsets, grad, local_total, local_weighted);  // grad = C
+  const float S = aux_block_sum<kThreads>(local_total, red);
+  const float aw = aux_block_sum<kThreads>(local_weighted, red) / rows;  // Σ C_e w_e
   const bool live = rows > 0.f && S > 0.f;
   const float scale = d_aux_device ? *d_aux_device : d_aux;
   for (int e = threadIdx.x; e < E; e += kThreads) {

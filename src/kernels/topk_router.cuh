@@ -130,7 +130,8 @@ __global__ void __launch_bounds__(kRouterBlockWarps * kWarpSize) topk_router_sor
     const int64_t t = t0 + i;
     if (t >= p.T) break;  // warp-uniform
     float nxt[V];
-    if (i + 1 < kTokensPerWarp && t + 1 < p.T) load(t + 1, nxt);
+    const bool more = i + 1 < kTokensPerWarp && t + 1 < p.T;
+    if (more) load(t + 1, nxt);
     uint64_t key[V];  // descending after the sort; 0 (below every real key) pads
 #pragma unroll
     for (int j = 0; j < V; ++j) {
@@ -184,6 +185,7 @@ __global__ void __launch_bounds__(kRouterBlockWarps * kWarpSize) topk_router_sor
       p.scores[t * p.K + lane] = score;
       p.experts[t * p.K + lane] = my_expert;
     }
+    if (!more) break;
 #pragma unroll
     for (int j = 0; j < V; ++j) cur[j] = nxt[j];
   }
