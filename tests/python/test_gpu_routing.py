@@ -54,8 +54,28 @@ def test_topk_router_matches_reference(routing, renorm, T, E, K):
     scores, experts = ops().topk_router(logits, K, routing, renorm, bias)
     ref_s, ref_e = ops().reference_topk(logits.cpu(), K, routing, renorm,
                                         None if bias is None else bias.cpu())
-    assert torch.equal(experts.cpu(), ref_e), "selected experts differ from the reference"
-    assert rel_err(scores, ref_s) < 2e-6
+    if routing != "sigmoid":
+        # Softmax keys are the logits themselves (exact quarter steps): the order, ties
+        # included, must be the reference's exactly.
+        assert torch.equal(experts.cpu(), ref_e), "selected experts differ from the reference"
+        assert rel_err(scores, ref_s) < 2e-6
+        return
+    # Sigmoid keys σ(l) + bias are computed in fp32 on the GPU (relative error ~1e-7), and with
+    # the bias two keys of a row can come arbitrarily close, so two experts whose float64 keys
+    # differ by less than fp32 rounding may swap (seen with MACHMOE_TEST_SEED=198981660). Check
+    # instead that, position by position, the GPU's choice has the reference choice's key up to
+    # that rounding (a wrong pick is off by a key step, ~1e-3 here), and its scores are exact for
+    # the experts it chose.
+    l64 = logits.double().cpu()
+    keys = torch.sigmoid(l64) + bias.double().cpu()
+    ge = experts.cpu().long()
+    assert ((ge >= 0) & (ge < E)).all()
+    assert all(len(set(row.tolist())) == K for row in ge), "an expert chosen twice"
+    key_gap = (keys.gather(1, ge) - keys.gather(1, ref_e.long())).abs().max().item()
+    assert key_gap < 2e-6, f"selected keys differ from the reference's by {key_gap}"
+    sg = torch.sigmoid(l64.gather(1, ge))
+    expect = sg / sg.sum(1, keepdim=True) if renorm else sg
+    assert rel_err(scores, expect) < 2e-6
 
 
 def test_small_topk_router_nan_is_selected_and_propagates():
