@@ -10,6 +10,7 @@
 #include "host/check.hpp"
 #include "host/experts_internal.hpp"
 #include "host/layer_layout.hpp"
+#include "kernels/aggregate_router.cuh"
 #include "kernels/layer_backward.cuh"
 #include "machmoe/machmoe.hpp"
 
@@ -69,6 +70,11 @@ void zero_expert_gradients(const ExpertsShape& s, void* dw1, void* db1, void* dw
     check_cuda(cudaMemsetAsync(db1, 0, E * n1 * es, stream), what.c_str());
     check_cuda(cudaMemsetAsync(db2, 0, E * d * es, stream), what.c_str());
   }
+}
+
+bool router_dx_fusable(int64_t R, int64_t T, int64_t d) {
+  return d % 8 == 0 && ceil_div(T, kernels::kAggRouterTokens) <= 65535 &&
+         ceil_div(d, kernels::kAggRouterCols) <= 65535 && R * d / 8 < (int64_t{1} << 32);
 }
 
 void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream) {
@@ -138,6 +144,7 @@ void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream) {
   else
     kernels::bwd_pair_scores<kThreads><<<blocks_for(R, kThreads), kThreads, 0, stream>>>(ps);
   check_launch("experts backward: d scores");
+  if (r.after_scores) r.after_scores();
 
   // 7. dW2 [E, d, n] = Σ_r dout[row_token[r]]ᵀ ⊗ A'_r (varlen K over the expert's rows).
   GroupedWgradArgs w2g;
@@ -202,7 +209,24 @@ void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream) {
   gx.tile_offsets = tile_offsets;  // stream order: the dH kernel is done with it
   grouped_gemm(gx, stream);
 
-  // 11. dx [T, d] = Σ_{pairs of t} dX~[pair_row] (no scores).
+  // 11. dx [T, d] = Σ_{pairs of t} dX~[pair_row] (no scores) (+ d_logits·Wr, the router's part).
+  if (r.router_d_logits) {
+    kernels::AggregateRouterParams ap{};
+    ap.rows = static_cast<const __nv_bfloat16*>(gx.c);
+    ap.pair_row = r.pair_row;
+    ap.token_offsets = token_offsets;
+    ap.d_logits = static_cast<const __nv_bfloat16*>(r.router_d_logits);
+    ap.wr = static_cast<const __nv_bfloat16*>(r.router_weight);
+    ap.out = static_cast<__nv_bfloat16*>(r.dx);
+    ap.T = s.T;
+    ap.d = s.d;
+    ap.E = static_cast<int>(r.router_E);
+    const dim3 grid(static_cast<unsigned>(ceil_div(s.d, kernels::kAggRouterCols)),
+                    static_cast<unsigned>(ceil_div(s.T, kernels::kAggRouterTokens)));
+    kernels::aggregate_rows_router<<<grid, kernels::kAggRouterThreads, 0, stream>>>(ap);
+    check_launch("experts backward: dx aggregation with the router's part");
+    return;
+  }
   aggregate(gx.c, DType::BF16, r.pair_row, token_offsets, nullptr, s.T, s.d, r.dx, DType::BF16, stream);
 }
 

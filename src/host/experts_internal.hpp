@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 
 #include "host/check.hpp"
 #include "host/layer_layout.hpp"
@@ -70,7 +71,20 @@ struct ExpertsBackwardRun {
   float* d_scores = nullptr;
   void *dx = nullptr, *dw1 = nullptr, *db1 = nullptr, *dw2 = nullptr, *db2 = nullptr;
   DType grad_dtype = DType::BF16;
+  // The layer backward's router part, optional. after_scores runs on the stream once d_scores is
+  // written (the router backward: d_logits from d_scores); with router_d_logits set, the dx
+  // aggregation also adds the router's part d_logits [T, E] · router_weight [E, d] (bf16, fp32
+  // sums; kernels/aggregate_router.cuh), so that dx is written once.
+  std::function<void()> after_scores;
+  const void* router_d_logits = nullptr;
+  const void* router_weight = nullptr;
+  int64_t router_E = 0;
 };
+
+// Whether the dx aggregation can add the router's part itself (experts_backward.cu): d % 8 == 0
+// (16-byte row vectors), its grid (64 tokens x 128 columns per block) within limits, and dX~
+// [R, d] addressable by 32-bit offsets in 16-byte units.
+bool router_dx_fusable(int64_t R, int64_t T, int64_t d);
 
 // Backward, T > 0 and pairs > 0 (docs/BACKWARD.md steps 1-3 and 7-11): rebuild row_token, the
 // dH kernel (dH, A', dS partials), d_scores, dW2, dW1, db2/db1, dX~ = dH·W1, dx = Σ dX~ per token.

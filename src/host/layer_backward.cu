@@ -2,8 +2,10 @@
 // caller's stream, no host synchronisation, no float atomics (bitwise deterministic):
 //   the expert part (experts_backward.cu: rebuild row_token / token_offsets -> dH kernel (dA' =
 //   dout·W2 gathered; epilogue: dH, A' = s·A, dS partials) -> d scores (+ ⟨dout, b2⟩) -> dW2, dW1
-//   (varlen-K GEMMs) -> db2, db1 -> dX~ = dH·W1 -> dx (aggregate)) -> router backward (top-K or
-//   token rounding) + aux backward -> d_logits -> dWr = d_logitsᵀ·x and dx += d_logits·Wr (cuBLAS).
+//   (varlen-K GEMMs) -> db2, db1 -> dX~ = dH·W1 -> dx (aggregate)) and the router backward (top-K
+//   or token rounding) + aux backward -> d_logits -> dWr = d_logitsᵀ·x (cuBLAS), run between d
+//   scores and dW2 so that the dx aggregation adds the router's part d_logits·Wr itself (or, where
+//   it cannot: d % 8 != 0, after the expert part, with dx += d_logits·Wr by cuBLAS).
 // Reads only x, the weights and what layer_forward left in `saved`; scratch in the backward
 // workspace (host/layer_layout.hpp).
 #include <algorithm>
@@ -105,46 +107,62 @@ void layer_backward(const LayerProblem& p, const LayerBackwardArgs& a, cudaStrea
   r.d_scores = d_scores;
   r.dx = a.dx, r.dw1 = a.dw1, r.db1 = a.db1, r.dw2 = a.dw2, r.db2 = a.db2;
   r.grad_dtype = a.weight_grad_dtype;
-  detail::experts_backward_run(r, stream);
-
-  // 4. Router backward: d scores -> d_logits [T, E] fp32 (every element written).
-  if (!rounded) {
-    topk_router_backward(logits, scores, experts, d_scores, p.T, p.E, p.K, p.routing, p.renormalize, d_logits,
-                         stream);
-  } else {
-    token_rounding_backward(logits, at<float>(s, L.topk_scores), at<int32_t>(s, L.topk_experts), r.token_offsets,
-                            experts, at<uint8_t>(s, L.list_padded), d_scores, p.T, p.E, p.K, d_logits, stream);
-  }
-  // 5. Aux loss: d_logits += d_aux · ∂aux/∂logits. A host d_aux of 0 (and no device scalar) adds
-  //    nothing, so the kernels are skipped.
-  if (a.d_aux_device != nullptr || a.d_aux != 0.f) {
-    const int blocks = static_cast<int>(ceil_div(p.T, LayerLayout::kAuxTokensPerBlock));
-    float* partials = at<float>(w, L.b_aux_partials);
-    float* grad = at<float>(w, L.aux_grad);
-    kernels::aux_colsum_partial<LayerLayout::kAuxTokensPerBlock><<<blocks, kThreads, 0, stream>>>(
-        logits, p.T, static_cast<int>(p.E), partials);
-    check_launch("layer_backward: aux partial sums");
-    kernels::bwd_aux_coefficients<1024><<<1, 1024, 0, stream>>>(partials, blocks, static_cast<int>(p.E),
-                                                                 expert_offsets, a.d_aux, a.d_aux_device, grad);
-    check_launch("layer_backward: aux coefficients");
-    kernels::bwd_aux_apply<kThreads><<<blocks_for(p.T, kWarpsPerBlock), kThreads, 0, stream>>>(
-        logits, p.T, static_cast<int>(p.E), grad, d_logits);
-    check_launch("layer_backward: aux backward");
-  }
-  // 6. bf16 copy of d_logits: the cuBLAS operand (fp32 accumulation there).
-  kernels::bwd_to_bf16<kThreads><<<blocks_for(p.T * p.E, kThreads * 4), kThreads, 0, stream>>>(
-      d_logits, p.T * p.E, d_logits_bf16);
-  check_launch("layer_backward: d_logits to bf16");
-
-  // 12. Router GEMMs (cuBLAS, bf16 operands, fp32 accumulation), column-major views of row-major
-  //     arrays: dWrᵀ [d, E] = xᵀ [d, T] · d_logits [T, E]; dxᵀ [d, T] += Wrᵀ [d, E] · d_logitsᵀ [E, T].
-  cublasHandle_t h = detail::cublas_on(stream, at<void>(w, L.b_cublas), LayerLayout::kCublasWorkspace, fn);
-  const float one = 1.f, zero = 0.f;
+  // 4-6, 12 (first half): the router backward, once d_scores exists. Where the dx aggregation can
+  // add the router's part d_logits·Wr itself (d % 8 == 0), this runs inside the expert part,
+  // between d scores and the aggregation, and dx is written once; otherwise after it, and a
+  // cuBLAS GEMM adds the router's part to dx.
+  cublasHandle_t h = nullptr;
   const int T = static_cast<int>(p.T), E = static_cast<int>(p.E), d = static_cast<int>(p.d);
-  check_cublas(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, d, E, T, &one, a.x, CUDA_R_16BF, d, d_logits_bf16,
-                            CUDA_R_16BF, E, &zero, a.d_router_weight, cuda_type(a.weight_grad_dtype), d,
-                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-               "layer_backward: d_router_weight GEMM (cublasGemmEx)");
+  auto router_backward = [&] {
+    // 4. Router backward: d scores -> d_logits [T, E] fp32 (every element written).
+    if (!rounded) {
+      topk_router_backward(logits, scores, experts, d_scores, p.T, p.E, p.K, p.routing, p.renormalize, d_logits,
+                           stream);
+    } else {
+      token_rounding_backward(logits, at<float>(s, L.topk_scores), at<int32_t>(s, L.topk_experts), r.token_offsets,
+                              experts, at<uint8_t>(s, L.list_padded), d_scores, p.T, p.E, p.K, d_logits, stream);
+    }
+    // 5. Aux loss: d_logits += d_aux · ∂aux/∂logits. A host d_aux of 0 (and no device scalar) adds
+    //    nothing, so the kernels are skipped.
+    if (a.d_aux_device != nullptr || a.d_aux != 0.f) {
+      const int blocks = static_cast<int>(ceil_div(p.T, LayerLayout::kAuxTokensPerBlock));
+      float* partials = at<float>(w, L.b_aux_partials);
+      float* grad = at<float>(w, L.aux_grad);
+      kernels::aux_colsum_partial<LayerLayout::kAuxTokensPerBlock>
+          <<<blocks, kThreads, 0, stream>>>(logits, p.T, static_cast<int>(p.E), partials);
+      check_launch("layer_backward: aux partial sums");
+      kernels::bwd_aux_coefficients<1024><<<1, 1024, 0, stream>>>(partials, blocks, static_cast<int>(p.E),
+                                                                  expert_offsets, a.d_aux, a.d_aux_device, grad);
+      check_launch("layer_backward: aux coefficients");
+      kernels::bwd_aux_apply<kThreads><<<blocks_for(p.T, kWarpsPerBlock), kThreads, 0, stream>>>(
+          logits, p.T, static_cast<int>(p.E), grad, d_logits);
+      check_launch("layer_backward: aux backward");
+    }
+    // 6. bf16 copy of d_logits: the router GEMMs' operand (fp32 accumulation there).
+    kernels::bwd_to_bf16<kThreads>
+        <<<blocks_for(p.T * p.E, kThreads * 4), kThreads, 0, stream>>>(d_logits, p.T * p.E, d_logits_bf16);
+    check_launch("layer_backward: d_logits to bf16");
+    // 12. dWr (cuBLAS, bf16 operands, fp32 accumulation), column-major views of row-major arrays:
+    //     dWrᵀ [d, E] = xᵀ [d, T] · d_logits [T, E].
+    h = detail::cublas_on(stream, at<void>(w, L.b_cublas), LayerLayout::kCublasWorkspace, fn);
+    const float one = 1.f, zero = 0.f;
+    check_cublas(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, d, E, T, &one, a.x, CUDA_R_16BF, d, d_logits_bf16,
+                              CUDA_R_16BF, E, &zero, a.d_router_weight, cuda_type(a.weight_grad_dtype), d,
+                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                 "layer_backward: d_router_weight GEMM (cublasGemmEx)");
+  };
+  const bool fused_dx = detail::router_dx_fusable(L.R, p.T, p.d);
+  if (fused_dx) {
+    r.after_scores = router_backward;
+    r.router_d_logits = d_logits_bf16;
+    r.router_weight = a.router_weight;
+    r.router_E = p.E;
+  }
+  detail::experts_backward_run(r, stream);
+  if (fused_dx) return;
+  router_backward();
+  // 12 (second half). dxᵀ [d, T] += Wrᵀ [d, E] · d_logitsᵀ [E, T].
+  const float one = 1.f;
   check_cublas(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, T, E, &one, a.router_weight, CUDA_R_16BF, d,
                             d_logits_bf16, CUDA_R_16BF, E, &one, a.dx, CUDA_R_16BF, d, CUBLAS_COMPUTE_32F,
                             CUBLAS_GEMM_DEFAULT),
