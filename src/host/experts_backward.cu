@@ -5,6 +5,7 @@
 //   -> d scores (+ ⟨dout, b2⟩) -> dW2, dW1 (varlen-K GEMMs) -> db2, db1 -> dX~ = dH·W1 -> dx.
 // layer_backward (layer_backward.cu) runs the same code, then its router part.
 #include <algorithm>
+#include <mutex>
 #include <string>
 
 #include "host/check.hpp"
@@ -72,9 +73,12 @@ void zero_expert_gradients(const ExpertsShape& s, void* dw1, void* db1, void* dw
   }
 }
 
-bool router_dx_fusable(int64_t R, int64_t T, int64_t d) {
-  return d % 8 == 0 && ceil_div(T, kernels::kAggRouterTokens) <= 65535 &&
-         ceil_div(d, kernels::kAggRouterCols) <= 65535 && R * d / 8 < (int64_t{1} << 32);
+bool router_dx_fusable(int64_t R, int64_t T, int64_t d, int64_t E) {
+  (void)T;  // any T: the blocks walk the token tiles
+  return d % 8 == 0 && E >= 1 && E <= kernels::kAggRouterMaxE && ceil_div(d, kernels::kAggRouterCols) <= 65535 &&
+         R * d / 8 < (int64_t{1} << 32) &&
+         device_info().smem_per_block_optin >=
+             std::max(kernels::agg_router_smem_bytes(128), kernels::agg_router_smem_bytes(kernels::kAggRouterMaxE));
 }
 
 void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream) {
@@ -221,9 +225,29 @@ void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream) {
     ap.T = s.T;
     ap.d = s.d;
     ap.E = static_cast<int>(r.router_E);
-    const dim3 grid(static_cast<unsigned>(ceil_div(s.d, kernels::kAggRouterCols)),
-                    static_cast<unsigned>(ceil_div(s.T, kernels::kAggRouterTokens)));
-    kernels::aggregate_rows_router<<<grid, kernels::kAggRouterThreads, 0, stream>>>(ap);
+    // Persistent over token tiles: as many token groups as let the blocks of every column block
+    // be resident at once (each block loads its Wr slice once; a second wave would double the
+    // time of its blocks).
+    const size_t smem = kernels::agg_router_smem_bytes(ap.E);
+    const bool prefetch = kernels::agg_router_prefetch(ap.E);
+    auto* kernel = prefetch ? kernels::aggregate_rows_router<true> : kernels::aggregate_rows_router<false>;
+    static std::once_flag attr_once;
+    std::call_once(attr_once, [] {
+      const int most = static_cast<int>(std::max(kernels::agg_router_smem_bytes(128),
+                                                 kernels::agg_router_smem_bytes(kernels::kAggRouterMaxE)));
+      for (auto* k : {kernels::aggregate_rows_router<true>, kernels::aggregate_rows_router<false>})
+        check_cuda(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, most),
+                   "experts backward: cudaFuncSetAttribute (dx aggregation)");
+    });
+    int per_sm = 0;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kernels::kAggRouterThreads, smem),
+               "experts backward: occupancy of the dx aggregation");
+    const int64_t col_blocks = ceil_div(s.d, kernels::kAggRouterCols);
+    const int64_t tiles = ceil_div(s.T, kernels::kAggRouterTokens);
+    const int64_t groups = std::clamp<int64_t>(int64_t{std::max(per_sm, 1)} * device_info().sm_count / col_blocks,
+                                               1, std::min<int64_t>(tiles, 65535));
+    const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(groups));
+    kernel<<<grid, kernels::kAggRouterThreads, smem, stream>>>(ap);
     check_launch("experts backward: dx aggregation with the router's part");
     return;
   }

@@ -151,7 +151,7 @@ void layer_backward(const LayerProblem& p, const LayerBackwardArgs& a, cudaStrea
                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                  "layer_backward: d_router_weight GEMM (cublasGemmEx)");
   };
-  const bool fused_dx = detail::router_dx_fusable(L.R, p.T, p.d);
+  const bool fused_dx = detail::router_dx_fusable(L.R, p.T, p.d, p.E);
   if (fused_dx) {
     r.after_scores = router_backward;
     r.router_d_logits = d_logits_bf16;
