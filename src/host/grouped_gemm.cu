@@ -158,8 +158,10 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   p.row_pair = a.row_pair;
   p.ds_partial = a.ds_partial;
 
-  kernels::grouped_gemm_tile_offsets<<<1, 1024, 0, stream>>>(a.expert_offsets, p.E, p.n_tiles, a.tile_offsets);
-  check_launch("grouped_gemm: tile offsets");
+  if (p.E > kernels::kGemmSmemTileE) {  // (up to kGemmSmemTileE experts the kernel builds them itself)
+    kernels::grouped_gemm_tile_offsets<<<1, 1024, 0, stream>>>(a.expert_offsets, p.E, p.n_tiles, a.tile_offsets);
+    check_launch("grouped_gemm: tile offsets");
+  }
   const CUtensorMap map_b = a.w_n_major ? detail::tensor_map_nmajor(a.w, a.E, a.K, a.N, kernels::kGemmBK, fn) : tile_tensor_map(a.w, a.E * a.N, a.K, a.K);
   // Contiguous A goes through TMA too; with a gather the map is unused (any valid map will do).
   const CUtensorMap map_a = a.gather ? map_b : tile_tensor_map(a.a, a.a_rows, a.K, a.lda);

@@ -24,7 +24,8 @@
 //     18% (the loaders' cp.async issue bounds it); here, 9%.
 // Tiles: 128 rows of one expert x BN columns; an expert's last tile is predicated (no expert is
 // padded to the tile), empty experts have no tiles. Tile t of the whole problem is found by a
-// binary search over tile_offsets [E+1] (prefix of per-expert tile counts), so every CTA walks
+// binary search over tile_offsets [E+1] (prefix of per-expert tile counts; for E <= 512 the kernel
+// builds it in shared memory itself), so every CTA walks
 // the same static schedule t = blockIdx.x, blockIdx.x + gridDim.x, ...
 // Shared-memory operand tiles use the 128-byte swizzle (TMA writes it; the cp.async producer
 // computes it) so that wgmma reads them without bank conflicts.
@@ -48,14 +49,49 @@ template <int EPI>
 constexpr int gemm_consumer_regs() { return 224; }
 
 // Expert of tile t: the largest e with tile_offsets[e] <= t (empty experts share an offset).
+// tile_offsets is the kernel's shared-memory table (E <= kGemmSmemTileE) or the global one.
 __device__ __forceinline__ int gemm_tile_expert(const int32_t* tile_offsets, int E, int t) {
   int lo = 0, hi = E;
   while (hi - lo > 1) {
     const int mid = (lo + hi) >> 1;
-    if (__ldg(tile_offsets + mid) <= t) lo = mid;
+    if (tile_offsets[mid] <= t) lo = mid;
     else hi = mid;
   }
   return lo;
+}
+
+// Up to this many experts the kernel builds tile_offsets [E+1] itself, in shared memory, from
+// expert_offsets (one warp, before the first barrier): no separate scan kernel and its launch
+// (two per forward and two per backward; ~2 µs each plus the gap between launches).
+constexpr int kGemmSmemTileE = 512;
+
+// tile_offsets[e] = Σ_{e' < e} ceil(rows_e' / BM) · n_tiles for E <= kGemmSmemTileE, by one warp:
+// lane l owns experts 16l .. 16l + 15.
+__device__ __forceinline__ void gemm_tile_offsets_warp(const GroupedGemmParams& p, int32_t* out) {
+  constexpr int kPer = kGemmSmemTileE / 32;
+  const int lane = threadIdx.x % 32;
+  int tiles[kPer], sum = 0;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = lane * kPer + i;
+    tiles[i] = e < p.E ? (__ldg(p.expert_offsets + e + 1) - __ldg(p.expert_offsets + e) + kGemmBM - 1) / kGemmBM * p.n_tiles
+                       : 0;
+    sum += tiles[i];
+  }
+  int incl = sum;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += v;
+  }
+  int run = incl - sum;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = lane * kPer + i;
+    if (e < p.E) out[e] = run;
+    run += tiles[i];
+  }
+  if (lane == 31) out[p.E] = incl;
 }
 
 // Tiles the producer may decode ahead of the consumers: more than the stages, so that the
@@ -67,10 +103,16 @@ constexpr int kTileRing = 8;
 // in L2 (a plain row-major walk streams all of B once per wave of CTAs).
 constexpr int kGemmGroupM = 8;
 
-__device__ __forceinline__ GemmTile gemm_decode_tile(const GroupedGemmParams& p, int t, int bn_cols) {
+// The tile-offset table the kernel reads: its own in shared memory, or the global one (E > 512).
+__device__ __forceinline__ const int32_t* gemm_tile_table(const GroupedGemmParams& p, const int32_t* smem_table) {
+  return p.E <= kGemmSmemTileE ? smem_table : p.tile_offsets;
+}
+
+__device__ __forceinline__ GemmTile gemm_decode_tile(const GroupedGemmParams& p, const int32_t* tile_offsets, int t,
+                                                    int bn_cols) {
   GemmTile tile;
-  tile.e = gemm_tile_expert(p.tile_offsets, p.E, t);
-  const int local = t - __ldg(p.tile_offsets + tile.e);
+  tile.e = gemm_tile_expert(tile_offsets, p.E, t);
+  const int local = t - tile_offsets[tile.e];
   const int begin = __ldg(p.expert_offsets + tile.e), end = __ldg(p.expert_offsets + tile.e + 1);
   const int m_tiles = (end - begin + kGemmBM - 1) / kGemmBM;
   const int group = local / (kGemmGroupM * p.n_tiles);
@@ -110,14 +152,16 @@ struct GemmSmem {
   // Design budget: Hopper's 227 KB per block (the launcher checks the device's opt-in limit).
   // 1 KB aligns the stages; 1 KB holds the barriers, the tile ring and the dH row scores.
   static constexpr int kBudget = 227 * 1024;
-  static constexpr int kFixed = 2560;
+  static constexpr int kFixed = 4096;
   static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / kStageBytes;
   static constexpr int kBytes = kStages * kStageBytes + kEpiBytes + kFixed;
   static_assert(kStages >= 2, "at least two pipeline stages");
   static_assert(kStages < kTileRing, "the tile ring must hold more tiles than there are stages");
   // barriers (2 per stage, 2 per ring slot, 2 for the epilogue), the ring, the epilogue's tile,
-  // the dH epilogue's row scores [128]: all inside kFixed after the 1 KB alignment slack.
-  static_assert((2 * kStages + 2 * kTileRing + 2) * 8 + (kTileRing + 1) * 16 + 128 * 4 <= kFixed - 1024,
+  // the dH epilogue's row scores [128], the tile-offset table [kGemmSmemTileE + 1]: all inside
+  // kFixed after the 1 KB alignment slack.
+  static_assert((2 * kStages + 2 * kTileRing + 2) * 8 + (kTileRing + 1) * 16 + 128 * 4 + (kGemmSmemTileE + 1) * 4 <=
+                    kFixed - 1024,
                 "fixed shared-memory area too small");
 };
 
@@ -153,6 +197,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   GemmTile* ring = reinterpret_cast<GemmTile*>(epi_empty + 1);
   GemmTile* epi_tile = ring + kTileRing;
   float* epi_scale = reinterpret_cast<float*>(epi_tile + 1);  // [128] dH epilogue: the staged rows' s
+  int32_t* tile_table = reinterpret_cast<int32_t*>(epi_scale + 128);  // [E+1] when E <= kGemmSmemTileE
   constexpr bool kDact = gemm_epi_is_dact(EPI);
   // Full tiles' C (plain store) or H (interleaved GLU, activation) leave by TMA (tmap_c); the
   // epilogue threads then have nothing to write (A is the consumers').
@@ -193,8 +238,12 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     if (!GATHER) sm90::tma_prefetch_descriptor(&tmap_a);
     if (kTmaStore) sm90::tma_prefetch_descriptor(&tmap_c);
   }
+  const bool smem_tiles = p.E <= kGemmSmemTileE;
+  if (smem_tiles && threadIdx.x >= 32 && threadIdx.x < 64) gemm_tile_offsets_warp(p, tile_table);
   __syncthreads();
-  const int total_tiles = __ldg(p.tile_offsets + p.E);
+  // (chosen again at each use from the parameters rather than held in a register: several
+  // variants run at the 168-register cap, and a held pointer spilled there)
+  const int total_tiles = gemm_tile_table(p, tile_table)[p.E];
   const int k_blocks = (p.K + kGemmBK - 1) / kGemmBK;
 
   if (wg == 0) {
@@ -273,7 +322,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     uint32_t arow[kRowsPerLoader];
     for (int t = blockIdx.x, n = 0;; t += gridDim.x, ++n) {
       const bool done = t >= total_tiles;
-      const GemmTile tile = done ? GemmTile{-1, 0, 0, 0} : gemm_decode_tile(p, t, kTileCols);
+      const GemmTile tile = done ? GemmTile{-1, 0, 0, 0} : gemm_decode_tile(p, gemm_tile_table(p, tile_table), t, kTileCols);
       if (lane == 0) {  // publish (e = -1 tells the consumers to stop)
         const int slot = n % kTileRing;
         sm90::mbar_wait(&tile_empty[slot], ((n / kTileRing) & 1) ^ 1);

@@ -60,6 +60,20 @@ def test_grouped_gemm_store(counts, N, K, gather, with_bias):
     check_derived(c, ref, base, "C")
 
 
+@pytest.mark.parametrize("E", [512, 513, 700])
+def test_grouped_gemm_many_experts(E):
+    # Up to 512 experts the kernel builds its tile offsets in shared memory; above, a separate
+    # kernel writes them to the workspace. Mostly empty experts, the used ones at both ends.
+    g = torch.Generator().manual_seed(E)
+    counts = [0] * E
+    for e in [0, 1, E // 2, E - 2, E - 1] + torch.randint(0, E, (20,), generator=g).tolist():
+        counts[e] += int(torch.randint(1, 200, (1,), generator=g).item())
+    a, idx, rows, w, off = make_problem(counts, 128, 64, True)
+    c, _ = ops().grouped_gemm(a, idx, off, w, None, sum(counts), "store", "swiglu", "interleaved")
+    ref, base = reference(rows, w, off)
+    check_derived(c, ref, base, "C")
+
+
 @pytest.mark.parametrize("act", list(ACTS))
 @pytest.mark.parametrize("layout", ["interleaved", "concatenated"])
 @pytest.mark.parametrize("with_bias", [False, True])
