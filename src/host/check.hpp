@@ -23,6 +23,10 @@ inline void check_cuda(cudaError_t err, const char* what) {
 // After a launch: configuration errors surface here (no synchronisation).
 inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
 
+// Opts `func` in to `bytes` of dynamic shared memory on the current device, once per device
+// (host/device.cu).
+void allow_dynamic_smem(const void* func, int bytes, const char* what);
+
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -2,8 +2,10 @@
 // for the wrong architecture or a broken driver says so plainly before any layer test.
 #include <cstring>
 #include <mutex>
+#include <set>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "host/check.hpp"
@@ -52,6 +54,23 @@ DeviceInfo device_info() {
   if (it == cache.end()) it = cache.emplace(device, query_device_info(device)).first;
   return it->second;
 }
+
+namespace detail {
+
+// cudaFuncSetAttribute acts on the current device only: a process that launches on two GPUs must
+// set it on each (a once-per-process flag left the second device's launches failing).
+void allow_dynamic_smem(const void* func, int bytes, const char* what) {
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), what);
+  static std::mutex mu;
+  static std::set<std::pair<const void*, int>> done;  // (kernel, device)
+  std::lock_guard<std::mutex> lock(mu);
+  if (done.count({func, device})) return;
+  check_cuda(cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), what);
+  done.insert({func, device});
+}
+
+}  // namespace detail
 
 void device_self_test(cudaStream_t stream) {
   const DeviceInfo info = device_info();

@@ -5,7 +5,6 @@
 //   -> d scores (+ ⟨dout, b2⟩) -> dW2, dW1 (varlen-K GEMMs) -> db2, db1 -> dX~ = dH·W1 -> dx.
 // layer_backward (layer_backward.cu) runs the same code, then its router part.
 #include <algorithm>
-#include <mutex>
 #include <string>
 
 #include "host/check.hpp"
@@ -231,14 +230,11 @@ void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream) {
     const size_t smem = kernels::agg_router_smem_bytes(ap.E);
     const bool prefetch = kernels::agg_router_prefetch(ap.E);
     auto* kernel = prefetch ? kernels::aggregate_rows_router<true> : kernels::aggregate_rows_router<false>;
-    static std::once_flag attr_once;
-    std::call_once(attr_once, [] {
-      const int most = static_cast<int>(std::max(kernels::agg_router_smem_bytes(128),
-                                                 kernels::agg_router_smem_bytes(kernels::kAggRouterMaxE)));
-      for (auto* k : {kernels::aggregate_rows_router<true>, kernels::aggregate_rows_router<false>})
-        check_cuda(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, most),
-                   "experts backward: cudaFuncSetAttribute (dx aggregation)");
-    });
+    // (the larger of the two layouts' needs, once per kernel and device)
+    const int most = static_cast<int>(
+        std::max(kernels::agg_router_smem_bytes(128), kernels::agg_router_smem_bytes(kernels::kAggRouterMaxE)));
+    detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), most,
+                               "experts backward: cudaFuncSetAttribute (dx aggregation)");
     int per_sm = 0;
     check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kernels::kAggRouterThreads, smem),
                "experts backward: occupancy of the dx aggregation");

@@ -2,7 +2,6 @@
 // tile configuration, the TMA descriptor of the weights, and the persistent launch.
 #include <cuda.h>
 
-#include <mutex>
 #include <string>
 
 #include "host/check.hpp"
@@ -42,11 +41,7 @@ void launch_variant(const CUtensorMap& map_a, const CUtensorMap& map_b, const CU
                     const kernels::GroupedGemmParams& p, int ctas, cudaStream_t stream) {
   constexpr int smem = kernels::GemmSmem<BN>::kBytes;
   auto* kernel = kernels::sm90_grouped_gemm<BN, EPI, GATHER, B_NMAJOR>;
-  static std::once_flag attr_once;
-  std::call_once(attr_once, [kernel] {
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-               "grouped_gemm: cudaFuncSetAttribute");
-  });
+  detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, "grouped_gemm: cudaFuncSetAttribute");
   const DeviceInfo info = device_info();
   require_arg(info.smem_per_block_optin >= static_cast<size_t>(smem), "grouped_gemm", "device",
               "needs " + std::to_string(smem) + " bytes of shared memory per block, the device allows " +

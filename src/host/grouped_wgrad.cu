@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <limits>
-#include <mutex>
 #include <string>
 
 #include "host/check.hpp"
@@ -24,11 +23,8 @@ template <int BN>
 void launch(const CUtensorMap& map_b, const CUtensorMap& map_c, const kernels::GroupedWgradParams& p, int ctas,
             cudaStream_t stream) {
   constexpr int smem = kernels::WgradSmem<BN>::kBytes;
-  static std::once_flag attr_once;
-  std::call_once(attr_once, [] {
-    check_cuda(cudaFuncSetAttribute(kernels::sm90_grouped_wgrad<BN>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-               "grouped_gemm_wgrad: cudaFuncSetAttribute");
-  });
+  detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernels::sm90_grouped_wgrad<BN>), smem,
+                             "grouped_gemm_wgrad: cudaFuncSetAttribute");
   require_arg(device_info().smem_per_block_optin >= static_cast<size_t>(smem), "grouped_gemm_wgrad", "device",
               "needs " + std::to_string(smem) + " bytes of shared memory per block");
   kernels::sm90_grouped_wgrad<BN><<<ctas, kernels::kWgradThreads, smem, stream>>>(map_b, map_c, p);
