@@ -54,6 +54,40 @@ void bias_gradient(const ExpertsBackwardScratch& S, int64_t E, void* ws, const _
   check_launch("experts backward: bias gradient");
 }
 
+// dx [T, d] = Σ_{pairs of t} dX~[pair_row] + d_logits[t]·Wr in one pass (kernels/aggregate_router.cuh).
+// Persistent over token tiles: as many token groups as let the blocks of every column block be
+// resident at once (each block loads its Wr slice once; a second wave would double the time of its
+// blocks).
+void aggregate_with_router(const detail::ExpertsBackwardRun& r, const __nv_bfloat16* dx_rows,
+                           const int32_t* token_offsets, cudaStream_t stream) {
+  const detail::ExpertsShape& s = r.shape;
+  kernels::AggregateRouterParams ap{};
+  ap.rows = dx_rows;
+  ap.pair_row = r.pair_row;
+  ap.token_offsets = token_offsets;
+  ap.d_logits = static_cast<const __nv_bfloat16*>(r.router_d_logits);
+  ap.wr = static_cast<const __nv_bfloat16*>(r.router_weight);
+  ap.out = static_cast<__nv_bfloat16*>(r.dx);
+  ap.T = s.T;
+  ap.d = s.d;
+  ap.E = static_cast<int>(r.router_E);
+  const size_t smem = kernels::agg_router_smem_bytes(ap.E);
+  auto* kernel =
+      kernels::agg_router_prefetch(ap.E) ? kernels::aggregate_rows_router<true> : kernels::aggregate_rows_router<false>;
+  detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), static_cast<int>(kernels::agg_router_smem_max()),
+                             "experts backward: cudaFuncSetAttribute (dx aggregation)");
+  int per_sm = 0;
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kernels::kAggRouterThreads, smem),
+             "experts backward: occupancy of the dx aggregation");
+  const int64_t col_blocks = ceil_div(s.d, kernels::kAggRouterCols);
+  const int64_t tiles = ceil_div(s.T, kernels::kAggRouterTokens);
+  const int64_t groups = std::clamp<int64_t>(int64_t{std::max(per_sm, 1)} * device_info().sm_count / col_blocks, 1,
+                                             std::min<int64_t>(tiles, 65535));
+  const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(groups));
+  kernel<<<grid, kernels::kAggRouterThreads, smem, stream>>>(ap);
+  check_launch("experts backward: dx aggregation with the router's part");
+}
+
 }  // namespace
 
 namespace detail {
@@ -72,12 +106,9 @@ void zero_expert_gradients(const ExpertsShape& s, void* dw1, void* db1, void* dw
   }
 }
 
-bool router_dx_fusable(int64_t R, int64_t T, int64_t d, int64_t E) {
-  (void)T;  // any T: the blocks walk the token tiles
+bool router_dx_fusable(int64_t R, int64_t d, int64_t E) {
   return d % 8 == 0 && E >= 1 && E <= kernels::kAggRouterMaxE && ceil_div(d, kernels::kAggRouterCols) <= 65535 &&
-         R * d / 8 < (int64_t{1} << 32) &&
-         device_info().smem_per_block_optin >=
-             std::max(kernels::agg_router_smem_bytes(128), kernels::agg_router_smem_bytes(kernels::kAggRouterMaxE));
+         R * d / 8 < (int64_t{1} << 32) && device_info().smem_per_block_optin >= kernels::agg_router_smem_max();
 }
 
 void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream) {
@@ -214,37 +245,7 @@ void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream) {
 
   // 11. dx [T, d] = Σ_{pairs of t} dX~[pair_row] (no scores) (+ d_logits·Wr, the router's part).
   if (r.router_d_logits) {
-    kernels::AggregateRouterParams ap{};
-    ap.rows = static_cast<const __nv_bfloat16*>(gx.c);
-    ap.pair_row = r.pair_row;
-    ap.token_offsets = token_offsets;
-    ap.d_logits = static_cast<const __nv_bfloat16*>(r.router_d_logits);
-    ap.wr = static_cast<const __nv_bfloat16*>(r.router_weight);
-    ap.out = static_cast<__nv_bfloat16*>(r.dx);
-    ap.T = s.T;
-    ap.d = s.d;
-    ap.E = static_cast<int>(r.router_E);
-    // Persistent over token tiles: as many token groups as let the blocks of every column block
-    // be resident at once (each block loads its Wr slice once; a second wave would double the
-    // time of its blocks).
-    const size_t smem = kernels::agg_router_smem_bytes(ap.E);
-    const bool prefetch = kernels::agg_router_prefetch(ap.E);
-    auto* kernel = prefetch ? kernels::aggregate_rows_router<true> : kernels::aggregate_rows_router<false>;
-    // (the larger of the two layouts' needs, once per kernel and device)
-    const int most = static_cast<int>(
-        std::max(kernels::agg_router_smem_bytes(128), kernels::agg_router_smem_bytes(kernels::kAggRouterMaxE)));
-    detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), most,
-                               "experts backward: cudaFuncSetAttribute (dx aggregation)");
-    int per_sm = 0;
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kernels::kAggRouterThreads, smem),
-               "experts backward: occupancy of the dx aggregation");
-    const int64_t col_blocks = ceil_div(s.d, kernels::kAggRouterCols);
-    const int64_t tiles = ceil_div(s.T, kernels::kAggRouterTokens);
-    const int64_t groups = std::clamp<int64_t>(int64_t{std::max(per_sm, 1)} * device_info().sm_count / col_blocks,
-                                               1, std::min<int64_t>(tiles, 65535));
-    const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(groups));
-    kernel<<<grid, kernels::kAggRouterThreads, smem, stream>>>(ap);
-    check_launch("experts backward: dx aggregation with the router's part");
+    aggregate_with_router(r, static_cast<const __nv_bfloat16*>(gx.c), token_offsets, stream);
     return;
   }
   aggregate(gx.c, DType::BF16, r.pair_row, token_offsets, nullptr, s.T, s.d, r.dx, DType::BF16, stream);

@@ -84,7 +84,7 @@ struct ExpertsBackwardRun {
 // Whether the dx aggregation can add the router's part itself (experts_backward.cu): d % 8 == 0
 // (16-byte row vectors), E <= 256 (Wr's slice in shared memory), and dX~ [R, d] addressable by
 // 32-bit offsets in 16-byte units.
-bool router_dx_fusable(int64_t R, int64_t T, int64_t d, int64_t E);
+bool router_dx_fusable(int64_t R, int64_t d, int64_t E);
 
 // Backward, T > 0 and pairs > 0 (docs/BACKWARD.md steps 1-3 and 7-11): rebuild row_token, the
 // dH kernel (dH, A', dS partials), d_scores, dW2, dW1, db2/db1, dX~ = dH·W1, dx = Σ dX~ per token.

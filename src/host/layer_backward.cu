@@ -5,7 +5,7 @@
 //   (varlen-K GEMMs) -> db2, db1 -> dX~ = dH·W1 -> dx (aggregate)) and the router backward (top-K
 //   or token rounding) + aux backward -> d_logits -> dWr = d_logitsᵀ·x (cuBLAS), run between d
 //   scores and dW2 so that the dx aggregation adds the router's part d_logits·Wr itself (or, where
-//   it cannot: d % 8 != 0, after the expert part, with dx += d_logits·Wr by cuBLAS).
+//   it cannot: d % 8 != 0 or E > 256, after the expert part, with dx += d_logits·Wr by cuBLAS).
 // Reads only x, the weights and what layer_forward left in `saved`; scratch in the backward
 // workspace (host/layer_layout.hpp).
 #include <algorithm>
@@ -108,7 +108,8 @@ void layer_backward(const LayerProblem& p, const LayerBackwardArgs& a, cudaStrea
   r.dx = a.dx, r.dw1 = a.dw1, r.db1 = a.db1, r.dw2 = a.dw2, r.db2 = a.db2;
   r.grad_dtype = a.weight_grad_dtype;
   // 4-6, 12 (first half): the router backward, once d_scores exists. Where the dx aggregation can
-  // add the router's part d_logits·Wr itself (d % 8 == 0), this runs inside the expert part,
+  // add the router's part d_logits·Wr itself (d % 8 == 0, E <= 256: router_dx_fusable), this runs
+  // inside the expert part,
   // between d scores and the aggregation, and dx is written once; otherwise after it, and a
   // cuBLAS GEMM adds the router's part to dx.
   cublasHandle_t h = nullptr;
@@ -151,7 +152,7 @@ void layer_backward(const LayerProblem& p, const LayerBackwardArgs& a, cudaStrea
                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                  "layer_backward: d_router_weight GEMM (cublasGemmEx)");
   };
-  const bool fused_dx = detail::router_dx_fusable(L.R, p.T, p.d, p.E);
+  const bool fused_dx = detail::router_dx_fusable(L.R, p.d, p.E);
   if (fused_dx) {
     r.after_scores = router_backward;
     r.router_d_logits = d_logits_bf16;

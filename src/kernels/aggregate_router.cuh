@@ -71,6 +71,12 @@ __host__ __device__ constexpr size_t agg_router_smem_bytes(int E) {
                                                                  : agg_router_a_bytes(E)));
 }
 
+// The most any E <= kAggRouterMaxE needs (the launcher opts the kernels in to this once).
+__host__ __device__ constexpr size_t agg_router_smem_max() {
+  return agg_router_smem_bytes(128) > agg_router_smem_bytes(kAggRouterMaxE) ? agg_router_smem_bytes(128)
+                                                                            : agg_router_smem_bytes(kAggRouterMaxE);
+}
+
 // The d_logits rows t0 .. t0 + 63 (zeros past T and E) -> a_s [64][lda]: by cp.async where rows are
 // 16-byte vectors (E % 8 == 0; the caller commits and waits), element by element otherwise.
 __device__ __forceinline__ void agg_router_load_tile(const AggregateRouterParams& p, int64_t t0, int E16, int lda,

@@ -60,6 +60,11 @@ __device__ __forceinline__ int gemm_tile_expert(const int32_t* tile_offsets, int
   return lo;
 }
 
+// Tiles of expert e: ceil(rows_e / BM) row blocks x n_tiles column blocks (both tile-offset builders).
+__device__ __forceinline__ int gemm_expert_tiles(const int32_t* expert_offsets, int e, int n_tiles) {
+  return (__ldg(expert_offsets + e + 1) - __ldg(expert_offsets + e) + kGemmBM - 1) / kGemmBM * n_tiles;
+}
+
 // Up to this many experts the kernel builds tile_offsets [E+1] itself, in shared memory, from
 // expert_offsets (one warp, before the first barrier): no separate scan kernel and its launch
 // (two per forward and two per backward; ~2 µs each plus the gap between launches).
@@ -74,8 +79,7 @@ __device__ __forceinline__ void gemm_tile_offsets_warp(const GroupedGemmParams& 
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int e = lane * kPer + i;
-    tiles[i] = e < p.E ? (__ldg(p.expert_offsets + e + 1) - __ldg(p.expert_offsets + e) + kGemmBM - 1) / kGemmBM * p.n_tiles
-                       : 0;
+    tiles[i] = e < p.E ? gemm_expert_tiles(p.expert_offsets, e, p.n_tiles) : 0;
     sum += tiles[i];
   }
   int incl = sum;
@@ -133,8 +137,7 @@ __global__ void __launch_bounds__(1024) grouped_gemm_tile_offsets(const int32_t*
   int carry = 0;
   for (int base = 0; base < E; base += blockDim.x) {
     const int e = base + threadIdx.x;
-    const int rows = e < E ? expert_offsets[e + 1] - expert_offsets[e] : 0;
-    const int tiles = (rows + kGemmBM - 1) / kGemmBM * n_tiles;
+    const int tiles = e < E ? gemm_expert_tiles(expert_offsets, e, n_tiles) : 0;
     int total;
     const int excl = block_exclusive_scan(tiles, smem, &total);
     if (e < E) tile_offsets[e] = carry + excl;
