@@ -111,7 +111,8 @@ def wgrad_reference(rows, b, off, dtype):
 
 
 @pytest.mark.parametrize("counts", COUNTS + [[64, 0, 65, 1]])
-@pytest.mark.parametrize("M,N", [(128, 256), (192, 128), (200, 136), (1536, 512)])
+# (72, 768): three 256-wide column tiles (an odd count) and an M below one row tile.
+@pytest.mark.parametrize("M,N", [(128, 256), (192, 128), (200, 136), (1536, 512), (72, 768)])
 @pytest.mark.parametrize("gather", [False, True])
 @pytest.mark.parametrize("transpose,fp32", [(False, True), (True, True), (False, False), (True, False)])
 def test_wgrad(counts, M, N, gather, transpose, fp32):
