@@ -26,6 +26,10 @@ inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), ke
 // Opts `func` in to `bytes` of dynamic shared memory on the current device, once per device
 // (host/device.cu).
 void allow_dynamic_smem(const void* func, int bytes, const char* what);
+// Blocks of `func` (threads, dynamic shared memory) resident per SM on the current device:
+// cudaOccupancyMaxActiveBlocksPerMultiprocessor, asked once per kernel, shape and device rather
+// than on every launch (host/device.cu).
+int blocks_per_sm(const void* func, int threads, size_t smem, const char* what);
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 

@@ -1,9 +1,11 @@
 // Device facts and a self-test kernel: the first thing the GPU tests run, so that a library built
 // for the wrong architecture or a broken driver says so plainly before any layer test.
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <set>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -68,6 +70,21 @@ void allow_dynamic_smem(const void* func, int bytes, const char* what) {
   if (done.count({func, device})) return;
   check_cuda(cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), what);
   done.insert({func, device});
+}
+
+int blocks_per_sm(const void* func, int threads, size_t smem, const char* what) {
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), what);
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, int, size_t>, int> cache;  // (kernel, device, threads, smem)
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(func, device, threads, smem);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  int n = 0;
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, func, threads, smem), what);
+  cache.emplace(key, n);
+  return n;
 }
 
 }  // namespace detail

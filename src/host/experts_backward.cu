@@ -76,9 +76,8 @@ void aggregate_with_router(const detail::ExpertsBackwardRun& r, const __nv_bfloa
       kernels::agg_router_prefetch(ap.E) ? kernels::aggregate_rows_router<true> : kernels::aggregate_rows_router<false>;
   detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), static_cast<int>(kernels::agg_router_smem_max()),
                              "experts backward: cudaFuncSetAttribute (dx aggregation)");
-  int per_sm = 0;
-  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kernels::kAggRouterThreads, smem),
-             "experts backward: occupancy of the dx aggregation");
+  const int per_sm = detail::blocks_per_sm(reinterpret_cast<const void*>(kernel), kernels::kAggRouterThreads, smem,
+                                           "experts backward: occupancy of the dx aggregation");
   const int64_t col_blocks = ceil_div(s.d, kernels::kAggRouterCols);
   const int64_t tiles = ceil_div(s.T, kernels::kAggRouterTokens);
   const int64_t groups = std::clamp<int64_t>(int64_t{std::max(per_sm, 1)} * device_info().sm_count / col_blocks, 1,

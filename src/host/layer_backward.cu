@@ -109,9 +109,8 @@ void layer_backward(const LayerProblem& p, const LayerBackwardArgs& a, cudaStrea
   r.grad_dtype = a.weight_grad_dtype;
   // 4-6, 12 (first half): the router backward, once d_scores exists. Where the dx aggregation can
   // add the router's part d_logits·Wr itself (d % 8 == 0, E <= 256: router_dx_fusable), this runs
-  // inside the expert part,
-  // between d scores and the aggregation, and dx is written once; otherwise after it, and a
-  // cuBLAS GEMM adds the router's part to dx.
+  // inside the expert part, between d scores and the aggregation, and dx is written once;
+  // otherwise after it, and a cuBLAS GEMM adds the router's part to dx.
   cublasHandle_t h = nullptr;
   const int T = static_cast<int>(p.T), E = static_cast<int>(p.E), d = static_cast<int>(p.d);
   auto router_backward = [&] {

@@ -153,7 +153,8 @@ struct GemmSmem {
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kEpiBytes = epi_tile_bytes<BN>();  // the staged output tile
   // Design budget: Hopper's 227 KB per block (the launcher checks the device's opt-in limit).
-  // 1 KB aligns the stages; 1 KB holds the barriers, the tile ring and the dH row scores.
+  // 1 KB aligns the stages; kFixed - 1 KB holds the barriers, the tile ring, the dH row scores
+  // and the tile-offset table (static_assert below).
   static constexpr int kBudget = 227 * 1024;
   static constexpr int kFixed = 4096;
   static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / kStageBytes;
