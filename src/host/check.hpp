@@ -30,6 +30,12 @@ void allow_dynamic_smem(const void* func, int bytes, const char* what);
 // cudaOccupancyMaxActiveBlocksPerMultiprocessor, asked once per kernel, shape and device rather
 // than on every launch (host/device.cu).
 int blocks_per_sm(const void* func, int threads, size_t smem, const char* what);
+// The most clusters of `config` (its cluster dimension, block and shared-memory size) the current
+// device runs at once (cudaOccupancyMaxActiveClusters; cached per kernel and device). Throws
+// when not even one fits.
+int max_active_clusters(const void* func, const cudaLaunchConfig_t& config, const char* what);
+// MACHMOE_WGRAD_PAIR=0 turns off the weight gradients' CTA pairs (for A/B and debugging).
+bool wgrad_pairs_enabled();
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 

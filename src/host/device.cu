@@ -1,5 +1,6 @@
 // Device facts and a self-test kernel: the first thing the GPU tests run, so that a library built
 // for the wrong architecture or a broken driver says so plainly before any layer test.
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -87,6 +88,31 @@ int blocks_per_sm(const void* func, int threads, size_t smem, const char* what) 
   return n;
 }
 
+int max_active_clusters(const void* func, const cudaLaunchConfig_t& config, const char* what) {
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), what);
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> cache;  // (kernel, device) -> clusters
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find({func, device});
+  if (it != cache.end()) return it->second;
+  cudaLaunchConfig_t probe = config;
+  probe.gridDim = dim3(config.attrs[0].val.clusterDim.x * 1024);
+  int n = 0;
+  check_cuda(cudaOccupancyMaxActiveClusters(&n, func, &probe), what);
+  if (n < 1)
+    throw Error(ErrorCode::Unsupported, std::string(what) + ": the device cannot run one cluster of this kernel");
+  cache.emplace(std::make_pair(func, device), n);
+  return n;
+}
+
+bool wgrad_pairs_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("MACHMOE_WGRAD_PAIR");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return on;
+}
 }  // namespace detail
 
 void device_self_test(cudaStream_t stream) {

@@ -19,15 +19,38 @@ using detail::require_arg;
 
 namespace {
 
-template <int BN>
-void launch(const CUtensorMap& map_b, const CUtensorMap& map_c, const kernels::GroupedWgradParams& p, int ctas,
-            cudaStream_t stream) {
+// units: work units (tiles, or tile pairs with kPair); max_ctas: the caller's bound (0: none).
+template <int BN, bool kPair>
+void launch(const CUtensorMap& map_b, const CUtensorMap& map_c, const kernels::GroupedWgradParams& p, int64_t units,
+            int64_t max_ctas, cudaStream_t stream) {
   constexpr int smem = kernels::WgradSmem<BN>::kBytes;
-  detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernels::sm90_grouped_wgrad<BN>), smem,
-                             "grouped_gemm_wgrad: cudaFuncSetAttribute");
+  auto* kernel = kernels::sm90_grouped_wgrad<BN, kPair>;
+  detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, "grouped_gemm_wgrad: cudaFuncSetAttribute");
   require_arg(device_info().smem_per_block_optin >= static_cast<size_t>(smem), "grouped_gemm_wgrad", "device",
               "needs " + std::to_string(smem) + " bytes of shared memory per block");
-  kernels::sm90_grouped_wgrad<BN><<<ctas, kernels::kWgradThreads, smem, stream>>>(map_b, map_c, p);
+  const int sms = device_info().sm_count;
+  const int64_t cap = max_ctas > 0 ? std::min<int64_t>(max_ctas, sms) : sms;
+  if constexpr (!kPair) {
+    kernel<<<static_cast<int>(std::min(cap, units)), kernels::kWgradThreads, smem, stream>>>(map_b, map_c, p);
+    return;
+  }
+  // Clusters of two CTAs: as many as the device runs at once (one CTA per SM; a GPC's odd SM
+  // stays idle), at most one per unit.
+  cudaLaunchConfig_t config{};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 2;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.blockDim = dim3(kernels::kWgradThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  const int clusters = detail::max_active_clusters(reinterpret_cast<const void*>(kernel), config,
+                                                   "grouped_gemm_wgrad: cudaOccupancyMaxActiveClusters");
+  config.gridDim = dim3(static_cast<unsigned>(2 * std::max<int64_t>(1, std::min({int64_t{clusters}, cap / 2, units}))));
+  check_cuda(cudaLaunchKernelEx(&config, kernel, map_b, map_c, p), "grouped_gemm_wgrad: cudaLaunchKernelEx");
 }
 
 }  // namespace
@@ -79,11 +102,21 @@ void grouped_gemm_wgrad(const GroupedWgradArgs& a, cudaStream_t stream) {
   const CUtensorMap map_c = !p.tma_c ? map_b
                             : a.transpose_c ? detail::tensor_map_2d(a.c, a.E * a.N, a.M, a.M, 64, bn, fn)
                                             : detail::tensor_map_2d(a.c, a.E * a.M, a.N, a.N, 64, 64, fn);
-  const int sms = device_info().sm_count;
-  const int ctas = static_cast<int>(std::min<int64_t>(a.max_ctas > 0 ? std::min(a.max_ctas, sms) : sms,
-                                                      a.E * m_tiles * n_tiles));
-  if (bn == 256) launch<256>(map_b, map_c, p, ctas, stream);
-  else launch<128>(map_b, map_c, p, ctas, stream);
+  // Two or more column tiles: pairs of CTAs share the gathered A tile (kernels/sm90_grouped_wgrad.cuh),
+  // where the device can run clusters of two of them (and the caller allows two CTAs).
+  const bool pair = n_tiles >= 2 && (a.max_ctas == 0 || a.max_ctas >= 2) && detail::wgrad_pairs_enabled();
+  const int64_t units = a.E * m_tiles * (pair ? (n_tiles + 1) / 2 : n_tiles);
+  if (bn == 256) {
+    if (pair)
+      launch<256, true>(map_b, map_c, p, units, a.max_ctas, stream);
+    else
+      launch<256, false>(map_b, map_c, p, units, a.max_ctas, stream);
+  } else {
+    if (pair)
+      launch<128, true>(map_b, map_c, p, units, a.max_ctas, stream);
+    else
+      launch<128, false>(map_b, map_c, p, units, a.max_ctas, stream);
+  }
   check_launch(fn);
 }
 

@@ -20,6 +20,22 @@
 // (at M's or N's end) and fp32 C are written straight from the accumulators. Tiles (e, m_blk,
 // n_blk) are walked statically, expert-major; an expert with no rows gets its tiles written with
 // zeros. Fixed K order: deterministic.
+//
+// Paired mode (kPair, N >= 2 column tiles): clusters of two CTAs compute the two column tiles
+// (n-blocks 2u, 2u + 1) of the same (expert, 128 rows of M), which need the same gathered A
+// tile. Each CTA gathers only its half of it (rank r: M columns 64r .. 64r + 63, the half its
+// consumer warpgroup r reads), so each SM issues half the cp.async of the unpaired kernel (a
+// probe that gathered half the rows, wrong results: 7B-a dW1 +26%, 30B-b dW2/dW1 +25%; the
+// gather's cp.async bounds these kernels). Thread 0 of warpgroup r relays the half to the peer's
+// stage by one 8 KB bulk copy (shared::cta -> shared::cluster, completing on the peer's
+// `full_peer` barrier) once its full-barrier wait says the stage has landed. Measured (H100,
+// session 10): 30B-b dW2/dW1 +8%, 7B-a dW1 +4%. Slower alternatives: the relay from loader
+// warp 0, polled while it waits for a free slot (7B-a dW1 -10%), and relaying every landed stage
+// ahead of the consumer's own block (-6%). A stage is free again only when the consumers of
+// both CTAs have released it (four arrivals, two of them remote), since the peer writes into
+// it; the relay's source is then free too (the peer's consumers waited for its bytes). With an
+// odd number of column tiles the last pair's rank 1 has no column tile: it still gathers and
+// relays its half, runs the wgmmas on a stale B and stores nothing.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -57,11 +73,11 @@ struct WgradSmem {
   static constexpr int kEpiBufBytes = 64 * BN * 2;
   static constexpr int kEpiBytes = 2 * kEpiBufBytes;
   static constexpr int kBudget = 227 * 1024;
-  static constexpr int kFixed = 2048;  // 1 KB alignment slack + barriers
+  static constexpr int kFixed = 2048;  // 1 KB alignment slack + barriers (3 per stage)
   static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / kStageBytes;
   static constexpr int kBytes = kStages * kStageBytes + kEpiBytes + kFixed;
   static_assert(kStages >= 2, "at least two pipeline stages");
-  static_assert(2 * kStages * 8 <= kFixed - 1024, "fixed shared-memory area too small");
+  static_assert(3 * kStages * 8 <= kFixed - 1024, "fixed shared-memory area too small");
 };
 
 // Copies rows [r0, r0 + rows) x columns [c0, c0 + W) of a bf16 matrix into MN-major blocks
@@ -105,26 +121,33 @@ struct WgradRows {
   }
 };
 
-// Tile t -> expert, first row of M, first column, and the expert's rows [begin, end) (m inner:
-// the CTAs running together share the expert's B rows and most of its A rows in L2). Decoded by
-// the loaders and the consumers alike.
+// Work unit t -> expert, first row of M, this CTA's first column, and the expert's rows
+// [begin, end) (m inner: the CTAs running together share the expert's B rows and most of its A
+// rows in L2). A unit is one tile, or with kPair the two column tiles of a cluster (n-blocks 2u
+// and 2u + 1; rank r takes 2u + r, past N for the odd last one). Decoded by the loaders and the
+// consumers alike.
 struct WgradTile {
   int e, m0, n0, begin, end;
 };
-template <int BN>
-__device__ __forceinline__ WgradTile wgrad_decode(const GroupedWgradParams& p, int t) {
-  const int per_expert = p.m_tiles * p.n_tiles;
+template <bool kPair>
+__device__ __forceinline__ int wgrad_units_per_expert(const GroupedWgradParams& p) {
+  return p.m_tiles * (kPair ? (p.n_tiles + 1) / 2 : p.n_tiles);
+}
+template <int BN, bool kPair>
+__device__ __forceinline__ WgradTile wgrad_decode(const GroupedWgradParams& p, int t, int rank) {
+  const int per_expert = wgrad_units_per_expert<kPair>(p);
   WgradTile w;
   w.e = t / per_expert;
   const int local = t - w.e * per_expert;
   w.m0 = (local % p.m_tiles) * kWgradBM;
-  w.n0 = local / p.m_tiles * BN;
+  const int unit = local / p.m_tiles;
+  w.n0 = (kPair ? 2 * unit + rank : unit) * BN;
   w.begin = __ldg(p.expert_offsets + w.e);
   w.end = __ldg(p.expert_offsets + w.e + 1);
   return w;
 }
 
-template <int BN>
+template <int BN, bool kPair>
 __global__ void __launch_bounds__(kWgradThreads, 1)
     sm90_grouped_wgrad(const __grid_constant__ CUtensorMap tmap_b, const __grid_constant__ CUtensorMap tmap_c,
                        const GroupedWgradParams p) {
@@ -140,25 +163,37 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
   uint8_t* epi = smem + S * Smem::kStageBytes;  // [2][kEpiBufBytes], 1024-byte aligned
   uint64_t* full = reinterpret_cast<uint64_t*>(epi + Smem::kEpiBytes);
   uint64_t* empty = full + S;
+  uint64_t* full_peer = empty + S;  // kPair: the half of A the peer gathered has landed here
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+  const uint32_t rank = kPair ? sm90::cluster_ctarank() : 0, peer = rank ^ 1u;
+  constexpr uint32_t kHalfBytes = Smem::kABytes / 2;  // one [64 K][64 M] block of A
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
-      sm90::mbar_init(&full[s], 128 + 1);  // 128 cp.async arrivals + thread 0's (expect_tx) arrival
-      sm90::mbar_init(&empty[s], 2);       // one per consumer warpgroup
+      // 128 cp.async arrivals (this CTA's rows of A, the partial block's B) + thread 0's (expect_tx)
+      sm90::mbar_init(&full[s], 128 + 1);
+      // one per consumer warpgroup, of both CTAs with kPair (the peer writes into this stage)
+      sm90::mbar_init(&empty[s], kPair ? 4 : 2);
+      if (kPair) sm90::mbar_init(&full_peer[s], 1);  // thread 0's expect_tx; the bytes come from the peer
     }
     sm90::mbar_fence_init();
     sm90::tma_prefetch_descriptor(&tmap_b);
     if (p.tma_c) sm90::tma_prefetch_descriptor(&tmap_c);
   }
-  __syncthreads();
-  const int total = p.E * p.m_tiles * p.n_tiles;
+  if constexpr (kPair)
+    sm90::cluster_sync();  // the peer's barriers exist before anyone signals them
+  else
+    __syncthreads();
+  const int units = p.E * wgrad_units_per_expert<kPair>(p);
+  const int first = kPair ? blockIdx.x / 2 : blockIdx.x, stride = kPair ? gridDim.x / 2 : gridDim.x;
 
   if (wg == 0) {
     sm90::setmaxnreg_dec<56>();
     int it = 0;
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
-      const auto [e, m0, n0, begin, end] = wgrad_decode<BN>(p, t);
-      using RowsA = WgradRows<kWgradBM>;
+    for (int t = first; t < units; t += stride) {
+      const auto [e, m0, n0, begin, end] = wgrad_decode<BN, kPair>(p, t, rank);
+      const bool has_n = n0 < p.N;  // false only for kPair's rank 1 of an odd last pair
+      // This CTA's columns of A: all 128, or with kPair its half (M columns m0 + 64·rank ..).
+      using RowsA = WgradRows<kPair ? 64 : kWgradBM>;
       using RowsB = WgradRows<BN>;
       int32_t a_rows[RowsA::kPasses];
       if (begin < end) RowsA::rows_of(a_rows, p.gather, begin, end, tid);
@@ -167,49 +202,65 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
         sm90::mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
         uint8_t* a_stage = smem_a + s * Smem::kABytes;
         uint8_t* b_stage = smem_b + s * Smem::kBBytes;
+        if (kPair && tid == 0) sm90::mbar_arrive_expect_tx(&full_peer[s], kHalfBytes);
         if (gemm_probe(p, 4)) {  // timing probe: no loads; 129 arrivals complete the stage
           sm90::mbar_arrive(&full[s]);
           if (tid == 0) sm90::mbar_arrive(&full[s]);
           continue;
         }
-        if (end - r0 >= kWgradBK) {
+        if (end - r0 >= kWgradBK && has_n) {
           if (tid == 0) {
             sm90::mbar_arrive_expect_tx(&full[s], Smem::kBBytes);
 #pragma unroll
             for (int h = 0; h < BN / 64; ++h) sm90::tma_load_2d(b_stage + h * 64 * 128, &tmap_b, &full[s], n0 + 64 * h, r0);
           }
-        } else {  // the expert's last, partial block: B by cp.async too, zero-filled
-          int32_t b_rows[RowsB::kPasses];
-          RowsB::rows_of(b_rows, nullptr, r0, end, tid);
-          RowsB::copy(b_stage, p.b, p.ldb, b_rows, n0, p.N, tid);
+        } else {  // the expert's last, partial block: B by cp.async too, zero-filled (none without columns)
+          if (has_n) {
+            int32_t b_rows[RowsB::kPasses];
+            RowsB::rows_of(b_rows, nullptr, r0, end, tid);
+            RowsB::copy(b_stage, p.b, p.ldb, b_rows, n0, p.N, tid);
+          }
           if (tid == 0) sm90::mbar_arrive(&full[s]);
         }
-        RowsA::copy(a_stage, p.a, p.lda, a_rows, m0, p.M, tid);
+        if constexpr (kPair)
+          RowsA::copy(a_stage + rank * kHalfBytes, p.a, p.lda, a_rows, m0 + 64 * rank, p.M, tid);
+        else
+          RowsA::copy(a_stage, p.a, p.lda, a_rows, m0, p.M, tid);
         sm90::cp_async_arrive_noinc(&full[s]);
         if (r0 + kWgradBK < end) RowsA::rows_of(a_rows, p.gather, r0 + kWgradBK, end, tid);
       }
     }
-    return;
-  }
-
-  // ------------------------------------------------------------ consumers
-  sm90::setmaxnreg_inc<224>();
-  const int cw = wg - 1;
-  const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
-  int it = 0;
-  for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const auto [e, m0, n0, begin, end] = wgrad_decode<BN>(p, t);
-    float acc[BN / 2];
+  } else {
+    // ------------------------------------------------------------ consumers
+    sm90::setmaxnreg_inc<224>();
+    const int cw = wg - 1;
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    int it = 0;
+    // A stage is free once this warpgroup's wgmmas reading it retired: tell both CTAs with kPair.
+    auto release = [&](int s) {
+      sm90::mbar_arrive(&empty[s]);
+      if constexpr (kPair) sm90::mbar_arrive_cluster(&empty[s], peer);
+    };
+    for (int t = first; t < units; t += stride) {
+      const auto [e, m0, n0, begin, end] = wgrad_decode<BN, kPair>(p, t, rank);
+      const bool has_n = n0 < p.N;
+      float acc[BN / 2];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
     int prev_stage = -1;
     for (int r0 = begin; r0 < end; r0 += kWgradBK, ++it) {
       const int s = it % S;
       sm90::mbar_wait(&full[s], (it / S) & 1);
-      sm90::fence_proxy_async_shared();  // cp.async (generic proxy) -> wgmma (async proxy)
+      // kPair: warpgroup `rank` reads this CTA's own half of A, the other one the peer's
+      if (kPair && cw != static_cast<int>(rank)) sm90::mbar_wait(&full_peer[s], (it / S) & 1);
+      sm90::fence_proxy_async_shared();  // cp.async (generic proxy) -> wgmma and the relay (async proxy)
+      if (kPair && cw == static_cast<int>(rank) && tid == 0)  // relay this CTA's half to the peer
+        sm90::bulk_copy_to_peer(smem_a + s * Smem::kABytes + rank * kHalfBytes, kHalfBytes, &full_peer[s], peer);
       const uint32_t a_addr = sm90::smem_addr(smem_a + s * Smem::kABytes + cw * 64 * 128);
       const uint32_t b_addr = sm90::smem_addr(smem_b + s * Smem::kBBytes);
       sm90::wgmma_fence();
+      // (Unconditional even without columns: the result is then dropped. A runtime condition
+      // around the wgmmas makes ptxas fence them (C7519) or serialise them (C7520): -5% and more.)
       if (!gemm_probe(p, 2)) {  // (timing probe: no wgmma)
 #pragma unroll
         for (int ks = 0; ks < kWgradBK / 16; ++ks) {
@@ -220,13 +271,13 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
       sm90::wgmma_commit();
       sm90::wgmma_wait<1>();
       sm90::fence_accumulators(acc);
-      if (prev_stage >= 0 && tid == 0) sm90::mbar_arrive(&empty[prev_stage]);
+      if (prev_stage >= 0 && tid == 0) release(prev_stage);
       prev_stage = s;
     }
     sm90::wgmma_wait<0>();
     sm90::fence_accumulators(acc);
-    if (prev_stage >= 0 && tid == 0) sm90::mbar_arrive(&empty[prev_stage]);
-    if (gemm_probe(p, 1)) continue;  // timing probe: no epilogue
+    if (prev_stage >= 0 && tid == 0) release(prev_stage);
+    if (!has_n || gemm_probe(p, 1)) continue;  // no columns (kPair); timing probe: no epilogue
 
     if (p.tma_c && m0 + kWgradBM <= p.M && n0 + BN <= p.N) {
       // A full tile: stage this warpgroup's part in its buffer, 128-byte swizzled rows as the
@@ -305,8 +356,11 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
         }
       }
     }
-  }
+    }
   if (tid == 0) sm90::bulk_wait_all();  // this warpgroup's TMA stores are complete
+  }
+  // kPair: neither CTA exits while the other may still arrive on its barriers or relay into it.
+  if constexpr (kPair) sm90::cluster_sync();
 }
 
 }  // namespace machmoe::kernels

@@ -56,6 +56,39 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   }
 }
 
+// ---------------------------------------------------------------- clusters
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// One arrival on the barrier at `bar`'s offset in CTA `cta` of this cluster. Default semantics
+// (release at CTA scope): the reads this arrival orders are wgmma operand reads already retired
+// by wgmma.wait_group; a cluster-scope release compiled to a full memory barrier per arrival
+// (session 4, ERRBAR in the SASS).
+__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(bar)), "r"(cta));
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+// Every thread of every CTA of the cluster arrives, then waits: barriers initialised before any
+// CTA signals another; no CTA exits while its peer may still signal it or write to it.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+// Bulk copy of `bytes` (a multiple of 16) from this CTA's shared memory at `src` to the same
+// offset in CTA `cta` of the cluster; `bar`'s counterpart there receives the bytes (complete_tx).
+// The source may be overwritten once that barrier's phase has completed.
+__device__ __forceinline__ void bulk_copy_to_peer(const void* src, uint32_t bytes, uint64_t* bar, uint32_t cta) {
+  uint32_t dst, rbar;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(dst) : "r"(smem_addr(src)), "r"(cta));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rbar) : "r"(smem_addr(bar)), "r"(cta));
+  asm volatile(
+      "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+      "r"(smem_addr(src)), "r"(bytes), "r"(rbar)
+      : "memory");
+}
+
 // ---------------------------------------------------------------- cp.async (gathered rows)
 // 16-byte copy global -> shared; src_bytes = 0 writes zeros and reads nothing (rows past the end).
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, uint32_t src_bytes) {

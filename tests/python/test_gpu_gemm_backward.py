@@ -6,6 +6,10 @@ Tolerance (SPEC §4): the relative error per tensor stays within 2x the error of
 plain PyTorch bf16 (bf16 matmul, bf16-rounded outputs) measured in the same test. Tests with
 "small" in their name also run under compute-sanitizer."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -111,7 +115,9 @@ def wgrad_reference(rows, b, off, dtype):
 
 
 @pytest.mark.parametrize("counts", COUNTS + [[64, 0, 65, 1]])
-# (72, 768): three 256-wide column tiles (an odd count) and an M below one row tile.
+# N >= 2 column tiles runs the paired kernel (two CTAs share the gathered A tile): (200, 136) with
+# 128-wide tiles and a partial M tile, (1536, 512), and (72, 768): three column tiles, so the last
+# pair's second CTA only gathers and relays, and half of A's M columns lie past M.
 @pytest.mark.parametrize("M,N", [(128, 256), (192, 128), (200, 136), (1536, 512), (72, 768)])
 @pytest.mark.parametrize("gather", [False, True])
 @pytest.mark.parametrize("transpose,fp32", [(False, True), (True, True), (False, False), (True, False)])
@@ -145,6 +151,50 @@ def test_small_wgrad_sanitizer_case(transpose, fp32):
         ref = ref.transpose(1, 2)
     assert rel_err(c, ref) < (1e-5 if fp32 else 2 ** -8)
     assert torch.count_nonzero(c[1]) == 0
+
+
+@pytest.mark.parametrize("transpose,fp32", [(True, False), (False, True)])
+def test_small_wgrad_pair_sanitizer_case(transpose, fp32):
+    """The paired kernel under compute-sanitizer: N = 768 is three column tiles (one pair, one
+    CTA of a second pair without columns), M = 256 two row tiles; an empty expert and partial K
+    blocks."""
+    counts = [3, 0, 130, 64]
+    a, idx, rows = gathered(counts, 256, True)
+    b = torch.randn(sum(counts), 768, device="cuda").bfloat16()
+    off = offsets(counts)
+    c = ops().grouped_gemm_wgrad(a, idx, b, off, transpose, fp32)
+    ref = wgrad_reference(rows, b, off, torch.float64)
+    if transpose:
+        ref = ref.transpose(1, 2)
+    assert rel_err(c, ref) < (1e-5 if fp32 else 2 ** -8)
+    assert torch.count_nonzero(c[1]) == 0
+
+
+_PAIR_CHILD = """
+import itertools, sys, torch
+from machmoe import _ops
+_ops.require_ops()
+torch.manual_seed(5)
+counts, T = [700, 0, 129, 64], 500
+a = torch.randn(T, 384, device="cuda").bfloat16()
+idx = torch.randint(0, T, (sum(counts),), device="cuda", dtype=torch.int32)
+b = torch.randn(sum(counts), 768, device="cuda").bfloat16()
+off = torch.tensor([0] + list(itertools.accumulate(counts)), device="cuda", dtype=torch.int32)
+torch.save(torch.ops.machmoe.grouped_gemm_wgrad(a, idx, b, off, True, True).cpu(), sys.argv[1])
+"""
+
+
+def test_wgrad_pair_matches_unpaired(tmp_path):
+    """CTA pairs change who gathers the rows, not the summation order: bitwise the same C as the
+    unpaired kernel. MACHMOE_WGRAD_PAIR is read once per process, so each runs in a child."""
+    outs = []
+    for flag in ("1", "0"):
+        path = tmp_path / f"c{flag}.pt"
+        env = dict(os.environ, MACHMOE_WGRAD_PAIR=flag)
+        subprocess.run([sys.executable, "-c", _PAIR_CHILD, str(path)], check=True, env=env)
+        outs.append(torch.load(path))
+    assert torch.count_nonzero(outs[0]) > 0 and torch.count_nonzero(outs[0][1]) == 0
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_wgrad_is_deterministic():

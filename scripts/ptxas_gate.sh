@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# CMake's CUDA compiler launcher for the core library (CMakeLists.txt, MACHMOE_PTXAS_GATE, on by
+# default): runs the compile with ptxas's reports on and fails it where
+#   - a kernel spills registers (every spill in this library would be one nobody chose), or
+#   - ptxas had to insert a warpgroup.arrive before a wgmma (C7519) or serialise the wgmmas
+#     (C7520): both follow from a runtime condition around wgmma issue or from accumulators the
+#     compiler cannot keep in place, and cost 5% (C7519) to 20% (C7520) of a GEMM (session 10:
+#     the weight gradients' CTA pairs measured slower for that reason alone).
+# The reports themselves are dropped; every other diagnostic still reaches the build output.
+set -uo pipefail
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+"$@" -Xptxas=-v 2> "$log"
+rc=$?
+grep -v -E '^ptxas info *: (Compiling|Function properties|Used|Compile time|[0-9]+ bytes gmem)|^ *[0-9]+ bytes stack frame' "$log" >&2
+(( rc == 0 )) || exit "$rc"
+bad=$(grep -B3 -E 'C7519|C7520|[1-9][0-9]* bytes spill (stores|loads)' "$log")
+if [[ -n $bad ]]; then
+  echo "ptxas gate (scripts/ptxas_gate.sh): a kernel spills registers or has its wgmmas fenced/serialised:" >&2
+  echo "$bad" >&2
+  exit 1
+fi
