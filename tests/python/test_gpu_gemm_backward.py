@@ -138,29 +138,15 @@ def test_wgrad(counts, M, N, gather, transpose, fp32):
 
 
 @pytest.mark.parametrize("transpose,fp32", [(True, True), (True, False), (False, False)])
-def test_small_wgrad_sanitizer_case(transpose, fp32):
-    """Small enough for compute-sanitizer; M x N = 256 x 256 is two full tiles per expert, so bf16
-    C takes the staged TMA store (both layouts) and fp32 C the direct path."""
+@pytest.mark.parametrize("N", [256, 768])
+def test_small_wgrad_sanitizer_case(transpose, fp32, N):
+    """Small enough for compute-sanitizer; M = 256 is two full row tiles per expert, so bf16 C
+    takes the staged TMA store (both layouts) and fp32 C the direct path. N = 256 is one column
+    tile (unpaired); N = 768 three, i.e. the paired kernel with one pair and one CTA of a second
+    pair without columns. An empty expert and partial K blocks."""
     counts = [3, 0, 130, 64]
     a, idx, rows = gathered(counts, 256, True)
-    b = torch.randn(sum(counts), 256, device="cuda").bfloat16()
-    off = offsets(counts)
-    c = ops().grouped_gemm_wgrad(a, idx, b, off, transpose, fp32)
-    ref = wgrad_reference(rows, b, off, torch.float64)
-    if transpose:
-        ref = ref.transpose(1, 2)
-    assert rel_err(c, ref) < (1e-5 if fp32 else 2 ** -8)
-    assert torch.count_nonzero(c[1]) == 0
-
-
-@pytest.mark.parametrize("transpose,fp32", [(True, False), (False, True)])
-def test_small_wgrad_pair_sanitizer_case(transpose, fp32):
-    """The paired kernel under compute-sanitizer: N = 768 is three column tiles (one pair, one
-    CTA of a second pair without columns), M = 256 two row tiles; an empty expert and partial K
-    blocks."""
-    counts = [3, 0, 130, 64]
-    a, idx, rows = gathered(counts, 256, True)
-    b = torch.randn(sum(counts), 768, device="cuda").bfloat16()
+    b = torch.randn(sum(counts), N, device="cuda").bfloat16()
     off = offsets(counts)
     c = ops().grouped_gemm_wgrad(a, idx, b, off, transpose, fp32)
     ref = wgrad_reference(rows, b, off, torch.float64)
