@@ -100,7 +100,7 @@ void grouped_gemm_wgrad(const GroupedWgradArgs& a, cudaStream_t stream) {
   // boxes {64 n, 64 m}, or transposed C [E*N, M] in boxes {64 m, bn n}.
   p.tma_c = a.c_dtype == DType::BF16;
   const CUtensorMap map_c = !p.tma_c ? map_b
-                            : a.transpose_c ? detail::tensor_map_2d(a.c, a.E * a.N, a.M, a.M, 64, bn, fn)
+                            : a.transpose_c ? detail::tensor_map_2d(a.c, a.E * a.N, a.M, a.M, 64, std::min(bn, 128), fn)
                                             : detail::tensor_map_2d(a.c, a.E * a.M, a.N, a.N, 64, 64, fn);
   // Two or more column tiles: pairs of CTAs share the gathered A tile (kernels/sm90_grouped_wgrad.cuh),
   // where the device can run clusters of two of them (and the caller allows two CTAs).

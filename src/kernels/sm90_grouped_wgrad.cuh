@@ -14,9 +14,12 @@
 // partial block of B is copied by cp.async too, zero-filled, so that no row of the next expert (or
 // the uninitialised tail of the buffer) ever enters the sum. Warpgroups 1-2 run wgmma on 64 rows
 // of M each. A full bf16 tile leaves by TMA: each warpgroup stages its 64 rows of C (or, with
-// transpose_c, its 64 columns of Cᵀ) in its own buffer and one of its threads issues the store,
-// which runs under the next tile's main loop (timing probes: the epilogue straight from the
-// accumulators cost 15% on 7B-a, scattered 2-byte stores for the transposed dW1). Partial tiles
+// transpose_c, its 64 columns of Cᵀ) in its own 16 KB buffer, 128 columns at a time, and one of
+// its threads issues each piece's store, the last of which runs under the next tile's main loop
+// (timing probes: the epilogue straight from the accumulators cost 15% on 7B-a, scattered 2-byte
+// stores for the transposed dW1). Pieces rather than the whole 32 KB: the smaller buffers leave
+// room for a fourth 48 KB stage at BN = 256 (session 10: 30B-b dW1 +9%, dW2 +6%, 7B-a dW1 +5%;
+// the second piece waits for the first's store to have read the buffer, which costs less). Partial tiles
 // (at M's or N's end) and fp32 C are written straight from the accumulators. Tiles (e, m_blk,
 // n_blk) are walked statically, expert-major; an expert with no rows gets its tiles written with
 // zeros. Fixed K order: deterministic.
@@ -69,8 +72,11 @@ struct WgradSmem {
   static constexpr int kABytes = kWgradBM * kWgradBK * 2;  // 16 KB: two [64 K][64 M] blocks
   static constexpr int kBBytes = BN * kWgradBK * 2;        // 32 KB for BN = 256
   static constexpr int kStageBytes = kABytes + kBBytes;
-  // One staging buffer per consumer warpgroup: its 64 rows x BN bf16 of C (either layout).
-  static constexpr int kEpiBufBytes = 64 * BN * 2;
+  // One staging buffer per consumer warpgroup: 64 rows x kEpiCols bf16 of C (either layout).
+  // The staged C of a full tile goes out in pieces of kEpiCols columns (kEpiParts of them).
+  static constexpr int kEpiCols = BN < 128 ? BN : 128;
+  static constexpr int kEpiParts = BN / kEpiCols;
+  static constexpr int kEpiBufBytes = 64 * kEpiCols * 2;
   static constexpr int kEpiBytes = 2 * kEpiBufBytes;
   static constexpr int kBudget = 227 * 1024;
   static constexpr int kFixed = 2048;  // 1 KB alignment slack + barriers (3 per stage)
@@ -280,50 +286,59 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
     if (!has_n || gemm_probe(p, 1)) continue;  // no columns (kPair); timing probe: no epilogue
 
     if (p.tma_c && m0 + kWgradBM <= p.M && n0 + BN <= p.N) {
-      // A full tile: stage this warpgroup's part in its buffer, 128-byte swizzled rows as the
-      // TMA store reads them, once the buffer's previous store has read it.
-      uint8_t* buf = epi + cw * Smem::kEpiBufBytes;
-      if (tid == 0) sm90::bulk_wait_read_all();
-      sm90::named_barrier_sync(1 + cw, 128);
-      if (p.transpose_c) {
-        // [BN rows n][64 m] (one box {64 m, BN n} of C [E*N, M]): 2-byte stores, conflict-free
-        // (the 4 n of a warp's store fall in 4 different swizzled 16-byte slots).
+      // A full tile: stage this warpgroup's 64 x BN part in 128-column pieces through its buffer,
+      // 128-byte swizzled rows as the TMA store reads them, each once the buffer's previous store
+      // has read it. (One 16 KB buffer per warpgroup instead of 32 KB: a fourth stage at BN = 256.)
 #pragma unroll
-        for (int jj = 0; jj < BN / 8; ++jj) {
+      for (int part = 0; part < Smem::kEpiParts; ++part) {
+        uint8_t* buf = epi + cw * Smem::kEpiBufBytes;
+        if (tid == 0) sm90::bulk_wait_read_all();
+        sm90::named_barrier_sync(1 + cw, 128);
+        constexpr int kJ = Smem::kEpiCols / 8;  // 8-column groups per piece
+        if (p.transpose_c) {
+          // [kEpiCols rows n][64 m] (one box {64 m, kEpiCols n} of C [E*N, M]): 2-byte stores,
+          // conflict-free (the 4 n of a warp's store fall in 4 different swizzled 16-byte slots).
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int m = warp * 16 + lane / 4 + 8 * half;
+          for (int j = 0; j < kJ; ++j) {
+            const int jj = part * kJ + j;
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-              const int n = jj * 8 + 2 * (lane % 4) + i;
-              *reinterpret_cast<__nv_bfloat16*>(buf + n * 128 + (((m >> 3) ^ (n & 7)) << 4) + (m & 7) * 2) =
-                  __float2bfloat16_rn(acc[jj * 4 + half * 2 + i]);
+            for (int half = 0; half < 2; ++half) {
+              const int m = warp * 16 + lane / 4 + 8 * half;
+#pragma unroll
+              for (int i = 0; i < 2; ++i) {
+                const int n = j * 8 + 2 * (lane % 4) + i;
+                *reinterpret_cast<__nv_bfloat16*>(buf + n * 128 + (((m >> 3) ^ (n & 7)) << 4) + (m & 7) * 2) =
+                    __float2bfloat16_rn(acc[jj * 4 + half * 2 + i]);
+              }
+            }
+          }
+        } else {
+          // kEpiCols/64 boxes [64 rows m][64 n] (boxes {64 n, 64 m} of C [E*M, N]).
+#pragma unroll
+          for (int j = 0; j < kJ; ++j) {
+            const int jj = part * kJ + j;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const int r = warp * 16 + lane / 4 + 8 * half;
+              *reinterpret_cast<__nv_bfloat162*>(buf + (j / 8) * (64 * 128) + r * 128 + (((j % 8) ^ (r & 7)) << 4) +
+                                                 (lane % 4) * 4) =
+                  __floats2bfloat162_rn(acc[jj * 4 + half * 2], acc[jj * 4 + half * 2 + 1]);
             }
           }
         }
-      } else {
-        // BN/64 boxes [64 rows m][64 n] (boxes {64 n, 64 m} of C [E*M, N]).
+        sm90::fence_proxy_async_shared();  // st.shared -> the TMA store's reads
+        sm90::named_barrier_sync(1 + cw, 128);
+        if (tid == 0) {
+          const int c0 = n0 + part * Smem::kEpiCols;
+          if (p.transpose_c) {
+            sm90::tma_store_2d(&tmap_c, buf, m0 + cw * 64, e * p.N + c0);
+          } else {
 #pragma unroll
-        for (int jj = 0; jj < BN / 8; ++jj) {
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int r = warp * 16 + lane / 4 + 8 * half;
-            *reinterpret_cast<__nv_bfloat162*>(buf + (jj / 8) * (64 * 128) + r * 128 + (((jj % 8) ^ (r & 7)) << 4) +
-                                               (lane % 4) * 4) =
-                __floats2bfloat162_rn(acc[jj * 4 + half * 2], acc[jj * 4 + half * 2 + 1]);
+            for (int h = 0; h < Smem::kEpiCols / 64; ++h)
+              sm90::tma_store_2d(&tmap_c, buf + h * (64 * 128), c0 + 64 * h, e * p.M + m0 + cw * 64);
           }
+          sm90::bulk_commit_group();
         }
-      }
-      sm90::fence_proxy_async_shared();  // st.shared -> the TMA store's reads
-      sm90::named_barrier_sync(1 + cw, 128);
-      if (tid == 0) {
-        if (p.transpose_c) {
-          sm90::tma_store_2d(&tmap_c, buf, m0 + cw * 64, e * p.N + n0);
-        } else {
-#pragma unroll
-          for (int h = 0; h < BN / 64; ++h) sm90::tma_store_2d(&tmap_c, buf + h * (64 * 128), n0 + 64 * h, e * p.M + m0 + cw * 64);
-        }
-        sm90::bulk_commit_group();
       }
       continue;
     }
