@@ -96,8 +96,15 @@ int max_active_clusters(const void* func, const cudaLaunchConfig_t& config, cons
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find({func, device});
   if (it != cache.end()) return it->second;
+  // The occupancy query wants a grid that is a multiple of the cluster size: take the cluster
+  // dimension from the config's own attribute rather than assume where it sits.
+  unsigned cluster = 0;
+  for (unsigned i = 0; i < config.numAttrs; ++i)
+    if (config.attrs[i].id == cudaLaunchAttributeClusterDimension) cluster = config.attrs[i].val.clusterDim.x;
+  if (cluster == 0)
+    throw Error(ErrorCode::InvalidArgument, std::string(what) + ": the launch config has no cluster dimension");
   cudaLaunchConfig_t probe = config;
-  probe.gridDim = dim3(config.attrs[0].val.clusterDim.x * 1024);
+  probe.gridDim = dim3(cluster * 1024);
   int n = 0;
   check_cuda(cudaOccupancyMaxActiveClusters(&n, func, &probe), what);
   if (n < 1)

@@ -34,8 +34,8 @@ void launch(const CUtensorMap& map_b, const CUtensorMap& map_c, const kernels::G
     kernel<<<static_cast<int>(std::min(cap, units)), kernels::kWgradThreads, smem, stream>>>(map_b, map_c, p);
     return;
   }
-  // Clusters of two CTAs: as many as the device runs at once (one CTA per SM; a GPC's odd SM
-  // stays idle), at most one per unit.
+  // Clusters of two CTAs: as many as the device runs at once (one CTA per SM; the lent H100
+  // places 66, i.e. every SM), at most one per unit.
   cudaLaunchConfig_t config{};
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;

@@ -19,10 +19,10 @@
 // (timing probes: the epilogue straight from the accumulators cost 15% on 7B-a, scattered 2-byte
 // stores for the transposed dW1). Pieces rather than the whole 32 KB: the smaller buffers leave
 // room for a fourth 48 KB stage at BN = 256 (session 10: 30B-b dW1 +9%, dW2 +6%, 7B-a dW1 +5%;
-// the second piece waits for the first's store to have read the buffer, which costs less). Partial tiles
-// (at M's or N's end) and fp32 C are written straight from the accumulators. Tiles (e, m_blk,
-// n_blk) are walked statically, expert-major; an expert with no rows gets its tiles written with
-// zeros. Fixed K order: deterministic.
+// the second piece waits for the first's store to have read the buffer, which costs less).
+// Partial tiles (at M's or N's end) and fp32 C are written straight from the accumulators. Tiles
+// (e, m_blk, n_blk) are walked statically, expert-major; an expert with no rows gets its tiles
+// written with zeros. Fixed K order: deterministic.
 //
 // Paired mode (kPair, N >= 2 column tiles): clusters of two CTAs compute the two column tiles
 // (n-blocks 2u, 2u + 1) of the same (expert, 128 rows of M), which need the same gathered A
