@@ -13,7 +13,7 @@ import torch
 
 from machmoe import MoE, functional
 
-from gpu_test_helpers import GLU, make_layer, rel_err
+from gpu_test_helpers import GLU, make_layer, redraw_near_ties, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.ops]
 
@@ -42,7 +42,7 @@ def grads(t, g, K, backend, dtype=None, aux_weight=AUX_WEIGHT, **opts):
 
 def check_backward(T, d, n, E, K, act="swiglu", layout="interleaved", routing="softmax_topk", renorm=True,
                    bias=False, selection_bias=None, **rounding):
-    t = make_layer(T, d, n, E, act, bias)
+    t = redraw_near_ties(make_layer(T, d, n, E, act, bias), K, routing, selection_bias)
     g = torch.randn(T, d, device="cuda").bfloat16()
     opts = dict(activation=act, layout=layout, routing=routing, renormalize=renorm, **rounding)
     _, _, got = grads(t, g, K, "machmoe", selection_bias=selection_bias, **opts)

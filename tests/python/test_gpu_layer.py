@@ -10,7 +10,7 @@ import torch
 from machmoe import functional, torch_backend
 from machmoe.enums import ActivationType, GateUpLayout, RoutingMethod, TokenRounding
 
-from gpu_test_helpers import GLU, make_layer, rel_err
+from gpu_test_helpers import GLU, make_layer, redraw_near_ties, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.ops]
 
@@ -25,7 +25,7 @@ def run(t, K, act, layout, routing, renorm, backend, dtype=None, selection_bias=
 
 def check_layer(T, d, n, E, K, act="swiglu", layout="interleaved", routing="softmax_topk", renorm=True,
                 bias=False, selection_bias=None, **rounding):
-    t = make_layer(T, d, n, E, act, bias)
+    t = redraw_near_ties(make_layer(T, d, n, E, act, bias), K, routing, selection_bias)
     out, aux = run(t, K, act, layout, routing, renorm, "machmoe", selection_bias=selection_bias, **rounding)
     ref, ref_aux = run(t, K, act, layout, routing, renorm, "torch", dtype=torch.float64,
                        selection_bias=None if selection_bias is None else selection_bias.double(), **rounding)
