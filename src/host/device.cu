@@ -4,7 +4,6 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <set>
 #include <string>
 #include <tuple>
 #include <unordered_map>
@@ -60,57 +59,59 @@ DeviceInfo device_info() {
 
 namespace detail {
 
+namespace {
+// value(key) on the current device, computed once per (key, device) under a lock: the driver's
+// per-kernel attributes and occupancy answers hold per device, and a process may use several.
+template <typename Key, typename Compute>
+int once_per_device(const Key& key, const char* what, Compute compute) {
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), what);
+  static std::mutex mu;
+  static std::map<std::pair<Key, int>, int> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto k = std::make_pair(key, device);
+  auto it = cache.find(k);
+  if (it != cache.end()) return it->second;
+  const int v = compute();
+  cache.emplace(k, v);
+  return v;
+}
+}  // namespace
+
 // cudaFuncSetAttribute acts on the current device only: a process that launches on two GPUs must
 // set it on each (a once-per-process flag left the second device's launches failing).
 void allow_dynamic_smem(const void* func, int bytes, const char* what) {
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), what);
-  static std::mutex mu;
-  static std::set<std::pair<const void*, int>> done;  // (kernel, device)
-  std::lock_guard<std::mutex> lock(mu);
-  if (done.count({func, device})) return;
-  check_cuda(cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), what);
-  done.insert({func, device});
+  once_per_device(func, what, [&] {
+    check_cuda(cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), what);
+    return bytes;
+  });
 }
 
 int blocks_per_sm(const void* func, int threads, size_t smem, const char* what) {
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), what);
-  static std::mutex mu;
-  static std::map<std::tuple<const void*, int, int, size_t>, int> cache;  // (kernel, device, threads, smem)
-  std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_tuple(func, device, threads, smem);
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  int n = 0;
-  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, func, threads, smem), what);
-  cache.emplace(key, n);
-  return n;
+  return once_per_device(std::make_tuple(func, threads, smem), what, [&] {
+    int n = 0;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, func, threads, smem), what);
+    return n;
+  });
 }
 
 int max_active_clusters(const void* func, const cudaLaunchConfig_t& config, const char* what) {
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), what);
-  static std::mutex mu;
-  static std::map<std::pair<const void*, int>, int> cache;  // (kernel, device) -> clusters
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find({func, device});
-  if (it != cache.end()) return it->second;
-  // The occupancy query wants a grid that is a multiple of the cluster size: take the cluster
-  // dimension from the config's own attribute rather than assume where it sits.
-  unsigned cluster = 0;
-  for (unsigned i = 0; i < config.numAttrs; ++i)
-    if (config.attrs[i].id == cudaLaunchAttributeClusterDimension) cluster = config.attrs[i].val.clusterDim.x;
-  if (cluster == 0)
-    throw Error(ErrorCode::InvalidArgument, std::string(what) + ": the launch config has no cluster dimension");
-  cudaLaunchConfig_t probe = config;
-  probe.gridDim = dim3(cluster * 1024);
-  int n = 0;
-  check_cuda(cudaOccupancyMaxActiveClusters(&n, func, &probe), what);
-  if (n < 1)
-    throw Error(ErrorCode::Unsupported, std::string(what) + ": the device cannot run one cluster of this kernel");
-  cache.emplace(std::make_pair(func, device), n);
-  return n;
+  return once_per_device(func, what, [&] {
+    // The occupancy query wants a grid that is a multiple of the cluster size: take the cluster
+    // dimension from the config's own attribute rather than assume where it sits.
+    unsigned cluster = 0;
+    for (unsigned i = 0; i < config.numAttrs; ++i)
+      if (config.attrs[i].id == cudaLaunchAttributeClusterDimension) cluster = config.attrs[i].val.clusterDim.x;
+    if (cluster == 0)
+      throw Error(ErrorCode::InvalidArgument, std::string(what) + ": the launch config has no cluster dimension");
+    cudaLaunchConfig_t probe = config;
+    probe.gridDim = dim3(cluster * 1024);
+    int n = 0;
+    check_cuda(cudaOccupancyMaxActiveClusters(&n, func, &probe), what);
+    if (n < 1)
+      throw Error(ErrorCode::Unsupported, std::string(what) + ": the device cannot run one cluster of this kernel");
+    return n;
+  });
 }
 
 bool wgrad_pairs_enabled() {

@@ -5,7 +5,7 @@ random layer tensors."""
 import torch
 import torch.nn.functional as F
 
-from machmoe import _ops
+from machmoe import _ops, torch_backend
 
 # act(gate) for the GLU kinds, act(h) for the others (the kernels' tanh-form GELU).
 ACTS = {
@@ -61,13 +61,12 @@ def redraw_near_ties(t, K, routing="softmax_topk", selection_bias=None, max_roun
     σ(l) + bias move at most a quarter as much as the logits, so the same window covers them."""
     x = t["x"]
     T, d = x.shape
-    E = t["router_weight"].shape[0]
-    if T == 0 or K >= E:
+    if T == 0 or K >= t["router_weight"].shape[0]:
         return t
     wr = t["router_weight"].double()
     scale = 2 ** -16 * wr.norm(dim=1).max()
     for _ in range(max_rounds):
-        logits = x.double() @ wr.T  # [T, E]
+        logits = torch_backend.router_logits(x.double(), wr)  # [T, E] float64
         keys = logits
         if routing == "sigmoid":
             keys = torch.sigmoid(logits) + (0 if selection_bias is None else selection_bias.double())
