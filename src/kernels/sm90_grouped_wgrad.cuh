@@ -252,127 +252,129 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
       const bool has_n = n0 < p.N;
       float acc[BN / 2];
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-    int prev_stage = -1;
-    for (int r0 = begin; r0 < end; r0 += kWgradBK, ++it) {
-      const int s = it % S;
-      sm90::mbar_wait(&full[s], (it / S) & 1);
-      // kPair: warpgroup `rank` reads this CTA's own half of A, the other one the peer's
-      if (kPair && cw != static_cast<int>(rank)) sm90::mbar_wait(&full_peer[s], (it / S) & 1);
-      sm90::fence_proxy_async_shared();  // cp.async (generic proxy) -> wgmma and the relay (async proxy)
-      if (kPair && cw == static_cast<int>(rank) && tid == 0)  // relay this CTA's half to the peer
-        sm90::bulk_copy_to_peer(smem_a + s * Smem::kABytes + rank * kHalfBytes, kHalfBytes, &full_peer[s], peer);
-      const uint32_t a_addr = sm90::smem_addr(smem_a + s * Smem::kABytes + cw * 64 * 128);
-      const uint32_t b_addr = sm90::smem_addr(smem_b + s * Smem::kBBytes);
-      sm90::wgmma_fence();
-      // (Unconditional even without columns: the result is then dropped. A runtime condition
-      // around the wgmmas makes ptxas fence them (C7519) or serialise them (C7520): -5% and more.)
-      if (!gemm_probe(p, 2)) {  // (timing probe: no wgmma)
+      for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+      int prev_stage = -1;
+      for (int r0 = begin; r0 < end; r0 += kWgradBK, ++it) {
+        const int s = it % S;
+        sm90::mbar_wait(&full[s], (it / S) & 1);
+        // kPair: warpgroup `rank` reads this CTA's own half of A, the other one the peer's
+        if (kPair && cw != static_cast<int>(rank)) sm90::mbar_wait(&full_peer[s], (it / S) & 1);
+        sm90::fence_proxy_async_shared();  // cp.async (generic proxy) -> wgmma and the relay (async proxy)
+        if (kPair && cw == static_cast<int>(rank) && tid == 0)  // relay this CTA's half to the peer
+          sm90::bulk_copy_to_peer(smem_a + s * Smem::kABytes + rank * kHalfBytes, kHalfBytes, &full_peer[s], peer);
+        const uint32_t a_addr = sm90::smem_addr(smem_a + s * Smem::kABytes + cw * 64 * 128);
+        const uint32_t b_addr = sm90::smem_addr(smem_b + s * Smem::kBBytes);
+        sm90::wgmma_fence();
+        // (Unconditional even without columns: the result is then dropped. A runtime condition
+        // around the wgmmas makes ptxas fence them (C7519) or serialise them (C7520): -5% and more.)
+        if (!gemm_probe(p, 2)) {  // (timing probe: no wgmma)
 #pragma unroll
-        for (int ks = 0; ks < kWgradBK / 16; ++ks) {
-          sm90::wgmma_bf16<BN, 1, 1>(acc, sm90::smem_desc_mnmajor_sw128(a_addr + ks * 2048, 64 * 128),
-                                     sm90::smem_desc_mnmajor_sw128(b_addr + ks * 2048, 64 * 128), 1);
+          for (int ks = 0; ks < kWgradBK / 16; ++ks) {
+            sm90::wgmma_bf16<BN, 1, 1>(acc, sm90::smem_desc_mnmajor_sw128(a_addr + ks * 2048, 64 * 128),
+                                       sm90::smem_desc_mnmajor_sw128(b_addr + ks * 2048, 64 * 128), 1);
+          }
         }
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<1>();
+        sm90::fence_accumulators(acc);
+        if (prev_stage >= 0 && tid == 0) release(prev_stage);
+        prev_stage = s;
       }
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<1>();
+      sm90::wgmma_wait<0>();
       sm90::fence_accumulators(acc);
       if (prev_stage >= 0 && tid == 0) release(prev_stage);
-      prev_stage = s;
-    }
-    sm90::wgmma_wait<0>();
-    sm90::fence_accumulators(acc);
-    if (prev_stage >= 0 && tid == 0) release(prev_stage);
-    if (!has_n || gemm_probe(p, 1)) continue;  // no columns (kPair); timing probe: no epilogue
+      if (!has_n || gemm_probe(p, 1)) continue;  // no columns (kPair); timing probe: no epilogue
 
-    if (p.tma_c && m0 + kWgradBM <= p.M && n0 + BN <= p.N) {
-      // A full tile: stage this warpgroup's 64 x BN part in 128-column pieces through its buffer,
-      // 128-byte swizzled rows as the TMA store reads them, each once the buffer's previous store
-      // has read it. (One 16 KB buffer per warpgroup instead of 32 KB: a fourth stage at BN = 256.)
+      if (p.tma_c && m0 + kWgradBM <= p.M && n0 + BN <= p.N) {
+        // A full tile: stage this warpgroup's 64 x BN part in 128-column pieces through its buffer,
+        // 128-byte swizzled rows as the TMA store reads them, each once the buffer's previous store
+        // has read it. (One 16 KB buffer per warpgroup instead of 32 KB: a fourth stage at BN = 256.)
 #pragma unroll
-      for (int part = 0; part < Smem::kEpiParts; ++part) {
-        uint8_t* buf = epi + cw * Smem::kEpiBufBytes;
-        if (tid == 0) sm90::bulk_wait_read_all();
-        sm90::named_barrier_sync(1 + cw, 128);
-        constexpr int kJ = Smem::kEpiCols / 8;  // 8-column groups per piece
-        if (p.transpose_c) {
-          // [kEpiCols rows n][64 m] (one box {64 m, kEpiCols n} of C [E*N, M]): 2-byte stores,
-          // conflict-free (the 4 n of a warp's store fall in 4 different swizzled 16-byte slots).
+        for (int part = 0; part < Smem::kEpiParts; ++part) {
+          uint8_t* buf = epi + cw * Smem::kEpiBufBytes;
+          if (tid == 0) sm90::bulk_wait_read_all();
+          sm90::named_barrier_sync(1 + cw, 128);
+          constexpr int kJ = Smem::kEpiCols / 8;  // 8-column groups per piece
+          if (p.transpose_c) {
+            // [kEpiCols rows n][64 m] (one box {64 m, kEpiCols n} of C [E*N, M]): 2-byte stores,
+            // conflict-free (the 4 n of a warp's store fall in 4 different swizzled 16-byte slots).
 #pragma unroll
-          for (int j = 0; j < kJ; ++j) {
-            const int jj = part * kJ + j;
+            for (int j = 0; j < kJ; ++j) {
+              const int jj = part * kJ + j;
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const int m = warp * 16 + lane / 4 + 8 * half;
+              for (int half = 0; half < 2; ++half) {
+                const int m = warp * 16 + lane / 4 + 8 * half;
 #pragma unroll
-              for (int i = 0; i < 2; ++i) {
-                const int n = j * 8 + 2 * (lane % 4) + i;
-                *reinterpret_cast<__nv_bfloat16*>(buf + n * 128 + (((m >> 3) ^ (n & 7)) << 4) + (m & 7) * 2) =
-                    __float2bfloat16_rn(acc[jj * 4 + half * 2 + i]);
+                for (int i = 0; i < 2; ++i) {
+                  const int n = j * 8 + 2 * (lane % 4) + i;
+                  *reinterpret_cast<__nv_bfloat16*>(buf + n * 128 + (((m >> 3) ^ (n & 7)) << 4) + (m & 7) * 2) =
+                      __float2bfloat16_rn(acc[jj * 4 + half * 2 + i]);
+                }
+              }
+            }
+          } else {
+            // kEpiCols/64 boxes [64 rows m][64 n] (boxes {64 n, 64 m} of C [E*M, N]).
+#pragma unroll
+            for (int j = 0; j < kJ; ++j) {
+              const int jj = part * kJ + j;
+#pragma unroll
+              for (int half = 0; half < 2; ++half) {
+                const int r = warp * 16 + lane / 4 + 8 * half;
+                *reinterpret_cast<__nv_bfloat162*>(buf + (j / 8) * (64 * 128) + r * 128 + (((j % 8) ^ (r & 7)) << 4) +
+                                                   (lane % 4) * 4) =
+                    __floats2bfloat162_rn(acc[jj * 4 + half * 2], acc[jj * 4 + half * 2 + 1]);
               }
             }
           }
-        } else {
-          // kEpiCols/64 boxes [64 rows m][64 n] (boxes {64 n, 64 m} of C [E*M, N]).
+          sm90::fence_proxy_async_shared();  // st.shared -> the TMA store's reads
+          sm90::named_barrier_sync(1 + cw, 128);
+          if (tid == 0) {
+            const int c0 = n0 + part * Smem::kEpiCols;
+            if (p.transpose_c) {
+              sm90::tma_store_2d(&tmap_c, buf, m0 + cw * 64, e * p.N + c0);
+            } else {
 #pragma unroll
-          for (int j = 0; j < kJ; ++j) {
-            const int jj = part * kJ + j;
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const int r = warp * 16 + lane / 4 + 8 * half;
-              *reinterpret_cast<__nv_bfloat162*>(buf + (j / 8) * (64 * 128) + r * 128 + (((j % 8) ^ (r & 7)) << 4) +
-                                                 (lane % 4) * 4) =
-                  __floats2bfloat162_rn(acc[jj * 4 + half * 2], acc[jj * 4 + half * 2 + 1]);
+              for (int h = 0; h < Smem::kEpiCols / 64; ++h)
+                sm90::tma_store_2d(&tmap_c, buf + h * (64 * 128), c0 + 64 * h, e * p.M + m0 + cw * 64);
             }
+            sm90::bulk_commit_group();
           }
         }
-        sm90::fence_proxy_async_shared();  // st.shared -> the TMA store's reads
-        sm90::named_barrier_sync(1 + cw, 128);
-        if (tid == 0) {
-          const int c0 = n0 + part * Smem::kEpiCols;
-          if (p.transpose_c) {
-            sm90::tma_store_2d(&tmap_c, buf, m0 + cw * 64, e * p.N + c0);
-          } else {
-#pragma unroll
-            for (int h = 0; h < Smem::kEpiCols / 64; ++h)
-              sm90::tma_store_2d(&tmap_c, buf + h * (64 * 128), c0 + 64 * h, e * p.M + m0 + cw * 64);
-          }
-          sm90::bulk_commit_group();
-        }
+        continue;
       }
-      continue;
-    }
 
-    // Accumulator fragment: register 4·jj + 2·half + i is row (warp·16 + lane/4 + 8·half) of the
-    // warpgroup's 64, column 8·jj + 2·(lane % 4) + i.
-    const int64_t base = static_cast<int64_t>(e) * p.M * p.N;
+      // Accumulator fragment: register 4·jj + 2·half + i is row (warp·16 + lane/4 + 8·half) of the
+      // warpgroup's 64, column 8·jj + 2·(lane % 4) + i.
+      const int64_t base = static_cast<int64_t>(e) * p.M * p.N;
 #pragma unroll
-    for (int jj = 0; jj < BN / 8; ++jj) {
-      const int n = n0 + jj * 8 + 2 * (lane % 4);
-      if (n >= p.N) continue;  // N is a multiple of 8: n + 1 < N too
+      for (int jj = 0; jj < BN / 8; ++jj) {
+        const int n = n0 + jj * 8 + 2 * (lane % 4);
+        if (n >= p.N) continue;  // N is a multiple of 8: n + 1 < N too
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int m = m0 + cw * 64 + warp * 16 + lane / 4 + 8 * half;
-        if (m >= p.M) continue;
-        const float v0 = acc[jj * 4 + half * 2], v1 = acc[jj * 4 + half * 2 + 1];
-        if (p.transpose_c) {
-          const int64_t i0 = base + static_cast<int64_t>(n) * p.M + m, i1 = i0 + p.M;
-          if (p.c_fp32) {
-            static_cast<float*>(p.c)[i0] = v0;
-            static_cast<float*>(p.c)[i1] = v1;
+        for (int half = 0; half < 2; ++half) {
+          const int m = m0 + cw * 64 + warp * 16 + lane / 4 + 8 * half;
+          if (m >= p.M) continue;
+          const float v0 = acc[jj * 4 + half * 2], v1 = acc[jj * 4 + half * 2 + 1];
+          if (p.transpose_c) {
+            const int64_t i0 = base + static_cast<int64_t>(n) * p.M + m, i1 = i0 + p.M;
+            if (p.c_fp32) {
+              static_cast<float*>(p.c)[i0] = v0;
+              static_cast<float*>(p.c)[i1] = v1;
+            } else {
+              static_cast<__nv_bfloat16*>(p.c)[i0] = __float2bfloat16_rn(v0);
+              static_cast<__nv_bfloat16*>(p.c)[i1] = __float2bfloat16_rn(v1);
+            }
           } else {
-            static_cast<__nv_bfloat16*>(p.c)[i0] = __float2bfloat16_rn(v0);
-            static_cast<__nv_bfloat16*>(p.c)[i1] = __float2bfloat16_rn(v1);
+            const int64_t i0 = base + static_cast<int64_t>(m) * p.N + n;
+            if (p.c_fp32)
+              *reinterpret_cast<float2*>(static_cast<float*>(p.c) + i0) = make_float2(v0, v1);
+            else
+              *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.c) + i0) = __floats2bfloat162_rn(v0, v1);
           }
-        } else {
-          const int64_t i0 = base + static_cast<int64_t>(m) * p.N + n;
-          if (p.c_fp32) *reinterpret_cast<float2*>(static_cast<float*>(p.c) + i0) = make_float2(v0, v1);
-          else *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.c) + i0) = __floats2bfloat162_rn(v0, v1);
         }
       }
     }
-    }
-  if (tid == 0) sm90::bulk_wait_all();  // this warpgroup's TMA stores are complete
+    if (tid == 0) sm90::bulk_wait_all();  // this warpgroup's TMA stores are complete
   }
   // kPair: neither CTA exits while the other may still arrive on its barriers or relay into it.
   if constexpr (kPair) sm90::cluster_sync();
