@@ -9,8 +9,12 @@
 #   4 no loads (stages are "full" at once, stale data)     -> wgmma + epilogue
 #   3 loads only, 5 wgmma only, 6 epilogue only
 #   8 full tiles staged but not stored (no TMA store of C/H): the store traffic's share
+#   16, 32, 64 (dH rows only) the dH epilogue without its H loads (H = 1), its dH stores, its A'
+#     stores; 96 = no stores, 112 = compute only (the values are kept live)
 # and writes the milliseconds per kernel as one table, $OUT/probe.md (and probe.log). The probes'
 # results are wrong; only their times mean something. Weight-gradient rows are not probed.
+# The probe build runs without the ptxas gate: its probe branches make ptxas fence some wgmmas
+# (C7519) and spill a few bytes in the dH kernels; its probe-0 column measures what that costs.
 #
 # With PROBE_POWER="7B-a,dense" (substrings of kernel labels), each run is followed by
 # python -m machmoe.bench.power on those kernels: the SM clock, board power and clock-event reasons
@@ -33,7 +37,7 @@ half=$(( (MACHMOE_JOBS + 1) / 2 ))
 (MACHMOE_JOBS=$half MACHMOE_BUILD_TARGETS="machmoe machmoe_torch" scripts/build.sh > "$aux/build.log" 2>&1) &
 pid=$!
 MACHMOE_JOBS=$half MACHMOE_BUILD_DIR=$root/build-probe MACHMOE_BUILD_TARGETS="machmoe machmoe_torch" \
-  scripts/build.sh -DMACHMOE_GEMM_PROBES=ON > "$aux/build_probe.log" 2>&1
+  scripts/build.sh -DMACHMOE_GEMM_PROBES=ON -DMACHMOE_PTXAS_GATE=OFF > "$aux/build_probe.log" 2>&1
 rc=$?
 wait "$pid" || rc=1
 (( rc == 0 )) || { say "gpu_probe: a build failed"; tail -n 20 "$aux"/build*.log | tee -a "$log"; exit 1; }

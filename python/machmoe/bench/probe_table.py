@@ -14,9 +14,12 @@ import json
 import os
 import sys
 
-# What each MACHMOE_GEMM_PROBE value skips (bits: 1 epilogue, 2 wgmma, 4 loads, 8 TMA store).
+# What each MACHMOE_GEMM_PROBE value skips (bits: 1 epilogue, 2 wgmma, 4 loads, 8 TMA store; the
+# dH epilogue only: 16 its H loads, 32 its dH stores, 64 its A' stores).
 PROBE_NAMES = {"0": "probe build", "1": "no epilogue", "2": "no wgmma", "4": "no loads", "3": "loads only",
-               "5": "wgmma only", "6": "epilogue only", "8": "no TMA store"}
+               "5": "wgmma only", "6": "epilogue only", "8": "no TMA store", "16": "dH: no H loads",
+               "32": "dH: no dH stores", "64": "dH: no A' stores", "96": "dH: no stores",
+               "112": "dH: no H loads, no stores"}
 
 
 def load_columns(folder: str, probes: list[str]) -> tuple[list[str], dict[str, dict[str, float]]]:
