@@ -112,7 +112,7 @@ else
   ok=(); for (( i = 0; i < ${#labels[@]}; ++i )); do ok+=(1); done
 fi
 
-table='from machmoe.bench import gemm_kernels as g; print(g.format_rows(g.run()))'
+table='from machmoe.bench import gemm_kernels as g; print(g.format_rows(g.run(references=False)))'
 for (( rep = 1; rep <= ${AB_REPS:-2}; ++rep )); do
   for (( i = 0; i < ${#labels[@]}; ++i )); do
     (( ok[i] )) || continue

@@ -43,7 +43,7 @@ wait "$pid" || rc=1
 (( rc == 0 )) || { say "gpu_probe: a build failed"; tail -n 20 "$aux"/build*.log | tee -a "$log"; exit 1; }
 say "builds done ($SECONDS s)"
 
-table='import json, sys; from machmoe.bench import gemm_kernels as g; json.dump(g.run(), open(sys.argv[1], "w"))'
+table='import json, sys; from machmoe.bench import gemm_kernels as g; json.dump(g.run(references=False), open(sys.argv[1], "w"))'
 run_table() {  # run_table NAME LIBDIR [NAME=VALUE]: the kernel rows as JSON in $aux/NAME.json
   local name=$1 lib=$2; shift 2
   env MACHMOE_LIBRARY_DIR="$lib" PYTHONPATH="$root/python" "$@" timeout 120 "$MACHMOE_PYTHON" -c "$table" \

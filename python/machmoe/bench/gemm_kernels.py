@@ -4,7 +4,9 @@ the same run:
 * the engine as a plain dense GEMM (one expert) at 8192 x 8192 x 8192 bf16 vs torch.matmul;
 * the up-projection (gather + GLU epilogue writing H and A), the down-projection (contiguous
   rows, plain store) and the backward's four expert GEMMs at a SPEC config's shapes with random
-  top-K routing.
+  top-K routing, each beside cuBLAS on the same per-expert GEMMs as one batched matmul
+  (torch.bmm over E equal experts of R/E rows: no gather, no routing, no epilogue), the bound a
+  grouped GEMM with those shapes would meet with cuBLAS's kernels.
 
 `cases()` builds each kernel's call and rotated inputs once; `run()` times them, and
 `machmoe.bench.power` runs the same cases while sampling the GPU's clock and power.
@@ -30,7 +32,9 @@ class KernelCase:
     sets: list  # rotated argument sets (fresh tensors, so L2 does not carry inputs over)
     flops: float
     target: str = ""
-    reference: Callable[..., Any] | None = None  # cuBLAS on the same sets (dense only)
+    reference: Callable[..., Any] | None = None  # cuBLAS: on the same sets (dense), or on ref_sets
+    ref_sets: Callable[[], list] | None = None  # builds the reference's own inputs (the batched matmul)
+    ref_label: str = "cuBLAS"
 
 
 def _ops():
@@ -95,22 +99,42 @@ def expert_cases(name: str, T: int, d: int, n: int, E: int, K: int) -> list[Kern
     def dw1(x, row_token, offs, dH, *_):
         return ops.grouped_gemm_wgrad(x, row_token, dH, offs, True, False)
 
+    # The batched-matmul reference of each kernel: [E, m, k] @ [E, k, n] with the kernel's
+    # per-expert shape (m = R/E rows per expert; the weight gradients reduce over those rows).
+    Re = R // E
+
+    def bmm_ref(m: int, k: int, n_out: int, reduce_rows: bool = False):
+        def make():
+            if reduce_rows:  # C[e] = A[e]^T B[e]: A [E, Re, m], B [E, Re, n_out]
+                return [((torch.randn(E, Re, m, device="cuda").bfloat16()),
+                         torch.randn(E, Re, n_out, device="cuda").bfloat16()) for _ in range(2)]
+            return [(torch.randn(E, m, k, device="cuda").bfloat16(),
+                     (torch.randn(E, k, n_out, device="cuda") * 0.02).bfloat16()) for _ in range(2)]
+
+        fn = (lambda a, b: torch.bmm(a.transpose(1, 2), b)) if reduce_rows else torch.bmm
+        return fn, make
+
     first = name == "7B-a"  # the issues' kernel targets are set on 7B-a
-    return [KernelCase(f"{name} {label}", fn, sets, flops, target if first else "") for label, fn, flops, target in (
-        ("up-proj (gather + SwiGLU, H and A)", up, 2.0 * R * d * n1, ">= 560 TFLOPS"),
-        ("down-proj (contiguous, store Y)", down, 2.0 * R * n * d, ""),
-        ("dH (gather dout·W2 + dSwiGLU, A', dS)", dh, 2.0 * R * d * n, ">= 330 TFLOPS"),
-        ("dX~ (dH·W1, contiguous)", dx, 2.0 * R * n1 * d, ">= 620 TFLOPS"),
-        ("dW2 (varlen-K, dout gathered, bf16)", dw2, 2.0 * R * d * n, ""),
-        ("dW1 (varlen-K, x gathered, bf16)", dw1, 2.0 * R * d * n1, ""))]
+    rows = (
+        ("up-proj (gather + SwiGLU, H and A)", up, 2.0 * R * d * n1, ">= 560 TFLOPS", bmm_ref(Re, d, n1)),
+        ("down-proj (contiguous, store Y)", down, 2.0 * R * n * d, "", bmm_ref(Re, n, d)),
+        ("dH (gather dout·W2 + dSwiGLU, A', dS)", dh, 2.0 * R * d * n, ">= 330 TFLOPS", bmm_ref(Re, d, n)),
+        ("dX~ (dH·W1, contiguous)", dx, 2.0 * R * n1 * d, ">= 620 TFLOPS", bmm_ref(Re, n1, d)),
+        ("dW2 (varlen-K, dout gathered, bf16)", dw2, 2.0 * R * d * n, "", bmm_ref(n, Re, d, reduce_rows=True)),
+        ("dW1 (varlen-K, x gathered, bf16)", dw1, 2.0 * R * d * n1, "", bmm_ref(d, Re, n1, reduce_rows=True)))
+    return [KernelCase(f"{name} {label}", fn, sets, flops, target if first else "", ref, make, "cuBLAS bmm")
+            for label, fn, flops, target, (ref, make) in rows]
 
 
-def time_case(case: KernelCase) -> dict:
-    t = cuda_time(case.fn, case.sets, min_reps=10 if case.reference else 20).median_ms
+def time_case(case: KernelCase, references: bool = True) -> dict:
+    dense = case.reference is not None and case.ref_sets is None
+    t = cuda_time(case.fn, case.sets, min_reps=10 if dense else 20).median_ms
     row = {"kernel": case.kernel, "machmoe_tflops": case.flops / t / 1e9, "ms": t, "target": case.target}
-    if case.reference is not None:
-        t_ref = cuda_time(case.reference, case.sets, min_reps=10).median_ms
-        row.update(cublas_tflops=case.flops / t_ref / 1e9, fraction=t_ref / t)
+    if case.reference is not None and (references or dense):
+        ref_sets = case.ref_sets() if case.ref_sets is not None else case.sets
+        t_ref = cuda_time(case.reference, ref_sets, min_reps=10).median_ms
+        del ref_sets
+        row.update(cublas_tflops=case.flops / t_ref / 1e9, fraction=t_ref / t, reference=case.ref_label)
     return row
 
 
@@ -121,14 +145,20 @@ def cases():
         yield from expert_cases(*cfg)
 
 
-def run() -> list[dict]:
-    return [time_case(c) for c in cases()]
+def run(references: bool = True) -> list[dict]:
+    """The table's rows; references=False leaves out the expert GEMMs' batched-matmul references
+    (A/B runs time the same table many times)."""
+    return [time_case(c, references) for c in cases()]
 
 
 def format_rows(rows: list[dict]) -> str:
     lines = ["| kernel | machmoe TFLOPS | reference | target |", "|---|---|---|---|"]
     for r in rows:
-        ref = f"cuBLAS {r['cublas_tflops']:.0f} TFLOPS ({r['fraction']:.2f})" if "cublas_tflops" in r else \
-            f"{r['ms']:.3f} ms"
+        if "cublas_tflops" not in r:
+            ref = f"{r['ms']:.3f} ms"
+        elif r.get("reference", "cuBLAS") == "cuBLAS":
+            ref = f"cuBLAS {r['cublas_tflops']:.0f} TFLOPS ({r['fraction']:.2f})"
+        else:  # the batched matmul at the same per-expert shape
+            ref = f"{r['ms']:.3f} ms; {r['reference']} {r['cublas_tflops']:.0f} TFLOPS ({r['fraction']:.2f})"
         lines.append(f"| {r['kernel']} | {r['machmoe_tflops']:.0f} | {ref} | {r['target']} |")
     return "\n".join(lines)
