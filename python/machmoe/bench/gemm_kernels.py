@@ -99,19 +99,18 @@ def expert_cases(name: str, T: int, d: int, n: int, E: int, K: int) -> list[Kern
     def dw1(x, row_token, offs, dH, *_):
         return ops.grouped_gemm_wgrad(x, row_token, dH, offs, True, False)
 
-    # The batched-matmul reference of each kernel: [E, m, k] @ [E, k, n] with the kernel's
-    # per-expert shape (m = R/E rows per expert; the weight gradients reduce over those rows).
+    # The batched-matmul reference of each kernel: C[e] = A[e] @ B[e], [m, k] @ [k, n_out], with
+    # the kernel's per-expert shape (R/E rows per expert). The weight gradients reduce over those
+    # rows (k = R/E) and read A transposed, as they read A'/X from row-major [R, *] buffers.
     Re = R // E
 
-    def bmm_ref(m: int, k: int, n_out: int, reduce_rows: bool = False):
+    def bmm_ref(m: int, k: int, n_out: int, a_transposed: bool = False):
         def make():
-            if reduce_rows:  # C[e] = A[e]^T B[e]: A [E, Re, m], B [E, Re, n_out]
-                return [((torch.randn(E, Re, m, device="cuda").bfloat16()),
-                         torch.randn(E, Re, n_out, device="cuda").bfloat16()) for _ in range(2)]
-            return [(torch.randn(E, m, k, device="cuda").bfloat16(),
+            a_shape = (E, k, m) if a_transposed else (E, m, k)
+            return [(torch.randn(*a_shape, device="cuda").bfloat16(),
                      (torch.randn(E, k, n_out, device="cuda") * 0.02).bfloat16()) for _ in range(2)]
 
-        fn = (lambda a, b: torch.bmm(a.transpose(1, 2), b)) if reduce_rows else torch.bmm
+        fn = (lambda a, b: torch.bmm(a.transpose(1, 2), b)) if a_transposed else torch.bmm
         return fn, make
 
     first = name == "7B-a"  # the issues' kernel targets are set on 7B-a
@@ -120,8 +119,8 @@ def expert_cases(name: str, T: int, d: int, n: int, E: int, K: int) -> list[Kern
         ("down-proj (contiguous, store Y)", down, 2.0 * R * n * d, "", bmm_ref(Re, n, d)),
         ("dH (gather dout·W2 + dSwiGLU, A', dS)", dh, 2.0 * R * d * n, ">= 330 TFLOPS", bmm_ref(Re, d, n)),
         ("dX~ (dH·W1, contiguous)", dx, 2.0 * R * n1 * d, ">= 620 TFLOPS", bmm_ref(Re, n1, d)),
-        ("dW2 (varlen-K, dout gathered, bf16)", dw2, 2.0 * R * d * n, "", bmm_ref(n, Re, d, reduce_rows=True)),
-        ("dW1 (varlen-K, x gathered, bf16)", dw1, 2.0 * R * d * n1, "", bmm_ref(d, Re, n1, reduce_rows=True)))
+        ("dW2 (varlen-K, dout gathered, bf16)", dw2, 2.0 * R * d * n, "", bmm_ref(n, Re, d, a_transposed=True)),
+        ("dW1 (varlen-K, x gathered, bf16)", dw1, 2.0 * R * d * n1, "", bmm_ref(d, Re, n1, a_transposed=True)))
     return [KernelCase(f"{name} {label}", fn, sets, flops, target if first else "", ref, make, "cuBLAS bmm")
             for label, fn, flops, target, (ref, make) in rows]
 
