@@ -209,9 +209,11 @@ __global__ void __launch_bounds__(kThreads)
     bwd_aux_coefficients(const float* partials, int blocks, int E, const int32_t* expert_offsets, float d_aux,
                          const float* d_aux_device, float* grad) {
   __shared__ float red[32];
+  __shared__ float4 scratch[kThreads];
   float local_total = 0.f, local_weighted = 0.f;
   const float rows = static_cast<float>(expert_offsets[E]);
-  aux_column_sums<kThreads>(partials, blocks, E, expert_offsets, grad, local_total, local_weighted);  // grad = C
+  aux_column_sums<kThreads>(partials, blocks, E, expert_offsets, grad, reinterpret_cast<float*>(scratch), local_total,
+                            local_weighted);  // grad = C
   const float S = aux_block_sum<kThreads>(local_total, red);
   const float aw = aux_block_sum<kThreads>(local_weighted, red) / rows;  // Σ C_e w_e
   const bool live = rows > 0.f && S > 0.f;

@@ -19,6 +19,31 @@ from .grouped_mm_layer import grouped_mm_moe
 from .layer_bench import LayerInputs, machmoe_call
 
 
+def print_gaps(prof, iters: int) -> None:
+    """Device activities in stream order, one call's sequence: mean duration and mean idle time
+    before each (from the end of the previous activity). The first activity's gap is left out: it
+    is the host's time between calls. Launch gaps are where the device waits for the host or for
+    the launch of the next kernel."""
+    acts = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+    if not acts or len(acts) % iters:
+        print(f"gaps: {len(acts)} device activities for {iters} calls, not a whole sequence per call")
+        return
+    per = len(acts) // iters
+    rows = []
+    for i in range(per):
+        seq = [acts[c * per + i] for c in range(iters)]
+        dur = sum(e.time_range.end - e.time_range.start for e in seq) / iters
+        gap = (sum(e.time_range.start - acts[c * per + i - 1].time_range.end for c, e in enumerate(seq) if c * per + i > 0)
+               / max(1, sum(1 for c in range(iters) if c * per + i > 0)))
+        rows.append((seq[0].name, dur, gap))
+    print(f"{'#':>3} {'us':>9} {'gap us':>7}  activity (one call, in order; mean of {iters})")
+    for i, (name, dur, gap) in enumerate(rows):
+        print(f"{i:>3} {dur:>9.1f} {gap:>7.1f}  {name[:90]}")
+    print(f"    sum of gaps inside a call: {sum(g for _, _, g in rows[1:]):.1f} us; "
+          f"before the call: {rows[0][2]:.1f} us")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m machmoe.bench.profile")
     p.add_argument("--config", default="7B-a")
@@ -28,6 +53,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=1, help="calls profiled back to back (times are per call)")
     p.add_argument("--warmup-s", dest="warmup_s", type=float, default=0.0,
                    help="seconds of calls before profiling (1-2 s reaches the sustained power state)")
+    p.add_argument("--gaps", action="store_true",
+                   help="also print, per kernel in stream order, its time and the idle gap before it")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -78,6 +105,8 @@ def main(argv=None) -> int:
               f"wall {wall_us / 1e3:.3f} ms -> {flop / (wall_us * 1e-6) / 1e12:.0f} TFLOPS; "
               f"gaps {100 * (1 - total_us / wall_us):.1f}% of the wall time")
         print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70))
+        if args.gaps:
+            print_gaps(prof, args.iters)
     return 0
 
 
