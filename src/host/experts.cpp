@@ -19,14 +19,31 @@ using detail::require_arg;
 
 namespace detail {
 
+namespace {
+RoutingMetadataOutputs metadata_of(const ExpertsForwardRun& r) {
+  RoutingMetadataOutputs md = r.md;
+  md.row_token = at<int32_t>(r.workspace, r.scratch.row_token);
+  return md;
+}
+}  // namespace
+
 void experts_forward_run(const ExpertsForwardRun& r, cudaStream_t stream) {
+  experts_forward_metadata(r, stream);
+  experts_forward_gemms(r, stream);
+}
+
+void experts_forward_metadata(const ExpertsForwardRun& r, cudaStream_t stream) {
+  const ExpertsShape& s = r.shape;
+  const PairList& l = r.list;
+  routing_metadata(l.expert, l.token, l.pairs, l.K, s.T, s.E, metadata_of(r), at<void>(r.workspace, r.scratch.metadata),
+                   routing_metadata_workspace_bytes(s.T, s.E), stream);
+}
+
+void experts_forward_gemms(const ExpertsForwardRun& r, cudaStream_t stream) {
   const ExpertsShape& s = r.shape;
   const PairList& l = r.list;
   void* w = r.workspace;
-  RoutingMetadataOutputs md = r.md;
-  md.row_token = at<int32_t>(w, r.scratch.row_token);
-  routing_metadata(l.expert, l.token, l.pairs, l.K, s.T, s.E, md, at<void>(w, r.scratch.metadata),
-                   routing_metadata_workspace_bytes(s.T, s.E), stream);
+  const RoutingMetadataOutputs md = metadata_of(r);
 
   // H [rows, n1] = x[row_token] · W1_eᵀ (+ b1_e); epilogue A [rows, n] = act(H).
   GroupedGemmArgs up;

@@ -51,7 +51,11 @@ struct ExpertsForwardRun {
 
 // Forward, T > 0 and pairs > 0: routing_metadata of the list, H [rows, n1] = x[row_token]·W1ᵀ (+b1)
 // with the GLU/activation epilogue (A scratch), Y = A·W2ᵀ (+b2), out = Σ scores·Y per token.
+// = experts_forward_metadata, then experts_forward_gemms; the layer runs its aux loss between the
+// two, while the router's partial sums are still in L2.
 void experts_forward_run(const ExpertsForwardRun& r, cudaStream_t stream);
+void experts_forward_metadata(const ExpertsForwardRun& r, cudaStream_t stream);
+void experts_forward_gemms(const ExpertsForwardRun& r, cudaStream_t stream);
 
 struct ExpertsBackwardRun {
   ExpertsShape shape;

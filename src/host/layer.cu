@@ -1,7 +1,8 @@
 // The layer forward on the GPU, end to end on the caller's stream, no host synchronisation:
 //   logits = x·Wrᵀ (cuBLAS, fp32 out) -> top-K router (or token rounding) -> the expert part
 //   (experts.cpp: routing metadata -> up-projection (gathered rows, GLU/activation epilogue: H saved,
-//   A scratch) -> down-projection (Y scratch) -> aggregation with scores) -> aux loss.
+//   A scratch) -> down-projection (Y scratch) -> aggregation with scores); the aux loss runs between
+//   the metadata and the up-projection.
 // Buffers: host/layer_layout.hpp. The backward is layer_backward.cu.
 #include <string>
 
@@ -108,8 +109,11 @@ void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_
   r.md.token_offsets = at<int32_t>(w, L.token_offsets);
   r.scratch = L.fwd;
   r.workspace = w;
-  detail::experts_forward_run(r, stream);
+  detail::experts_forward_metadata(r, stream);
 
+  // The aux loss needs the partial sums and the expert counts only: it runs before the expert
+  // GEMMs, while the partials (and the logits) are still in L2. One block that read them back
+  // from DRAM after the GEMMs took 7.8 µs on 7B-a (profile, session 14).
   if (!have_aux_partials) {
     kernels::aux_colsum_partial<LayerLayout::kAuxTokensPerBlock><<<aux_blocks, 256, 0, stream>>>(
         logits, p.T, static_cast<int>(p.E), aux_partials);
@@ -118,6 +122,8 @@ void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_
   kernels::aux_finalize<1024><<<1, 1024, 0, stream>>>(aux_partials, aux_blocks, static_cast<int>(p.E),
                                                       expert_offsets, at<float>(w, L.aux_colsum), a.aux_loss);
   check_launch("layer_forward: aux loss");
+
+  detail::experts_forward_gemms(r, stream);
 }
 
 }  // namespace machmoe

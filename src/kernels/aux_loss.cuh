@@ -76,19 +76,16 @@ __device__ __forceinline__ void aux_column_sums(const float* partials, int block
     if (r < phases) {
       const float4* col = reinterpret_cast<const float4*>(partials) + q;
       auto at = [&](int b) { return __ldg(col + static_cast<int64_t>(b) * quads); };
-      int b = r;
-      for (; b + 7 * phases < blocks; b += 8 * phases) {
+      // Batches of eight loads, predicated (not a serial remainder loop): 7B-a's 12 rows per
+      // thread are two round trips to memory.
+      for (int b = r; b < blocks; b += 8 * phases) {
         float4 v[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = at(b + i * phases);
+        for (int i = 0; i < 8; ++i) v[i] = b + i * phases < blocks ? at(b + i * phases) : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           acc[i & 3].x += v[i].x, acc[i & 3].y += v[i].y, acc[i & 3].z += v[i].z, acc[i & 3].w += v[i].w;
         }
-      }
-      for (; b < blocks; b += phases) {
-        const float4 v = at(b);
-        acc[0].x += v.x, acc[0].y += v.y, acc[0].z += v.z, acc[0].w += v.w;
       }
       float4 sum;
       sum.x = (acc[0].x + acc[1].x) + (acc[2].x + acc[3].x);
