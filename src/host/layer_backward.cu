@@ -113,11 +113,19 @@ void layer_backward(const LayerProblem& p, const LayerBackwardArgs& a, cudaStrea
   // otherwise after it, and a cuBLAS GEMM adds the router's part to dx.
   cublasHandle_t h = nullptr;
   const int T = static_cast<int>(p.T), E = static_cast<int>(p.E), d = static_cast<int>(p.d);
+  // 6. bf16 copy of d_logits: the router GEMMs' operand (fp32 accumulation there). Written by the
+  //    top-K router backward and the aux step themselves; the token-rounding backward needs this.
+  auto to_bf16 = [&] {
+    kernels::bwd_to_bf16<kThreads>
+        <<<blocks_for(p.T * p.E, kThreads * 4), kThreads, 0, stream>>>(d_logits, p.T * p.E, d_logits_bf16);
+    check_launch("layer_backward: d_logits to bf16");
+  };
   auto router_backward = [&] {
-    // 4. Router backward: d scores -> d_logits [T, E] fp32 (every element written).
+    // 4. Router backward: d scores -> d_logits [T, E] fp32 (every element written), and for top-K
+    //    its bf16 copy in the same pass (the aux step below rewrites both where it adds).
     if (!rounded) {
-      topk_router_backward(logits, scores, experts, d_scores, p.T, p.E, p.K, p.routing, p.renormalize, d_logits,
-                           stream);
+      detail::topk_router_backward_bf16(logits, scores, experts, d_scores, p.T, p.E, p.K, p.routing, p.renormalize,
+                                        d_logits, d_logits_bf16, stream);
     } else {
       token_rounding_backward(logits, at<float>(s, L.topk_scores), at<int32_t>(s, L.topk_experts), r.token_offsets,
                               experts, at<uint8_t>(s, L.list_padded), d_scores, p.T, p.E, p.K, d_logits, stream);
@@ -134,14 +142,15 @@ void layer_backward(const LayerProblem& p, const LayerBackwardArgs& a, cudaStrea
       kernels::bwd_aux_coefficients<1024><<<1, 1024, 0, stream>>>(partials, blocks, static_cast<int>(p.E),
                                                                   expert_offsets, a.d_aux, a.d_aux_device, grad);
       check_launch("layer_backward: aux coefficients");
+      // bwd_aux_apply returns at once when the loss has no gradient (grad[E] == 0, known on the
+      // device only), so the bf16 copy must exist before it.
+      if (rounded) to_bf16();
       kernels::bwd_aux_apply<kThreads><<<blocks_for(p.T, kWarpsPerBlock), kThreads, 0, stream>>>(
-          logits, p.T, static_cast<int>(p.E), grad, d_logits);
+          logits, p.T, static_cast<int>(p.E), grad, d_logits, d_logits_bf16);
       check_launch("layer_backward: aux backward");
+    } else if (rounded) {
+      to_bf16();
     }
-    // 6. bf16 copy of d_logits: the router GEMMs' operand (fp32 accumulation there).
-    kernels::bwd_to_bf16<kThreads>
-        <<<blocks_for(p.T * p.E, kThreads * 4), kThreads, 0, stream>>>(d_logits, p.T * p.E, d_logits_bf16);
-    check_launch("layer_backward: d_logits to bf16");
     // 12. dWr (cuBLAS, bf16 operands, fp32 accumulation), column-major views of row-major arrays:
     //     dWrᵀ [d, E] = xᵀ [d, T] · d_logits [T, E].
     h = detail::cublas_on(stream, at<void>(w, L.b_cublas), LayerLayout::kCublasWorkspace, fn);

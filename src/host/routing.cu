@@ -151,17 +151,26 @@ void topk_router_backward(const float* logits, const float* scores, const int32_
                           const float* d_scores, int64_t T, int64_t E, int64_t K,
                           RoutingMethod method, bool renormalize, float* d_logits,
                           cudaStream_t stream) {
+  detail::topk_router_backward_bf16(logits, scores, experts, d_scores, T, E, K, method, renormalize, d_logits,
+                                    nullptr, stream);
+}
+
+namespace detail {
+void topk_router_backward_bf16(const float* logits, const float* scores, const int32_t* experts,
+                               const float* d_scores, int64_t T, int64_t E, int64_t K, RoutingMethod method,
+                               bool renormalize, float* d_logits, __nv_bfloat16* d_logits_bf16, cudaStream_t stream) {
   constexpr const char* fn = "topk_router_backward";
   check_router_shape(fn, T, E, K);
   if (T == 0) return;
   require_arg(logits && scores && experts && d_scores && d_logits, fn, "pointers", "must not be null");
-  kernels::RouterBackwardParams p{logits, scores, experts, d_scores, d_logits, T,
+  kernels::RouterBackwardParams p{logits, scores, experts, d_scores, d_logits, d_logits_bf16, T,
                                   static_cast<int>(E), static_cast<int>(K), router_method(method),
                                   renormalize};
   kernels::topk_router_backward<<<static_cast<unsigned>(ceil_div(T, kRouterThreads / 32)),
                                   kRouterThreads, 0, stream>>>(p);
   check_launch(fn);
 }
+}  // namespace detail
 
 size_t routing_metadata_workspace_bytes(int64_t T, int64_t E) {
   require_arg(T >= 0, "routing_metadata_workspace_bytes", "T", "must be >= 0");

@@ -3,6 +3,7 @@
 // set <=> token t routed to expert e), and the top-K router with the aux loss's partial sums.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -42,5 +43,11 @@ constexpr int kRouterAuxTokens = 64;  // tokens per block of aux_partials
 bool topk_router_with_aux(const float* logits, int64_t T, int64_t E, int64_t K, RoutingMethod method,
                           bool renormalize, const float* selection_bias, float* scores, int32_t* experts,
                           float* aux_partials, cudaStream_t stream);
+
+// topk_router_backward that also writes the bf16 copy of d_logits (d_logits_bf16 [T, E]) in the
+// same pass: the layer backward's router GEMMs take it, without a separate conversion kernel.
+void topk_router_backward_bf16(const float* logits, const float* scores, const int32_t* experts,
+                               const float* d_scores, int64_t T, int64_t E, int64_t K, RoutingMethod method,
+                               bool renormalize, float* d_logits, __nv_bfloat16* d_logits_bf16, cudaStream_t stream);
 
 }  // namespace machmoe::detail

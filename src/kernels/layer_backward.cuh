@@ -226,10 +226,11 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // One warp per token: P_t from the logits, dot = ⟨P_t, grad⟩ (fixed-shape warp sum), then
-// d_logits[t, e] += P_te · (grad_e − dot).
+// d_logits[t, e] += P_te · (grad_e − dot), and its bf16 copy (which the router backward already
+// wrote for the case grad[E] == 0, no gradient).
 template <int kThreads>
-__global__ void __launch_bounds__(kThreads)
-    bwd_aux_apply(const float* logits, int64_t T, int E, const float* grad, float* d_logits) {
+__global__ void __launch_bounds__(kThreads) bwd_aux_apply(const float* logits, int64_t T, int E, const float* grad,
+                                                          float* d_logits, __nv_bfloat16* d_logits_bf16) {
   if (grad[E] == 0.f) return;
   const int lane = threadIdx.x % kWarpSize;
   const int64_t t = global_warp_index();
@@ -241,7 +242,12 @@ __global__ void __launch_bounds__(kThreads)
   for (int e = lane; e < E; e += kWarpSize) dot += __expf(row[e] - st.max) * inv * grad[e];
   dot = warp_sum(dot);
   float* drow = d_logits + t * E;
-  for (int e = lane; e < E; e += kWarpSize) drow[e] += __expf(row[e] - st.max) * inv * (grad[e] - dot);
+  __nv_bfloat16* brow = d_logits_bf16 + t * E;
+  for (int e = lane; e < E; e += kWarpSize) {
+    const float v = drow[e] + __expf(row[e] - st.max) * inv * (grad[e] - dot);
+    drow[e] = v;
+    brow[e] = __float2bfloat16_rn(v);
+  }
 }
 
 // ---------------------------------------------------------------- conversion

@@ -7,6 +7,8 @@
 // has to be marked as taken and ties resolve exactly as the reference does.
 #pragma once
 
+#include <cuda_bf16.h>
+
 #include "kernels/common.cuh"
 
 namespace machmoe::kernels {
@@ -251,6 +253,7 @@ struct RouterBackwardParams {
   const int32_t* experts; // [T, K]
   const float* d_scores;  // [T, K]
   float* d_logits;        // [T, E], every element written
+  __nv_bfloat16* d_logits_bf16;  // [T, E] bf16 copy of d_logits, or null (the router GEMMs' operand)
   int64_t T;
   int E, K;
   int method;
@@ -302,6 +305,10 @@ __global__ void __launch_bounds__(256) topk_router_backward(RouterBackwardParams
     }
     drow[e] += d;
   }
+  if (p.d_logits_bf16 == nullptr) return;
+  __syncwarp();  // the lanes' += above are visible to the warp
+  __nv_bfloat16* brow = p.d_logits_bf16 + t * p.E;
+  for (int e = lane; e < p.E; e += kWarpSize) brow[e] = __float2bfloat16_rn(drow[e]);
 }
 
 }  // namespace machmoe::kernels
