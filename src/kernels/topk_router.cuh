@@ -288,8 +288,14 @@ __global__ void __launch_bounds__(256) topk_router_backward(RouterBackwardParams
   SoftmaxStats st{0.f, 1.f};
   if (full_softmax) st = warp_softmax_stats(row, p.E, lane);
   const float row_max = st.max, row_sum = st.sum;
-  for (int e = lane; e < p.E; e += kWarpSize)
-    drow[e] = full_softmax ? -(__expf(row[e] - row_max) / row_sum) * dot : 0.f;
+  // With d_logits_bf16, each write also goes to the bf16 copy (the second write of a selected
+  // column after the __syncwarp, so the copy holds the final value).
+  __nv_bfloat16* brow = p.d_logits_bf16 ? p.d_logits_bf16 + t * p.E : nullptr;
+  for (int e = lane; e < p.E; e += kWarpSize) {
+    const float v = full_softmax ? -(__expf(row[e] - row_max) / row_sum) * dot : 0.f;
+    drow[e] = v;
+    if (brow) brow[e] = __float2bfloat16_rn(v);
+  }
   __syncwarp();
   for (int k = lane; k < p.K; k += kWarpSize) {
     const int e = ex[k];
@@ -303,12 +309,10 @@ __global__ void __launch_bounds__(256) topk_router_backward(RouterBackwardParams
     } else {
       d = s[k] * (g[k] - dot);
     }
-    drow[e] += d;
+    const float v = drow[e] + d;
+    drow[e] = v;
+    if (brow) brow[e] = __float2bfloat16_rn(v);
   }
-  if (p.d_logits_bf16 == nullptr) return;
-  __syncwarp();  // the lanes' += above are visible to the warp
-  __nv_bfloat16* brow = p.d_logits_bf16 + t * p.E;
-  for (int e = lane; e < p.E; e += kWarpSize) brow[e] = __float2bfloat16_rn(drow[e]);
 }
 
 }  // namespace machmoe::kernels
