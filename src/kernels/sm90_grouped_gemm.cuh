@@ -359,8 +359,11 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
           if constexpr (GATHER) sm90::cp_async_arrive_noinc(&full[s]);
           continue;
         }
+        // timing probe 128: A loaded only for a row block's first column tile (the other tiles
+        // compute on a stale A): what keeping A on chip across the column tiles would save
+        const bool a_load = !(gemm_probe(p, 128) && tile.n0 > 0);
         if (lane == 0) {
-          sm90::mbar_arrive_expect_tx(&full[s], GATHER ? Smem::kBBytes : Smem::kBBytes + Smem::kABytes);
+          sm90::mbar_arrive_expect_tx(&full[s], GATHER || !a_load ? Smem::kBBytes : Smem::kBBytes + Smem::kABytes);
           if constexpr (B_NMAJOR) {  // BN/64 blocks of [64 K rows][64 N], 8 KB apart
 #pragma unroll
             for (int h = 0; h < BN / 64; ++h)
@@ -374,13 +377,15 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
               sm90::tma_load_2d(b_stage + h * 128 * 128, &tmap_b, &full[s], k0, r);
             }
           }
-          if constexpr (!GATHER) sm90::tma_load_2d(a_stage, &tmap_a, &full[s], k0, tile.row0);
+          if constexpr (!GATHER) {
+            if (a_load) sm90::tma_load_2d(a_stage, &tmap_a, &full[s], k0, tile.row0);
+          }
         }
         if constexpr (GATHER) {
           const bool k_ok = k0 + chunk * 8 < p.K;
           const uint32_t k_units = k0 / 8 + chunk;  // this thread's 16 bytes of the K block
 #pragma unroll 8
-          for (int i = 0; i < kRowsPerLoader; ++i) {  // rows lane/8 + (kLoaders/8)·i
+          for (int i = 0; i < (a_load ? kRowsPerLoader : 0); ++i) {  // rows lane/8 + (kLoaders/8)·i
             const int r = lane / 8 + (kLoaders / 8) * i;
             const bool ok = k_ok && arow[i] != ~0u;
             const uint32_t dst = sm90::smem_addr(a_stage + r * 128 + ((chunk ^ (r & 7)) << 4));
