@@ -11,6 +11,8 @@
 #   8 full tiles staged but not stored (no TMA store of C/H): the store traffic's share
 #   16, 32, 64 (dH rows only) the dH epilogue without its H loads (H = 1), its dH stores, its A'
 #     stores; 96 = no stores, 112 = compute only (the values are kept live)
+#   128 A (gathered or contiguous) loaded for a row block's first column tile only: what keeping
+#     A on chip across the column tiles (or CTA pairs sharing it) could save at most
 # and writes the milliseconds per kernel as one table, $OUT/probe.md (and probe.log). The probes'
 # results are wrong; only their times mean something. Weight-gradient rows are not probed.
 # The probe build runs without the ptxas gate: its probe branches make ptxas fence some wgmmas
