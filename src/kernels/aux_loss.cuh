@@ -81,7 +81,8 @@ __device__ __forceinline__ void aux_column_sums(const float* partials, int block
       for (int b = r; b < blocks; b += 8 * phases) {
         float4 v[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = b + i * phases < blocks ? at(b + i * phases) : make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int i = 0; i < 8; ++i)
+          v[i] = b + i * phases < blocks ? at(b + i * phases) : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           acc[i & 3].x += v[i].x, acc[i & 3].y += v[i].y, acc[i & 3].z += v[i].z, acc[i & 3].w += v[i].w;

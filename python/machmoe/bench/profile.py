@@ -34,8 +34,10 @@ def print_gaps(prof, iters: int) -> None:
     for i in range(per):
         seq = [acts[c * per + i] for c in range(iters)]
         dur = sum(e.time_range.end - e.time_range.start for e in seq) / iters
-        gap = (sum(e.time_range.start - acts[c * per + i - 1].time_range.end for c, e in enumerate(seq) if c * per + i > 0)
-               / max(1, sum(1 for c in range(iters) if c * per + i > 0)))
+        # idle time since the previous activity in stream order (none before the very first)
+        gaps = [e.time_range.start - acts[c * per + i - 1].time_range.end
+                for c, e in enumerate(seq) if c * per + i > 0]
+        gap = sum(gaps) / max(1, len(gaps))
         rows.append((seq[0].name, dur, gap))
     print(f"{'#':>3} {'us':>9} {'gap us':>7}  activity (one call, in order; mean of {iters})")
     for i, (name, dur, gap) in enumerate(rows):
