@@ -113,8 +113,9 @@ void layer_backward(const LayerProblem& p, const LayerBackwardArgs& a, cudaStrea
   // otherwise after it, and a cuBLAS GEMM adds the router's part to dx.
   cublasHandle_t h = nullptr;
   const int T = static_cast<int>(p.T), E = static_cast<int>(p.E), d = static_cast<int>(p.d);
-  // 6. bf16 copy of d_logits: the router GEMMs' operand (fp32 accumulation there). Written by the
-  //    top-K router backward and the aux step themselves; the token-rounding backward needs this.
+  // 6. bf16 copy of d_logits: the router GEMMs' operand (fp32 accumulation there). The top-K
+  //    router backward and the aux step write it with d_logits; after the token-rounding backward,
+  //    whose kernel writes fp32 only, this conversion pass makes it.
   auto to_bf16 = [&] {
     kernels::bwd_to_bf16<kThreads>
         <<<blocks_for(p.T * p.E, kThreads * 4), kThreads, 0, stream>>>(d_logits, p.T * p.E, d_logits_bf16);

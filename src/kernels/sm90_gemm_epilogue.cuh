@@ -58,7 +58,8 @@ struct GroupedGemmParams {
   // Timing probes, compiled in only with MACHMOE_GEMM_PROBES (scripts/gpu_probe.sh; the results
   // are wrong): bit 0 the consumers skip the epilogue, bit 1 the wgmmas, bit 2 the producer skips
   // the loads, bit 3 full tiles are staged but not stored (no TMA store); the dH epilogue: bit 4
-  // no H loads, bit 5 no dH stores, bit 6 no A' stores. 0 otherwise.
+  // no H loads, bit 5 no dH stores, bit 6 no A' stores; bit 7 A loaded for a row block's first
+  // column tile only. 0 otherwise.
   int probe;
 };
 
