@@ -7,7 +7,8 @@
 #   - the SASS instructions where the warps were sampled most (source counters).
 # What session 4 ran by hand. Unmodified clocks (--clock-control none), one launch per kernel.
 #
-# Usage: OUT=$OUT scripts/gpu_profile.sh [kernel ...]   (PROFILE_SKIP_BUILD=1 reuses ./build)
+# Usage: OUT=$OUT scripts/gpu_profile.sh [kernel ...]   (PROFILE_SKIP_BUILD=1 reuses ./build;
+#        PROFILE_CONFIG=30B-a runs the kernels at that SPEC config's shapes, default 7B-a)
 set -uo pipefail
 
 # shellcheck source=scripts/gpu_env.sh
@@ -30,12 +31,12 @@ for k in "${kernels[@]}"; do
   echo "===== $k: speed of light, memory, warp states" | tee -a "$log"
   timeout 120 "$ncu_bin" --clock-control none -k regex:sm90_grouped -s 2 -c 1 --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section WarpStateStats \
-    --section LaunchStats --metrics "$metrics" "$MACHMOE_PYTHON" -m machmoe.bench.ncu_probe "$k" >> "$log" 2>&1 \
+    --section LaunchStats --metrics "$metrics" "$MACHMOE_PYTHON" -m machmoe.bench.ncu_probe "$k" --config "${PROFILE_CONFIG:-7B-a}" >> "$log" 2>&1 \
     || echo "ncu failed for $k (exit $?)" | tee -a "$log"
   echo "===== $k: top SASS by warp samples" | tee -a "$log"
   rep=/tmp/machmoe_profile_$k
   if timeout 120 "$ncu_bin" --clock-control none -k regex:sm90_grouped -s 2 -c 1 --section SourceCounters \
-       --section WarpStateStats -f -o "$rep" "$MACHMOE_PYTHON" -m machmoe.bench.ncu_probe "$k" > /dev/null 2>&1 &&
+       --section WarpStateStats -f -o "$rep" "$MACHMOE_PYTHON" -m machmoe.bench.ncu_probe "$k" --config "${PROFILE_CONFIG:-7B-a}" > /dev/null 2>&1 &&
      "$ncu_bin" -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2>/dev/null; then
     "$MACHMOE_PYTHON" -m machmoe.bench.ncu_probe --top "$rep.csv" >> "$log" 2>&1
   else

@@ -15,6 +15,7 @@ the same run:
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable
 
 import torch
@@ -23,6 +24,17 @@ from .timing import cuda_time
 
 # (name, T, d, n, E, K): the configs whose expert GEMMs the table shows.
 TABLE_CONFIGS = (("7B-a", 24576, 1536, 256, 128, 8), ("30B-b", 32768, 4096, 512, 128, 8))
+
+
+def table_configs() -> tuple:
+    """TABLE_CONFIGS, or the SPEC configs named in MACHMOE_KERNEL_CONFIGS ("30B-a,120B-c"), so that
+    a diagnostic run can put any config's expert GEMMs beside cuBLAS."""
+    names = os.environ.get("MACHMOE_KERNEL_CONFIGS", "").strip()
+    if not names:
+        return TABLE_CONFIGS
+    from .configs import select_configs
+
+    return tuple((c.name, c.T, c.d, c.n, c.E, c.K) for c in select_configs(names))
 
 
 @dataclasses.dataclass
@@ -140,7 +152,7 @@ def time_case(case: KernelCase, references: bool = True) -> dict:
 def cases():
     """Yields every kernel case of the table, one config's inputs alive at a time."""
     yield dense_case()
-    for cfg in TABLE_CONFIGS:
+    for cfg in table_configs():
         yield from expert_cases(*cfg)
 
 

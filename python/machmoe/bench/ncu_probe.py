@@ -5,7 +5,7 @@
   ncu -i rep.ncu-rep --page source --csv --print-source sass > src.csv
   python -m machmoe.bench.ncu_probe --top src.csv
 
-The first form runs one expert GEMM of 7B-a (SwiGLU, interleaved) three times: `up` (gathered
+The first form runs one expert GEMM of 7B-a (or `--config NAME`; SwiGLU, interleaved) three times: `up` (gathered
 up-projection), `upc` (the same on pre-gathered rows, A by TMA), `down` (down-projection), `dh`,
 `dx` (dX~), `dense` (8192³ through the same engine). The second prints the SASS instructions
 where the warps were sampled most, with their share: the place to look first.
@@ -84,11 +84,15 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m machmoe.bench.ncu_probe")
     p.add_argument("kernel", nargs="?", help=", ".join(KERNELS))
     p.add_argument("--top", metavar="CSV", help="summarise an ncu source-page CSV instead")
+    p.add_argument("--config", default="7B-a", help="the SPEC config whose shapes the kernel runs (default 7B-a)")
     args = p.parse_args(argv)
     if args.top:
         top_instructions(args.top)
     elif args.kernel:
-        run_kernel(args.kernel)
+        from .configs import select_configs
+
+        (c,) = select_configs(args.config)
+        run_kernel(args.kernel, c.T, c.d, c.n, c.E, c.K)
     else:
         p.error("name a kernel or give --top CSV")
 

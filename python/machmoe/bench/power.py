@@ -202,7 +202,9 @@ def main(argv=None) -> int:
                 continue
             runs = [case]
             if case.reference is not None:  # cuBLAS on the same inputs: the same question for it
-                runs.append(dataclasses.replace(case, kernel=f"cuBLAS {case.kernel}", fn=case.reference))
+                ref_sets = case.ref_sets() if case.ref_sets is not None else case.sets  # the batched matmul's own
+                runs.append(dataclasses.replace(case, kernel=f"{case.ref_label} {case.kernel}", fn=case.reference,
+                                                sets=ref_sets))
             for c in runs:
                 t0, t1, tflops, ms = sustain(c, args.seconds)
                 windows.append((c.kernel, t0, t1, tflops, ms))
