@@ -448,3 +448,17 @@ def test_power_sampler_without_nvidia_smi_says_why(monkeypatch):
     sampled = {"samples": 9, "sm_mhz": 1425.0, "watts": 759.0, "reasons": "sw-power-cap"}
     assert report._clock({"matmul_clock": sampled}) == " (SM 1425 MHz, 759 W, clock-event reasons: sw-power-cap)"
     assert P.describe(sampled) == "SM 1425 MHz, 759 W, clock-event reasons: sw-power-cap"
+
+
+def test_kernel_table_configs_from_the_environment(monkeypatch):
+    """MACHMOE_KERNEL_CONFIGS names the SPEC configs of the kernel table (default 7B-a, 30B-b);
+    an unknown name is refused with the known ones listed."""
+    from machmoe.bench import gemm_kernels as g
+
+    monkeypatch.delenv("MACHMOE_KERNEL_CONFIGS", raising=False)
+    assert g.table_configs() == g.TABLE_CONFIGS
+    monkeypatch.setenv("MACHMOE_KERNEL_CONFIGS", "30B-a, 120B-c")
+    assert g.table_configs() == (("30B-a", 32768, 4096, 256, 256, 16), ("120B-c", 32768, 4096, 2048, 64, 4))
+    monkeypatch.setenv("MACHMOE_KERNEL_CONFIGS", "7B-z")
+    with pytest.raises(ValueError, match="unknown config '7B-z'; known: 1.4B-a"):
+        g.table_configs()
