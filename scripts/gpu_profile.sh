@@ -18,6 +18,7 @@ log=$OUT/ncu.log
 export MACHMOE_LIBRARY_DIR=$root/build/lib PYTHONPATH=$root/python
 ncu_bin=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 kernels=("$@")
+config=${PROFILE_CONFIG:-7B-a}
 (( ${#kernels[@]} )) || kernels=(dx down upc dense)
 
 if [[ -z "${PROFILE_SKIP_BUILD:-}" ]]; then
@@ -31,12 +32,12 @@ for k in "${kernels[@]}"; do
   echo "===== $k: speed of light, memory, warp states" | tee -a "$log"
   timeout 120 "$ncu_bin" --clock-control none -k regex:sm90_grouped -s 2 -c 1 --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section WarpStateStats \
-    --section LaunchStats --metrics "$metrics" "$MACHMOE_PYTHON" -m machmoe.bench.ncu_probe "$k" --config "${PROFILE_CONFIG:-7B-a}" >> "$log" 2>&1 \
+    --section LaunchStats --metrics "$metrics" "$MACHMOE_PYTHON" -m machmoe.bench.ncu_probe "$k" --config "$config" >> "$log" 2>&1 \
     || echo "ncu failed for $k (exit $?)" | tee -a "$log"
   echo "===== $k: top SASS by warp samples" | tee -a "$log"
   rep=/tmp/machmoe_profile_$k
   if timeout 120 "$ncu_bin" --clock-control none -k regex:sm90_grouped -s 2 -c 1 --section SourceCounters \
-       --section WarpStateStats -f -o "$rep" "$MACHMOE_PYTHON" -m machmoe.bench.ncu_probe "$k" --config "${PROFILE_CONFIG:-7B-a}" > /dev/null 2>&1 &&
+       --section WarpStateStats -f -o "$rep" "$MACHMOE_PYTHON" -m machmoe.bench.ncu_probe "$k" --config "$config" > /dev/null 2>&1 &&
      "$ncu_bin" -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2>/dev/null; then
     "$MACHMOE_PYTHON" -m machmoe.bench.ncu_probe --top "$rep.csv" >> "$log" 2>&1
   else

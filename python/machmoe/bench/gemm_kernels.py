@@ -48,6 +48,10 @@ class KernelCase:
     ref_sets: Callable[[], list] | None = None  # builds the reference's own inputs (the batched matmul)
     ref_label: str = "cuBLAS"
 
+    def reference_sets(self) -> list:
+        """The inputs the reference runs on: its own (built now) or the kernel's."""
+        return self.ref_sets() if self.ref_sets is not None else self.sets
+
 
 def _ops():
     from machmoe import _ops
@@ -142,7 +146,7 @@ def time_case(case: KernelCase, references: bool = True) -> dict:
     t = cuda_time(case.fn, case.sets, min_reps=10 if dense else 20).median_ms
     row = {"kernel": case.kernel, "machmoe_tflops": case.flops / t / 1e9, "ms": t, "target": case.target}
     if case.reference is not None and (references or dense):
-        ref_sets = case.ref_sets() if case.ref_sets is not None else case.sets
+        ref_sets = case.reference_sets()
         t_ref = cuda_time(case.reference, ref_sets, min_reps=10).median_ms
         del ref_sets
         row.update(cublas_tflops=case.flops / t_ref / 1e9, fraction=t_ref / t, reference=case.ref_label)

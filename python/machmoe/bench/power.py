@@ -201,10 +201,9 @@ def main(argv=None) -> int:
             if wanted and not any(w in case.kernel for w in wanted):
                 continue
             runs = [case]
-            if case.reference is not None:  # cuBLAS on the same inputs: the same question for it
-                ref_sets = case.ref_sets() if case.ref_sets is not None else case.sets  # the batched matmul's own
+            if case.reference is not None:  # cuBLAS on the same GEMMs: the same question for it
                 runs.append(dataclasses.replace(case, kernel=f"{case.ref_label} {case.kernel}", fn=case.reference,
-                                                sets=ref_sets))
+                                                sets=case.reference_sets()))
             for c in runs:
                 t0, t1, tflops, ms = sustain(c, args.seconds)
                 windows.append((c.kernel, t0, t1, tflops, ms))

@@ -9,9 +9,8 @@
 
 from __future__ import annotations
 
-import gc
-
 import dataclasses
+import gc
 import statistics
 import time
 from typing import Any, Callable, Sequence
