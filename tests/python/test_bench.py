@@ -462,3 +462,16 @@ def test_kernel_table_configs_from_the_environment(monkeypatch):
     monkeypatch.setenv("MACHMOE_KERNEL_CONFIGS", "7B-z")
     with pytest.raises(ValueError, match="unknown config '7B-z'; known: 1.4B-a"):
         g.table_configs()
+
+
+def test_kernel_table_rows_from_the_environment(monkeypatch):
+    """MACHMOE_KERNEL_ROWS keeps the rows whose label holds one of its substrings; unset: all."""
+    from machmoe.bench import gemm_kernels as g
+
+    monkeypatch.delenv("MACHMOE_KERNEL_ROWS", raising=False)
+    assert g.row_filter() == () and g.row_wanted("7B-a dH (gather dout·W2 + dSwiGLU, A', dS)", ())
+    monkeypatch.setenv("MACHMOE_KERNEL_ROWS", "dense, down-proj,,dX~")
+    keep = g.row_filter()
+    assert keep == ("dense", "down-proj", "dX~")
+    assert g.row_wanted("dense GEMM", keep) and g.row_wanted("30B-a dX~ (dH·W1, contiguous)", keep)
+    assert not g.row_wanted("30B-a up-proj (gather + SwiGLU, H and A)", keep)

@@ -153,11 +153,24 @@ def time_case(case: KernelCase, references: bool = True) -> dict:
     return row
 
 
+def row_filter() -> tuple[str, ...]:
+    """Substrings of row labels from MACHMOE_KERNEL_ROWS ("dense,down-proj,dX~"): an A/B that changes
+    a few kernels times only those rows. Empty: every row."""
+    return tuple(s.strip() for s in os.environ.get("MACHMOE_KERNEL_ROWS", "").split(",") if s.strip())
+
+
+def row_wanted(label: str, keep: tuple[str, ...]) -> bool:
+    return not keep or any(k in label for k in keep)
+
+
 def cases():
-    """Yields every kernel case of the table, one config's inputs alive at a time."""
-    yield dense_case()
+    """Yields every kernel case of the table (those MACHMOE_KERNEL_ROWS names), one config's inputs
+    alive at a time."""
+    keep = row_filter()
+    if row_wanted("dense GEMM", keep):  # (the dense row's label starts so)
+        yield dense_case()
     for cfg in table_configs():
-        yield from expert_cases(*cfg)
+        yield from (c for c in expert_cases(*cfg) if row_wanted(c.kernel, keep))
 
 
 def run(references: bool = True) -> list[dict]:
