@@ -475,3 +475,4 @@ def test_kernel_table_rows_from_the_environment(monkeypatch):
     assert keep == ("dense", "down-proj", "dX~")
     assert g.row_wanted("dense GEMM", keep) and g.row_wanted("30B-a dX~ (dH·W1, contiguous)", keep)
     assert not g.row_wanted("30B-a up-proj (gather + SwiGLU, H and A)", keep)
+    assert g.row_filter("7B-a, dense") == ("7B-a", "dense")  # (power --only parses the same way)

@@ -153,10 +153,12 @@ def time_case(case: KernelCase, references: bool = True) -> dict:
     return row
 
 
-def row_filter() -> tuple[str, ...]:
-    """Substrings of row labels from MACHMOE_KERNEL_ROWS ("dense,down-proj,dX~"): an A/B that changes
-    a few kernels times only those rows. Empty: every row."""
-    return tuple(s.strip() for s in os.environ.get("MACHMOE_KERNEL_ROWS", "").split(",") if s.strip())
+def row_filter(text: str | None = None) -> tuple[str, ...]:
+    """Substrings of row labels from `text`, by default MACHMOE_KERNEL_ROWS ("dense,down-proj,dX~"):
+    an A/B that changes a few kernels times only those rows. Empty: every row."""
+    if text is None:
+        text = os.environ.get("MACHMOE_KERNEL_ROWS", "")
+    return tuple(s.strip() for s in text.split(",") if s.strip())
 
 
 def row_wanted(label: str, keep: tuple[str, ...]) -> bool:

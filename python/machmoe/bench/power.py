@@ -191,14 +191,14 @@ def main(argv=None) -> int:
         return 0
     from . import gemm_kernels
 
-    wanted = [w for w in args.only.split(",") if w]
+    wanted = gemm_kernels.row_filter(args.only)
     windows = []
     with Sampler(args.interval_ms, torch.cuda.current_device()) as smp:
         t0, t1, _, ms = sustain(idle_case(), args.seconds)
         windows.append(("idle (one spinning thread)", t0, t1, 0.0, ms))
         time.sleep(0.3)
         for case in gemm_kernels.cases():
-            if wanted and not any(w in case.kernel for w in wanted):
+            if not gemm_kernels.row_wanted(case.kernel, wanted):
                 continue
             runs = [case]
             if case.reference is not None:  # cuBLAS on the same GEMMs: the same question for it
