@@ -223,6 +223,40 @@ def test_report_marks_unbuilt_machmoe_without_numbers():
     assert "OOM" in oom
 
 
+def test_timing_protocol_is_named_in_the_report():
+    from machmoe.bench import timing
+
+    assert timing.protocol() in ("rotate", "flush")
+    before = timing.protocol()
+    try:
+        timing.set_protocol("flush")
+        assert "256 MB zeroed" in report.run_header()["timing"]
+        timing.set_protocol("rotate")
+        header = report.run_header()
+        assert "back-to-back" in header["timing"]
+        text = report.markdown(header, {"matmul_tflops": 750.0, "copy_gbps": 3000.0}, [_fake_row()])
+        assert f"Timing (every figure of this run): {header['timing']}." in text
+        with pytest.raises(ValueError, match="rotate"):
+            timing.set_protocol("do_bench")
+    finally:
+        timing.set_protocol(before)
+
+
+def test_timing_flush_protocol_on_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from machmoe.bench import timing
+
+    before = timing.protocol()
+    try:
+        timing.set_protocol("flush")
+        x = torch.randn(1 << 20, device="cuda")
+        t = timing.cuda_time(lambda: x.mul(2.0), [()], min_reps=20, target_s=0.05)
+        assert t.reps >= 20 and 0 < t.median_ms < 5
+    finally:
+        timing.set_protocol(before)
+
+
 def test_report_names_a_failed_backward():
     # The backward ran and failed: the forward's numbers stay, the cells say "bwd error" (not "not
     # built") and the problem is listed under the table.

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from . import timing
+
 
 def git_commit() -> str:
     """Short commit of the repository this package lives in, or "unknown". The GPU machine gets a
@@ -40,6 +42,7 @@ def run_header() -> dict:
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+        "timing": timing.describe_protocol(),
     }
 
 
@@ -126,6 +129,8 @@ def markdown(header: dict, ceilings: dict, rows: list[dict]) -> str:
         f"Ceilings measured in this run: dense bf16 8192³ matmul "
         f"{_num(ceilings.get('matmul_tflops'))} TFLOPS{_clock(ceilings)}; device-to-device copy "
         f"{_num(ceilings.get('copy_gbps'))} GB/s (bytes read + written).",
+        "",
+        f"Timing (every figure of this run): {header.get('timing', 'not recorded')}.",
         "",
         "TFLOPS forward / backward (SPEC §1: fwd 6·T·K·n·d, bwd 12·T·K·n·d, bwd time = "
         "(fwd+bwd) − fwd, routing inside the timed region). Memory: GiB held between forward and "

@@ -22,7 +22,7 @@ from .layer_bench import (NOT_BUILT, OOM, LayerInputs, bench_forward_only, bench
                           compare_outputs, is_oom,
                           probe_machmoe)
 from .report import backward_status, derived_ratios, markdown, run_header, write_outputs
-from . import power
+from . import power, timing
 from .timing import copy_bandwidth, free_cuda_memory, matmul_tflops
 
 NO_GPU_LINE = "No CUDA GPU found: running a small CPU demo of the layer instead"
@@ -43,6 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-reps", type=int, default=20, help="least number of timed calls (>= 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu-demo", action="store_true", help="run the CPU demo even with a GPU")
+    p.add_argument("--l2-flush", dest="l2_flush", action="store_true",
+                   help="zero a 256 MB buffer before every timed call, outside its events, as "
+                        "triton's do_bench does (SonicMoE's protocol); default: calls back to back")
     p.add_argument("--kernels", choices=("auto", "on", "off"), default="auto",
                    help="kernel-level routing/aggregation rows (routing_kernels.py); auto: when "
                         "the op library is loaded")
@@ -240,9 +243,11 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
+    if args.l2_flush:
+        timing.set_protocol("flush")
     header = run_header()
     print(f"GPU: {header['gpu']}\ncommit: {header['commit']}\ndate: {header['date_utc']}\n"
-          f"torch: {header['torch']} (CUDA {header['cuda']})", flush=True)
+          f"torch: {header['torch']} (CUDA {header['cuda']})\ntiming: {header['timing']}", flush=True)
     try:
         import machmoe  # noqa: F401
         from machmoe import _ops
@@ -301,7 +306,7 @@ def main(argv=None) -> int:
         table += f"\nGrouped GEMM rows: {gemm_rows}\n"
     print(table, flush=True)
     if args.out:
-        run_args = {"configs": args.configs, "t_scale": args.t_scale, "impls": args.impls,
+        run_args = {"configs": args.configs, "t_scale": args.t_scale, "impls": args.impls, "l2_flush": args.l2_flush,
                     "min_reps": args.min_reps, "seed": args.seed}
         extra = {"kernels": kernel_rows, "gemm_kernels": gemm_rows}
         for path in write_outputs(args.out, header, ceilings, rows, run_args, extra=extra,

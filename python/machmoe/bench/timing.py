@@ -3,6 +3,11 @@
 * CUDA events around each call, warm-up first, median of at least `min_reps` calls.
 * Calls rotate over several argument sets (different input tensors) so that L2 does not hold the
   inputs from one call to the next.
+* Protocol "flush" (`--l2-flush`, or MACHMOE_BENCH_L2_FLUSH=1): in addition, a 256 MB buffer is
+  zeroed before every timed call, outside its events, as `triton.testing.do_bench` does (the
+  protocol of SonicMoE's published figures). Between calls the GPU then runs a memory-bound fill
+  instead of the next call, which also lowers its average power: on a board at its power cap
+  the timed calls run at a higher clock than back to back ("rotate", the default).
 * The two ceilings measured in the same run: a dense bf16 8192^3 matmul and a large
   device-to-device copy (bytes read + written).
 """
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -32,6 +38,30 @@ class Timing:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+L2_FLUSH_BYTES = 256 << 20  # do_bench's cache-clearing buffer
+_protocol = "flush" if os.environ.get("MACHMOE_BENCH_L2_FLUSH") == "1" else "rotate"
+
+
+def set_protocol(name: str) -> None:
+    """'rotate' (calls back to back, argument sets rotated) or 'flush' (also zero 256 MB before
+    each timed call, outside its events)."""
+    global _protocol
+    if name not in ("rotate", "flush"):
+        raise ValueError(f"timing protocol must be 'rotate' or 'flush', got {name!r}")
+    _protocol = name
+
+
+def protocol() -> str:
+    return _protocol
+
+
+def describe_protocol() -> str:
+    if _protocol == "flush":
+        return ("median of CUDA-event times, argument sets rotated, and 256 MB zeroed before each "
+                "timed call outside its events (triton do_bench's L2 flush)")
+    return "median of CUDA-event times of back-to-back calls, argument sets rotated"
 
 
 def cuda_time(
@@ -68,6 +98,7 @@ def cuda_time(
         calls += 1
         if calls >= max(1, warmup):
             torch.cuda.synchronize()
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda") if _protocol == "flush" else None
     # Estimate the per-call time (now past first-call costs) to size the timed rounds.
     t1 = time.perf_counter()
     for i in range(3):
@@ -85,6 +116,8 @@ def cuda_time(
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         for i in range(reps):
             args = arg_sets[i % n_sets]
+            if flush is not None:
+                flush.zero_()
             starts[i].record()
             r = fn(*args)
             ends[i].record()
