@@ -226,14 +226,16 @@ def test_report_marks_unbuilt_machmoe_without_numbers():
 def test_timing_protocol_is_named_in_the_report():
     from machmoe.bench import timing
 
-    assert timing.protocol() in ("rotate", "flush")
+    assert timing.protocol() in timing.PROTOCOLS
     before = timing.protocol()
     try:
         timing.set_protocol("flush")
         assert "256 MB zeroed" in report.run_header()["timing"]
+        timing.set_protocol("sonic")
+        assert "256 MB zeroed" in report.run_header()["timing"] and "idle" in report.run_header()["timing"]
         timing.set_protocol("rotate")
         header = report.run_header()
-        assert "back-to-back" in header["timing"]
+        assert "back to back" in header["timing"]
         text = report.markdown(header, {"matmul_tflops": 750.0, "copy_gbps": 3000.0}, [_fake_row()])
         assert f"Timing (every figure of this run): {header['timing']}." in text
         with pytest.raises(ValueError, match="rotate"):
@@ -242,14 +244,15 @@ def test_timing_protocol_is_named_in_the_report():
         timing.set_protocol(before)
 
 
-def test_timing_flush_protocol_on_gpu():
+@pytest.mark.parametrize("name", ["flush", "sonic"])
+def test_timing_flush_protocols_on_gpu(name):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     from machmoe.bench import timing
 
     before = timing.protocol()
     try:
-        timing.set_protocol("flush")
+        timing.set_protocol(name)
         x = torch.randn(1 << 20, device="cuda")
         t = timing.cuda_time(lambda: x.mul(2.0), [()], min_reps=20, target_s=0.05)
         assert t.reps >= 20 and 0 < t.median_ms < 5

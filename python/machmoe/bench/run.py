@@ -43,9 +43,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-reps", type=int, default=20, help="least number of timed calls (>= 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu-demo", action="store_true", help="run the CPU demo even with a GPU")
-    p.add_argument("--l2-flush", dest="l2_flush", action="store_true",
-                   help="zero a 256 MB buffer before every timed call, outside its events, as "
-                        "triton's do_bench does (SonicMoE's protocol); default: calls back to back")
+    p.add_argument("--timing", choices=timing.PROTOCOLS, default=None,
+                   help="rotate: calls back to back (default; or MACHMOE_BENCH_TIMING); flush: 256 MB "
+                        "zeroed before each timed call, as triton's do_bench does; sonic: the flush and "
+                        "0.5 s idle before each measurement, as SonicMoE's benchmark does")
     p.add_argument("--kernels", choices=("auto", "on", "off"), default="auto",
                    help="kernel-level routing/aggregation rows (routing_kernels.py); auto: when "
                         "the op library is loaded")
@@ -243,8 +244,8 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
-    if args.l2_flush:
-        timing.set_protocol("flush")
+    if args.timing:
+        timing.set_protocol(args.timing)
     header = run_header()
     print(f"GPU: {header['gpu']}\ncommit: {header['commit']}\ndate: {header['date_utc']}\n"
           f"torch: {header['torch']} (CUDA {header['cuda']})\ntiming: {header['timing']}", flush=True)
@@ -306,7 +307,7 @@ def main(argv=None) -> int:
         table += f"\nGrouped GEMM rows: {gemm_rows}\n"
     print(table, flush=True)
     if args.out:
-        run_args = {"configs": args.configs, "t_scale": args.t_scale, "impls": args.impls, "l2_flush": args.l2_flush,
+        run_args = {"configs": args.configs, "t_scale": args.t_scale, "impls": args.impls, "timing": timing.protocol(),
                     "min_reps": args.min_reps, "seed": args.seed}
         extra = {"kernels": kernel_rows, "gemm_kernels": gemm_rows}
         for path in write_outputs(args.out, header, ceilings, rows, run_args, extra=extra,

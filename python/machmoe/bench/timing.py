@@ -3,11 +3,12 @@
 * CUDA events around each call, warm-up first, median of at least `min_reps` calls.
 * Calls rotate over several argument sets (different input tensors) so that L2 does not hold the
   inputs from one call to the next.
-* Protocol "flush" (`--l2-flush`, or MACHMOE_BENCH_L2_FLUSH=1): in addition, a 256 MB buffer is
-  zeroed before every timed call, outside its events, as `triton.testing.do_bench` does (the
-  protocol of SonicMoE's published figures). Between calls the GPU then runs a memory-bound fill
-  instead of the next call, which also lowers its average power: on a board at its power cap
-  the timed calls run at a higher clock than back to back ("rotate", the default).
+* Protocols (`--timing`, or MACHMOE_BENCH_TIMING): "rotate" (the default) times the calls back to
+  back. "flush" also zeroes a 256 MB buffer before every timed call, outside its events, as
+  `triton.testing.do_bench` does: between calls the GPU runs a memory-bound fill, which also
+  lowers its average power, so on a board at its power cap the timed calls may run at a higher
+  clock. "sonic" is SonicMoE's benchmark (`benchmarks/moe-cute.py`): the flush, and the GPU left
+  idle for 0.5 s before each measurement, so the power limiter's average starts low.
 * The two ceilings measured in the same run: a dense bf16 8192^3 matmul and a large
   device-to-device copy (bytes read + written).
 """
@@ -41,16 +42,20 @@ class Timing:
 
 
 L2_FLUSH_BYTES = 256 << 20  # do_bench's cache-clearing buffer
-_protocol = "flush" if os.environ.get("MACHMOE_BENCH_L2_FLUSH") == "1" else "rotate"
+PROTOCOLS = ("rotate", "flush", "sonic")
+SONIC_IDLE_S = 0.5  # SonicMoE's benchmark sleeps this long before each measurement
+_protocol = "rotate"
 
 
 def set_protocol(name: str) -> None:
-    """'rotate' (calls back to back, argument sets rotated) or 'flush' (also zero 256 MB before
-    each timed call, outside its events)."""
+    """One of PROTOCOLS (module docstring)."""
     global _protocol
-    if name not in ("rotate", "flush"):
-        raise ValueError(f"timing protocol must be 'rotate' or 'flush', got {name!r}")
+    if name not in PROTOCOLS:
+        raise ValueError(f"timing protocol must be one of {', '.join(PROTOCOLS)}; got {name!r}")
     _protocol = name
+
+
+set_protocol(os.environ.get("MACHMOE_BENCH_TIMING", "rotate"))
 
 
 def protocol() -> str:
@@ -58,10 +63,13 @@ def protocol() -> str:
 
 
 def describe_protocol() -> str:
+    base = "median of CUDA-event times, argument sets rotated"
+    if _protocol == "rotate":
+        return f"{base}, calls back to back (protocol rotate)"
+    flush = f"{base}, 256 MB zeroed before each timed call outside its events (triton do_bench's L2 flush)"
     if _protocol == "flush":
-        return ("median of CUDA-event times, argument sets rotated, and 256 MB zeroed before each "
-                "timed call outside its events (triton do_bench's L2 flush)")
-    return "median of CUDA-event times of back-to-back calls, argument sets rotated"
+        return f"{flush} (protocol flush)"
+    return f"{flush}, the GPU idle for {SONIC_IDLE_S} s before each measurement (protocol sonic: SonicMoE's benchmark)"
 
 
 def cuda_time(
@@ -88,6 +96,8 @@ def cuda_time(
     n_sets = len(arg_sets)
     rounds = max(1, rounds)
     torch.cuda.synchronize()
+    if _protocol == "sonic":
+        time.sleep(SONIC_IDLE_S)
     # Warm-up: at least `warmup` calls and at least `warmup_s` seconds, so that library handles,
     # autotuning and the GPU clocks have settled before the first timed call.
     t0 = time.perf_counter()
@@ -98,7 +108,7 @@ def cuda_time(
         calls += 1
         if calls >= max(1, warmup):
             torch.cuda.synchronize()
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda") if _protocol == "flush" else None
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda") if _protocol != "rotate" else None
     # Estimate the per-call time (now past first-call costs) to size the timed rounds.
     t1 = time.perf_counter()
     for i in range(3):
