@@ -7,8 +7,9 @@
   back. "flush" also zeroes a 256 MB buffer before every timed call, outside its events, as
   `triton.testing.do_bench` does: between calls the GPU runs a memory-bound fill, which also
   lowers its average power, so on a board at its power cap the timed calls may run at a higher
-  clock. "sonic" is SonicMoE's benchmark (`benchmarks/moe-cute.py`): the flush, and the GPU left
-  idle for 0.5 s before each measurement, so the power limiter's average starts low.
+  clock. "sonic" approaches SonicMoE's benchmark (`benchmarks/moe-cute.py`): the flush, and the
+  GPU left idle for 0.5 s before each measurement, so the power limiter's average starts low. It
+  keeps our median and our warm-up (>= 0.1 s) where do_bench takes the mean after ~5 ms.
 * The two ceilings measured in the same run: a dense bf16 8192^3 matmul and a large
   device-to-device copy (bytes read + written).
 """
