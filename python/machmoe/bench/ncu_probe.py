@@ -7,7 +7,8 @@
 
 The first form runs one expert GEMM of 7B-a (or `--config NAME`; SwiGLU, interleaved) three times: `up` (gathered
 up-projection), `upc` (the same on pre-gathered rows, A by TMA), `down` (down-projection), `dh`,
-`dx` (dX~), `dense` (8192³ through the same engine). The second prints the SASS instructions
+`dx` (dX~), `dw1` (x gathered), `dw1c` (the same on pre-gathered rows: A still by cp.async, no
+index), `dense` (8192³ through the same engine). The second prints the SASS instructions
 where the warps were sampled most, with their share: the place to look first.
 `scripts/gpu_profile.sh` runs both forms, with the speed-of-light and memory tables, for a list of
 kernels in one device call.
@@ -19,7 +20,7 @@ import argparse
 import csv
 
 
-KERNELS = ("up", "upc", "down", "dh", "dx", "dense")
+KERNELS = ("up", "upc", "down", "dh", "dx", "dw1", "dw1c", "dense")
 
 
 def run_kernel(which: str, T: int = 24576, d: int = 1536, n: int = 256, E: int = 128, K: int = 8) -> None:
@@ -49,6 +50,11 @@ def run_kernel(which: str, T: int = 24576, d: int = 1536, n: int = 256, E: int =
     elif which == "dx":
         dh = torch.randn(R, 2 * n, device="cuda").bfloat16()
         fn = lambda: m.grouped_gemm_nmajor(dh, None, offs, w1, R, None, None, None, "swiglu", "interleaved")  # noqa: E731
+    elif which in ("dw1", "dw1c"):
+        dh = torch.randn(R, 2 * n, device="cuda").bfloat16()
+        xg = x[row_token.long()].contiguous() if which == "dw1c" else x
+        idx = None if which == "dw1c" else row_token
+        fn = lambda: m.grouped_gemm_wgrad(xg, idx, dh, offs, True, False)  # noqa: E731
     elif which == "dense":  # 8192³ through the same engine (one expert): the mainloop's ceiling
         a = torch.randn(8192, 8192, device="cuda").bfloat16()
         w = (torch.randn(1, 8192, 8192, device="cuda") / 8192 ** 0.5).bfloat16()
