@@ -44,6 +44,10 @@ def _load() -> tuple[Optional[Path], Optional[str]]:
 
 
 _LIBRARY_PATH, _LOAD_ERROR = _load()
+if _LIBRARY_PATH is not None:
+    from . import _fake
+
+    _fake.register()  # fake kernels of the CUDA ops: torch.compile and FakeTensorMode trace them
 
 
 def ops_available() -> bool:

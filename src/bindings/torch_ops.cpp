@@ -29,8 +29,9 @@ std::vector<int64_t> op_device_info() {
   });
 }
 
-// [saved, forward workspace, backward workspace] bytes of one layer call (machmoe::plan_workspace):
-// what the forward keeps for the backward, and the scratch of each direction. No GPU needed.
+// [saved, forward workspace, backward workspace, saved without H] bytes of one layer call
+// (machmoe::plan_workspace): what the forward keeps for the backward, the scratch of each
+// direction, and the block an inference forward (write_h = false) returns. No GPU needed.
 std::vector<int64_t> op_layer_workspace_bytes(int64_t T, int64_t d, int64_t n, int64_t E, int64_t K,
                                               const std::string& activation, const std::string& rounding,
                                               int64_t tile_m) {
@@ -42,7 +43,8 @@ std::vector<int64_t> op_layer_workspace_bytes(int64_t T, int64_t d, int64_t n, i
     p.rounding_tile_m = tile_m;
     const WorkspacePlan w = plan_workspace(p);
     return std::vector<int64_t>{static_cast<int64_t>(w.saved_bytes), static_cast<int64_t>(w.forward_workspace_bytes),
-                                static_cast<int64_t>(w.backward_workspace_bytes)};
+                                static_cast<int64_t>(w.backward_workspace_bytes),
+                                static_cast<int64_t>(w.inference_saved_bytes)};
   });
 }
 

@@ -387,13 +387,15 @@ def test_layer_workspace_bytes_is_the_memory_minimum():
     # expert offsets, within sub-buffer alignment (the same rule as the C++ plan test), and with x
     # within issue #5's bound 2·T·d + 4·T·K·n + 16·T·K + 4·T·E.
     T, d, n, E, K = 24576, 1536, 256, 128, 8
-    saved, fwd, bwd = torch.ops.machmoe.layer_workspace_bytes(T, d, n, E, K, "swiglu", "none", 128)
+    saved, fwd, bwd, inference = torch.ops.machmoe.layer_workspace_bytes(T, d, n, E, K, "swiglu", "none", 128)
     minimum = T * K * 4 * n + 12 * T * K + 4 * T * E
     assert minimum <= saved <= minimum + 4 * (E + 1) + 6 * 256
     assert 2 * T * d + saved <= 2 * T * d + 4 * T * K * n + 16 * T * K + 4 * T * E
     assert fwd > 0 and bwd > 0
+    # Inference (write_h = false) returns the block without H: H [T*K, 2n] bf16 is carved last.
+    assert inference <= saved - T * K * 2 * n * 2 < inference + 256
     # Token rounding adds the rounded list and the top-K it started from.
-    saved_r, _, _ = torch.ops.machmoe.layer_workspace_bytes(T, d, n, E, K, "swiglu", "nr", 128)
+    saved_r, _, _, _ = torch.ops.machmoe.layer_workspace_bytes(T, d, n, E, K, "swiglu", "nr", 128)
     assert saved_r > saved
     with pytest.raises(ValueError, match="K"):
         torch.ops.machmoe.layer_workspace_bytes(T, d, n, E, E + 1, "swiglu", "none", 128)

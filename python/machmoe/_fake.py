@@ -1,0 +1,151 @@
+"""Fake (meta) implementations of the CUDA ops, so that torch.compile, FakeTensorMode and meta
+tensors can trace them (SPEC §3: schemas in C++, fake kernels in Python).
+
+Each fake returns empty tensors of the shapes and dtypes its C++ op allocates (src/bindings/*.cpp;
+docs/OPS.md) and does no work. Sizes that the C++ workspace planner decides (the `saved` block)
+come from the planner itself through the tensor-free `*_workspace_bytes` ops, so the two cannot
+drift apart. Those take plain integers: under dynamic shapes T (and R) are specialised.
+`tests/python/test_gpu_compile.py` checks every fake against its kernel with torch.library.opcheck.
+
+Registered by `machmoe._ops` once the op library has loaded (the schemas come from it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .enums import is_glu
+
+_LIB = "machmoe::"
+
+
+def _n1(n, activation: str):
+    """Columns of H for an expert intermediate size n: 2n for the GLU kinds."""
+    return 2 * n if is_glu(activation) else n
+
+
+def column_tiles(N) -> int:
+    """grouped_gemm_column_tiles (src/host/grouped_gemm.cu): 256-column tiles when N >= 256,
+    else 128; the dH kernel writes one partial dS per row and column tile."""
+    width = 256 if N >= 256 else 128
+    return (N + width - 1) // width
+
+
+def rounding_capacity(T, E, K, tile_m):
+    """token_rounding_capacity (src/host/token_rounding.cu): each expert moves by less than one tile,
+    and a token appears at most once per expert."""
+    return min(T * K + E * (tile_m - 1), T * E)
+
+
+def _topk_router(logits, K, routing, renormalize, selection_bias):
+    T = logits.shape[0]
+    return logits.new_empty(T, K), logits.new_empty(T, K, dtype=torch.int32)
+
+
+def _topk_router_backward(logits, scores, experts, d_scores, routing, renormalize):
+    return logits.new_empty(logits.shape)
+
+
+def _routing_metadata(pair_expert, pair_token, T, E):
+    R = pair_expert.numel()
+    i32 = dict(dtype=torch.int32)
+    return (pair_expert.new_empty(E + 1, **i32), pair_expert.new_empty(R, **i32), pair_expert.new_empty(R, **i32),
+            pair_expert.new_empty(R, **i32), pair_expert.new_empty(T + 1, **i32), pair_expert.new_empty(1, **i32))
+
+
+def _aggregate(rows, pair_row, token_offsets, scores, out_dtype):
+    return rows.new_empty(token_offsets.shape[0] - 1, rows.shape[1], dtype=out_dtype or rows.dtype)
+
+
+def _token_rounding(logits, K, mode, tile_m, seed):
+    T, E = logits.shape
+    cap = rounding_capacity(T, E, K, tile_m)
+    i32 = dict(dtype=torch.int32)
+    return (logits.new_empty(cap, **i32), logits.new_empty(cap, **i32), logits.new_empty(cap),
+            logits.new_empty(cap, dtype=torch.bool), logits.new_empty(T + 1, **i32), logits.new_empty(T, K),
+            logits.new_empty(T, K, **i32), logits.new_empty(E + 1, **i32), logits.new_empty(E, **i32))
+
+
+def _token_rounding_backward(logits, topk_scores, topk_experts, token_offsets, expert, padded, d_score):
+    return logits.new_empty(logits.shape)
+
+
+def _layer_forward(x, router_weight, w1, b1, w2, b2, selection_bias, K, activation, layout, routing,
+                   renormalize, rounding, tile_m, seed, write_h=True):
+    T, d = x.shape
+    E, n = w1.shape[0], w2.shape[2]
+    # [saved, forward workspace, backward workspace, saved without H (inference)]
+    plan = torch.ops.machmoe.layer_workspace_bytes(int(T), int(d), int(n), int(E), K, activation, rounding, tile_m)
+    saved = plan[0] if write_h else plan[3]
+    return x.new_empty(T, d), x.new_empty((), dtype=torch.float32), x.new_empty(saved, dtype=torch.uint8)
+
+
+def _weight_grads(x, w1, b1, w2):
+    """dw1 [E, n1, d], db1 [E, n1] (with biases), dw2 [E, d, n], db2 [E, d] (with biases)."""
+    E, n1, d = w1.shape
+    has_bias = b1 is not None
+    return (w1.new_empty(E, n1, d), w1.new_empty(E, n1) if has_bias else None, w2.new_empty(w2.shape),
+            w2.new_empty(E, d) if has_bias else None)
+
+
+def _layer_backward(x, router_weight, w1, b1, w2, b2, saved, dout, d_aux, K, activation, layout, routing,
+                    renormalize, rounding, tile_m):
+    dw1, db1, dw2, db2 = _weight_grads(x, w1, b1, w2)
+    return x.new_empty(x.shape), router_weight.new_empty(router_weight.shape), dw1, db1, dw2, db2
+
+
+def _experts_forward(x, w1, b1, w2, b2, scores, token_idx, expert_idx, activation, layout):
+    T, d = x.shape
+    E, n = w1.shape[0], w2.shape[2]
+    plan = torch.ops.machmoe.experts_workspace_bytes(int(T), int(d), int(n), int(E), int(scores.numel()), activation,
+                                                     b1 is not None)
+    return x.new_empty(T, d), x.new_empty(plan[0], dtype=torch.uint8)
+
+
+def _experts_backward(x, w1, b1, w2, b2, token_idx, expert_idx, saved, dout, activation, layout):
+    dw1, db1, dw2, db2 = _weight_grads(x, w1, b1, w2)
+    return x.new_empty(x.shape), dw1, db1, dw2, db2, x.new_empty(token_idx.numel(), dtype=torch.float32)
+
+
+def _grouped_gemm(a, gather, expert_offsets, w, bias, num_rows, epilogue, activation, layout):
+    N = w.shape[1]
+    c2 = a.new_empty(0) if epilogue == "store" else a.new_empty(num_rows, N // 2 if epilogue == "glu" else N)
+    return a.new_empty(num_rows, N), c2
+
+
+def _grouped_gemm_nmajor(a, gather, expert_offsets, w_kn, num_rows, h, row_scores, row_pair, activation, layout):
+    N = w_kn.shape[2]
+    if h is None:  # dX~ = dH · W1: a plain store
+        return a.new_empty(num_rows, N), a.new_empty(0), a.new_empty(0, dtype=torch.float32)
+    # dH [rows, n1], A' [rows, n], per-row partial dS per column tile
+    return (a.new_empty(num_rows, _n1(N, activation)), a.new_empty(num_rows, N),
+            a.new_empty(num_rows, column_tiles(N), dtype=torch.float32))
+
+
+def _grouped_gemm_wgrad(a, a_gather, b, expert_offsets, transpose_c, fp32):
+    E, M, N = expert_offsets.numel() - 1, a.shape[1], b.shape[1]
+    shape = (E, N, M) if transpose_c else (E, M, N)
+    return a.new_empty(shape, dtype=torch.float32 if fp32 else torch.bfloat16)
+
+
+# Every op with a CUDA kernel (the tensor-free ops and the CPU reference ops need no fake).
+FAKES = {
+    "topk_router": _topk_router,
+    "topk_router_backward": _topk_router_backward,
+    "routing_metadata": _routing_metadata,
+    "aggregate": _aggregate,
+    "token_rounding": _token_rounding,
+    "token_rounding_backward": _token_rounding_backward,
+    "layer_forward": _layer_forward,
+    "layer_backward": _layer_backward,
+    "experts_forward": _experts_forward,
+    "experts_backward": _experts_backward,
+    "grouped_gemm": _grouped_gemm,
+    "grouped_gemm_nmajor": _grouped_gemm_nmajor,
+    "grouped_gemm_wgrad": _grouped_gemm_wgrad,
+}
+
+
+def register() -> None:
+    for name, fn in FAKES.items():
+        torch.library.register_fake(_LIB + name, fn)

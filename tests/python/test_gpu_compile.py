@@ -1,0 +1,127 @@
+"""torch.compile on the GPU: every fake kernel agrees with its CUDA kernel (torch.library.opcheck),
+and a compiled layer, forward and backward, gives bitwise the eager layer's results (the kernels
+are deterministic, so any difference is the compiled graph's)."""
+
+import pytest
+import torch
+
+from gpu_test_helpers import make_layer, ops
+from machmoe import MoE, functional
+
+pytestmark = pytest.mark.gpu
+
+# opcheck's tests that compare metadata and check for mutation; the outputs' values are the other
+# GPU tests' subject (and some outputs, e.g. the saved block's alignment padding, are unspecified).
+CHECKS = ("test_schema", "test_faketensor")
+
+
+def _op_cases():
+    """(op name, args) for every op with a CUDA kernel, at small awkward shapes."""
+    m = ops()
+    T, d, n, E, K = 37, 128, 192, 6, 2
+    t = make_layer(T, d, n, E, "swiglu", True)
+    logits = torch.randn(T, E, device="cuda")
+    scores, experts = m.topk_router(logits, K, "softmax_topk", True, None)
+    offs, row_token, row_pair, pair_row, token_offsets, _ = m.routing_metadata(experts, None, T, E)
+    R = T * K
+    h = torch.randn(R, 2 * n, device="cuda").bfloat16()
+    row_scores = torch.rand(R, device="cuda")
+    layer = (t["x"], t["router_weight"], t["w1"], t["b1"], t["w2"], t["b2"], None, K, "swiglu", "interleaved",
+             "softmax_topk", True, "none", 128, 0)
+    _, _, saved = m.layer_forward(*layer)
+    dout = torch.randn(T, d, device="cuda").bfloat16()
+    tok = torch.arange(T, device="cuda", dtype=torch.int32).repeat_interleave(K)
+    exp = experts.flatten().contiguous()
+    pair_scores = scores.flatten().contiguous()
+    general = (t["x"], t["w1"], t["b1"], t["w2"], t["b2"])
+    _, g_saved = m.experts_forward(*general, pair_scores, tok, exp, "swiglu", "interleaved")
+    rounded = m.token_rounding(logits, K, "nr", 16, 0)
+    return [
+        ("topk_router", (logits, K, "softmax_topk", True, None)),
+        ("topk_router_backward", (logits, scores, experts, torch.randn(T, K, device="cuda"), "softmax_topk", True)),
+        ("routing_metadata", (experts, None, T, E)),
+        ("aggregate", (h, pair_row, token_offsets, row_scores, torch.float32)),
+        ("token_rounding", (logits, K, "nr", 16, 0)),
+        ("token_rounding_backward", (logits, rounded[5], rounded[6], rounded[4], rounded[1], rounded[3],
+                                     torch.randn_like(rounded[2]))),
+        ("layer_forward", layer),
+        ("layer_forward", layer + (False,)),
+        ("layer_backward", layer[:6] + (saved, dout, torch.ones((), device="cuda")) + layer[7:14]),
+        ("experts_forward", general + (pair_scores, tok, exp, "swiglu", "interleaved")),
+        ("experts_backward", general + (tok, exp, g_saved, dout, "swiglu", "interleaved")),
+        ("grouped_gemm", (t["x"], row_token, offs, t["w1"], t["b1"], R, "glu", "swiglu", "interleaved")),
+        ("grouped_gemm", (h[:, :n].contiguous(), None, offs, t["w2"], t["b2"], R, "store", "swiglu", "interleaved")),
+        ("grouped_gemm_nmajor", (dout, row_token, offs, t["w2"], R, h, row_scores, row_pair, "swiglu",
+                                 "interleaved")),
+        ("grouped_gemm_nmajor", (h, None, offs, t["w1"], R, None, None, None, "swiglu", "interleaved")),
+        ("grouped_gemm_wgrad", (t["x"], row_token, h, offs, True, False)),
+        ("grouped_gemm_wgrad", (dout, row_token, h[:, :n].contiguous(), offs, False, True)),
+    ]
+
+
+def test_every_fake_agrees_with_its_kernel():
+    cases = _op_cases()
+    from machmoe import _fake
+
+    assert {name for name, _ in cases} == set(_fake.FAKES), "a CUDA op without an opcheck case"
+    failures = []
+    for name, args in cases:
+        try:
+            torch.library.opcheck(getattr(ops(), name).default, args, test_utils=CHECKS)
+        except Exception as err:  # collect them all: one failing op should not hide the others
+            failures.append(f"{name}: {type(err).__name__}: {str(err)[:400]}")
+    assert not failures, "\n".join(failures)
+
+
+def _train_step(layer, x, g):
+    out, aux = layer(x)
+    ((out.float() * g).sum() + aux).backward()
+    return out, aux, [p.grad for p in layer.parameters()] + [x.grad]
+
+
+@pytest.mark.parametrize("bias,act", [(False, "swiglu"), (True, "relu")])
+def test_compiled_layer_is_bitwise_the_eager_layer(bias, act):
+    T, d, n, E, K = 300, 256, 128, 16, 4
+    eager = MoE(E, K, d, n, activation_function=act, add_bias=bias, std=0.02).cuda().bfloat16()
+    compiled_layer = MoE(E, K, d, n, activation_function=act, add_bias=bias, std=0.02).cuda().bfloat16()
+    compiled_layer.load_state_dict(eager.state_dict())
+    compiled = torch.compile(compiled_layer, fullgraph=True)
+    x = torch.randn(T, d, device="cuda").bfloat16()
+    g = torch.randn(T, d, device="cuda")
+    for _ in range(2):  # the second call runs the cached graph
+        for layer in (eager, compiled_layer):
+            layer.zero_grad(set_to_none=True)
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        want = _train_step(eager, xe, g)
+        got = _train_step(compiled, xc, g)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), "compiled forward differs"
+        for a, b in zip(got[2], want[2]):
+            assert a is not None and torch.equal(a, b), "compiled gradients differ"
+
+
+def test_compiled_inference_and_general_routing():
+    T, d, n, E, K = 129, 128, 64, 8, 2
+    t = make_layer(T, d, n, E, "swiglu", False)
+    layer = MoE(E, K, d, n).cuda().bfloat16().eval()
+    with torch.no_grad():
+        want = layer(t["x"])
+        got = torch.compile(layer, fullgraph=True)(t["x"])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # A general routing list (no router): the experts' forward and backward ops. Not fullgraph:
+    # moe_general checks the list on the host (range, order, repeats), a graph break.
+    scores = torch.rand(T * K, device="cuda")
+    tok = torch.arange(T, device="cuda").repeat_interleave(K)
+    exp = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)]).flatten()
+
+    def general(x, w1, w2, s):
+        return functional.moe_general(x, w1, w2, s, tok, exp)
+
+    args = [t["x"], t["w1"], t["w2"], scores]
+    leaves = [[a.clone().requires_grad_() for a in args] for _ in range(2)]
+    outs = [general(*leaves[0]), torch.compile(general)(*leaves[1])]
+    dout = torch.randn_like(outs[0])
+    for out in outs:
+        out.backward(dout)
+    assert torch.equal(outs[1], outs[0])
+    for a, b in zip(leaves[1], leaves[0]):
+        assert torch.equal(a.grad, b.grad)
