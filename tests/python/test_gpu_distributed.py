@@ -65,6 +65,7 @@ def _worker(rank, mode, init_file, seed):
         for (name, p), ref in zip(model.named_parameters(), want):
             grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             err = ((grad.float() - ref).norm() / ref.norm()).item()
+            print(f"{mode} rank {rank}: {name} relative error {err:.2e}")
             assert err <= TOL, f"{mode} rank {rank}: {name} gradient off by {err:.2e} (> {TOL:.2e})"
     finally:
         dist.destroy_process_group()
