@@ -5,8 +5,9 @@ Each rank trains on its half of a global batch. The loss reads the output only: 
 a function of each rank's own tokens, so it would not add up across ranks. The gradients must
 then be the average of what one GPU computes on each half. machmoe's kernels are deterministic,
 so each rank's local gradient is exactly what the reference computes on that half. The only
-difference allowed is the bf16 rounding of the cross-rank reduction: at most half an ulp per
-element (2^-9 relative), bounded here by one ulp (2^-8) of the reference's norm.
+difference allowed is the bf16 rounding of the cross-rank reduction, which is at most half an ulp
+per element: 2^-8 relative (bf16 keeps 8 significant bits). The norm-wise error is held to
+that bound. Measured on two H200s: 1.75e-3 to 1.85e-3.
 """
 
 import os
