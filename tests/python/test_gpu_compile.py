@@ -2,8 +2,11 @@
 and a compiled layer, forward and backward, gives bitwise the eager layer's results (the kernels
 are deterministic, so any difference is the compiled graph's)."""
 
+import contextlib
+
 import pytest
 import torch
+import torch._inductor.config
 from torch._dynamo.utils import counters
 
 from gpu_test_helpers import make_layer, ops
@@ -80,20 +83,39 @@ def _train_step(layer, x, g):
     return out, aux, [p.grad for p in layer.parameters()] + [x.grad]
 
 
-@pytest.mark.parametrize("bias,act", [(False, "swiglu"), (True, "relu")])
-def test_compiled_layer_is_bitwise_the_eager_layer(bias, act):
+@pytest.mark.parametrize("bias,act,options", [
+    (False, "swiglu", {}),
+    (True, "relu", {}),
+    (False, "geglu", {"token_rounding": "nr", "tile_m": 64}),
+    (True, "swiglu", {"routing": "sigmoid"}),
+    (False, "swiglu", {"token_rounding": "stochastic"}),
+])
+def test_compiled_layer_is_bitwise_the_eager_layer(bias, act, options):
     T, d, n, E, K = 300, 256, 128, 16, 4
-    eager = MoE(E, K, d, n, activation_function=act, add_bias=bias, std=0.02).cuda().bfloat16()
-    compiled_layer = MoE(E, K, d, n, activation_function=act, add_bias=bias, std=0.02).cuda().bfloat16()
+    eager = MoE(E, K, d, n, activation_function=act, add_bias=bias, std=0.02, **options).cuda().bfloat16()
+    compiled_layer = MoE(E, K, d, n, activation_function=act, add_bias=bias, std=0.02, **options).cuda().bfloat16()
+    if eager.selection_bias is not None:  # a selection bias that changes which experts are picked
+        eager.selection_bias.copy_(torch.randn(E) * 0.05)
     compiled_layer.load_state_dict(eager.state_dict())
-    compiled = torch.compile(compiled_layer, fullgraph=True)
+    # Stochastic rounding draws its seed on the host (.item()): a graph break, so not fullgraph.
+    # Inductor draws random numbers its own way unless told to fall back to eager's generator.
+    stochastic = options.get("token_rounding") == "stochastic"
+    compiled = torch.compile(compiled_layer, fullgraph=not stochastic)
+    rng = torch._inductor.config.patch(fallback_random=True) if stochastic else contextlib.nullcontext()
+    with rng:
+        _compare_steps(eager, compiled_layer, compiled, T, d)
+
+
+def _compare_steps(eager, compiled_layer, compiled, T, d):
     x = torch.randn(T, d, device="cuda").bfloat16()
     g = torch.randn(T, d, device="cuda")
-    for _ in range(2):  # the second call runs the cached graph
+    for step in range(2):  # the second call runs the cached graph
         for layer in (eager, compiled_layer):
             layer.zero_grad(set_to_none=True)
         xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        torch.manual_seed(step)  # the same stochastic-rounding seed for both
         want = _train_step(eager, xe, g)
+        torch.manual_seed(step)
         got = _train_step(compiled, xc, g)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), "compiled forward differs"
         for a, b in zip(got[2], want[2]):
