@@ -2,10 +2,12 @@
 tensors can trace them (SPEC §3: schemas in C++, fake kernels in Python).
 
 Each fake returns empty tensors of the shapes and dtypes its C++ op allocates (src/bindings/*.cpp;
-docs/OPS.md) and does no work. Sizes that the C++ workspace planner decides (the `saved` block)
-come from the planner itself through the tensor-free `*_workspace_bytes` ops, so the two cannot
-drift apart. Those take plain integers: under dynamic shapes T (and R) are specialised.
-`tests/python/test_gpu_compile.py` checks every fake against its kernel with torch.library.opcheck.
+docs/OPS.md) and does no work. The `saved` block's size is the C++ planner's
+(src/host/layer_layout.hpp), restated here in integer arithmetic that also works on symbolic
+sizes, so that `torch.compile(dynamic=True)` keeps T (and the list length R) symbolic instead of
+compiling again for each value. `tests/python/test_fake.py` holds the restatement to the planner
+(`*_workspace_bytes`) over a grid of problems; `tests/python/test_gpu_compile.py` checks every
+fake against its kernel with torch.library.opcheck.
 
 Registered by `machmoe._ops` once the op library has loaded (the schemas come from it).
 """
@@ -35,6 +37,30 @@ def rounding_capacity(T, E, K, tile_m):
     """token_rounding_capacity (src/host/token_rounding.cu): each expert moves by less than one tile,
     and a token appears at most once per expert."""
     return min(T * K + E * (tile_m - 1), T * E)
+
+
+def _align(nbytes):
+    """Carve::take's rounding of every sub-buffer to 256 bytes."""
+    return (nbytes + 255) // 256 * 256
+
+
+def layer_saved_bytes(T, E, K, n1, rounding: str, tile_m, write_h: bool = True):
+    """LayerLayout's saved block (bf16 H): the scores, the expert offsets, row -> pair, pair -> row,
+    the fp32 logits [T, E], with token rounding the rounded list and the top-K it came from, and
+    last H [R, n1] (left out for inference). R = T·K, or the rounded list's capacity."""
+    rounded = rounding != "none"
+    R = torch.sym_min(T * K + E * (tile_m - 1), T * E) if rounded else T * K
+    size = 3 * _align(R * 4) + _align((E + 1) * 4) + _align(T * E * 4)
+    if rounded:
+        size += (_align(R * 4) + _align(R) + 2 * _align(T * K * 4) + _align((T + 1) * 4) + _align((E + 1) * 4)
+                 + _align(E * 4))
+    return size + _align(R * n1 * 2) if write_h else size
+
+
+def experts_saved_bytes(T, E, R, n1):
+    """ExpertsLayout's saved block: H [R, n1] bf16, the scores, the expert offsets, row -> pair,
+    pair -> row and the per-token pair offsets [T+1]."""
+    return _align(R * n1 * 2) + 3 * _align(R * 4) + _align((E + 1) * 4) + _align((T + 1) * 4)
 
 
 def _topk_router(logits, K, routing, renormalize, selection_bias):
@@ -74,9 +100,7 @@ def _layer_forward(x, router_weight, w1, b1, w2, b2, selection_bias, K, activati
                    renormalize, rounding, tile_m, seed, write_h=True):
     T, d = x.shape
     E, n = w1.shape[0], w2.shape[2]
-    # [saved, forward workspace, backward workspace, saved without H (inference)]
-    plan = torch.ops.machmoe.layer_workspace_bytes(int(T), int(d), int(n), int(E), K, activation, rounding, tile_m)
-    saved = plan[0] if write_h else plan[3]
+    saved = layer_saved_bytes(T, E, K, _n1(n, activation), rounding, tile_m, write_h)
     return x.new_empty(T, d), x.new_empty((), dtype=torch.float32), x.new_empty(saved, dtype=torch.uint8)
 
 
@@ -97,9 +121,8 @@ def _layer_backward(x, router_weight, w1, b1, w2, b2, saved, dout, d_aux, K, act
 def _experts_forward(x, w1, b1, w2, b2, scores, token_idx, expert_idx, activation, layout):
     T, d = x.shape
     E, n = w1.shape[0], w2.shape[2]
-    plan = torch.ops.machmoe.experts_workspace_bytes(int(T), int(d), int(n), int(E), int(scores.numel()), activation,
-                                                     b1 is not None)
-    return x.new_empty(T, d), x.new_empty(plan[0], dtype=torch.uint8)
+    saved = experts_saved_bytes(T, E, scores.numel(), _n1(n, activation))
+    return x.new_empty(T, d), x.new_empty(saved, dtype=torch.uint8)
 
 
 def _experts_backward(x, w1, b1, w2, b2, token_idx, expert_idx, saved, dout, activation, layout):

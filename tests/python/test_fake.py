@@ -89,3 +89,27 @@ def test_gemm_and_routing_fakes_follow_the_op_docs():
         assert [m.shape for m in meta] == [(E + 1,), (T * K,), (T * K,), (T * K,), (T + 1,), (1,)]
         rounded = torch.ops.machmoe.token_rounding(torch.empty(T, E, device="cuda"), K, "nr", 8, 0)
         assert rounded[0].shape == (min(T * K + E * 7, T * E),) and rounded[3].dtype == torch.bool
+
+
+def test_saved_block_sizes_are_the_planners():
+    # The fakes restate the C++ planner's saved-block size in arithmetic that also runs on symbolic
+    # sizes (torch.compile(dynamic=True)); it must give the planner's bytes for every problem.
+    checked = 0
+    for T in (1, 7, 64, 300, 4097):
+        for E in (1, 8, 130):
+            for K in sorted({1, 2, min(E, 8)}):
+                if K > E:
+                    continue
+                for n, act in ((64, "swiglu"), (200, "relu")):
+                    n1 = 2 * n if act == "swiglu" else n
+                    for rounding, tile_m in (("none", 128), ("nr", 1), ("up", 64), ("stochastic", 128)):
+                        plan = torch.ops.machmoe.layer_workspace_bytes(T, 96, n, E, K, act, rounding, tile_m)
+                        assert _fake.layer_saved_bytes(T, E, K, n1, rounding, tile_m) == plan[0], \
+                            (T, E, K, n, act, rounding, tile_m)
+                        assert _fake.layer_saved_bytes(T, E, K, n1, rounding, tile_m, False) == plan[3]
+                        checked += 1
+                    for R in sorted({0, min(5, T * E), min(T * K + 3, T * E)}):
+                        for bias in (False, True):
+                            plan = torch.ops.machmoe.experts_workspace_bytes(T, 96, n, E, R, act, bias)
+                            assert _fake.experts_saved_bytes(T, E, R, n1) == plan[0], (T, E, R, n, act, bias)
+    assert checked > 100

@@ -151,16 +151,29 @@ def test_compiled_inference_and_general_routing():
 
 
 def test_compiled_layer_with_changing_token_counts():
-    # A new T recompiles (the fakes ask the C++ planner for the saved block's size with plain
-    # integers, so T is specialised even once torch.compile marks it dynamic); each result is the
-    # eager layer's, bitwise.
+    # dynamic=True: the fakes size everything, the saved block included, symbolically in T, so
+    # one graph serves every token count; each result is the eager layer's, bitwise.
     d, n, E, K = 128, 64, 8, 2
-    layer = MoE(E, K, d, n).cuda().bfloat16()
-    compiled = torch.compile(layer)
-    for T in (64, 65, 200, 65):
+    eager = MoE(E, K, d, n).cuda().bfloat16()
+    compiled_layer = MoE(E, K, d, n).cuda().bfloat16()
+    compiled_layer.load_state_dict(eager.state_dict())
+    compiled = torch.compile(compiled_layer, dynamic=True, fullgraph=True)
+    torch.compiler.reset()
+    counters.clear()
+    graphs = None
+    for T in (64, 65, 200, 65, 1000):
         x = torch.randn(T, d, device="cuda").bfloat16()
-        want, got = layer(x), compiled(x)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"T={T}"
+        g = torch.randn(T, d, device="cuda")
+        for layer in (eager, compiled_layer):
+            layer.zero_grad(set_to_none=True)
+        want = _train_step(eager, x.clone().requires_grad_(), g)
+        got = _train_step(compiled, x.clone().requires_grad_(), g)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"T={T}: forward differs"
+        for a, b in zip(got[2], want[2]):
+            assert torch.equal(a, b), f"T={T}: gradients differ"
+        graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]
+    assert graphs >= 1 and counters["stats"]["unique_graphs"] == graphs, \
+        f"compiled again for a new T: {counters['stats']['unique_graphs']} graphs, {graphs} after the first call"
 
 
 def test_reduce_overhead_training_steps_match_eager():
