@@ -176,6 +176,24 @@ def test_compiled_layer_with_changing_token_counts():
         f"compiled again for a new T: {counters['stats']['unique_graphs']} graphs, {graphs} after the first call"
 
 
+def test_automatic_dynamic_shapes_compile_twice_at_most():
+    # Without dynamic=True, torch compiles for the first T, and on the first change again with T
+    # symbolic; that second graph then serves every T.
+    d, n, E, K = 128, 64, 8, 2
+    layer = MoE(E, K, d, n).cuda().bfloat16().eval()
+    compiled = torch.compile(layer, fullgraph=True)
+    torch.compiler.reset()
+    counters.clear()
+    seen = []
+    with torch.no_grad():
+        for T in (64, 65, 200, 1000, 33):
+            x = torch.randn(T, d, device="cuda").bfloat16()
+            want, got = layer(x), compiled(x)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"T={T}"
+            seen.append(counters["stats"]["unique_graphs"])
+    assert seen[1] == seen[-1] <= 2, f"graphs after each call: {seen}"
+
+
 def test_reduce_overhead_training_steps_match_eager():
     # mode="reduce-overhead": the compiled forward and backward replay as CUDA graphs (no host
     # synchronisation inside the layer is what makes them capturable).
