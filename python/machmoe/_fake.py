@@ -35,8 +35,8 @@ def column_tiles(N) -> int:
 
 def rounding_capacity(T, E, K, tile_m):
     """token_rounding_capacity (src/host/token_rounding.cu): each expert moves by less than one tile,
-    and a token appears at most once per expert."""
-    return min(T * K + E * (tile_m - 1), T * E)
+    and a token appears at most once per expert. (sym_min: T may be symbolic.)"""
+    return torch.sym_min(T * K + E * (tile_m - 1), T * E)
 
 
 def _align(nbytes):
@@ -49,7 +49,7 @@ def layer_saved_bytes(T, E, K, n1, rounding: str, tile_m, write_h: bool = True):
     the fp32 logits [T, E], with token rounding the rounded list and the top-K it came from, and
     last H [R, n1] (left out for inference). R = T·K, or the rounded list's capacity."""
     rounded = rounding != "none"
-    R = torch.sym_min(T * K + E * (tile_m - 1), T * E) if rounded else T * K
+    R = rounding_capacity(T, E, K, tile_m) if rounded else T * K
     size = 3 * _align(R * 4) + _align((E + 1) * 4) + _align(T * E * 4)
     if rounded:
         size += (_align(R * 4) + _align(R) + 2 * _align(T * K * 4) + _align((T + 1) * 4) + _align((E + 1) * 4)
