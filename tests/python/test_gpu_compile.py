@@ -83,6 +83,31 @@ def _train_step(layer, x, g):
     return out, aux, [p.grad for p in layer.parameters()] + [x.grad]
 
 
+def _twins(*args, **kwargs):
+    """Two MoE layers with the same weights: one stays eager, the other gets compiled."""
+    eager = MoE(*args, **kwargs).cuda().bfloat16()
+    twin = MoE(*args, **kwargs).cuda().bfloat16()
+    if eager.selection_bias is not None:  # a selection bias that changes which experts are picked
+        eager.selection_bias.copy_(torch.randn_like(eager.selection_bias) * 0.05)
+    twin.load_state_dict(eager.state_dict())
+    return eager, twin
+
+
+def _assert_step_matches(eager, twin, compiled, x, g, label, seed):
+    """One training step of the eager layer and of the compiled twin on the same x and output
+    gradient g: outputs, aux loss and every gradient bitwise equal. Both steps start from
+    torch.manual_seed(seed), which also seeds whatever the caller draws next."""
+    for layer in (eager, twin):
+        layer.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)  # the same stochastic-rounding seed for both
+    want = _train_step(eager, x.clone().requires_grad_(), g)
+    torch.manual_seed(seed)
+    got = _train_step(compiled, x.clone().requires_grad_(), g)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"{label}: forward differs"
+    for a, b in zip(got[2], want[2]):
+        assert a is not None and torch.equal(a, b), f"{label}: gradients differ"
+
+
 @pytest.mark.parametrize("bias,act,options", [
     (False, "swiglu", {}),
     (True, "relu", {}),
@@ -92,34 +117,17 @@ def _train_step(layer, x, g):
 ])
 def test_compiled_layer_is_bitwise_the_eager_layer(bias, act, options):
     T, d, n, E, K = 300, 256, 128, 16, 4
-    eager = MoE(E, K, d, n, activation_function=act, add_bias=bias, std=0.02, **options).cuda().bfloat16()
-    compiled_layer = MoE(E, K, d, n, activation_function=act, add_bias=bias, std=0.02, **options).cuda().bfloat16()
-    if eager.selection_bias is not None:  # a selection bias that changes which experts are picked
-        eager.selection_bias.copy_(torch.randn(E) * 0.05)
-    compiled_layer.load_state_dict(eager.state_dict())
+    eager, twin = _twins(E, K, d, n, activation_function=act, add_bias=bias, std=0.02, **options)
     # Stochastic rounding draws its seed on the host (.item()): a graph break, so not fullgraph.
     # Inductor draws random numbers its own way unless told to fall back to eager's generator.
     stochastic = options.get("token_rounding") == "stochastic"
-    compiled = torch.compile(compiled_layer, fullgraph=not stochastic)
+    compiled = torch.compile(twin, fullgraph=not stochastic)
     rng = torch._inductor.config.patch(fallback_random=True) if stochastic else contextlib.nullcontext()
-    with rng:
-        _compare_steps(eager, compiled_layer, compiled, T, d)
-
-
-def _compare_steps(eager, compiled_layer, compiled, T, d):
     x = torch.randn(T, d, device="cuda").bfloat16()
     g = torch.randn(T, d, device="cuda")
-    for step in range(2):  # the second call runs the cached graph
-        for layer in (eager, compiled_layer):
-            layer.zero_grad(set_to_none=True)
-        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
-        torch.manual_seed(step)  # the same stochastic-rounding seed for both
-        want = _train_step(eager, xe, g)
-        torch.manual_seed(step)
-        got = _train_step(compiled, xc, g)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), "compiled forward differs"
-        for a, b in zip(got[2], want[2]):
-            assert a is not None and torch.equal(a, b), "compiled gradients differ"
+    with rng:
+        for step in range(2):  # the second call runs the cached graph
+            _assert_step_matches(eager, twin, compiled, x, g, f"step {step}", seed=step)
 
 
 def test_compiled_inference_and_general_routing():
@@ -154,23 +162,14 @@ def test_compiled_layer_with_changing_token_counts():
     # dynamic=True: the fakes size everything, the saved block included, symbolically in T, so
     # one graph serves every token count; each result is the eager layer's, bitwise.
     d, n, E, K = 128, 64, 8, 2
-    eager = MoE(E, K, d, n).cuda().bfloat16()
-    compiled_layer = MoE(E, K, d, n).cuda().bfloat16()
-    compiled_layer.load_state_dict(eager.state_dict())
-    compiled = torch.compile(compiled_layer, dynamic=True, fullgraph=True)
+    eager, twin = _twins(E, K, d, n)
+    compiled = torch.compile(twin, dynamic=True, fullgraph=True)
     torch.compiler.reset()
     counters.clear()
     graphs = None
     for T in (64, 65, 200, 65, 1000):
         x = torch.randn(T, d, device="cuda").bfloat16()
-        g = torch.randn(T, d, device="cuda")
-        for layer in (eager, compiled_layer):
-            layer.zero_grad(set_to_none=True)
-        want = _train_step(eager, x.clone().requires_grad_(), g)
-        got = _train_step(compiled, x.clone().requires_grad_(), g)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"T={T}: forward differs"
-        for a, b in zip(got[2], want[2]):
-            assert torch.equal(a, b), f"T={T}: gradients differ"
+        _assert_step_matches(eager, twin, compiled, x, torch.randn(T, d, device="cuda"), f"T={T}", seed=T)
         graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]
     assert graphs >= 1 and counters["stats"]["unique_graphs"] == graphs, \
         f"compiled again for a new T: {counters['stats']['unique_graphs']} graphs, {graphs} after the first call"
@@ -198,20 +197,13 @@ def test_reduce_overhead_training_steps_match_eager():
     # mode="reduce-overhead": the compiled forward and backward replay as CUDA graphs (no host
     # synchronisation inside the layer is what makes them capturable).
     T, d, n, E, K = 256, 128, 128, 16, 4
-    eager = MoE(E, K, d, n, add_bias=True).cuda().bfloat16()
-    graphed_layer = MoE(E, K, d, n, add_bias=True).cuda().bfloat16()
-    graphed_layer.load_state_dict(eager.state_dict())
-    graphed = torch.compile(graphed_layer, mode="reduce-overhead", fullgraph=True)
+    eager, twin = _twins(E, K, d, n, add_bias=True)
+    graphed = torch.compile(twin, mode="reduce-overhead", fullgraph=True)
     counters.clear()
     for step in range(4):  # the first calls record, the later ones replay
         x = torch.randn(T, d, device="cuda").bfloat16()
-        g = torch.randn(T, d, device="cuda")
-        for layer in (eager, graphed_layer):
-            layer.zero_grad(set_to_none=True)
-        want = _train_step(eager, x.clone().requires_grad_(), g)
-        got = _train_step(graphed, x.clone().requires_grad_(), g)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"step {step}: forward differs"
-        for a, b in zip(got[2], want[2]):
-            assert torch.equal(a, b), f"step {step}: gradients differ"
+        # (a new seed each step: the next step's inputs must differ, or a replay that returned the
+        # last step's buffers would pass)
+        _assert_step_matches(eager, twin, graphed, x, torch.randn(T, d, device="cuda"), f"step {step}", seed=step)
     # Inductor falls back to plain launches, with a warning only, when a graph cannot be captured.
     assert counters["inductor"]["cudagraph_skips"] == 0, "the compiled layer was not CUDA-graphed"
