@@ -15,6 +15,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from .gemm_kernels import random_routing
 from .timing import cuda_time, matmul_tflops
 
 
@@ -45,8 +46,7 @@ def gemm_variants(T: int, d: int, n: int, E: int, K: int) -> None:
 
     m = torch.ops.machmoe
     R = T * K
-    experts = torch.argsort(torch.rand(T, E, device="cuda"), dim=1)[:, :K].int().contiguous()
-    offs, row_token, _, _, _, _ = m.routing_metadata(experts, None, T, E)
+    offs, row_token = random_routing(T, E, K)
     x = torch.randn(T, d, device="cuda").bfloat16()
     xg = x[row_token.long()].contiguous()
     w1 = (torch.randn(E, 2 * n, d, device="cuda") * 0.02).bfloat16()

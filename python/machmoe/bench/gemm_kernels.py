@@ -75,7 +75,9 @@ def dense_case(M: int = 8192, N: int = 8192, K: int = 8192) -> KernelCase:
     return KernelCase(f"dense GEMM {M}x{N}x{K} bf16", ours, sets, 2.0 * M * N * K, ">= 0.90 of cuBLAS", cublas)
 
 
-def _routing(T: int, E: int, K: int):
+def random_routing(T: int, E: int, K: int):
+    """Random top-K routing (K distinct experts per token) -> (expert_offsets [E+1], row_token [R]),
+    the routing metadata every expert-GEMM diagnostic runs on."""
     ops = _ops()
     experts = torch.argsort(torch.rand(T, E, device="cuda"), dim=1)[:, :K].int().contiguous()
     offs, row_token, _, _, _, _ = ops.routing_metadata(experts, None, T, E)
@@ -90,7 +92,7 @@ def expert_cases(name: str, T: int, d: int, n: int, E: int, K: int) -> list[Kern
     w2 = (torch.randn(E, d, n, device="cuda") * 0.02).bfloat16()
     sets = []
     for _ in range(3):
-        offs, row_token = _routing(T, E, K)
+        offs, row_token = random_routing(T, E, K)
         # x [T, d], row_token [R], offs [E+1], dH or H [R, 2n], scores [R], row_pair [R],
         # A' or A [R, n]; dout [T, d] is x's stand-in (same shape).
         sets.append((torch.randn(T, d, device="cuda").bfloat16(), row_token, offs,

@@ -28,10 +28,11 @@ def run_kernel(which: str, T: int = 24576, d: int = 1536, n: int = 256, E: int =
 
     import machmoe  # noqa: F401  (loads the ops)
 
+    from .gemm_kernels import random_routing
+
     m = torch.ops.machmoe
     R = T * K
-    experts = torch.argsort(torch.rand(T, E, device="cuda"), dim=1)[:, :K].int().contiguous()
-    offs, row_token, _, _, _, _ = m.routing_metadata(experts, None, T, E)
+    offs, row_token = random_routing(T, E, K)
     w1 = (torch.randn(E, 2 * n, d, device="cuda") * 0.02).bfloat16()
     w2 = (torch.randn(E, d, n, device="cuda") * 0.02).bfloat16()
     x = torch.randn(T, d, device="cuda").bfloat16()

@@ -16,6 +16,7 @@ import argparse
 
 import torch
 
+from .gemm_kernels import random_routing
 from .timing import copy_bandwidth, cuda_time, matmul_tflops
 
 
@@ -26,8 +27,7 @@ def run_config(name: str, T: int, d: int, n: int, E: int, K: int) -> None:
     w2 = (torch.randn(E, d, n, device="cuda") * 0.02).bfloat16()
     sets = []
     for _ in range(2):
-        experts = torch.argsort(torch.rand(T, E, device="cuda"), dim=1)[:, :K].int().contiguous()
-        offs, row_token, *_ = m.routing_metadata(experts, None, T, E)
+        offs, row_token = random_routing(T, E, K)
         x = torch.randn(T, d, device="cuda").bfloat16()
         sets.append((x, row_token, offs, torch.randn(R, n1, device="cuda").bfloat16(), torch.rand(R, device="cuda"),
                      torch.randperm(R, device="cuda").int(), torch.empty(R, d, device="cuda", dtype=torch.bfloat16)))
