@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gpu_test_helpers import redraw_near_ties, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -77,3 +78,92 @@ def _worker(rank, mode, init_file, seed):
 def test_moe_trains_under_torch_distributed(mode, seed):
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(mode, os.path.join(tmp, "init"), seed), nprocs=WORLD, join=True)
+
+
+# ---------------------------------------------------------------- expert parallelism (NCCL)
+#
+# machmoe.distributed.ExpertParallelMoE on the machmoe backend: experts sharded over the ranks,
+# tokens exchanged all-to-all. Compared per tensor with a float64 reference of the whole layer
+# (the torch backend), beside the single-GPU machmoe layer on the same batches. The sharded layer
+# rounds each rank's partial sum to bf16 before the combine (a token meets at most min(K, W)
+# ranks) and sums its weight gradients over rows in another order, so its error may exceed the
+# single-GPU layer's by a few bf16 roundings: it must stay within 2x that error plus 2^-8. A
+# wrong row, expert, score or missing reduction is off by order 1. World size 1 runs on one GPU.
+
+
+def _ep_batch(seed, world, model):
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)  # the same global batch everywhere
+    xs, gs = [], []
+    for q in range(world):
+        t = {"x": torch.randn(T + 3 * q, D, device="cuda", generator=gen).bfloat16(),  # odd T too
+             "router_weight": model.router.weight.detach()}
+        torch.manual_seed(seed + 100 + q)  # redraws the same rows on every rank
+        xs.append(redraw_near_ties(t, K)["x"])
+        gs.append(torch.randn(T + 3 * q, D, device="cuda", generator=gen))
+    return xs, gs
+
+
+def _mean_grads(model, xs, gs, backend):
+    """Outputs per batch, dx per batch and the parameters' mean gradient over the batches."""
+    outs, dxs, total = [], [], None
+    for x, g in zip(xs, gs):
+        model.zero_grad(set_to_none=True)
+        x = x.clone().requires_grad_(True)
+        out, _ = model(x, backend=backend)
+        (out.double() * g.double()).sum().backward()
+        outs.append(out.detach())
+        dxs.append(x.grad)
+        grads = {name: p.grad.double() for name, p in model.named_parameters()}
+        total = grads if total is None else {k: total[k] + grads[k] for k in total}
+    return outs, dxs, {k: v / len(xs) for k, v in total.items()}
+
+
+def _ep_worker(rank, world, init_file, seed):
+    import copy
+
+    from machmoe.distributed import ExpertParallelMoE
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    try:
+        model = _model(seed)
+        xs, gs = _ep_batch(seed, world, model)
+        ref_out, ref_dx, ref_grads = _mean_grads(copy.deepcopy(model).double(),
+                                                 [x.double() for x in xs], gs, "torch")
+        one_out, one_dx, one_grads = _mean_grads(model, xs, gs, "machmoe")
+
+        layer = ExpertParallelMoE.from_moe(model)
+        part = slice(rank * (E // world), (rank + 1) * (E // world))
+        runs = []
+        for _ in range(2):  # twice: bitwise the same
+            layer.zero_grad(set_to_none=True)
+            x = xs[rank].clone().requires_grad_(True)
+            out, _ = layer(x)
+            (out.float() * gs[rank]).sum().backward()
+            layer.reduce_gradients()
+            runs.append([out.detach(), x.grad] + [p.grad.clone() for _, p in layer.named_parameters()])
+        for a, b in zip(*runs):
+            assert torch.equal(a, b), "expert parallel: two runs differ"
+
+        checks = [("out", runs[0][0], one_out[rank], ref_out[rank]),
+                  ("dx", runs[0][1], one_dx[rank], ref_dx[rank])]
+        for (name, p), got in zip(layer.named_parameters(), runs[0][2:]):
+            sl = part if name.startswith("c_") else slice(None)
+            checks.append((f"d{name}", got, one_grads[name][sl], ref_grads[name][sl]))
+        for name, got, single, ref in checks:
+            err, bound = rel_err(got, ref), 2 * rel_err(single, ref) + 2 ** -8
+            print(f"expert parallel W={world} rank {rank}: {name} error {err:.2e} "
+                  f"(single GPU {rel_err(single, ref):.2e}, bound {bound:.2e})")
+            assert err <= bound, f"expert parallel W={world} rank {rank}: {name} {err:.2e} > {bound:.2e}"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.ops
+@pytest.mark.parametrize("world", [1, 2])
+def test_expert_parallel_on_the_kernels(world, seed):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs (NCCL)")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_ep_worker, args=(world, os.path.join(tmp, "init"), seed), nprocs=world, join=True)

@@ -1,0 +1,125 @@
+"""Expert parallelism on the GPUs of one host (a measurement, not the main job):
+
+  python -m machmoe.bench.expert_parallel [--configs 7B-a,30B-b] [--world W] [--reps 20]
+
+Each of W ranks (NCCL, one GPU each) holds a whole config's batch of T tokens and E / W experts;
+`machmoe.distributed.ExpertParallelMoE` trains the layer with tokens exchanged all-to-all. Beside
+it, in the same processes, the single-GPU layer (all E experts on every GPU, no exchange) on the
+same batch: the bound an exchange can only add to. Forward + backward per call; TFLOPS per rank
+on the SPEC §1 convention (the work of T tokens), so the two columns compare directly. Also the
+bytes each rank sends per forward (rows of x out, partial sums back) and the peak memory.
+
+Every rank runs a fixed number of calls in lockstep (the layer runs collectives), timed by CUDA
+events around the whole loop; the figure is the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .configs import layer_flops, select_configs, tflops
+
+
+def _loop_ms(step, reps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        step()
+    dist.barrier()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        step()
+    stop.record()
+    torch.cuda.synchronize()
+    ms = torch.tensor([start.elapsed_time(stop) / reps], device="cuda")
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    return float(ms)
+
+
+def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup: int) -> None:
+    from machmoe import MoE
+    from machmoe.distributed import ExpertParallelMoE
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    try:
+        if rank == 0:
+            print(f"expert parallelism over {world} x {torch.cuda.get_device_name()} (NCCL); "
+                  f"forward + backward, {reps} calls after {warmup}, slowest rank")
+            print("| config | T per rank | E per rank | single GPU ms (TFLOPS) | expert parallel ms "
+                  "(TFLOPS) | ratio | MB sent per rank per forward | peak GiB (single / EP) |")
+            print("|---|--:|--:|--:|--:|--:|--:|--:|")
+        for cfg in configs:
+            torch.manual_seed(0)
+            full = MoE(cfg.E, cfg.K, cfg.d, cfg.n).cuda().bfloat16()
+            layer = ExpertParallelMoE.from_moe(full)
+            gen = torch.Generator(device="cuda").manual_seed(1 + rank)
+            x = torch.randn(cfg.T, cfg.d, device="cuda", generator=gen).bfloat16().requires_grad_(True)
+            dout = torch.randn(cfg.T, cfg.d, device="cuda", generator=gen).bfloat16()
+
+            def step(model):
+                out, _ = model(x)
+                out.backward(dout)
+
+            torch.cuda.reset_peak_memory_stats()
+            single_ms = _loop_ms(lambda: step(full), reps, warmup)
+            single_peak = torch.cuda.max_memory_allocated()
+            del full
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            ep_ms = _loop_ms(lambda: step(layer), reps, warmup)
+            ep_peak = torch.cuda.max_memory_allocated()
+
+            # Rows this rank sends: one per (token, owning rank), there and back, d bf16 each.
+            with torch.no_grad():
+                logits = x.float() @ layer.router.weight.float().T
+                top = logits.topk(cfg.K, dim=1).indices // (cfg.E // world)  # [T, K] owning rank
+                owners = torch.zeros(cfg.T, world, dtype=torch.bool, device="cuda")
+                owners.scatter_(1, top, True)
+                own = owners[:, rank].sum()
+                sent = torch.tensor([float((owners.sum() - own) * cfg.d * 2 * 2)], device="cuda")
+            dist.all_reduce(sent, op=dist.ReduceOp.MAX)
+            flop = sum(layer_flops(cfg.T, cfg.K, cfg.n, cfg.d))
+            if rank == 0:
+                print(f"| {cfg.name} | {cfg.T} | {cfg.E // world} | {single_ms:.3f} "
+                      f"({tflops(flop, single_ms):.0f}) | {ep_ms:.3f} ({tflops(flop, ep_ms):.0f}) | "
+                      f"{single_ms / ep_ms:.2f} | {float(sent) / 1e6:.0f} | "
+                      f"{single_peak / 2**30:.2f} / {ep_peak / 2**30:.2f} |", flush=True)
+            del layer, x, dout
+            torch.cuda.empty_cache()
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="7B-a,30B-b")
+    parser.add_argument("--world", type=int, default=None, help="GPUs to use (default: all)")
+    parser.add_argument("--T-scale", type=float, default=1.0)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("expert_parallel: no CUDA GPU; nothing to measure")
+        return
+    world = args.world or torch.cuda.device_count()
+    if not 1 <= world <= torch.cuda.device_count():
+        raise SystemExit(f"--world must be in [1, {torch.cuda.device_count()}] (GPUs here); got {world}")
+    configs = select_configs(args.configs, args.T_scale)
+    for cfg in configs:
+        if cfg.E % world:
+            raise SystemExit(f"{cfg.name}: E = {cfg.E} is not a multiple of --world {world}")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_run, args=(world, os.path.join(tmp, "init"), configs, args.reps, args.warmup),
+                 nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,366 @@
+"""Expert parallelism: the experts of one MoE layer sharded over the ranks of a process group,
+tokens exchanged all-to-all (docs/LAYER.md, "Expert parallelism").
+
+Rank q of W holds experts [q·E/W, (q+1)·E/W) and a replica of the router. One forward:
+
+1. route the rank's own tokens (logits, top-K, aux loss: as `MoE` on those tokens);
+2. dispatch: each token goes once to every rank that holds one of its experts, with its
+   (expert, score) pairs for that rank — rows are deduplicated per rank, so a token crosses the
+   network at most min(K, W) times, not K;
+3. the receiving rank runs its experts on the rows it got (`moe_general`: score-weighted and
+   summed over its own experts, on machmoe's kernels or the torch backend);
+4. combine: the partial sums go back and are added per token in rank order.
+
+The backward is the same exchange reversed; every step is deterministic (no atomics on repeated
+indices), so two runs on the same inputs give bitwise the same outputs and gradients.
+
+Costs and limits:
+- One host synchronisation per forward: all_to_all needs the row counts on the host.
+- Token rounding is not offered: it needs every expert's global row count.
+- Each rank's partial sum is rounded to the input dtype before the combine, so a bf16 output
+  carries up to min(K, W) roundings of partial sums instead of one (about 2^-9 relative each).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import torch_backend
+from .enums import ActivationType, Backend, GateUpLayout, RoutingMethod, is_glu, parse_enum
+from .moe import ExpertLinear, MoE, _positive_int
+
+
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """Rows [sum(send), ...] -> rows [sum(recv), ...]: chunk q of x goes to rank q, chunk q of
+    the result came from rank q."""
+    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """_all_to_all with its adjoint (the reverse exchange) as the backward. Gradients are always
+    materialised so that every rank takes part in the backward exchange."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _all_to_all(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def _sum_rows_by_chunk(rows: torch.Tensor, token: torch.Tensor, chunks: list[int], T: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """out [T, d] (dtype) = Σ rows[i] over the i with token[i] = t, added chunk by chunk in order.
+    A token appears at most once per chunk, so each index_add has distinct indices and the sum is
+    deterministic (index_add with repeated indices uses atomics on CUDA)."""
+    out = torch.zeros(T, rows.shape[1], dtype=dtype, device=rows.device)
+    start = 0
+    for size in chunks:
+        if size:
+            out.index_add_(0, token[start:start + size], rows[start:start + size].to(dtype))
+        start += size
+    return out
+
+
+class _Dispatch(torch.autograd.Function):
+    """x [T, d] -> x[token] [S, d]; backward: the per-chunk deterministic sum."""
+
+    @staticmethod
+    def forward(ctx, x, token, chunks):
+        ctx.save_for_backward(token)
+        ctx.chunks, ctx.T = chunks, x.shape[0]
+        return x[token]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token,) = ctx.saved_tensors
+        dx = _sum_rows_by_chunk(grad, token, ctx.chunks, ctx.T,
+                                torch_backend.routing_dtype(grad.dtype))
+        return dx.to(grad.dtype), None, None
+
+
+class _Combine(torch.autograd.Function):
+    """rows [S, d] -> out [T, d] = per-chunk sum into the rows' tokens (accumulated in the routing
+    dtype, returned in the rows' dtype); backward: gather."""
+
+    @staticmethod
+    def forward(ctx, rows, token, chunks, T):
+        ctx.save_for_backward(token)
+        out = _sum_rows_by_chunk(rows, token, chunks, T, torch_backend.routing_dtype(rows.dtype))
+        return out.to(rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token,) = ctx.saved_tensors
+        return grad[token], None, None, None
+
+
+def _local_experts(x, w1, b1, w2, b2, scores, row, expert, activation, layout, backend):
+    """The experts this rank holds on the rows it received -> [S, d]. The list was built here:
+    ordered by row, no repeated (row, expert) pair, in range, so no checks (and no syncs)."""
+    if backend == Backend.MACHMOE:
+        from . import machmoe_backend
+
+        return machmoe_backend.moe_general(x, w1, b1, w2, b2, scores, row, expert, activation, layout)
+    return torch_backend.experts(x, w1, b1, w2, b2, row, expert, scores, activation, layout)
+
+
+def expert_parallel_moe(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    num_experts_per_tok: int,
+    b1: Optional[torch.Tensor] = None,
+    b2: Optional[torch.Tensor] = None,
+    activation: Union[ActivationType, str] = ActivationType.SWIGLU,
+    layout: Union[GateUpLayout, str] = GateUpLayout.INTERLEAVED,
+    routing: Union[RoutingMethod, str] = RoutingMethod.SOFTMAX_TOPK,
+    renormalize: bool = True,
+    selection_bias: Optional[torch.Tensor] = None,
+    group=None,
+    backend: Union[Backend, str] = Backend.MACHMOE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [T, d], aux []) of the layer on this rank's tokens x [T, d], with the experts sharded.
+
+    router_weight [E, d] is the same on every rank; w1 [E_local, N1, d], w2 [E_local, d, n], b1
+    [E_local, N1], b2 [E_local, d] are this rank's experts (E_local = E / W, rank q holding experts
+    q·E_local ...). Every rank of `group` must call this together (it runs collectives).
+    """
+    backend = parse_enum(Backend, backend, "backend")
+    activation = parse_enum(ActivationType, activation, "activation")
+    layout = parse_enum(GateUpLayout, layout, "layout")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("expert_parallel_moe needs torch.distributed initialised "
+                           "(dist.init_process_group)")
+    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    for arg, t, ndim in (("x", x, 2), ("router_weight", router_weight, 2), ("w1", w1, 3), ("w2", w2, 3)):
+        if not isinstance(t, torch.Tensor) or t.dim() != ndim:
+            raise ValueError(f"{arg} must be a {ndim}-D tensor; got "
+                             f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    T, d = x.shape
+    E, E_local = router_weight.shape[0], w1.shape[0]
+    if router_weight.shape[1] != d:
+        raise ValueError(f"router_weight must have shape [E, d] with d = x.shape[1] = {d}; "
+                         f"got {list(router_weight.shape)}")
+    if E_local * W != E:
+        raise ValueError(f"w1 must hold E / W experts: E = router_weight.shape[0] = {E} over W = {W} "
+                         f"ranks needs w1.shape[0] = {E // W if E % W == 0 else 'E / W'} "
+                         f"(E must be a multiple of W); got {E_local}")
+    if w2.shape[0] != E_local:
+        raise ValueError(f"w2 must hold the same experts as w1 ({E_local}); got {w2.shape[0]}")
+    n = w2.shape[2]
+    n1 = 2 * n if is_glu(activation) else n
+    if tuple(w1.shape[1:]) != (n1, d) or w2.shape[1] != d:
+        raise ValueError(f"w1 must be [E_local, {n1}, {d}] and w2 [E_local, {d}, n] for "
+                         f"activation={activation.value}; got {list(w1.shape)} and {list(w2.shape)}")
+    K = _positive_int(num_experts_per_tok, "num_experts_per_tok")
+    if K > E:
+        raise ValueError(f"num_experts_per_tok must be <= E ({E}); got {K}")
+    if backend == Backend.MACHMOE and x.dtype != torch.bfloat16:
+        raise NotImplementedError(f"the machmoe backend takes bfloat16 x; got {x.dtype}")
+
+    # 1. Route this rank's tokens: pairs (token, expert, score) [R] in (t, k) order.
+    logits = torch_backend.router_logits(x, router_weight)  # [T, E] routing dtype
+    token, expert, score = torch_backend.route_pairs(logits, K, routing, renormalize, selection_bias)
+    aux = torch_backend.aux_loss(logits, expert)
+    dest = torch.div(expert, E_local, rounding_mode="floor")  # [R] owning rank
+
+    # 2. Rows to send: one per (dest, token), grouped by dest, tokens ascending in each group.
+    key = dest * max(T, 1) + token  # [R]
+    order = torch.sort(key, stable=True).indices  # pairs grouped like their rows
+    send_key, pair_row = torch.unique(key, sorted=True, return_inverse=True)
+    send_token = send_key % max(T, 1)  # [S]
+    send_rows = torch.bincount(torch.div(send_key, max(T, 1), rounding_mode="floor"), minlength=W)
+    send_pairs = torch.bincount(dest, minlength=W)
+    row_start = torch.cumsum(send_rows, 0) - send_rows  # [W] first row of each group
+
+    # Counts to the host (the one sync): [W, 2] rows and pairs per peer, both directions.
+    counts = torch.stack([send_rows, send_pairs], 1)
+    recv_counts = _all_to_all(counts, [1] * W, [1] * W, group)
+    send_rows_h, send_pairs_h = counts.T.tolist()
+    recv_rows_h, recv_pairs_h = recv_counts.T.tolist()
+
+    x_send = _Dispatch.apply(x, send_token, send_rows_h)  # [S, d]
+    x_recv = _AllToAll.apply(x_send, send_rows_h, recv_rows_h, group)  # [S_recv, d]
+    pair_dest = dest[order]
+    meta = torch.stack([pair_row[order] - row_start[pair_dest],  # row within its group
+                        expert[order] - pair_dest * E_local], 1)  # local expert
+    meta_recv = _all_to_all(meta, send_pairs_h, recv_pairs_h, group)  # [P_recv, 2]
+    score_recv = _AllToAll.apply(score[order], send_pairs_h, recv_pairs_h, group)  # [P_recv]
+
+    # 3. This rank's experts on what it received. Pairs from peer q address q's rows: offset them.
+    recv_row_start = torch.tensor([0] + recv_rows_h[:-1], device=x.device).cumsum(0)
+    source = torch.repeat_interleave(torch.arange(W, device=x.device),
+                                     torch.tensor(recv_pairs_h, device=x.device),
+                                     output_size=sum(recv_pairs_h))
+    row = meta_recv[:, 0] + recv_row_start[source]
+    y_recv = _local_experts(x_recv, w1, b1, w2, b2, score_recv, row, meta_recv[:, 1],
+                            activation, layout, backend)  # [S_recv, d]
+
+    # 4. Back to the senders, added per token in rank order.
+    y_send = _AllToAll.apply(y_recv, recv_rows_h, send_rows_h, group)  # [S, d]
+    out = _Combine.apply(y_send, send_token, send_rows_h, T)
+    return out, aux
+
+
+class ExpertParallelMoE(nn.Module):
+    """`MoE` with its experts sharded over the ranks of a process group (module docstring).
+
+    Parameters: router.weight [E, hidden] (a replica: the same on every rank); c_fc.weight
+    [E/W, N1, hidden], c_fc.bias, c_proj.weight [E/W, hidden, intermediate], c_proj.bias: this
+    rank's experts, rank q holding experts q·E/W ...; with sigmoid routing a buffer selection_bias
+    [E] (a replica).
+
+    Initialisation draws the router from `seed` and global expert e from (seed, e), so every rank
+    agrees on the router and the layer is the same function for any W. `from_moe` shards an
+    existing `MoE` instead.
+
+    Gradients after backward: an expert's is the sum over every rank's tokens (the exchange brings
+    them home); the router's covers this rank's tokens only. `reduce_gradients()` makes both the
+    gradient of the ranks' mean loss, as DistributedDataParallel would: under DDP, leave the expert
+    parameters out of DDP and call it, or call it alone.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        num_experts_per_tok: int,
+        hidden_size: int,
+        intermediate_size: int,
+        activation_function: Union[ActivationType, str] = ActivationType.SWIGLU,
+        add_bias: bool = False,
+        std: float = 0.02,
+        *,
+        routing: Union[RoutingMethod, str] = RoutingMethod.SOFTMAX_TOPK,
+        renormalize: bool = True,
+        gate_up_layout: Union[GateUpLayout, str] = GateUpLayout.INTERLEAVED,
+        backend: Union[Backend, str] = Backend.MACHMOE,
+        process_group=None,
+        seed: int = 0,
+    ):
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ExpertParallelMoE needs torch.distributed initialised "
+                               "(dist.init_process_group)")
+        self.process_group = process_group
+        W, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        E = _positive_int(num_experts, "num_experts")
+        if E % W:
+            raise ValueError(f"num_experts must be a multiple of the group's size {W}; got {E}")
+        self.num_experts_per_tok = _positive_int(num_experts_per_tok, "num_experts_per_tok")
+        if self.num_experts_per_tok > E:
+            raise ValueError(f"num_experts_per_tok must be <= num_experts ({E}); "
+                             f"got {num_experts_per_tok}")
+        self.hidden_size = _positive_int(hidden_size, "hidden_size")
+        self.intermediate_size = _positive_int(intermediate_size, "intermediate_size")
+        if not isinstance(add_bias, bool):
+            raise TypeError(f"add_bias must be a bool; got {type(add_bias).__name__}")
+        if isinstance(std, bool) or not isinstance(std, (int, float)) or not (std >= 0 and std < float("inf")):
+            raise ValueError(f"std must be a finite float >= 0; got {std!r}")
+        if not isinstance(renormalize, bool):
+            raise TypeError(f"renormalize must be a bool; got {type(renormalize).__name__}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0; got {seed!r}")
+        self.num_experts, self.world_size, self.rank = E, W, rank
+        self.activation_function = parse_enum(ActivationType, activation_function, "activation_function")
+        self.routing = parse_enum(RoutingMethod, routing, "routing")
+        self.renormalize = renormalize
+        self.gate_up_layout = parse_enum(GateUpLayout, gate_up_layout, "gate_up_layout")
+        self.backend = parse_enum(Backend, backend, "backend")
+
+        E_local, d, n = E // W, hidden_size, intermediate_size
+        n1 = 2 * n if is_glu(self.activation_function) else n
+        self.router = nn.Linear(d, E, bias=False)
+        self.c_fc = ExpertLinear(E_local, d, n1, add_bias, std)
+        self.c_proj = ExpertLinear(E_local, n, d, add_bias, std)
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(seed)
+            self.router.weight.normal_(0.0, std, generator=gen)
+            for i in range(E_local):
+                # Global expert e's own stream: the same weights whatever W is.
+                gen.manual_seed(torch_backend.splitmix64(seed * 2**32 + rank * E_local + i) % 2**63)
+                self.c_fc.weight[i].normal_(0.0, std, generator=gen)
+                self.c_proj.weight[i].normal_(0.0, std, generator=gen)
+        if self.routing == RoutingMethod.SIGMOID:
+            self.register_buffer("selection_bias", torch.zeros(E))
+        else:
+            self.selection_bias = None
+
+    @classmethod
+    def from_moe(cls, moe: MoE, process_group=None) -> "ExpertParallelMoE":
+        """This rank's shard of `moe` (same dtype and device; token rounding is not carried
+        over: expert parallelism does not offer it)."""
+        if not isinstance(moe, MoE):
+            raise TypeError(f"moe must be a machmoe.MoE; got {type(moe).__name__}")
+        layer = cls(moe.num_experts, moe.num_experts_per_tok, moe.hidden_size,
+                    moe.intermediate_size, moe.activation_function, moe.c_fc.bias is not None,
+                    moe.c_fc.std, routing=moe.routing, renormalize=moe.renormalize,
+                    gate_up_layout=moe.gate_up_layout, backend=moe.backend,
+                    process_group=process_group)
+        layer = layer.to(device=moe.router.weight.device, dtype=moe.router.weight.dtype)
+        part = slice(layer.rank * (moe.num_experts // layer.world_size),
+                     (layer.rank + 1) * (moe.num_experts // layer.world_size))
+        with torch.no_grad():
+            layer.router.weight.copy_(moe.router.weight)
+            for mine, full in ((layer.c_fc, moe.c_fc), (layer.c_proj, moe.c_proj)):
+                mine.weight.copy_(full.weight[part])
+                if full.bias is not None:
+                    mine.bias.copy_(full.bias[part])
+            if moe.selection_bias is not None:
+                layer.selection_bias.copy_(moe.selection_bias)
+        return layer
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden_states [..., hidden] (this rank's tokens) -> (output [..., hidden], aux [])."""
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(f"hidden_states must be a torch.Tensor; "
+                            f"got {type(hidden_states).__name__}")
+        if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden_states must have shape [..., hidden_size] with hidden_size "
+                             f"= {self.hidden_size}; got {list(hidden_states.shape)}")
+        x = hidden_states.reshape(-1, self.hidden_size)
+        out, aux = expert_parallel_moe(
+            x, self.router.weight, self.c_fc.weight, self.c_proj.weight,
+            num_experts_per_tok=self.num_experts_per_tok, b1=self.c_fc.bias, b2=self.c_proj.bias,
+            activation=self.activation_function, layout=self.gate_up_layout,
+            routing=self.routing, renormalize=self.renormalize,
+            selection_bias=self.selection_bias, group=self.process_group, backend=self.backend)
+        return out.reshape(hidden_states.shape), aux
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """This rank's own (sharded) parameters."""
+        return [p for m in (self.c_fc, self.c_proj) for p in (m.weight, m.bias) if p is not None]
+
+    @torch.no_grad()
+    def reduce_gradients(self, average: bool = True) -> None:
+        """Turn the local gradients into those of the ranks' mean loss (average=True, as DDP) or
+        of their sum: all-reduce the router's, and scale the experts' by 1/W for the mean. A
+        collective: every rank calls it after its backward."""
+        grad = self.router.weight.grad
+        if grad is None:
+            grad = torch.zeros_like(self.router.weight)
+            self.router.weight.grad = grad
+        dist.all_reduce(grad, group=self.process_group)
+        if average:
+            grad.div_(self.world_size)
+            for p in self.expert_parameters():
+                if p.grad is not None:
+                    p.grad.div_(self.world_size)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts} ({self.num_experts // self.world_size} on rank "
+                f"{self.rank} of {self.world_size}), num_experts_per_tok={self.num_experts_per_tok}, "
+                f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+                f"activation_function={self.activation_function.value}, "
+                f"routing={self.routing.value}, gate_up_layout={self.gate_up_layout.value}, "
+                f"backend={self.backend.value}")

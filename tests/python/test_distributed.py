@@ -1,0 +1,168 @@
+"""Expert parallelism (machmoe.distributed) on the CPU: W processes over gloo, the torch backend
+in float64, against one process running the whole `MoE` on every rank's batch.
+
+In float64 the sharded layer and the whole one differ only by the order of additions, so outputs,
+aux losses and gradients must agree to ~1e-13 relative; TOL leaves room for that and nothing
+else (a wrong row, expert or score is off by order 1). Each test spawns one group and runs all
+its cases in it, to keep CI fast.
+"""
+
+import os
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TOL = 1e-10
+
+
+def _rel(got, want):
+    want = want.double()
+    return ((got.double() - want).norm() / want.norm().clamp_min(1e-300)).item()
+
+
+def _case_inputs(seed, world, T, d, dtype, empty_rank):
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [0 if q == empty_rank else T + q for q in range(world)]  # odd T, and one empty rank
+    xs = [torch.randn(t, d, generator=gen, dtype=dtype) for t in sizes]
+    gs = [torch.randn(t, d, generator=gen, dtype=dtype) for t in sizes]
+    return xs, gs
+
+
+def _reference(full, xs, gs, aux_weight):
+    """Per-rank outputs and aux losses of the whole layer, and the gradients of the ranks' mean
+    loss (out·g summed, plus aux_weight·aux) for x of every rank and every parameter."""
+    full.zero_grad(set_to_none=True)
+    outs, auxs, dxs = [], [], []
+    total = 0
+    for x, g in zip(xs, gs):
+        x = x.clone().requires_grad_(True)
+        out, aux = full(x)
+        loss = (out * g).sum() + aux_weight * aux
+        loss.backward()
+        outs.append(out.detach())
+        auxs.append(aux.detach())
+        dxs.append(x.grad)
+        total += 1
+    grads = {name: p.grad / total for name, p in full.named_parameters()}
+    return outs, auxs, dxs, grads
+
+
+def _check_case(rank, world, seed, case):
+    from machmoe import MoE
+    from machmoe.distributed import ExpertParallelMoE
+
+    E, K, d, n = case["E"], case["K"], 16, 8
+    torch.manual_seed(seed)
+    full = MoE(E, K, d, n, case["act"], case["bias"], 0.3, routing=case["routing"],
+               gate_up_layout=case["layout"], backend="torch").double()
+    if full.selection_bias is not None:
+        # Experts of the last rank are never selected: that rank receives no rows at all.
+        full.selection_bias[(world - 1) * (E // world):] = -10.0
+    xs, gs = _case_inputs(seed + 1, world, 9, d, torch.float64, case["empty_rank"])
+    outs, auxs, dxs, grads = _reference(full, xs, gs, 0.1)
+
+    layer = ExpertParallelMoE.from_moe(full)
+    x = xs[rank].clone().requires_grad_(True)
+    out, aux = layer(x)
+    name = case["name"]
+    if out.numel():
+        assert _rel(out, outs[rank]) <= TOL, f"{name}: out off by {_rel(out, outs[rank]):.2e}"
+    assert out.shape == outs[rank].shape
+    assert abs(aux.item() - auxs[rank].item()) <= TOL * max(1.0, abs(auxs[rank].item())), name
+    ((out * gs[rank]).sum() + 0.1 * aux).backward()
+    layer.reduce_gradients(average=True)
+    if x.numel():
+        assert _rel(x.grad, dxs[rank]) <= TOL, f"{name}: dx off by {_rel(x.grad, dxs[rank]):.2e}"
+    part = slice(rank * (E // world), (rank + 1) * (E // world))
+    checks = [("router.weight", layer.router.weight.grad, grads["router.weight"])]
+    for local, whole in ((layer.c_fc, "c_fc"), (layer.c_proj, "c_proj")):
+        checks.append((f"{whole}.weight", local.weight.grad, grads[f"{whole}.weight"][part]))
+        if local.bias is not None:
+            checks.append((f"{whole}.bias", local.bias.grad, grads[f"{whole}.bias"][part]))
+    for what, got, want in checks:
+        if want.abs().max() == 0:  # this rank's experts got no rows anywhere: exact zeros
+            assert (got == 0).all(), f"{name}: d{what} of experts without rows is not zero"
+        else:
+            assert _rel(got, want) <= TOL, f"{name}: d{what} off by {_rel(got, want):.2e}"
+    if case.get("expect_idle") and rank == world - 1:
+        assert (layer.c_fc.weight.grad == 0).all(), f"{name}: idle rank's experts got a gradient"
+
+
+CASES = [
+    dict(name="softmax_topk swiglu bias", E=8, K=3, act="swiglu", bias=True,
+         routing="softmax_topk", layout="interleaved", empty_rank=None),
+    dict(name="sigmoid geglu concatenated, last rank's experts unused, rank 0 without tokens",
+         E=8, K=2, act="geglu", bias=False, routing="sigmoid", layout="concatenated",
+         empty_rank=0, expect_idle=True),
+    dict(name="topk_softmax relu bias, every expert per token", E=8, K=8, act="relu", bias=True,
+         routing="topk_softmax", layout="interleaved", empty_rank=None),
+]
+
+
+def _worker(rank, world, init_file, seed, errors):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        for i, case in enumerate(CASES):
+            _check_case(rank, world, seed + 7 * i, case)
+        _check_init_independent_of_world(rank, world)
+        _check_errors(world)
+    except BaseException:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_init_independent_of_world(rank, world):
+    """`seed` gives the same router and the same expert e on any number of ranks."""
+    from machmoe.distributed import ExpertParallelMoE
+
+    sharded = ExpertParallelMoE(8, 2, 16, 8, seed=11, backend="torch")
+    groups = [dist.new_group([q]) for q in range(world)]  # every rank creates every group
+    alone = ExpertParallelMoE(8, 2, 16, 8, seed=11, backend="torch", process_group=groups[rank])
+    assert torch.equal(sharded.router.weight, alone.router.weight)
+    part = slice(rank * (8 // world), (rank + 1) * (8 // world))
+    assert torch.equal(sharded.c_fc.weight, alone.c_fc.weight[part])
+    assert torch.equal(sharded.c_proj.weight, alone.c_proj.weight[part])
+    assert not torch.equal(sharded.c_fc.weight[0], sharded.c_fc.weight[-1]) or world == 8
+
+
+def _check_errors(world):
+    from machmoe.distributed import ExpertParallelMoE, expert_parallel_moe
+
+    with pytest.raises(ValueError, match="num_experts must be a multiple"):
+        ExpertParallelMoE(world * 2 + 1, 1, 16, 8, backend="torch")
+    with pytest.raises(ValueError, match="num_experts_per_tok must be <= num_experts"):
+        ExpertParallelMoE(world, world + 1, 16, 8, backend="torch")
+    x = torch.randn(4, 16)
+    with pytest.raises(ValueError, match="w1 must hold E / W experts"):
+        expert_parallel_moe(x, torch.randn(2 * world, 16), torch.randn(1, 16, 16),
+                            torch.randn(1, 16, 8), num_experts_per_tok=1, backend="torch")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_matches_the_whole_layer(world, seed):
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), seed, errors),
+                     nprocs=world, join=True)
+        except Exception:
+            messages = []
+            while not errors.empty():
+                messages.append(errors.get())
+            pytest.fail("\n".join(messages) or "a worker failed", pytrace=False)
+
+
+def test_expert_parallel_needs_an_initialised_group():
+    from machmoe.distributed import ExpertParallelMoE
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ExpertParallelMoE(8, 2, 16, 8, backend="torch")
