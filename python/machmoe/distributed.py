@@ -56,51 +56,115 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
 
 
-def _sum_rows_by_chunk(rows: torch.Tensor, token: torch.Tensor, chunks: list[int], T: int,
-                       dtype: torch.dtype) -> torch.Tensor:
-    """out [T, d] (dtype) = Σ rows[i] over the i with token[i] = t, added chunk by chunk in order.
-    A token appears at most once per chunk, so each index_add has distinct indices and the sum is
-    deterministic (index_add with repeated indices uses atomics on CUDA)."""
-    out = torch.zeros(T, rows.shape[1], dtype=dtype, device=rows.device)
-    start = 0
-    for size in chunks:
-        if size:
-            out.index_add_(0, token[start:start + size], rows[start:start + size].to(dtype))
-        start += size
-    return out
+class _RowSum:
+    """out [T, d] = Σ of the rows [S, d] that belong to each token, in rank order: the combine's
+    forward and the dispatch's backward. A token has at most one row per rank.
+
+    On CUDA with the op library: machmoe's aggregation kernel over a token-major list (fp32
+    accumulation, one pass at copy bandwidth). Otherwise index_add per rank's chunk, each with
+    distinct indices (index_add with repeated indices uses atomics on CUDA). Both deterministic.
+    """
+
+    def __init__(self, token, chunks, T, token_offsets=None, pair_row=None):
+        self.token, self.chunks, self.T = token, chunks, T  # [S] int64, rows per rank, T
+        self.token_offsets, self.pair_row = token_offsets, pair_row  # [T+1], [S] int32, or None
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.pair_row is not None:
+            return torch.ops.machmoe.aggregate(rows.contiguous(), self.pair_row, self.token_offsets,
+                                               None, rows.dtype)
+        acc = torch_backend.routing_dtype(rows.dtype)
+        out = torch.zeros(self.T, rows.shape[1], dtype=acc, device=rows.device)
+        start = 0
+        for size in self.chunks:
+            if size:
+                out.index_add_(0, self.token[start:start + size], rows[start:start + size].to(acc))
+            start += size
+        return out.to(rows.dtype)
 
 
 class _Dispatch(torch.autograd.Function):
-    """x [T, d] -> x[token] [S, d]; backward: the per-chunk deterministic sum."""
+    """x [T, d] -> x[token] [S, d]; backward: the row sum."""
 
     @staticmethod
-    def forward(ctx, x, token, chunks):
-        ctx.save_for_backward(token)
-        ctx.chunks, ctx.T = chunks, x.shape[0]
-        return x[token]
+    def forward(ctx, x, row_sum):
+        ctx.row_sum = row_sum
+        return x[row_sum.token]
 
     @staticmethod
     def backward(ctx, grad):
-        (token,) = ctx.saved_tensors
-        dx = _sum_rows_by_chunk(grad, token, ctx.chunks, ctx.T,
-                                torch_backend.routing_dtype(grad.dtype))
-        return dx.to(grad.dtype), None, None
+        return ctx.row_sum(grad), None
 
 
 class _Combine(torch.autograd.Function):
-    """rows [S, d] -> out [T, d] = per-chunk sum into the rows' tokens (accumulated in the routing
-    dtype, returned in the rows' dtype); backward: gather."""
+    """rows [S, d] -> out [T, d], the row sum; backward: gather."""
 
     @staticmethod
-    def forward(ctx, rows, token, chunks, T):
-        ctx.save_for_backward(token)
-        out = _sum_rows_by_chunk(rows, token, chunks, T, torch_backend.routing_dtype(rows.dtype))
-        return out.to(rows.dtype)
+    def forward(ctx, rows, row_sum):
+        ctx.row_sum = row_sum
+        return row_sum(rows)
 
     @staticmethod
     def backward(ctx, grad):
-        (token,) = ctx.saved_tensors
-        return grad[token], None, None, None
+        return grad[ctx.row_sum.token], None
+
+
+class _RouterLogits(torch.autograd.Function):
+    """logits [T, E] fp32 = x [T, d] · Wr [E, d]ᵀ from bf16 operands (cuBLAS, fp32 accumulation),
+    as machmoe::layer_forward computes them; the backward rounds d_logits to bf16 for its two
+    GEMMs, as machmoe::layer_backward does."""
+
+    @staticmethod
+    def forward(ctx, x, router_weight):
+        ctx.save_for_backward(x, router_weight)
+        return torch.mm(x, router_weight.t(), out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, d_logits):
+        x, wr = ctx.saved_tensors
+        g = d_logits.to(x.dtype)
+        dx = torch.mm(g, wr) if ctx.needs_input_grad[0] else None
+        dwr = torch.mm(g.t(), x, out_dtype=torch.float32).to(wr.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dwr
+
+
+class _TopK(torch.autograd.Function):
+    """machmoe's top-K router kernel: logits [T, E] fp32 -> scores [T, K] fp32, experts [T, K]
+    int32 (LAYER.md's selection and ties), with its backward kernel."""
+
+    @staticmethod
+    def forward(ctx, logits, K, routing, renormalize, selection_bias):
+        scores, experts = torch.ops.machmoe.topk_router(logits, K, routing, renormalize, selection_bias)
+        ctx.save_for_backward(logits, scores, experts)
+        ctx.routing, ctx.renormalize = routing, renormalize
+        ctx.mark_non_differentiable(experts)
+        return scores, experts
+
+    @staticmethod
+    def backward(ctx, d_scores, _):
+        logits, scores, experts = ctx.saved_tensors
+        d_logits = torch.ops.machmoe.topk_router_backward(logits, scores, experts, d_scores.contiguous(),
+                                                          ctx.routing, ctx.renormalize)
+        return d_logits, None, None, None, None
+
+
+def _on_kernels(x: torch.Tensor) -> bool:
+    """Whether the routing and the row sums may run on machmoe's CUDA kernels."""
+    from . import _ops
+
+    return x.is_cuda and x.dtype == torch.bfloat16 and _ops.ops_available()
+
+
+def _route(x, router_weight, K, routing, renormalize, selection_bias, kernels):
+    """-> logits [T, E] (routing dtype), scores [T, K], experts [T, K] int64: the layer's routing."""
+    if kernels:
+        logits = _RouterLogits.apply(x, router_weight.to(x.dtype))
+        bias = None if selection_bias is None else selection_bias.float().contiguous()
+        scores, experts = _TopK.apply(logits, K, routing.value, renormalize, bias)
+        return logits, scores, experts.long()
+    logits = torch_backend.router_logits(x, router_weight)
+    scores, experts = torch_backend.route_topk(logits, K, routing, renormalize, selection_bias)
+    return logits, scores, experts
 
 
 def _local_experts(x, w1, b1, w2, b2, scores, row, expert, activation, layout, backend):
@@ -169,47 +233,64 @@ def expert_parallel_moe(
     if backend == Backend.MACHMOE and x.dtype != torch.bfloat16:
         raise NotImplementedError(f"the machmoe backend takes bfloat16 x; got {x.dtype}")
 
-    # 1. Route this rank's tokens: pairs (token, expert, score) [R] in (t, k) order.
-    logits = torch_backend.router_logits(x, router_weight)  # [T, E] routing dtype
-    token, expert, score = torch_backend.route_pairs(logits, K, routing, renormalize, selection_bias)
-    aux = torch_backend.aux_loss(logits, expert)
+    # 1. Route this rank's tokens: pairs (token, expert, score) [R = T·K] in (t, k) order.
+    routing = parse_enum(RoutingMethod, routing, "routing")
+    kernels = _on_kernels(x)
+    logits, scores, experts = _route(x, router_weight, K, routing, renormalize, selection_bias, kernels)
+    aux = torch_backend.aux_loss(logits, experts)
+    dev = x.device
+    token = torch.arange(T, device=dev).repeat_interleave(K)  # [R]
+    expert, score = experts.reshape(-1), scores.reshape(-1)
     dest = torch.div(expert, E_local, rounding_mode="floor")  # [R] owning rank
 
-    # 2. Rows to send: one per (dest, token), grouped by dest, tokens ascending in each group.
-    key = dest * max(T, 1) + token  # [R]
-    order = torch.sort(key, stable=True).indices  # pairs grouped like their rows
-    send_key, pair_row = torch.unique(key, sorted=True, return_inverse=True)
-    send_token = send_key % max(T, 1)  # [S]
-    send_rows = torch.bincount(torch.div(send_key, max(T, 1), rounding_mode="floor"), minlength=W)
-    send_pairs = torch.bincount(dest, minlength=W)
-    row_start = torch.cumsum(send_rows, 0) - send_rows  # [W] first row of each group
+    # 2. Rows to send: one per (token, owning rank). owners [T, W]; rows are numbered rank-major
+    #    (rank q's rows in token order): row_id [W·T] (valid where owners). No host sync here.
+    owners = torch.zeros(T, W, dtype=torch.bool, device=dev)
+    owners[token, dest] = True
+    owners_rank_major = owners.t().reshape(-1)  # [W·T]
+    row_id = torch.cumsum(owners_rank_major, 0) - 1  # [W·T]
+    send_rows = owners.sum(0)  # [W]
+    send_pairs = torch.zeros(W, dtype=torch.int64, device=dev).scatter_add_(0, dest, torch.ones_like(dest))
+    row_start = torch.cumsum(send_rows, 0) - send_rows  # [W] first row of each rank's chunk
 
-    # Counts to the host (the one sync): [W, 2] rows and pairs per peer, both directions.
-    counts = torch.stack([send_rows, send_pairs], 1)
+    # Counts to the host (the one sync): rows and pairs per peer, both directions.
+    counts = torch.stack([send_rows, send_pairs], 1)  # [W, 2]
     recv_counts = _all_to_all(counts, [1] * W, [1] * W, group)
-    send_rows_h, send_pairs_h = counts.T.tolist()
-    recv_rows_h, recv_pairs_h = recv_counts.T.tolist()
+    send_rows_h, send_pairs_h = counts.t().tolist()
+    recv_rows_h, recv_pairs_h = recv_counts.t().tolist()
+    S = sum(send_rows_h)
 
-    x_send = _Dispatch.apply(x, send_token, send_rows_h)  # [S, d]
+    send_token = torch.nonzero_static(owners_rank_major, size=S)[:, 0] % max(T, 1)  # [S]
+    if kernels:  # the token-major list of rows for the aggregation kernel
+        pair_tq = torch.nonzero_static(owners.reshape(-1), size=S)[:, 0]  # t·W + q, token-major
+        pair_row = row_id[(pair_tq % W) * T + pair_tq // W].to(torch.int32)
+        token_offsets = torch.zeros(T + 1, dtype=torch.int32, device=dev)
+        token_offsets[1:] = torch.cumsum(owners.sum(1), 0)
+        row_sum = _RowSum(send_token, send_rows_h, T, token_offsets, pair_row)
+    else:
+        row_sum = _RowSum(send_token, send_rows_h, T)
+
+    x_send = _Dispatch.apply(x, row_sum)  # [S, d]
     x_recv = _AllToAll.apply(x_send, send_rows_h, recv_rows_h, group)  # [S_recv, d]
+    order = torch.sort(dest, stable=True).indices  # pairs grouped by rank, tokens ascending
     pair_dest = dest[order]
-    meta = torch.stack([pair_row[order] - row_start[pair_dest],  # row within its group
-                        expert[order] - pair_dest * E_local], 1)  # local expert
+    meta = torch.stack([row_id[pair_dest * T + token[order]] - row_start[pair_dest],  # row in chunk
+                        expert[order] - pair_dest * E_local], 1).to(torch.int32)  # local expert
     meta_recv = _all_to_all(meta, send_pairs_h, recv_pairs_h, group)  # [P_recv, 2]
     score_recv = _AllToAll.apply(score[order], send_pairs_h, recv_pairs_h, group)  # [P_recv]
 
     # 3. This rank's experts on what it received. Pairs from peer q address q's rows: offset them.
-    recv_row_start = torch.tensor([0] + recv_rows_h[:-1], device=x.device).cumsum(0)
-    source = torch.repeat_interleave(torch.arange(W, device=x.device),
-                                     torch.tensor(recv_pairs_h, device=x.device),
+    recv_row_start = torch.tensor([0] + recv_rows_h[:-1], device=dev).cumsum(0)
+    source = torch.repeat_interleave(torch.arange(W, device=dev),
+                                     torch.tensor(recv_pairs_h, device=dev),
                                      output_size=sum(recv_pairs_h))
-    row = meta_recv[:, 0] + recv_row_start[source]
+    row = meta_recv[:, 0].long() + recv_row_start[source]
     y_recv = _local_experts(x_recv, w1, b1, w2, b2, score_recv, row, meta_recv[:, 1],
                             activation, layout, backend)  # [S_recv, d]
 
     # 4. Back to the senders, added per token in rank order.
     y_send = _AllToAll.apply(y_recv, recv_rows_h, send_rows_h, group)  # [S, d]
-    out = _Combine.apply(y_send, send_token, send_rows_h, T)
+    out = _Combine.apply(y_send, row_sum)
     return out, aux
 
 

@@ -186,7 +186,10 @@ def aux_loss(logits: torch.Tensor, experts_of_pairs: torch.Tensor) -> torch.Tens
         return logits.new_zeros(())
     probs = torch.softmax(logits, dim=1)  # [T, E]
     importance = probs.sum(dim=0) / probs.sum()  # [E]
-    frequency = torch.bincount(experts_of_pairs.reshape(-1), minlength=E).to(logits.dtype) / R
+    idx = experts_of_pairs.reshape(-1).long()
+    # Counts by scatter_add, not bincount: bincount reads its input's maximum on the host (a sync).
+    counts = torch.zeros(E, dtype=torch.int64, device=idx.device).scatter_add_(0, idx, torch.ones_like(idx))
+    frequency = counts.to(logits.dtype) / R
     return E * (importance * frequency).sum()
 
 
