@@ -307,6 +307,15 @@ def test_module_without_gpu_runs_cpu_demo():
     assert "worst relative error" in proc.stdout
 
 
+def test_expert_parallel_bench_without_gpu_says_so(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the bench would run (python -m machmoe.bench.expert_parallel)")
+    from machmoe.bench import expert_parallel
+
+    expert_parallel.main(["--configs", "7B-a"])
+    assert "no CUDA GPU; nothing to measure" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------- on a GPU
 
 @pytest.mark.gpu
