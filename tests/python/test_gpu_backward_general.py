@@ -74,8 +74,30 @@ def check_general(T, d, n, E, act="swiglu", layout="interleaved", bias=False, ma
         assert got[k].dtype == want_dtype and got[k].shape == shape, k
         assert got[k].isfinite().all(), f"d{k}: non-finite gradient"
         err, err_base = rel_err(got[k], ref[k]), rel_err(base[k], ref[k])
-        assert err <= max(2 * err_base, 2 ** -7), f"d{k}: error {err:.3e} > 2x torch bf16's {err_base:.3e}"
+        floor = 2 ** -7 * (_dscores_condition(t, lst, g, opts) if k == "scores" else 1.0)
+        assert err <= max(2 * err_base, floor), (f"d{k}: error {err:.3e} > 2x torch bf16's {err_base:.3e} "
+                                                 f"(floor {floor:.3e})")
     return t, lst, got, ref
+
+
+def _dscores_condition(t, lst, g, opts):
+    """‖Σ_i |g_t,i · Y_r,i|‖ / ‖dS‖ (>= 1), float64: d s_r = ⟨g_t, Y_r⟩ is a dot product whose
+    rounding error scales with the sum of its terms' magnitudes, not with its value. With few pairs
+    (T = 1: R = 2) one cancelling dot product sets the relative error of the whole tensor, and the
+    2^-7 floor has to be taken on that scale (seed 1991261755 measured 1.6e-2 on an H100 with a
+    condition of this order)."""
+    token, expert, _ = lst
+    R = token.numel()
+    if R == 0:
+        return 1.0
+    f64 = {k: None if v is None else v.double() for k, v in t.items()}
+    y = functional.moe_general(f64["x"][token], f64["w1"], f64["w2"], torch.ones(R, dtype=torch.float64,
+                               device="cuda"), torch.arange(R, device="cuda"), expert, b1=f64["b1"],
+                               b2=f64["b2"], activation=opts["act"], layout=opts["layout"],
+                               backend="torch")  # Y_r [R, d]
+    terms = (g.double()[token] * y).abs().sum(1)  # [R]
+    ds = (g.double()[token] * y).sum(1)
+    return max(1.0, (terms.norm() / ds.norm().clamp_min(1e-300)).item())
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS)
