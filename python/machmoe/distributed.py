@@ -31,7 +31,7 @@ from torch import nn
 
 from . import torch_backend
 from .enums import ActivationType, Backend, GateUpLayout, RoutingMethod, is_glu, parse_enum
-from .moe import ExpertLinear, MoE, _positive_int
+from .moe import ExpertLinear, MoE, _positive_int, layer_settings
 
 
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
@@ -335,28 +335,16 @@ class ExpertParallelMoE(nn.Module):
                                "(dist.init_process_group)")
         self.process_group = process_group
         W, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
-        E = _positive_int(num_experts, "num_experts")
+        for name, value in layer_settings(num_experts, num_experts_per_tok, hidden_size,
+                                          intermediate_size, activation_function, add_bias, std,
+                                          routing, renormalize, gate_up_layout).items():
+            setattr(self, name, value)
+        E = self.num_experts
         if E % W:
             raise ValueError(f"num_experts must be a multiple of the group's size {W}; got {E}")
-        self.num_experts_per_tok = _positive_int(num_experts_per_tok, "num_experts_per_tok")
-        if self.num_experts_per_tok > E:
-            raise ValueError(f"num_experts_per_tok must be <= num_experts ({E}); "
-                             f"got {num_experts_per_tok}")
-        self.hidden_size = _positive_int(hidden_size, "hidden_size")
-        self.intermediate_size = _positive_int(intermediate_size, "intermediate_size")
-        if not isinstance(add_bias, bool):
-            raise TypeError(f"add_bias must be a bool; got {type(add_bias).__name__}")
-        if isinstance(std, bool) or not isinstance(std, (int, float)) or not (std >= 0 and std < float("inf")):
-            raise ValueError(f"std must be a finite float >= 0; got {std!r}")
-        if not isinstance(renormalize, bool):
-            raise TypeError(f"renormalize must be a bool; got {type(renormalize).__name__}")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be an int >= 0; got {seed!r}")
-        self.num_experts, self.world_size, self.rank = E, W, rank
-        self.activation_function = parse_enum(ActivationType, activation_function, "activation_function")
-        self.routing = parse_enum(RoutingMethod, routing, "routing")
-        self.renormalize = renormalize
-        self.gate_up_layout = parse_enum(GateUpLayout, gate_up_layout, "gate_up_layout")
+        self.world_size, self.rank = W, rank
         self.backend = parse_enum(Backend, backend, "backend")
 
         E_local, d, n = E // W, hidden_size, intermediate_size

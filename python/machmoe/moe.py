@@ -28,6 +28,34 @@ def _positive_int(value, arg: str) -> int:
     return value
 
 
+def layer_settings(num_experts, num_experts_per_tok, hidden_size, intermediate_size,
+                   activation_function, add_bias, std, routing, renormalize,
+                   gate_up_layout) -> dict:
+    """The constructor arguments every MoE layer class shares, checked and parsed (attribute name
+    -> value); a bad one raises an error naming it."""
+    settings = {"num_experts": _positive_int(num_experts, "num_experts"),
+                "num_experts_per_tok": _positive_int(num_experts_per_tok, "num_experts_per_tok")}
+    if num_experts_per_tok > num_experts:
+        raise ValueError(f"num_experts_per_tok must be <= num_experts ({num_experts}); "
+                         f"got {num_experts_per_tok}")
+    settings["hidden_size"] = _positive_int(hidden_size, "hidden_size")
+    settings["intermediate_size"] = _positive_int(intermediate_size, "intermediate_size")
+    settings["activation_function"] = parse_enum(ActivationType, activation_function,
+                                                 "activation_function")
+    if not isinstance(add_bias, bool):
+        raise TypeError(f"add_bias must be a bool; got {type(add_bias).__name__}")
+    if isinstance(std, bool) or not isinstance(std, (int, float)):
+        raise TypeError(f"std must be a float; got {type(std).__name__}")
+    if not (math.isfinite(std) and std >= 0):
+        raise ValueError(f"std must be finite and >= 0; got {std}")
+    settings["routing"] = parse_enum(RoutingMethod, routing, "routing")
+    if not isinstance(renormalize, bool):
+        raise TypeError(f"renormalize must be a bool; got {type(renormalize).__name__}")
+    settings["renormalize"] = renormalize
+    settings["gate_up_layout"] = parse_enum(GateUpLayout, gate_up_layout, "gate_up_layout")
+    return settings
+
+
 class ExpertLinear(nn.Module):
     """E stacked nn.Linear layers: weight [E, out_features, in_features], bias [E, out_features]."""
 
@@ -80,26 +108,10 @@ class MoE(nn.Module):
         backend: Union[Backend, str] = Backend.MACHMOE,
     ):
         super().__init__()
-        self.num_experts = _positive_int(num_experts, "num_experts")
-        self.num_experts_per_tok = _positive_int(num_experts_per_tok, "num_experts_per_tok")
-        if num_experts_per_tok > num_experts:
-            raise ValueError(f"num_experts_per_tok must be <= num_experts ({num_experts}); "
-                             f"got {num_experts_per_tok}")
-        self.hidden_size = _positive_int(hidden_size, "hidden_size")
-        self.intermediate_size = _positive_int(intermediate_size, "intermediate_size")
-        self.activation_function = parse_enum(ActivationType, activation_function,
-                                              "activation_function")
-        if not isinstance(add_bias, bool):
-            raise TypeError(f"add_bias must be a bool; got {type(add_bias).__name__}")
-        if isinstance(std, bool) or not isinstance(std, (int, float)):
-            raise TypeError(f"std must be a float; got {type(std).__name__}")
-        if not (math.isfinite(std) and std >= 0):
-            raise ValueError(f"std must be finite and >= 0; got {std}")
-        self.routing = parse_enum(RoutingMethod, routing, "routing")
-        if not isinstance(renormalize, bool):
-            raise TypeError(f"renormalize must be a bool; got {type(renormalize).__name__}")
-        self.renormalize = renormalize
-        self.gate_up_layout = parse_enum(GateUpLayout, gate_up_layout, "gate_up_layout")
+        for name, value in layer_settings(num_experts, num_experts_per_tok, hidden_size,
+                                          intermediate_size, activation_function, add_bias, std,
+                                          routing, renormalize, gate_up_layout).items():
+            setattr(self, name, value)
         self.token_rounding = parse_enum(TokenRounding, token_rounding, "token_rounding")
         if self.token_rounding != TokenRounding.NONE and \
                 self.routing != RoutingMethod.SOFTMAX_TOPK:
