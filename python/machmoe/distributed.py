@@ -206,7 +206,7 @@ def expert_parallel_moe(
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("expert_parallel_moe needs torch.distributed initialised "
                            "(dist.init_process_group)")
-    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    W = dist.get_world_size(group)
     for arg, t, ndim in (("x", x, 2), ("router_weight", router_weight, 2), ("w1", w1, 3), ("w2", w2, 3)):
         if not isinstance(t, torch.Tensor) or t.dim() != ndim:
             raise ValueError(f"{arg} must be a {ndim}-D tensor; got "
