@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import torch_backend
-from .enums import ActivationType, Backend, GateUpLayout, RoutingMethod, is_glu, parse_enum
-from .moe import ExpertLinear, MoE, _positive_int, layer_settings
+from . import functional, torch_backend
+from .enums import (ActivationType, Backend, GateUpLayout, RoutingMethod, TokenRounding, is_glu,
+                    parse_enum)
+from .moe import ExpertLinear, MoE, layer_settings
 
 
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
@@ -207,34 +208,24 @@ def expert_parallel_moe(
         raise RuntimeError("expert_parallel_moe needs torch.distributed initialised "
                            "(dist.init_process_group)")
     W = dist.get_world_size(group)
-    for arg, t, ndim in (("x", x, 2), ("router_weight", router_weight, 2), ("w1", w1, 3), ("w2", w2, 3)):
-        if not isinstance(t, torch.Tensor) or t.dim() != ndim:
-            raise ValueError(f"{arg} must be a {ndim}-D tensor; got "
-                             f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-    T, d = x.shape
-    E, E_local = router_weight.shape[0], w1.shape[0]
-    if router_weight.shape[1] != d:
-        raise ValueError(f"router_weight must have shape [E, d] with d = x.shape[1] = {d}; "
-                         f"got {list(router_weight.shape)}")
+    # The layer's own checks (functional.moe), with this rank's E / W experts in w1, w2, b1, b2.
+    T, d, E_local, n = functional._validate_experts(x, w1, w2, b1, b2, activation, None)
+    router_weight = functional._float_tensor(router_weight, "router_weight", 2)
+    E = router_weight.shape[0]
+    functional._shape(router_weight, "router_weight", (E, d), "[E, d] with d = x.shape[1]")
     if E_local * W != E:
         raise ValueError(f"w1 must hold E / W experts: E = router_weight.shape[0] = {E} over W = {W} "
                          f"ranks needs w1.shape[0] = {E // W if E % W == 0 else 'E / W'} "
                          f"(E must be a multiple of W); got {E_local}")
-    if w2.shape[0] != E_local:
-        raise ValueError(f"w2 must hold the same experts as w1 ({E_local}); got {w2.shape[0]}")
-    n = w2.shape[2]
-    n1 = 2 * n if is_glu(activation) else n
-    if tuple(w1.shape[1:]) != (n1, d) or w2.shape[1] != d:
-        raise ValueError(f"w1 must be [E_local, {n1}, {d}] and w2 [E_local, {d}, n] for "
-                         f"activation={activation.value}; got {list(w1.shape)} and {list(w2.shape)}")
-    K = _positive_int(num_experts_per_tok, "num_experts_per_tok")
-    if K > E:
-        raise ValueError(f"num_experts_per_tok must be <= E ({E}); got {K}")
+    K, routing, _ = functional._validate_routing(E, num_experts_per_tok, routing, renormalize,
+                                                 selection_bias, TokenRounding.NONE, 1, 0)
+    weights = {"x": x, "router_weight": router_weight, "w1": w1, "w2": w2, "b1": b1, "b2": b2}
+    functional._same_dtype(weights, "x")
+    functional._same_device({**weights, "selection_bias": selection_bias}, "x")
     if backend == Backend.MACHMOE and x.dtype != torch.bfloat16:
         raise NotImplementedError(f"the machmoe backend takes bfloat16 x; got {x.dtype}")
 
     # 1. Route this rank's tokens: pairs (token, expert, score) [R = T·K] in (t, k) order.
-    routing = parse_enum(RoutingMethod, routing, "routing")
     kernels = _on_kernels(x)
     logits, scores, experts = _route(x, router_weight, K, routing, renormalize, selection_bias, kernels)
     aux = torch_backend.aux_loss(logits, experts)

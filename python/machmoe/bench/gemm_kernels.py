@@ -84,20 +84,30 @@ def random_routing(T: int, E: int, K: int):
     return offs, row_token
 
 
+def expert_weights(E: int, d: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random SwiGLU expert weights: w1 [E, 2n, d], w2 [E, d, n] bf16 (std 0.02)."""
+    return ((torch.randn(E, 2 * n, d, device="cuda") * 0.02).bfloat16(),
+            (torch.randn(E, d, n, device="cuda") * 0.02).bfloat16())
+
+
+def expert_inputs(T: int, d: int, n: int, E: int, K: int) -> tuple:
+    """One argument set of the expert GEMMs on a fresh random top-K routing: x [T, d] (dout's
+    stand-in too: same shape), row_token [R], expert_offsets [E+1], H or dH [R, 2n], scores [R],
+    row_pair [R]."""
+    R = T * K
+    offs, row_token = random_routing(T, E, K)
+    return (torch.randn(T, d, device="cuda").bfloat16(), row_token, offs,
+            torch.randn(R, 2 * n, device="cuda").bfloat16(), torch.rand(R, device="cuda"),
+            torch.randperm(R, device="cuda").int())
+
+
 def expert_cases(name: str, T: int, d: int, n: int, E: int, K: int) -> list[KernelCase]:
     """The forward's two and the backward's four expert GEMMs (SwiGLU, interleaved), random top-K."""
     ops = _ops()
     R, n1 = T * K, 2 * n
-    w1 = (torch.randn(E, n1, d, device="cuda") * 0.02).bfloat16()
-    w2 = (torch.randn(E, d, n, device="cuda") * 0.02).bfloat16()
-    sets = []
-    for _ in range(3):
-        offs, row_token = random_routing(T, E, K)
-        # x [T, d], row_token [R], offs [E+1], dH or H [R, 2n], scores [R], row_pair [R],
-        # A' or A [R, n]; dout [T, d] is x's stand-in (same shape).
-        sets.append((torch.randn(T, d, device="cuda").bfloat16(), row_token, offs,
-                     torch.randn(R, n1, device="cuda").bfloat16(), torch.rand(R, device="cuda"),
-                     torch.randperm(R, device="cuda").int(), torch.randn(R, n, device="cuda").bfloat16()))
+    w1, w2 = expert_weights(E, d, n)
+    # expert_inputs + A' or A [R, n].
+    sets = [expert_inputs(T, d, n, E, K) + (torch.randn(R, n, device="cuda").bfloat16(),) for _ in range(3)]
 
     def up(x, row_token, offs, *_):
         return ops.grouped_gemm(x, row_token, offs, w1, None, R, "glu", "swiglu", "interleaved")

@@ -16,21 +16,17 @@ import argparse
 
 import torch
 
-from .gemm_kernels import random_routing
+from .gemm_kernels import expert_inputs, expert_weights
 from .timing import copy_bandwidth, cuda_time, matmul_tflops
 
 
 def run_config(name: str, T: int, d: int, n: int, E: int, K: int) -> None:
     m = torch.ops.machmoe
     R, n1 = T * K, 2 * n
-    w1 = (torch.randn(E, n1, d, device="cuda") * 0.02).bfloat16()
-    w2 = (torch.randn(E, d, n, device="cuda") * 0.02).bfloat16()
-    sets = []
-    for _ in range(2):
-        offs, row_token = random_routing(T, E, K)
-        x = torch.randn(T, d, device="cuda").bfloat16()
-        sets.append((x, row_token, offs, torch.randn(R, n1, device="cuda").bfloat16(), torch.rand(R, device="cuda"),
-                     torch.randperm(R, device="cuda").int(), torch.empty(R, d, device="cuda", dtype=torch.bfloat16)))
+    w1, w2 = expert_weights(E, d, n)
+    # expert_inputs + the pre-gathered rows' buffer [R, d].
+    sets = [expert_inputs(T, d, n, E, K) + (torch.empty(R, d, device="cuda", dtype=torch.bfloat16),)
+            for _ in range(2)]
 
     def gather(x, idx, xg):
         torch.index_select(x, 0, idx.long(), out=xg)
