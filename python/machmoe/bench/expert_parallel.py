@@ -1,6 +1,6 @@
 """Expert parallelism on the GPUs of one host (a measurement, not the main job):
 
-  python -m machmoe.bench.expert_parallel [--configs 7B-a,30B-b] [--world W] [--reps 20]
+  python -m machmoe.bench.expert_parallel [--configs 7B-a,30B-b] [--world W] [--reps 20] [--profile]
 
 Each of W ranks (NCCL, one GPU each) holds a whole config's batch of T tokens and E / W experts;
 `machmoe.distributed.ExpertParallelMoE` trains the layer with tokens exchanged all-to-all. Beside
@@ -8,6 +8,9 @@ it, in the same processes, the single-GPU layer (all E experts on every GPU, no 
 same batch: the bound an exchange can only add to. Forward + backward per call; TFLOPS per rank
 on the SPEC §1 convention (the work of T tokens), so the two columns compare directly. Also the
 bytes each rank sends per forward (rows of x out, partial sums back) and the peak memory.
+
+--profile adds, per config, rank 0's device time per call by kernel and by autograd op
+(torch.profiler over 5 calls), for the single-GPU layer and the expert-parallel one.
 
 Every rank runs a fixed number of calls in lockstep (the layer runs collectives), timed by CUDA
 events around the whole loop; the figure is the slowest rank's.
@@ -42,7 +45,33 @@ def _loop_ms(step, reps: int, warmup: int) -> float:
     return float(ms)
 
 
-def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup: int) -> None:
+def _profile(name: str, step, rank: int, calls: int = 5) -> None:
+    """rank 0 prints the device time per call of the kernels and of the ops that launched them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    dist.barrier()
+    if rank:
+        return
+    events = prof.key_averages()
+    total = sum(e.self_device_time_total for e in events) / calls / 1e3
+    print(f"\n{name}: {total:.3f} ms of device time per call (rank 0); top kernels and ops, ms per call")
+    rows = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)
+    for e in rows[:22]:
+        if e.self_device_time_total:
+            print(f"  self {e.self_device_time_total / calls / 1e3:7.3f}  x{e.count // calls:<3} {e.key[:96]}")
+    ops = sorted((e for e in events if e.key.startswith(("experts_", "aten::", "machmoe::", "c10d::", "nccl:",
+                                                           "autograd::", "_")) and e.device_time_total),
+                 key=lambda e: e.device_time_total, reverse=True)
+    for e in ops[:16]:
+        print(f"  incl {e.device_time_total / calls / 1e3:7.3f}  x{e.count // calls:<3} {e.key[:96]}")
+
+
+def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup: int,
+         profile_calls: bool = False) -> None:
     from machmoe import MoE
     from machmoe.distributed import ExpertParallelMoE
 
@@ -92,6 +121,13 @@ def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup
                       f"({tflops(flop, single_ms):.0f}) | {ep_ms:.3f} ({tflops(flop, ep_ms):.0f}) | "
                       f"{single_ms / ep_ms:.2f} | {float(sent) / 1e6:.0f} | "
                       f"{single_peak / 2**30:.2f} / {ep_peak / 2**30:.2f} |", flush=True)
+            if profile_calls:
+                del layer
+                full = MoE(cfg.E, cfg.K, cfg.d, cfg.n).cuda().bfloat16()
+                layer = ExpertParallelMoE.from_moe(full)
+                _profile(f"{cfg.name} single GPU", lambda: step(full), rank)
+                _profile(f"{cfg.name} expert parallel, W = {world}", lambda: step(layer), rank)
+                del full
             del layer, x, dout
             torch.cuda.empty_cache()
     finally:
@@ -105,6 +141,7 @@ def main(argv=None) -> None:
     parser.add_argument("--T-scale", type=float, default=1.0)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="also print rank 0's kernels and ops per call")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("expert_parallel: no CUDA GPU; nothing to measure")
@@ -117,7 +154,7 @@ def main(argv=None) -> None:
         if cfg.E % world:
             raise SystemExit(f"{cfg.name}: E = {cfg.E} is not a multiple of --world {world}")
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_run, args=(world, os.path.join(tmp, "init"), configs, args.reps, args.warmup),
+        mp.spawn(_run, args=(world, os.path.join(tmp, "init"), configs, args.reps, args.warmup, args.profile),
                  nprocs=world, join=True)
 
 
