@@ -110,6 +110,96 @@ class _Combine(torch.autograd.Function):
         return grad[ctx.row_sum.token], None
 
 
+class _Permute(torch.autograd.Function):
+    """x [R] -> x[order] for a permutation `order`; backward: the inverse scatter (no index
+    backward, which sorts to accumulate repeats a permutation does not have)."""
+
+    @staticmethod
+    def forward(ctx, x, order):
+        ctx.save_for_backward(order)
+        return x[order]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        return grad.new_empty(grad.shape).index_copy_(0, order, grad), None
+
+
+class _ExchangePlan:
+    """Who sends what, from this rank's top-K experts [T, K] (no host sync before the counts).
+
+    Rows: one per (token, owning rank), numbered rank-major with tokens ascending inside a rank
+    (rank q's chunk is rows [row_offsets[q], row_offsets[q+1])). Pairs: the T·K (token, expert)
+    pairs, permuted by `order` so that they are grouped by owning rank, token order inside.
+
+    On CUDA with the op library both come from machmoe's routing-metadata kernel, with the owning
+    rank in place of the expert: on the [T, K] list it merges a token's pairs for one rank into
+    one row (exactly the dedupe), and on the flat list with every pair its own token it groups
+    the pairs stably. Otherwise from an owners table [T, W] and a stable sort.
+    """
+
+    def __init__(self, experts: torch.Tensor, E_local: int, W: int, kernels: bool):
+        T, K = experts.shape
+        R, dev = T * K, experts.device
+        self.T, self.K, self.W, self.kernels, self.experts = T, K, W, kernels, experts
+        self.dest = torch.div(experts, E_local, rounding_mode="floor")  # [T, K] owning rank
+        if kernels:
+            meta = torch.ops.machmoe.routing_metadata
+            dest = self.dest.to(torch.int32)
+            row_offsets, self._row_token, _, pair_row, _, _ = meta(dest, None, T, W)
+            pair_offsets, order, _, _, _, _ = meta(dest.reshape(-1), torch.arange(R, dtype=torch.int32,
+                                                                                  device=dev), R, W)
+            self.pair_row = pair_row.long()  # [R] pair -> its row (global numbering)
+            self.order = order.long()  # [R]
+            self.row_offsets, pair_offsets = row_offsets.long(), pair_offsets.long()  # [W+1]
+        else:
+            token = torch.arange(T, device=dev).repeat_interleave(K)  # [R]
+            dest = self.dest.reshape(-1)
+            owners = torch.zeros(T, W, dtype=torch.bool, device=dev)
+            owners[token, dest] = True
+            self._owners_rank_major = owners.t().reshape(-1)  # [W·T]
+            row_id = torch.cumsum(self._owners_rank_major, 0) - 1  # [W·T]
+            self.pair_row = row_id[dest * T + token]
+            self.order = torch.sort(dest, stable=True).indices
+            zero = torch.zeros(1, dtype=torch.int64, device=dev)
+            self.row_offsets = torch.cat([zero, torch.cumsum(owners.sum(0), 0)])
+            pair_counts = torch.zeros(W, dtype=torch.int64, device=dev).scatter_add_(
+                0, dest, torch.ones_like(dest))
+            pair_offsets = torch.cat([zero, torch.cumsum(pair_counts, 0)])
+        self.send_rows = self.row_offsets.diff()  # [W]
+        self.send_pairs = pair_offsets.diff()  # [W]
+
+    def expert_counts(self, E: int) -> Optional[torch.Tensor]:
+        """Pairs per expert [E] (the aux loss's frequencies) by the metadata kernel, whose
+        per-tile counts avoid scatter_add's atomics on E addresses; None off the kernels."""
+        if not self.kernels:
+            return None
+        offsets = torch.ops.machmoe.routing_metadata(self.experts.to(torch.int32), None, self.T, E)[0]
+        return offsets.diff()
+
+    def row_sum(self, S: int, chunks: list[int]) -> "_RowSum":
+        """The row sum over the S rows this rank sends (chunk q = rows for rank q)."""
+        T, K = self.T, self.K
+        if not self.kernels:
+            row_token = torch.nonzero_static(self._owners_rank_major, size=S)[:, 0] % max(T, 1)
+            return _RowSum(row_token, chunks, T)
+        row_token = self._row_token[:S].long()
+        # Token-major list of each token's distinct rows, ascending = rank order.
+        rows = torch.sort(self.pair_row.view(T, K), dim=1).values  # [T, K]
+        first = torch.ones_like(rows, dtype=torch.bool)
+        first[:, 1:] = rows[:, 1:] != rows[:, :-1]
+        token_offsets = torch.zeros(T + 1, dtype=torch.int32, device=rows.device)
+        token_offsets[1:] = torch.cumsum(first.sum(1), 0)
+        pair_row = rows.reshape(-1)[torch.nonzero_static(first.reshape(-1), size=S)[:, 0]]
+        return _RowSum(row_token, chunks, T, token_offsets, pair_row.to(torch.int32))
+
+    def pair_meta(self, expert: torch.Tensor, E_local: int) -> torch.Tensor:
+        """[R, 2] int32 in `order`: each pair's row inside its rank's chunk and its local expert."""
+        dest = self.dest.reshape(-1)[self.order]
+        row = self.pair_row[self.order] - self.row_offsets[dest]
+        return torch.stack([row, expert[self.order] - dest * E_local], 1).to(torch.int32)
+
+
 class _RouterLogits(torch.autograd.Function):
     """logits [T, E] fp32 = x [T, d] · Wr [E, d]ᵀ from bf16 operands (cuBLAS, fp32 accumulation),
     as machmoe::layer_forward computes them; the backward rounds d_logits to bf16 for its two
@@ -228,49 +318,27 @@ def expert_parallel_moe(
     # 1. Route this rank's tokens: pairs (token, expert, score) [R = T·K] in (t, k) order.
     kernels = _on_kernels(x)
     logits, scores, experts = _route(x, router_weight, K, routing, renormalize, selection_bias, kernels)
-    aux = torch_backend.aux_loss(logits, experts)
-    dev = x.device
-    token = torch.arange(T, device=dev).repeat_interleave(K)  # [R]
-    expert, score = experts.reshape(-1), scores.reshape(-1)
-    dest = torch.div(expert, E_local, rounding_mode="floor")  # [R] owning rank
-
-    # 2. Rows to send: one per (token, owning rank). owners [T, W]; rows are numbered rank-major
-    #    (rank q's rows in token order): row_id [W·T] (valid where owners). No host sync here.
-    owners = torch.zeros(T, W, dtype=torch.bool, device=dev)
-    owners[token, dest] = True
-    owners_rank_major = owners.t().reshape(-1)  # [W·T]
-    row_id = torch.cumsum(owners_rank_major, 0) - 1  # [W·T]
-    send_rows = owners.sum(0)  # [W]
-    send_pairs = torch.zeros(W, dtype=torch.int64, device=dev).scatter_add_(0, dest, torch.ones_like(dest))
-    row_start = torch.cumsum(send_rows, 0) - send_rows  # [W] first row of each rank's chunk
+    plan = _ExchangePlan(experts, E_local, W, kernels and T > 0)
+    aux = torch_backend.aux_loss(logits, experts, counts=plan.expert_counts(E))
 
     # Counts to the host (the one sync): rows and pairs per peer, both directions.
-    counts = torch.stack([send_rows, send_pairs], 1)  # [W, 2]
+    counts = torch.stack([plan.send_rows, plan.send_pairs], 1)  # [W, 2]
     recv_counts = _all_to_all(counts, [1] * W, [1] * W, group)
     send_rows_h, send_pairs_h = counts.t().tolist()
     recv_rows_h, recv_pairs_h = recv_counts.t().tolist()
-    S = sum(send_rows_h)
+    row_sum = plan.row_sum(sum(send_rows_h), send_rows_h)
 
-    send_token = torch.nonzero_static(owners_rank_major, size=S)[:, 0] % max(T, 1)  # [S]
-    if kernels:  # the token-major list of rows for the aggregation kernel
-        pair_tq = torch.nonzero_static(owners.reshape(-1), size=S)[:, 0]  # t·W + q, token-major
-        pair_row = row_id[(pair_tq % W) * T + pair_tq // W].to(torch.int32)
-        token_offsets = torch.zeros(T + 1, dtype=torch.int32, device=dev)
-        token_offsets[1:] = torch.cumsum(owners.sum(1), 0)
-        row_sum = _RowSum(send_token, send_rows_h, T, token_offsets, pair_row)
-    else:
-        row_sum = _RowSum(send_token, send_rows_h, T)
-
+    # 2. Rows out (one per (token, owning rank)), then each pair's (row in its rank's chunk, local
+    #    expert) and score, grouped by rank.
     x_send = _Dispatch.apply(x, row_sum)  # [S, d]
     x_recv = _AllToAll.apply(x_send, send_rows_h, recv_rows_h, group)  # [S_recv, d]
-    order = torch.sort(dest, stable=True).indices  # pairs grouped by rank, tokens ascending
-    pair_dest = dest[order]
-    meta = torch.stack([row_id[pair_dest * T + token[order]] - row_start[pair_dest],  # row in chunk
-                        expert[order] - pair_dest * E_local], 1).to(torch.int32)  # local expert
+    meta = plan.pair_meta(experts.reshape(-1), E_local)  # [R, 2] int32, grouped by rank
     meta_recv = _all_to_all(meta, send_pairs_h, recv_pairs_h, group)  # [P_recv, 2]
-    score_recv = _AllToAll.apply(score[order], send_pairs_h, recv_pairs_h, group)  # [P_recv]
+    score_send = _Permute.apply(scores.reshape(-1), plan.order)
+    score_recv = _AllToAll.apply(score_send, send_pairs_h, recv_pairs_h, group)  # [P_recv]
 
     # 3. This rank's experts on what it received. Pairs from peer q address q's rows: offset them.
+    dev = x.device
     recv_row_start = torch.tensor([0] + recv_rows_h[:-1], device=dev).cumsum(0)
     source = torch.repeat_interleave(torch.arange(W, device=dev),
                                      torch.tensor(recv_pairs_h, device=dev),

@@ -60,7 +60,7 @@ def _profile(name: str, step, rank: int, calls: int = 5) -> None:
     total = sum(e.self_device_time_total for e in events) / calls / 1e3
     print(f"\n{name}: {total:.3f} ms of device time per call (rank 0); top kernels and ops, ms per call")
     rows = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)
-    for e in rows[:22]:
+    for e in rows[:40]:
         if e.self_device_time_total:
             print(f"  self {e.self_device_time_total / calls / 1e3:7.3f}  x{e.count // calls:<3} {e.key[:96]}")
     ops = sorted((e for e in events if e.key.startswith(("experts_", "aten::", "machmoe::", "c10d::", "nccl:",
