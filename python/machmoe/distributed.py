@@ -125,6 +125,25 @@ class _Permute(torch.autograd.Function):
         return grad.new_empty(grad.shape).index_copy_(0, order, grad), None
 
 
+def _to_host_async(t: torch.Tensor):
+    """Starts copying t to the host and returns a function that waits for it and returns the
+    copy. On CUDA the copy is non-blocking into pinned memory behind an event, so the caller can
+    queue more work before it waits; elsewhere the copy is immediate."""
+    if not t.is_cuda:
+        host = t.cpu()
+        return lambda: host
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def wait() -> torch.Tensor:
+        done.synchronize()
+        return host
+
+    return wait
+
+
 class _ExchangePlan:
     """Who sends what, from this rank's top-K experts [T, K] (no host sync before the counts).
 
@@ -177,21 +196,28 @@ class _ExchangePlan:
         offsets = torch.ops.machmoe.routing_metadata(self.experts.to(torch.int32), None, self.T, E)[0]
         return offsets.diff()
 
-    def row_sum(self, S: int, chunks: list[int]) -> "_RowSum":
-        """The row sum over the S rows this rank sends (chunk q = rows for rank q)."""
-        T, K = self.T, self.K
+    def prepare_row_sum(self) -> None:
+        """The row sum's index lists, as far as they go without the row count S (so that they
+        can be queued before the host waits for it): on the kernels, each token's distinct
+        rows, ascending (= rank order), padded to T·K entries."""
         if not self.kernels:
-            row_token = torch.nonzero_static(self._owners_rank_major, size=S)[:, 0] % max(T, 1)
-            return _RowSum(row_token, chunks, T)
-        row_token = self._row_token[:S].long()
-        # Token-major list of each token's distinct rows, ascending = rank order.
+            return
+        T, K = self.T, self.K
         rows = torch.sort(self.pair_row.view(T, K), dim=1).values  # [T, K]
         first = torch.ones_like(rows, dtype=torch.bool)
         first[:, 1:] = rows[:, 1:] != rows[:, :-1]
-        token_offsets = torch.zeros(T + 1, dtype=torch.int32, device=rows.device)
-        token_offsets[1:] = torch.cumsum(first.sum(1), 0)
-        pair_row = rows.reshape(-1)[torch.nonzero_static(first.reshape(-1), size=S)[:, 0]]
-        return _RowSum(row_token, chunks, T, token_offsets, pair_row.to(torch.int32))
+        self._token_offsets = torch.zeros(T + 1, dtype=torch.int32, device=rows.device)
+        self._token_offsets[1:] = torch.cumsum(first.sum(1), 0)
+        keep = torch.nonzero_static(first.reshape(-1), size=T * K)[:, 0]  # [T·K], -1 past S
+        self._distinct_rows = rows.reshape(-1)[keep.clamp_min(0)].to(torch.int32)
+
+    def row_sum(self, S: int, chunks: list[int]) -> "_RowSum":
+        """The row sum over the S rows this rank sends (chunk q = rows for rank q)."""
+        if not self.kernels:
+            row_token = torch.nonzero_static(self._owners_rank_major, size=S)[:, 0] % max(self.T, 1)
+            return _RowSum(row_token, chunks, self.T)
+        return _RowSum(self._row_token[:S].long(), chunks, self.T, self._token_offsets,
+                       self._distinct_rows[:S])
 
     def pair_meta(self, expert: torch.Tensor, E_local: int) -> torch.Tensor:
         """[R, 2] int32 in `order`: each pair's row inside its rank's chunk and its local expert."""
@@ -319,31 +345,33 @@ def expert_parallel_moe(
     kernels = _on_kernels(x)
     logits, scores, experts = _route(x, router_weight, K, routing, renormalize, selection_bias, kernels)
     plan = _ExchangePlan(experts, E_local, W, kernels and T > 0)
-    aux = torch_backend.aux_loss(logits, experts, counts=plan.expert_counts(E))
 
-    # Counts to the host (the one sync): rows and pairs per peer, both directions.
+    # Counts to the host (the one sync): rows and pairs per peer, both directions. On CUDA they
+    # travel by a non-blocking copy behind an event, and the work that needs no counts is queued
+    # before the host waits, so the device is not left idle while the host catches up.
     counts = torch.stack([plan.send_rows, plan.send_pairs], 1)  # [W, 2]
-    recv_counts = _all_to_all(counts, [1] * W, [1] * W, group)
-    send_rows_h, send_pairs_h = counts.t().tolist()
-    recv_rows_h, recv_pairs_h = recv_counts.t().tolist()
+    recv_counts = _all_to_all(counts, [1] * W, [1] * W, group)  # [W, 2]
+    counts_h = _to_host_async(torch.cat([counts, recv_counts], 1))  # [W, 4]
+    aux = torch_backend.aux_loss(logits, experts, counts=plan.expert_counts(E))
+    meta = plan.pair_meta(experts.reshape(-1), E_local)  # [R, 2] int32, grouped by rank
+    score_send = _Permute.apply(scores.reshape(-1), plan.order)  # [R]
+    plan.prepare_row_sum()
+    send_rows_h, send_pairs_h, recv_rows_h, recv_pairs_h = counts_h().t().tolist()
     row_sum = plan.row_sum(sum(send_rows_h), send_rows_h)
 
-    # 2. Rows out (one per (token, owning rank)), then each pair's (row in its rank's chunk, local
+    # 2. Rows out (one per (token, owning rank)); each pair's (row in its rank's chunk, local
     #    expert) and score, grouped by rank.
     x_send = _Dispatch.apply(x, row_sum)  # [S, d]
     x_recv = _AllToAll.apply(x_send, send_rows_h, recv_rows_h, group)  # [S_recv, d]
-    meta = plan.pair_meta(experts.reshape(-1), E_local)  # [R, 2] int32, grouped by rank
     meta_recv = _all_to_all(meta, send_pairs_h, recv_pairs_h, group)  # [P_recv, 2]
-    score_send = _Permute.apply(scores.reshape(-1), plan.order)
     score_recv = _AllToAll.apply(score_send, send_pairs_h, recv_pairs_h, group)  # [P_recv]
 
-    # 3. This rank's experts on what it received. Pairs from peer q address q's rows: offset them.
-    dev = x.device
-    recv_row_start = torch.tensor([0] + recv_rows_h[:-1], device=dev).cumsum(0)
-    source = torch.repeat_interleave(torch.arange(W, device=dev),
-                                     torch.tensor(recv_pairs_h, device=dev),
+    # 3. This rank's experts on what it received. Pairs from peer q address q's rows: offset them
+    #    (on the device, from the received counts: no host-to-device copy, which would block).
+    recv_rows, recv_pairs = recv_counts[:, 0], recv_counts[:, 1]
+    source = torch.repeat_interleave(torch.arange(W, device=x.device), recv_pairs,
                                      output_size=sum(recv_pairs_h))
-    row = meta_recv[:, 0].long() + recv_row_start[source]
+    row = meta_recv[:, 0].long() + (torch.cumsum(recv_rows, 0) - recv_rows)[source]
     y_recv = _local_experts(x_recv, w1, b1, w2, b2, score_recv, row, meta_recv[:, 1],
                             activation, layout, backend)  # [S_recv, d]
 

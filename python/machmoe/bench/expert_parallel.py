@@ -45,6 +45,26 @@ def _loop_ms(step, reps: int, warmup: int) -> float:
     return float(ms)
 
 
+def _print_idle(prof, calls: int, top: int = 8) -> None:
+    """Where the device sat idle between the first and the last device activity: the total per
+    call and the longest gaps, each with the activities on either side."""
+    acts = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+    if not acts:
+        return
+    gaps, end, last = [], acts[0].time_range.end, acts[0]
+    for e in acts[1:]:
+        if e.time_range.start > end:
+            gaps.append((e.time_range.start - end, last.name, e.name))
+        if e.time_range.end > end:
+            end, last = e.time_range.end, e
+    span = (end - acts[0].time_range.start) / calls / 1e3
+    idle = sum(g for g, _, _ in gaps) / calls / 1e3
+    print(f"  device span {span:.3f} ms per call, idle {idle:.3f} ms; longest gaps (us, after -> before):")
+    for g, before, after in sorted(gaps, reverse=True)[:top]:
+        print(f"    {g:8.1f}  {before[:50]} -> {after[:50]}")
+
+
 def _profile(name: str, step, rank: int, calls: int = 5) -> None:
     """rank 0 prints the device time per call of the kernels and of the ops that launched them."""
     from torch.profiler import ProfilerActivity, profile
@@ -56,6 +76,7 @@ def _profile(name: str, step, rank: int, calls: int = 5) -> None:
     dist.barrier()
     if rank:
         return
+    _print_idle(prof, calls)
     events = prof.key_averages()
     total = sum(e.self_device_time_total for e in events) / calls / 1e3
     print(f"\n{name}: {total:.3f} ms of device time per call (rank 0); top kernels and ops, ms per call")
