@@ -66,14 +66,15 @@ class _RowSum:
     distinct indices (index_add with repeated indices uses atomics on CUDA). Both deterministic.
     """
 
-    def __init__(self, token, chunks, T, token_offsets=None, pair_row=None):
+    def __init__(self, token, chunks, T, ops=None, token_offsets=None, pair_row=None):
         self.token, self.chunks, self.T = token, chunks, T  # [S] int64, rows per rank, T
-        self.token_offsets, self.pair_row = token_offsets, pair_row  # [T+1], [S] int32, or None
+        # machmoe's op namespace, [T+1], [S] int32; or None (index_add)
+        self.ops, self.token_offsets, self.pair_row = ops, token_offsets, pair_row
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.pair_row is not None:
-            return torch.ops.machmoe.aggregate(rows.contiguous(), self.pair_row, self.token_offsets,
-                                               None, rows.dtype)
+        if self.ops is not None:
+            return self.ops.aggregate(rows.contiguous(), self.pair_row, self.token_offsets, None,
+                                      rows.dtype)
         acc = torch_backend.routing_dtype(rows.dtype)
         out = torch.zeros(self.T, rows.shape[1], dtype=acc, device=rows.device)
         start = 0
@@ -151,19 +152,19 @@ class _ExchangePlan:
     (rank q's chunk is rows [row_offsets[q], row_offsets[q+1])). Pairs: the T·K (token, expert)
     pairs, permuted by `order` so that they are grouped by owning rank, token order inside.
 
-    On CUDA with the op library both come from machmoe's routing-metadata kernel, with the owning
-    rank in place of the expert: on the [T, K] list it merges a token's pairs for one rank into
-    one row (exactly the dedupe), and on the flat list with every pair its own token it groups
-    the pairs stably. Otherwise from an owners table [T, W] and a stable sort.
+    With `ops` (machmoe's op namespace, on CUDA) both come from the routing-metadata kernel, with
+    the owning rank in place of the expert: on the [T, K] list it merges a token's pairs for one
+    rank into one row (exactly the dedupe), and on the flat list with every pair its own token it
+    groups the pairs stably. With ops None, from an owners table [T, W] and a stable sort.
     """
 
-    def __init__(self, experts: torch.Tensor, E_local: int, W: int, kernels: bool):
+    def __init__(self, experts: torch.Tensor, E_local: int, W: int, ops=None):
         T, K = experts.shape
         R, dev = T * K, experts.device
-        self.T, self.K, self.W, self.kernels, self.experts = T, K, W, kernels, experts
+        self.T, self.K, self.W, self.ops, self.experts = T, K, W, ops, experts
         self.dest = torch.div(experts, E_local, rounding_mode="floor")  # [T, K] owning rank
-        if kernels:
-            meta = torch.ops.machmoe.routing_metadata
+        if ops is not None:
+            meta = ops.routing_metadata
             dest = self.dest.to(torch.int32)
             row_offsets, self._row_token, _, pair_row, _, _ = meta(dest, None, T, W)
             pair_offsets, order, _, _, _, _ = meta(dest.reshape(-1), torch.arange(R, dtype=torch.int32,
@@ -191,16 +192,16 @@ class _ExchangePlan:
     def expert_counts(self, E: int) -> Optional[torch.Tensor]:
         """Pairs per expert [E] (the aux loss's frequencies) by the metadata kernel, whose
         per-tile counts avoid scatter_add's atomics on E addresses; None off the kernels."""
-        if not self.kernels:
+        if self.ops is None:
             return None
-        offsets = torch.ops.machmoe.routing_metadata(self.experts.to(torch.int32), None, self.T, E)[0]
+        offsets = self.ops.routing_metadata(self.experts.to(torch.int32), None, self.T, E)[0]
         return offsets.diff()
 
     def prepare_row_sum(self) -> None:
         """The row sum's index lists, as far as they go without the row count S (so that they
         can be queued before the host waits for it): on the kernels, each token's distinct
         rows, ascending (= rank order), padded to T·K entries."""
-        if not self.kernels:
+        if self.ops is None:
             return
         T, K = self.T, self.K
         rows = torch.sort(self.pair_row.view(T, K), dim=1).values  # [T, K]
@@ -213,10 +214,10 @@ class _ExchangePlan:
 
     def row_sum(self, S: int, chunks: list[int]) -> "_RowSum":
         """The row sum over the S rows this rank sends (chunk q = rows for rank q)."""
-        if not self.kernels:
+        if self.ops is None:
             row_token = torch.nonzero_static(self._owners_rank_major, size=S)[:, 0] % max(self.T, 1)
             return _RowSum(row_token, chunks, self.T)
-        return _RowSum(self._row_token[:S].long(), chunks, self.T, self._token_offsets,
+        return _RowSum(self._row_token[:S].long(), chunks, self.T, self.ops, self._token_offsets,
                        self._distinct_rows[:S])
 
     def pair_meta(self, expert: torch.Tensor, E_local: int) -> torch.Tensor:
@@ -344,7 +345,7 @@ def expert_parallel_moe(
     # 1. Route this rank's tokens: pairs (token, expert, score) [R = T·K] in (t, k) order.
     kernels = _on_kernels(x)
     logits, scores, experts = _route(x, router_weight, K, routing, renormalize, selection_bias, kernels)
-    plan = _ExchangePlan(experts, E_local, W, kernels and T > 0)
+    plan = _ExchangePlan(experts, E_local, W, torch.ops.machmoe if kernels and T > 0 else None)
 
     # Counts to the host (the one sync): rows and pairs per peer, both directions. On CUDA they
     # travel by a non-blocking copy behind an event, and the work that needs no counts is queued

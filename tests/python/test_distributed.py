@@ -166,3 +166,71 @@ def test_expert_parallel_needs_an_initialised_group():
         pytest.skip("a process group is already initialised in this process")
     with pytest.raises(RuntimeError, match="init_process_group"):
         ExpertParallelMoE(8, 2, 16, 8, backend="torch")
+
+
+class _FakeKernelOps:
+    """machmoe's routing_metadata and aggregate ops as their docs define them, on the CPU, so that
+    the exchange plan's kernel path (which runs on CUDA) is checked in CI. routing_metadata: rows
+    grouped by expert, tokens ascending inside an expert, a repeated (token, expert) pair merged
+    into one row that every repeat maps to; aggregate: Σ over each token's list of rows."""
+
+    @staticmethod
+    def routing_metadata(pair_expert, pair_token, T, E):
+        if pair_token is None:  # a top-K list [T, K]: pair p belongs to token p / K
+            pair_token = torch.arange(pair_expert.numel()) // pair_expert.shape[1]
+        e, t = pair_expert.reshape(-1).long(), pair_token.reshape(-1).long()
+        keys = sorted({(int(a), int(b)) for a, b in zip(e, t)})  # (expert, token): one row each
+        row_of = {k: r for r, k in enumerate(keys)}
+        offsets = torch.zeros(E + 1, dtype=torch.int32)
+        for a, _ in keys:
+            offsets[a + 1:] += 1
+        row_token = torch.full((e.numel(),), -1, dtype=torch.int32)  # rows past the last: unused
+        row_token[:len(keys)] = torch.tensor([b for _, b in keys], dtype=torch.int32)
+        pair_row = torch.tensor([row_of[(int(a), int(b))] for a, b in zip(e, t)], dtype=torch.int32)
+        return offsets, row_token, None, pair_row, None, torch.zeros(1, dtype=torch.int32)
+
+    @staticmethod
+    def aggregate(rows, pair_row, token_offsets, scores, dtype):
+        T = token_offsets.numel() - 1
+        out = torch.zeros(T, rows.shape[1], dtype=torch.float64)
+        for t in range(T):
+            for p in range(int(token_offsets[t]), int(token_offsets[t + 1])):
+                out[t] += rows[int(pair_row[p])].double()
+        return out.to(dtype)
+
+
+@pytest.mark.parametrize("T,K,E,W", [(37, 4, 12, 3), (5, 6, 6, 2), (64, 8, 16, 4), (1, 2, 4, 4),
+                                     (50, 3, 9, 1), (9, 2, 16, 8)])
+def test_exchange_plan_on_the_kernels_matches_its_definition(T, K, E, W):
+    """The plan built from the metadata kernel (faked from its definition) and the one built from
+    torch ops both equal the exchange written out by hand: rows = the distinct (rank, token)
+    pairs in rank-major order, pairs grouped by rank stably, each token's partial sums added."""
+    from machmoe.distributed import _ExchangePlan
+
+    gen = torch.Generator().manual_seed(T * 1000 + K * 100 + E + W)
+    experts = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])  # [T, K]
+    E_local = E // W
+    dest = (experts // E_local).reshape(-1)
+    token = torch.arange(T).repeat_interleave(K)
+    rows = sorted({(int(q), int(t)) for q, t in zip(dest, token)})  # the definition
+    row_of = {k: r for r, k in enumerate(rows)}
+    want_rows = torch.tensor([sum(1 for q, _ in rows if q == r) for r in range(W)])
+    want_pair_row = torch.tensor([row_of[(int(q), int(t))] for q, t in zip(dest, token)])
+    want_order = torch.tensor(sorted(range(T * K), key=lambda p: (int(dest[p]), p)))
+    partial = torch.randn(len(rows), 5, dtype=torch.float64, generator=gen)  # a partial sum per row
+    want_sum = torch.zeros(T, 5, dtype=torch.float64)
+    for r, (_, t) in enumerate(rows):
+        want_sum[t] += partial[r]
+    for ops in (None, _FakeKernelOps):
+        plan = _ExchangePlan(experts, E_local, W, ops)
+        assert torch.equal(plan.send_rows, want_rows)
+        assert torch.equal(plan.send_pairs, torch.bincount(dest, minlength=W))
+        assert torch.equal(plan.pair_row, want_pair_row)
+        assert torch.equal(plan.order, want_order)
+        meta = plan.pair_meta(experts.reshape(-1), E_local)
+        assert torch.equal(meta[:, 0].long(), want_pair_row[want_order] - plan.row_offsets[dest[want_order]])
+        assert torch.equal(meta[:, 1].long(), experts.reshape(-1)[want_order] % E_local)
+        plan.prepare_row_sum()
+        row_sum = plan.row_sum(len(rows), want_rows.tolist())
+        assert torch.equal(row_sum.token, torch.tensor([t for _, t in rows]))
+        assert torch.allclose(row_sum(partial), want_sum, rtol=1e-14, atol=0)
