@@ -89,6 +89,12 @@ def _profile(name: str, step, rank: int, calls: int = 5) -> None:
                  key=lambda e: e.device_time_total, reverse=True)
     for e in ops[:16]:
         print(f"  incl {e.device_time_total / calls / 1e3:7.3f}  x{e.count // calls:<3} {e.key[:96]}")
+    # Host time in CUDA runtime calls: where the host blocks (synchronisations, blocking copies,
+    # cudaMalloc) and the device, having run out of queued work, sits idle.
+    runtime = sorted((e for e in events if e.key.startswith("cuda")), key=lambda e: e.cpu_time_total,
+                     reverse=True)
+    for e in runtime[:8]:
+        print(f"  host {e.cpu_time_total / calls / 1e3:7.3f}  x{e.count // calls:<3} {e.key[:96]}")
 
 
 def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup: int,
