@@ -112,18 +112,18 @@ class _Combine(torch.autograd.Function):
 
 
 class _Permute(torch.autograd.Function):
-    """x [R] -> x[order] for a permutation `order`; backward: the inverse scatter (no index
-    backward, which sorts to accumulate repeats a permutation does not have)."""
+    """x [R] -> x[order] for a permutation `order`; backward: grad[inverse], a gather (index's
+    own backward sorts to accumulate repeats, which a permutation does not have)."""
 
     @staticmethod
-    def forward(ctx, x, order):
-        ctx.save_for_backward(order)
+    def forward(ctx, x, order, inverse):
+        ctx.save_for_backward(inverse)
         return x[order]
 
     @staticmethod
     def backward(ctx, grad):
-        (order,) = ctx.saved_tensors
-        return grad.new_empty(grad.shape).index_copy_(0, order, grad), None
+        (inverse,) = ctx.saved_tensors
+        return grad[inverse], None, None
 
 
 def _to_host_async(t: torch.Tensor):
@@ -167,10 +167,10 @@ class _ExchangePlan:
             meta = ops.routing_metadata
             dest = self.dest.to(torch.int32)
             row_offsets, self._row_token, _, pair_row, _, _ = meta(dest, None, T, W)
-            pair_offsets, order, _, _, _, _ = meta(dest.reshape(-1), torch.arange(R, dtype=torch.int32,
-                                                                                  device=dev), R, W)
+            pair_offsets, order, _, inverse, _, _ = meta(dest.reshape(-1), torch.arange(
+                R, dtype=torch.int32, device=dev), R, W)
             self.pair_row = pair_row.long()  # [R] pair -> its row (global numbering)
-            self.order = order.long()  # [R]
+            self.order, self.inverse = order.long(), inverse.long()  # [R], [R]
             self.row_offsets, pair_offsets = row_offsets.long(), pair_offsets.long()  # [W+1]
         else:
             token = torch.arange(T, device=dev).repeat_interleave(K)  # [R]
@@ -181,6 +181,7 @@ class _ExchangePlan:
             row_id = torch.cumsum(self._owners_rank_major, 0) - 1  # [W·T]
             self.pair_row = row_id[dest * T + token]
             self.order = torch.sort(dest, stable=True).indices
+            self.inverse = torch.argsort(self.order)
             zero = torch.zeros(1, dtype=torch.int64, device=dev)
             self.row_offsets = torch.cat([zero, torch.cumsum(owners.sum(0), 0)])
             pair_counts = torch.zeros(W, dtype=torch.int64, device=dev).scatter_add_(
@@ -355,7 +356,7 @@ def expert_parallel_moe(
     counts_h = _to_host_async(torch.cat([counts, recv_counts], 1))  # [W, 4]
     aux = torch_backend.aux_loss(logits, experts, counts=plan.expert_counts(E))
     meta = plan.pair_meta(experts.reshape(-1), E_local)  # [R, 2] int32, grouped by rank
-    score_send = _Permute.apply(scores.reshape(-1), plan.order)  # [R]
+    score_send = _Permute.apply(scores.reshape(-1), plan.order, plan.inverse)  # [R]
     plan.prepare_row_sum()
     send_rows_h, send_pairs_h, recv_rows_h, recv_pairs_h = counts_h().t().tolist()
     row_sum = plan.row_sum(sum(send_rows_h), send_rows_h)

@@ -227,6 +227,7 @@ def test_exchange_plan_on_the_kernels_matches_its_definition(T, K, E, W):
         assert torch.equal(plan.send_pairs, torch.bincount(dest, minlength=W))
         assert torch.equal(plan.pair_row, want_pair_row)
         assert torch.equal(plan.order, want_order)
+        assert torch.equal(plan.order[plan.inverse], torch.arange(T * K))
         meta = plan.pair_meta(experts.reshape(-1), E_local)
         assert torch.equal(meta[:, 0].long(), want_pair_row[want_order] - plan.row_offsets[dest[want_order]])
         assert torch.equal(meta[:, 1].long(), experts.reshape(-1)[want_order] % E_local)
