@@ -228,6 +228,10 @@ def test_exchange_plan_on_the_kernels_matches_its_definition(T, K, E, W):
         assert torch.equal(plan.pair_row, want_pair_row)
         assert torch.equal(plan.order, want_order)
         assert torch.equal(plan.order[plan.inverse], torch.arange(T * K))
+        counts = plan.expert_counts(E)  # from the kernel on the kernel path; None on the torch path
+        assert (counts is None) == (ops is None)
+        if counts is not None:
+            assert torch.equal(counts.long(), torch.bincount(experts.reshape(-1), minlength=E))
         meta = plan.pair_meta(experts.reshape(-1), E_local)
         assert torch.equal(meta[:, 0].long(), want_pair_row[want_order] - plan.row_offsets[dest[want_order]])
         assert torch.equal(meta[:, 1].long(), experts.reshape(-1)[want_order] % E_local)

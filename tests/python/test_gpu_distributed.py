@@ -185,7 +185,7 @@ def test_exchange_plan_on_the_kernels_equals_the_torch_plan(T, K, E, W):
         assert torch.equal(getattr(got, name), getattr(ref, name)), name
     flat = experts.reshape(-1)
     assert torch.equal(got.pair_meta(flat, E_local), ref.pair_meta(flat, E_local))
-    assert torch.equal(got.expert_counts(E), torch.bincount(flat, minlength=E))
+    assert torch.equal(got.expert_counts(E).long(), torch.bincount(flat, minlength=E))
     S = int(ref.send_rows.sum())
     ref.prepare_row_sum()
     got.prepare_row_sum()
