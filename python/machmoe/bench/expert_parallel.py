@@ -76,10 +76,10 @@ def _profile(name: str, step, rank: int, calls: int = 5) -> None:
     dist.barrier()
     if rank:
         return
+    print(f"\n{name} (rank 0, {calls} calls; ms per call; a kernel's time shows on its own row and "
+          f"again on the op that launched it)")
     _print_idle(prof, calls)
     events = prof.key_averages()
-    total = sum(e.self_device_time_total for e in events) / calls / 1e3
-    print(f"\n{name}: {total:.3f} ms of device time per call (rank 0); top kernels and ops, ms per call")
     rows = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)
     for e in rows[:40]:
         if e.self_device_time_total:
