@@ -161,7 +161,7 @@ class _ExchangePlan:
     def __init__(self, experts: torch.Tensor, E_local: int, W: int, ops=None):
         T, K = experts.shape
         R, dev = T * K, experts.device
-        self.T, self.K, self.W, self.ops, self.experts = T, K, W, ops, experts
+        self.T, self.K, self.E_local, self.ops, self.experts = T, K, E_local, ops, experts
         self.dest = torch.div(experts, E_local, rounding_mode="floor")  # [T, K] owning rank
         if ops is not None:
             meta = ops.routing_metadata
@@ -213,19 +213,21 @@ class _ExchangePlan:
         keep = torch.nonzero_static(first.reshape(-1), size=T * K)[:, 0]  # [T·K], -1 past S
         self._distinct_rows = rows.reshape(-1)[keep.clamp_min(0)].to(torch.int32)
 
-    def row_sum(self, S: int, chunks: list[int]) -> "_RowSum":
-        """The row sum over the S rows this rank sends (chunk q = rows for rank q)."""
+    def row_sum(self, chunks: list[int]) -> "_RowSum":
+        """The row sum over the rows this rank sends (chunks[q] of them for rank q)."""
+        S = sum(chunks)
         if self.ops is None:
             row_token = torch.nonzero_static(self._owners_rank_major, size=S)[:, 0] % max(self.T, 1)
             return _RowSum(row_token, chunks, self.T)
         return _RowSum(self._row_token[:S].long(), chunks, self.T, self.ops, self._token_offsets,
                        self._distinct_rows[:S])
 
-    def pair_meta(self, expert: torch.Tensor, E_local: int) -> torch.Tensor:
+    def pair_meta(self) -> torch.Tensor:
         """[R, 2] int32 in `order`: each pair's row inside its rank's chunk and its local expert."""
         dest = self.dest.reshape(-1)[self.order]
         row = self.pair_row[self.order] - self.row_offsets[dest]
-        return torch.stack([row, expert[self.order] - dest * E_local], 1).to(torch.int32)
+        expert = self.experts.reshape(-1)[self.order]
+        return torch.stack([row, expert - dest * self.E_local], 1).to(torch.int32)
 
 
 class _RouterLogits(torch.autograd.Function):
@@ -355,11 +357,11 @@ def expert_parallel_moe(
     recv_counts = _all_to_all(counts, [1] * W, [1] * W, group)  # [W, 2]
     counts_h = _to_host_async(torch.cat([counts, recv_counts], 1))  # [W, 4]
     aux = torch_backend.aux_loss(logits, experts, counts=plan.expert_counts(E))
-    meta = plan.pair_meta(experts.reshape(-1), E_local)  # [R, 2] int32, grouped by rank
+    meta = plan.pair_meta()  # [R, 2] int32, grouped by rank
     score_send = _Permute.apply(scores.reshape(-1), plan.order, plan.inverse)  # [R]
     plan.prepare_row_sum()
     send_rows_h, send_pairs_h, recv_rows_h, recv_pairs_h = counts_h().t().tolist()
-    row_sum = plan.row_sum(sum(send_rows_h), send_rows_h)
+    row_sum = plan.row_sum(send_rows_h)
 
     # 2. Rows out (one per (token, owning rank)); each pair's (row in its rank's chunk, local
     #    expert) and score, grouped by rank.
