@@ -57,6 +57,31 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
 
 
+class _PairExchange(torch.autograd.Function):
+    """The pairs to their ranks: meta [R, 2] (row in the rank's chunk, local expert) and scores
+    [R], both in (t, k) order, permuted by `order` (grouped by rank) and sent in one all_to_all,
+    packed as the scores' same-width integer [R, 3] with the scores bit-cast. One collective and
+    one autograd node instead of three and two: the exchange is bound by the host's time per op
+    (PERF.md, session 21). Backward: the scores' gradient sent back, un-permuted by `inverse`."""
+
+    @staticmethod
+    def forward(ctx, meta, score, order, inverse, send, recv, group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        ctx.save_for_backward(inverse)
+        twin = {4: torch.int32, 8: torch.int64}[score.element_size()]
+        packed = torch.cat([meta.to(twin), score.contiguous().view(twin).unsqueeze(1)], 1)[order]  # [R, 3]
+        got = _all_to_all(packed, send, recv, group)  # [P, 3]
+        meta_recv = got[:, :2]
+        ctx.mark_non_differentiable(meta_recv)
+        return meta_recv, got[:, 2].contiguous().view(score.dtype)
+
+    @staticmethod
+    def backward(ctx, _, grad_score):
+        (inverse,) = ctx.saved_tensors
+        grad = _all_to_all(grad_score.contiguous(), ctx.recv, ctx.send, ctx.group)  # [R] in `order`
+        return None, grad[inverse], None, None, None, None, None
+
+
 class _RowSum:
     """out [T, d] = Σ of the rows [S, d] that belong to each token, in rank order: the combine's
     forward and the dispatch's backward. A token has at most one row per rank.
@@ -111,21 +136,6 @@ class _Combine(torch.autograd.Function):
         return grad[ctx.row_sum.token], None
 
 
-class _Permute(torch.autograd.Function):
-    """x [R] -> x[order] for a permutation `order`; backward: grad[inverse], a gather (index's
-    own backward sorts to accumulate repeats, which a permutation does not have)."""
-
-    @staticmethod
-    def forward(ctx, x, order, inverse):
-        ctx.save_for_backward(inverse)
-        return x[order]
-
-    @staticmethod
-    def backward(ctx, grad):
-        (inverse,) = ctx.saved_tensors
-        return grad[inverse], None, None
-
-
 def _to_host_async(t: torch.Tensor):
     """Starts copying t to the host and returns a function that waits for it and returns the
     copy. On CUDA the copy is non-blocking into pinned memory behind an event, so the caller can
@@ -151,6 +161,8 @@ class _ExchangePlan:
     Rows: one per (token, owning rank), numbered rank-major with tokens ascending inside a rank
     (rank q's chunk is rows [row_offsets[q], row_offsets[q+1])). Pairs: the T·K (token, expert)
     pairs, permuted by `order` so that they are grouped by owning rank, token order inside.
+    On the kernels every index is int32 as the kernels give it (no conversions: each op costs the
+    host ~10 µs, and the exchange is bound by the host); off them, int64.
 
     With `ops` (machmoe's op namespace, on CUDA) both come from the routing-metadata kernel, with
     the owning rank in place of the expert: on the [T, K] list it merges a token's pairs for one
@@ -161,17 +173,17 @@ class _ExchangePlan:
     def __init__(self, experts: torch.Tensor, E_local: int, W: int, ops=None):
         T, K = experts.shape
         R, dev = T * K, experts.device
+        if ops is not None:
+            experts = experts.to(torch.int32)  # (what the router kernel gives: no copy)
         self.T, self.K, self.E_local, self.ops, self.experts = T, K, E_local, ops, experts
         self.dest = torch.div(experts, E_local, rounding_mode="floor")  # [T, K] owning rank
         if ops is not None:
             meta = ops.routing_metadata
-            dest = self.dest.to(torch.int32)
-            row_offsets, self._row_token, _, pair_row, _, _ = meta(dest, None, T, W)
-            pair_offsets, order, _, inverse, _, _ = meta(dest.reshape(-1), torch.arange(
+            # [W+1], [T·K] (row -> token; entries past the last row unused), [R] pair -> its row
+            self.row_offsets, self._row_token, _, self.pair_row, _, _ = meta(self.dest, None, T, W)
+            # [W+1], [R] (position -> pair), [R] (pair -> position)
+            pair_offsets, self.order, _, self.inverse, _, _ = meta(self.dest.reshape(-1), torch.arange(
                 R, dtype=torch.int32, device=dev), R, W)
-            self.pair_row = pair_row.long()  # [R] pair -> its row (global numbering)
-            self.order, self.inverse = order.long(), inverse.long()  # [R], [R]
-            self.row_offsets, pair_offsets = row_offsets.long(), pair_offsets.long()  # [W+1]
         else:
             token = torch.arange(T, device=dev).repeat_interleave(K)  # [R]
             dest = self.dest.reshape(-1)
@@ -195,7 +207,7 @@ class _ExchangePlan:
         per-tile counts avoid scatter_add's atomics on E addresses; None off the kernels."""
         if self.ops is None:
             return None
-        offsets = self.ops.routing_metadata(self.experts.to(torch.int32), None, self.T, E)[0]
+        offsets = self.ops.routing_metadata(self.experts, None, self.T, E)[0]
         return offsets.diff()
 
     def prepare_row_sum(self) -> None:
@@ -211,7 +223,7 @@ class _ExchangePlan:
         self._token_offsets = torch.zeros(T + 1, dtype=torch.int32, device=rows.device)
         self._token_offsets[1:] = torch.cumsum(first.sum(1), 0)
         keep = torch.nonzero_static(first.reshape(-1), size=T * K)[:, 0]  # [T·K], -1 past S
-        self._distinct_rows = rows.reshape(-1)[keep.clamp_min(0)].to(torch.int32)
+        self._distinct_rows = rows.reshape(-1)[keep.clamp_min(0)]  # int32
 
     def row_sum(self, chunks: list[int]) -> "_RowSum":
         """The row sum over the rows this rank sends (chunks[q] of them for rank q)."""
@@ -219,15 +231,15 @@ class _ExchangePlan:
         if self.ops is None:
             row_token = torch.nonzero_static(self._owners_rank_major, size=S)[:, 0] % max(self.T, 1)
             return _RowSum(row_token, chunks, self.T)
-        return _RowSum(self._row_token[:S].long(), chunks, self.T, self.ops, self._token_offsets,
+        return _RowSum(self._row_token[:S], chunks, self.T, self.ops, self._token_offsets,
                        self._distinct_rows[:S])
 
     def pair_meta(self) -> torch.Tensor:
-        """[R, 2] int32 in `order`: each pair's row inside its rank's chunk and its local expert."""
-        dest = self.dest.reshape(-1)[self.order]
-        row = self.pair_row[self.order] - self.row_offsets[dest]
-        expert = self.experts.reshape(-1)[self.order]
-        return torch.stack([row, expert - dest * self.E_local], 1).to(torch.int32)
+        """[R, 2] in (t, k) order (the exchange permutes it by `order`): each pair's row inside
+        its rank's chunk and its local expert."""
+        dest = self.dest.reshape(-1)
+        row = self.pair_row - self.row_offsets[dest]
+        return torch.stack([row, self.experts.reshape(-1) - dest * self.E_local], 1)
 
 
 class _RouterLogits(torch.autograd.Function):
@@ -277,12 +289,13 @@ def _on_kernels(x: torch.Tensor) -> bool:
 
 
 def _route(x, router_weight, K, routing, renormalize, selection_bias, kernels):
-    """-> logits [T, E] (routing dtype), scores [T, K], experts [T, K] int64: the layer's routing."""
+    """-> logits [T, E] (routing dtype), scores [T, K], experts [T, K] (int32 from the kernels,
+    else int64): the layer's routing."""
     if kernels:
         logits = _RouterLogits.apply(x, router_weight.to(x.dtype))
         bias = None if selection_bias is None else selection_bias.float().contiguous()
         scores, experts = _TopK.apply(logits, K, routing.value, renormalize, bias)
-        return logits, scores, experts.long()
+        return logits, scores, experts  # int32
     logits = torch_backend.router_logits(x, router_weight)
     scores, experts = torch_backend.route_topk(logits, K, routing, renormalize, selection_bias)
     return logits, scores, experts
@@ -346,42 +359,49 @@ def expert_parallel_moe(
         raise NotImplementedError(f"the machmoe backend takes bfloat16 x; got {x.dtype}")
 
     # 1. Route this rank's tokens: pairs (token, expert, score) [R = T·K] in (t, k) order.
+    # (ep.* ranges name the phases in torch.profiler traces: bench.expert_parallel --profile.)
+    phase = torch.profiler.record_function
     kernels = _on_kernels(x)
-    logits, scores, experts = _route(x, router_weight, K, routing, renormalize, selection_bias, kernels)
-    plan = _ExchangePlan(experts, E_local, W, torch.ops.machmoe if kernels and T > 0 else None)
-
-    # Counts to the host (the one sync): rows and pairs per peer, both directions. On CUDA they
-    # travel by a non-blocking copy behind an event, and the work that needs no counts is queued
-    # before the host waits, so the device is not left idle while the host catches up.
-    counts = torch.stack([plan.send_rows, plan.send_pairs], 1)  # [W, 2]
-    recv_counts = _all_to_all(counts, [1] * W, [1] * W, group)  # [W, 2]
-    counts_h = _to_host_async(torch.cat([counts, recv_counts], 1))  # [W, 4]
-    aux = torch_backend.aux_loss(logits, experts, counts=plan.expert_counts(E))
-    meta = plan.pair_meta()  # [R, 2] int32, grouped by rank
-    score_send = _Permute.apply(scores.reshape(-1), plan.order, plan.inverse)  # [R]
-    plan.prepare_row_sum()
-    send_rows_h, send_pairs_h, recv_rows_h, recv_pairs_h = counts_h().t().tolist()
-    row_sum = plan.row_sum(send_rows_h)
+    with phase("ep.route"):
+        logits, scores, experts = _route(x, router_weight, K, routing, renormalize, selection_bias, kernels)
+    with phase("ep.plan"):
+        plan = _ExchangePlan(experts, E_local, W, torch.ops.machmoe if kernels and T > 0 else None)
+        # Counts to the host (the one sync): rows and pairs per peer, both directions. On CUDA
+        # they travel by a non-blocking copy behind an event, and the work that needs no counts
+        # is queued before the host waits, so the device is not left idle while the host catches up.
+        counts = torch.stack([plan.send_rows, plan.send_pairs], 1)  # [W, 2]
+        recv_counts = _all_to_all(counts, [1] * W, [1] * W, group)  # [W, 2]
+        counts_h = _to_host_async(torch.cat([counts, recv_counts], 1))  # [W, 4]
+        aux = torch_backend.aux_loss(logits, experts, counts=plan.expert_counts(E))
+        meta = plan.pair_meta()  # [R, 2]
+        plan.prepare_row_sum()
+    with phase("ep.wait_counts"):
+        send_rows_h, send_pairs_h, recv_rows_h, recv_pairs_h = counts_h().t().tolist()
 
     # 2. Rows out (one per (token, owning rank)); each pair's (row in its rank's chunk, local
     #    expert) and score, grouped by rank.
-    x_send = _Dispatch.apply(x, row_sum)  # [S, d]
-    x_recv = _AllToAll.apply(x_send, send_rows_h, recv_rows_h, group)  # [S_recv, d]
-    meta_recv = _all_to_all(meta, send_pairs_h, recv_pairs_h, group)  # [P_recv, 2]
-    score_recv = _AllToAll.apply(score_send, send_pairs_h, recv_pairs_h, group)  # [P_recv]
+    with phase("ep.dispatch"):
+        row_sum = plan.row_sum(send_rows_h)
+        x_send = _Dispatch.apply(x, row_sum)  # [S, d]
+        x_recv = _AllToAll.apply(x_send, send_rows_h, recv_rows_h, group)  # [S_recv, d]
+        meta_recv, score_recv = _PairExchange.apply(meta, scores.reshape(-1), plan.order, plan.inverse,
+                                                    send_pairs_h, recv_pairs_h, group)  # [P_recv, 2], [P_recv]
+        # Pairs from peer q address q's rows: offset them (on the device, from the received
+        # counts: no host-to-device copy, which would block).
+        recv_rows, recv_pairs = recv_counts[:, 0], recv_counts[:, 1]
+        source = torch.repeat_interleave(torch.arange(W, device=x.device), recv_pairs,
+                                         output_size=sum(recv_pairs_h))
+        row = meta_recv[:, 0] + (torch.cumsum(recv_rows, 0) - recv_rows)[source]
 
-    # 3. This rank's experts on what it received. Pairs from peer q address q's rows: offset them
-    #    (on the device, from the received counts: no host-to-device copy, which would block).
-    recv_rows, recv_pairs = recv_counts[:, 0], recv_counts[:, 1]
-    source = torch.repeat_interleave(torch.arange(W, device=x.device), recv_pairs,
-                                     output_size=sum(recv_pairs_h))
-    row = meta_recv[:, 0].long() + (torch.cumsum(recv_rows, 0) - recv_rows)[source]
-    y_recv = _local_experts(x_recv, w1, b1, w2, b2, score_recv, row, meta_recv[:, 1],
-                            activation, layout, backend)  # [S_recv, d]
+    # 3. This rank's experts on what it received.
+    with phase("ep.experts"):
+        y_recv = _local_experts(x_recv, w1, b1, w2, b2, score_recv, row, meta_recv[:, 1],
+                                activation, layout, backend)  # [S_recv, d]
 
     # 4. Back to the senders, added per token in rank order.
-    y_send = _AllToAll.apply(y_recv, recv_rows_h, send_rows_h, group)  # [S, d]
-    out = _Combine.apply(y_send, row_sum)
+    with phase("ep.combine"):
+        y_send = _AllToAll.apply(y_recv, recv_rows_h, send_rows_h, group)  # [S, d]
+        out = _Combine.apply(y_send, row_sum)
     return out, aux
 
 

@@ -45,24 +45,49 @@ def _loop_ms(step, reps: int, warmup: int) -> float:
     return float(ms)
 
 
+def _host_during(cpu_events, start: float, stop: float, top: int = 3) -> str:
+    """The innermost host ops that ran during [start, stop] (us, the profiler's clock), with how
+    long each overlapped it: what the host was doing while the device had nothing queued."""
+    overlap, phases = {}, {}
+    for e in cpu_events:
+        t = min(stop, e.time_range.end) - max(start, e.time_range.start)
+        if t <= 0:
+            continue
+        if e.name.startswith("ep.") or e.name.endswith("Backward"):  # the layer's phases
+            phases[e.name] = phases.get(e.name, 0.0) + t
+        if not e.cpu_children:
+            overlap[e.name] = overlap.get(e.name, 0.0) + t
+    best = sorted(overlap.items(), key=lambda kv: kv[1], reverse=True)[:top]
+    where = sorted(phases.items(), key=lambda kv: kv[1], reverse=True)[:2]
+    return (", ".join(f"{name[:40]} {t:.0f}" for name, t in best) or "python only") + \
+        (" [in " + ", ".join(f"{name[:30]} {t:.0f}" for name, t in where) + "]" if where else "")
+
+
 def _print_idle(prof, calls: int, top: int = 8) -> None:
     """Where the device sat idle between the first and the last device activity: the total per
-    call and the longest gaps, each with the activities on either side."""
-    acts = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+    call and the longest gaps, each with the activities on either side and the host ops (leaves
+    of the op tree) that ran during it."""
+    events = prof.events()
+    # (user annotations such as the layer's ep.* ranges also appear on the device's timeline,
+    # spanning their kernels and the gaps between them: not device activity)
+    acts = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not getattr(e, "is_user_annotation", False) and not e.name.startswith("ep.")),
                   key=lambda e: e.time_range.start)
     if not acts:
         return
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     gaps, end, last = [], acts[0].time_range.end, acts[0]
     for e in acts[1:]:
         if e.time_range.start > end:
-            gaps.append((e.time_range.start - end, last.name, e.name))
+            gaps.append((e.time_range.start - end, last.name, e.name, end, e.time_range.start))
         if e.time_range.end > end:
             end, last = e.time_range.end, e
     span = (end - acts[0].time_range.start) / calls / 1e3
-    idle = sum(g for g, _, _ in gaps) / calls / 1e3
-    print(f"  device span {span:.3f} ms per call, idle {idle:.3f} ms; longest gaps (us, after -> before):")
-    for g, before, after in sorted(gaps, reverse=True)[:top]:
-        print(f"    {g:8.1f}  {before[:50]} -> {after[:50]}")
+    idle = sum(g[0] for g in gaps) / calls / 1e3
+    print(f"  device span {span:.3f} ms per call, idle {idle:.3f} ms; longest gaps (us, after -> before;"
+          f" host: its innermost ops during the gap, us):")
+    for g, before, after, g0, g1 in sorted(gaps, reverse=True)[:top]:
+        print(f"    {g:8.1f}  {before[:40]} -> {after[:40]}\n              host: {_host_during(cpu, g0, g1)}")
 
 
 def _profile(name: str, step, rank: int, calls: int = 5) -> None:
@@ -95,6 +120,13 @@ def _profile(name: str, step, rank: int, calls: int = 5) -> None:
                      reverse=True)
     for e in runtime[:8]:
         print(f"  host {e.cpu_time_total / calls / 1e3:7.3f}  x{e.count // calls:<3} {e.key[:96]}")
+    # Host time per phase: the forward's ep.* ranges, the layer ops and the backward's autograd
+    # nodes (a device waiting on the host waits on these).
+    phases = sorted((e for e in events if e.key.startswith(("ep.", "machmoe::layer", "machmoe::experts",
+                                                               "autograd::engine::evaluate_function"))),
+                    key=lambda e: e.cpu_time_total, reverse=True)
+    for e in phases[:16]:
+        print(f"  phase host {e.cpu_time_total / calls / 1e3:7.3f}  x{e.count // calls:<3} {e.key[:90]}")
 
 
 def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup: int,
