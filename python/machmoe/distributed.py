@@ -58,22 +58,23 @@ class _AllToAll(torch.autograd.Function):
 
 
 class _PairExchange(torch.autograd.Function):
-    """The pairs to their ranks: meta [R, 2] (row in the rank's chunk, local expert) and scores
-    [R], both in (t, k) order, permuted by `order` (grouped by rank) and sent in one all_to_all,
-    packed as the scores' same-width integer [R, 3] with the scores bit-cast. One collective and
-    one autograd node instead of three and two: the exchange is bound by the host's time per op
-    (PERF.md, session 21). Backward: the scores' gradient sent back, un-permuted by `inverse`."""
+    """The pairs to their ranks: meta [R, 3] (row in the rank's chunk, local expert, sending
+    rank) and scores [R], both in (t, k) order, permuted by `order` (grouped by rank) and sent in
+    one all_to_all, packed as the scores' same-width integer [R, 4] with the scores bit-cast. One
+    collective and one autograd node instead of three and two: the exchange is bound by the
+    host's time per op (PERF.md, session 21). Backward: the scores' gradient sent back,
+    un-permuted by `inverse`."""
 
     @staticmethod
     def forward(ctx, meta, score, order, inverse, send, recv, group):
         ctx.send, ctx.recv, ctx.group = send, recv, group
         ctx.save_for_backward(inverse)
         twin = {4: torch.int32, 8: torch.int64}[score.element_size()]
-        packed = torch.cat([meta.to(twin), score.contiguous().view(twin).unsqueeze(1)], 1)[order]  # [R, 3]
-        got = _all_to_all(packed, send, recv, group)  # [P, 3]
-        meta_recv = got[:, :2]
+        packed = torch.cat([meta.to(twin), score.contiguous().view(twin).unsqueeze(1)], 1)[order]  # [R, 4]
+        got = _all_to_all(packed, send, recv, group)  # [P, 4]
+        meta_recv = got[:, :3]
         ctx.mark_non_differentiable(meta_recv)
-        return meta_recv, got[:, 2].contiguous().view(score.dtype)
+        return meta_recv, got[:, 3].contiguous().view(score.dtype)
 
     @staticmethod
     def backward(ctx, _, grad_score):
@@ -234,12 +235,13 @@ class _ExchangePlan:
         return _RowSum(self._row_token[:S], chunks, self.T, self.ops, self._token_offsets,
                        self._distinct_rows[:S])
 
-    def pair_meta(self) -> torch.Tensor:
-        """[R, 2] in (t, k) order (the exchange permutes it by `order`): each pair's row inside
-        its rank's chunk and its local expert."""
+    def pair_meta(self, rank: int) -> torch.Tensor:
+        """[R, 3] in (t, k) order (the exchange permutes it by `order`): each pair's row inside
+        its rank's chunk, its local expert, and `rank` (this one, the sender: the receiver finds
+        the pair's row in what it received without working out who sent it)."""
         dest = self.dest.reshape(-1)
         row = self.pair_row - self.row_offsets[dest]
-        return torch.stack([row, self.experts.reshape(-1) - dest * self.E_local], 1)
+        return torch.stack([row, self.experts.reshape(-1) - dest * self.E_local, torch.full_like(row, rank)], 1)
 
 
 class _RouterLogits(torch.autograd.Function):
@@ -372,9 +374,13 @@ def expert_parallel_moe(
         counts = torch.stack([plan.send_rows, plan.send_pairs], 1)  # [W, 2]
         recv_counts = _all_to_all(counts, [1] * W, [1] * W, group)  # [W, 2]
         counts_h = _to_host_async(torch.cat([counts, recv_counts], 1))  # [W, 4]
-        aux = torch_backend.aux_loss(logits, experts, counts=plan.expert_counts(E))
-        meta = plan.pair_meta()  # [R, 2]
+        counts_e = plan.expert_counts(E)
+        aux = (torch_backend.aux_loss(logits, experts) if counts_e is None else
+               torch_backend.aux_loss_from_counts(logits, counts_e, experts.numel()))
+        meta = plan.pair_meta(dist.get_rank(group))  # [R, 3]
         plan.prepare_row_sum()
+        # The first row of each sender's chunk in what this rank will receive [W].
+        recv_row_base = torch.cumsum(recv_counts[:, 0], 0) - recv_counts[:, 0]
     with phase("ep.wait_counts"):
         send_rows_h, send_pairs_h, recv_rows_h, recv_pairs_h = counts_h().t().tolist()
 
@@ -385,13 +391,9 @@ def expert_parallel_moe(
         x_send = _Dispatch.apply(x, row_sum)  # [S, d]
         x_recv = _AllToAll.apply(x_send, send_rows_h, recv_rows_h, group)  # [S_recv, d]
         meta_recv, score_recv = _PairExchange.apply(meta, scores.reshape(-1), plan.order, plan.inverse,
-                                                    send_pairs_h, recv_pairs_h, group)  # [P_recv, 2], [P_recv]
-        # Pairs from peer q address q's rows: offset them (on the device, from the received
-        # counts: no host-to-device copy, which would block).
-        recv_rows, recv_pairs = recv_counts[:, 0], recv_counts[:, 1]
-        source = torch.repeat_interleave(torch.arange(W, device=x.device), recv_pairs,
-                                         output_size=sum(recv_pairs_h))
-        row = meta_recv[:, 0] + (torch.cumsum(recv_rows, 0) - recv_rows)[source]
+                                                    send_pairs_h, recv_pairs_h, group)  # [P_recv, 3], [P_recv]
+        # A pair from peer q addresses q's rows: offset it by where q's rows start here.
+        row = meta_recv[:, 0] + recv_row_base[meta_recv[:, 2]]
 
     # 3. This rank's experts on what it received.
     with phase("ep.experts"):

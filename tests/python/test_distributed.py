@@ -232,9 +232,10 @@ def test_exchange_plan_on_the_kernels_matches_its_definition(T, K, E, W):
         assert (counts is None) == (ops is None)
         if counts is not None:
             assert torch.equal(counts.long(), torch.bincount(experts.reshape(-1), minlength=E))
-        meta = plan.pair_meta()  # in (t, k) order: the exchange permutes it by plan.order
+        meta = plan.pair_meta(W - 1)  # in (t, k) order: the exchange permutes it by plan.order
         assert torch.equal(meta[:, 0], want_pair_row - plan.row_offsets.long()[dest])
         assert torch.equal(meta[:, 1], experts.reshape(-1) % E_local)
+        assert torch.equal(meta[:, 2], torch.full((T * K,), W - 1))
         plan.prepare_row_sum()
         row_sum = plan.row_sum(want_rows.tolist())
         assert torch.equal(row_sum.token, torch.tensor([t for _, t in rows]))

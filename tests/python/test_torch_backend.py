@@ -86,6 +86,25 @@ def test_aux_loss_gradcheck():
     assert gradcheck(lambda lg: tb.aux_loss(lg, experts.reshape(-1)), (logits,))
 
 
+@pytest.mark.parametrize("T,E,K", [(6, 5, 2), (33, 16, 4), (1, 3, 3)])
+def test_aux_loss_from_counts_equals_aux_loss(T, E, K):
+    """The one-node aux loss (hand-written backward) against aux_loss's autograd: value and
+    gradient, and gradcheck of its own backward. Skewed logits, so that importance and
+    frequency differ per expert (a uniform case would hide a wrong term)."""
+    logits = (torch.randn(T, E, dtype=F64) * 2 + torch.linspace(-1, 1, E, dtype=F64)).requires_grad_()
+    _, experts = tb.route_topk(logits.detach(), K)
+    counts = torch.bincount(experts.reshape(-1), minlength=E)
+    ref = tb.aux_loss(logits, experts.reshape(-1))
+    got = tb.aux_loss_from_counts(logits, counts, experts.numel())
+    assert torch.allclose(got, ref, rtol=1e-14, atol=0)
+    g = torch.randn((), dtype=F64)
+    (d_ref,) = torch.autograd.grad(ref, logits, g)
+    (d_got,) = torch.autograd.grad(got, logits, g)
+    assert torch.allclose(d_got, d_ref, rtol=1e-12, atol=1e-15)
+    assert gradcheck(lambda lg: tb.aux_loss_from_counts(lg, counts, experts.numel()), (logits,))
+    assert tb.aux_loss_from_counts(logits[:0], counts, 0).item() == 0.0
+
+
 @pytest.mark.parametrize("routing,rounding", [("softmax_topk", "none"), ("sigmoid", "none"),
                                               ("topk_softmax", "none"), ("softmax_topk", "up")])
 def test_moe_gradcheck(routing, rounding):
