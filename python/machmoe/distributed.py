@@ -57,20 +57,26 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
 
 
+def _pack_pairs(meta: torch.Tensor, score: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """meta [R, 3] (row in the rank's chunk, local expert, sending rank) and scores [R], both in
+    (t, k) order -> [R, 4] in `order` (grouped by rank), in the scores' same-width integer type
+    with the scores bit-cast: what _PairExchange sends. Needs no counts, so it is built before
+    the host waits for them."""
+    twin = {4: torch.int32, 8: torch.int64}[score.element_size()]
+    return torch.cat([meta.to(twin), score.detach().contiguous().view(twin).unsqueeze(1)], 1)[order]
+
+
 class _PairExchange(torch.autograd.Function):
-    """The pairs to their ranks: meta [R, 3] (row in the rank's chunk, local expert, sending
-    rank) and scores [R], both in (t, k) order, permuted by `order` (grouped by rank) and sent in
-    one all_to_all, packed as the scores' same-width integer [R, 4] with the scores bit-cast. One
-    collective and one autograd node instead of three and two: the exchange is bound by the
-    host's time per op (PERF.md, session 21). Backward: the scores' gradient sent back,
-    un-permuted by `inverse`."""
+    """The packed pairs (_pack_pairs, built from `score`) to their ranks in one all_to_all: one
+    collective and one autograd node where the pairs' metadata and scores took three and two (the
+    exchange is bound by the host's time per op: PERF.md, session 21). -> meta [P, 3] and the
+    scores [P], differentiable in `score` (whose values travel in `packed`). Backward: the
+    scores' gradient sent back, un-permuted by `inverse`."""
 
     @staticmethod
-    def forward(ctx, meta, score, order, inverse, send, recv, group):
+    def forward(ctx, packed, score, inverse, send, recv, group):
         ctx.send, ctx.recv, ctx.group = send, recv, group
         ctx.save_for_backward(inverse)
-        twin = {4: torch.int32, 8: torch.int64}[score.element_size()]
-        packed = torch.cat([meta.to(twin), score.contiguous().view(twin).unsqueeze(1)], 1)[order]  # [R, 4]
         got = _all_to_all(packed, send, recv, group)  # [P, 4]
         meta_recv = got[:, :3]
         ctx.mark_non_differentiable(meta_recv)
@@ -80,7 +86,7 @@ class _PairExchange(torch.autograd.Function):
     def backward(ctx, _, grad_score):
         (inverse,) = ctx.saved_tensors
         grad = _all_to_all(grad_score.contiguous(), ctx.recv, ctx.send, ctx.group)  # [R] in `order`
-        return None, grad[inverse], None, None, None, None, None
+        return None, grad[inverse], None, None, None, None
 
 
 class _RowSum:
@@ -377,7 +383,7 @@ def expert_parallel_moe(
         counts_e = plan.expert_counts(E)
         aux = (torch_backend.aux_loss(logits, experts) if counts_e is None else
                torch_backend.aux_loss_from_counts(logits, counts_e, experts.numel()))
-        meta = plan.pair_meta(dist.get_rank(group))  # [R, 3]
+        packed = _pack_pairs(plan.pair_meta(dist.get_rank(group)), scores.reshape(-1), plan.order)  # [R, 4]
         plan.prepare_row_sum()
         # The first row of each sender's chunk in what this rank will receive [W].
         recv_row_base = torch.cumsum(recv_counts[:, 0], 0) - recv_counts[:, 0]
@@ -390,8 +396,8 @@ def expert_parallel_moe(
         row_sum = plan.row_sum(send_rows_h)
         x_send = _Dispatch.apply(x, row_sum)  # [S, d]
         x_recv = _AllToAll.apply(x_send, send_rows_h, recv_rows_h, group)  # [S_recv, d]
-        meta_recv, score_recv = _PairExchange.apply(meta, scores.reshape(-1), plan.order, plan.inverse,
-                                                    send_pairs_h, recv_pairs_h, group)  # [P_recv, 3], [P_recv]
+        meta_recv, score_recv = _PairExchange.apply(packed, scores.reshape(-1), plan.inverse, send_pairs_h,
+                                                    recv_pairs_h, group)  # [P_recv, 3], [P_recv]
         # A pair from peer q addresses q's rows: offset it by where q's rows start here.
         row = meta_recv[:, 0] + recv_row_base[meta_recv[:, 2]]
 
