@@ -240,6 +240,34 @@ void aggregate(const void* rows, DType rows_dtype, const int32_t* pair_row,
                const int32_t* token_offsets, const float* scores, int64_t T, int64_t d, void* out,
                DType out_dtype, cudaStream_t stream);
 
+// Expert parallelism's exchange plan (docs/LAYER.md, "Expert parallelism"): who sends what, from
+// one rank's top-K list experts [T, K] int32 and scores [T, K] fp32, with E experts sharded over W
+// ranks (rank q owns experts [q·E/W, (q+1)·E/W); E a multiple of W; `rank` is this rank, written
+// into each pair). Rows: one per distinct (token, owning rank), numbered rank-major with tokens
+// ascending inside a rank. Pairs: the T·K pairs p = t·K + k, grouped by owning rank, (t, k) order
+// inside. Every buffer int32 on the device; T·K <= 2^31 - 1. Deterministic, graph-capturable, no
+// host synchronisation. An expert id out of [0, E) gets no row and no position (and sets
+// *invalid); entries past the valid ones are then not specified.
+struct ExchangePlanOutputs {
+  int32_t* counts = nullptr;         // [W, 2] rows and pairs sent to rank q
+  int32_t* row_offsets = nullptr;    // [W+1] rank q's rows are [row_offsets[q], row_offsets[q+1])
+  int32_t* row_token = nullptr;      // [T·K] row -> token (past row_offsets[W]: not specified)
+  int32_t* pair_row = nullptr;       // [T·K] pair -> its row
+  int32_t* order = nullptr;          // [T·K] position (grouped by rank) -> pair
+  int32_t* inverse = nullptr;        // [T·K] pair -> position
+  int32_t* packed = nullptr;         // [T·K, 4], 16-byte aligned: at position i, for pair p =
+                                     //   order[i] of rank q: (pair_row[p] - row_offsets[q],
+                                     //   expert - q·E/W, rank, the score's fp32 bits)
+  int32_t* token_offsets = nullptr;  // [T+1] token t's rows are distinct_rows[off[t] .. off[t+1])
+  int32_t* distinct_rows = nullptr;  // [T·K] each token's rows, ascending (= rank order)
+  int32_t* expert_counts = nullptr;  // [E] pairs per expert (the aux loss's counts); may be null
+  int32_t* invalid = nullptr;        // [1] 1 if an expert id was out of [0, E), else 0; may be null
+};
+size_t exchange_plan_workspace_bytes(int64_t T, int64_t K, int64_t W);
+void exchange_plan(const int32_t* experts, const float* scores, int64_t T, int64_t K, int64_t E,
+                   int64_t W, int64_t rank, const ExchangePlanOutputs& out, void* workspace,
+                   size_t workspace_bytes, cudaStream_t stream);
+
 // 3/4/6/9. the sm_90a grouped GEMM engine: for every expert e with rows [off[e], off[e+1]),
 //   C[r] = epilogue(A[row(r)] · W[e]ᵀ),  row(r) = gather[r] (gathered rows) or r (contiguous),
 // A bf16 rows (lda elements apart), W [E, N, K] bf16 (nn.Linear layout, K contiguous), or with

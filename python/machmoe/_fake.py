@@ -79,6 +79,16 @@ def _routing_metadata(pair_expert, pair_token, T, E):
             pair_expert.new_empty(R, **i32), pair_expert.new_empty(T + 1, **i32), pair_expert.new_empty(1, **i32))
 
 
+def _exchange_plan(experts, scores, E, W, rank):
+    T, K = experts.shape
+    R = T * K
+    i32 = dict(dtype=torch.int32)
+    flat = [experts.new_empty(R, **i32) for _ in range(4)]  # row_token, pair_row, order, inverse
+    return (experts.new_empty(W, 2, **i32), experts.new_empty(W + 1, **i32), *flat,
+            experts.new_empty(R, 4, **i32), experts.new_empty(T + 1, **i32), experts.new_empty(R, **i32),
+            experts.new_empty(E, **i32))
+
+
 def _aggregate(rows, pair_row, token_offsets, scores, out_dtype):
     return rows.new_empty(token_offsets.shape[0] - 1, rows.shape[1], dtype=out_dtype or rows.dtype)
 
@@ -156,6 +166,7 @@ FAKES = {
     "topk_router": _topk_router,
     "topk_router_backward": _topk_router_backward,
     "routing_metadata": _routing_metadata,
+    "exchange_plan": _exchange_plan,
     "aggregate": _aggregate,
     "token_rounding": _token_rounding,
     "token_rounding_backward": _token_rounding_backward,

@@ -163,74 +163,58 @@ def _to_host_async(t: torch.Tensor):
 
 
 class _ExchangePlan:
-    """Who sends what, from this rank's top-K experts [T, K] (no host sync before the counts).
+    """Who sends what, from this rank's top-K experts [T, K] and scores [T, K] (no host sync
+    before the counts).
 
     Rows: one per (token, owning rank), numbered rank-major with tokens ascending inside a rank
     (rank q's chunk is rows [row_offsets[q], row_offsets[q+1])). Pairs: the T·K (token, expert)
     pairs, permuted by `order` so that they are grouped by owning rank, token order inside.
-    On the kernels every index is int32 as the kernels give it (no conversions: each op costs the
-    host ~10 µs, and the exchange is bound by the host); off them, int64.
+    `packed` [R, 4] is what _PairExchange sends: at each grouped position the pair's row inside its
+    rank's chunk, its local expert, the sending rank and the score's bits, as integers of the
+    score's width. `counts` [W, 2]: rows and pairs sent to each rank.
 
-    With `ops` (machmoe's op namespace, on CUDA) both come from the routing-metadata kernel, with
-    the owning rank in place of the expert: on the [T, K] list it merges a token's pairs for one
-    rank into one row (exactly the dedupe), and on the flat list with every pair its own token it
-    groups the pairs stably. With ops None, from an owners table [T, W] and a stable sort.
+    With `ops` (machmoe's op namespace, on CUDA) all of it comes from one op,
+    `exchange_plan` (machmoe::exchange_plan: the routing-metadata kernel run with the owning rank
+    in place of the expert, plus three small kernels), every index int32: the exchange is bound
+    by the host's time per op (PERF.md, sessions 21 and 22), and this took ~25 ops. With ops None,
+    from torch ops: an owners table [T, W] and a stable sort.
     """
 
-    def __init__(self, experts: torch.Tensor, E_local: int, W: int, ops=None):
+    def __init__(self, experts: torch.Tensor, scores: torch.Tensor, E: int, W: int, rank: int, ops=None):
         T, K = experts.shape
-        R, dev = T * K, experts.device
+        R, dev, E_local = T * K, experts.device, E // W
+        self.T, self.K, self.E_local, self.ops = T, K, E_local, ops
         if ops is not None:
-            experts = experts.to(torch.int32)  # (what the router kernel gives: no copy)
-        self.T, self.K, self.E_local, self.ops, self.experts = T, K, E_local, ops, experts
-        self.dest = torch.div(experts, E_local, rounding_mode="floor")  # [T, K] owning rank
-        if ops is not None:
-            meta = ops.routing_metadata
-            # [W+1], [T·K] (row -> token; entries past the last row unused), [R] pair -> its row
-            self.row_offsets, self._row_token, _, self.pair_row, _, _ = meta(self.dest, None, T, W)
-            # [W+1], [R] (position -> pair), [R] (pair -> position)
-            pair_offsets, self.order, _, self.inverse, _, _ = meta(self.dest.reshape(-1), torch.arange(
-                R, dtype=torch.int32, device=dev), R, W)
-        else:
-            token = torch.arange(T, device=dev).repeat_interleave(K)  # [R]
-            dest = self.dest.reshape(-1)
-            owners = torch.zeros(T, W, dtype=torch.bool, device=dev)
-            owners[token, dest] = True
-            self._owners_rank_major = owners.t().reshape(-1)  # [W·T]
-            row_id = torch.cumsum(self._owners_rank_major, 0) - 1  # [W·T]
-            self.pair_row = row_id[dest * T + token]
-            self.order = torch.sort(dest, stable=True).indices
-            self.inverse = torch.argsort(self.order)
-            zero = torch.zeros(1, dtype=torch.int64, device=dev)
-            self.row_offsets = torch.cat([zero, torch.cumsum(owners.sum(0), 0)])
-            pair_counts = torch.zeros(W, dtype=torch.int64, device=dev).scatter_add_(
-                0, dest, torch.ones_like(dest))
-            pair_offsets = torch.cat([zero, torch.cumsum(pair_counts, 0)])
-        self.send_rows = self.row_offsets.diff()  # [W]
-        self.send_pairs = pair_offsets.diff()  # [W]
-
-    def expert_counts(self, E: int) -> Optional[torch.Tensor]:
-        """Pairs per expert [E] (the aux loss's frequencies) by the metadata kernel, whose
-        per-tile counts avoid scatter_add's atomics on E addresses; None off the kernels."""
-        if self.ops is None:
-            return None
-        offsets = self.ops.routing_metadata(self.experts, None, self.T, E)[0]
-        return offsets.diff()
-
-    def prepare_row_sum(self) -> None:
-        """The row sum's index lists, as far as they go without the row count S (so that they
-        can be queued before the host waits for it): on the kernels, each token's distinct
-        rows, ascending (= rank order), padded to T·K entries."""
-        if self.ops is None:
+            (self.counts, self.row_offsets, self._row_token, self.pair_row, self.order, self.inverse,
+             self.packed, self._token_offsets, self._distinct_rows, self.expert_counts) = ops.exchange_plan(
+                experts.to(torch.int32), scores.detach().contiguous(), E, W, rank)
             return
-        T, K = self.T, self.K
-        rows = torch.sort(self.pair_row.view(T, K), dim=1).values  # [T, K]
-        first = torch.ones_like(rows, dtype=torch.bool)
-        first[:, 1:] = rows[:, 1:] != rows[:, :-1]
-        self._token_offsets = torch.zeros(T + 1, dtype=torch.int32, device=rows.device)
-        self._token_offsets[1:] = torch.cumsum(first.sum(1), 0)
-        keep = torch.nonzero_static(first.reshape(-1), size=T * K)[:, 0]  # [T·K], -1 past S
-        self._distinct_rows = rows.reshape(-1)[keep.clamp_min(0)]  # int32
+        dest = torch.div(experts, E_local, rounding_mode="floor").reshape(-1)  # [R] owning rank
+        token = torch.arange(T, device=dev).repeat_interleave(K)  # [R]
+        owners = torch.zeros(T, W, dtype=torch.bool, device=dev)
+        owners[token, dest] = True
+        self._owners_rank_major = owners.t().reshape(-1)  # [W·T]
+        row_id = torch.cumsum(self._owners_rank_major, 0) - 1  # [W·T]
+        self.pair_row = row_id[dest * T + token]
+        self.order = torch.sort(dest, stable=True).indices
+        self.inverse = torch.argsort(self.order)
+        zero = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.row_offsets = torch.cat([zero, torch.cumsum(owners.sum(0), 0)])
+        send_pairs = torch.zeros(W, dtype=torch.int64, device=dev).scatter_add_(0, dest, torch.ones_like(dest))
+        self.counts = torch.stack([self.row_offsets.diff(), send_pairs], 1)  # [W, 2]
+        self.expert_counts = None
+        # Each pair's row inside its rank's chunk, its local expert and the sender (this rank).
+        row = self.pair_row - self.row_offsets[dest]
+        meta = torch.stack([row, experts.reshape(-1) - dest * E_local, torch.full_like(row, rank)], 1)
+        self.packed = _pack_pairs(meta, scores.reshape(-1), self.order)
+
+    @property
+    def send_rows(self) -> torch.Tensor:
+        return self.counts[:, 0]  # [W]
+
+    @property
+    def send_pairs(self) -> torch.Tensor:
+        return self.counts[:, 1]  # [W]
 
     def row_sum(self, chunks: list[int]) -> "_RowSum":
         """The row sum over the rows this rank sends (chunks[q] of them for rank q)."""
@@ -240,14 +224,6 @@ class _ExchangePlan:
             return _RowSum(row_token, chunks, self.T)
         return _RowSum(self._row_token[:S], chunks, self.T, self.ops, self._token_offsets,
                        self._distinct_rows[:S])
-
-    def pair_meta(self, rank: int) -> torch.Tensor:
-        """[R, 3] in (t, k) order (the exchange permutes it by `order`): each pair's row inside
-        its rank's chunk, its local expert, and `rank` (this one, the sender: the receiver finds
-        the pair's row in what it received without working out who sent it)."""
-        dest = self.dest.reshape(-1)
-        row = self.pair_row - self.row_offsets[dest]
-        return torch.stack([row, self.experts.reshape(-1) - dest * self.E_local, torch.full_like(row, rank)], 1)
 
 
 class _RouterLogits(torch.autograd.Function):
@@ -373,18 +349,15 @@ def expert_parallel_moe(
     with phase("ep.route"):
         logits, scores, experts = _route(x, router_weight, K, routing, renormalize, selection_bias, kernels)
     with phase("ep.plan"):
-        plan = _ExchangePlan(experts, E_local, W, torch.ops.machmoe if kernels and T > 0 else None)
+        plan = _ExchangePlan(experts, scores, E, W, dist.get_rank(group),
+                             torch.ops.machmoe if kernels and T > 0 else None)
         # Counts to the host (the one sync): rows and pairs per peer, both directions. On CUDA
         # they travel by a non-blocking copy behind an event, and the work that needs no counts
         # is queued before the host waits, so the device is not left idle while the host catches up.
-        counts = torch.stack([plan.send_rows, plan.send_pairs], 1)  # [W, 2]
-        recv_counts = _all_to_all(counts, [1] * W, [1] * W, group)  # [W, 2]
-        counts_h = _to_host_async(torch.cat([counts, recv_counts], 1))  # [W, 4]
-        counts_e = plan.expert_counts(E)
-        aux = (torch_backend.aux_loss(logits, experts) if counts_e is None else
-               torch_backend.aux_loss_from_counts(logits, counts_e, experts.numel()))
-        packed = _pack_pairs(plan.pair_meta(dist.get_rank(group)), scores.reshape(-1), plan.order)  # [R, 4]
-        plan.prepare_row_sum()
+        recv_counts = _all_to_all(plan.counts, [1] * W, [1] * W, group)  # [W, 2]
+        counts_h = _to_host_async(torch.cat([plan.counts, recv_counts], 1))  # [W, 4]
+        aux = (torch_backend.aux_loss(logits, experts) if plan.expert_counts is None else
+               torch_backend.aux_loss_from_counts(logits, plan.expert_counts, experts.numel()))
         # The first row of each sender's chunk in what this rank will receive [W].
         recv_row_base = torch.cumsum(recv_counts[:, 0], 0) - recv_counts[:, 0]
     with phase("ep.wait_counts"):
@@ -396,7 +369,7 @@ def expert_parallel_moe(
         row_sum = plan.row_sum(send_rows_h)
         x_send = _Dispatch.apply(x, row_sum)  # [S, d]
         x_recv = _AllToAll.apply(x_send, send_rows_h, recv_rows_h, group)  # [S_recv, d]
-        meta_recv, score_recv = _PairExchange.apply(packed, scores.reshape(-1), plan.inverse, send_pairs_h,
+        meta_recv, score_recv = _PairExchange.apply(plan.packed, scores.reshape(-1), plan.inverse, send_pairs_h,
                                                     recv_pairs_h, group)  # [P_recv, 3], [P_recv]
         # A pair from peer q addresses q's rows: offset it by where q's rows start here.
         row = meta_recv[:, 0] + recv_row_base[meta_recv[:, 2]]

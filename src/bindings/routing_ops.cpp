@@ -110,6 +110,44 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> op_routing_metadata(
   });
 }
 
+// experts [T, K] int32, scores [T, K] fp32 -> the exchange plan (machmoe::exchange_plan), every
+// output int32: counts [W, 2], row_offsets [W+1], row_token [T·K], pair_row [T·K], order [T·K],
+// inverse [T·K], packed [T·K, 4], token_offsets [T+1], distinct_rows [T·K], expert_counts [E].
+using PlanResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+PlanResult op_exchange_plan(const Tensor& experts, const Tensor& scores, int64_t E, int64_t W, int64_t rank) {
+  return translate_errors([&] {
+    check_cuda_tensor(experts, "experts", at::kInt);
+    check_cuda_tensor(scores, "scores", at::kFloat);
+    check_dims(experts, "experts", 2);
+    const int64_t T = experts.size(0), K = experts.size(1), R = T * K;
+    check_shape(scores, "scores", {T, K});
+    TORCH_CHECK_VALUE(W >= 1 && E >= W && E % W == 0, "E must be a multiple of W >= 1, got E=", E, ", W=", W);
+    const c10::cuda::CUDAGuard guard(experts.device());
+    const auto opts = experts.options();
+    Tensor counts = at::empty({W, 2}, opts), row_offsets = at::empty({W + 1}, opts),
+           row_token = at::empty({R}, opts), pair_row = at::empty({R}, opts), order = at::empty({R}, opts),
+           inverse = at::empty({R}, opts), packed = at::empty({R, 4}, opts), token_offsets = at::empty({T + 1}, opts),
+           distinct_rows = at::empty({R}, opts), expert_counts = at::empty({E}, opts);
+    const size_t ws_bytes = exchange_plan_workspace_bytes(T, K, W);
+    Tensor ws = at::empty({static_cast<int64_t>(ws_bytes)}, opts.dtype(at::kByte));
+    ExchangePlanOutputs out;
+    out.counts = counts.data_ptr<int32_t>();
+    out.row_offsets = row_offsets.data_ptr<int32_t>();
+    out.row_token = row_token.data_ptr<int32_t>();
+    out.pair_row = pair_row.data_ptr<int32_t>();
+    out.order = order.data_ptr<int32_t>();
+    out.inverse = inverse.data_ptr<int32_t>();
+    out.packed = packed.data_ptr<int32_t>();
+    out.token_offsets = token_offsets.data_ptr<int32_t>();
+    out.distinct_rows = distinct_rows.data_ptr<int32_t>();
+    out.expert_counts = expert_counts.data_ptr<int32_t>();
+    exchange_plan(experts.data_ptr<int32_t>(), scores.data_ptr<float>(), T, K, E, W, rank, out, ws.data_ptr(),
+                  ws_bytes, at::cuda::getCurrentCUDAStream());
+    return std::make_tuple(counts, row_offsets, row_token, pair_row, order, inverse, packed, token_offsets,
+                           distinct_rows, expert_counts);
+  });
+}
+
 Tensor op_aggregate(const Tensor& rows, const Tensor& pair_row, const Tensor& token_offsets,
                     const std::optional<Tensor>& scores, std::optional<at::ScalarType> out_dtype) {
   return translate_errors([&] {
@@ -209,6 +247,8 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
         " str routing, bool renormalize) -> Tensor");
   m.def("routing_metadata(Tensor pair_expert, Tensor? pair_token, int T, int E)"
         " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("exchange_plan(Tensor experts, Tensor scores, int E, int W, int rank)"
+        " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("aggregate(Tensor rows, Tensor pair_row, Tensor token_offsets, Tensor? scores,"
         " ScalarType? out_dtype) -> Tensor");
   m.def("token_rounding(Tensor logits, int K, str mode, int tile_m, int seed)"
@@ -221,6 +261,7 @@ TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {
   m.impl("topk_router", &op_topk_router);
   m.impl("topk_router_backward", &op_topk_router_backward);
   m.impl("routing_metadata", &op_routing_metadata);
+  m.impl("exchange_plan", &op_exchange_plan);
   m.impl("aggregate", &op_aggregate);
   m.impl("token_rounding", &op_token_rounding);
   m.impl("token_rounding_backward", &op_token_rounding_backward);

@@ -169,25 +169,40 @@ def test_expert_parallel_needs_an_initialised_group():
 
 
 class _FakeKernelOps:
-    """machmoe's routing_metadata and aggregate ops as their docs define them, on the CPU, so that
-    the exchange plan's kernel path (which runs on CUDA) is checked in CI. routing_metadata: rows
-    grouped by expert, tokens ascending inside an expert, a repeated (token, expert) pair merged
-    into one row that every repeat maps to; aggregate: Σ over each token's list of rows."""
+    """machmoe's exchange_plan and aggregate ops as their docs define them (docs/OPS.md), on the
+    CPU, so that the exchange's kernel path (which runs on CUDA) is wired and checked in CI; the
+    GPU test checks the real op against the torch path. exchange_plan: rows = the distinct (owning
+    rank, token) pairs in rank-major order, pairs grouped by rank stably, each pair packed as (row
+    in its rank's chunk, local expert, sender, score bits); aggregate: Σ over each token's rows."""
 
     @staticmethod
-    def routing_metadata(pair_expert, pair_token, T, E):
-        if pair_token is None:  # a top-K list [T, K]: pair p belongs to token p / K
-            pair_token = torch.arange(pair_expert.numel()) // pair_expert.shape[1]
-        e, t = pair_expert.reshape(-1).long(), pair_token.reshape(-1).long()
-        keys = sorted({(int(a), int(b)) for a, b in zip(e, t)})  # (expert, token): one row each
+    def exchange_plan(experts, scores, E, W, rank):
+        T, K = experts.shape
+        E_local, R = E // W, T * K
+        flat = [int(e) for e in experts.reshape(-1)]
+        dest = [e // E_local for e in flat]
+        keys = sorted({(dest[p], p // K) for p in range(R)})  # (rank, token): one row each
         row_of = {k: r for r, k in enumerate(keys)}
-        offsets = torch.zeros(E + 1, dtype=torch.int32)
-        for a, _ in keys:
-            offsets[a + 1:] += 1
-        row_token = torch.full((e.numel(),), -1, dtype=torch.int32)  # rows past the last: unused
-        row_token[:len(keys)] = torch.tensor([b for _, b in keys], dtype=torch.int32)
-        pair_row = torch.tensor([row_of[(int(a), int(b))] for a, b in zip(e, t)], dtype=torch.int32)
-        return offsets, row_token, None, pair_row, None, torch.zeros(1, dtype=torch.int32)
+        row_offsets = [sum(1 for q, _ in keys if q < r) for r in range(W + 1)]
+        pair_row = [row_of[(dest[p], p // K)] for p in range(R)]
+        order = sorted(range(R), key=lambda p: (dest[p], p))
+        inverse = [0] * R
+        for i, p in enumerate(order):
+            inverse[p] = i
+        bits = scores.reshape(-1).view(torch.int32)
+        packed = [[pair_row[p] - row_offsets[dest[p]], flat[p] - dest[p] * E_local, rank, int(bits[p])]
+                  for p in order]
+        token_rows = [sorted({pair_row[p] for p in range(t * K, t * K + K)}) for t in range(T)]
+        token_offsets = [sum(len(r) for r in token_rows[:t]) for t in range(T + 1)]
+        counts = [[row_offsets[q + 1] - row_offsets[q], dest.count(q)] for q in range(W)]
+
+        def i32(v, pad=0):
+            return torch.tensor(v + [-1] * pad, dtype=torch.int32)
+
+        return (i32(counts), i32(row_offsets), i32([t for _, t in keys], R - len(keys)), i32(pair_row),
+                i32(order), i32(inverse), i32(packed), i32(token_offsets),
+                i32([r for rows in token_rows for r in rows], R - len(keys)),
+                torch.bincount(experts.reshape(-1).long(), minlength=E).int())
 
     @staticmethod
     def aggregate(rows, pair_row, token_offsets, scores, dtype):
@@ -202,13 +217,15 @@ class _FakeKernelOps:
 @pytest.mark.parametrize("T,K,E,W", [(37, 4, 12, 3), (5, 6, 6, 2), (64, 8, 16, 4), (1, 2, 4, 4),
                                      (50, 3, 9, 1), (9, 2, 16, 8)])
 def test_exchange_plan_on_the_kernels_matches_its_definition(T, K, E, W):
-    """The plan built from the metadata kernel (faked from its definition) and the one built from
-    torch ops both equal the exchange written out by hand: rows = the distinct (rank, token)
-    pairs in rank-major order, pairs grouped by rank stably, each token's partial sums added."""
+    """The plan on the kernel path (exchange_plan faked from its definition) and the one built
+    from torch ops both equal the exchange written out by hand: rows = the distinct (rank, token)
+    pairs in rank-major order, pairs grouped by rank stably, each pair's metadata and score
+    packed at its grouped position, each token's partial sums added."""
     from machmoe.distributed import _ExchangePlan
 
     gen = torch.Generator().manual_seed(T * 1000 + K * 100 + E + W)
     experts = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])  # [T, K]
+    scores = torch.rand(T, K, generator=gen)  # fp32, as the router kernel gives them
     E_local = E // W
     dest = (experts // E_local).reshape(-1)
     token = torch.arange(T).repeat_interleave(K)
@@ -217,26 +234,27 @@ def test_exchange_plan_on_the_kernels_matches_its_definition(T, K, E, W):
     want_rows = torch.tensor([sum(1 for q, _ in rows if q == r) for r in range(W)])
     want_pair_row = torch.tensor([row_of[(int(q), int(t))] for q, t in zip(dest, token)])
     want_order = torch.tensor(sorted(range(T * K), key=lambda p: (int(dest[p]), p)))
+    want_offsets = torch.cat([torch.zeros(1, dtype=torch.long), want_rows.cumsum(0)])
+    want_meta = torch.stack([want_pair_row - want_offsets[dest], experts.reshape(-1) % E_local,
+                             torch.full((T * K,), W - 1)], 1)[want_order]
     partial = torch.randn(len(rows), 5, dtype=torch.float64, generator=gen)  # a partial sum per row
     want_sum = torch.zeros(T, 5, dtype=torch.float64)
     for r, (_, t) in enumerate(rows):
         want_sum[t] += partial[r]
     for ops in (None, _FakeKernelOps):
-        plan = _ExchangePlan(experts, E_local, W, ops)
-        assert torch.equal(plan.send_rows, want_rows)
-        assert torch.equal(plan.send_pairs, torch.bincount(dest, minlength=W))
-        assert torch.equal(plan.pair_row, want_pair_row)
-        assert torch.equal(plan.order, want_order)
-        assert torch.equal(plan.order[plan.inverse], torch.arange(T * K))
-        counts = plan.expert_counts(E)  # from the kernel on the kernel path; None on the torch path
+        plan = _ExchangePlan(experts, scores, E, W, W - 1, ops)
+        assert torch.equal(plan.send_rows.long(), want_rows)
+        assert torch.equal(plan.send_pairs.long(), torch.bincount(dest, minlength=W))
+        assert torch.equal(plan.pair_row.long(), want_pair_row)
+        assert torch.equal(plan.order.long(), want_order)
+        assert torch.equal(plan.order.long()[plan.inverse.long()], torch.arange(T * K))
+        counts = plan.expert_counts  # from the op on the kernel path; None on the torch path
         assert (counts is None) == (ops is None)
         if counts is not None:
             assert torch.equal(counts.long(), torch.bincount(experts.reshape(-1), minlength=E))
-        meta = plan.pair_meta(W - 1)  # in (t, k) order: the exchange permutes it by plan.order
-        assert torch.equal(meta[:, 0], want_pair_row - plan.row_offsets.long()[dest])
-        assert torch.equal(meta[:, 1], experts.reshape(-1) % E_local)
-        assert torch.equal(meta[:, 2], torch.full((T * K,), W - 1))
-        plan.prepare_row_sum()
+        assert plan.packed.dtype == torch.int32 and plan.packed.shape == (T * K, 4)
+        assert torch.equal(plan.packed[:, :3].long(), want_meta)  # grouped by rank: plan.order
+        assert torch.equal(plan.packed[:, 3].contiguous().view(torch.float32), scores.reshape(-1)[want_order])
         row_sum = plan.row_sum(want_rows.tolist())
-        assert torch.equal(row_sum.token, torch.tensor([t for _, t in rows]))
+        assert torch.equal(row_sum.token.long(), torch.tensor([t for _, t in rows]))
         assert torch.allclose(row_sum(partial), want_sum, rtol=1e-14, atol=0)

@@ -171,27 +171,45 @@ def test_expert_parallel_on_the_kernels(world, seed):
 
 @pytest.mark.ops
 @pytest.mark.parametrize("T,K,E,W", [(1, 2, 8, 2), (1001, 8, 64, 2), (777, 8, 64, 4), (513, 4, 16, 8),
-                                     (300, 16, 128, 8)])
+                                     (300, 16, 128, 8), (4099, 8, 128, 1), (50, 3, 9, 3), (6, 128, 128, 128),
+                                     (257, 6, 192, 96), (20000, 8, 16384, 64)])
 def test_exchange_plan_on_the_kernels_equals_the_torch_plan(T, K, E, W):
-    """The expert-parallel exchange plan built by the routing-metadata kernel (owning rank in place
-    of the expert) equals the one built from torch ops, for W > 1 on one GPU (no process group
-    needed): rows, pair grouping, metadata sent, expert counts and the row sum."""
+    """The exchange_plan op (machmoe::exchange_plan) equals the plan built from torch ops, for
+    W > 1 on one GPU (no process group needed): rows, pair grouping, the packed pairs sent, expert
+    counts and the row sum. W = 96 and 128 take the kernels' path for more than 64 ranks;
+    E = 16384 counts experts in global memory instead of shared memory; K = E = W = 128 puts every
+    pair on its own rank."""
     from machmoe.distributed import _ExchangePlan
 
-    experts = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)])  # [T, K]
-    E_local = E // W
-    ref, got = _ExchangePlan(experts, E_local, W, None), _ExchangePlan(experts, E_local, W, torch.ops.machmoe)
-    for name in ("send_rows", "send_pairs", "row_offsets", "pair_row", "order", "inverse"):
-        assert torch.equal(getattr(got, name), getattr(ref, name)), name
-    flat = experts.reshape(-1)
-    assert torch.equal(got.pair_meta(1), ref.pair_meta(1))
-    assert torch.equal(got.expert_counts(E).long(), torch.bincount(flat, minlength=E))
-    S = int(ref.send_rows.sum())
-    ref.prepare_row_sum()
-    got.prepare_row_sum()
+    experts = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)]).int()  # [T, K]
+    scores = torch.rand(T, K, device="cuda")
+    ref = _ExchangePlan(experts.long(), scores, E, W, W - 1, None)
+    got = _ExchangePlan(experts, scores, E, W, W - 1, torch.ops.machmoe)
+    for name in ("counts", "row_offsets", "pair_row", "order", "inverse", "packed"):
+        assert torch.equal(getattr(got, name).long(), getattr(ref, name).long()), name
+    assert torch.equal(got.expert_counts.long(), torch.bincount(experts.reshape(-1).long(), minlength=E))
     chunks = ref.send_rows.tolist()
+    S = sum(chunks)
     a, b = ref.row_sum(chunks), got.row_sum(chunks)
-    assert torch.equal(a.token, b.token)
+    assert torch.equal(a.token, b.token.long())
     rows = torch.randn(S, 64, device="cuda").bfloat16()
     # Both add a token's rows in rank order with fp32 accumulation and one rounding: bitwise equal.
     assert torch.equal(a(rows), b(rows))
+
+
+@pytest.mark.ops
+def test_exchange_plan_flags_experts_out_of_range_and_refuses_bad_arguments():
+    """An expert id out of [0, E) gets no row and no position; bad arguments raise, naming them."""
+    experts = torch.tensor([[0, 5], [3, 9], [7, 1]], dtype=torch.int32, device="cuda")  # 9 >= E
+    scores = torch.rand(3, 2, device="cuda")
+    counts, row_offsets, *_ = torch.ops.machmoe.exchange_plan(experts, scores, 8, 2, 0)
+    # E_local = 4. Valid pairs' ranks: token 0 -> 0, 1; token 1 -> 0 (expert 9 has none); token 2
+    # -> 1, 0. So 3 rows and 3 pairs for rank 0, 2 and 2 for rank 1.
+    assert counts.tolist() == [[3, 3], [2, 2]]
+    assert row_offsets.tolist() == [0, 3, 5]
+    with pytest.raises(ValueError, match="multiple of W"):
+        torch.ops.machmoe.exchange_plan(experts, scores, 9, 2, 0)
+    with pytest.raises(ValueError, match="rank"):
+        torch.ops.machmoe.exchange_plan(experts, scores, 8, 2, 2)
+    with pytest.raises(ValueError, match="scores"):
+        torch.ops.machmoe.exchange_plan(experts, scores[:2], 8, 2, 0)
