@@ -34,7 +34,7 @@ void check_expert_tensors(const ExpertsProblem& p, const Tensor& x, const Tensor
   check_bf16(x, "x", {p.T, p.d});
   check_bf16(w1, "w1", {p.E, n1, p.d});
   check_bf16(w2, "w2", {p.E, p.d, p.n});
-  TORCH_CHECK_VALUE(b1.has_value() == b2.has_value(), "b1 and b2 must be given together or not at all");
+  MACHMOE_CHECK_VALUE(b1.has_value() == b2.has_value(), "b1 and b2 must be given together or not at all");
   if (b1) {
     check_bf16(*b1, "b1", {p.E, n1});
     check_bf16(*b2, "b2", {p.E, p.d});
@@ -43,11 +43,11 @@ void check_expert_tensors(const ExpertsProblem& p, const Tensor& x, const Tensor
 
 // One array of the routing list: 1-D, R elements, contiguous, `dtype`, on x's device.
 void check_list(const Tensor& t, const char* name, int64_t R, at::ScalarType dtype, const at::Device& device) {
-  TORCH_CHECK_VALUE(t.dim() == 1 && t.numel() == R, name, " must be 1-D with R = ", R, " elements, got shape ",
+  MACHMOE_CHECK_VALUE(t.dim() == 1 && t.numel() == R, name, " must be 1-D with R = ", R, " elements, got shape ",
                     t.sizes());
-  TORCH_CHECK_VALUE(t.scalar_type() == dtype && t.is_contiguous(), name, " must be a contiguous ", dtype,
+  MACHMOE_CHECK_VALUE(t.scalar_type() == dtype && t.is_contiguous(), name, " must be a contiguous ", dtype,
                     " tensor, got ", t.scalar_type());
-  TORCH_CHECK_VALUE(t.device() == device, name, " must be on x's device (", device, "), got ", t.device());
+  MACHMOE_CHECK_VALUE(t.device() == device, name, " must be on x's device (", device, "), got ", t.device());
 }
 
 std::tuple<Tensor, Tensor> op_experts_forward(const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1,

@@ -17,7 +17,7 @@ GemmEpilogue parse_epilogue(const std::string& s) {
   if (s == "store") return GemmEpilogue::Store;
   if (s == "glu") return GemmEpilogue::GLU;
   if (s == "activation") return GemmEpilogue::Activation;
-  TORCH_CHECK_VALUE(false, "epilogue: unknown value '", s, "'; choose one of store, glu, activation");
+  MACHMOE_CHECK_VALUE(false, "epilogue: unknown value '", s, "'; choose one of store, glu, activation");
 }
 
 void check_bf16_matrix(const Tensor& t, const char* name, int dims) {
@@ -26,7 +26,7 @@ void check_bf16_matrix(const Tensor& t, const char* name, int dims) {
 }
 
 void check_int32(const Tensor& t, const char* name, int64_t min_numel) {
-  TORCH_CHECK_VALUE(t.is_cuda() && t.scalar_type() == at::kInt && t.is_contiguous() && t.numel() >= min_numel, name,
+  MACHMOE_CHECK_VALUE(t.is_cuda() && t.scalar_type() == at::kInt && t.is_contiguous() && t.numel() >= min_numel, name,
                     " must be a contiguous int32 CUDA tensor of at least ", min_numel, " elements");
 }
 
@@ -58,18 +58,18 @@ std::tuple<Tensor, Tensor> op_grouped_gemm(const Tensor& a, const std::optional<
                                            const std::string& epilogue, const std::string& activation,
                                            const std::string& layout) {
   return translate_errors([&] {
-    TORCH_CHECK_VALUE(a.is_cuda() && a.scalar_type() == at::kBFloat16 && a.dim() == 2 && a.stride(1) == 1,
+    MACHMOE_CHECK_VALUE(a.is_cuda() && a.scalar_type() == at::kBFloat16 && a.dim() == 2 && a.stride(1) == 1,
                       "a must be a 2-D bfloat16 CUDA tensor with unit column stride");
-    TORCH_CHECK_VALUE(w.is_cuda() && w.scalar_type() == at::kBFloat16 && w.dim() == 3 && w.is_contiguous(),
+    MACHMOE_CHECK_VALUE(w.is_cuda() && w.scalar_type() == at::kBFloat16 && w.dim() == 3 && w.is_contiguous(),
                       "w must be a contiguous [E, N, K] bfloat16 CUDA tensor");
     const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
-    TORCH_CHECK_VALUE(a.size(1) == K, "a must have K = ", K, " columns, got ", a.size(1));
+    MACHMOE_CHECK_VALUE(a.size(1) == K, "a must have K = ", K, " columns, got ", a.size(1));
     check_int32(expert_offsets, "expert_offsets", E + 1);
-    TORCH_CHECK_VALUE(expert_offsets.numel() == E + 1, "expert_offsets must have E+1 = ", E + 1, " elements");
-    TORCH_CHECK_VALUE(num_rows >= 0, "num_rows must be >= 0");
+    MACHMOE_CHECK_VALUE(expert_offsets.numel() == E + 1, "expert_offsets must have E+1 = ", E + 1, " elements");
+    MACHMOE_CHECK_VALUE(num_rows >= 0, "num_rows must be >= 0");
     if (gather) check_int32(*gather, "gather", num_rows);
     if (bias) {
-      TORCH_CHECK_VALUE(bias->is_cuda() && bias->scalar_type() == at::kBFloat16 && bias->is_contiguous(),
+      MACHMOE_CHECK_VALUE(bias->is_cuda() && bias->scalar_type() == at::kBFloat16 && bias->is_contiguous(),
                         "bias must be a contiguous bfloat16 CUDA tensor");
       check_shape(*bias, "bias", {E, N});
     }
@@ -106,12 +106,12 @@ std::tuple<Tensor, Tensor, Tensor> op_grouped_gemm_nmajor(const Tensor& a, const
     check_bf16_matrix(a, "a", 2);
     check_bf16_matrix(w_kn, "w_kn", 3);
     const int64_t E = w_kn.size(0), K = w_kn.size(1), N = w_kn.size(2);
-    TORCH_CHECK_VALUE(a.size(1) == K, "a must have K = ", K, " columns, got ", a.size(1));
+    MACHMOE_CHECK_VALUE(a.size(1) == K, "a must have K = ", K, " columns, got ", a.size(1));
     check_int32(expert_offsets, "expert_offsets", E + 1);
-    TORCH_CHECK_VALUE(num_rows >= 0, "num_rows must be >= 0");
+    MACHMOE_CHECK_VALUE(num_rows >= 0, "num_rows must be >= 0");
     if (gather) check_int32(*gather, "gather", num_rows);
     const bool dact = h.has_value();
-    TORCH_CHECK_VALUE(dact == row_scores.has_value() && dact == row_pair.has_value(),
+    MACHMOE_CHECK_VALUE(dact == row_scores.has_value() && dact == row_pair.has_value(),
                       "h, row_scores and row_pair go together (the dH epilogue)");
     const Activation act = parse_activation(activation);
     const int64_t n1 = is_glu(act) ? 2 * N : N;
@@ -130,8 +130,8 @@ std::tuple<Tensor, Tensor, Tensor> op_grouped_gemm_nmajor(const Tensor& a, const
       g.ldc = N;
     } else {
       check_bf16_matrix(*h, "h", 2);
-      TORCH_CHECK_VALUE(h->size(1) == n1 && h->size(0) >= num_rows, "h must be [>= num_rows, ", n1, "]");
-      TORCH_CHECK_VALUE(row_scores->is_cuda() && row_scores->scalar_type() == at::kFloat && row_scores->is_contiguous(),
+      MACHMOE_CHECK_VALUE(h->size(1) == n1 && h->size(0) >= num_rows, "h must be [>= num_rows, ", n1, "]");
+      MACHMOE_CHECK_VALUE(row_scores->is_cuda() && row_scores->scalar_type() == at::kFloat && row_scores->is_contiguous(),
                         "row_scores must be a contiguous float32 CUDA tensor");
       check_int32(*row_pair, "row_pair", num_rows);
       c = at::empty({num_rows, n1}, a.options());
@@ -160,7 +160,7 @@ Tensor op_grouped_gemm_wgrad(const Tensor& a, const std::optional<Tensor>& a_gat
     check_bf16_matrix(a, "a", 2);
     check_bf16_matrix(b, "b", 2);
     const int64_t E = expert_offsets.numel() - 1, M = a.size(1), N = b.size(1);
-    TORCH_CHECK_VALUE(E >= 1, "expert_offsets must have E+1 >= 2 elements");
+    MACHMOE_CHECK_VALUE(E >= 1, "expert_offsets must have E+1 >= 2 elements");
     check_int32(expert_offsets, "expert_offsets", E + 1);
     if (a_gather) check_int32(*a_gather, "a_gather", 0);
     const c10::cuda::CUDAGuard guard(a.device());

@@ -37,7 +37,7 @@ void check_layer_tensors(const LayerProblem& p, const Tensor& x, const Tensor& r
   check_bf16(router_weight, "router_weight", {p.E, p.d});
   check_bf16(w1, "w1", {p.E, n1, p.d});
   check_bf16(w2, "w2", {p.E, p.d, p.n});
-  TORCH_CHECK_VALUE(b1.has_value() == b2.has_value(), "b1 and b2 must be given together or not at all");
+  MACHMOE_CHECK_VALUE(b1.has_value() == b2.has_value(), "b1 and b2 must be given together or not at all");
   if (b1) {
     check_bf16(*b1, "b1", {p.E, n1});
     check_bf16(*b2, "b2", {p.E, p.d});
@@ -57,7 +57,7 @@ std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tenso
         layer_problem(x, w1, w2, b1.has_value(), K, activation, layout, routing, renormalize, rounding, tile_m);
     check_layer_tensors(p, x, router_weight, w1, b1, w2, b2);
     if (selection_bias) {
-      TORCH_CHECK_VALUE(selection_bias->is_cuda() && selection_bias->scalar_type() == at::kFloat &&
+      MACHMOE_CHECK_VALUE(selection_bias->is_cuda() && selection_bias->scalar_type() == at::kFloat &&
                             selection_bias->is_contiguous(),
                         "selection_bias must be a contiguous float32 CUDA tensor");
       check_shape(*selection_bias, "selection_bias", {p.E});
@@ -107,7 +107,7 @@ Grads op_layer_backward(const Tensor& x, const Tensor& router_weight, const Tens
     const WorkspacePlan plan = plan_workspace(p);
     check_saved(saved, plan.saved_bytes, x.device(), "layer_forward");
     if (d_aux)
-      TORCH_CHECK_VALUE(d_aux->numel() == 1 && d_aux->is_floating_point() && d_aux->device() == x.device(),
+      MACHMOE_CHECK_VALUE(d_aux->numel() == 1 && d_aux->is_floating_point() && d_aux->device() == x.device(),
                         "d_aux must be a one-element floating-point tensor on x's device, got shape ",
                         d_aux->sizes(), " ", d_aux->scalar_type(), " on ", d_aux->device());
     const c10::cuda::CUDAGuard guard(x.device());

@@ -16,16 +16,16 @@ using at::Tensor;
 
 // A contiguous float64 CPU copy of a floating tensor.
 Tensor as_f64(const Tensor& t, const char* name) {
-  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor for the reference ops, got ",
+  MACHMOE_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor for the reference ops, got ",
                     t.device());
-  TORCH_CHECK_VALUE(at::isFloatingType(t.scalar_type()), name, " must be floating point, got ",
+  MACHMOE_CHECK_VALUE(at::isFloatingType(t.scalar_type()), name, " must be floating point, got ",
                     t.scalar_type());
   return t.to(at::kDouble).contiguous();
 }
 
 std::vector<int32_t> as_i32(const Tensor& t, const char* name) {
-  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
-  TORCH_CHECK_VALUE(!at::isFloatingType(t.scalar_type()) && t.scalar_type() != at::kBool, name,
+  MACHMOE_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
+  MACHMOE_CHECK_VALUE(!at::isFloatingType(t.scalar_type()) && t.scalar_type() != at::kBool, name,
                     " must be an integer tensor, got ", t.scalar_type());
   check_dims(t, name, 1);
   Tensor c = t.to(at::kInt).contiguous();
@@ -39,7 +39,7 @@ Tensor vec_to_tensor(const std::vector<T>& v, at::IntArrayRef shape) {
                      : std::is_same_v<T, uint8_t> ? at::kBool
                                                   : at::kInt;
   Tensor out = at::empty(shape, at::TensorOptions().dtype(dtype));
-  TORCH_CHECK(static_cast<int64_t>(v.size()) == out.numel(), "internal: size mismatch");
+  if (static_cast<int64_t>(v.size()) != out.numel()) C10_THROW_ERROR(Error, "internal: size mismatch");
   if (!v.empty()) std::memcpy(out.data_ptr(), v.data(), v.size() * sizeof(T));
   return out;
 }
@@ -72,10 +72,10 @@ ExpertInputs expert_inputs(const Tensor& x, const Tensor& w1, const std::optiona
   in.s.d = x.size(1);
   in.s.E = w1.size(0);
   in.s.n = w2.size(2);
-  TORCH_CHECK_VALUE(in.s.d >= 1 && in.s.n >= 1 && in.s.E >= 1, "x, w1, w2 must have d, n, E >= 1");
+  MACHMOE_CHECK_VALUE(in.s.d >= 1 && in.s.n >= 1 && in.s.E >= 1, "x, w1, w2 must have d, n, E >= 1");
   check_shape(w1, "w1", {in.s.E, in.s.n1(), in.s.d});
   check_shape(w2, "w2", {in.s.E, in.s.d, in.s.n});
-  TORCH_CHECK_VALUE(b1.has_value() == b2.has_value(), "b1 and b2 must be given together or not at all");
+  MACHMOE_CHECK_VALUE(b1.has_value() == b2.has_value(), "b1 and b2 must be given together or not at all");
   in.s.bias = b1.has_value();
   in.x = as_f64(x, "x");
   in.w1 = as_f64(w1, "w1");
@@ -94,7 +94,7 @@ std::tuple<Tensor, Tensor> reference_topk(const Tensor& logits, int64_t K, const
   return translate_errors([&] {
     check_dims(logits, "logits", 2);
     const int64_t T = logits.size(0), E = logits.size(1);
-    TORCH_CHECK_VALUE(K >= 1 && K <= E, "K must be in [1, E=", E, "], got ", K);
+    MACHMOE_CHECK_VALUE(K >= 1 && K <= E, "K must be in [1, E=", E, "], got ", K);
     const Tensor l = as_f64(logits, "logits");
     std::optional<Tensor> bias;
     if (selection_bias) {
@@ -113,7 +113,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> reference_token_rounding(const Tensor
   return translate_errors([&] {
     check_dims(logits, "logits", 2);
     const int64_t T = logits.size(0), E = logits.size(1);
-    TORCH_CHECK_VALUE(K >= 1 && K <= E, "K must be in [1, E=", E, "], got ", K);
+    MACHMOE_CHECK_VALUE(K >= 1 && K <= E, "K must be in [1, E=", E, "], got ", K);
     const Tensor l = as_f64(logits, "logits");
     const auto r = ref::token_round(l.data_ptr<double>(), T, E, K,
                                     {parse_token_rounding(mode), tile_m, static_cast<uint64_t>(seed)});
@@ -130,7 +130,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> reference_metadata(const Tens
     ref::RoutingList list;
     list.token = as_i32(token, "token");
     list.expert = as_i32(expert, "expert");
-    TORCH_CHECK_VALUE(list.token.size() == list.expert.size(), "token and expert must have the same length");
+    MACHMOE_CHECK_VALUE(list.token.size() == list.expert.size(), "token and expert must have the same length");
     list.score.assign(list.token.size(), 1.0);
     const int64_t R = list.size();
     const auto md = ref::build_metadata(list, T, E);
@@ -158,7 +158,7 @@ LayerResult reference_layer(const Tensor& x, const Tensor& router_weight, const 
     const auto& s = in.s;
     check_shape(router_weight, "router_weight", {s.E, s.d});
     check_shape(dout, "dout", {s.T, s.d});
-    TORCH_CHECK_VALUE(K >= 1 && K <= s.E, "K must be in [1, E=", s.E, "], got ", K);
+    MACHMOE_CHECK_VALUE(K >= 1 && K <= s.E, "K must be in [1, E=", s.E, "], got ", K);
     ref::LayerConfig c;
     c.shape = s;
     c.K = K;
@@ -167,7 +167,7 @@ LayerResult reference_layer(const Tensor& x, const Tensor& router_weight, const 
     c.rounding = {parse_token_rounding(rounding), tile_m, static_cast<uint64_t>(seed)};
     std::optional<Tensor> bias;
     if (selection_bias) {
-      TORCH_CHECK_VALUE(c.routing == RoutingMethod::Sigmoid, "selection_bias is only used with routing=sigmoid");
+      MACHMOE_CHECK_VALUE(c.routing == RoutingMethod::Sigmoid, "selection_bias is only used with routing=sigmoid");
       check_shape(*selection_bias, "selection_bias", {s.E});
       bias = as_f64(*selection_bias, "selection_bias");
     }
@@ -200,7 +200,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> reference_gen
     check_dims(score, "score", 1);
     const Tensor sc = as_f64(score, "score");
     list.score.assign(sc.data_ptr<double>(), sc.data_ptr<double>() + sc.numel());
-    TORCH_CHECK_VALUE(list.token.size() == list.expert.size() && list.token.size() == list.score.size(),
+    MACHMOE_CHECK_VALUE(list.token.size() == list.expert.size() && list.token.size() == list.score.size(),
                       "token, expert and score must have the same length");
     const Tensor go = as_f64(dout, "dout");
     const double* xp = in.x.data_ptr<double>();

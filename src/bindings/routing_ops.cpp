@@ -15,9 +15,9 @@ namespace {
 using at::Tensor;
 
 void check_cuda_tensor(const Tensor& t, const char* name, at::ScalarType dtype) {
-  TORCH_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor, got ", t.device());
-  TORCH_CHECK_VALUE(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
+  MACHMOE_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor, got ", t.device());
+  MACHMOE_CHECK_VALUE(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ", t.scalar_type());
+  MACHMOE_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
 }
 
 DType to_dtype(at::ScalarType t, const char* name) {
@@ -25,7 +25,7 @@ DType to_dtype(at::ScalarType t, const char* name) {
     case at::kBFloat16: return DType::BF16;
     case at::kHalf: return DType::FP16;
     case at::kFloat: return DType::FP32;
-    default: TORCH_CHECK_VALUE(false, name, " must be bfloat16, float16 or float32, got ", t);
+    default: MACHMOE_CHECK_VALUE(false, name, " must be bfloat16, float16 or float32, got ", t);
   }
 }
 
@@ -40,7 +40,7 @@ std::tuple<Tensor, Tensor> op_topk_router(const Tensor& logits, int64_t K, const
       check_cuda_tensor(*selection_bias, "selection_bias", at::kFloat);
       check_shape(*selection_bias, "selection_bias", {E});
     }
-    TORCH_CHECK_VALUE(K >= 1 && K <= E, "K must be in [1, E=", E, "], got ", K);
+    MACHMOE_CHECK_VALUE(K >= 1 && K <= E, "K must be in [1, E=", E, "], got ", K);
     Tensor scores = at::empty({T, K}, logits.options());
     Tensor experts = at::empty({T, K}, logits.options().dtype(at::kInt));
     topk_router(logits.data_ptr<float>(), T, E, K, parse_routing(routing), renormalize,
@@ -85,7 +85,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> op_routing_metadata(
       check_shape(*pair_token, "pair_token", pair_expert.sizes());
     } else {
       check_dims(pair_expert, "pair_expert", 2);
-      TORCH_CHECK_VALUE(pair_expert.size(0) == T, "pair_expert must be [T=", T, ", K] without pair_token, got ",
+      MACHMOE_CHECK_VALUE(pair_expert.size(0) == T, "pair_expert must be [T=", T, ", K] without pair_token, got ",
                         pair_expert.sizes());
       K = pair_expert.size(1);
     }
@@ -121,7 +121,7 @@ PlanResult op_exchange_plan(const Tensor& experts, const Tensor& scores, int64_t
     check_dims(experts, "experts", 2);
     const int64_t T = experts.size(0), K = experts.size(1), R = T * K;
     check_shape(scores, "scores", {T, K});
-    TORCH_CHECK_VALUE(W >= 1 && E >= W && E % W == 0, "E must be a multiple of W >= 1, got E=", E, ", W=", W);
+    MACHMOE_CHECK_VALUE(W >= 1 && E >= W && E % W == 0, "E must be a multiple of W >= 1, got E=", E, ", W=", W);
     const c10::cuda::CUDAGuard guard(experts.device());
     const auto opts = experts.options();
     Tensor counts = at::empty({W, 2}, opts), row_offsets = at::empty({W + 1}, opts),
@@ -151,13 +151,13 @@ PlanResult op_exchange_plan(const Tensor& experts, const Tensor& scores, int64_t
 Tensor op_aggregate(const Tensor& rows, const Tensor& pair_row, const Tensor& token_offsets,
                     const std::optional<Tensor>& scores, std::optional<at::ScalarType> out_dtype) {
   return translate_errors([&] {
-    TORCH_CHECK_VALUE(rows.is_cuda() && rows.is_contiguous(), "rows must be a contiguous CUDA tensor");
+    MACHMOE_CHECK_VALUE(rows.is_cuda() && rows.is_contiguous(), "rows must be a contiguous CUDA tensor");
     check_dims(rows, "rows", 2);
     check_cuda_tensor(pair_row, "pair_row", at::kInt);
     check_cuda_tensor(token_offsets, "token_offsets", at::kInt);
     check_dims(token_offsets, "token_offsets", 1);
     const int64_t T = token_offsets.size(0) - 1, d = rows.size(1);
-    TORCH_CHECK_VALUE(T >= 0, "token_offsets must have T+1 >= 1 elements");
+    MACHMOE_CHECK_VALUE(T >= 0, "token_offsets must have T+1 >= 1 elements");
     if (scores) {
       check_cuda_tensor(*scores, "scores", at::kFloat);
       check_shape(*scores, "scores", pair_row.sizes());
@@ -181,8 +181,8 @@ RoundingResult op_token_rounding(const Tensor& logits, int64_t K, const std::str
     check_cuda_tensor(logits, "logits", at::kFloat);
     check_dims(logits, "logits", 2);
     const int64_t T = logits.size(0), E = logits.size(1);
-    TORCH_CHECK_VALUE(K >= 1 && K <= E, "K must be in [1, E=", E, "], got ", K);
-    TORCH_CHECK_VALUE(tile_m >= 1, "tile_m must be >= 1, got ", tile_m);
+    MACHMOE_CHECK_VALUE(K >= 1 && K <= E, "K must be in [1, E=", E, "], got ", K);
+    MACHMOE_CHECK_VALUE(tile_m >= 1, "tile_m must be >= 1, got ", tile_m);
     const c10::cuda::CUDAGuard guard(logits.device());
     const int64_t cap = token_rounding_capacity(T, E, K, tile_m);
     const auto f32 = logits.options(), i32 = logits.options().dtype(at::kInt);

@@ -397,3 +397,24 @@ def test_token_rounding_removes_padding_rows():
     pad_after = ((r + M - 1) // M * M - r).sum().item()
     print(f"padding rows: top-K {pad_before} of {T * K}, rounded {pad_after}")
     assert pad_after == 0
+
+
+def test_bad_arguments_raise_with_their_sizes_in_the_message():
+    """Checks whose message prints a size or a shape raise ValueError with it. On the lent GPU
+    machine these messages once killed the process with a segfault (formatting an integer through
+    an ostream inside the op library; session 22), so each one is exercised here."""
+    m = ops()
+    logits = torch.randn(3, 4, device="cuda")
+    with pytest.raises(ValueError, match=r"K must be in \[1, E=4\], got 5"):
+        m.topk_router(logits, 5, "softmax_topk", True, None)
+    experts = torch.zeros(3, 2, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match=r"pair_expert must be \[T=4, K\] without pair_token, got \[3, 2\]"):
+        m.routing_metadata(experts, None, 4, 8)
+    with pytest.raises(ValueError, match=r"rows must be 2-D, got shape \[5\]"):
+        m.aggregate(torch.randn(5, device="cuda"), experts.reshape(-1), experts[:, 0], None, None)
+    with pytest.raises(ValueError, match=r"E must be a multiple of W >= 1, got E=9, W=2"):
+        m.exchange_plan(experts, torch.rand(3, 2, device="cuda"), 9, 2, 0)
+    with pytest.raises(ValueError, match=r"scores must have shape \[3, 2\], got \[2, 2\]"):
+        m.exchange_plan(experts, torch.rand(2, 2, device="cuda"), 8, 2, 0)
+    with pytest.raises(ValueError, match=r"tile_m must be >= 1, got 0"):
+        m.token_rounding(logits, 2, "up", 0, 0)
