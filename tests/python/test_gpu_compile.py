@@ -44,6 +44,7 @@ def _op_cases():
         ("topk_router", (logits, K, "softmax_topk", True, None)),
         ("topk_router_backward", (logits, scores, experts, torch.randn(T, K, device="cuda"), "softmax_topk", True)),
         ("routing_metadata", (experts, None, T, E)),
+        ("exchange_plan", (experts, scores, E, 3, 1)),
         ("aggregate", (h, pair_row, token_offsets, row_scores, torch.float32)),
         ("token_rounding", (logits, K, "nr", 16, 0)),
         ("token_rounding_backward", (logits, rounded[5], rounded[6], rounded[4], rounded[1], rounded[3],
