@@ -418,3 +418,6 @@ def test_bad_arguments_raise_with_their_sizes_in_the_message():
         m.exchange_plan(experts, torch.rand(2, 2, device="cuda"), 8, 2, 0)
     with pytest.raises(ValueError, match=r"tile_m must be >= 1, got 0"):
         m.token_rounding(logits, 2, "up", 0, 0)
+    # A device in the message (the reference ops run on the CPU only).
+    with pytest.raises(ValueError, match=r"logits must be a CPU tensor for the reference ops, got cuda:0"):
+        m.reference_topk(logits, 2, "softmax_topk", True, None)
