@@ -60,14 +60,14 @@ class _AllToAll(torch.autograd.Function):
 def _pack_pairs(meta: torch.Tensor, score: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """meta [R, 3] (row in the rank's chunk, local expert, sending rank) and scores [R], both in
     (t, k) order -> [R, 4] in `order` (grouped by rank), in the scores' same-width integer type
-    with the scores bit-cast: what _PairExchange sends. Needs no counts, so it is built before
-    the host waits for them."""
+    with the scores bit-cast: what _PairExchange sends (the torch path's; on the kernels the
+    exchange_plan op packs them). Needs no counts, so it is built before the host waits."""
     twin = {4: torch.int32, 8: torch.int64}[score.element_size()]
     return torch.cat([meta.to(twin), score.detach().contiguous().view(twin).unsqueeze(1)], 1)[order]
 
 
 class _PairExchange(torch.autograd.Function):
-    """The packed pairs (_pack_pairs, built from `score`) to their ranks in one all_to_all: one
+    """The packed pairs (_ExchangePlan.packed, built from `score`) to their ranks in one all_to_all: one
     collective and one autograd node where the pairs' metadata and scores took three and two (the
     exchange is bound by the host's time per op: PERF.md, session 21). -> meta [P, 3] and the
     scores [P], differentiable in `score` (whose values travel in `packed`). Backward: the
