@@ -182,8 +182,8 @@ class _ExchangePlan:
 
     def __init__(self, experts: torch.Tensor, scores: torch.Tensor, E: int, W: int, rank: int, ops=None):
         T, K = experts.shape
-        R, dev, E_local = T * K, experts.device, E // W
-        self.T, self.K, self.E_local, self.ops = T, K, E_local, ops
+        dev, E_local = experts.device, E // W
+        self.T, self.ops = T, ops
         if ops is not None:
             (self.counts, self.row_offsets, self._row_token, self.pair_row, self.order, self.inverse,
              self.packed, self._token_offsets, self._distinct_rows, self.expert_counts) = ops.exchange_plan(

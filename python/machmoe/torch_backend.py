@@ -173,10 +173,9 @@ def token_rounding(
     return RoundedRouting(token, expert, pair_score[token, expert], ~selected[token, expert])
 
 
-def aux_loss(logits: torch.Tensor, experts_of_pairs: torch.Tensor,
-             counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+def aux_loss(logits: torch.Tensor, experts_of_pairs: torch.Tensor) -> torch.Tensor:
     """Load-balancing loss (LAYER.md) from logits [T, E] and the experts of the R routed pairs
-    (or, when given, their per-expert counts [E], computed elsewhere).
+    (aux_loss_from_counts takes per-expert counts computed elsewhere).
 
     Differentiable through P = softmax(logits); the expert frequencies are counts, not
     differentiated. Returns a scalar in the routing dtype (a plain 0 when T = 0 or R = 0).
@@ -188,10 +187,9 @@ def aux_loss(logits: torch.Tensor, experts_of_pairs: torch.Tensor,
         return logits.new_zeros(())
     probs = torch.softmax(logits, dim=1)  # [T, E]
     importance = probs.sum(dim=0) / probs.sum()  # [E]
-    if counts is None:
-        idx = experts_of_pairs.reshape(-1).long()
-        # scatter_add, not bincount: bincount reads its input's maximum on the host (a sync).
-        counts = torch.zeros(E, dtype=torch.int64, device=idx.device).scatter_add_(0, idx, torch.ones_like(idx))
+    idx = experts_of_pairs.reshape(-1).long()
+    # scatter_add, not bincount: bincount reads its input's maximum on the host (a sync).
+    counts = torch.zeros(E, dtype=torch.int64, device=idx.device).scatter_add_(0, idx, torch.ones_like(idx))
     frequency = counts.to(logits.dtype) / R
     return E * (importance * frequency).sum()
 

@@ -20,11 +20,10 @@ namespace machmoe::bindings {
 // printed a size did so; strings and dtypes did not), so no message here takes that path.
 inline std::string msg_part(const char* s) { return s; }
 inline std::string msg_part(const std::string& s) { return s; }
-template <typename I, std::enable_if_t<std::is_integral_v<I> && !std::is_same_v<I, bool>, int> = 0>
+template <typename I, std::enable_if_t<std::is_integral_v<I>, int> = 0>
 std::string msg_part(I v) {
   return std::to_string(v);
 }
-inline std::string msg_part(bool v) { return v ? "True" : "False"; }
 inline std::string msg_part(at::IntArrayRef a) {
   std::string s = "[";
   for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
@@ -32,7 +31,6 @@ inline std::string msg_part(at::IntArrayRef a) {
 }
 inline std::string msg_part(at::ScalarType t) { return c10::toString(t); }
 inline std::string msg_part(const at::Device& d) { return d.str(); }
-inline std::string msg_part(const at::Tensor& t) { return std::string(c10::toString(t.scalar_type())) + msg_part(t.sizes()); }
 
 template <typename... Args>
 std::string message(const Args&... args) {

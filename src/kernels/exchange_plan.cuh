@@ -13,8 +13,9 @@
 //                                where each token's rows start in the row-sum list;
 //   exchange_plan_finish:        the packed pairs [T·K, 4] at their grouped positions, each
 //                                token's rows in rank order, and the per-rank counts [W, 2].
-// Ranks per token are a 64-bit mask when W <= 64; otherwise each pair scans its token's pairs
-// (O(K^2) per token). Deterministic: the only atomics are integer adds (order-free).
+// Ranks per token are a 64-bit mask when W <= 64 (O(K) per token); otherwise each pair scans its
+// token's pairs (O(K^2) per token in prepare, up to O(K^3) in finish: K and W are both small in
+// practice). Deterministic: the only atomics are integer adds (order-free).
 #pragma once
 
 #include "kernels/common.cuh"
@@ -46,21 +47,18 @@ struct ExchangePlanParams {
                                 //     pair_offsets[W] < T·K), else 0; or null
 };
 
-// Whether pair j of the token (ranks q[0..K)) is the first with its rank, and how many distinct
-// ranks below q[j] the token has; the general path for W > 64 (O(K) per call).
-__device__ __forceinline__ bool plan_rank_position(const int32_t* q, int K, int W, int j, int* below) {
-  bool first = true;
+// The general path for W > 64, on one token's ranks q[0..K) (W marks an invalid pair).
+// Whether pair j is the first of the token's pairs with a valid rank q[j] (O(K)).
+__device__ __forceinline__ bool plan_first_of_rank(const int32_t* q, int W, int j) {
+  for (int i = 0; i < j; ++i)
+    if (q[i] == q[j]) return false;
+  return q[j] < W;
+}
+// ... and how many of the token's distinct ranks lie below q[j] (O(K^2)).
+__device__ __forceinline__ int plan_ranks_below(const int32_t* q, int K, int W, int j) {
   int n = 0;
-  for (int i = 0; i < K; ++i) {
-    if (i < j && q[i] == q[j]) first = false;
-    if (q[i] < q[j]) {
-      bool first_i = true;  // count each rank below once: at its first pair
-      for (int h = 0; h < i; ++h) first_i = first_i && q[h] != q[i];
-      n += first_i;
-    }
-  }
-  *below = n;
-  return first && q[j] < W;
+  for (int i = 0; i < K; ++i) n += q[i] < q[j] && plan_first_of_rank(q, W, i);
+  return n;
 }
 
 __global__ void __launch_bounds__(kPlanThreads) exchange_plan_prepare(ExchangePlanParams p) {
@@ -88,10 +86,7 @@ __global__ void __launch_bounds__(kPlanThreads) exchange_plan_prepare(ExchangePl
     int n = __popcll(mask);
     if (p.W > 64) {
       n = 0;
-      for (int k = 0; k < p.K; ++k) {
-        int below;
-        n += plan_rank_position(dq, p.K, p.W, k, &below);
-      }
+      for (int k = 0; k < p.K; ++k) n += plan_first_of_rank(dq, p.W, k);
     }
     p.distinct[t] = n;
   }
@@ -146,9 +141,8 @@ __global__ void __launch_bounds__(kPlanThreads) exchange_plan_finish(ExchangePla
       const uint64_t bit = 1ull << q;
       if (!(seen & bit)) rows_out[__popcll(mask & (bit - 1))] = row;
       seen |= bit;
-    } else {
-      int below;
-      if (plan_rank_position(dq, p.K, p.W, k, &below)) rows_out[below] = row;
+    } else if (plan_first_of_rank(dq, p.W, k)) {
+      rows_out[plan_ranks_below(dq, p.K, p.W, k)] = row;
     }
   }
 }
