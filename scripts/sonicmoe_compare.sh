@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# SonicMoE's own benchmark (benchmarks/moe-cute.py at 8565e84, run unmodified) and ours under its
+# timing protocol (`python -m machmoe.bench --timing sonic`), on the same GPU in one call, so that
+# the layer targets of SPEC §5 can be read against SonicMoE on this board and not only against
+# its published H100 figures. Needs .sonic/ from scripts/sonicmoe_prepare.sh (carry it).
+# Usage (GPU machine): SONIC_CONFIGS=7B-a,30B-b [SONIC_CHECK=1] [SONIC_SKIP_OURS=1] \
+#   OUT=... scripts/sonicmoe_compare.sh
+#   SONIC_CHECK=1: SonicMoE's reference check (its printed errors) on the first config.
+#   SONIC_IMPLS: our implementations to time (default machmoe; "grouped_mm,dense,machmoe" adds
+#   the same-run references of SPEC §4).
+# Writes $OUT/sonic_<config>.log, $OUT/ours/bench.json and $OUT/compare.md.
+# shellcheck source=scripts/gpu_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" sonic_out
+configs=${SONIC_CONFIGS:-7B-a}
+[ -f .sonic/cutlass421.tar.xz ] || { echo "sonicmoe_compare: .sonic/ missing (scripts/sonicmoe_prepare.sh, then carry .sonic)"; exit 2; }
+site=/tmp/sonic_site
+if [ ! -d $site/nvidia_cutlass_dsl ]; then
+  mkdir -p $site && tar xJf .sonic/cutlass421.tar.xz -C $site || exit 2
+fi
+base_pp=${PYTHONPATH:-}
+export PYTHONPATH=$site/nvidia_cutlass_dsl/python_packages:$root/.sonic/src${base_pp:+:$base_pp}
+probe='import cutlass, cutlass.cute, torch; from cuda.bindings import driver; import sonicmoe; print("sonicmoe imports; cutlass", cutlass.__file__)'
+if ! python3 -c "$probe" > "$OUT/sonic_import.log" 2>&1; then
+  echo "sonicmoe_compare: import failed with the machine's cuda-bindings; trying 12.9" | tee -a "$OUT/sonic_import.log"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sonic_cb .sonic/cuda_bindings-*.whl >> "$OUT/sonic_import.log" 2>&1
+  export PYTHONPATH=/tmp/sonic_cb:$PYTHONPATH
+  python3 -c "$probe" >> "$OUT/sonic_import.log" 2>&1 || { cat "$OUT/sonic_import.log"; exit 3; }
+fi
+cat "$OUT/sonic_import.log"
+nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+first=1
+for c in ${configs//,/ }; do
+  thiek=$(PYTHONPATH=$root/python python3 -c "from machmoe.bench.configs import CONFIGS_BY_NAME as C; c=C['$c']; print(f'{c.T},{c.d},{c.n},{c.E},{c.K}')") || exit 2
+  skip=--skip_test
+  [ "${SONIC_CHECK:-0}" = 1 ] && [ $first = 1 ] && skip=
+  first=0
+  echo "== SonicMoE $c ($thiek)"
+  timeout 900 python3 .sonic/src/benchmarks/moe-cute.py --thiek "$thiek" $skip > "$OUT/sonic_$c.log" 2>&1
+  echo "rc $?" >> "$OUT/sonic_$c.log"
+  grep -E "Average time|max abs diff|mean rel diff|Error|error|rc " "$OUT/sonic_$c.log" | tail -20
+done
+if [ "${SONIC_SKIP_OURS:-0}" != 1 ]; then
+  export PYTHONPATH=$root/python${base_pp:+:$base_pp}
+  if [ ! -f build/lib/libmachmoe_torch.so ]; then
+    MACHMOE_BUILD_TARGETS="machmoe machmoe_torch" scripts/build.sh > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 4; }
+  fi
+  export MACHMOE_LIBRARY_DIR=$root/build/lib MACHMOE_REQUIRE_OPS=1
+  python3 -m machmoe.bench --configs "$configs" --impls "${SONIC_IMPLS:-machmoe}" --kernels off --timing sonic \
+    --out "$OUT/ours" 2>&1 | tee "$OUT/ours.log"
+fi
+python3 - "$OUT" "$configs" <<'PY' | tee "$OUT/compare.md"
+import json, re, sys, os
+out, configs = sys.argv[1], sys.argv[2].split(",")
+sys.path.insert(0, "python")
+from machmoe.bench.configs import CONFIGS_BY_NAME as C
+ours = {}
+p = os.path.join(out, "ours", "bench.json")
+if os.path.exists(p):
+    for row in json.load(open(p)).get("configs", []):
+        mm = row.get("machmoe") or {}
+        ours[row["config"]["name"]] = mm
+pat = {"fwd": r"Cute-DSL Fwd Average time: ([\d.]+) ms, TFLOPS: ([\d.]+)",
+       "bwd": r"Cute-DSL Bwd Average time: ([\d.]+) ms, TFLOPS: ([\d.]+)"}
+print("| config | SonicMoE here fwd / bwd | SonicMoE published | machmoe fwd / bwd | machmoe / SonicMoE here |")
+print("|---|--:|--:|--:|--:|")
+for c in configs:
+    txt = open(os.path.join(out, f"sonic_{c}.log")).read() if os.path.exists(os.path.join(out, f"sonic_{c}.log")) else ""
+    s = {k: (float(m.group(2)) if (m := re.search(v, txt)) else None) for k, v in pat.items()}
+    mm = ours.get(c, {})
+    f, b = mm.get("fwd_tflops"), mm.get("bwd_tflops")
+    r = lambda a, z: f"{a / z:.3f}" if a and z else "-"
+    n = lambda a: f"{a:.0f}" if a else "-"
+    print(f"| {c} | {n(s['fwd'])} / {n(s['bwd'])} | {C[c].sonic_fwd:.0f} / {C[c].sonic_bwd:.0f} "
+          f"| {n(f)} / {n(b)} | {r(f, s['fwd'])} / {r(b, s['bwd'])} |")
+PY
