@@ -6,6 +6,7 @@
 # Usage (GPU machine): SONIC_CONFIGS=7B-a,30B-b [SONIC_CHECK=1] [SONIC_SKIP_OURS=1] \
 #   OUT=... scripts/sonicmoe_compare.sh
 #   SONIC_CHECK=1: SonicMoE's reference check (its printed errors) on the first config.
+#   SONIC_TIMEOUT: seconds for all of SonicMoE's configs (default 900; the ones done are kept).
 #   SONIC_IMPLS: our implementations to time (default machmoe; "grouped_mm,dense,machmoe" adds
 #   the same-run references of SPEC §4).
 # Writes $OUT/sonic_<config>.log, $OUT/ours/bench.json and $OUT/compare.md.
@@ -31,17 +32,11 @@ nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader | te
 # moe-cute.py at 8565e84 passes is_glu= to MoE(), whose constructor at that commit has no such
 # argument (TypeError): the one line is dropped from a copy; nothing else changes.
 sed '/is_glu=is_glu(activation),/d' .sonic/src/benchmarks/moe-cute.py > .sonic/src/moe_cute_run.py
-first=1
-for c in ${configs//,/ }; do
-  thiek=$(PYTHONPATH=$root/python python3 -c "from machmoe.bench.configs import CONFIGS_BY_NAME as C; c=C['$c']; print(f'{c.T},{c.d},{c.n},{c.E},{c.K}')") || exit 2
-  skip=--skip_test
-  [ "${SONIC_CHECK:-0}" = 1 ] && [ $first = 1 ] && skip=
-  first=0
-  echo "== SonicMoE $c ($thiek)"
-  timeout 900 python3 .sonic/src/moe_cute_run.py --thiek "$thiek" $skip > "$OUT/sonic_$c.log" 2>&1
-  echo "rc $?" >> "$OUT/sonic_$c.log"
-  grep -E "Average time|max abs diff|mean rel diff|Error|error|rc " "$OUT/sonic_$c.log" | tail -20
-done
+check=
+[ "${SONIC_CHECK:-0}" = 1 ] && check=--check-first
+timeout "${SONIC_TIMEOUT:-900}" python3 scripts/sonicmoe_many.py "$OUT" "$configs" $check > "$OUT/sonic_all.log" 2>&1
+echo "sonicmoe_many rc $?"
+grep -E "^T |Average time|rc |wall " "$OUT/sonic_all.log"
 if [ "${SONIC_SKIP_OURS:-0}" != 1 ]; then
   export PYTHONPATH=$root/python${base_pp:+:$base_pp}
   if [ ! -f build/lib/libmachmoe_torch.so ]; then
