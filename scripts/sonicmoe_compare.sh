@@ -65,28 +65,4 @@ if [ "${SONIC_SKIP_OURS:-0}" != 1 ]; then
   python3 -m machmoe.bench --configs "$configs" --impls "${SONIC_IMPLS:-machmoe}" --kernels off --timing sonic \
     --out "$OUT/ours" 2>&1 | tee "$OUT/ours.log"
 fi
-python3 - "$OUT" "$configs" <<'PY' | tee "$OUT/compare.md"
-import json, re, sys, os
-out, configs = sys.argv[1], sys.argv[2].split(",")
-sys.path.insert(0, "python")
-from machmoe.bench.configs import CONFIGS_BY_NAME as C
-ours = {}
-p = os.path.join(out, "ours", "bench.json")
-if os.path.exists(p):
-    for row in json.load(open(p)).get("configs", []):
-        mm = row.get("machmoe") or {}
-        ours[row["config"]["name"]] = mm
-pat = {"fwd": r"Cute-DSL Fwd Average time: ([\d.]+) ms, TFLOPS: ([\d.]+)",
-       "bwd": r"Cute-DSL Bwd Average time: ([\d.]+) ms, TFLOPS: ([\d.]+)"}
-print("| config | SonicMoE here fwd / bwd | SonicMoE published | machmoe fwd / bwd | machmoe / SonicMoE here |")
-print("|---|--:|--:|--:|--:|")
-for c in configs:
-    txt = open(os.path.join(out, f"sonic_{c}.log")).read() if os.path.exists(os.path.join(out, f"sonic_{c}.log")) else ""
-    s = {k: (float(m.group(2)) if (m := re.search(v, txt)) else None) for k, v in pat.items()}
-    mm = ours.get(c, {})
-    f, b = mm.get("fwd_tflops"), mm.get("bwd_tflops")
-    r = lambda a, z: f"{a / z:.3f}" if a and z else "-"
-    n = lambda a: f"{a:.0f}" if a else "-"
-    print(f"| {c} | {n(s['fwd'])} / {n(s['bwd'])} | {C[c].sonic_fwd:.0f} / {C[c].sonic_bwd:.0f} "
-          f"| {n(f)} / {n(b)} | {r(f, s['fwd'])} / {r(b, s['bwd'])} |")
-PY
+PYTHONPATH=$root/python${base_pp:+:$base_pp} python3 -m machmoe.bench.sonic_compare "$OUT" "$configs" | tee "$OUT/compare.md"

@@ -1,0 +1,97 @@
+"""CPU tests of machmoe.bench.sonic_compare: reading SonicMoE's benchmark logs beside ours."""
+
+import json
+import random
+
+from machmoe.bench import sonic_compare as sc
+from machmoe.bench.configs import CONFIGS_BY_NAME
+
+
+def _log(fwd_ms, inf_ms, both_ms, cfg):
+    """The four result lines moe-cute.py prints, with its own FLOP counts (18 / 6 / 12 · T·K·n·d)."""
+    F = cfg.T * cfg.K * cfg.n * cfg.d
+    bwd_ms = both_ms - fwd_ms
+    tf = lambda mult, ms: mult * F / (ms * 1e9)  # noqa: E731
+    return (f"T {cfg.T}, I {cfg.n}, H {cfg.d}, E {cfg.E}, K {cfg.K}\n"
+            f" Cute-DSL Fwd Average time: {fwd_ms:.3f} ms, TFLOPS: {tf(6, fwd_ms):.1f}\n"
+            f" Cute-DSL Fwd, inference mode, Average time: {inf_ms:.3f} ms, TFLOPS: {tf(6, inf_ms):.1f}\n"
+            f" Cute-DSL Fwd + Bwd Average time: {both_ms:.3f} ms, TFLOPS: {tf(18, both_ms):.1f}\n"
+            f" Cute-DSL Bwd Average time: {bwd_ms:.3f} ms, TFLOPS: {tf(12, bwd_ms):.1f}\nPASS\n")
+
+
+def _consistent_times(cfg, rng):
+    """Times that match the published figures within a few per cent (a self-consistent run)."""
+    F = cfg.T * cfg.K * cfg.n * cfg.d
+    fwd = 6 * F / (cfg.sonic_fwd * 1e9) * rng.uniform(0.97, 1.03)
+    bwd = 12 * F / (cfg.sonic_bwd * 1e9) * rng.uniform(0.97, 1.03)
+    return fwd, fwd * rng.uniform(0.9, 0.99), fwd + bwd
+
+
+def test_parse_reads_all_four_lines():
+    rng = random.Random()
+    cfg = CONFIGS_BY_NAME["7B-a"]
+    fwd, inf, both = _consistent_times(cfg, rng)
+    s = sc.parse_sonic_log("noise before\n" + _log(fwd, inf, both, cfg))
+    assert set(s) == {"fwd", "infer", "fwdbwd", "bwd"}
+    assert abs(s["fwd"][0] - fwd) < 1e-3 and abs(s["infer"][0] - inf) < 1e-3
+    assert abs(s["fwdbwd"][0] - both) < 1e-3 and abs(s["bwd"][0] - (both - fwd)) < 2e-3
+    assert sc.parse_sonic_log("TypeError: something\nrc 1\n") == {}
+
+
+def test_fwdbwd_tflops_is_the_flops_over_the_summed_times():
+    rng = random.Random()
+    for _ in range(20):
+        f, b = rng.uniform(100, 800), rng.uniform(100, 800)
+        F = rng.uniform(1e12, 1e14)
+        t = 6 * F / (f * 1e12) + 12 * F / (b * 1e12)
+        assert abs(sc.fwdbwd_tflops(f, b) - 18 * F / t / 1e12) < 1e-9 * f
+    assert abs(sc.fwdbwd_tflops(400.0, 400.0) - 400.0) < 1e-9
+
+
+def test_forward_doubts_flag_what_cannot_be_a_forward():
+    rng = random.Random()
+    cfg = CONFIGS_BY_NAME["30B-b"]
+    fwd, inf, both = _consistent_times(cfg, rng)
+    assert sc.forward_doubts(sc.parse_sonic_log(_log(fwd, inf, both, cfg)), cfg) == []
+    slower = sc.forward_doubts(sc.parse_sonic_log(_log(fwd, fwd * 1.10, both, cfg)), cfg)
+    assert len(slower) == 1 and "slower" in slower[0]
+    apart = sc.forward_doubts(sc.parse_sonic_log(_log(fwd, fwd * 0.6, both, cfg)), cfg)
+    assert len(apart) == 1 and "differ" in apart[0]
+    low = sc.forward_doubts(sc.parse_sonic_log(_log(fwd * 1.5, fwd * 1.45, both, cfg)), cfg)
+    assert len(low) == 1 and "published" in low[0]
+    assert sc.forward_doubts({}, cfg) == ["forward not timed"]
+
+
+def test_table_gives_split_ratios_only_for_a_consistent_forward(tmp_path, capsys):
+    rng = random.Random()
+    good, bad = CONFIGS_BY_NAME["120B-b"], CONFIGS_BY_NAME["7B-c"]
+    fwd, inf, both = _consistent_times(good, rng)
+    logs = {good.name: _log(fwd, inf, both, good)}
+    bf, _, bboth = _consistent_times(bad, rng)
+    logs[bad.name] = _log(bf * 1.6, bf * 1.0, bboth * 1.1, bad)
+    ours = {good.name: {"fwd_tflops": rng.uniform(400, 600), "bwd_tflops": rng.uniform(400, 600)},
+            bad.name: {"fwd_tflops": rng.uniform(400, 600), "bwd_tflops": rng.uniform(400, 600)}}
+    text = sc.table([good.name, bad.name, "30B-c"], logs, ours)
+    lines = text.splitlines()
+    assert len(lines) == 5
+    row_good = lines[2].split("|")
+    s = sc.parse_sonic_log(logs[good.name])
+    want = ours[good.name]["fwd_tflops"] / s["fwd"][1]
+    assert f"{want:.3f}" in row_good[5] and "consistent" in row_good[6]
+    row_bad = lines[3].split("|")
+    assert "(—)" in row_bad[5] and "consistent" not in row_bad[6]
+    both_ratio = sc.fwdbwd_tflops(ours[bad.name]["fwd_tflops"], ours[bad.name]["bwd_tflops"]) / \
+        sc.parse_sonic_log(logs[bad.name])["fwdbwd"][1]
+    assert f"{both_ratio:.3f}" in row_bad[5]
+    assert "not run" in lines[4]
+
+    # main(): the files the script leaves under OUT
+    (tmp_path / "ours").mkdir()
+    for name, text_ in logs.items():
+        (tmp_path / f"sonic_{name}.log").write_text(text_)
+    bench = {"configs": [{"config": {"name": n}, "machmoe": v} for n, v in ours.items()]}
+    (tmp_path / "ours" / "bench.json").write_text(json.dumps(bench))
+    assert sc.main([str(tmp_path), f"{good.name},{bad.name}"]) == 0
+    assert f"{want:.3f}" in capsys.readouterr().out
+    assert sc.main([str(tmp_path), "nope"]) == 2
+    assert sc.main([str(tmp_path)]) == 2
