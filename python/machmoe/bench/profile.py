@@ -1,6 +1,6 @@
 """Kernel-level breakdown of one layer call on the GPU (torch.profiler / kineto).
 
-    python -m machmoe.bench.profile --config 7B-a [--impl grouped_mm|machmoe] [--T-scale 0.5]
+    python -m machmoe.bench.profile --config 7B-a [--impl grouped_mm|machmoe|sonicmoe] [--T-scale 0.5]
 
 Prints the CUDA kernels of a forward and of a forward+backward, sorted by device time, so that
 the layer's time can be attributed (GEMMs vs. routing, gather, scatter, elementwise).
@@ -46,10 +46,37 @@ def print_gaps(prof, iters: int) -> None:
           f"before the call: {rows[0][2]:.1f} us")
 
 
+def sonicmoe_call(inputs: LayerInputs):
+    """SonicMoE's layer on the same inputs, for a kernel-by-kernel comparison on one GPU.
+
+    Uses `sonicmoe.functional.moe_TC_softmax_topk_layer` (Dao-AILab/sonic-moe; importable once
+    scripts/sonicmoe_compare.sh has put .sonic/ on the path; never a dependency of machmoe). Our
+    W1 [E, 2n, d] and W2 [E, d, n] go in as its [2n, d, E] and [d, n, E] views, SwiGLU, no biases.
+    Its gate/up columns are interleaved where ours may not be: the values differ, the work does
+    not. Called eagerly (its benchmark wraps it in torch.compile), so the gaps include its host
+    time.
+    """
+    try:
+        from sonicmoe.functional import moe_TC_softmax_topk_layer
+    except ImportError as err:
+        raise SystemExit(f"--impl sonicmoe: SonicMoE is not importable ({err}); "
+                         "see scripts/sonicmoe_prepare.sh and scripts/sonicmoe_compare.sh")
+    stream = torch.cuda.current_stream().cuda_stream
+    K = inputs.cfg.K
+
+    def call(x):
+        out, _logits, _freq = moe_TC_softmax_topk_layer(
+            x, inputs.router_weight, inputs.w1.permute(1, 2, 0), None, inputs.w2.permute(1, 2, 0), None,
+            K, stream, "swiglu")
+        return out, None
+
+    return call
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m machmoe.bench.profile")
     p.add_argument("--config", default="7B-a")
-    p.add_argument("--impl", default="grouped_mm", choices=("grouped_mm", "machmoe"))
+    p.add_argument("--impl", default="grouped_mm", choices=("grouped_mm", "machmoe", "sonicmoe"))
     p.add_argument("--T-scale", dest="t_scale", type=float, default=1.0)
     p.add_argument("--rows", type=int, default=25, help="kernel rows to print")
     p.add_argument("--iters", type=int, default=1, help="calls profiled back to back (times are per call)")
@@ -65,6 +92,8 @@ def main(argv=None) -> int:
     inputs = LayerInputs(cfg, sets=1)
     if args.impl == "machmoe":
         call = machmoe_call(inputs)
+    elif args.impl == "sonicmoe":
+        call = sonicmoe_call(inputs)
     else:
         def call(x):
             return grouped_mm_moe(x, inputs.router_weight, inputs.w1, inputs.w2, cfg.K,
