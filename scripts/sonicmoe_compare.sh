@@ -77,7 +77,7 @@ if [ -n "${SONIC_PROFILE:-}" ]; then
   export MACHMOE_LIBRARY_DIR=$root/build/lib
   for c in ${SONIC_PROFILE//,/ }; do
     for impl in sonicmoe machmoe; do
-      timeout 300 python3 -m machmoe.bench.profile --config "$c" --impl $impl --iters 5 --warmup-s 2 --gaps \
+      timeout 300 python3 -m machmoe.bench.profile --config "$c" --impl $impl --iters 5 --warmup-s 2 --gaps --memory \
         --rows 30 > "$OUT/profile_${impl}_$c.txt" 2>&1
       echo "profile $impl $c rc $?"; grep "^== " "$OUT/profile_${impl}_$c.txt"
     done

@@ -95,3 +95,22 @@ def test_table_gives_split_ratios_only_for_a_consistent_forward(tmp_path, capsys
     assert f"{want:.3f}" in capsys.readouterr().out
     assert sc.main([str(tmp_path), "nope"]) == 2
     assert sc.main([str(tmp_path)]) == 2
+
+
+def test_profile_sonicmoe_without_sonicmoe_says_where_to_get_it(monkeypatch):
+    import builtins
+
+    import pytest
+
+    from machmoe.bench import profile
+
+    real_import = builtins.__import__
+
+    def no_sonicmoe(name, *args, **kwargs):
+        if name.startswith("sonicmoe"):
+            raise ImportError("No module named 'sonicmoe'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_sonicmoe)
+    with pytest.raises(SystemExit, match="sonicmoe_prepare.sh"):
+        profile.sonicmoe_call(None)

@@ -14,9 +14,10 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from .configs import layer_flops, select_configs
+from .configs import GIB, held_bound_bytes, layer_flops, select_configs
 from .grouped_mm_layer import grouped_mm_moe
 from .layer_bench import LayerInputs, machmoe_call
+from .timing import held_bytes
 
 
 def print_gaps(prof, iters: int) -> None:
@@ -82,6 +83,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=1, help="calls profiled back to back (times are per call)")
     p.add_argument("--warmup-s", dest="warmup_s", type=float, default=0.0,
                    help="seconds of calls before profiling (1-2 s reaches the sustained power state)")
+    p.add_argument("--memory", action="store_true",
+                   help="also print the bytes the forward keeps for the backward (as the benchmark measures them)")
     p.add_argument("--gaps", action="store_true",
                    help="also print, per kernel in stream order, its time and the idle gap before it")
     args = p.parse_args(argv)
@@ -110,6 +113,13 @@ def main(argv=None) -> int:
         out, _ = call(x)
         return torch.autograd.grad(out, params, dout)
 
+    if args.memory:
+        fwd_bwd()  # one-time allocations (library handles, workspaces) first, as in the benchmark
+        held, res = held_bytes(fwd)
+        del res
+        bound = held_bound_bytes(cfg.T, cfg.d, cfg.K, cfg.n, cfg.E) - 2 * cfg.T * cfg.d  # less x
+        print(f"== {cfg.name} {args.impl} memory: {held / GIB:.3f} GiB held between forward and backward "
+              f"(output and x excluded); issue #5's bound {bound / GIB:.3f} GiB")
     for name, fn, flop in (("forward", fwd, fwd_flop), ("forward+backward", fwd_bwd, fwd_flop + bwd_flop)):
         # Warm-up: handles and autotuning, then (--warmup-s) the sustained clock and power state
         # that the benchmark's timed loop runs in (the GPU sits at its power cap there).
