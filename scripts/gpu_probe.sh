@@ -22,6 +22,11 @@
 # python -m machmoe.bench.power on those kernels: the SM clock, board power and clock-event reasons
 # while each runs back to back, into $OUT/power.md.
 #
+# With PROBE_STAGES4=1, a third build (-DMACHMOE_GEMM_PROBE_EXTRA_STAGE=ON, ./build-probe4) gives
+# each grouped GEMM one more operand stage in place of its staged output tile and skips the
+# epilogue; its columns "+1 stage: 1" (main loop) and "+1 stage: 3" (loads only) sit beside
+# probes 1 and 3 of the probe build: what one more stage is worth to each kernel's main loop.
+#
 # Usage: OUT=$OUT scripts/gpu_probe.sh   (PROBE_SET="0 1 3 5" picks the probes)
 set -uo pipefail
 
@@ -41,6 +46,11 @@ pid=$!
 MACHMOE_JOBS=$half MACHMOE_BUILD_DIR=$root/build-probe MACHMOE_BUILD_TARGETS="machmoe machmoe_torch" \
   scripts/build.sh -DMACHMOE_GEMM_PROBES=ON -DMACHMOE_PTXAS_GATE=OFF > "$aux/build_probe.log" 2>&1
 rc=$?
+if [[ ${PROBE_STAGES4:-0} == 1 ]]; then
+  MACHMOE_JOBS=$half MACHMOE_BUILD_DIR=$root/build-probe4 MACHMOE_BUILD_TARGETS="machmoe machmoe_torch" \
+    scripts/build.sh -DMACHMOE_GEMM_PROBES=ON -DMACHMOE_GEMM_PROBE_EXTRA_STAGE=ON -DMACHMOE_PTXAS_GATE=OFF \
+    > "$aux/build_probe4.log" 2>&1 || rc=1
+fi
 wait "$pid" || rc=1
 (( rc == 0 )) || { say "gpu_probe: a build failed"; tail -n 20 "$aux"/build*.log | tee -a "$log"; exit 1; }
 say "builds done ($SECONDS s)"
@@ -64,9 +74,17 @@ for probe in ${PROBE_SET:-0 1 8 2 4 3 5 6}; do
   run_table "probe$probe" "$root/build-probe/lib" MACHMOE_GEMM_PROBE="$probe"
   power "probe $probe" "$root/build-probe/lib" MACHMOE_GEMM_PROBE="$probe"
 done
+cols="${PROBE_SET:-0 1 8 2 4 3 5 6}"
+if [[ ${PROBE_STAGES4:-0} == 1 ]]; then
+  for probe in 1 3; do  # (the extra-stage build never runs its epilogue: 1 is its main loop)
+    run_table "stages4_probe$probe" "$root/build-probe4/lib" MACHMOE_GEMM_PROBE="$probe"
+    power "one more stage, probe $probe" "$root/build-probe4/lib" MACHMOE_GEMM_PROBE="$probe"
+  done
+  cols="$cols s4:1 s4:3"
+fi
 run_table normal2 "$root/build/lib"
 
-PYTHONPATH="$root/python" "$MACHMOE_PYTHON" -m machmoe.bench.probe_table "$aux" "${PROBE_SET:-0 1 8 2 4 3 5 6}" \
+PYTHONPATH="$root/python" "$MACHMOE_PYTHON" -m machmoe.bench.probe_table "$aux" "$cols" \
   | tee "$OUT/probe.md" | tee -a "$log"
 [[ -n ${PROBE_POWER:-} ]] && cat "$OUT/power.md"
 say "gpu_probe: done ($SECONDS s)"

@@ -157,8 +157,19 @@ struct GemmSmem {
   // and the tile-offset table (static_assert below).
   static constexpr int kBudget = 227 * 1024;
   static constexpr int kFixed = 4096;
+#if MACHMOE_GEMM_PROBE_EXTRA_STAGE
+  // Probe build only (wrong results): no staged tile, one stage more than the normal build, and
+  // the kernel skips its epilogue (kNoEpilogue below).
+  static constexpr bool kNoEpilogue = true;
+  static constexpr int kFit = (kBudget - kFixed) / kStageBytes;
+  static constexpr int kOneMore = (kBudget - kFixed - epi_tile_bytes<BN>()) / kStageBytes + 1;
+  static constexpr int kStages = kFit < kOneMore ? kFit : kOneMore;
+  static constexpr int kBytes = kStages * kStageBytes + kFixed;
+#else
+  static constexpr bool kNoEpilogue = false;
   static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / kStageBytes;
   static constexpr int kBytes = kStages * kStageBytes + kEpiBytes + kFixed;
+#endif
   static_assert(kStages >= 2, "at least two pipeline stages");
   static_assert(kStages < kTileRing, "the tile ring must hold more tiles than there are stages");
   // barriers (2 per stage, 2 per ring slot, 2 for the epilogue), the ring, the epilogue's tile,
@@ -190,7 +201,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   uint8_t* smem_a = smem;
   uint8_t* smem_b = smem + S * Smem::kABytes;
   uint8_t* epi = smem + S * Smem::kStageBytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(epi + Smem::kEpiBytes);
+  uint64_t* full = reinterpret_cast<uint64_t*>(epi + (Smem::kNoEpilogue ? 0 : Smem::kEpiBytes));
   uint64_t* empty = full + S;
   // The tile schedule, decoded by the producer (whose latency is hidden: it runs ahead) and
   // handed to the consumers through a small ring, so that they never stall on the binary search.
@@ -494,7 +505,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       sm90::wgmma_wait<0>();
       sm90::fence_accumulators(acc);
       if (prev_stage >= 0 && tid == 0) sm90::mbar_arrive(&empty[prev_stage]);
-      if (gemm_probe(p, 1)) continue;  // timing probe: no epilogue
+      if (gemm_probe(p, 1) || Smem::kNoEpilogue) continue;  // timing probe: no epilogue
       if constexpr (kDact) {
         while (dw.on) dact_step();               // the rest of the previous tile's epilogue
         sm90::named_barrier_sync(2 + cw, 128);   // every thread of this warpgroup is done reading it

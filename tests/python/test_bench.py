@@ -421,6 +421,12 @@ def test_probe_table_lines_up_the_runs(tmp_path):
                     "| 7B-a dW1 (varlen-K) | 0.750 | — | — | — | 0.750 |"]
     # Every probe bit combination the script runs by default has a name.
     assert all(p in P.PROBE_NAMES for p in "0 1 8 2 4 3 5 6".split())
+    # The extra-stage build's columns (PROBE_STAGES4=1): files stages4_probe<P>.json.
+    save("stages4_probe1", [{"kernel": "dense", "ms": 1.25}])
+    text = P.format_table(str(tmp_path), ["1", "s4:1"])
+    head = next(line for line in text.splitlines() if line.startswith("| kernel"))
+    assert head == "| kernel | normal | 1: no epilogue | +1 stage: 1: no epilogue | normal again |"
+    assert "| dense | 1.660 | — | 1.250 | 1.660 |" in text.splitlines()
 
 
 def test_power_samples_parse_and_summarise():

@@ -5,7 +5,10 @@ The script runs `gemm_kernels.run()` once per build/probe and saves each run's r
 lines them up. The weight-gradient kernels (dW1, dW2) have probes 1, 2 and 4 (no TMA store: 8 is
 the same as the normal build for them).
 
-    python -m machmoe.bench.probe_table FOLDER "0 1 8 2 4 3 5 6"
+    python -m machmoe.bench.probe_table FOLDER "0 1 8 2 4 3 5 6 s4:1 s4:3"
+
+A column "s4:P" is probe P of the extra-stage build (`stages4_probe<P>.json`: one more operand
+stage in place of the staged output tile, no epilogue; PROBE_STAGES4=1 of the script).
 """
 
 from __future__ import annotations
@@ -23,9 +26,21 @@ PROBE_NAMES = {"0": "probe build", "1": "no epilogue", "2": "no wgmma", "4": "no
                "112": "dH: no H loads, no stores", "128": "A for the first column tile only"}
 
 
+def _file(probe: str) -> str:
+    """The JSON file name (less .json) of a column: probe<P>, or stages4_probe<P> for "s4:P"."""
+    return f"stages4_probe{probe[3:]}" if probe.startswith("s4:") else f"probe{probe}"
+
+
+def _head(probe: str) -> str:
+    if probe.startswith("s4:"):
+        p = probe[3:]
+        return f"+1 stage: {p}: {PROBE_NAMES.get(p, 'probe ' + p)}"
+    return f"{probe}: {PROBE_NAMES.get(probe, 'probe ' + probe)}"
+
+
 def load_columns(folder: str, probes: list[str]) -> tuple[list[str], dict[str, dict[str, float]]]:
     """The columns in order and, per column, kernel name -> ms (empty where a run failed)."""
-    cols = ["normal"] + [f"probe{p}" for p in probes] + ["normal2"]
+    cols = ["normal"] + [_file(p) for p in probes] + ["normal2"]
     data: dict[str, dict[str, float]] = {}
     for c in cols:
         path = os.path.join(folder, c + ".json")
@@ -38,7 +53,7 @@ def format_table(folder: str, probes: list[str]) -> str:
     cols, data = load_columns(folder, probes)
     # Kernel order: the first column that has rows (the normal build, unless it failed).
     names = next((list(data[c]) for c in cols if data[c]), [])
-    heads = ["normal"] + [f"{p}: {PROBE_NAMES.get(p, 'probe ' + p)}" for p in probes] + ["normal again"]
+    heads = ["normal"] + [_head(p) for p in probes] + ["normal again"]
     lines = ["Milliseconds per call (probe results are wrong; only their times mean something).", "",
              "| kernel | " + " | ".join(heads) + " |", "|---" * (len(heads) + 1) + "|"]
     for k in names:
