@@ -30,6 +30,7 @@ if ! python3 -c "$probe" > "$OUT/sonic_import.log" 2>&1; then
   python3 -c "$probe" >> "$OUT/sonic_import.log" 2>&1 || { cat "$OUT/sonic_import.log"; exit 3; }
 fi
 cat "$OUT/sonic_import.log"
+sonic_pp=$PYTHONPATH  # what imports SonicMoE (with the fallback bindings, if they were needed)
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 # moe-cute.py at 8565e84 passes is_glu= to MoE(), whose constructor at that commit has no such
 # argument (TypeError): the one line is dropped from a copy; nothing else changes.
@@ -73,7 +74,7 @@ if [ "${SONIC_SKIP_OURS:-0}" != 1 ] && [ -n "$configs" ]; then
 fi
 if [ -n "${SONIC_PROFILE:-}" ]; then
   # Kernel by kernel, both layers on the same inputs (python -m machmoe.bench.profile --gaps).
-  export PYTHONPATH=$site/nvidia_cutlass_dsl/python_packages:$root/.sonic/src:$root/python${base_pp:+:$base_pp}
+  export PYTHONPATH=$sonic_pp:$root/python
   export MACHMOE_LIBRARY_DIR=$root/build/lib
   for c in ${SONIC_PROFILE//,/ }; do
     for impl in sonicmoe machmoe; do
