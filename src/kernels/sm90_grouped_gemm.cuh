@@ -151,25 +151,23 @@ struct GemmSmem {
   static constexpr int kABytes = kGemmBM * kGemmBK * 2;  // 16 KB
   static constexpr int kBBytes = BN * kGemmBK * 2;       // 32 KB for BN = 256
   static constexpr int kStageBytes = kABytes + kBBytes;
+#if MACHMOE_GEMM_PROBE_EXTRA_STAGE
+  // Probe build only (wrong results): no staged tile, so one more stage (asserted below), and the
+  // kernel skips its epilogue.
+  static constexpr int kEpiBytes = 0;
+#else
   static constexpr int kEpiBytes = epi_tile_bytes<BN>();  // the staged output tile
+#endif
+  static constexpr bool kNoEpilogue = kEpiBytes == 0;
   // Design budget: Hopper's 227 KB per block (the launcher checks the device's opt-in limit).
   // 1 KB aligns the stages; kFixed - 1 KB holds the barriers, the tile ring, the dH row scores
   // and the tile-offset table (static_assert below).
   static constexpr int kBudget = 227 * 1024;
   static constexpr int kFixed = 4096;
-#if MACHMOE_GEMM_PROBE_EXTRA_STAGE
-  // Probe build only (wrong results): no staged tile, one stage more than the normal build, and
-  // the kernel skips its epilogue (kNoEpilogue below).
-  static constexpr bool kNoEpilogue = true;
-  static constexpr int kFit = (kBudget - kFixed) / kStageBytes;
-  static constexpr int kOneMore = (kBudget - kFixed - epi_tile_bytes<BN>()) / kStageBytes + 1;
-  static constexpr int kStages = kFit < kOneMore ? kFit : kOneMore;
-  static constexpr int kBytes = kStages * kStageBytes + kFixed;
-#else
-  static constexpr bool kNoEpilogue = false;
   static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / kStageBytes;
   static constexpr int kBytes = kStages * kStageBytes + kEpiBytes + kFixed;
-#endif
+  static_assert(!kNoEpilogue || kStages == (kBudget - kFixed - epi_tile_bytes<BN>()) / kStageBytes + 1,
+                "the extra-stage probe measures exactly one more stage");
   static_assert(kStages >= 2, "at least two pipeline stages");
   static_assert(kStages < kTileRing, "the tile ring must hold more tiles than there are stages");
   // barriers (2 per stage, 2 per ring slot, 2 for the epilogue), the ring, the epilogue's tile,
@@ -201,7 +199,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   uint8_t* smem_a = smem;
   uint8_t* smem_b = smem + S * Smem::kABytes;
   uint8_t* epi = smem + S * Smem::kStageBytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(epi + (Smem::kNoEpilogue ? 0 : Smem::kEpiBytes));
+  uint64_t* full = reinterpret_cast<uint64_t*>(epi + Smem::kEpiBytes);
   uint64_t* empty = full + S;
   // The tile schedule, decoded by the producer (whose latency is hidden: it runs ahead) and
   // handed to the consumers through a small ring, so that they never stall on the binary search.

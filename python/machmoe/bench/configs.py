@@ -109,6 +109,12 @@ def held_bound_bytes(T: int, d: int, K: int, n: int, E: int) -> int:
     return 2 * T * d + 4 * T * K * n + 16 * T * K + 4 * T * E
 
 
+def held_bound_less_x_bytes(cfg: MoEConfig) -> int:
+    """held_bound_bytes less x's 2·T·d: x is the caller's tensor, allocated before the forward, so
+    the benchmark's held-bytes measurement (timing.held_bytes) does not count it."""
+    return held_bound_bytes(cfg.T, cfg.d, cfg.K, cfg.n, cfg.E) - 2 * cfg.T * cfg.d
+
+
 def weight_bytes(cfg: MoEConfig, glu: bool = True, itemsize: int = 2) -> int:
     """Bytes of W1 [E, N1, d] + W2 [E, d, n] + router [E, d]."""
     n1 = 2 * cfg.n if glu else cfg.n

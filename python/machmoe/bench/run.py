@@ -15,7 +15,8 @@ import time
 import torch
 
 from . import cpu_demo
-from .configs import CONFIGS, GIB, MoEConfig, activation_bytes_formula, held_bound_bytes, layer_flops, select_configs
+from .configs import (CONFIGS, GIB, MoEConfig, activation_bytes_formula, held_bound_less_x_bytes, layer_flops,
+                      select_configs)
 from .dense_bound import dense_bound
 from .grouped_mm_layer import grouped_mm_moe
 from .layer_bench import (NOT_BUILT, OOM, LayerInputs, bench_forward_only, bench_layer, compare_forward,
@@ -88,9 +89,8 @@ def bench_config(cfg: MoEConfig, impls: list[str], min_reps: int, seed: int) -> 
         "formula_bytes": activation_bytes_formula(cfg.T, cfg.d, cfg.K, cfg.n),
     }
     row["formula_gib"] = row["formula_bytes"] / GIB
-    # Issue #5's bound, less x (2·T·d): x is the caller's tensor, allocated before the forward, so
-    # neither layer's held-bytes measurement counts it.
-    row["bound_gib"] = (held_bound_bytes(cfg.T, cfg.d, cfg.K, cfg.n, cfg.E) - 2 * cfg.T * cfg.d) / GIB
+    # Issue #5's bound, less x (neither layer's held-bytes measurement counts the caller's x).
+    row["bound_gib"] = held_bound_less_x_bytes(cfg) / GIB
 
     # Dense bound first, before the layer's weights exist: on DeepSeek-V3 the two sets of weights
     # and weight gradients would not fit on an 80 GB GPU together.
