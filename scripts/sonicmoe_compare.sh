@@ -8,7 +8,6 @@
 #   SONIC_CHECK=1: SonicMoE's reference check (its printed errors) on the first config.
 #   SONIC_TIMEOUT: seconds for all of SonicMoE's configs (default 900; the ones done are kept).
 #   SONIC_PROFILE=7B-a,30B-a: also both layers kernel by kernel (machmoe.bench.profile --gaps).
-#   SONIC_PER_PROCESS=0: all configs in one process (faster to compile; timings unreliable, below).
 #   SONIC_IMPLS: our implementations to time (default machmoe; "grouped_mm,dense,machmoe" adds
 #   the same-run references of SPEC §4).
 # Writes $OUT/sonic_<config>.log, $OUT/ours/bench.json and $OUT/compare.md.
@@ -36,12 +35,11 @@ nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader | te
 # argument (TypeError): the one line is dropped from a copy; nothing else changes.
 sed '/is_glu=is_glu(activation),/d' .sonic/src/benchmarks/moe-cute.py > .sonic/src/moe_cute_run.py
 check=
-[ "${SONIC_CHECK:-0}" = 1 ] && check=--check-first
-if [ -z "$configs" ]; then
-  :
-elif [ "${SONIC_PER_PROCESS:-1}" = 1 ]; then
+[ "${SONIC_CHECK:-0}" = 1 ] && check=1
+if [ -n "$configs" ]; then
   # One process per config, as SonicMoE's script is meant to run (each compiles its kernels:
-  # 50-150 s per config on the H100 machine).
+  # 50-150 s per config on the H100 machine). (Session 23 also tried all configs in one process,
+  # by a driver removed since: it compiled faster and timed no better.)
   : > "$OUT/sonic_all.log"
   end=$((SECONDS + ${SONIC_TIMEOUT:-900}))
   for c in ${configs//,/ }; do
@@ -53,14 +51,6 @@ elif [ "${SONIC_PER_PROCESS:-1}" = 1 ]; then
     echo "rc $?" >> "$OUT/sonic_$c.log"; echo "wall $((SECONDS - t0)) s" >> "$OUT/sonic_$c.log"
     cat "$OUT/sonic_$c.log" >> "$OUT/sonic_all.log"
   done
-else
-  # All configs in one process (scripts/sonicmoe_many.py): kernels compile once per shape
-  # class. Session 23: at 30B-a and 120B-c it matched the published figures; at 7B-b, 7B-c and
-  # 1.4B-a its forward came out 22-55% below them. Per-process runs were not self-consistent
-  # there either (RESULTS.md, session 23), so the small configs' forward is SonicMoE's own
-  # noise on that machine, not this driver's.
-  timeout "${SONIC_TIMEOUT:-900}" python3 scripts/sonicmoe_many.py "$OUT" "$configs" $check > "$OUT/sonic_all.log" 2>&1
-  echo "sonicmoe_many rc $?"
 fi
 [ ! -f "$OUT/sonic_all.log" ] || grep -E "^T |Average time|rc |wall " "$OUT/sonic_all.log"
 if [ ! -f build/lib/libmachmoe_torch.so ] && { [ "${SONIC_SKIP_OURS:-0}" != 1 ] || [ -n "${SONIC_PROFILE:-}" ]; }; then
