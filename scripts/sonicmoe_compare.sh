@@ -8,6 +8,8 @@
 #   SONIC_CHECK=1: SonicMoE's reference check (its printed errors) on the first config.
 #   SONIC_TIMEOUT: seconds for all of SonicMoE's configs (default 900; the ones done are kept).
 #   SONIC_PROFILE=7B-a,30B-a: also both layers kernel by kernel (machmoe.bench.profile --gaps).
+#   SONIC_NCU=7B-a: also Nsight Compute on both layers' six expert GEMMs, one launch each
+#     (python -m machmoe.bench.ncu_compare): $OUT/ncu_<config>.md and the raw CSVs.
 #   SONIC_IMPLS: our implementations to time (default machmoe; "grouped_mm,dense,machmoe" adds
 #   the same-run references of SPEC §4).
 # Writes $OUT/sonic_<config>.log, $OUT/ours/bench.json and $OUT/compare.md.
@@ -53,7 +55,7 @@ if [ -n "$configs" ]; then
   done
 fi
 [ ! -f "$OUT/sonic_all.log" ] || grep -E "^T |Average time|rc |wall " "$OUT/sonic_all.log"
-if [ ! -f build/lib/libmachmoe_torch.so ] && { [ "${SONIC_SKIP_OURS:-0}" != 1 ] || [ -n "${SONIC_PROFILE:-}" ]; }; then
+if [ ! -f build/lib/libmachmoe_torch.so ] && { [ "${SONIC_SKIP_OURS:-0}" != 1 ] || [ -n "${SONIC_PROFILE:-}${SONIC_NCU:-}" ]; }; then
   MACHMOE_BUILD_TARGETS="machmoe machmoe_torch" PYTHONPATH=$base_pp scripts/build.sh > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 4; }
 fi
 if [ "${SONIC_SKIP_OURS:-0}" != 1 ] && [ -n "$configs" ]; then
@@ -72,6 +74,26 @@ if [ -n "${SONIC_PROFILE:-}" ]; then
         --rows 30 > "$OUT/profile_${impl}_$c.txt" 2>&1
       echo "profile $impl $c rc $?"; grep "^== " "$OUT/profile_${impl}_$c.txt"
     done
+  done
+fi
+if [ -n "${SONIC_NCU:-}" ]; then
+  # Nsight Compute on the six expert GEMMs of each layer's second forward + backward call (the
+  # first compiles SonicMoE's kernels): both in launch order up, down, dH, dW2, dW1, dX~.
+  export PYTHONPATH=$sonic_pp:$root/python
+  export MACHMOE_LIBRARY_DIR=$root/build/lib
+  ncu_bin=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  metrics=dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct
+  metrics+=,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__m_xbar2l1tex_read_bytes.sum
+  for c in ${SONIC_NCU//,/ }; do
+    for impl in sonicmoe machmoe; do
+      rep=/tmp/sonic_ncu_${impl}_$c
+      timeout 400 "$ncu_bin" --clock-control none -k 'regex:HopperWgmma|sm90_grouped' -s 6 -c 6 \
+        --section SpeedOfLight --section LaunchStats --section WarpStateStats --metrics "$metrics" -f -o "$rep" \
+        python3 -m machmoe.bench.profile --config "$c" --impl $impl --plain-calls 2 > "$OUT/ncu_${impl}_$c.log" 2>&1
+      echo "ncu $impl $c rc $?"
+      "$ncu_bin" -i "$rep.ncu-rep" --page raw --csv > "$OUT/ncu_${impl}_$c.csv" 2>> "$OUT/ncu_${impl}_$c.log"
+    done
+    python3 -m machmoe.bench.ncu_compare "$c" "$OUT/ncu_sonicmoe_$c.csv" "$OUT/ncu_machmoe_$c.csv" | tee "$OUT/ncu_$c.md"
   done
 fi
 [ -z "$configs" ] || PYTHONPATH=$root/python${base_pp:+:$base_pp} python3 -m machmoe.bench.sonic_compare "$OUT" "$configs" | tee "$OUT/compare.md"

@@ -3,6 +3,8 @@
 import json
 import random
 
+import pytest
+
 from machmoe.bench import sonic_compare as sc
 from machmoe.bench.configs import CONFIGS_BY_NAME
 
@@ -100,8 +102,6 @@ def test_table_gives_split_ratios_only_for_a_consistent_forward(tmp_path, capsys
 def test_profile_sonicmoe_without_sonicmoe_says_where_to_get_it(monkeypatch):
     import builtins
 
-    import pytest
-
     from machmoe.bench import profile
 
     real_import = builtins.__import__
@@ -114,3 +114,41 @@ def test_profile_sonicmoe_without_sonicmoe_says_where_to_get_it(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_sonicmoe)
     with pytest.raises(SystemExit, match="sonicmoe_prepare.sh"):
         profile.sonicmoe_call(None)
+
+
+def _ncu_csv(times_us):
+    """A file shaped like `ncu --page raw --csv`: program output, header, units, one row per kernel."""
+    head = ['"ID"', '"Kernel Name"', '"gpu__time_duration.sum"', '"dram__bytes_read.sum"',
+            '"lts__t_sector_hit_rate.pct"', '"launch__grid_size"',
+            '"smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio"',
+            '"smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio"']
+    units = ['""', '""', '"usecond"', '"Mbyte"', '"%"', '""', '"ratio"', '"ratio"']
+    rows = [",".join(f'"{v}"' for v in (i, f"kernel_{i}", t, "1,234.5", 71.5, 132, 2.5, 0.5))
+            for i, t in enumerate(times_us)]
+    return "\n".join(["some program output", ",".join(head), ",".join(units), *rows]) + "\n"
+
+
+def test_ncu_compare_reads_raw_csv_and_prints_one_row_per_kernel_and_layer(tmp_path):
+    from machmoe.bench import ncu_compare
+    from machmoe.bench.configs import CONFIGS_BY_NAME
+
+    recs = ncu_compare.read_raw_csv(_ncu_csv([500.0, 300.0]))
+    assert len(recs) == 2
+    assert recs[0]["Kernel Name"] == "kernel_0"
+    assert abs(recs[0]["gpu__time_duration.sum"] - 500e-6) < 1e-12
+    assert abs(recs[1]["dram__bytes_read.sum"] - 1234.5e6) < 1e-3  # thousands separator, Mbyte
+    assert ncu_compare.stalls(recs[0]) == "long_scoreboard 2.5, barrier 0.5"
+    with pytest.raises(ValueError, match="Kernel Name"):
+        ncu_compare.read_raw_csv("no header here\n")
+
+    (tmp_path / "s.csv").write_text(_ncu_csv([500.0, 300.0, 400.0, 300.0, 500.0, 500.0]))
+    (tmp_path / "m.csv").write_text(_ncu_csv([600.0]))
+    cfg = CONFIGS_BY_NAME["7B-a"]
+    text = ncu_compare.table("7B-a", {"sonicmoe": ncu_compare.read_raw_csv((tmp_path / "s.csv").read_text()),
+                                      "machmoe": ncu_compare.read_raw_csv((tmp_path / "m.csv").read_text())})
+    rows = [line for line in text.splitlines() if line.startswith("| up-proj")]
+    assert len(rows) == 2
+    # up-projection: 2 · (2·T·K·n·d) FLOPs in 500 µs
+    want = 2 * 2.0 * cfg.T * cfg.K * cfg.n * cfg.d / 500e-6 / 1e12
+    assert f"| {want:.0f} |" in rows[0]
+    assert "| dX~ | machmoe | (not profiled)" in text

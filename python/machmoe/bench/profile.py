@@ -87,6 +87,9 @@ def main(argv=None) -> int:
                    help="also print the bytes the forward keeps for the backward (as the benchmark measures them)")
     p.add_argument("--gaps", action="store_true",
                    help="also print, per kernel in stream order, its time and the idle gap before it")
+    p.add_argument("--plain-calls", dest="plain_calls", type=int, default=0,
+                   help="only run N forward+backward calls and exit, without torch.profiler: the "
+                        "driver for Nsight Compute (python -m machmoe.bench.ncu_compare)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -113,6 +116,11 @@ def main(argv=None) -> int:
         out, _ = call(x)
         return torch.autograd.grad(out, params, dout)
 
+    if args.plain_calls:
+        for _ in range(args.plain_calls):
+            fwd_bwd()
+        torch.cuda.synchronize()
+        return 0
     if args.memory:
         fwd_bwd()  # one-time allocations (library handles, workspaces) first, as in the benchmark
         held, res = held_bytes(fwd)
