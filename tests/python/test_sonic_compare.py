@@ -122,7 +122,8 @@ def _ncu_csv(times_us):
             '"lts__t_sector_hit_rate.pct"', '"launch__grid_size"',
             '"smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio"',
             '"smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio"']
-    units = ['""', '""', '"usecond"', '"Mbyte"', '"%"', '""', '"ratio"', '"ratio"']
+    # the units ncu 2025.x writes (seen on the H100 machine): "us", "Mbyte", "inst"
+    units = ['""', '""', '"us"', '"Mbyte"', '"%"', '""', '"inst"', '"inst"']
     rows = [",".join(f'"{v}"' for v in (i, f"kernel_{i}", t, "1,234.5", 71.5, 132, 2.5, 0.5))
             for i, t in enumerate(times_us)]
     return "\n".join(["some program output", ",".join(head), ",".join(units), *rows]) + "\n"
@@ -138,6 +139,9 @@ def test_ncu_compare_reads_raw_csv_and_prints_one_row_per_kernel_and_layer(tmp_p
     assert abs(recs[0]["gpu__time_duration.sum"] - 500e-6) < 1e-12
     assert abs(recs[1]["dram__bytes_read.sum"] - 1234.5e6) < 1e-3  # thousands separator, Mbyte
     assert ncu_compare.stalls(recs[0]) == "long_scoreboard 2.5, barrier 0.5"
+    # a number under a unit the table does not know is kept as text (printed "—"), never scaled wrongly
+    odd = _ncu_csv([500.0]).replace('"us"', '"furlong"')
+    assert ncu_compare.read_raw_csv(odd)[0]["gpu__time_duration.sum"] == "500.0"
     with pytest.raises(ValueError, match="Kernel Name"):
         ncu_compare.read_raw_csv("no header here\n")
 

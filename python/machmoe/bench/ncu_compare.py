@@ -28,10 +28,15 @@ from .configs import CONFIGS_BY_NAME
 # each as multiples of 2·T·K·n·d (the GLU's up-projection and W1-side GEMMs have 2n columns).
 KERNELS = (("up-proj", 2), ("down-proj", 1), ("dH", 1), ("dW2", 1), ("dW1", 2), ("dX~", 2))
 
-_SCALE = {"": 1.0, "byte": 1.0, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "tbyte": 1e12,
+# Units as `ncu --page raw --csv` writes them (lowercased), to base units (bytes, seconds, hertz,
+# per cent, counts); ncu's K/M/G are decimal. A number under any other unit is kept as text, so
+# that it prints as "—" rather than at a wrong scale.
+_SCALE = {"": 1.0, "%": 1.0, "byte": 1.0, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "tbyte": 1e12,
+          "byte/block": 1.0, "kbyte/block": 1e3, "ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0,
           "nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0,
-          "hz": 1.0, "khz": 1e3, "mhz": 1e6, "ghz": 1e9, "cycle/nsecond": 1e9, "cycle/usecond": 1e6,
-          "cycle/second": 1.0, "%": 1.0, "register/thread": 1.0, "thread": 1.0, "block": 1.0}
+          "hz": 1.0, "khz": 1e3, "mhz": 1e6, "ghz": 1e9, "cycle": 1.0, "inst": 1.0, "ratio": 1.0,
+          "warp": 1.0, "sm": 1.0, "block": 1.0, "thread": 1.0, "cluster": 1.0, "pass": 1.0,
+          "register/thread": 1.0}
 _STALL = re.compile(r"smsp__average_warps?_(?:latency_)?issue_stalled_(\w+?)_per_issue_active\.ratio$")
 
 
@@ -57,7 +62,8 @@ def read_raw_csv(text: str) -> list[dict[str, float | str]]:
             except ValueError:
                 rec[name] = value
                 continue
-            rec[name] = num * _SCALE.get(unit.strip().lower(), 1.0)
+            scale = _SCALE.get(unit.strip().lower())
+            rec[name] = value if scale is None else num * scale
         out.append(rec)
     return out
 
@@ -94,7 +100,7 @@ def table(config: str, impls: dict[str, list[dict]]) -> str:
                 continue
             r = recs[i]
             t = _get(r, "gpu__time_duration.sum")
-            clk = _get(r, "sm__cycles_elapsed.avg.per_second")
+            clk = _get(r, "sm__cycles_elapsed.avg.per_second") or _get(r, "gpc__cycles_elapsed.avg.per_second")
             rd, wr = _get(r, "dram__bytes_read.sum"), _get(r, "dram__bytes_write.sum")
             hit = _get(r, "lts__t_sector_hit_rate.pct")
             tp = _get(r, "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active")
