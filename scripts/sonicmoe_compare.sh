@@ -7,9 +7,10 @@
 #   OUT=... scripts/sonicmoe_compare.sh
 #   SONIC_CHECK=1: SonicMoE's reference check (its printed errors) on the first config.
 #   SONIC_TIMEOUT: seconds for all of SonicMoE's configs (default 900; the ones done are kept).
-#   SONIC_PROFILE=7B-a,30B-a: also both layers kernel by kernel (machmoe.bench.profile --gaps).
+#   SONIC_PROFILE=7B-a,30B-a: also both layers kernel by kernel (machmoe.bench.profile --gaps), all
+#     into $OUT/profiles.txt.
 #   SONIC_NCU=7B-a: also Nsight Compute on both layers' six expert GEMMs, one launch each
-#     (python -m machmoe.bench.ncu_compare): $OUT/ncu_<config>.md and the raw CSVs.
+#     (python -m machmoe.bench.ncu_compare): $OUT/ncu_<config>.md, the raw CSVs and $OUT/ncu.log.
 #   SONIC_IMPLS: our implementations to time (default machmoe; "grouped_mm,dense,machmoe" adds
 #   the same-run references of SPEC §4).
 # Writes $OUT/sonic_<config>.log, $OUT/ours/bench.json and $OUT/compare.md.
@@ -68,11 +69,15 @@ if [ -n "${SONIC_PROFILE:-}" ]; then
   # Kernel by kernel, both layers on the same inputs (python -m machmoe.bench.profile --gaps).
   export PYTHONPATH=$sonic_pp:$root/python
   export MACHMOE_LIBRARY_DIR=$root/build/lib
+  # All profiles go into one file: the device returns at most 8 files from $OUT (session 25 lost
+  # four per-profile files that way).
   for c in ${SONIC_PROFILE//,/ }; do
     for impl in sonicmoe machmoe; do
+      prof=/tmp/sonic_profile_${impl}_$c.txt
       timeout 300 python3 -m machmoe.bench.profile --config "$c" --impl $impl --iters 5 --warmup-s 2 --gaps --memory \
-        --rows 30 > "$OUT/profile_${impl}_$c.txt" 2>&1
-      echo "profile $impl $c rc $?"; grep "^== " "$OUT/profile_${impl}_$c.txt"
+        --rows 30 > "$prof" 2>&1
+      echo "profile $impl $c rc $?"; grep "^== " "$prof"
+      { echo "######## profile $impl $c"; cat "$prof"; } >> "$OUT/profiles.txt"
     done
   done
 fi
@@ -89,9 +94,10 @@ if [ -n "${SONIC_NCU:-}" ]; then
       rep=/tmp/sonic_ncu_${impl}_$c
       timeout 400 "$ncu_bin" --clock-control none -k 'regex:HopperWgmma|sm90_grouped' -s 6 -c 6 \
         --section SpeedOfLight --section LaunchStats --section WarpStateStats --metrics "$metrics" -f -o "$rep" \
-        python3 -m machmoe.bench.profile --config "$c" --impl $impl --plain-calls 2 > "$OUT/ncu_${impl}_$c.log" 2>&1
+        python3 -m machmoe.bench.profile --config "$c" --impl $impl --plain-calls 2 > "/tmp/sonic_ncu_${impl}_$c.log" 2>&1
       echo "ncu $impl $c rc $?"
-      "$ncu_bin" -i "$rep.ncu-rep" --page raw --csv > "$OUT/ncu_${impl}_$c.csv" 2>> "$OUT/ncu_${impl}_$c.log"
+      "$ncu_bin" -i "$rep.ncu-rep" --page raw --csv > "$OUT/ncu_${impl}_$c.csv" 2>> "/tmp/sonic_ncu_${impl}_$c.log"
+      cat "/tmp/sonic_ncu_${impl}_$c.log" >> "$OUT/ncu.log"
     done
     python3 -m machmoe.bench.ncu_compare "$c" "$OUT/ncu_sonicmoe_$c.csv" "$OUT/ncu_machmoe_$c.csv" | tee "$OUT/ncu_$c.md"
   done

@@ -155,4 +155,5 @@ def test_ncu_compare_reads_raw_csv_and_prints_one_row_per_kernel_and_layer(tmp_p
     # up-projection: 2 · (2·T·K·n·d) FLOPs in 500 µs
     want = 2 * 2.0 * cfg.T * cfg.K * cfg.n * cfg.d / 500e-6 / 1e12
     assert f"| {want:.0f} |" in rows[0]
+    assert rows[0].count("|") == rows[1].count("|") == text.splitlines()[2].count("|")  # columns line up
     assert "| dX~ | machmoe | (not profiled)" in text
