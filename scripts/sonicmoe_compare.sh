@@ -8,7 +8,7 @@
 #   SONIC_CHECK=1: SonicMoE's reference check (its printed errors) on the first config.
 #   SONIC_TIMEOUT: seconds for all of SonicMoE's configs (default 900; the ones done are kept).
 #   SONIC_PROFILE=7B-a,30B-a: also both layers kernel by kernel (machmoe.bench.profile --gaps), all
-#     into $OUT/profiles.txt.
+#     into $OUT/profiles.txt, tabled side by side (python -m machmoe.bench.profile_compare).
 #   SONIC_NCU=7B-a: also Nsight Compute on both layers' six expert GEMMs, one launch each
 #     (python -m machmoe.bench.ncu_compare): $OUT/ncu_<config>.md, the raw CSVs and $OUT/ncu.log.
 #   SONIC_IMPLS: our implementations to time (default machmoe; "grouped_mm,dense,machmoe" adds
@@ -80,6 +80,7 @@ if [ -n "${SONIC_PROFILE:-}" ]; then
       { echo "######## profile $impl $c"; cat "$prof"; } >> "$OUT/profiles.txt"
     done
   done
+  PYTHONPATH=$root/python python3 -m machmoe.bench.profile_compare "$OUT/profiles.txt"
 fi
 if [ -n "${SONIC_NCU:-}" ]; then
   # Nsight Compute on the six expert GEMMs of each layer's second forward + backward call (the
@@ -89,6 +90,7 @@ if [ -n "${SONIC_NCU:-}" ]; then
   ncu_bin=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   metrics=dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct
   metrics+=,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__m_xbar2l1tex_read_bytes.sum
+  metrics+=,smsp__inst_executed.sum
   for c in ${SONIC_NCU//,/ }; do
     for impl in sonicmoe machmoe; do
       rep=/tmp/sonic_ncu_${impl}_$c

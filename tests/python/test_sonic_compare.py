@@ -157,3 +157,47 @@ def test_ncu_compare_reads_raw_csv_and_prints_one_row_per_kernel_and_layer(tmp_p
     assert f"| {want:.0f} |" in rows[0]
     assert rows[0].count("|") == rows[1].count("|") == text.splitlines()[2].count("|")  # columns line up
     assert "| dX~ | machmoe | (not profiled)" in text
+
+
+def _profile_section(impl, config, rows, kernels_ms, wall_ms, gaps):
+    """One section as scripts/sonicmoe_compare.sh writes it (python -m machmoe.bench.profile --gaps)."""
+    body = [f"######## profile {impl} {config}",
+            f"== {config} {impl} memory: 0.2 GiB held between forward and backward",
+            f"== {config} T=24576 {impl} forward+backward, per call over 5: kernels {kernels_ms} ms -> 400 TFLOPS "
+            f"if launch gaps were zero; wall {wall_ms} ms -> 380 TFLOPS; gaps {gaps}% of the wall time",
+            "  #        us  gap us  activity (one call, in order; mean of 5)"]
+    body += [f"{i:>3} {us:>9.1f} {1.5:>7.1f}  {name}" for i, (us, name) in enumerate(rows)]
+    body.append("    sum of gaps inside a call: 12.0 us; before the call: 1.8 us")
+    return "\n".join(body) + "\n"
+
+
+def test_profile_compare_maps_kernels_to_roles_by_name_and_order():
+    from machmoe.bench import profile_compare as pc
+
+    ours = [(35.0, "nvjet_router"), (26.0, "topk_router_sorted"), (650.0, "sm90_grouped_gemm<256, 1, true, false>"),
+            (350.0, "sm90_grouped_gemm<256, 0, false, false>"), (241.0, "aggregate_rows_vec<bf16>"),
+            (569.0, "sm90_grouped_gemm<256, 4, true, true>"), (367.0, "sm90_grouped_wgrad<256, false>"),
+            (589.0, "sm90_grouped_wgrad<256, true>"), (592.0, "sm90_grouped_gemm<256, 0, false, true>"),
+            (269.0, "aggregate_rows_router<true>")]
+    sonic = [(38.0, "nvjet_router"), (560.0, "kernel_cutlass_HopperWgmma_up"), (320.0, "kernel_cutlass_HopperWgmma_down"),
+             (230.0, "token_gather_sum_kernel"), (480.0, "kernel_cutlass_HopperWgmma_dh"),
+             (280.0, "kernel_cutlass_HopperWgmma_dw2"), (520.0, "kernel_cutlass_HopperWgmma_dw1"),
+             (500.0, "kernel_cutlass_HopperWgmma_dx"), (231.0, "token_gather_sum_kernel"), (75.0, "add")]
+    text = ("program output\n" + _profile_section("sonicmoe", "7B-a", sonic, 3.254, 5.1, 32.9)
+            + _profile_section("machmoe", "7B-a", ours, 3.688, 3.9, 3.7))
+    profs = pc.parse(text)
+    assert [(p.impl, p.phase, len(p.rows)) for p in profs] == [("sonicmoe", "fwdbwd", 10), ("machmoe", "fwdbwd", 10)]
+    roles = pc.by_role(profs[1])
+    assert roles["up-proj"] == 650.0 and roles["dW2"] == 367.0 and roles["dX~"] == 592.0
+    assert roles["aggregation (forward)"] == 241.0 and roles["dx aggregation"] == 269.0
+    assert roles["other"] == 35.0 + 26.0
+    sonic_roles = pc.by_role(profs[0])
+    assert sonic_roles["dH"] == 480.0 and sonic_roles["other"] == 38.0 + 75.0
+    out = pc.table(profs)
+    assert "| dW2 | 280.0 | 367.0 | 1.311 |" in out
+    assert "| launch gaps, % of the wall | 32.9% | 3.7% | |" in out
+    # a seventh expert GEMM means a name pattern matches more than the six GEMMs: refuse, do not mislabel
+    extra = _profile_section("machmoe", "7B-a", ours + [(10.0, "sm90_grouped_gemm<128, 0, false, false>")], 3.7, 3.9, 3.7)
+    with pytest.raises(ValueError, match="more expert GEMMs"):
+        pc.by_role(pc.parse(extra)[0])
+    assert "sonicmoe not profiled" in pc.table(pc.parse(_profile_section("machmoe", "30B-b", ours, 19.6, 19.8, 0.8)))

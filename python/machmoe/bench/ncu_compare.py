@@ -90,19 +90,20 @@ def table(config: str, impls: dict[str, list[dict]]) -> str:
     lines = [f"Nsight Compute, {config} (T={cfg.T}, d={cfg.d}, n={cfg.n}, E={cfg.E}, K={cfg.K}), "
              "one launch of each expert GEMM (second forward + backward call), --clock-control none.",
              "",
-             "| kernel | layer | µs | TFLOPS | SM GHz | M cycles | DRAM read / write MB | L2 hit | tensor pipe | "
+             "| kernel | layer | µs | TFLOPS | SM GHz | M cycles | M warp inst | DRAM read / write MB | L2 hit | tensor pipe | "
              "L2→SM GB | grid x block, regs, smem KiB, cluster | top stalls (cycles per issue) |",
-             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|---|"]
+             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|---|"]
     for i, (label, mult) in enumerate(KERNELS):
         for impl, recs in impls.items():
             if i >= len(recs):
-                lines.append(f"| {label} | {impl} | (not profiled) | | | | | | | | | |")
+                lines.append(f"| {label} | {impl} | (not profiled) | | | | | | | | | | |")
                 continue
             r = recs[i]
             t = _get(r, "gpu__time_duration.sum")
             clk = _get(r, "sm__cycles_elapsed.avg.per_second") or _get(r, "gpc__cycles_elapsed.avg.per_second")
             # elapsed cycles: the comparison that does not depend on the clock each kernel ran at
             cyc = _get(r, "sm__cycles_elapsed.max") or _get(r, "gpc__cycles_elapsed.max")
+            inst = _get(r, "smsp__inst_executed.sum")  # warp instructions issued, all SMs
             rd, wr = _get(r, "dram__bytes_read.sum"), _get(r, "dram__bytes_write.sum")
             hit = _get(r, "lts__t_sector_hit_rate.pct")
             tp = _get(r, "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active")
@@ -117,7 +118,7 @@ def table(config: str, impls: dict[str, list[dict]]) -> str:
                      + (f", cluster {cluster:.0f}" if cluster and cluster > 1 else ""))
             lines.append(
                 f"| {label} | {impl} | {f(t, '.1f', 1e6)} | {f(None if not t else mult * unit / t, '.0f', 1e-12)} | "
-                f"{f(clk, '.2f', 1e-9)} | {f(cyc, '.3f', 1e-6)} | {f(rd, '.0f', 1e-6)} / {f(wr, '.0f', 1e-6)} | {f(hit, '.1f')}% | "
+                f"{f(clk, '.2f', 1e-9)} | {f(cyc, '.3f', 1e-6)} | {f(inst, '.1f', 1e-6)} | {f(rd, '.0f', 1e-6)} / {f(wr, '.0f', 1e-6)} | {f(hit, '.1f')}% | "
                 f"{f(tp, '.1f')}% | {f(x2l, '.2f', 1e-9)} | {shape} | {stalls(r)} |")
     names = {impl: [str(r.get("Kernel Name", ""))[:60] for r in recs] for impl, recs in impls.items()}
     lines.append("")
