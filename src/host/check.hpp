@@ -36,6 +36,10 @@ int blocks_per_sm(const void* func, int threads, size_t smem, const char* what);
 int max_active_clusters(const void* func, const cudaLaunchConfig_t& config, const char* what);
 // MACHMOE_WGRAD_PAIR=0 turns off the weight gradients' CTA pairs (for A/B and debugging).
 bool wgrad_pairs_enabled();
+// MACHMOE_GEMM_PINGPONG=1 runs the plain-store grouped GEMM with contiguous A (down-projection,
+// dX~) through the ping-pong kernel (kernels/sm90_grouped_gemm_pingpong.cuh): an experiment, off
+// by default.
+bool gemm_pingpong_enabled();
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 

@@ -121,6 +121,14 @@ bool wgrad_pairs_enabled() {
   }();
   return on;
 }
+
+bool gemm_pingpong_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("MACHMOE_GEMM_PINGPONG");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
+}
 }  // namespace detail
 
 void device_self_test(cudaStream_t stream) {

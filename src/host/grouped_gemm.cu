@@ -7,6 +7,7 @@
 #include "host/check.hpp"
 #include "host/tensor_map.hpp"
 #include "kernels/sm90_grouped_gemm.cuh"
+#include "kernels/sm90_grouped_gemm_pingpong.cuh"
 #include "machmoe/machmoe.hpp"
 
 namespace machmoe {
@@ -46,6 +47,19 @@ void launch_variant(const CUtensorMap& map_a, const CUtensorMap& map_b, const CU
   require_arg(info.smem_per_block_optin >= static_cast<size_t>(smem), "grouped_gemm", "device",
               "needs " + std::to_string(smem) + " bytes of shared memory per block, the device allows " +
                   std::to_string(info.smem_per_block_optin));
+  kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, map_c, p);
+}
+
+template <bool B_NMAJOR>
+void launch_pingpong(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c,
+                     const kernels::GroupedGemmParams& p, int ctas, cudaStream_t stream) {
+  constexpr int bn = kernels::kPingPongBN;
+  constexpr int smem = kernels::GemmPingPongSmem<bn>::kBytes;
+  auto* kernel = kernels::sm90_grouped_gemm_pingpong<bn, B_NMAJOR>;
+  detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, "grouped_gemm: cudaFuncSetAttribute");
+  require_arg(device_info().smem_per_block_optin >= static_cast<size_t>(smem), "grouped_gemm", "device",
+              "needs " + std::to_string(smem) + " bytes of shared memory per block, the device allows " +
+                  std::to_string(device_info().smem_per_block_optin));
   kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, map_c, p);
 }
 
@@ -124,9 +138,12 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
     require_arg(a.bias == nullptr, fn, "bias", "must be null with ActivationBackward");
   }
 
+  // The ping-pong experiment (MACHMOE_GEMM_PINGPONG=1): the plain store with contiguous A, in
+  // 192-wide tiles (kernels/sm90_grouped_gemm_pingpong.cuh).
+  const bool pingpong = epi == kernels::kEpiStore && a.gather == nullptr && a.c && detail::gemm_pingpong_enabled();
   // Configuration (data, not code): tile_width, also the column-tile count of the dH epilogue's
   // ds_partial (grouped_gemm_column_tiles).
-  const int bn = tile_width(a.N, epi);
+  const int bn = pingpong ? kernels::kPingPongBN : tile_width(a.N, epi);
   const bool wide = bn == 256;
   const int tile_cols = epi == kernels::kEpiGluConcat ? bn / 2 : bn;
   const int64_t n_cols = epi == kernels::kEpiGluConcat ? a.N / 2 : a.N;
@@ -157,6 +174,18 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
     kernels::grouped_gemm_tile_offsets<<<1, 1024, 0, stream>>>(a.expert_offsets, p.E, p.n_tiles, a.tile_offsets);
     check_launch("grouped_gemm: tile offsets");
   }
+  const int sms = device_info().sm_count;
+  const int ctas = a.max_ctas > 0 ? std::min(a.max_ctas, sms) : sms;
+  if (pingpong) {  // W in boxes of 64 rows (K-major) or {64 N, 64 K}; C in boxes of 64 x 64
+    const CUtensorMap map_b = a.w_n_major ? detail::tensor_map_nmajor(a.w, a.E, a.K, a.N, kernels::kGemmBK, fn)
+                                          : detail::tensor_map_2d(a.w, a.E * a.N, a.K, a.K, kernels::kGemmBK, 64, fn);
+    const CUtensorMap map_a = tile_tensor_map(a.a, a.a_rows, a.K, a.lda);
+    const CUtensorMap map_c = detail::tensor_map_2d(a.c, int64_t{1} << 31, a.N, a.ldc, 64, 64, fn);
+    if (a.w_n_major) launch_pingpong<true>(map_a, map_b, map_c, p, ctas, stream);
+    else launch_pingpong<false>(map_a, map_b, map_c, p, ctas, stream);
+    check_launch(fn);
+    return;
+  }
   const CUtensorMap map_b = a.w_n_major ? detail::tensor_map_nmajor(a.w, a.E, a.K, a.N, kernels::kGemmBK, fn) : tile_tensor_map(a.w, a.E * a.N, a.K, a.K);
   // Contiguous A goes through TMA too; with a gather the map is unused (any valid map will do).
   const CUtensorMap map_a = a.gather ? map_b : tile_tensor_map(a.a, a.a_rows, a.K, a.lda);
@@ -167,8 +196,6 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   const bool boxed = epi == kernels::kEpiStore || epi == kernels::kEpiGluInter || epi == kernels::kEpiAct;
   const CUtensorMap map_c =
       boxed && a.c ? detail::tensor_map_2d(a.c, int64_t{1} << 31, a.N, a.ldc, 64, 128, fn) : map_b;
-  const int sms = device_info().sm_count;
-  const int ctas = a.max_ctas > 0 ? std::min(a.max_ctas, sms) : sms;
   const bool nm = a.w_n_major;
   namespace k = kernels;
   switch (epi) {

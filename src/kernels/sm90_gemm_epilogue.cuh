@@ -98,9 +98,10 @@ constexpr bool epi_boxed() { return EPI == kEpiStore || EPI == kEpiGluInter || E
 template <int BN>
 constexpr int epi_tile_bytes() { return 128 * epi_row_bytes<BN>(); }
 // Byte offset in the staged tile of row r, 16-byte chunk ch (8 columns) of the BN-wide row.
-template <int BN, int EPI>
+// Boxed tiles: boxes of kBoxRows rows (128; the ping-pong kernel stages 64-row halves).
+template <int BN, int EPI, int kBoxRows = 128>
 __device__ __forceinline__ int epi_chunk_offset(int r, int ch) {
-  if constexpr (epi_boxed<EPI>()) return (ch / 8) * kEpiBoxBytes + r * 128 + (((ch % 8) ^ (r % 8)) << 4);
+  if constexpr (epi_boxed<EPI>()) return (ch / 8) * (kBoxRows * 128) + r * 128 + (((ch % 8) ^ (r % 8)) << 4);
   else return r * epi_row_bytes<BN>() + ch * 16;
 }
 
@@ -120,7 +121,9 @@ __device__ __forceinline__ int gemm_weight_col(const GroupedGemmParams& p, const
 // st.shared, with fewer address computations. Measured (session 14): dX~ +1% (7B-a) and +2%
 // (30B-b), the other kernels within noise; the shared-memory bytes, not the instructions, bound
 // the staging.
-template <int BN, int EPI>
+// cw: which 64 rows of the staged tile (the warpgroup's half of a cooperative tile; 0 with
+// kBoxRows = 64, where `epi` holds one 64-row half).
+template <int BN, int EPI, int kBoxRows = 128>
 __device__ __forceinline__ void gemm_stage_out(const GroupedGemmParams& p, const GemmTile& tile, int cw,
                                                const float (&acc)[BN / 2], uint8_t* epi) {
   static_assert(BN % 16 == 0, "pairs of 8-column chunks");
@@ -152,7 +155,7 @@ __device__ __forceinline__ void gemm_stage_out(const GroupedGemmParams& p, const
       v[2 * q] = pack(a[0] + b0, a[1] + b1);      // rows 0-7 of the warp's 16
       v[2 * q + 1] = pack(a[2] + b0, a[3] + b1);  // rows 8-15
     }
-    sm90::stmatrix_x4(base + epi_chunk_offset<BN, EPI>(srow, jj + schunk), v[0], v[1], v[2], v[3]);
+    sm90::stmatrix_x4(base + epi_chunk_offset<BN, EPI, kBoxRows>(srow, jj + schunk), v[0], v[1], v[2], v[3]);
   }
 }
 

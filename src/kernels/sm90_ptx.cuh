@@ -197,6 +197,11 @@ __device__ __forceinline__ uint64_t smem_desc_mnmajor_sw128(uint32_t addr, uint3
 __device__ __forceinline__ void named_barrier_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
+// Arrive on a named barrier without waiting: with `count` = the arriving and the syncing threads
+// together, it releases threads blocked in named_barrier_sync (a turn handed to another warpgroup).
+__device__ __forceinline__ void named_barrier_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
 
 // ---------------------------------------------------------------- warp-level mma (small GEMMs)
 // Four 8x8 bf16 matrices from shared memory; lane l gives the address of row l % 8 of matrix

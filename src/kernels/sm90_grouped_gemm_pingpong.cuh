@@ -1,0 +1,237 @@
+// Kernel families 4 and 9 of SPEC §2 (down-projection Y = A·W2ᵀ, dX~ = dH·W1) as a ping-pong
+// grouped GEMM: the plain store of sm90_grouped_gemm.cuh, contiguous A, one output tile per
+// consumer warpgroup. Opt-in (MACHMOE_GEMM_PINGPONG=1, host/grouped_gemm.cu): an experiment,
+// not the default path.
+//
+// Why (session 25, Nsight Compute on the same H100): SonicMoE's dX~ at 7B-a takes 16% fewer
+// cycles than ours with the same tensor-core work (its tensor pipe is busy 0.631 M cycles, ours
+// 0.601 M; SonicMoE computes ~5% more rows, padding experts to 256). Our cooperative kernel
+// loses the rest at every tile boundary: both consumer warpgroups drain their wgmmas and stage
+// the 128 x 256 tile while the tensor cores idle, ~0.19 M of its 0.915 M cycles. SonicMoE runs
+// this GEMM as 128 x 192 tiles in ping-pong: each consumer warpgroup owns a whole tile, and the
+// next warpgroup starts its wgmmas before the previous one has drained, so each warpgroup's
+// epilogue runs under the other's main loop.
+//
+//   warpgroup 0, warp 0, one thread: decodes the static tile schedule (as the cooperative kernel)
+//     into a ring, and loads A [128 rows x 64 K] and B [BN x 64 K] per stage by TMA. Warps 1-3
+//     have nothing to do and leave.
+//   warpgroups 1 and 2: consumer c takes the CTA's tiles n = c, c + 2, ...; its K blocks are the
+//     stages it = n·k_blocks ... (every tile has the same K). Turns: a consumer waits for its
+//     turn (named barrier 4 + c, 256 threads), issues its tile's wgmmas (two m64nBNk16 chains,
+//     rows 0-63 and 64-127: BN fp32 accumulators per thread), hands the turn to the other
+//     (bar.arrive) as soon as the last K block's wgmmas are issued, then drains and stores.
+//   epilogue, per consumer: a full tile leaves by TMA in two 64-row halves through the
+//     warpgroup's own 64 x BN staging buffer (boxes [64 rows][64 columns], 128-byte swizzle);
+//     an expert's last, partial tile is written straight from the accumulators, predicated on
+//     its rows (one tile in ~12 at 7B-a).
+// Stages are consumed in tile order by one warpgroup each, so a stage is released by one
+// arrival. Deterministic: every C element is written once, by one thread or one TMA box.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "kernels/sm90_grouped_gemm.cuh"
+
+namespace machmoe::kernels {
+
+constexpr int kPingPongBN = 192;  // two m64n192 chains per consumer: 192 fp32 accumulators per thread
+constexpr int kPingPongLoaderRegs = 40, kPingPongConsumerRegs = 232;
+static_assert(kPingPongLoaderRegs + 2 * kPingPongConsumerRegs <= 504, "168 registers per thread at launch");
+
+template <int BN>
+struct GemmPingPongSmem {
+  static constexpr int kABytes = kGemmBM * kGemmBK * 2;  // 16 KB
+  static constexpr int kBBytes = BN * kGemmBK * 2;       // 24 KB at BN = 192
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kBoxBytes = 64 * 128;             // one staged box [64 rows][64 columns] (gemm_stage_out<.., 64>)
+  static constexpr int kEpiBufBytes = (BN / 64) * kBoxBytes;  // a consumer's 64-row half tile
+  static constexpr int kEpiBytes = 2 * kEpiBufBytes;
+  static constexpr int kBudget = 227 * 1024;
+  // 1 KB alignment slack + barriers (2 per stage, 2 per ring slot) + the ring + the tile table
+  static constexpr int kFixed = 4096;
+  static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / kStageBytes;
+  static constexpr int kBytes = kStages * kStageBytes + kEpiBytes + kFixed;
+  static_assert(kStages >= 3 && kStages < kTileRing, "stages");
+  static_assert((2 * kStages + 2 * kTileRing) * 8 + kTileRing * 16 + (kGemmSmemTileE + 1) * 4 <= kFixed - 1024,
+                "fixed shared-memory area too small");
+};
+
+// A partial tile (an expert's last rows), straight from the accumulators: bf16 pairs, predicated
+// on the tile's rows and on N (a multiple of 8, so a pair never straddles it).
+template <int BN>
+__device__ __forceinline__ void pingpong_store_direct(const GroupedGemmParams& p, const GemmTile& tile, int half,
+                                                      const float (&acc)[BN / 2]) {
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+  const __nv_bfloat16* bias = p.bias ? p.bias + static_cast<int64_t>(tile.e) * p.N : nullptr;
+#pragma unroll
+  for (int jj = 0; jj < BN / 8; ++jj) {
+    const int c = tile.n0 + jj * 8 + 2 * (lane % 4);
+    if (c >= p.N) continue;
+    const float b0 = bias ? __bfloat162float(bias[c]) : 0.f, b1 = bias ? __bfloat162float(bias[c + 1]) : 0.f;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = half * 64 + warp * 16 + lane / 4 + 8 * hh;
+      if (r >= tile.rows) continue;
+      *reinterpret_cast<__nv_bfloat162*>(p.c + (tile.row0 + r) * p.ldc + c) =
+          __floats2bfloat162_rn(acc[jj * 4 + 2 * hh] + b0, acc[jj * 4 + 2 * hh + 1] + b1);
+    }
+  }
+}
+
+// B_NMAJOR: W is [E, K, N] (dX~ = dH·W1), read by the 3-D map {N, K, E} in boxes {64 N, 64 K};
+// otherwise W is [E*N, K] (Y = A·W2ᵀ), read in boxes {64 K, 64 rows}. tmap_a: A [R, K] in boxes
+// {64 K, 128 rows}; tmap_c: C [rows, N] in boxes {64 columns, 64 rows}.
+template <int BN, bool B_NMAJOR>
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    sm90_grouped_gemm_pingpong(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
+                               const __grid_constant__ CUtensorMap tmap_c, const GroupedGemmParams p) {
+  using Smem = GemmPingPongSmem<BN>;
+  constexpr int S = Smem::kStages;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024u - (sm90::smem_addr(smem_raw) & 1023u)) & 1023u);
+  uint8_t* smem_a = smem;
+  uint8_t* smem_b = smem + S * Smem::kABytes;
+  uint8_t* epi = smem + S * Smem::kStageBytes;  // [2][kEpiBufBytes], 1024-byte aligned
+  uint64_t* full = reinterpret_cast<uint64_t*>(epi + Smem::kEpiBytes);
+  uint64_t* empty = full + S;
+  uint64_t* tile_full = empty + S;
+  uint64_t* tile_empty = tile_full + kTileRing;
+  GemmTile* ring = reinterpret_cast<GemmTile*>(tile_empty + kTileRing);
+  int32_t* tile_table = reinterpret_cast<int32_t*>(ring + kTileRing);  // [E+1] when E <= kGemmSmemTileE
+
+  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      sm90::mbar_init(&full[s], 1);   // the TMA thread's expect_tx
+      sm90::mbar_init(&empty[s], 1);  // the one consumer warpgroup that read the stage
+    }
+    for (int r = 0; r < kTileRing; ++r) {
+      sm90::mbar_init(&tile_full[r], 1);
+      sm90::mbar_init(&tile_empty[r], 128);  // the consumer warpgroup that took the slot
+    }
+    sm90::mbar_fence_init();
+    sm90::tma_prefetch_descriptor(&tmap_a);
+    sm90::tma_prefetch_descriptor(&tmap_b);
+    sm90::tma_prefetch_descriptor(&tmap_c);
+  }
+  if (p.E <= kGemmSmemTileE && threadIdx.x >= 32 && threadIdx.x < 64) gemm_tile_offsets_warp(p, tile_table);
+  __syncthreads();
+  const int total_tiles = gemm_tile_table(p, tile_table)[p.E];
+  const int k_blocks = (p.K + kGemmBK - 1) / kGemmBK;
+
+  if (wg == 0) {
+    sm90::setmaxnreg_dec<kPingPongLoaderRegs>();
+    if (tid != 0) return;
+    // Two stop signals, one for each consumer (each reads every other slot): e = -1, then -2.
+    int stops = 0;
+    for (int t = blockIdx.x, n = 0;; t += gridDim.x, ++n) {
+      const bool done = t >= total_tiles;
+      const GemmTile tile = done ? GemmTile{-1 - stops, 0, 0, 0} : gemm_decode_tile(p, gemm_tile_table(p, tile_table), t, BN);
+      const int slot = n % kTileRing;
+      sm90::mbar_wait(&tile_empty[slot], ((n / kTileRing) & 1) ^ 1);
+      ring[slot] = tile;
+      sm90::mbar_arrive(&tile_full[slot]);
+      if (done) {
+        if (++stops == 2) break;
+        continue;
+      }
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        const int it = n * k_blocks + kb, s = it % S;
+        sm90::mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
+        uint8_t* a_stage = smem_a + s * Smem::kABytes;
+        uint8_t* b_stage = smem_b + s * Smem::kBBytes;
+        const int k0 = kb * kGemmBK;
+        sm90::mbar_arrive_expect_tx(&full[s], Smem::kStageBytes);
+#pragma unroll
+        for (int h = 0; h < BN / 64; ++h) {
+          if constexpr (B_NMAJOR)  // [64 K rows][64 N] blocks, 8 KB apart
+            sm90::tma_load_3d(b_stage + h * 64 * 128, &tmap_b, &full[s], tile.n0 + 64 * h, k0, tile.e);
+          else  // rows n0 + 64h of W[e] in the [E*N, K] view: [64 rows][64 K], 8 KB apart
+            sm90::tma_load_2d(b_stage + h * 64 * 128, &tmap_b, &full[s], k0, tile.e * p.N + tile.n0 + 64 * h);
+        }
+        // (a box may run into the next expert's rows: computed, never stored)
+        sm90::tma_load_2d(a_stage, &tmap_a, &full[s], k0, tile.row0);
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------ consumers
+  sm90::setmaxnreg_inc<kPingPongConsumerRegs>();
+  const int c = wg - 1;
+  uint8_t* buf = epi + c * Smem::kEpiBufBytes;
+  constexpr int kTurn = 4;  // named barriers 4 (consumer 0's turn) and 5 (consumer 1's); 2, 3: per warpgroup
+  if (c == 1) sm90::named_barrier_arrive(kTurn + 0, 256);  // consumer 0 goes first
+  bool stored = false;  // a TMA store from `buf` may still be reading it
+  for (int n = c;; n += 2) {
+    const int slot = n % kTileRing;
+    sm90::mbar_wait(&tile_full[slot], (n / kTileRing) & 1);
+    const GemmTile tile = ring[slot];
+    sm90::mbar_arrive(&tile_empty[slot]);
+    // Tile n's turn is handed over by the warpgroup that issued tile n - 1 (tile 0's by consumer
+    // 1 above). The first stop signal (e = -1, n = the CTA's tile count) has such a turn pending
+    // too: take it, so that no arrival is left on a named barrier when the CTA exits. Nobody
+    // hands a turn to the second stop.
+    if (tile.e != -2) sm90::named_barrier_sync(kTurn + c, 256);
+    if (tile.e < 0) break;
+    float acc[2][BN / 2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[h][i] = 0.f;
+    int prev_stage = -1;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      const int it = n * k_blocks + kb, s = it % S;
+      sm90::mbar_wait(&full[s], (it / S) & 1);
+      const uint32_t a_addr = sm90::smem_addr(smem_a + s * Smem::kABytes);
+      const uint32_t b_addr = sm90::smem_addr(smem_b + s * Smem::kBBytes);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kGemmBK / 16; ++ks) {
+        const uint64_t desc_b = B_NMAJOR ? sm90::smem_desc_mnmajor_sw128(b_addr + ks * 2048, 64 * 128)
+                                         : sm90::smem_desc_kmajor_sw128(b_addr + ks * 32);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          sm90::wgmma_bf16<BN, 0, B_NMAJOR ? 1 : 0>(acc[h], sm90::smem_desc_kmajor_sw128(a_addr + h * 64 * 128 + ks * 32),
+                                                    desc_b, 1);
+      }
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<1>();
+      sm90::fence_accumulators(acc[0]);
+      sm90::fence_accumulators(acc[1]);
+      if (prev_stage >= 0 && tid == 0) sm90::mbar_arrive(&empty[prev_stage]);
+      prev_stage = s;
+    }
+    // The other consumer's turn: its wgmmas queue behind ours while ours drain.
+    sm90::named_barrier_arrive(kTurn + (c ^ 1), 256);
+    sm90::wgmma_wait<0>();
+    sm90::fence_accumulators(acc[0]);
+    sm90::fence_accumulators(acc[1]);
+    if (prev_stage >= 0 && tid == 0) sm90::mbar_arrive(&empty[prev_stage]);
+
+    if (tile.rows == kGemmBM && p.c) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (stored && tid == 0) sm90::bulk_wait_read_all();  // the previous store has read `buf`
+        sm90::named_barrier_sync(2 + c, 128);
+        gemm_stage_out<BN, kEpiStore, 64>(p, tile, 0, acc[h], buf);  // boxes [64 rows][64 columns]
+        sm90::fence_proxy_async_shared();  // st.shared -> the TMA store's reads
+        sm90::named_barrier_sync(2 + c, 128);
+        if (tid == 0) {
+#pragma unroll
+          for (int b = 0; b < BN / 64; ++b)
+            if (tile.n0 + 64 * b < p.N)
+              sm90::tma_store_2d(&tmap_c, buf + b * Smem::kBoxBytes, tile.n0 + 64 * b, tile.row0 + 64 * h);
+          sm90::bulk_commit_group();
+        }
+        stored = true;
+      }
+    } else if (p.c) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) pingpong_store_direct<BN>(p, tile, h, acc[h]);
+    }
+  }
+  if (stored && tid == 0) sm90::bulk_wait_all();
+}
+
+}  // namespace machmoe::kernels
