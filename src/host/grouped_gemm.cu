@@ -140,7 +140,9 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
 
   // The ping-pong experiment (MACHMOE_GEMM_PINGPONG=1): the plain store with contiguous A, in
   // 192-wide tiles (kernels/sm90_grouped_gemm_pingpong.cuh).
-  const bool pingpong = epi == kernels::kEpiStore && a.gather == nullptr && a.c && detail::gemm_pingpong_enabled();
+  // (Its weight boxes reach row E·N + 191 of the [E*N, K] view: kept inside int32.)
+  const bool pingpong = epi == kernels::kEpiStore && a.gather == nullptr && a.c && detail::gemm_pingpong_enabled() &&
+                        a.E * a.N + kernels::kPingPongBN <= (int64_t{1} << 31) - 1;
   // Configuration (data, not code): tile_width, also the column-tile count of the dH epilogue's
   // ds_partial (grouped_gemm_column_tiles).
   const int bn = pingpong ? kernels::kPingPongBN : tile_width(a.N, epi);

@@ -172,6 +172,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     // 1 above). The first stop signal (e = -1, n = the CTA's tile count) has such a turn pending
     // too: take it, so that no arrival is left on a named barrier when the CTA exits. Nobody
     // hands a turn to the second stop.
+    // The turn is also what keeps the stage barriers' parity waits unambiguous: a consumer waits
+    // on its first stage only after the other has seen every earlier stage full, so it is never
+    // two phases ahead of a stage. Never wait on a stage before taking the turn.
     if (tile.e != -2) sm90::named_barrier_sync(kTurn + c, 256);
     if (tile.e < 0) break;
     float acc[2][BN / 2];
