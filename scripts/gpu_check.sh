@@ -93,7 +93,7 @@ run_tests() {
   MACHMOE_REQUIRE_GPU=1 scripts/test.sh
 }
 export -f run_tests
-run_step tests "$OUT/tests.log" "$(timeout_for 180 270)" run_tests
+run_step tests "$OUT/tests.log" "$(timeout_for 240 270)" run_tests
 
 # ---------------------------------------------------------------- compute-sanitizer
 # Memcheck over the small GPU tests. PyTorch's caching allocator would hide out-of-bounds accesses

@@ -37,9 +37,9 @@ int max_active_clusters(const void* func, const cudaLaunchConfig_t& config, cons
 // MACHMOE_WGRAD_PAIR=0 turns off the weight gradients' CTA pairs (for A/B and debugging).
 bool wgrad_pairs_enabled();
 // MACHMOE_GEMM_PINGPONG=1 runs the plain-store grouped GEMM with contiguous A (down-projection,
-// dX~) through the ping-pong kernel (kernels/sm90_grouped_gemm_pingpong.cuh): an experiment, off
-// by default.
-bool gemm_pingpong_enabled();
+// dX~) through the ping-pong kernel (kernels/sm90_grouped_gemm_pingpong.cuh), =2 the same in
+// clusters of two CTAs multicasting the weights: experiments, off (0) by default.
+int gemm_pingpong_mode();
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 

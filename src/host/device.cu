@@ -122,12 +122,13 @@ bool wgrad_pairs_enabled() {
   return on;
 }
 
-bool gemm_pingpong_enabled() {
-  static const bool on = [] {
+int gemm_pingpong_mode() {
+  static const int mode = [] {
     const char* v = std::getenv("MACHMOE_GEMM_PINGPONG");
-    return v != nullptr && std::string(v) == "1";
+    const std::string m = v ? v : "0";
+    return m == "1" ? 1 : m == "2" ? 2 : 0;
   }();
-  return on;
+  return mode;
 }
 }  // namespace detail
 

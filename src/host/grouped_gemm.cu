@@ -50,17 +50,36 @@ void launch_variant(const CUtensorMap& map_a, const CUtensorMap& map_b, const CU
   kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, map_c, p);
 }
 
-template <bool B_NMAJOR>
+template <bool B_NMAJOR, bool kCluster>
 void launch_pingpong(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c,
                      const kernels::GroupedGemmParams& p, int ctas, cudaStream_t stream) {
   constexpr int bn = kernels::kPingPongBN;
   constexpr int smem = kernels::GemmPingPongSmem<bn>::kBytes;
-  auto* kernel = kernels::sm90_grouped_gemm_pingpong<bn, B_NMAJOR>;
+  auto* kernel = kernels::sm90_grouped_gemm_pingpong<bn, B_NMAJOR, kCluster>;
   detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, "grouped_gemm: cudaFuncSetAttribute");
   require_arg(device_info().smem_per_block_optin >= static_cast<size_t>(smem), "grouped_gemm", "device",
               "needs " + std::to_string(smem) + " bytes of shared memory per block, the device allows " +
                   std::to_string(device_info().smem_per_block_optin));
-  kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, map_c, p);
+  if constexpr (!kCluster) {
+    kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, map_c, p);
+    return;
+  }
+  // Clusters of two CTAs, as many as the device runs at once within `ctas`.
+  cudaLaunchConfig_t config{};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 2;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.blockDim = dim3(kernels::kGemmThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  const int clusters = detail::max_active_clusters(reinterpret_cast<const void*>(kernel), config,
+                                                   "grouped_gemm: cudaOccupancyMaxActiveClusters");
+  config.gridDim = dim3(static_cast<unsigned>(2 * std::max(1, std::min(clusters, ctas / 2))));
+  check_cuda(cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_c, p), "grouped_gemm: cudaLaunchKernelEx");
 }
 
 // The variants that exist: the forward's epilogues read K-major W; Store takes either; the dH
@@ -138,11 +157,14 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
     require_arg(a.bias == nullptr, fn, "bias", "must be null with ActivationBackward");
   }
 
-  // The ping-pong experiment (MACHMOE_GEMM_PINGPONG=1): the plain store with contiguous A, in
-  // 192-wide tiles (kernels/sm90_grouped_gemm_pingpong.cuh).
+  // The ping-pong experiment (MACHMOE_GEMM_PINGPONG=1, =2 with CTA pairs): the plain store with
+  // contiguous A, in 192-wide tiles (kernels/sm90_grouped_gemm_pingpong.cuh).
   // (Its weight boxes reach row E·N + 191 of the [E*N, K] view: kept inside int32.)
-  const bool pingpong = epi == kernels::kEpiStore && a.gather == nullptr && a.c && detail::gemm_pingpong_enabled() &&
+  const int pp_mode = detail::gemm_pingpong_mode();
+  const bool pingpong = pp_mode > 0 && epi == kernels::kEpiStore && a.gather == nullptr && a.c &&
                         a.E * a.N + kernels::kPingPongBN <= (int64_t{1} << 31) - 1;
+  // (clusters need two CTAs; one unit of the schedule is then 256 rows: kernels::gemm_expert_tiles)
+  const bool pp_cluster = pingpong && pp_mode == 2 && (a.max_ctas == 0 || a.max_ctas >= 2);
   // Configuration (data, not code): tile_width, also the column-tile count of the dH epilogue's
   // ds_partial (grouped_gemm_column_tiles).
   const int bn = pingpong ? kernels::kPingPongBN : tile_width(a.N, epi);
@@ -173,7 +195,11 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   p.ds_partial = a.ds_partial;
 
   if (p.E > kernels::kGemmSmemTileE) {  // (up to kGemmSmemTileE experts the kernel builds them itself)
-    kernels::grouped_gemm_tile_offsets<<<1, 1024, 0, stream>>>(a.expert_offsets, p.E, p.n_tiles, a.tile_offsets);
+    if (pp_cluster)
+      kernels::grouped_gemm_tile_offsets<2 * kernels::kGemmBM><<<1, 1024, 0, stream>>>(a.expert_offsets, p.E, p.n_tiles,
+                                                                                      a.tile_offsets);
+    else
+      kernels::grouped_gemm_tile_offsets<><<<1, 1024, 0, stream>>>(a.expert_offsets, p.E, p.n_tiles, a.tile_offsets);
     check_launch("grouped_gemm: tile offsets");
   }
   const int sms = device_info().sm_count;
@@ -183,8 +209,13 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
                                           : detail::tensor_map_2d(a.w, a.E * a.N, a.K, a.K, kernels::kGemmBK, 64, fn);
     const CUtensorMap map_a = tile_tensor_map(a.a, a.a_rows, a.K, a.lda);
     const CUtensorMap map_c = detail::tensor_map_2d(a.c, int64_t{1} << 31, a.N, a.ldc, 64, 64, fn);
-    if (a.w_n_major) launch_pingpong<true>(map_a, map_b, map_c, p, ctas, stream);
-    else launch_pingpong<false>(map_a, map_b, map_c, p, ctas, stream);
+    if (pp_cluster) {
+      if (a.w_n_major) launch_pingpong<true, true>(map_a, map_b, map_c, p, ctas, stream);
+      else launch_pingpong<false, true>(map_a, map_b, map_c, p, ctas, stream);
+    } else {
+      if (a.w_n_major) launch_pingpong<true, false>(map_a, map_b, map_c, p, ctas, stream);
+      else launch_pingpong<false, false>(map_a, map_b, map_c, p, ctas, stream);
+    }
     check_launch(fn);
     return;
   }

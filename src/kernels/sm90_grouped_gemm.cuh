@@ -60,9 +60,11 @@ __device__ __forceinline__ int gemm_tile_expert(const int32_t* tile_offsets, int
   return lo;
 }
 
-// Tiles of expert e: ceil(rows_e / BM) row blocks x n_tiles column blocks (both tile-offset builders).
+// Tiles of expert e: ceil(rows_e / kUnitRows) row blocks x n_tiles column blocks (both tile-offset
+// builders). kUnitRows: BM, or 2·BM for the ping-pong kernel's CTA pairs (one unit per pair).
+template <int kUnitRows = kGemmBM>
 __device__ __forceinline__ int gemm_expert_tiles(const int32_t* expert_offsets, int e, int n_tiles) {
-  return (__ldg(expert_offsets + e + 1) - __ldg(expert_offsets + e) + kGemmBM - 1) / kGemmBM * n_tiles;
+  return (__ldg(expert_offsets + e + 1) - __ldg(expert_offsets + e) + kUnitRows - 1) / kUnitRows * n_tiles;
 }
 
 // Up to this many experts the kernel builds tile_offsets [E+1] itself, in shared memory, from
@@ -72,6 +74,7 @@ constexpr int kGemmSmemTileE = 512;
 
 // tile_offsets[e] = Σ_{e' < e} ceil(rows_e' / BM) · n_tiles for E <= kGemmSmemTileE, by one warp:
 // lane l owns experts 16l .. 16l + 15.
+template <int kUnitRows = kGemmBM>
 __device__ __forceinline__ void gemm_tile_offsets_warp(const GroupedGemmParams& p, int32_t* out) {
   constexpr int kPer = kGemmSmemTileE / 32;
   const int lane = threadIdx.x % 32;
@@ -79,7 +82,7 @@ __device__ __forceinline__ void gemm_tile_offsets_warp(const GroupedGemmParams& 
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int e = lane * kPer + i;
-    tiles[i] = e < p.E ? gemm_expert_tiles(p.expert_offsets, e, p.n_tiles) : 0;
+    tiles[i] = e < p.E ? gemm_expert_tiles<kUnitRows>(p.expert_offsets, e, p.n_tiles) : 0;
     sum += tiles[i];
   }
   int incl = sum;
@@ -112,32 +115,35 @@ __device__ __forceinline__ const int32_t* gemm_tile_table(const GroupedGemmParam
   return p.E <= kGemmSmemTileE ? smem_table : p.tile_offsets;
 }
 
+// kUnitRows > BM: row0/rows describe the unit's kUnitRows rows (rows up to kUnitRows).
+template <int kUnitRows = kGemmBM>
 __device__ __forceinline__ GemmTile gemm_decode_tile(const GroupedGemmParams& p, const int32_t* tile_offsets, int t,
                                                     int bn_cols) {
   GemmTile tile;
   tile.e = gemm_tile_expert(tile_offsets, p.E, t);
   const int local = t - tile_offsets[tile.e];
   const int begin = __ldg(p.expert_offsets + tile.e), end = __ldg(p.expert_offsets + tile.e + 1);
-  const int m_tiles = (end - begin + kGemmBM - 1) / kGemmBM;
+  const int m_tiles = (end - begin + kUnitRows - 1) / kUnitRows;
   const int group = local / (kGemmGroupM * p.n_tiles);
   const int first_m = group * kGemmGroupM;
   const int group_m = min(kGemmGroupM, m_tiles - first_m);
   const int within = local - group * kGemmGroupM * p.n_tiles;
   const int m_blk = first_m + within % group_m, n_blk = within / group_m;
-  tile.row0 = begin + m_blk * kGemmBM;
-  tile.rows = min(kGemmBM, end - tile.row0);
+  tile.row0 = begin + m_blk * kUnitRows;
+  tile.rows = min(kUnitRows, end - tile.row0);
   tile.n0 = n_blk * bn_cols;
   return tile;
 }
 
-// tile_offsets[e] = Σ_{e' < e} ceil(rows_e' / BM) · n_tiles, one block.
+// tile_offsets[e] = Σ_{e' < e} ceil(rows_e' / kUnitRows) · n_tiles, one block.
+template <int kUnitRows = kGemmBM>
 __global__ void __launch_bounds__(1024) grouped_gemm_tile_offsets(const int32_t* expert_offsets, int E,
                                                                    int n_tiles, int32_t* tile_offsets) {
   __shared__ int smem[32];
   int carry = 0;
   for (int base = 0; base < E; base += blockDim.x) {
     const int e = base + threadIdx.x;
-    const int tiles = e < E ? gemm_expert_tiles(expert_offsets, e, n_tiles) : 0;
+    const int tiles = e < E ? gemm_expert_tiles<kUnitRows>(expert_offsets, e, n_tiles) : 0;
     int total;
     const int excl = block_exclusive_scan(tiles, smem, &total);
     if (e < E) tile_offsets[e] = carry + excl;

@@ -14,7 +14,7 @@
 //
 //   warpgroup 0, warp 0, one thread: decodes the static tile schedule (as the cooperative kernel)
 //     into a ring, and loads A [128 rows x 64 K] and B [BN x 64 K] per stage by TMA. Warps 1-3
-//     have nothing to do and leave.
+//     have nothing to do.
 //   warpgroups 1 and 2: consumer c takes the CTA's tiles n = c, c + 2, ...; its K blocks are the
 //     stages it = n·k_blocks ... (every tile has the same K). Turns: a consumer waits for its
 //     turn (named barrier 4 + c, 256 threads), issues its tile's wgmmas (two m64nBNk16 chains,
@@ -26,6 +26,14 @@
 //     its rows (one tile in ~12 at 7B-a).
 // Stages are consumed in tile order by one warpgroup each, so a stage is released by one
 // arrival. Deterministic: every C element is written once, by one thread or one TMA box.
+//
+// kCluster (MACHMOE_GEMM_PINGPONG=2; SonicMoE's cluster 2x1): clusters of two CTAs take units of
+// 256 rows of one expert x BN columns, rank r the rows 128r .. 128r + 127 (rank 1 of an expert's
+// odd last unit has none: it loads and computes, stores nothing). Both need the same weight tile:
+// each loads some of its 64-column boxes (rank 0 boxes 0 and 2, rank 1 box 1) and multicasts
+// them to both CTAs. A stage is then free only when the consumers of both CTAs have released it
+// (two arrivals, one remote), since the peer writes into it. Neither CTA exits while the other
+// may still write into it or arrive on its barriers.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -81,12 +89,13 @@ __device__ __forceinline__ void pingpong_store_direct(const GroupedGemmParams& p
 // B_NMAJOR: W is [E, K, N] (dX~ = dH·W1), read by the 3-D map {N, K, E} in boxes {64 N, 64 K};
 // otherwise W is [E*N, K] (Y = A·W2ᵀ), read in boxes {64 K, 64 rows}. tmap_a: A [R, K] in boxes
 // {64 K, 128 rows}; tmap_c: C [rows, N] in boxes {64 columns, 64 rows}.
-template <int BN, bool B_NMAJOR>
+template <int BN, bool B_NMAJOR, bool kCluster>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     sm90_grouped_gemm_pingpong(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                                const __grid_constant__ CUtensorMap tmap_c, const GroupedGemmParams p) {
   using Smem = GemmPingPongSmem<BN>;
   constexpr int S = Smem::kStages;
+  constexpr int kUnitRows = kCluster ? 2 * kGemmBM : kGemmBM;  // rows of one schedule unit
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024u - (sm90::smem_addr(smem_raw) & 1023u)) & 1023u);
   uint8_t* smem_a = smem;
@@ -100,10 +109,11 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   int32_t* tile_table = reinterpret_cast<int32_t*>(ring + kTileRing);  // [E+1] when E <= kGemmSmemTileE
 
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+  const uint32_t rank = kCluster ? sm90::cluster_ctarank() : 0, peer = rank ^ 1u;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
-      sm90::mbar_init(&full[s], 1);   // the TMA thread's expect_tx
-      sm90::mbar_init(&empty[s], 1);  // the one consumer warpgroup that read the stage
+      sm90::mbar_init(&full[s], 1);                // the TMA thread's expect_tx (+ the peer's bytes)
+      sm90::mbar_init(&empty[s], kCluster ? 2 : 1);  // the consumer that read it (and the peer's)
     }
     for (int r = 0; r < kTileRing; ++r) {
       sm90::mbar_init(&tile_full[r], 1);
@@ -114,19 +124,28 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     sm90::tma_prefetch_descriptor(&tmap_b);
     sm90::tma_prefetch_descriptor(&tmap_c);
   }
-  if (p.E <= kGemmSmemTileE && threadIdx.x >= 32 && threadIdx.x < 64) gemm_tile_offsets_warp(p, tile_table);
-  __syncthreads();
+  if (p.E <= kGemmSmemTileE && threadIdx.x >= 32 && threadIdx.x < 64) gemm_tile_offsets_warp<kUnitRows>(p, tile_table);
+  if constexpr (kCluster)
+    sm90::cluster_sync();  // the peer's barriers exist before anything signals them
+  else
+    __syncthreads();
+  const int first = kCluster ? blockIdx.x / 2 : blockIdx.x, stride = kCluster ? gridDim.x / 2 : gridDim.x;
   const int total_tiles = gemm_tile_table(p, tile_table)[p.E];
   const int k_blocks = (p.K + kGemmBK - 1) / kGemmBK;
 
   if (wg == 0) {
     sm90::setmaxnreg_dec<kPingPongLoaderRegs>();
-    if (tid != 0) return;
     // Two stop signals, one for each consumer (each reads every other slot): e = -1, then -2.
     int stops = 0;
-    for (int t = blockIdx.x, n = 0;; t += gridDim.x, ++n) {
+    // One thread runs this loop (tid == 0); the rest of warpgroup 0 has nothing to do.
+    for (int t = first, n = 0; tid == 0; t += stride, ++n) {
       const bool done = t >= total_tiles;
-      const GemmTile tile = done ? GemmTile{-1 - stops, 0, 0, 0} : gemm_decode_tile(p, gemm_tile_table(p, tile_table), t, BN);
+      GemmTile tile = done ? GemmTile{-1 - stops, 0, 0, 0}
+                           : gemm_decode_tile<kUnitRows>(p, gemm_tile_table(p, tile_table), t, BN);
+      if (kCluster && !done) {  // this CTA's 128 of the unit's rows (none: rows = 0)
+        tile.row0 += kGemmBM * static_cast<int>(rank);
+        tile.rows = max(0, min(kGemmBM, tile.rows - kGemmBM * static_cast<int>(rank)));
+      }
       const int slot = n % kTileRing;
       sm90::mbar_wait(&tile_empty[slot], ((n / kTileRing) & 1) ^ 1);
       ring[slot] = tile;
@@ -144,97 +163,111 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         sm90::mbar_arrive_expect_tx(&full[s], Smem::kStageBytes);
 #pragma unroll
         for (int h = 0; h < BN / 64; ++h) {
-          if constexpr (B_NMAJOR)  // [64 K rows][64 N] blocks, 8 KB apart
-            sm90::tma_load_3d(b_stage + h * 64 * 128, &tmap_b, &full[s], tile.n0 + 64 * h, k0, tile.e);
-          else  // rows n0 + 64h of W[e] in the [E*N, K] view: [64 rows][64 K], 8 KB apart
-            sm90::tma_load_2d(b_stage + h * 64 * 128, &tmap_b, &full[s], k0, tile.e * p.N + tile.n0 + 64 * h);
+          uint8_t* dst = b_stage + h * 64 * 128;
+          // [64 K rows][64 N] blocks (B_NMAJOR), or rows n0 + 64h of W[e] in the [E*N, K] view
+          // ([64 rows][64 K]), 8 KB apart
+          const int x = B_NMAJOR ? tile.n0 + 64 * h : k0, y = B_NMAJOR ? k0 : tile.e * p.N + tile.n0 + 64 * h;
+          if constexpr (kCluster) {
+            if (h % 2 != static_cast<int>(rank)) continue;  // the peer multicasts this box
+            if constexpr (B_NMAJOR) sm90::tma_load_3d_multicast(dst, &tmap_b, &full[s], x, y, tile.e, 0x3);
+            else sm90::tma_load_2d_multicast(dst, &tmap_b, &full[s], x, y, 0x3);
+          } else {
+            if constexpr (B_NMAJOR) sm90::tma_load_3d(dst, &tmap_b, &full[s], x, y, tile.e);
+            else sm90::tma_load_2d(dst, &tmap_b, &full[s], x, y);
+          }
         }
         // (a box may run into the next expert's rows: computed, never stored)
         sm90::tma_load_2d(a_stage, &tmap_a, &full[s], k0, tile.row0);
       }
     }
-    return;
-  }
-
-  // ------------------------------------------------------------ consumers
-  sm90::setmaxnreg_inc<kPingPongConsumerRegs>();
-  const int c = wg - 1;
-  uint8_t* buf = epi + c * Smem::kEpiBufBytes;
-  constexpr int kTurn = 4;  // named barriers 4 (consumer 0's turn) and 5 (consumer 1's); 2, 3: per warpgroup
-  if (c == 1) sm90::named_barrier_arrive(kTurn + 0, 256);  // consumer 0 goes first
-  bool stored = false;  // a TMA store from `buf` may still be reading it
-  for (int n = c;; n += 2) {
-    const int slot = n % kTileRing;
-    sm90::mbar_wait(&tile_full[slot], (n / kTileRing) & 1);
-    const GemmTile tile = ring[slot];
-    sm90::mbar_arrive(&tile_empty[slot]);
-    // Tile n's turn is handed over by the warpgroup that issued tile n - 1 (tile 0's by consumer
-    // 1 above). The first stop signal (e = -1, n = the CTA's tile count) has such a turn pending
-    // too: take it, so that no arrival is left on a named barrier when the CTA exits. Nobody
-    // hands a turn to the second stop.
-    // The turn is also what keeps the stage barriers' parity waits unambiguous: a consumer waits
-    // on its first stage only after the other has seen every earlier stage full, so it is never
-    // two phases ahead of a stage. Never wait on a stage before taking the turn.
-    if (tile.e != -2) sm90::named_barrier_sync(kTurn + c, 256);
-    if (tile.e < 0) break;
-    float acc[2][BN / 2];
+  } else {
+    // ------------------------------------------------------------ consumers
+    sm90::setmaxnreg_inc<kPingPongConsumerRegs>();
+    auto release = [&](int s) {  // by one thread: this CTA's barrier (and the peer's)
+      sm90::mbar_arrive(&empty[s]);
+      if constexpr (kCluster) sm90::mbar_arrive_cluster(&empty[s], peer);
+    };
+    const int c = wg - 1;
+    uint8_t* buf = epi + c * Smem::kEpiBufBytes;
+    constexpr int kTurn = 4;  // named barriers 4 (consumer 0's turn) and 5 (consumer 1's); 2, 3: per warpgroup
+    if (c == 1) sm90::named_barrier_arrive(kTurn + 0, 256);  // consumer 0 goes first
+    bool stored = false;  // a TMA store from `buf` may still be reading it
+    for (int n = c;; n += 2) {
+      const int slot = n % kTileRing;
+      sm90::mbar_wait(&tile_full[slot], (n / kTileRing) & 1);
+      const GemmTile tile = ring[slot];
+      sm90::mbar_arrive(&tile_empty[slot]);
+      // Tile n's turn is handed over by the warpgroup that issued tile n - 1 (tile 0's by consumer
+      // 1 above). The first stop signal (e = -1, n = the CTA's tile count) has such a turn pending
+      // too: take it, so that no arrival is left on a named barrier when the CTA exits. Nobody
+      // hands a turn to the second stop.
+      // The turn is also what keeps the stage barriers' parity waits unambiguous: a consumer waits
+      // on its first stage only after the other has seen every earlier stage full, so it is never
+      // two phases ahead of a stage. Never wait on a stage before taking the turn.
+      if (tile.e != -2) sm90::named_barrier_sync(kTurn + c, 256);
+      if (tile.e < 0) break;
+      float acc[2][BN / 2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+      for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int i = 0; i < BN / 2; ++i) acc[h][i] = 0.f;
-    int prev_stage = -1;
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      const int it = n * k_blocks + kb, s = it % S;
-      sm90::mbar_wait(&full[s], (it / S) & 1);
-      const uint32_t a_addr = sm90::smem_addr(smem_a + s * Smem::kABytes);
-      const uint32_t b_addr = sm90::smem_addr(smem_b + s * Smem::kBBytes);
-      sm90::wgmma_fence();
+        for (int i = 0; i < BN / 2; ++i) acc[h][i] = 0.f;
+      int prev_stage = -1;
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        const int it = n * k_blocks + kb, s = it % S;
+        sm90::mbar_wait(&full[s], (it / S) & 1);
+        const uint32_t a_addr = sm90::smem_addr(smem_a + s * Smem::kABytes);
+        const uint32_t b_addr = sm90::smem_addr(smem_b + s * Smem::kBBytes);
+        sm90::wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < kGemmBK / 16; ++ks) {
-        const uint64_t desc_b = B_NMAJOR ? sm90::smem_desc_mnmajor_sw128(b_addr + ks * 2048, 64 * 128)
-                                         : sm90::smem_desc_kmajor_sw128(b_addr + ks * 32);
+        for (int ks = 0; ks < kGemmBK / 16; ++ks) {
+          const uint64_t desc_b = B_NMAJOR ? sm90::smem_desc_mnmajor_sw128(b_addr + ks * 2048, 64 * 128)
+                                           : sm90::smem_desc_kmajor_sw128(b_addr + ks * 32);
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-          sm90::wgmma_bf16<BN, 0, B_NMAJOR ? 1 : 0>(acc[h], sm90::smem_desc_kmajor_sw128(a_addr + h * 64 * 128 + ks * 32),
-                                                    desc_b, 1);
+          for (int h = 0; h < 2; ++h)
+            sm90::wgmma_bf16<BN, 0, B_NMAJOR ? 1 : 0>(acc[h], sm90::smem_desc_kmajor_sw128(a_addr + h * 64 * 128 + ks * 32),
+                                                      desc_b, 1);
+        }
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<1>();
+        sm90::fence_accumulators(acc[0]);
+        sm90::fence_accumulators(acc[1]);
+        if (prev_stage >= 0 && tid == 0) release(prev_stage);
+        prev_stage = s;
       }
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<1>();
+      // The other consumer's turn: its wgmmas queue behind ours while ours drain.
+      sm90::named_barrier_arrive(kTurn + (c ^ 1), 256);
+      sm90::wgmma_wait<0>();
       sm90::fence_accumulators(acc[0]);
       sm90::fence_accumulators(acc[1]);
-      if (prev_stage >= 0 && tid == 0) sm90::mbar_arrive(&empty[prev_stage]);
-      prev_stage = s;
-    }
-    // The other consumer's turn: its wgmmas queue behind ours while ours drain.
-    sm90::named_barrier_arrive(kTurn + (c ^ 1), 256);
-    sm90::wgmma_wait<0>();
-    sm90::fence_accumulators(acc[0]);
-    sm90::fence_accumulators(acc[1]);
-    if (prev_stage >= 0 && tid == 0) sm90::mbar_arrive(&empty[prev_stage]);
+      if (prev_stage >= 0 && tid == 0) release(prev_stage);
 
-    if (tile.rows == kGemmBM && p.c) {
+      if (tile.rows == kGemmBM && p.c) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (stored && tid == 0) sm90::bulk_wait_read_all();  // the previous store has read `buf`
-        sm90::named_barrier_sync(2 + c, 128);
-        gemm_stage_out<BN, kEpiStore, 64>(p, tile, 0, acc[h], buf);  // boxes [64 rows][64 columns]
-        sm90::fence_proxy_async_shared();  // st.shared -> the TMA store's reads
-        sm90::named_barrier_sync(2 + c, 128);
-        if (tid == 0) {
+        for (int h = 0; h < 2; ++h) {
+          if (stored && tid == 0) sm90::bulk_wait_read_all();  // the previous store has read `buf`
+          sm90::named_barrier_sync(2 + c, 128);
+          gemm_stage_out<BN, kEpiStore, 64>(p, tile, 0, acc[h], buf);  // boxes [64 rows][64 columns]
+          sm90::fence_proxy_async_shared();  // st.shared -> the TMA store's reads
+          sm90::named_barrier_sync(2 + c, 128);
+          if (tid == 0) {
 #pragma unroll
-          for (int b = 0; b < BN / 64; ++b)
-            if (tile.n0 + 64 * b < p.N)
-              sm90::tma_store_2d(&tmap_c, buf + b * Smem::kBoxBytes, tile.n0 + 64 * b, tile.row0 + 64 * h);
-          sm90::bulk_commit_group();
+            for (int b = 0; b < BN / 64; ++b)
+              if (tile.n0 + 64 * b < p.N)
+                sm90::tma_store_2d(&tmap_c, buf + b * Smem::kBoxBytes, tile.n0 + 64 * b, tile.row0 + 64 * h);
+            sm90::bulk_commit_group();
+          }
+          stored = true;
         }
-        stored = true;
-      }
-    } else if (p.c) {
+      } else if (p.c) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) pingpong_store_direct<BN>(p, tile, h, acc[h]);
+        for (int h = 0; h < 2; ++h) pingpong_store_direct<BN>(p, tile, h, acc[h]);
+      }
     }
+    if (stored && tid == 0) sm90::bulk_wait_all();
   }
-  if (stored && tid == 0) sm90::bulk_wait_all();
+  // kCluster: neither CTA exits while the other may still multicast into it or arrive on its
+  // barriers (every thread of both CTAs arrives here).
+  if constexpr (kCluster) sm90::cluster_sync();
 }
 
 }  // namespace machmoe::kernels

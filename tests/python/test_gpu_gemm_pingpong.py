@@ -1,5 +1,6 @@
 """The ping-pong grouped GEMM (kernels/sm90_grouped_gemm_pingpong.cuh, opt-in by
-MACHMOE_GEMM_PINGPONG=1): the plain store with contiguous A, i.e. the down-projection and dX~.
+MACHMOE_GEMM_PINGPONG=1, or =2 for clusters of two CTAs multicasting the weights): the plain store
+with contiguous A, i.e. the down-projection and dX~.
 
 The switch is read once per process, so the GEMM and layer tests that reach that path run again
 in a child process with it set, against the same float64 references and derived tolerances as
@@ -17,33 +18,31 @@ pytestmark = [pytest.mark.gpu, pytest.mark.ops]
 
 HERE = Path(__file__).parent
 
-# (file, -k expression): the plain-store GEMMs with K-major and N-major weights (partial tiles,
-# N not a multiple of the 192-wide tile, biases, > 512 experts), and the layer forward and
-# backward at SPEC shapes and awkward ones, whose down-projection and dX~ take the ping-pong path.
-CASES = [
-    ("test_gpu_gemm.py", "store or many_experts or deterministic or can_fail"),
-    ("test_gpu_gemm_backward.py", "nmajor_store"),
-    ("test_gpu_layer.py", "spec_shapes or awkward or deterministic"),
-    ("test_gpu_backward.py", "spec_shapes or awkward or empty_experts or deterministic"),
-]
+# The plain-store GEMMs with K-major and N-major weights (partial tiles, N not a multiple of the
+# 192-wide tile, biases, > 512 experts), and the layer forward and backward at SPEC shapes and
+# awkward ones, whose down-projection and dX~ take the ping-pong path: one child per mode, so
+# that torch and the op library load once.
+FILES = ["test_gpu_gemm.py", "test_gpu_gemm_backward.py", "test_gpu_layer.py", "test_gpu_backward.py"]
+EXPR = "store or many_experts or can_fail or spec_shapes or awkward or empty_experts or deterministic"
 
 
-# A hang (a deadlock in the kernel) costs one child's timeout, not one per case: the gpu_check
-# test step has a few minutes for the whole suite.
+# A hang (a deadlock in the kernel) costs one child's timeout, not two: gpu_check's test step has a
+# few minutes for the whole suite.
 _HUNG = []
 
 
-@pytest.mark.parametrize("file,expr", CASES, ids=[c[0] for c in CASES])
-def test_pingpong_passes_the_store_gemm_and_layer_tests(file, expr):
+@pytest.mark.parametrize("mode", ["1", "2"])
+def test_pingpong_passes_the_store_gemm_and_layer_tests(mode):
     if _HUNG:
-        pytest.fail(f"not run: the ping-pong child for {_HUNG[0]} did not finish in 60 s")
-    env = dict(os.environ, MACHMOE_GEMM_PINGPONG="1")
+        pytest.fail(f"not run: the child with MACHMOE_GEMM_PINGPONG={_HUNG[0]} did not finish in 90 s")
+    env = dict(os.environ, MACHMOE_GEMM_PINGPONG=mode)
     try:
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                               str(HERE / file), "-k", expr], env=env, capture_output=True, text=True, timeout=60)
+                               *[str(HERE / f) for f in FILES], "-k", EXPR],
+                              env=env, capture_output=True, text=True, timeout=90)
     except subprocess.TimeoutExpired:
-        _HUNG.append(file)
+        _HUNG.append(mode)
         raise
     tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
-    assert proc.returncode == 0, f"with MACHMOE_GEMM_PINGPONG=1, {file} -k '{expr}' failed:\n{tail}"
+    assert proc.returncode == 0, f"with MACHMOE_GEMM_PINGPONG={mode} the tests failed:\n{tail}"
     assert " passed" in proc.stdout, f"no test ran:\n{tail}"
