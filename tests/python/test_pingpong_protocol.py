@@ -1,12 +1,14 @@
 """A model of the ping-pong grouped GEMM's synchronisation (src/kernels/sm90_grouped_gemm_pingpong.cuh),
 run on the CPU under random interleavings: one CTA's producer thread, its two consumer warpgroups,
-the TMA completions and the wgmma groups in flight.
+the TMA completions (in any order) and the wgmma groups in flight; or the two CTAs of a cluster
+(MACHMOE_GEMM_PINGPONG=2), whose stages also fill from the peer's multicast.
 
 It checks what a GPU run can miss by luck: no deadlock; no stage overwritten while a wgmma group
 still reads it; no stage read before the fill it waited for (a parity wait two phases ahead);
 both consumers see one stop signal each; no named-barrier arrival left over at exit. Mutated
-protocols (a turn skipped, the turns removed, two wgmma groups kept in flight) must fail, so
-the model can fail. It mirrors the kernel by hand: change both together.
+protocols (a turn skipped, the turns removed, two wgmma groups kept in flight, a CTA refilling a
+stage without waiting for the peer's consumer) must fail, so the model can fail. It mirrors the
+kernel by hand: change both together.
 
 mbarrier model: a barrier completes a phase when its pending arrivals and transaction bytes reach
 zero; a parity wait for P passes once the phase count's parity differs from P (the hardware rule
@@ -42,43 +44,49 @@ class NamedBarrier:  # bar.sync / bar.arrive with count 256: two warpgroups
         self.arrived, self.generation = 0, 0
 
 
-def run(tiles, k_blocks, stages, seed, mutation=None):
+def run(tiles, k_blocks, stages, seed, mutation=None, cluster=False):
+    """One CTA, or with `cluster` the two CTAs of MACHMOE_GEMM_PINGPONG=2: each stage then fills
+    from the CTA's own loads and from the peer's multicast, and is free once both CTAs' consumers
+    released it."""
     rnd = random.Random(seed)
-    full = [Mbar(1) for _ in range(stages)]
-    empty = [Mbar(1) for _ in range(stages)]
-    tile_full = [Mbar(1) for _ in range(RING)]
-    tile_empty = [Mbar(1) for _ in range(RING)]  # (128 arrivals in the kernel: one warpgroup, as one here)
-    ring = [None] * RING
-    landed = [None] * stages  # which fill `it` the stage holds
-    turn = {4: NamedBarrier(), 5: NamedBarrier()}
-    tma = []                  # (stage, it) in flight
-    groups = {0: [], 1: []}   # wgmma groups in flight per consumer: (stage, it)
+    ctas = 2 if cluster else 1
+    sources = 2 if cluster else 1  # loads that land in a stage: own (A + own weight boxes), peer's multicast
+    empty_count = 2 if cluster and mutation != "peer not waited" else 1
+    full = [[Mbar(1) for _ in range(stages)] for _ in range(ctas)]
+    empty = [[Mbar(empty_count) for _ in range(stages)] for _ in range(ctas)]
+    tile_full = [[Mbar(1) for _ in range(RING)] for _ in range(ctas)]
+    tile_empty = [[Mbar(1) for _ in range(RING)] for _ in range(ctas)]  # (128 arrivals in the kernel)
+    ring = [[None] * RING for _ in range(ctas)]
+    landed = [[[None] * sources for _ in range(stages)] for _ in range(ctas)]  # fill `it` per source
+    turn = [{4: NamedBarrier(), 5: NamedBarrier()} for _ in range(ctas)]
+    tma = []  # (cta, stage, it, source) in flight
+    groups = {(r, c): [] for r in range(ctas) for c in (0, 1)}  # wgmma groups in flight: (stage, it)
 
     def wait(cond):
         while not cond():
             yield
 
-    def nb_arrive(i):
-        b = turn[i]
+    def nb_arrive(r, i):
+        b = turn[r][i]
         b.arrived += 1
         if b.arrived == 2:
             b.arrived, b.generation = 0, b.generation + 1
 
-    def nb_sync(i):
-        b = turn[i]
+    def nb_sync(r, i):
+        b = turn[r][i]
         gen = b.generation
-        nb_arrive(i)
+        nb_arrive(r, i)
         yield from wait(lambda: b.generation != gen)
 
-    def producer():
+    def producer(r):
         stops, n = 0, 0
         while True:
             done = n >= tiles
             tile = -1 - stops if done else n
             slot = n % RING
-            yield from wait(lambda: tile_empty[slot].passed(((n // RING) & 1) ^ 1))
-            ring[slot] = tile
-            tile_full[slot].arrive()
+            yield from wait(lambda: tile_empty[r][slot].passed(((n // RING) & 1) ^ 1))
+            ring[r][slot] = tile
+            tile_full[r][slot].arrive()
             n += 1
             if done:
                 stops += 1
@@ -88,93 +96,110 @@ def run(tiles, k_blocks, stages, seed, mutation=None):
             for kb in range(k_blocks):
                 it = (n - 1) * k_blocks + kb
                 s = it % stages
-                yield from wait(lambda: empty[s].passed(((it // stages) & 1) ^ 1))
-                for c in (0, 1):
-                    assert all(g[0] != s for g in groups[c]), f"stage {s} refilled (it {it}) while a wgmma reads it"
-                full[s].tx += 1  # expect_tx
-                full[s].arrive()
-                tma.append((s, it))
+                yield from wait(lambda: empty[r][s].passed(((it // stages) & 1) ^ 1))
+                for dst in range(ctas):  # the multicast writes the peer's stage too
+                    for c in (0, 1):
+                        assert all(g[0] != s for g in groups[(dst, c)]), \
+                            f"CTA {r} refills stage {s} (it {it}) of CTA {dst} while a wgmma reads it"
+                full[r][s].tx += sources  # expect_tx: every byte that lands in this CTA's stage
+                full[r][s].arrive()
+                tma.append((r, s, it, 0))
+                if cluster:
+                    tma.append((r ^ 1, s, it, 1))
                 yield
 
-    def consumer(c):
+    def consumer(r, c):
         if c == 1 and mutation != "no turns":
-            nb_arrive(4)  # consumer 0 goes first
+            nb_arrive(r, 4)  # consumer 0 goes first
         n = c
         while True:
             slot = n % RING
-            yield from wait(lambda: tile_full[slot].passed((n // RING) & 1))
-            tile = ring[slot]
-            tile_empty[slot].arrive()
+            yield from wait(lambda: tile_full[r][slot].passed((n // RING) & 1))
+            tile = ring[r][slot]
+            tile_empty[r][slot].arrive()
             take_turn = tile >= 0 if mutation == "skip the first stop's turn" else tile != -2
             if take_turn and mutation != "no turns":
-                yield from nb_sync(4 + c)
+                yield from nb_sync(r, 4 + c)
             if tile < 0:
                 return tile
             assert tile == n
             prev = -1
+
+            def release(s):
+                empty[r][s].arrive()
+                if cluster and mutation != "peer not waited":
+                    empty[r ^ 1][s].arrive()
+
             for kb in range(k_blocks):
                 it = n * k_blocks + kb
                 s = it % stages
-                yield from wait(lambda: full[s].passed((it // stages) & 1))
-                assert landed[s] == it, f"consumer {c} read stage {s} holding fill {landed[s]}, wanted {it}"
-                groups[c].append((s, it))  # commit
+                yield from wait(lambda: full[r][s].passed((it // stages) & 1))
+                assert landed[r][s] == [it] * sources, f"CTA {r} consumer {c} read stage {s} holding {landed[r][s]}, wanted {it}"
+                groups[(r, c)].append((s, it))  # commit
                 yield
                 in_flight = 2 if mutation == "two groups in flight" else 1
-                yield from wait(lambda: len(groups[c]) <= in_flight)  # wgmma_wait<1>
+                yield from wait(lambda: len(groups[(r, c)]) <= in_flight)  # wgmma_wait<1>
                 if prev >= 0:
-                    empty[prev].arrive()
+                    release(prev)
                 prev = s
             if mutation != "no turns":
-                nb_arrive(4 + (c ^ 1))  # hand over the turn before the drain
-            yield from wait(lambda: not groups[c])  # wgmma_wait<0>
-            empty[prev].arrive()
+                nb_arrive(r, 4 + (c ^ 1))  # hand over the turn before the drain
+            yield from wait(lambda: not groups[(r, c)])  # wgmma_wait<0>
+            release(prev)
             for _ in range(rnd.randint(0, 3)):  # the epilogue
                 yield
             n += 2
 
-    agents = {"producer": producer(), 0: consumer(0), 1: consumer(1)}
+    agents = {}
+    for r in range(ctas):
+        agents[("producer", r)] = producer(r)
+        for c in (0, 1):
+            agents[(r, c)] = consumer(r, c)
     stops = {}
-    for _ in range(200000):
+    for _ in range(400000):
         if not agents:
             break
-        choices = list(agents) + (["tma"] if tma else []) + [f"wgmma{c}" for c in (0, 1) if groups[c]]
-        pick = rnd.choice(choices)
+        choices = list(agents) + (["tma"] if tma else []) + [("wgmma", key) for key in groups if groups[key]]
+        pick = choices[rnd.randrange(len(choices))]
         if pick == "tma":
-            s, it = tma.pop(0)
-            landed[s] = it
-            full[s].tx -= 1
-            full[s].check()
-        elif isinstance(pick, str) and pick.startswith("wgmma"):
-            groups[int(pick[-1])].pop(0)
+            r, s, it, src = tma.pop(rnd.randrange(len(tma)))  # loads land in any order
+            landed[r][s][src] = it
+            full[r][s].tx -= 1
+            full[r][s].check()
+        elif pick[0] == "wgmma":
+            groups[pick[1]].pop(0)
         else:
             try:
                 next(agents[pick])
             except StopIteration as stop:
-                if pick != "producer":
+                if pick[0] != "producer":
                     stops[pick] = stop.value
                 del agents[pick]
     else:
         raise AssertionError("deadlock")
-    assert turn[4].arrived == 0 and turn[5].arrived == 0, "a named-barrier arrival left at exit"
-    assert sorted(stops.values()) == [-2, -1], f"stop signals seen: {stops}"
+    for r in range(ctas):
+        assert turn[r][4].arrived == 0 and turn[r][5].arrived == 0, "a named-barrier arrival left at exit"
+        assert sorted(v for (rr, _), v in stops.items() if rr == r) == [-2, -1], f"stop signals seen: {stops}"
 
 
 SHAPES = [(tiles, kb, s) for tiles in (0, 1, 2, 3, 5, 8) for kb in (1, 2, 4, 7) for s in (3, 4)]
 
 
-def test_pingpong_protocol_holds_under_random_interleavings():
+@pytest.mark.parametrize("cluster", [False, True], ids=["one CTA", "CTA pair"])
+def test_pingpong_protocol_holds_under_random_interleavings(cluster):
     for tiles, k_blocks, stages in SHAPES:
-        for seed in range(40):
-            run(tiles, k_blocks, stages, seed)
+        for seed in range(40 if not cluster else 15):
+            run(tiles, k_blocks, stages, seed, cluster=cluster)
 
 
-@pytest.mark.parametrize("mutation", ["skip the first stop's turn", "no turns", "two groups in flight"])
-def test_pingpong_protocol_model_catches_a_broken_protocol(mutation):
+@pytest.mark.parametrize("mutation,cluster", [("skip the first stop's turn", False), ("no turns", False),
+                                              ("two groups in flight", False), ("peer not waited", True)])
+def test_pingpong_protocol_model_catches_a_broken_protocol(mutation, cluster):
     failures = 0
     for tiles, k_blocks, stages in SHAPES:
-        for seed in range(40):
+        for seed in range(40 if not cluster else 15):
             try:
-                run(tiles, k_blocks, stages, seed, mutation)
+                run(tiles, k_blocks, stages, seed, mutation, cluster)
             except AssertionError:
                 failures += 1
     assert failures > 0, f"the model did not notice '{mutation}'"
