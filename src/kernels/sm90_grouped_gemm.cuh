@@ -72,7 +72,7 @@ __device__ __forceinline__ int gemm_expert_tiles(const int32_t* expert_offsets, 
 // (two per forward and two per backward; ~2 µs each plus the gap between launches).
 constexpr int kGemmSmemTileE = 512;
 
-// tile_offsets[e] = Σ_{e' < e} ceil(rows_e' / BM) · n_tiles for E <= kGemmSmemTileE, by one warp:
+// tile_offsets[e] = Σ_{e' < e} ceil(rows_e' / kUnitRows) · n_tiles for E <= kGemmSmemTileE, by one warp:
 // lane l owns experts 16l .. 16l + 15.
 template <int kUnitRows = kGemmBM>
 __device__ __forceinline__ void gemm_tile_offsets_warp(const GroupedGemmParams& p, int32_t* out) {

@@ -13,8 +13,8 @@
 // epilogue runs under the other's main loop.
 //
 //   warpgroup 0, warp 0, one thread: decodes the static tile schedule (as the cooperative kernel)
-//     into a ring, and loads A [128 rows x 64 K] and B [BN x 64 K] per stage by TMA. Warps 1-3
-//     have nothing to do.
+//     into a ring, and loads A [128 rows x 64 K] and B [BN x 64 K] per stage by TMA. The other
+//     127 threads of warpgroup 0 have nothing to do.
 //   warpgroups 1 and 2: consumer c takes the CTA's tiles n = c, c + 2, ...; its K blocks are the
 //     stages it = n·k_blocks ... (every tile has the same K). Turns: a consumer waits for its
 //     turn (named barrier 4 + c, 256 threads), issues its tile's wgmmas (two m64nBNk16 chains,
@@ -25,7 +25,7 @@
 //     an expert's last, partial tile is written straight from the accumulators, predicated on
 //     its rows (one tile in ~12 at 7B-a).
 // Stages are consumed in tile order by one warpgroup each, so a stage is released by one
-// arrival. Deterministic: every C element is written once, by one thread or one TMA box.
+// arrival (two with kCluster, below). Deterministic: every C element is written once, by one thread or one TMA box.
 //
 // kCluster (MACHMOE_GEMM_PINGPONG=2; SonicMoE's cluster 2x1): clusters of two CTAs take units of
 // 256 rows of one expert x BN columns, rank r the rows 128r .. 128r + 127 (rank 1 of an expert's
@@ -180,6 +180,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         sm90::tma_load_2d(a_stage, &tmap_a, &full[s], k0, tile.row0);
       }
     }
+    __syncwarp();  // warp 0 whole again before the end (lanes 1-31 had nothing to do)
   } else {
     // ------------------------------------------------------------ consumers
     sm90::setmaxnreg_inc<kPingPongConsumerRegs>();
