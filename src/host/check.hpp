@@ -34,6 +34,25 @@ int blocks_per_sm(const void* func, int threads, size_t smem, const char* what);
 // device runs at once (cudaOccupancyMaxActiveClusters; cached per kernel and device). Throws
 // when not even one fits.
 int max_active_clusters(const void* func, const cudaLaunchConfig_t& config, const char* what);
+// A launch configuration for clusters of `cluster_x` CTAs along x (grid set by the caller). Not
+// copyable: config.attrs points into it.
+struct ClusterLaunch {
+  cudaLaunchConfig_t config{};
+  cudaLaunchAttribute attr[1];
+  ClusterLaunch(unsigned cluster_x, unsigned threads, size_t smem, cudaStream_t stream) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = cluster_x;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    config.attrs = attr;
+    config.numAttrs = 1;
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;
+  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+};
 // MACHMOE_WGRAD_PAIR=0 turns off the weight gradients' CTA pairs (for A/B and debugging).
 bool wgrad_pairs_enabled();
 // MACHMOE_GEMM_PINGPONG=1 runs the plain-store grouped GEMM with contiguous A (down-projection,

@@ -65,21 +65,11 @@ void launch_pingpong(const CUtensorMap& map_a, const CUtensorMap& map_b, const C
     return;
   }
   // Clusters of two CTAs, as many as the device runs at once within `ctas`.
-  cudaLaunchConfig_t config{};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 2;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  config.blockDim = dim3(kernels::kGemmThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  const int clusters = detail::max_active_clusters(reinterpret_cast<const void*>(kernel), config,
+  detail::ClusterLaunch launch(2, kernels::kGemmThreads, smem, stream);
+  const int clusters = detail::max_active_clusters(reinterpret_cast<const void*>(kernel), launch.config,
                                                    "grouped_gemm: cudaOccupancyMaxActiveClusters");
-  config.gridDim = dim3(static_cast<unsigned>(2 * std::max(1, std::min(clusters, ctas / 2))));
-  check_cuda(cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_c, p), "grouped_gemm: cudaLaunchKernelEx");
+  launch.config.gridDim = dim3(static_cast<unsigned>(2 * std::max(1, std::min(clusters, ctas / 2))));
+  check_cuda(cudaLaunchKernelEx(&launch.config, kernel, map_a, map_b, map_c, p), "grouped_gemm: cudaLaunchKernelEx");
 }
 
 // The variants that exist: the forward's epilogues read K-major W; Store takes either; the dH

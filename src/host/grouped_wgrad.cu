@@ -36,21 +36,12 @@ void launch(const CUtensorMap& map_b, const CUtensorMap& map_c, const kernels::G
   }
   // Clusters of two CTAs: as many as the device runs at once (one CTA per SM; the lent H100
   // places 66, i.e. every SM), at most one per unit.
-  cudaLaunchConfig_t config{};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 2;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  config.blockDim = dim3(kernels::kWgradThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  const int clusters = detail::max_active_clusters(reinterpret_cast<const void*>(kernel), config,
+  detail::ClusterLaunch launch(2, kernels::kWgradThreads, smem, stream);
+  const int clusters = detail::max_active_clusters(reinterpret_cast<const void*>(kernel), launch.config,
                                                    "grouped_gemm_wgrad: cudaOccupancyMaxActiveClusters");
-  config.gridDim = dim3(static_cast<unsigned>(2 * std::max<int64_t>(1, std::min({int64_t{clusters}, cap / 2, units}))));
-  check_cuda(cudaLaunchKernelEx(&config, kernel, map_b, map_c, p), "grouped_gemm_wgrad: cudaLaunchKernelEx");
+  launch.config.gridDim =
+      dim3(static_cast<unsigned>(2 * std::max<int64_t>(1, std::min({int64_t{clusters}, cap / 2, units}))));
+  check_cuda(cudaLaunchKernelEx(&launch.config, kernel, map_b, map_c, p), "grouped_gemm_wgrad: cudaLaunchKernelEx");
 }
 
 }  // namespace
