@@ -63,7 +63,8 @@ struct GroupedWgradParams {
   bool c_fp32, transpose_c;
   bool tma_c;              // bf16 C: full tiles leave by TMA (tmap_c: C [E*M, N], or [E*N, M] transposed)
   // Timing probes (a -DMACHMOE_GEMM_PROBES=ON build only; wrong results): bit 0 no epilogue
-  // stores, bit 1 no wgmma, bit 2 no loads (stages are "full" at once). 0 otherwise.
+  // stores, bit 1 no wgmma, bit 2 no loads (stages are "full" at once); 256: B's partial last block
+  // by TMA; 512: half of B's boxes only. 0 otherwise.
   int probe;
 };
 
@@ -214,11 +215,16 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
           if (tid == 0) sm90::mbar_arrive(&full[s]);
           continue;
         }
-        if (end - r0 >= kWgradBK && has_n) {
+        // Timing probes 256 and 512 (session 25, wrong results): B's partial last block by TMA too
+        // (what per-expert tensor maps, as SonicMoE's, would save: its 2048 cp.async), and only half
+        // of B's boxes loaded (the L2 reads a 2-CTA weight multicast along M would save).
+        if ((end - r0 >= kWgradBK || gemm_probe(p, 256)) && has_n) {
           if (tid == 0) {
-            sm90::mbar_arrive_expect_tx(&full[s], Smem::kBBytes);
+            const bool half_b = gemm_probe(p, 512);
+            sm90::mbar_arrive_expect_tx(&full[s], half_b ? Smem::kBBytes / 2 : Smem::kBBytes);
 #pragma unroll
-            for (int h = 0; h < BN / 64; ++h) sm90::tma_load_2d(b_stage + h * 64 * 128, &tmap_b, &full[s], n0 + 64 * h, r0);
+            for (int h = 0; h < BN / 64; ++h)
+              if (!half_b || h < BN / 128) sm90::tma_load_2d(b_stage + h * 64 * 128, &tmap_b, &full[s], n0 + 64 * h, r0);
           }
         } else {  // the expert's last, partial block: B by cp.async too, zero-filled (none without columns)
           if (has_n) {

@@ -19,11 +19,13 @@ import sys
 
 # What each MACHMOE_GEMM_PROBE value skips (bits: 1 epilogue, 2 wgmma, 4 loads, 8 TMA store; the
 # dH epilogue only: 16 its H loads, 32 its dH stores, 64 its A' stores; 128 A loaded for a row
-# block's first column tile only).
+# block's first column tile only; the weight gradients only: 256 their partial last B block by TMA,
+# 512 half of B's boxes).
 PROBE_NAMES = {"0": "probe build", "1": "no epilogue", "2": "no wgmma", "4": "no loads", "3": "loads only",
                "5": "wgmma only", "6": "epilogue only", "8": "no TMA store", "16": "dH: no H loads",
                "32": "dH: no dH stores", "64": "dH: no A' stores", "96": "dH: no stores",
-               "112": "dH: no H loads, no stores", "128": "A for the first column tile only"}
+               "112": "dH: no H loads, no stores", "128": "A for the first column tile only",
+               "256": "dW: partial B block by TMA", "512": "dW: half of B's boxes"}
 
 
 def _file(probe: str) -> str:
