@@ -37,16 +37,22 @@ int epilogue_code(const GroupedGemmArgs& a) {
   throw Error(ErrorCode::InvalidArgument, "grouped_gemm: epilogue out of range");
 }
 
+// A kernel's dynamic shared memory: the device must allow `smem` bytes per block (checked first,
+// so that a too-small device gets this message), and the kernel is opted in to them.
+void prepare_smem(const void* kernel, int smem) {
+  const DeviceInfo info = device_info();
+  require_arg(info.smem_per_block_optin >= static_cast<size_t>(smem), "grouped_gemm", "device",
+              "needs " + std::to_string(smem) + " bytes of shared memory per block, the device allows " +
+                  std::to_string(info.smem_per_block_optin));
+  detail::allow_dynamic_smem(kernel, smem, "grouped_gemm: cudaFuncSetAttribute");
+}
+
 template <int BN, int EPI, bool GATHER, bool B_NMAJOR>
 void launch_variant(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c,
                     const kernels::GroupedGemmParams& p, int ctas, cudaStream_t stream) {
   constexpr int smem = kernels::GemmSmem<BN>::kBytes;
   auto* kernel = kernels::sm90_grouped_gemm<BN, EPI, GATHER, B_NMAJOR>;
-  detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, "grouped_gemm: cudaFuncSetAttribute");
-  const DeviceInfo info = device_info();
-  require_arg(info.smem_per_block_optin >= static_cast<size_t>(smem), "grouped_gemm", "device",
-              "needs " + std::to_string(smem) + " bytes of shared memory per block, the device allows " +
-                  std::to_string(info.smem_per_block_optin));
+  prepare_smem(reinterpret_cast<const void*>(kernel), smem);
   kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, map_c, p);
 }
 
@@ -56,10 +62,7 @@ void launch_pingpong(const CUtensorMap& map_a, const CUtensorMap& map_b, const C
   constexpr int bn = kernels::kPingPongBN;
   constexpr int smem = kernels::GemmPingPongSmem<bn>::kBytes;
   auto* kernel = kernels::sm90_grouped_gemm_pingpong<bn, B_NMAJOR, kCluster>;
-  detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, "grouped_gemm: cudaFuncSetAttribute");
-  require_arg(device_info().smem_per_block_optin >= static_cast<size_t>(smem), "grouped_gemm", "device",
-              "needs " + std::to_string(smem) + " bytes of shared memory per block, the device allows " +
-                  std::to_string(device_info().smem_per_block_optin));
+  prepare_smem(reinterpret_cast<const void*>(kernel), smem);
   if constexpr (!kCluster) {
     kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, map_c, p);
     return;
