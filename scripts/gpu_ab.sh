@@ -12,7 +12,10 @@
 #   4. with AB_LAYER="7B-a,30B-b" (config names), the layer benchmark of each (machmoe only);
 #   5. with AB_POWER="7B-a,dense" (substrings of kernel labels), python -m machmoe.bench.power on
 #      those kernels for each variant: SM clock, board power, clock-event reasons (docs/PERF.md:
-#      the expert GEMMs run at the power cap, so a variant can also win by using less energy).
+#      the expert GEMMs run at the power cap, so a variant can also win by using less energy);
+#   6. with AB_NCU="7B-a dX~" (one kernel-table row), Nsight Compute on that row's third launch for
+#      each variant: elapsed cycles, tensor-pipe activity, L2->SM bytes, launch shape and the top
+#      warp stalls, one table (python -m machmoe.bench.ncu_compare --launches).
 #
 # Usage, locally:   git diff main my-branch -- src include > ds.patch   (untracked, travels along)
 #        on device: OUT=$OUT scripts/gpu_ab.sh VARIANT...
@@ -137,5 +140,21 @@ if [[ -n "${AB_POWER:-}" ]]; then
     in_variant "$i" timeout 300 "$MACHMOE_PYTHON" -m machmoe.bench.power --only "$AB_POWER" 2>&1 | grep '^| ' \
       | grep -v '^|---' | tee -a "$log"
   done
+fi
+if [[ -n "${AB_NCU:-}" ]]; then
+  ncu_bin=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  metrics=sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__m_xbar2l1tex_read_bytes.sum
+  ncu_files=()
+  for (( i = 0; i < ${#labels[@]}; ++i )); do
+    (( ok[i] )) || continue
+    in_variant "$i" env MACHMOE_KERNEL_ROWS="$AB_NCU" timeout 200 "$ncu_bin" --clock-control none \
+      -k regex:sm90_grouped -s 2 -c 1 --section SpeedOfLight --section LaunchStats --section WarpStateStats \
+      --metrics "$metrics" -f -o "$aux/ncu_$i" "$MACHMOE_PYTHON" -c "$table" > "$aux/ncu_$i.log" 2>&1
+    "$ncu_bin" -i "$aux/ncu_$i.ncu-rep" --page raw --csv > "$aux/ncu_$i.csv" 2>> "$aux/ncu_$i.log"
+    ncu_files+=("${labels[$i]}=$aux/ncu_$i.csv")
+  done
+  say "== Nsight Compute, $AB_NCU"
+  (cd "$root" && PYTHONPATH=$root/python "$MACHMOE_PYTHON" -m machmoe.bench.ncu_compare --launches "${ncu_files[@]}") \
+    | tee -a "$log"
 fi
 say "gpu_ab: done ($SECONDS s)"

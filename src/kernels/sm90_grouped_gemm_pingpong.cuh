@@ -46,14 +46,16 @@ constexpr int kPingPongBN = 192;  // two m64n192 chains per consumer: 192 fp32 a
 constexpr int kPingPongLoaderRegs = 40, kPingPongConsumerRegs = 232;
 static_assert(kPingPongLoaderRegs + 2 * kPingPongConsumerRegs <= 504, "168 registers per thread at launch");
 
-template <int BN>
+template <int BN, bool kTmaEpi = true>
 struct GemmPingPongSmem {
   static constexpr int kABytes = kGemmBM * kGemmBK * 2;  // 16 KB
   static constexpr int kBBytes = BN * kGemmBK * 2;       // 24 KB at BN = 192
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kBoxBytes = 64 * 128;             // one staged box [64 rows][64 columns] (gemm_stage_out<.., 64>)
   static constexpr int kEpiBufBytes = (BN / 64) * kBoxBytes;  // a consumer's 64-row half tile
-  static constexpr int kEpiBytes = 2 * kEpiBufBytes;
+  // kTmaEpi = false: every tile leaves straight from the accumulators (no staging buffer), which
+  // buys a fifth stage at BN = 192.
+  static constexpr int kEpiBytes = kTmaEpi ? 2 * kEpiBufBytes : 0;
   static constexpr int kBudget = 227 * 1024;
   // 1 KB alignment slack + barriers (2 per stage, 2 per ring slot) + the ring + the tile table
   static constexpr int kFixed = 4096;
@@ -89,11 +91,11 @@ __device__ __forceinline__ void pingpong_store_direct(const GroupedGemmParams& p
 // B_NMAJOR: W is [E, K, N] (dX~ = dH·W1), read by the 3-D map {N, K, E} in boxes {64 N, 64 K};
 // otherwise W is [E*N, K] (Y = A·W2ᵀ), read in boxes {64 K, 64 rows}. tmap_a: A [R, K] in boxes
 // {64 K, 128 rows}; tmap_c: C [rows, N] in boxes {64 columns, 64 rows}.
-template <int BN, bool B_NMAJOR, bool kCluster>
+template <int BN, bool B_NMAJOR, bool kCluster, bool kTmaEpi>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     sm90_grouped_gemm_pingpong(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                                const __grid_constant__ CUtensorMap tmap_c, const GroupedGemmParams p) {
-  using Smem = GemmPingPongSmem<BN>;
+  using Smem = GemmPingPongSmem<BN, kTmaEpi>;
   constexpr int S = Smem::kStages;
   constexpr int kUnitRows = kCluster ? 2 * kGemmBM : kGemmBM;  // rows of one schedule unit
   extern __shared__ uint8_t smem_raw[];
@@ -242,7 +244,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       sm90::fence_accumulators(acc[1]);
       if (prev_stage >= 0 && tid == 0) release(prev_stage);
 
-      if (tile.rows == kGemmBM && p.c) {
+      if (kTmaEpi && tile.rows == kGemmBM && p.c) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           if (stored && tid == 0) sm90::bulk_wait_read_all();  // the previous store has read `buf`

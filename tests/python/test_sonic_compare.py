@@ -201,3 +201,19 @@ def test_profile_compare_maps_kernels_to_roles_by_name_and_order():
     with pytest.raises(ValueError, match="more expert GEMMs"):
         pc.by_role(pc.parse(extra)[0])
     assert "sonicmoe not profiled" in pc.table(pc.parse(_profile_section("machmoe", "30B-b", ours, 19.6, 19.8, 0.8)))
+
+
+def test_ncu_compare_launches_prints_every_launch_of_every_file(tmp_path, capsys):
+    from machmoe.bench import ncu_compare
+
+    (tmp_path / "a.csv").write_text(_ncu_csv([500.0]))
+    (tmp_path / "b.csv").write_text(_ncu_csv([450.0, 470.0]))
+    assert ncu_compare.main(["--launches", f"A={tmp_path / 'a.csv'}", f"B={tmp_path / 'b.csv'}",
+                             f"C={tmp_path / 'missing.csv'}"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("| A ", "| B ", "| C "))]
+    assert [r.split("|")[1].strip() for r in rows] == ["A", "B", "B", "C"]
+    assert "| 500.0 |" in rows[0] and "| 470.0 |" in rows[2]
+    assert "(nothing profiled)" in rows[3]
+    header = out.splitlines()[out.splitlines().index(next(l for l in out.splitlines() if l.startswith("| variant")))]
+    assert all(r.count("|") == header.count("|") for r in rows[:3])  # columns line up

@@ -13,6 +13,9 @@ activity, L2 -> SM bytes, launch shape and the largest warp-stall reasons. The q
 answers is *why* a kernel of one layer is faster than the same GEMM of the other on one board.
 
 Usage: python -m machmoe.bench.ncu_compare CONFIG sonic.csv machmoe.csv
+       python -m machmoe.bench.ncu_compare --launches LABEL=report.csv ...
+The second form prints every profiled launch of each CSV, one row each (scripts/gpu_ab.sh's AB_NCU:
+one kernel-table row per variant under Nsight Compute).
 """
 
 from __future__ import annotations
@@ -129,8 +132,45 @@ def table(config: str, impls: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def launches(files: list[tuple[str, list[dict]]]) -> str:
+    """One row per profiled launch: label, kernel, µs, SM GHz, M cycles, tensor pipe, L2->SM GB,
+    launch shape, top stalls."""
+    lines = ["| variant | kernel | µs | SM GHz | M cycles | tensor pipe | L2→SM GB | grid x block, regs, smem KiB, cluster | "
+             "top stalls (cycles per issue) |", "|---|---|--:|--:|--:|--:|--:|---|---|"]
+    for label, recs in files:
+        if not recs:
+            lines.append(f"| {label} | (nothing profiled) | | | | | | | |")
+        for r in recs:
+            def f(v, fmt, scale=1.0):
+                return "—" if v is None else format(v * scale, fmt)
+            t, clk = _get(r, "gpu__time_duration.sum"), _get(r, "sm__cycles_elapsed.avg.per_second")
+            cyc = _get(r, "sm__cycles_elapsed.max")
+            tp = _get(r, "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active")
+            x2l = _get(r, "l1tex__m_xbar2l1tex_read_bytes.sum")
+            grid, block = _get(r, "launch__grid_size"), _get(r, "launch__block_size")
+            regs, smem = _get(r, "launch__registers_per_thread"), _get(r, "launch__shared_mem_per_block_dynamic")
+            cluster = _get(r, "launch__cluster_dim_x")
+            shape = (f"{f(grid, '.0f')} x {f(block, '.0f')}, {f(regs, '.0f')}, {f(smem, '.0f', 1 / 1024)}"
+                     + (f", cluster {cluster:.0f}" if cluster and cluster > 1 else ""))
+            lines.append(f"| {label} | {str(r.get('Kernel Name', ''))[:48]} | {f(t, '.1f', 1e6)} | {f(clk, '.2f', 1e-9)} | "
+                         f"{f(cyc, '.3f', 1e-6)} | {f(tp, '.1f')}% | {f(x2l, '.2f', 1e-9)} | {shape} | {stalls(r, 5)} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--launches":
+        files = []
+        for spec in argv[1:]:
+            label, _, path = spec.partition("=")
+            try:
+                with open(path) as fh:
+                    files.append((label, read_raw_csv(fh.read())))
+            except (OSError, ValueError) as err:
+                print(f"{label}: {err}")
+                files.append((label, []))
+        print(launches(files))
+        return 0
     if len(argv) != 3:
         print("usage: python -m machmoe.bench.ncu_compare CONFIG sonic.csv machmoe.csv")
         return 2
