@@ -126,7 +126,7 @@ int gemm_pingpong_mode() {
   static const int mode = [] {
     const char* v = std::getenv("MACHMOE_GEMM_PINGPONG");
     const std::string m = v ? v : "0";
-    return m == "1" ? 1 : m == "2" ? 2 : m == "3" ? 3 : m == "4" ? 4 : 0;
+    return m.size() == 1 && m[0] >= '1' && m[0] <= '6' ? m[0] - '0' : 0;
   }();
   return mode;
 }

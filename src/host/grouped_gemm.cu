@@ -57,12 +57,12 @@ void launch_variant(const CUtensorMap& map_a, const CUtensorMap& map_b, const CU
   kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, map_c, p);
 }
 
-template <bool B_NMAJOR, bool kCluster, bool kTmaEpi>
+template <bool B_NMAJOR, bool kCluster, int kEpi>
 void launch_pingpong(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c,
                      const kernels::GroupedGemmParams& p, int ctas, cudaStream_t stream) {
   constexpr int bn = kernels::kPingPongBN;
-  constexpr int smem = kernels::GemmPingPongSmem<bn, kTmaEpi>::kBytes;
-  auto* kernel = kernels::sm90_grouped_gemm_pingpong<bn, B_NMAJOR, kCluster, kTmaEpi>;
+  constexpr int smem = kernels::GemmPingPongSmem<bn, kEpi>::kBytes;
+  auto* kernel = kernels::sm90_grouped_gemm_pingpong<bn, B_NMAJOR, kCluster, kEpi>;
   prepare_smem(reinterpret_cast<const void*>(kernel), smem);
   if constexpr (!kCluster) {
     kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, map_c, p);
@@ -151,16 +151,16 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
     require_arg(a.bias == nullptr, fn, "bias", "must be null with ActivationBackward");
   }
 
-  // The ping-pong experiment (MACHMOE_GEMM_PINGPONG=1, =2 with CTA pairs; 3 and 4 the same with
-  // every tile stored from the accumulators, no staging): the plain store with contiguous A, in
-  // 192-wide tiles (kernels/sm90_grouped_gemm_pingpong.cuh).
+  // The ping-pong experiment (MACHMOE_GEMM_PINGPONG odd: one CTA, even: CTA pairs; 1/2, 3/4 and
+  // 5/6 the three epilogues kernels::kPPEpiHalves, kPPEpiDirect, kPPEpiRing): the plain store with
+  // contiguous A, in 192-wide tiles (kernels/sm90_grouped_gemm_pingpong.cuh).
   // (Its weight boxes reach row E·N + 191 of the [E*N, K] view: kept inside int32.)
   const int pp_mode = detail::gemm_pingpong_mode();
   const bool pingpong = pp_mode > 0 && epi == kernels::kEpiStore && a.gather == nullptr && a.c &&
                         a.E * a.N + kernels::kPingPongBN <= (int64_t{1} << 31) - 1;
   // (clusters need two CTAs; one unit of the schedule is then 256 rows: kernels::gemm_expert_tiles)
   const bool pp_cluster = pingpong && pp_mode % 2 == 0 && (a.max_ctas == 0 || a.max_ctas >= 2);
-  const bool pp_tma_epi = pp_mode <= 2;
+  const int pp_epi = pp_mode <= 2 ? kernels::kPPEpiHalves : pp_mode <= 4 ? kernels::kPPEpiDirect : kernels::kPPEpiRing;
   // Configuration (data, not code): tile_width, also the column-tile count of the dH epilogue's
   // ds_partial (grouped_gemm_column_tiles).
   const int bn = pingpong ? kernels::kPingPongBN : tile_width(a.N, epi);
@@ -205,13 +205,14 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
                                           : detail::tensor_map_2d(a.w, a.E * a.N, a.K, a.K, kernels::kGemmBK, 64, fn);
     const CUtensorMap map_a = tile_tensor_map(a.a, a.a_rows, a.K, a.lda);
     const CUtensorMap map_c = detail::tensor_map_2d(a.c, int64_t{1} << 31, a.N, a.ldc, 64, 64, fn);
-    auto launch = [&](auto b_nmajor, auto cluster, auto tma_epi) {
-      launch_pingpong<decltype(b_nmajor)::value, decltype(cluster)::value, decltype(tma_epi)::value>(map_a, map_b, map_c,
-                                                                                                   p, ctas, stream);
+    auto launch = [&](auto b_nmajor, auto cluster, auto epi_kind) {
+      launch_pingpong<decltype(b_nmajor)::value, decltype(cluster)::value, decltype(epi_kind)::value>(
+          map_a, map_b, map_c, p, ctas, stream);
     };
     auto with_epi = [&](auto b_nmajor, auto cluster) {
-      if (pp_tma_epi) launch(b_nmajor, cluster, std::true_type{});
-      else launch(b_nmajor, cluster, std::false_type{});
+      if (pp_epi == kernels::kPPEpiHalves) launch(b_nmajor, cluster, std::integral_constant<int, kernels::kPPEpiHalves>{});
+      else if (pp_epi == kernels::kPPEpiDirect) launch(b_nmajor, cluster, std::integral_constant<int, kernels::kPPEpiDirect>{});
+      else launch(b_nmajor, cluster, std::integral_constant<int, kernels::kPPEpiRing>{});
     };
     auto with_cluster = [&](auto b_nmajor) {
       if (pp_cluster) with_epi(b_nmajor, std::true_type{});

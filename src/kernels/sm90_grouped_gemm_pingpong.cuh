@@ -46,16 +46,24 @@ constexpr int kPingPongBN = 192;  // two m64n192 chains per consumer: 192 fp32 a
 constexpr int kPingPongLoaderRegs = 40, kPingPongConsumerRegs = 232;
 static_assert(kPingPongLoaderRegs + 2 * kPingPongConsumerRegs <= 504, "168 registers per thread at launch");
 
-template <int BN, bool kTmaEpi = true>
+// How a consumer's full tile leaves (modes 1/2, 3/4 and 5/6 of MACHMOE_GEMM_PINGPONG):
+//   kPPEpiHalves: by TMA in two 64-row halves, each warpgroup through its own 64 x BN buffer
+//     (2 x 24 KB at BN = 192: four stages);
+//   kPPEpiDirect: straight from the accumulators by st.global (no buffer: five stages);
+//   kPPEpiRing: by TMA in [64 rows][64 columns] boxes through one two-box ring (16 KB) that the
+//     warpgroups take in turn (SonicMoE's arrangement: five stages). The epilogues alternate
+//     like the main loops (named barriers 6 and 7), and a warpgroup hands the ring on only once
+//     its last box has been read.
+constexpr int kPPEpiHalves = 0, kPPEpiDirect = 1, kPPEpiRing = 2;
+
+template <int BN, int kEpi = kPPEpiHalves>
 struct GemmPingPongSmem {
   static constexpr int kABytes = kGemmBM * kGemmBK * 2;  // 16 KB
   static constexpr int kBBytes = BN * kGemmBK * 2;       // 24 KB at BN = 192
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kBoxBytes = 64 * 128;             // one staged box [64 rows][64 columns] (gemm_stage_out<.., 64>)
   static constexpr int kEpiBufBytes = (BN / 64) * kBoxBytes;  // a consumer's 64-row half tile
-  // kTmaEpi = false: every tile leaves straight from the accumulators (no staging buffer), which
-  // buys a fifth stage at BN = 192.
-  static constexpr int kEpiBytes = kTmaEpi ? 2 * kEpiBufBytes : 0;
+  static constexpr int kEpiBytes = kEpi == kPPEpiHalves ? 2 * kEpiBufBytes : kEpi == kPPEpiRing ? 2 * kBoxBytes : 0;
   static constexpr int kBudget = 227 * 1024;
   // 1 KB alignment slack + barriers (2 per stage, 2 per ring slot) + the ring + the tile table
   static constexpr int kFixed = 4096;
@@ -91,11 +99,43 @@ __device__ __forceinline__ void pingpong_store_direct(const GroupedGemmParams& p
 // B_NMAJOR: W is [E, K, N] (dX~ = dH·W1), read by the 3-D map {N, K, E} in boxes {64 N, 64 K};
 // otherwise W is [E*N, K] (Y = A·W2ᵀ), read in boxes {64 K, 64 rows}. tmap_a: A [R, K] in boxes
 // {64 K, 128 rows}; tmap_c: C [rows, N] in boxes {64 columns, 64 rows}.
-template <int BN, bool B_NMAJOR, bool kCluster, bool kTmaEpi>
+// One [64 rows][64 columns] box of a consumer's tile, columns 64·b .. 64·b + 63 of acc (rows
+// 64·half of the tile), into `box` (128-byte swizzle, as the C map's boxes): all four warps, 16
+// rows each, four stmatrix.x4.
+template <int BN>
+__device__ __forceinline__ void pingpong_stage_box(const GroupedGemmParams& p, const GemmTile& tile, int b,
+                                                   const float (&acc)[BN / 2], uint8_t* box) {
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+  const int srow = warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2), schunk = lane / 16;
+  const uint32_t base = sm90::smem_addr(box);
+  const __nv_bfloat16* bias = p.bias ? p.bias + static_cast<int64_t>(tile.e) * p.N : nullptr;
+#pragma unroll
+  for (int j = 0; j < 8; j += 2) {
+    uint32_t v[4];
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int jj = 8 * b + j + q;  // the chunk of the tile's BN / 8
+      const int c = tile.n0 + jj * 8 + 2 * (lane % 4);
+      float b0 = 0.f, b1 = 0.f;
+      if (bias && c < p.N) {
+        b0 = __bfloat162float(bias[c]);
+        b1 = __bfloat162float(bias[c + 1]);
+      }
+      const float* a = acc + jj * 4;
+      __nv_bfloat162 lo = __floats2bfloat162_rn(a[0] + b0, a[1] + b1), hi = __floats2bfloat162_rn(a[2] + b0, a[3] + b1);
+      v[2 * q] = *reinterpret_cast<const uint32_t*>(&lo);      // rows 0-7 of the warp's 16
+      v[2 * q + 1] = *reinterpret_cast<const uint32_t*>(&hi);  // rows 8-15
+    }
+    const int ch = j + schunk;
+    sm90::stmatrix_x4(base + srow * 128 + (((ch % 8) ^ (srow % 8)) << 4), v[0], v[1], v[2], v[3]);
+  }
+}
+
+template <int BN, bool B_NMAJOR, bool kCluster, int kEpi>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     sm90_grouped_gemm_pingpong(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                                const __grid_constant__ CUtensorMap tmap_c, const GroupedGemmParams p) {
-  using Smem = GemmPingPongSmem<BN, kTmaEpi>;
+  using Smem = GemmPingPongSmem<BN, kEpi>;
   constexpr int S = Smem::kStages;
   constexpr int kUnitRows = kCluster ? 2 * kGemmBM : kGemmBM;  // rows of one schedule unit
   extern __shared__ uint8_t smem_raw[];
@@ -193,7 +233,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     const int c = wg - 1;
     uint8_t* buf = epi + c * Smem::kEpiBufBytes;
     constexpr int kTurn = 4;  // named barriers 4 (consumer 0's turn) and 5 (consumer 1's); 2, 3: per warpgroup
+    constexpr int kEpiTurn = 6;  // kPPEpiRing: 6 and 7, the epilogues' turns (the ring's owner)
     if (c == 1) sm90::named_barrier_arrive(kTurn + 0, 256);  // consumer 0 goes first
+    if (kEpi == kPPEpiRing && c == 1) sm90::named_barrier_arrive(kEpiTurn + 0, 256);
     bool stored = false;  // a TMA store from `buf` may still be reading it
     for (int n = c;; n += 2) {
       const int slot = n % kTileRing;
@@ -208,6 +250,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       // on its first stage only after the other has seen every earlier stage full, so it is never
       // two phases ahead of a stage. Never wait on a stage before taking the turn.
       if (tile.e != -2) sm90::named_barrier_sync(kTurn + c, 256);
+      // (the ring's turn likewise: tile n's epilogue turn comes from tile n - 1's)
+      if (kEpi == kPPEpiRing && tile.e == -1) sm90::named_barrier_sync(kEpiTurn + c, 256);
       if (tile.e < 0) break;
       float acc[2][BN / 2];
 #pragma unroll
@@ -244,7 +288,30 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       sm90::fence_accumulators(acc[1]);
       if (prev_stage >= 0 && tid == 0) release(prev_stage);
 
-      if (kTmaEpi && tile.rows == kGemmBM && p.c) {
+      if constexpr (kEpi == kPPEpiRing) sm90::named_barrier_sync(kEpiTurn + c, 256);  // the ring is ours
+      if (kEpi == kPPEpiRing && tile.rows == kGemmBM && p.c) {
+        // Six boxes (BN = 192) through the two-box ring: box i is staged while box i - 1 is read.
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int b = 0; b < BN / 64; ++b) {
+            const int i = h * (BN / 64) + b;
+            uint8_t* box = epi + (i % 2) * Smem::kBoxBytes;
+            if (i >= 2) {
+              if (tid == 0) sm90::bulk_wait_read<1>();  // box i - 2 has left this slot
+              sm90::named_barrier_sync(2 + c, 128);
+            }
+            pingpong_stage_box<BN>(p, tile, b, acc[h], box);
+            sm90::fence_proxy_async_shared();  // st.shared -> the TMA store's reads
+            sm90::named_barrier_sync(2 + c, 128);
+            if (tid == 0) {
+              if (tile.n0 + 64 * b < p.N) sm90::tma_store_2d(&tmap_c, box, tile.n0 + 64 * b, tile.row0 + 64 * h);
+              sm90::bulk_commit_group();
+            }
+          }
+        if (tid == 0) sm90::bulk_wait_read_all();  // the ring is read: the other warpgroup's now
+        stored = true;
+      } else if (kEpi == kPPEpiHalves && tile.rows == kGemmBM && p.c) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           if (stored && tid == 0) sm90::bulk_wait_read_all();  // the previous store has read `buf`
@@ -265,6 +332,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
 #pragma unroll
         for (int h = 0; h < 2; ++h) pingpong_store_direct<BN>(p, tile, h, acc[h]);
       }
+      if constexpr (kEpi == kPPEpiRing) sm90::named_barrier_arrive(kEpiTurn + (c ^ 1), 256);
     }
     if (stored && tid == 0) sm90::bulk_wait_all();
   }

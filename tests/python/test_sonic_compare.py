@@ -208,11 +208,11 @@ def test_ncu_compare_launches_prints_every_launch_of_every_file(tmp_path, capsys
 
     (tmp_path / "a.csv").write_text(_ncu_csv([500.0]))
     (tmp_path / "b.csv").write_text(_ncu_csv([450.0, 470.0]))
-    assert ncu_compare.main(["--launches", f"A={tmp_path / 'a.csv'}", f"B={tmp_path / 'b.csv'}",
+    assert ncu_compare.main(["--launches", f"A={tmp_path / 'a.csv'}", f"@K=1={tmp_path / 'b.csv'}",
                              f"C={tmp_path / 'missing.csv'}"]) == 0
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith(("| A ", "| B ", "| C "))]
-    assert [r.split("|")[1].strip() for r in rows] == ["A", "B", "B", "C"]
+    rows = [line for line in out.splitlines() if line.startswith(("| A ", "| @K=1 ", "| C "))]
+    assert [r.split("|")[1].strip() for r in rows] == ["A", "@K=1", "@K=1", "C"]
     assert "| 500.0 |" in rows[0] and "| 470.0 |" in rows[2]
     assert "(nothing profiled)" in rows[3]
     header = out.splitlines()[out.splitlines().index(next(l for l in out.splitlines() if l.startswith("| variant")))]

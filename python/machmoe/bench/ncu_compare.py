@@ -143,8 +143,9 @@ def launches(files: list[tuple[str, list[dict]]]) -> str:
         for r in recs:
             def f(v, fmt, scale=1.0):
                 return "—" if v is None else format(v * scale, fmt)
-            t, clk = _get(r, "gpu__time_duration.sum"), _get(r, "sm__cycles_elapsed.avg.per_second")
-            cyc = _get(r, "sm__cycles_elapsed.max")
+            t = _get(r, "gpu__time_duration.sum")
+            clk = _get(r, "sm__cycles_elapsed.avg.per_second") or _get(r, "gpc__cycles_elapsed.avg.per_second")
+            cyc = _get(r, "sm__cycles_elapsed.max") or _get(r, "gpc__cycles_elapsed.max")
             tp = _get(r, "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active")
             x2l = _get(r, "l1tex__m_xbar2l1tex_read_bytes.sum")
             grid, block = _get(r, "launch__grid_size"), _get(r, "launch__block_size")
@@ -162,7 +163,7 @@ def main(argv=None) -> int:
     if argv and argv[0] == "--launches":
         files = []
         for spec in argv[1:]:
-            label, _, path = spec.partition("=")
+            label, _, path = spec.rpartition("=")  # (a label may hold "=": @KNOB=1=file.csv)
             try:
                 with open(path) as fh:
                     files.append((label, read_raw_csv(fh.read())))
