@@ -202,6 +202,10 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         uint8_t* a_stage = smem_a + s * Smem::kABytes;
         uint8_t* b_stage = smem_b + s * Smem::kBBytes;
         const int k0 = kb * kGemmBK;
+        if (gemm_probe(p, 4)) {  // timing probe: no loads, the stage is "full" at once (stale data)
+          sm90::mbar_arrive(&full[s]);
+          continue;
+        }
         sm90::mbar_arrive_expect_tx(&full[s], Smem::kStageBytes);
 #pragma unroll
         for (int h = 0; h < BN / 64; ++h) {
@@ -289,7 +293,10 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       if (prev_stage >= 0 && tid == 0) release(prev_stage);
 
       if constexpr (kEpi == kPPEpiRing) sm90::named_barrier_sync(kEpiTurn + c, 256);  // the ring is ours
-      if (kEpi == kPPEpiRing && tile.rows == kGemmBM && p.c) {
+      // (timing probes, -DMACHMOE_GEMM_PROBES=ON builds only: 1 drops the accumulators, 8 stages
+      // full tiles without storing them)
+      const bool out = p.c && !gemm_probe(p, 1), tma_out = !gemm_probe(p, 8);
+      if (kEpi == kPPEpiRing && tile.rows == kGemmBM && out) {
         // Six boxes (BN = 192) through the two-box ring: box i is staged while box i - 1 is read.
 #pragma unroll
         for (int h = 0; h < 2; ++h)
@@ -305,13 +312,13 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
             sm90::fence_proxy_async_shared();  // st.shared -> the TMA store's reads
             sm90::named_barrier_sync(2 + c, 128);
             if (tid == 0) {
-              if (tile.n0 + 64 * b < p.N) sm90::tma_store_2d(&tmap_c, box, tile.n0 + 64 * b, tile.row0 + 64 * h);
+              if (tile.n0 + 64 * b < p.N && tma_out) sm90::tma_store_2d(&tmap_c, box, tile.n0 + 64 * b, tile.row0 + 64 * h);
               sm90::bulk_commit_group();
             }
           }
         if (tid == 0) sm90::bulk_wait_read_all();  // the ring is read: the other warpgroup's now
         stored = true;
-      } else if (kEpi == kPPEpiHalves && tile.rows == kGemmBM && p.c) {
+      } else if (kEpi == kPPEpiHalves && tile.rows == kGemmBM && out) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           if (stored && tid == 0) sm90::bulk_wait_read_all();  // the previous store has read `buf`
@@ -322,13 +329,13 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
           if (tid == 0) {
 #pragma unroll
             for (int b = 0; b < BN / 64; ++b)
-              if (tile.n0 + 64 * b < p.N)
+              if (tile.n0 + 64 * b < p.N && tma_out)
                 sm90::tma_store_2d(&tmap_c, buf + b * Smem::kBoxBytes, tile.n0 + 64 * b, tile.row0 + 64 * h);
             sm90::bulk_commit_group();
           }
           stored = true;
         }
-      } else if (p.c) {
+      } else if (out) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) pingpong_store_direct<BN>(p, tile, h, acc[h]);
       }
