@@ -1,11 +1,13 @@
 """A model of the ping-pong grouped GEMM's synchronisation (src/kernels/sm90_grouped_gemm_pingpong.cuh),
 run on the CPU under random interleavings: one CTA's producer thread, its two consumer warpgroups,
 the TMA completions (in any order) and the wgmma groups in flight; or the two CTAs of a cluster
-(MACHMOE_GEMM_PINGPONG=2), whose stages also fill from the peer's multicast.
+(MACHMOE_GEMM_PINGPONG=2), whose stages also fill from the peer's multicast; with `ring_epi`
+(MACHMOE_GEMM_PINGPONG=5/6) the consumers also take the one staging ring in turn (named barriers 6, 7).
 
 It checks what a GPU run can miss by luck: no deadlock; no stage overwritten while a wgmma group
 still reads it; no stage read before the fill it waited for (a parity wait two phases ahead);
-both consumers see one stop signal each; no named-barrier arrival left over at exit. Mutated
+both consumers see one stop signal each; no named-barrier arrival left over at exit; never two
+consumers in the staging ring at once. Mutated
 protocols (a turn skipped, the turns removed, two wgmma groups kept in flight, a CTA refilling a
 stage without waiting for the peer's consumer) must fail, so the model can fail. It mirrors the
 kernel by hand: change both together.
@@ -44,7 +46,7 @@ class NamedBarrier:  # bar.sync / bar.arrive with count 256: two warpgroups
         self.arrived, self.generation = 0, 0
 
 
-def run(tiles, k_blocks, stages, seed, mutation=None, cluster=False):
+def run(tiles, k_blocks, stages, seed, mutation=None, cluster=False, ring_epi=False):
     """One CTA, or with `cluster` the two CTAs of MACHMOE_GEMM_PINGPONG=2: each stage then fills
     from the CTA's own loads and from the peer's multicast, and is free once both CTAs' consumers
     released it."""
@@ -58,7 +60,9 @@ def run(tiles, k_blocks, stages, seed, mutation=None, cluster=False):
     tile_empty = [[Mbar(1) for _ in range(RING)] for _ in range(ctas)]  # (128 arrivals in the kernel)
     ring = [[None] * RING for _ in range(ctas)]
     landed = [[[None] * sources for _ in range(stages)] for _ in range(ctas)]  # fill `it` per source
-    turn = [{4: NamedBarrier(), 5: NamedBarrier()} for _ in range(ctas)]
+    turn = [{i: NamedBarrier() for i in (4, 5, 6, 7)} for _ in range(ctas)]
+    ring_owner = [None] * ctas  # the consumer staging into the ring (ring_epi)
+    epi_turns = ring_epi and mutation != "no epilogue turns"
     tma = []  # (cta, stage, it, source) in flight
     groups = {(r, c): [] for r in range(ctas) for c in (0, 1)}  # wgmma groups in flight: (stage, it)
 
@@ -111,6 +115,8 @@ def run(tiles, k_blocks, stages, seed, mutation=None, cluster=False):
     def consumer(r, c):
         if c == 1 and mutation != "no turns":
             nb_arrive(r, 4)  # consumer 0 goes first
+        if c == 1 and epi_turns:
+            nb_arrive(r, 6)  # and has the ring first
         n = c
         while True:
             slot = n % RING
@@ -120,6 +126,8 @@ def run(tiles, k_blocks, stages, seed, mutation=None, cluster=False):
             take_turn = tile >= 0 if mutation == "skip the first stop's turn" else tile != -2
             if take_turn and mutation != "no turns":
                 yield from nb_sync(r, 4 + c)
+            if epi_turns and tile == -1 and mutation != "skip the first stop's ring turn":
+                yield from nb_sync(r, 6 + c)
             if tile < 0:
                 return tile
             assert tile == n
@@ -146,8 +154,17 @@ def run(tiles, k_blocks, stages, seed, mutation=None, cluster=False):
                 nb_arrive(r, 4 + (c ^ 1))  # hand over the turn before the drain
             yield from wait(lambda: not groups[(r, c)])  # wgmma_wait<0>
             release(prev)
-            for _ in range(rnd.randint(0, 3)):  # the epilogue
+            if epi_turns:
+                yield from nb_sync(r, 6 + c)
+            if ring_epi:
+                assert ring_owner[r] is None, f"CTA {r}: consumers {ring_owner[r]} and {c} both in the staging ring"
+                ring_owner[r] = c
+            for _ in range(rnd.randint(1 if ring_epi else 0, 3)):  # the epilogue
                 yield
+            if ring_epi:
+                ring_owner[r] = None
+            if epi_turns:
+                nb_arrive(r, 6 + (c ^ 1))
             n += 2
 
     agents = {}
@@ -178,28 +195,30 @@ def run(tiles, k_blocks, stages, seed, mutation=None, cluster=False):
     else:
         raise AssertionError("deadlock")
     for r in range(ctas):
-        assert turn[r][4].arrived == 0 and turn[r][5].arrived == 0, "a named-barrier arrival left at exit"
+        assert all(b.arrived == 0 for b in turn[r].values()), "a named-barrier arrival left at exit"
         assert sorted(v for (rr, _), v in stops.items() if rr == r) == [-2, -1], f"stop signals seen: {stops}"
 
 
 SHAPES = [(tiles, kb, s) for tiles in (0, 1, 2, 3, 5, 8) for kb in (1, 2, 4, 7) for s in (3, 4)]
 
 
-@pytest.mark.parametrize("cluster", [False, True], ids=["one CTA", "CTA pair"])
-def test_pingpong_protocol_holds_under_random_interleavings(cluster):
+@pytest.mark.parametrize("cluster,ring_epi", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["one CTA", "CTA pair", "one CTA, ring", "CTA pair, ring"])
+def test_pingpong_protocol_holds_under_random_interleavings(cluster, ring_epi):
     for tiles, k_blocks, stages in SHAPES:
         for seed in range(40 if not cluster else 15):
-            run(tiles, k_blocks, stages, seed, cluster=cluster)
+            run(tiles, k_blocks, stages, seed, cluster=cluster, ring_epi=ring_epi)
 
 
-@pytest.mark.parametrize("mutation,cluster", [("skip the first stop's turn", False), ("no turns", False),
-                                              ("two groups in flight", False), ("peer not waited", True)])
-def test_pingpong_protocol_model_catches_a_broken_protocol(mutation, cluster):
+@pytest.mark.parametrize("mutation,cluster,ring_epi", [
+    ("skip the first stop's turn", False, False), ("no turns", False, False), ("two groups in flight", False, False),
+    ("peer not waited", True, False), ("no epilogue turns", False, True), ("skip the first stop's ring turn", False, True)])
+def test_pingpong_protocol_model_catches_a_broken_protocol(mutation, cluster, ring_epi):
     failures = 0
     for tiles, k_blocks, stages in SHAPES:
         for seed in range(40 if not cluster else 15):
             try:
-                run(tiles, k_blocks, stages, seed, mutation, cluster)
+                run(tiles, k_blocks, stages, seed, mutation, cluster, ring_epi)
             except AssertionError:
                 failures += 1
     assert failures > 0, f"the model did not notice '{mutation}'"
