@@ -1,7 +1,13 @@
 // Kernel families 4 and 9 of SPEC §2 (down-projection Y = A·W2ᵀ, dX~ = dH·W1) as a ping-pong
 // grouped GEMM: the plain store of sm90_grouped_gemm.cuh, contiguous A, one output tile per
-// consumer warpgroup. Opt-in (MACHMOE_GEMM_PINGPONG=1, host/grouped_gemm.cu): an experiment,
+// consumer warpgroup. Opt-in (MACHMOE_GEMM_PINGPONG=1..6, host/grouped_gemm.cu): an experiment,
 // not the default path.
+//
+// Measured (session 26, H100, docs/PERF.md): correct in every mode, and slower than the
+// cooperative kernel in the sustained kernel table (7B-a dX~ 0.66 ms against 0.59, the
+// down-projection 0.42 against 0.35). Its main loop alone is faster (probe 1: 0.514 ms against
+// 0.548), but its epilogue is not hidden under the other warpgroup's main loop: the staging alone
+// costs +0.095 ms, the whole epilogue +0.15, where the cooperative kernel's costs +0.04.
 //
 // Why (session 25, Nsight Compute on the same H100): SonicMoE's dX~ at 7B-a takes 16% fewer
 // cycles than ours with the same tensor-core work (its tensor pipe is busy 0.631 M cycles, ours
