@@ -67,15 +67,16 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The timing probes' bits (MACHMOE_GEMM_PROBE, 10 bits: 1-128 the grouped GEMM's and weight
-// gradients', 256 and 512 the weight gradients' only; scripts/gpu_probe.sh) in a
+// The timing probes' bits (MACHMOE_GEMM_PROBE, 11 bits: 1-128 the grouped GEMM's and weight
+// gradients', 256 and 512 the weight gradients' only, 1024 the ping-pong kernel's cycle counters;
+// scripts/gpu_probe.sh) in a
 // -DMACHMOE_GEMM_PROBES=ON build, read once; 0 in a normal build, where the kernels compile the
 // probes out.
 inline int gemm_probe_from_env() {
 #if MACHMOE_GEMM_PROBES
   static const int probe = [] {
     const char* v = std::getenv("MACHMOE_GEMM_PROBE");
-    return v ? std::atoi(v) & 1023 : 0;
+    return v ? std::atoi(v) & 2047 : 0;
   }();
   return probe;
 #else

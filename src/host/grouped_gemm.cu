@@ -2,6 +2,8 @@
 // tile configuration, the TMA descriptor of the weights, and the persistent launch.
 #include <cuda.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -57,6 +59,20 @@ void launch_variant(const CUtensorMap& map_a, const CUtensorMap& map_b, const CU
   kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, map_c, p);
 }
 
+#if MACHMOE_GEMM_PROBES
+// Probe 1024: the ping-pong kernel's cycle counters (kernels::PingPongCycles), per tile, at exit.
+void report_pingpong_cycles() {
+  unsigned long long v[8] = {};
+  if (cudaMemcpyFromSymbol(v, kernels::g_pingpong_cycles, sizeof v) != cudaSuccess || v[6] == 0) return;
+  const double t = static_cast<double>(v[6]);
+  std::fprintf(stderr,
+               "pingpong cycles per tile (one thread per consumer): tile-ring wait %.0f, turn wait %.0f, "
+               "stage-full waits %.0f, main loop %.0f, drain %.0f, epilogue %.0f; producer stage-empty waits %.0f "
+               "(%llu tiles)\n",
+               v[0] / t, v[1] / t, v[2] / t, v[3] / t, v[4] / t, v[5] / t, v[7] / t, v[6]);
+}
+#endif
+
 template <bool B_NMAJOR, bool kCluster, int kEpi>
 void launch_pingpong(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c,
                      const kernels::GroupedGemmParams& p, int ctas, cudaStream_t stream) {
@@ -64,6 +80,12 @@ void launch_pingpong(const CUtensorMap& map_a, const CUtensorMap& map_b, const C
   constexpr int smem = kernels::GemmPingPongSmem<bn, kEpi>::kBytes;
   auto* kernel = kernels::sm90_grouped_gemm_pingpong<bn, B_NMAJOR, kCluster, kEpi>;
   prepare_smem(reinterpret_cast<const void*>(kernel), smem);
+#if MACHMOE_GEMM_PROBES
+  if (p.probe & 1024) {
+    static const bool registered = (std::atexit(report_pingpong_cycles), true);
+    (void)registered;
+  }
+#endif
   if constexpr (!kCluster) {
     kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, map_c, p);
     return;

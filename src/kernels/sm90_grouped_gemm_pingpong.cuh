@@ -80,6 +80,28 @@ struct GemmPingPongSmem {
                 "fixed shared-memory area too small");
 };
 
+#if MACHMOE_GEMM_PROBES
+// Probe 1024 (probe builds only): where one thread of each consumer (and the producer) spends its
+// cycles, summed over CTAs and launches; host/grouped_gemm.cu prints them per tile at exit.
+__device__ unsigned long long g_pingpong_cycles[8];
+#endif
+struct PingPongCycles {
+  enum { kRingWait, kTurnWait, kFullWait, kMainLoop, kDrain, kEpilogue, kTiles, kEmptyWait };
+  uint32_t v[8] = {};
+  bool on;
+  __device__ uint32_t now() const { return on ? static_cast<uint32_t>(clock()) : 0u; }
+  __device__ void add(int i, uint32_t since) {
+    if (on) v[i] += static_cast<uint32_t>(clock()) - since;
+  }
+  __device__ void flush() const {
+#if MACHMOE_GEMM_PROBES
+    if (on)
+      for (int i = 0; i < 8; ++i)
+        if (v[i]) atomicAdd(&g_pingpong_cycles[i], static_cast<unsigned long long>(v[i]));
+#endif
+  }
+};
+
 // A partial tile (an expert's last rows), straight from the accumulators: bf16 pairs, predicated
 // on the tile's rows and on N (a multiple of 8, so a pair never straddles it).
 template <int BN>
@@ -185,6 +207,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     sm90::setmaxnreg_dec<kPingPongLoaderRegs>();
     // Two stop signals, one for each consumer (each reads every other slot): e = -1, then -2.
     int stops = 0;
+    PingPongCycles cyc{};
+    cyc.on = gemm_probe(p, 1024) && tid == 0;
     // One thread runs this loop (tid == 0); the rest of warpgroup 0 has nothing to do.
     for (int t = first, n = 0; tid == 0; t += stride, ++n) {
       const bool done = t >= total_tiles;
@@ -204,7 +228,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       }
       for (int kb = 0; kb < k_blocks; ++kb) {
         const int it = n * k_blocks + kb, s = it % S;
+        const uint32_t t_empty = cyc.now();
         sm90::mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
+        cyc.add(PingPongCycles::kEmptyWait, t_empty);
         uint8_t* a_stage = smem_a + s * Smem::kABytes;
         uint8_t* b_stage = smem_b + s * Smem::kBBytes;
         const int k0 = kb * kGemmBK;
@@ -232,6 +258,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         sm90::tma_load_2d(a_stage, &tmap_a, &full[s], k0, tile.row0);
       }
     }
+    cyc.flush();
     __syncwarp();  // warp 0 whole again before the end (lanes 1-31 had nothing to do)
   } else {
     // ------------------------------------------------------------ consumers
@@ -247,9 +274,13 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     if (c == 1) sm90::named_barrier_arrive(kTurn + 0, 256);  // consumer 0 goes first
     if (kEpi == kPPEpiRing && c == 1) sm90::named_barrier_arrive(kEpiTurn + 0, 256);
     bool stored = false;  // a TMA store from `buf` may still be reading it
+    PingPongCycles cyc{};
+    cyc.on = gemm_probe(p, 1024) && tid == 0;
     for (int n = c;; n += 2) {
       const int slot = n % kTileRing;
+      const uint32_t t_ring = cyc.now();
       sm90::mbar_wait(&tile_full[slot], (n / kTileRing) & 1);
+      cyc.add(PingPongCycles::kRingWait, t_ring);
       const GemmTile tile = ring[slot];
       sm90::mbar_arrive(&tile_empty[slot]);
       // Tile n's turn is handed over by the warpgroup that issued tile n - 1 (tile 0's by consumer
@@ -259,7 +290,10 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       // The turn is also what keeps the stage barriers' parity waits unambiguous: a consumer waits
       // on its first stage only after the other has seen every earlier stage full, so it is never
       // two phases ahead of a stage. Never wait on a stage before taking the turn.
+      const uint32_t t_turn = cyc.now();
       if (tile.e != -2) sm90::named_barrier_sync(kTurn + c, 256);
+      cyc.add(PingPongCycles::kTurnWait, t_turn);
+      const uint32_t t_main = cyc.now();
       // (the ring's turn likewise: tile n's epilogue turn comes from tile n - 1's)
       if (kEpi == kPPEpiRing && tile.e == -1) sm90::named_barrier_sync(kEpiTurn + c, 256);
       if (tile.e < 0) break;
@@ -271,7 +305,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       int prev_stage = -1;
       for (int kb = 0; kb < k_blocks; ++kb) {
         const int it = n * k_blocks + kb, s = it % S;
+        const uint32_t t_full = cyc.now();
         sm90::mbar_wait(&full[s], (it / S) & 1);
+        cyc.add(PingPongCycles::kFullWait, t_full);
         const uint32_t a_addr = sm90::smem_addr(smem_a + s * Smem::kABytes);
         const uint32_t b_addr = sm90::smem_addr(smem_b + s * Smem::kBBytes);
         sm90::wgmma_fence();
@@ -293,9 +329,13 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       }
       // The other consumer's turn: its wgmmas queue behind ours while ours drain.
       sm90::named_barrier_arrive(kTurn + (c ^ 1), 256);
+      cyc.add(PingPongCycles::kMainLoop, t_main);
+      const uint32_t t_drain = cyc.now();
       sm90::wgmma_wait<0>();
       sm90::fence_accumulators(acc[0]);
       sm90::fence_accumulators(acc[1]);
+      cyc.add(PingPongCycles::kDrain, t_drain);
+      const uint32_t t_epi = cyc.now();
       if (prev_stage >= 0 && tid == 0) release(prev_stage);
 
       if constexpr (kEpi == kPPEpiRing) sm90::named_barrier_sync(kEpiTurn + c, 256);  // the ring is ours
@@ -346,7 +386,10 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         for (int h = 0; h < 2; ++h) pingpong_store_direct<BN>(p, tile, h, acc[h]);
       }
       if constexpr (kEpi == kPPEpiRing) sm90::named_barrier_arrive(kEpiTurn + (c ^ 1), 256);
+      cyc.add(PingPongCycles::kEpilogue, t_epi);
+      if (cyc.on) ++cyc.v[PingPongCycles::kTiles];
     }
+    cyc.flush();
     if (stored && tid == 0) sm90::bulk_wait_all();
   }
   // kCluster: neither CTA exits while the other may still multicast into it or arrive on its
