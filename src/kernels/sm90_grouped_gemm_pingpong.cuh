@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     }
     for (int r = 0; r < kTileRing; ++r) {
       sm90::mbar_init(&tile_full[r], 1);
-      sm90::mbar_init(&tile_empty[r], 128);  // the consumer warpgroup that took the slot
+      sm90::mbar_init(&tile_empty[r], 129);  // the consumer warpgroup that took the slot, and the loading thread
     }
     sm90::mbar_fence_init();
     sm90::tma_prefetch_descriptor(&tmap_a);
@@ -205,27 +205,39 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
 
   if (wg == 0) {
     sm90::setmaxnreg_dec<kPingPongLoaderRegs>();
-    // Two stop signals, one for each consumer (each reads every other slot): e = -1, then -2.
-    int stops = 0;
     PingPongCycles cyc{};
     cyc.on = gemm_probe(p, 1024) && tid == 0;
-    // One thread runs this loop (tid == 0); the rest of warpgroup 0 has nothing to do.
-    for (int t = first, n = 0; tid == 0; t += stride, ++n) {
-      const bool done = t >= total_tiles;
-      GemmTile tile = done ? GemmTile{-1 - stops, 0, 0, 0}
-                           : gemm_decode_tile<kUnitRows>(p, gemm_tile_table(p, tile_table), t, BN);
-      if (kCluster && !done) {  // this CTA's 128 of the unit's rows (none: rows = 0)
-        tile.row0 += kGemmBM * static_cast<int>(rank);
-        tile.rows = max(0, min(kGemmBM, tile.rows - kGemmBM * static_cast<int>(rank)));
+    // Warp 1, one thread: the scheduler. It decodes the static tile schedule into the ring up to
+    // kTileRing tiles ahead (a binary search and two global loads per tile, ~1-2k cycles under
+    // load), so that neither the loads nor a consumer ever wait for a decode. Session 26 measured
+    // the decode inline in the loading thread: the next tile's first loads went out late and the
+    // consumer of the next tile took its turn late, every tile. Two stop signals, one for each
+    // consumer (each reads every other slot): e = -1, then -2.
+    if (tid == 32) {
+      int stops = 0;
+      for (int t = first, n = 0;; t += stride, ++n) {
+        const bool done = t >= total_tiles;
+        GemmTile tile = done ? GemmTile{-1 - stops, 0, 0, 0}
+                             : gemm_decode_tile<kUnitRows>(p, gemm_tile_table(p, tile_table), t, BN);
+        if (kCluster && !done) {  // this CTA's 128 of the unit's rows (none: rows = 0)
+          tile.row0 += kGemmBM * static_cast<int>(rank);
+          tile.rows = max(0, min(kGemmBM, tile.rows - kGemmBM * static_cast<int>(rank)));
+        }
+        const int slot = n % kTileRing;
+        sm90::mbar_wait(&tile_empty[slot], ((n / kTileRing) & 1) ^ 1);
+        ring[slot] = tile;
+        sm90::mbar_arrive(&tile_full[slot]);
+        if (done && ++stops == 2) break;
       }
+    }
+    // Warp 0, one thread: the loads, tile by tile from the ring (it reads every slot up to the
+    // first stop signal; the second is the other consumer's alone).
+    for (int n = 0; tid == 0; ++n) {
       const int slot = n % kTileRing;
-      sm90::mbar_wait(&tile_empty[slot], ((n / kTileRing) & 1) ^ 1);
-      ring[slot] = tile;
-      sm90::mbar_arrive(&tile_full[slot]);
-      if (done) {
-        if (++stops == 2) break;
-        continue;
-      }
+      sm90::mbar_wait(&tile_full[slot], (n / kTileRing) & 1);
+      const GemmTile tile = ring[slot];
+      sm90::mbar_arrive(&tile_empty[slot]);
+      if (tile.e < 0) break;
       for (int kb = 0; kb < k_blocks; ++kb) {
         const int it = n * k_blocks + kb, s = it % S;
         const uint32_t t_empty = cyc.now();
@@ -259,7 +271,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       }
     }
     cyc.flush();
-    __syncwarp();  // warp 0 whole again before the end (lanes 1-31 had nothing to do)
+    __syncwarp();  // warps 0 and 1 whole again before the end (lanes 1-31 had nothing to do)
   } else {
     // ------------------------------------------------------------ consumers
     sm90::setmaxnreg_inc<kPingPongConsumerRegs>();
