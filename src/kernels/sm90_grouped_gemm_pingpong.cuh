@@ -352,7 +352,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
 
       if constexpr (kEpi == kPPEpiRing) sm90::named_barrier_sync(kEpiTurn + c, 256);  // the ring is ours
       // (timing probes, -DMACHMOE_GEMM_PROBES=ON builds only: 1 drops the accumulators, 8 stages
-      // full tiles without storing them)
+      // full tiles without storing them, 16 leaves out the proxy fence, 32 the staging's stmatrix)
       const bool out = p.c && !gemm_probe(p, 1), tma_out = !gemm_probe(p, 8);
       if (kEpi == kPPEpiRing && tile.rows == kGemmBM && out) {
         // Six boxes (BN = 192) through the two-box ring: box i is staged while box i - 1 is read.
@@ -366,8 +366,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
               if (tid == 0) sm90::bulk_wait_read<1>();  // box i - 2 has left this slot
               sm90::named_barrier_sync(2 + c, 128);
             }
-            pingpong_stage_box<BN>(p, tile, b, acc[h], box);
-            sm90::fence_proxy_async_shared();  // st.shared -> the TMA store's reads
+            if (!gemm_probe(p, 32)) pingpong_stage_box<BN>(p, tile, b, acc[h], box);
+            if (!gemm_probe(p, 16)) sm90::fence_proxy_async_shared();  // st.shared -> the TMA store's reads
             sm90::named_barrier_sync(2 + c, 128);
             if (tid == 0) {
               if (tile.n0 + 64 * b < p.N && tma_out) sm90::tma_store_2d(&tmap_c, box, tile.n0 + 64 * b, tile.row0 + 64 * h);
@@ -381,8 +381,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         for (int h = 0; h < 2; ++h) {
           if (stored && tid == 0) sm90::bulk_wait_read_all();  // the previous store has read `buf`
           sm90::named_barrier_sync(2 + c, 128);
-          gemm_stage_out<BN, kEpiStore, 64>(p, tile, 0, acc[h], buf);  // boxes [64 rows][64 columns]
-          sm90::fence_proxy_async_shared();  // st.shared -> the TMA store's reads
+          if (!gemm_probe(p, 32)) gemm_stage_out<BN, kEpiStore, 64>(p, tile, 0, acc[h], buf);  // boxes [64 rows][64 columns]
+          if (!gemm_probe(p, 16)) sm90::fence_proxy_async_shared();  // st.shared -> the TMA store's reads
           sm90::named_barrier_sync(2 + c, 128);
           if (tid == 0) {
 #pragma unroll
