@@ -352,7 +352,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
 
       if constexpr (kEpi == kPPEpiRing) sm90::named_barrier_sync(kEpiTurn + c, 256);  // the ring is ours
       // (timing probes, -DMACHMOE_GEMM_PROBES=ON builds only: 1 drops the accumulators, 8 stages
-      // full tiles without storing them, 16 leaves out the proxy fence, 32 the staging's stmatrix)
+      // full tiles without storing them, 16 leaves out the proxy fence, 32 the staging's stmatrix,
+      // 64 the partial tiles' stores)
       const bool out = p.c && !gemm_probe(p, 1), tma_out = !gemm_probe(p, 8);
       if (kEpi == kPPEpiRing && tile.rows == kGemmBM && out) {
         // Six boxes (BN = 192) through the two-box ring: box i is staged while box i - 1 is read.
@@ -393,7 +394,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
           }
           stored = true;
         }
-      } else if (out) {
+      } else if (out && !gemm_probe(p, 64)) {  // (probe 64: partial tiles not stored)
 #pragma unroll
         for (int h = 0; h < 2; ++h) pingpong_store_direct<BN>(p, tile, h, acc[h]);
       }
