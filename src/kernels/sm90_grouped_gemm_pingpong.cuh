@@ -124,6 +124,21 @@ __device__ __forceinline__ void pingpong_store_direct(const GroupedGemmParams& p
   }
 }
 
+// Rows 0 .. rows - 1 of a staged 64-row half (gemm_stage_out<BN, kEpiStore, 64>: boxes of
+// [64 rows][64 columns], 128-byte swizzle) to C, 16 bytes per thread and step: eight threads
+// write a box row's 128 contiguous bytes. N is a multiple of 8, so a chunk is in or out whole.
+template <int BN>
+__device__ __forceinline__ void pingpong_copy_rows(const GroupedGemmParams& p, const GemmTile& tile, int half,
+                                                   int rows, const uint8_t* buf) {
+  constexpr int kChunks = BN / 8;  // 16-byte chunks per row
+  for (int i = threadIdx.x % 128; i < rows * kChunks; i += 128) {
+    const int r = i / kChunks, ch = i % kChunks, col = tile.n0 + ch * 8;
+    if (col >= p.N) continue;
+    const uint4 v = *reinterpret_cast<const uint4*>(buf + epi_chunk_offset<BN, kEpiStore, 64>(r, ch));
+    *reinterpret_cast<uint4*>(p.c + static_cast<int64_t>(tile.row0 + 64 * half + r) * p.ldc + col) = v;
+  }
+}
+
 // B_NMAJOR: W is [E, K, N] (dX~ = dH·W1), read by the 3-D map {N, K, E} in boxes {64 N, 64 K};
 // otherwise W is [E*N, K] (Y = A·W2ᵀ), read in boxes {64 K, 64 rows}. tmap_a: A [R, K] in boxes
 // {64 K, 128 rows}; tmap_c: C [rows, N] in boxes {64 columns, 64 rows}.
@@ -377,22 +392,33 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
           }
         if (tid == 0) sm90::bulk_wait_read_all();  // the ring is read: the other warpgroup's now
         stored = true;
-      } else if (kEpi == kPPEpiHalves && tile.rows == kGemmBM && out) {
+      } else if (kEpi == kPPEpiHalves && out && !(tile.rows < kGemmBM && gemm_probe(p, 64))) {
+        // Every tile is staged: a full 64-row half leaves by TMA; a half cut by the expert's end
+        // is copied out row by row from the staging buffer, 16 bytes per thread and step (the
+        // rows past the end belong to the next expert). Session 26 measured the partial tiles
+        // stored straight from the accumulators (4-byte stores, 8 rows per warp instruction) at
+        // 0.09-0.11 ms of 7B-a's 0.64 ms dX~ though they are 1 tile in 12 (probe 64).
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
+          const int rows = min(64, tile.rows - 64 * h);
+          if (rows <= 0) break;
           if (stored && tid == 0) sm90::bulk_wait_read_all();  // the previous store has read `buf`
-          sm90::named_barrier_sync(2 + c, 128);
+          sm90::named_barrier_sync(2 + c, 128);  // (and every thread is done copying out of it)
           if (!gemm_probe(p, 32)) gemm_stage_out<BN, kEpiStore, 64>(p, tile, 0, acc[h], buf);  // boxes [64 rows][64 columns]
           if (!gemm_probe(p, 16)) sm90::fence_proxy_async_shared();  // st.shared -> the TMA store's reads
           sm90::named_barrier_sync(2 + c, 128);
-          if (tid == 0) {
+          if (rows == 64) {
+            if (tid == 0) {
 #pragma unroll
-            for (int b = 0; b < BN / 64; ++b)
-              if (tile.n0 + 64 * b < p.N && tma_out)
-                sm90::tma_store_2d(&tmap_c, buf + b * Smem::kBoxBytes, tile.n0 + 64 * b, tile.row0 + 64 * h);
-            sm90::bulk_commit_group();
+              for (int b = 0; b < BN / 64; ++b)
+                if (tile.n0 + 64 * b < p.N && tma_out)
+                  sm90::tma_store_2d(&tmap_c, buf + b * Smem::kBoxBytes, tile.n0 + 64 * b, tile.row0 + 64 * h);
+              sm90::bulk_commit_group();
+            }
+            stored = true;
+          } else {
+            pingpong_copy_rows<BN>(p, tile, h, rows, buf);
           }
-          stored = true;
         }
       } else if (out && !gemm_probe(p, 64)) {  // (probe 64: partial tiles not stored)
 #pragma unroll
