@@ -6,8 +6,9 @@
 // Measured (session 26, H100, docs/PERF.md): correct in every mode, and slower than the
 // cooperative kernel in the sustained kernel table (7B-a dX~ 0.66 ms against 0.59, the
 // down-projection 0.42 against 0.35). Its main loop alone is faster (probe 1: 0.514 ms against
-// 0.548), but its epilogue is not hidden under the other warpgroup's main loop: the staging alone
-// costs +0.095 ms, the whole epilogue +0.15, where the cooperative kernel's costs +0.04.
+// 0.548), but its epilogue was not hidden: +0.15 ms, where the cooperative kernel's costs
+// +0.04. Most of it (0.09-0.11 ms, probe 64) was the partial tiles stored from the accumulators;
+// modes 1/2 now stage them and copy their rows out (a264ae4, not yet run on a GPU).
 //
 // Why (session 25, Nsight Compute on the same H100): SonicMoE's dX~ at 7B-a takes 16% fewer
 // cycles than ours with the same tensor-core work (its tensor pipe is busy 0.631 M cycles, ours
