@@ -128,12 +128,13 @@ __device__ __forceinline__ void pingpong_store_direct(const GroupedGemmParams& p
 // Rows 0 .. rows - 1 of a staged 64-row half (gemm_stage_out<BN, kEpiStore, 64>: boxes of
 // [64 rows][64 columns], 128-byte swizzle) to C, 16 bytes per thread and step: eight threads
 // write a box row's 128 contiguous bytes. N is a multiple of 8, so a chunk is in or out whole.
+// (BN = 64, col0 = 64·b: one box of the ring epilogue, columns col0 .. col0 + 63 of the tile.)
 template <int BN>
 __device__ __forceinline__ void pingpong_copy_rows(const GroupedGemmParams& p, const GemmTile& tile, int half,
-                                                   int rows, const uint8_t* buf) {
+                                                   int rows, const uint8_t* buf, int col0 = 0) {
   constexpr int kChunks = BN / 8;  // 16-byte chunks per row
   for (int i = threadIdx.x % 128; i < rows * kChunks; i += 128) {
-    const int r = i / kChunks, ch = i % kChunks, col = tile.n0 + ch * 8;
+    const int r = i / kChunks, ch = i % kChunks, col = tile.n0 + col0 + ch * 8;
     if (col >= p.N) continue;
     const uint4 v = *reinterpret_cast<const uint4*>(buf + epi_chunk_offset<BN, kEpiStore, 64>(r, ch));
     *reinterpret_cast<uint4*>(p.c + static_cast<int64_t>(tile.row0 + 64 * half + r) * p.ldc + col) = v;
@@ -371,12 +372,16 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       // full tiles without storing them, 16 leaves out the proxy fence, 32 the staging's stmatrix,
       // 64 the partial tiles' stores)
       const bool out = p.c && !gemm_probe(p, 1), tma_out = !gemm_probe(p, 8);
-      if (kEpi == kPPEpiRing && tile.rows == kGemmBM && out) {
+      if (kEpi == kPPEpiRing && out && !(tile.rows < kGemmBM && gemm_probe(p, 64))) {
         // Six boxes (BN = 192) through the two-box ring: box i is staged while box i - 1 is read.
+        // A box cut by the expert's end is copied out row by row (as in the halves' epilogue);
+        // its (empty) bulk group keeps the ring's group count.
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
           for (int b = 0; b < BN / 64; ++b) {
+            const int rows = min(64, tile.rows - 64 * h);
+            if (rows <= 0) continue;  // (the second half of a tile of <= 64 rows: no more boxes)
             const int i = h * (BN / 64) + b;
             uint8_t* box = epi + (i % 2) * Smem::kBoxBytes;
             if (i >= 2) {
@@ -387,9 +392,11 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
             if (!gemm_probe(p, 16)) sm90::fence_proxy_async_shared();  // st.shared -> the TMA store's reads
             sm90::named_barrier_sync(2 + c, 128);
             if (tid == 0) {
-              if (tile.n0 + 64 * b < p.N && tma_out) sm90::tma_store_2d(&tmap_c, box, tile.n0 + 64 * b, tile.row0 + 64 * h);
+              if (rows == 64 && tile.n0 + 64 * b < p.N && tma_out)
+                sm90::tma_store_2d(&tmap_c, box, tile.n0 + 64 * b, tile.row0 + 64 * h);
               sm90::bulk_commit_group();
             }
+            if (rows < 64) pingpong_copy_rows<64>(p, tile, h, rows, box, 64 * b);
           }
         if (tid == 0) sm90::bulk_wait_read_all();  // the ring is read: the other warpgroup's now
         stored = true;
@@ -421,7 +428,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
             pingpong_copy_rows<BN>(p, tile, h, rows, buf);
           }
         }
-      } else if (out && !gemm_probe(p, 64)) {  // (probe 64: partial tiles not stored)
+      } else if (kEpi == kPPEpiDirect && out && !(tile.rows < kGemmBM && gemm_probe(p, 64))) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) pingpong_store_direct<BN>(p, tile, h, acc[h]);
       }
