@@ -57,10 +57,9 @@ struct ClusterLaunch {
 bool wgrad_pairs_enabled();
 // MACHMOE_GEMM_PINGPONG=1 runs the plain-store grouped GEMM with contiguous A (down-projection,
 // dX~) through the ping-pong kernel (kernels/sm90_grouped_gemm_pingpong.cuh), =2 the same in
-// clusters of two CTAs multicasting the weights; =3/=4 the same two with every tile stored
-// straight from the accumulators (no staging buffer: a fifth stage), =5/=6 with the tile stored
-// by boxes through a two-box ring the consumers take in turn (a fifth stage): experiments, off
-// (0) by default.
+// clusters of two CTAs multicasting the weights; =5/=6 the same two with the tile stored by boxes
+// through a two-box ring the consumers take in turn (a fifth stage): experiments, off (0, and any
+// other value) by default.
 int gemm_pingpong_mode();
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }

@@ -173,16 +173,16 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
     require_arg(a.bias == nullptr, fn, "bias", "must be null with ActivationBackward");
   }
 
-  // The ping-pong experiment (MACHMOE_GEMM_PINGPONG odd: one CTA, even: CTA pairs; 1/2, 3/4 and
-  // 5/6 the three epilogues kernels::kPPEpiHalves, kPPEpiDirect, kPPEpiRing): the plain store with
-  // contiguous A, in 192-wide tiles (kernels/sm90_grouped_gemm_pingpong.cuh).
+  // The ping-pong experiment (MACHMOE_GEMM_PINGPONG odd: one CTA, even: CTA pairs; 1/2 and 5/6
+  // the epilogues kernels::kPPEpiHalves and kPPEpiRing): the plain store with contiguous A, in
+  // 192-wide tiles (kernels/sm90_grouped_gemm_pingpong.cuh).
   // (Its weight boxes reach row E·N + 191 of the [E*N, K] view: kept inside int32.)
   const int pp_mode = detail::gemm_pingpong_mode();
   const bool pingpong = pp_mode > 0 && epi == kernels::kEpiStore && a.gather == nullptr && a.c &&
                         a.E * a.N + kernels::kPingPongBN <= (int64_t{1} << 31) - 1;
   // (clusters need two CTAs; one unit of the schedule is then 256 rows: kernels::gemm_expert_tiles)
   const bool pp_cluster = pingpong && pp_mode % 2 == 0 && (a.max_ctas == 0 || a.max_ctas >= 2);
-  const int pp_epi = pp_mode <= 2 ? kernels::kPPEpiHalves : pp_mode <= 4 ? kernels::kPPEpiDirect : kernels::kPPEpiRing;
+  const bool pp_ring = pp_mode >= 5;
   // Configuration (data, not code): tile_width, also the column-tile count of the dH epilogue's
   // ds_partial (grouped_gemm_column_tiles).
   const int bn = pingpong ? kernels::kPingPongBN : tile_width(a.N, epi);
@@ -232,9 +232,8 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
           map_a, map_b, map_c, p, ctas, stream);
     };
     auto with_epi = [&](auto b_nmajor, auto cluster) {
-      if (pp_epi == kernels::kPPEpiHalves) launch(b_nmajor, cluster, std::integral_constant<int, kernels::kPPEpiHalves>{});
-      else if (pp_epi == kernels::kPPEpiDirect) launch(b_nmajor, cluster, std::integral_constant<int, kernels::kPPEpiDirect>{});
-      else launch(b_nmajor, cluster, std::integral_constant<int, kernels::kPPEpiRing>{});
+      if (pp_ring) launch(b_nmajor, cluster, std::integral_constant<int, kernels::kPPEpiRing>{});
+      else launch(b_nmajor, cluster, std::integral_constant<int, kernels::kPPEpiHalves>{});
     };
     auto with_cluster = [&](auto b_nmajor) {
       if (pp_cluster) with_epi(b_nmajor, std::true_type{});

@@ -183,7 +183,8 @@ __device__ __forceinline__ int gemm_epi_items_of(const GemmTile& tile, int chunk
 // Two parts, run by different threads: write_h stores C/H (the epilogue threads, for tiles that
 // did not leave by TMA), write_a computes and stores the activation output A (the consumer
 // warpgroups, each over its own 64 rows, under the next tile's wgmmas).
-template <int BN, int EPI, int ACT>
+// kBoxRows: the staged tile's box height (epi_chunk_offset; 64 for the ping-pong kernel's halves).
+template <int BN, int EPI, int ACT, int kBoxRows = 128>
 __device__ __forceinline__ int gemm_write_out_act(const GroupedGemmParams& p, const GemmTile& tile,
                                                   const uint8_t* epi, int next, int end, int stride, int budget,
                                                   bool write_h, bool write_a) {
@@ -192,7 +193,7 @@ __device__ __forceinline__ int gemm_write_out_act(const GroupedGemmParams& p, co
   for (; next < end && budget > 0; next += stride, --budget) {
     const int r = next / kChunks, ch = next % kChunks;
     const int64_t row = tile.row0 + r;
-    const uint8_t* src = epi + epi_chunk_offset<BN, EPI>(r, ch);
+    const uint8_t* src = epi + epi_chunk_offset<BN, EPI, kBoxRows>(r, ch);
     if constexpr (EPI == kEpiGluConcat) {
       const int n = p.N / 2, j = tile.n0 + ch * 8;
       if (j >= n) continue;
@@ -236,11 +237,12 @@ __device__ __forceinline__ int gemm_write_out_act(const GroupedGemmParams& p, co
   return next;
 }
 
-template <int BN, int EPI>
+template <int BN, int EPI, int kBoxRows = 128>
 __device__ __forceinline__ int gemm_write_out(const GroupedGemmParams& p, const GemmTile& tile, const uint8_t* epi,
                                               int next, int end, int stride, int budget, bool write_h, bool write_a) {
+  static_assert(kBoxRows == 128 || EPI == kEpiStore, "64-row boxes: the plain store only");
   if constexpr (EPI == kEpiStore) {  // no activation
-    return gemm_write_out_act<BN, EPI, kActSwiGLU>(p, tile, epi, next, end, stride, budget, write_h, false);
+    return gemm_write_out_act<BN, EPI, kActSwiGLU, kBoxRows>(p, tile, epi, next, end, stride, budget, write_h, false);
   } else if constexpr (EPI == kEpiGluInter || EPI == kEpiGluConcat) {
     switch (p.act) {
       case kActGeGLU: return gemm_write_out_act<BN, EPI, kActGeGLU>(p, tile, epi, next, end, stride, budget, write_h, write_a);

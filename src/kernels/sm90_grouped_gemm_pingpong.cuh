@@ -53,15 +53,18 @@ constexpr int kPingPongBN = 192;  // two m64n192 chains per consumer: 192 fp32 a
 constexpr int kPingPongLoaderRegs = 40, kPingPongConsumerRegs = 232;
 static_assert(kPingPongLoaderRegs + 2 * kPingPongConsumerRegs <= 504, "168 registers per thread at launch");
 
-// How a consumer's full tile leaves (modes 1/2, 3/4 and 5/6 of MACHMOE_GEMM_PINGPONG):
-//   kPPEpiHalves: by TMA in two 64-row halves, each warpgroup through its own 64 x BN buffer
+// How a consumer's tile leaves (modes 1/2 and 5/6 of MACHMOE_GEMM_PINGPONG). Both stage it in
+// shared memory (gemm_stage_out, [64 rows][64 columns] boxes, 128-byte swizzle); a 64-row half
+// with all its rows leaves by TMA, one cut by the expert's end is copied out row by row
+// (gemm_write_out):
+//   kPPEpiHalves: in two 64-row halves, each warpgroup through its own 64 x BN buffer
 //     (2 x 24 KB at BN = 192: four stages);
-//   kPPEpiDirect: straight from the accumulators by st.global (no buffer: five stages);
-//   kPPEpiRing: by TMA in [64 rows][64 columns] boxes through one two-box ring (16 KB) that the
-//     warpgroups take in turn (SonicMoE's arrangement: five stages). The epilogues alternate
-//     like the main loops (named barriers 6 and 7), and a warpgroup hands the ring on only once
-//     its last box has been read.
-constexpr int kPPEpiHalves = 0, kPPEpiDirect = 1, kPPEpiRing = 2;
+//   kPPEpiRing: box by box through one two-box ring (16 KB) that the warpgroups take in turn
+//     (SonicMoE's arrangement: five stages). The epilogues alternate like the main loops (named
+//     barriers 6 and 7), and a warpgroup hands the ring on only once its last box has been read.
+// (Modes 3/4, every tile stored straight from the accumulators by st.global with no buffer and a
+// fifth stage, measured 0.96 ms against mode 1's 0.66 on 7B-a dX~ in session 26; removed.)
+constexpr int kPPEpiHalves = 0, kPPEpiRing = 1;
 
 template <int BN, int kEpi = kPPEpiHalves>
 struct GemmPingPongSmem {
@@ -70,7 +73,7 @@ struct GemmPingPongSmem {
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kBoxBytes = 64 * 128;             // one staged box [64 rows][64 columns] (gemm_stage_out<.., 64>)
   static constexpr int kEpiBufBytes = (BN / 64) * kBoxBytes;  // a consumer's 64-row half tile
-  static constexpr int kEpiBytes = kEpi == kPPEpiHalves ? 2 * kEpiBufBytes : kEpi == kPPEpiRing ? 2 * kBoxBytes : 0;
+  static constexpr int kEpiBytes = kEpi == kPPEpiHalves ? 2 * kEpiBufBytes : 2 * kBoxBytes;
   static constexpr int kBudget = 227 * 1024;
   // 1 KB alignment slack + barriers (2 per stage, 2 per ring slot) + the ring + the tile table
   static constexpr int kFixed = 4096;
@@ -103,79 +106,18 @@ struct PingPongCycles {
   }
 };
 
-// A partial tile (an expert's last rows), straight from the accumulators: bf16 pairs, predicated
-// on the tile's rows and on N (a multiple of 8, so a pair never straddles it).
+// Rows 0 .. rows - 1 of a staged 64-row half (or of one box: BN = 64, tile.n0 at the box) to C,
+// 16 bytes per thread and step (gemm_write_out: eight threads write a box row's 128 bytes).
 template <int BN>
-__device__ __forceinline__ void pingpong_store_direct(const GroupedGemmParams& p, const GemmTile& tile, int half,
-                                                      const float (&acc)[BN / 2]) {
-  const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
-  const __nv_bfloat16* bias = p.bias ? p.bias + static_cast<int64_t>(tile.e) * p.N : nullptr;
-#pragma unroll
-  for (int jj = 0; jj < BN / 8; ++jj) {
-    const int c = tile.n0 + jj * 8 + 2 * (lane % 4);
-    if (c >= p.N) continue;
-    const float b0 = bias ? __bfloat162float(bias[c]) : 0.f, b1 = bias ? __bfloat162float(bias[c + 1]) : 0.f;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = half * 64 + warp * 16 + lane / 4 + 8 * hh;
-      if (r >= tile.rows) continue;
-      *reinterpret_cast<__nv_bfloat162*>(p.c + (tile.row0 + r) * p.ldc + c) =
-          __floats2bfloat162_rn(acc[jj * 4 + 2 * hh] + b0, acc[jj * 4 + 2 * hh + 1] + b1);
-    }
-  }
-}
-
-// Rows 0 .. rows - 1 of a staged 64-row half (gemm_stage_out<BN, kEpiStore, 64>: boxes of
-// [64 rows][64 columns], 128-byte swizzle) to C, 16 bytes per thread and step: eight threads
-// write a box row's 128 contiguous bytes. N is a multiple of 8, so a chunk is in or out whole.
-// (BN = 64, col0 = 64·b: one box of the ring epilogue, columns col0 .. col0 + 63 of the tile.)
-template <int BN>
-__device__ __forceinline__ void pingpong_copy_rows(const GroupedGemmParams& p, const GemmTile& tile, int half,
-                                                   int rows, const uint8_t* buf, int col0 = 0) {
-  constexpr int kChunks = BN / 8;  // 16-byte chunks per row
-  for (int i = threadIdx.x % 128; i < rows * kChunks; i += 128) {
-    const int r = i / kChunks, ch = i % kChunks, col = tile.n0 + col0 + ch * 8;
-    if (col >= p.N) continue;
-    const uint4 v = *reinterpret_cast<const uint4*>(buf + epi_chunk_offset<BN, kEpiStore, 64>(r, ch));
-    *reinterpret_cast<uint4*>(p.c + static_cast<int64_t>(tile.row0 + 64 * half + r) * p.ldc + col) = v;
-  }
+__device__ __forceinline__ void pingpong_copy_rows(const GroupedGemmParams& p, GemmTile tile, int half, int rows,
+                                                   const uint8_t* buf) {
+  tile.row0 += 64 * half;
+  gemm_write_out<BN, kEpiStore, 64>(p, tile, buf, threadIdx.x % 128, rows * (BN / 8), 128, 1 << 30, true, false);
 }
 
 // B_NMAJOR: W is [E, K, N] (dX~ = dH·W1), read by the 3-D map {N, K, E} in boxes {64 N, 64 K};
 // otherwise W is [E*N, K] (Y = A·W2ᵀ), read in boxes {64 K, 64 rows}. tmap_a: A [R, K] in boxes
 // {64 K, 128 rows}; tmap_c: C [rows, N] in boxes {64 columns, 64 rows}.
-// One [64 rows][64 columns] box of a consumer's tile, columns 64·b .. 64·b + 63 of acc (rows
-// 64·half of the tile), into `box` (128-byte swizzle, as the C map's boxes): all four warps, 16
-// rows each, four stmatrix.x4.
-template <int BN>
-__device__ __forceinline__ void pingpong_stage_box(const GroupedGemmParams& p, const GemmTile& tile, int b,
-                                                   const float (&acc)[BN / 2], uint8_t* box) {
-  const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
-  const int srow = warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2), schunk = lane / 16;
-  const uint32_t base = sm90::smem_addr(box);
-  const __nv_bfloat16* bias = p.bias ? p.bias + static_cast<int64_t>(tile.e) * p.N : nullptr;
-#pragma unroll
-  for (int j = 0; j < 8; j += 2) {
-    uint32_t v[4];
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const int jj = 8 * b + j + q;  // the chunk of the tile's BN / 8
-      const int c = tile.n0 + jj * 8 + 2 * (lane % 4);
-      float b0 = 0.f, b1 = 0.f;
-      if (bias && c < p.N) {
-        b0 = __bfloat162float(bias[c]);
-        b1 = __bfloat162float(bias[c + 1]);
-      }
-      const float* a = acc + jj * 4;
-      __nv_bfloat162 lo = __floats2bfloat162_rn(a[0] + b0, a[1] + b1), hi = __floats2bfloat162_rn(a[2] + b0, a[3] + b1);
-      v[2 * q] = *reinterpret_cast<const uint32_t*>(&lo);      // rows 0-7 of the warp's 16
-      v[2 * q + 1] = *reinterpret_cast<const uint32_t*>(&hi);  // rows 8-15
-    }
-    const int ch = j + schunk;
-    sm90::stmatrix_x4(base + srow * 128 + (((ch % 8) ^ (srow % 8)) << 4), v[0], v[1], v[2], v[3]);
-  }
-}
-
 template <int BN, bool B_NMAJOR, bool kCluster, int kEpi>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     sm90_grouped_gemm_pingpong(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
@@ -371,8 +313,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       // (timing probes, -DMACHMOE_GEMM_PROBES=ON builds only: 1 drops the accumulators, 8 stages
       // full tiles without storing them, 16 leaves out the proxy fence, 32 the staging's stmatrix,
       // 64 the partial tiles' stores)
-      const bool out = p.c && !gemm_probe(p, 1), tma_out = !gemm_probe(p, 8);
-      if (kEpi == kPPEpiRing && out && !(tile.rows < kGemmBM && gemm_probe(p, 64))) {
+      const bool out = p.c && !gemm_probe(p, 1) && !(tile.rows < kGemmBM && gemm_probe(p, 64));
+      const bool tma_out = !gemm_probe(p, 8);
+      if (kEpi == kPPEpiRing && out) {
         // Six boxes (BN = 192) through the two-box ring: box i is staged while box i - 1 is read.
         // A box cut by the expert's end is copied out row by row (as in the halves' epilogue);
         // its (empty) bulk group keeps the ring's group count.
@@ -388,7 +331,10 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
               if (tid == 0) sm90::bulk_wait_read<1>();  // box i - 2 has left this slot
               sm90::named_barrier_sync(2 + c, 128);
             }
-            if (!gemm_probe(p, 32)) pingpong_stage_box<BN>(p, tile, b, acc[h], box);
+            GemmTile box_tile = tile;  // the box's 64 columns: acc registers 32·b .. 32·b + 31
+            box_tile.n0 += 64 * b;
+            if (!gemm_probe(p, 32))
+              gemm_stage_out<64, kEpiStore, 64>(p, box_tile, 0, reinterpret_cast<const float(&)[32]>(acc[h][32 * b]), box);
             if (!gemm_probe(p, 16)) sm90::fence_proxy_async_shared();  // st.shared -> the TMA store's reads
             sm90::named_barrier_sync(2 + c, 128);
             if (tid == 0) {
@@ -396,16 +342,14 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
                 sm90::tma_store_2d(&tmap_c, box, tile.n0 + 64 * b, tile.row0 + 64 * h);
               sm90::bulk_commit_group();
             }
-            if (rows < 64) pingpong_copy_rows<64>(p, tile, h, rows, box, 64 * b);
+            if (rows < 64) pingpong_copy_rows<64>(p, box_tile, h, rows, box);
           }
         if (tid == 0) sm90::bulk_wait_read_all();  // the ring is read: the other warpgroup's now
         stored = true;
-      } else if (kEpi == kPPEpiHalves && out && !(tile.rows < kGemmBM && gemm_probe(p, 64))) {
-        // Every tile is staged: a full 64-row half leaves by TMA; a half cut by the expert's end
-        // is copied out row by row from the staging buffer, 16 bytes per thread and step (the
-        // rows past the end belong to the next expert). Session 26 measured the partial tiles
-        // stored straight from the accumulators (4-byte stores, 8 rows per warp instruction) at
-        // 0.09-0.11 ms of 7B-a's 0.64 ms dX~ though they are 1 tile in 12 (probe 64).
+      } else if (kEpi == kPPEpiHalves && out) {
+        // (A half cut by the expert's end is copied out of the buffer, not stored from the
+        // accumulators: session 26 measured those 4-byte stores of the partial tiles, 1 tile in
+        // 12, at 0.09-0.11 ms of 7B-a's 0.64 ms dX~; probe 64.)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int rows = min(64, tile.rows - 64 * h);
@@ -428,9 +372,6 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
             pingpong_copy_rows<BN>(p, tile, h, rows, buf);
           }
         }
-      } else if (kEpi == kPPEpiDirect && out && !(tile.rows < kGemmBM && gemm_probe(p, 64))) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) pingpong_store_direct<BN>(p, tile, h, acc[h]);
       }
       if constexpr (kEpi == kPPEpiRing) sm90::named_barrier_arrive(kEpiTurn + (c ^ 1), 256);
       cyc.add(PingPongCycles::kEpilogue, t_epi);

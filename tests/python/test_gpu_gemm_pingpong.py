@@ -31,7 +31,7 @@ EXPR = "store or many_experts or can_fail or spec_shapes or awkward or empty_exp
 _HUNG = []
 
 
-@pytest.mark.parametrize("mode", ["1", "2", "3", "4", "5", "6"])
+@pytest.mark.parametrize("mode", ["1", "2", "5", "6"])
 def test_pingpong_passes_the_store_gemm_and_layer_tests(mode):
     if _HUNG:
         pytest.fail(f"not run: the child with MACHMOE_GEMM_PINGPONG={_HUNG[0]} did not finish in 90 s")
