@@ -87,6 +87,27 @@ def _get(rec: dict, name: str) -> float | None:
     return v if isinstance(v, float) else None
 
 
+def _fmt(v, fmt, scale=1.0) -> str:
+    return "—" if v is None else format(v * scale, fmt)
+
+
+def _common(r: dict) -> dict:
+    """The figures both tables print: time, SM clock, elapsed cycles (the comparison that does not
+    depend on the clock each kernel ran at), tensor pipe, L2 -> SM bytes, launch shape."""
+    grid, block = _get(r, "launch__grid_size"), _get(r, "launch__block_size")
+    regs, smem = _get(r, "launch__registers_per_thread"), _get(r, "launch__shared_mem_per_block_dynamic")
+    cluster = _get(r, "launch__cluster_dim_x")
+    return {
+        "t": _get(r, "gpu__time_duration.sum"),
+        "clk": _get(r, "sm__cycles_elapsed.avg.per_second") or _get(r, "gpc__cycles_elapsed.avg.per_second"),
+        "cyc": _get(r, "sm__cycles_elapsed.max") or _get(r, "gpc__cycles_elapsed.max"),
+        "tp": _get(r, "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"),
+        "x2l": _get(r, "l1tex__m_xbar2l1tex_read_bytes.sum"),
+        "shape": (f"{_fmt(grid, '.0f')} x {_fmt(block, '.0f')}, {_fmt(regs, '.0f')}, {_fmt(smem, '.0f', 1 / 1024)}"
+                  + (f", cluster {cluster:.0f}" if cluster and cluster > 1 else "")),
+    }
+
+
 def table(config: str, impls: dict[str, list[dict]]) -> str:
     cfg = CONFIGS_BY_NAME[config]
     unit = 2.0 * cfg.T * cfg.K * cfg.n * cfg.d
@@ -102,27 +123,16 @@ def table(config: str, impls: dict[str, list[dict]]) -> str:
                 lines.append(f"| {label} | {impl} | (not profiled) | | | | | | | | | | |")
                 continue
             r = recs[i]
-            t = _get(r, "gpu__time_duration.sum")
-            clk = _get(r, "sm__cycles_elapsed.avg.per_second") or _get(r, "gpc__cycles_elapsed.avg.per_second")
-            # elapsed cycles: the comparison that does not depend on the clock each kernel ran at
-            cyc = _get(r, "sm__cycles_elapsed.max") or _get(r, "gpc__cycles_elapsed.max")
+            c, f = _common(r), _fmt
             inst = _get(r, "smsp__inst_executed.sum")  # warp instructions issued, all SMs
             rd, wr = _get(r, "dram__bytes_read.sum"), _get(r, "dram__bytes_write.sum")
             hit = _get(r, "lts__t_sector_hit_rate.pct")
-            tp = _get(r, "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active")
-            x2l = _get(r, "l1tex__m_xbar2l1tex_read_bytes.sum")
-            grid, block = _get(r, "launch__grid_size"), _get(r, "launch__block_size")
-            regs, smem = _get(r, "launch__registers_per_thread"), _get(r, "launch__shared_mem_per_block_dynamic")
-
-            def f(v, fmt, scale=1.0):
-                return "—" if v is None else format(v * scale, fmt)
-            cluster = _get(r, "launch__cluster_dim_x")
-            shape = (f"{f(grid, '.0f')} x {f(block, '.0f')}, {f(regs, '.0f')}, {f(smem, '.0f', 1 / 1024)}"
-                     + (f", cluster {cluster:.0f}" if cluster and cluster > 1 else ""))
+            t = c["t"]
             lines.append(
                 f"| {label} | {impl} | {f(t, '.1f', 1e6)} | {f(None if not t else mult * unit / t, '.0f', 1e-12)} | "
-                f"{f(clk, '.2f', 1e-9)} | {f(cyc, '.3f', 1e-6)} | {f(inst, '.1f', 1e-6)} | {f(rd, '.0f', 1e-6)} / {f(wr, '.0f', 1e-6)} | {f(hit, '.1f')}% | "
-                f"{f(tp, '.1f')}% | {f(x2l, '.2f', 1e-9)} | {shape} | {stalls(r)} |")
+                f"{f(c['clk'], '.2f', 1e-9)} | {f(c['cyc'], '.3f', 1e-6)} | {f(inst, '.1f', 1e-6)} | "
+                f"{f(rd, '.0f', 1e-6)} / {f(wr, '.0f', 1e-6)} | {f(hit, '.1f')}% | "
+                f"{f(c['tp'], '.1f')}% | {f(c['x2l'], '.2f', 1e-9)} | {c['shape']} | {stalls(r)} |")
     names = {impl: [str(r.get("Kernel Name", ""))[:60] for r in recs] for impl, recs in impls.items()}
     lines.append("")
     lines.append("Kernels by launch order (the labels above assume the order of both layers' backward: "
@@ -141,20 +151,10 @@ def launches(files: list[tuple[str, list[dict]]]) -> str:
         if not recs:
             lines.append(f"| {label} | (nothing profiled) | | | | | | | |")
         for r in recs:
-            def f(v, fmt, scale=1.0):
-                return "—" if v is None else format(v * scale, fmt)
-            t = _get(r, "gpu__time_duration.sum")
-            clk = _get(r, "sm__cycles_elapsed.avg.per_second") or _get(r, "gpc__cycles_elapsed.avg.per_second")
-            cyc = _get(r, "sm__cycles_elapsed.max") or _get(r, "gpc__cycles_elapsed.max")
-            tp = _get(r, "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active")
-            x2l = _get(r, "l1tex__m_xbar2l1tex_read_bytes.sum")
-            grid, block = _get(r, "launch__grid_size"), _get(r, "launch__block_size")
-            regs, smem = _get(r, "launch__registers_per_thread"), _get(r, "launch__shared_mem_per_block_dynamic")
-            cluster = _get(r, "launch__cluster_dim_x")
-            shape = (f"{f(grid, '.0f')} x {f(block, '.0f')}, {f(regs, '.0f')}, {f(smem, '.0f', 1 / 1024)}"
-                     + (f", cluster {cluster:.0f}" if cluster and cluster > 1 else ""))
-            lines.append(f"| {label} | {str(r.get('Kernel Name', ''))[:48]} | {f(t, '.1f', 1e6)} | {f(clk, '.2f', 1e-9)} | "
-                         f"{f(cyc, '.3f', 1e-6)} | {f(tp, '.1f')}% | {f(x2l, '.2f', 1e-9)} | {shape} | {stalls(r, 5)} |")
+            c, f = _common(r), _fmt
+            lines.append(f"| {label} | {str(r.get('Kernel Name', ''))[:48]} | {f(c['t'], '.1f', 1e6)} | "
+                         f"{f(c['clk'], '.2f', 1e-9)} | {f(c['cyc'], '.3f', 1e-6)} | {f(c['tp'], '.1f')}% | "
+                         f"{f(c['x2l'], '.2f', 1e-9)} | {c['shape']} | {stalls(r, 5)} |")
     return "\n".join(lines)
 
 
