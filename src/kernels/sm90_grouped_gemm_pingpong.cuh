@@ -1,6 +1,6 @@
 // Kernel families 4 and 9 of SPEC §2 (down-projection Y = A·W2ᵀ, dX~ = dH·W1) as a ping-pong
 // grouped GEMM: the plain store of sm90_grouped_gemm.cuh, contiguous A, one output tile per
-// consumer warpgroup. Opt-in (MACHMOE_GEMM_PINGPONG=1..6, host/grouped_gemm.cu): an experiment,
+// consumer warpgroup. Opt-in (MACHMOE_GEMM_PINGPONG=1, 2, 5, 6; host/grouped_gemm.cu): an experiment,
 // not the default path.
 //
 // Measured (session 26, H100, docs/PERF.md): correct in every mode, and slower than the
@@ -8,7 +8,7 @@
 // down-projection 0.42 against 0.35). Its main loop alone is faster (probe 1: 0.514 ms against
 // 0.548), but its epilogue was not hidden: +0.15 ms, where the cooperative kernel's costs
 // +0.04. Most of it (0.09-0.11 ms, probe 64) was the partial tiles stored from the accumulators;
-// modes 1/2 now stage them and copy their rows out (a264ae4, not yet run on a GPU).
+// every mode now stages them and copies their rows out (not yet run on a GPU).
 //
 // Why (session 25, Nsight Compute on the same H100): SonicMoE's dX~ at 7B-a takes 16% fewer
 // cycles than ours with the same tensor-core work (its tensor pipe is busy 0.631 M cycles, ours
@@ -19,18 +19,17 @@
 // next warpgroup starts its wgmmas before the previous one has drained, so each warpgroup's
 // epilogue runs under the other's main loop.
 //
-//   warpgroup 0, warp 0, one thread: decodes the static tile schedule (as the cooperative kernel)
-//     into a ring, and loads A [128 rows x 64 K] and B [BN x 64 K] per stage by TMA. The other
-//     127 threads of warpgroup 0 have nothing to do.
+//   warpgroup 0: warp 1, one thread, decodes the static tile schedule (as the cooperative
+//     kernel) into a ring; warp 0, one thread, loads A [128 rows x 64 K] and B [BN x 64 K] per
+//     stage by TMA, tile by tile from the ring. The other threads have nothing to do.
 //   warpgroups 1 and 2: consumer c takes the CTA's tiles n = c, c + 2, ...; its K blocks are the
 //     stages it = n·k_blocks ... (every tile has the same K). Turns: a consumer waits for its
 //     turn (named barrier 4 + c, 256 threads), issues its tile's wgmmas (two m64nBNk16 chains,
 //     rows 0-63 and 64-127: BN fp32 accumulators per thread), hands the turn to the other
 //     (bar.arrive) as soon as the last K block's wgmmas are issued, then drains and stores.
-//   epilogue, per consumer: a full tile leaves by TMA in two 64-row halves through the
-//     warpgroup's own 64 x BN staging buffer (boxes [64 rows][64 columns], 128-byte swizzle);
-//     an expert's last, partial tile is written straight from the accumulators, predicated on
-//     its rows (one tile in ~12 at 7B-a).
+//   epilogue, per consumer: staged in shared memory, out by TMA (kPPEpiHalves / kPPEpiRing below);
+//     the rows of an expert's last, partial tile (one tile in ~12 at 7B-a) are copied out of the
+//     staging buffer by the threads.
 // Stages are consumed in tile order by one warpgroup each, so a stage is released by one
 // arrival (two with kCluster, below). Deterministic: every C element is written once, by one thread or one TMA box.
 //
