@@ -55,11 +55,12 @@ struct ClusterLaunch {
 };
 // MACHMOE_WGRAD_PAIR=0 turns off the weight gradients' CTA pairs (for A/B and debugging).
 bool wgrad_pairs_enabled();
-// MACHMOE_GEMM_PINGPONG=1 runs the plain-store grouped GEMM with contiguous A (down-projection,
-// dX~) through the ping-pong kernel (kernels/sm90_grouped_gemm_pingpong.cuh), =2 the same in
-// clusters of two CTAs multicasting the weights; =5/=6 the same two with the tile stored by boxes
-// through a two-box ring the consumers take in turn (a fifth stage): experiments, off (0, and any
-// other value) by default.
+// The plain-store grouped GEMM with contiguous A (down-projection, dX~) runs through the
+// ping-pong kernel (kernels/sm90_grouped_gemm_pingpong.cuh) where the shape rule of
+// host/grouped_gemm.cu says so (MACHMOE_GEMM_PINGPONG unset: -1). MACHMOE_GEMM_PINGPONG=0 turns it
+// off; =1 forces it wherever it applies, =2 in clusters of two CTAs multicasting the weights, =5/=6
+// the same two with the tile stored by boxes through a two-box ring the consumers take in turn.
+// Any other value is refused (Error, InvalidArgument).
 int gemm_pingpong_mode();
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }

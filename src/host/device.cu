@@ -123,10 +123,15 @@ bool wgrad_pairs_enabled() {
 }
 
 int gemm_pingpong_mode() {
+  // Unset or empty: -1, the shape rule in host/grouped_gemm.cu decides; "0": never; 1/2/5/6: that
+  // mode wherever the kernel applies. (3/4 were removed in session 26.)
   static const int mode = [] {
     const char* v = std::getenv("MACHMOE_GEMM_PINGPONG");
-    const std::string m = v ? v : "0";
-    return m == "1" || m == "2" || m == "5" || m == "6" ? m[0] - '0' : 0;  // (3/4 were removed)
+    const std::string m = v ? v : "";
+    if (m.empty()) return -1;
+    if (m == "0" || m == "1" || m == "2" || m == "5" || m == "6") return m[0] - '0';
+    throw Error(ErrorCode::InvalidArgument, "MACHMOE_GEMM_PINGPONG='" + m +
+                                                "': must be 0 (off), 1, 2, 5 or 6 (a ping-pong mode), or unset (the shape rule)");
   }();
   return mode;
 }

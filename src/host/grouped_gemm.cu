@@ -126,6 +126,19 @@ void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMa
 // concatenated GLU tile always holds 128 gate + 128 up columns.
 int tile_width(int64_t N, int epi) { return N >= 256 || epi == kernels::kEpiGluConcat ? 256 : 128; }
 
+// Where the ping-pong kernel (one CTA, halves epilogue) beats the cooperative one for the plain
+// store with contiguous A: C's width N (d for both the down-projection and dX~) at most max_n, or
+// the reduction K at most max_k at any N. Measured (session 27, kernel tables of the twelve SPEC
+// configs, docs/PERF.md): it wins 1-12% where the epilogue is a large share of a tile (short K)
+// or N is a multiple of 192 (d = 768, 1536); at d = 4096 and 7168 with K >= 1024 it loses 2-5%
+// (H200) and up to 18% (H100, 30B-b dX~): 192-wide tiles read 15% more from L2 and leave a third
+// of a tile idle at N = 4096, and those GEMMs run at the power cap.
+struct PingPongRule {
+  int64_t max_n, max_k;
+  bool wins(int64_t N, int64_t K) const { return N <= max_n || K <= max_k; }
+};
+constexpr PingPongRule kPingPongWhere{2048, 512};
+
 }  // namespace
 
 int64_t grouped_gemm_column_tiles(int64_t N) { return ceil_div(N, int64_t{tile_width(N, kernels::kEpiStore)}); }
@@ -173,13 +186,16 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
     require_arg(a.bias == nullptr, fn, "bias", "must be null with ActivationBackward");
   }
 
-  // The ping-pong experiment (MACHMOE_GEMM_PINGPONG odd: one CTA, even: CTA pairs; 1/2 and 5/6
-  // the epilogues kernels::kPPEpiHalves and kPPEpiRing): the plain store with contiguous A, in
-  // 192-wide tiles (kernels/sm90_grouped_gemm_pingpong.cuh).
+  // The ping-pong kernel (kernels/sm90_grouped_gemm_pingpong.cuh: 192-wide tiles, one per consumer
+  // warpgroup) takes the plain store with contiguous A where the shape rule kPingPongWhere says it
+  // wins, or where MACHMOE_GEMM_PINGPONG forces it (odd: one CTA, even: CTA pairs; 1/2 and 5/6 the
+  // epilogues kernels::kPPEpiHalves and kPPEpiRing; 0: never).
   // (Its weight boxes reach row E·N + 191 of the [E*N, K] view: kept inside int32.)
-  const int pp_mode = detail::gemm_pingpong_mode();
-  const bool pingpong = pp_mode > 0 && epi == kernels::kEpiStore && a.gather == nullptr && a.c &&
-                        a.E * a.N + kernels::kPingPongBN <= (int64_t{1} << 31) - 1;
+  const int pp_env = detail::gemm_pingpong_mode();
+  const bool pp_applies = epi == kernels::kEpiStore && a.gather == nullptr && a.c &&
+                          a.E * a.N + kernels::kPingPongBN <= (int64_t{1} << 31) - 1;
+  const int pp_mode = pp_env >= 0 ? pp_env : (kPingPongWhere.wins(a.N, a.K) ? 1 : 0);
+  const bool pingpong = pp_applies && pp_mode > 0;
   // (clusters need two CTAs; one unit of the schedule is then 256 rows: kernels::gemm_expert_tiles)
   const bool pp_cluster = pingpong && pp_mode % 2 == 0 && (a.max_ctas == 0 || a.max_ctas >= 2);
   const bool pp_ring = pp_mode >= 5;

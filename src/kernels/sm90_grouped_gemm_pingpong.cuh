@@ -1,14 +1,14 @@
 // Kernel families 4 and 9 of SPEC §2 (down-projection Y = A·W2ᵀ, dX~ = dH·W1) as a ping-pong
 // grouped GEMM: the plain store of sm90_grouped_gemm.cuh, contiguous A, one output tile per
-// consumer warpgroup. Opt-in (MACHMOE_GEMM_PINGPONG=1, 2, 5, 6; host/grouped_gemm.cu): an experiment,
-// not the default path.
+// consumer warpgroup. The default where host/grouped_gemm.cu's shape rule (kPingPongWhere: N <=
+// 2048 or K <= 512) says it wins, in mode 1; MACHMOE_GEMM_PINGPONG=0/1/2/5/6 overrides.
 //
-// Measured (session 26, H100, docs/PERF.md): correct in every mode, and slower than the
-// cooperative kernel in the sustained kernel table (7B-a dX~ 0.66 ms against 0.59, the
-// down-projection 0.42 against 0.35). Its main loop alone is faster (probe 1: 0.514 ms against
-// 0.548), but its epilogue was not hidden: +0.15 ms, where the cooperative kernel's costs
-// +0.04. Most of it (0.09-0.11 ms, probe 64) was the partial tiles stored from the accumulators;
-// every mode now stages them and copies their rows out (not yet run on a GPU).
+// Measured: session 26 found every mode slower in the sustained kernel table (7B-a dX~ 0.66 ms
+// against 0.59): its main loop alone is faster (probe 1: 0.514 ms against 0.548), but the
+// partial tiles stored from the accumulators cost 0.09-0.11 ms (probe 64). With them staged and
+// copied out of the buffer (session 27, H100): 7B-a dX~ 0.527-0.546 ms against 0.578-0.586, and on
+// an H200 1-12% faster at every SPEC config with d <= 2048 or K <= 512, 2-5% slower at d >= 4096
+// with K >= 1024 (docs/PERF.md, session 27).
 //
 // Why (session 25, Nsight Compute on the same H100): SonicMoE's dX~ at 7B-a takes 16% fewer
 // cycles than ours with the same tensor-core work (its tensor pipe is busy 0.631 M cycles, ours

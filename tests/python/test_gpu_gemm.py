@@ -102,6 +102,16 @@ def test_grouped_gemm_activation_epilogues(act, layout, with_bias, n):
     assert rel_err(A, want) < 2 ** -8
 
 
+def test_small_grouped_gemm_store_contiguous_sanitizer_case():
+    # Contiguous A, N = 200 <= 2048: the ping-pong kernel by default (host/grouped_gemm.cu,
+    # kPingPongWhere), with a partial 192-wide tile, an empty expert and an expert's partial rows.
+    counts = [3, 0, 130]
+    a, idx, rows, w, off = make_problem(counts, 200, 64, gather=False)
+    c, _ = ops().grouped_gemm(a, idx, off, w, None, sum(counts), "store", "swiglu", "interleaved")
+    ref, base = reference(rows, w, off)
+    check_derived(c, ref, base, "C")
+
+
 def test_small_grouped_gemm_sanitizer_case():
     counts = [3, 0, 130]
     a, idx, rows, w, off = make_problem(counts, 256, 64, gather=True)

@@ -1,10 +1,11 @@
-"""The ping-pong grouped GEMM (kernels/sm90_grouped_gemm_pingpong.cuh, opt-in by
-MACHMOE_GEMM_PINGPONG=1, or =2 for clusters of two CTAs multicasting the weights): the plain store
-with contiguous A, i.e. the down-projection and dX~.
+"""The ping-pong grouped GEMM (kernels/sm90_grouped_gemm_pingpong.cuh): the plain store with
+contiguous A, i.e. the down-projection and dX~. By default it runs where the shape rule of
+host/grouped_gemm.cu (kPingPongWhere) says it wins; MACHMOE_GEMM_PINGPONG=0 turns it off, 1 (2: CTA
+pairs multicasting the weights; 5/6: the same with the ring epilogue) forces it wherever it applies.
 
 The switch is read once per process, so the GEMM and layer tests that reach that path run again
-in a child process with it set, against the same float64 references and derived tolerances as
-without it (SPEC §4). `scripts/gpu_ab.sh @MACHMOE_GEMM_PINGPONG=1` runs every GPU test that way
+in a child process for each setting (0 keeps the cooperative kernel covered at the shapes the rule
+gives to the ping-pong one), against the same float64 references and derived tolerances (SPEC §4). `scripts/gpu_ab.sh @MACHMOE_GEMM_PINGPONG=1` runs every GPU test that way
 and times the kernels beside the default."""
 
 import os
@@ -31,7 +32,7 @@ EXPR = "store or many_experts or can_fail or spec_shapes or awkward or empty_exp
 _HUNG = []
 
 
-@pytest.mark.parametrize("mode", ["1", "2", "5", "6"])
+@pytest.mark.parametrize("mode", ["0", "1", "2", "5", "6"])
 def test_pingpong_passes_the_store_gemm_and_layer_tests(mode):
     if _HUNG:
         pytest.fail(f"not run: the child with MACHMOE_GEMM_PINGPONG={_HUNG[0]} did not finish in 90 s")
@@ -46,3 +47,17 @@ def test_pingpong_passes_the_store_gemm_and_layer_tests(mode):
     tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
     assert proc.returncode == 0, f"with MACHMOE_GEMM_PINGPONG={mode} the tests failed:\n{tail}"
     assert " passed" in proc.stdout, f"no test ran:\n{tail}"
+
+
+def test_pingpong_switch_refuses_an_unknown_value():
+    # A typo must not silently fall back to some kernel: the first GEMM that reads it says why.
+    code = ("import torch, machmoe._ops as o; o.require_ops(); "
+            "a = torch.randn(130, 64, device='cuda').bfloat16(); "
+            "w = torch.randn(1, 256, 64, device='cuda').bfloat16(); "
+            "off = torch.tensor([0, 130], dtype=torch.int32, device='cuda'); "
+            "torch.ops.machmoe.grouped_gemm(a, None, off, w, None, 130, 'store', 'swiglu', 'interleaved'); "
+            "torch.cuda.synchronize()")
+    env = dict(os.environ, MACHMOE_GEMM_PINGPONG="3")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=90)
+    assert proc.returncode != 0, "MACHMOE_GEMM_PINGPONG=3 was accepted"
+    assert "MACHMOE_GEMM_PINGPONG='3'" in proc.stderr and "must be 0" in proc.stderr, proc.stderr[-2000:]
