@@ -308,8 +308,8 @@ struct GroupedGemmArgs {
   float* ds_partial = nullptr;              // [R, grouped_gemm_column_tiles(N)]
 };
 void grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
-// Column tiles per expert of the ActivationBackward epilogue for N output columns: the row
-// stride of ds_partial.
+// The row stride of ActivationBackward's ds_partial for N output columns: one partial dS per
+// 128 columns, ceil(N / 128), whichever kernel runs.
 int64_t grouped_gemm_column_tiles(int64_t N);
 
 // 7/8. weight gradients as varlen-K grouped GEMMs, the row (token) dimension gathered:

@@ -27,10 +27,9 @@ def _n1(n, activation: str):
 
 
 def column_tiles(N) -> int:
-    """grouped_gemm_column_tiles (src/host/grouped_gemm.cu): 256-column tiles when N >= 256,
-    else 128; the dH kernel writes one partial dS per row and column tile."""
-    width = 256 if N >= 256 else 128
-    return (N + width - 1) // width
+    """grouped_gemm_column_tiles (src/host/grouped_gemm.cu): the dH kernel writes one partial dS
+    per row and 128 columns, whichever kernel (tile width) runs."""
+    return (N + 127) // 128
 
 
 def rounding_capacity(T, E, K, tile_m):

@@ -122,6 +122,17 @@ bool wgrad_pairs_enabled() {
   return on;
 }
 
+bool gemm_dh_pingpong() {
+  static const bool on = [] {
+    const char* v = std::getenv("MACHMOE_DH_PINGPONG");
+    const std::string m = v ? v : "";
+    if (m.empty() || m == "0") return false;
+    if (m == "1") return true;
+    throw Error(ErrorCode::InvalidArgument, "MACHMOE_DH_PINGPONG='" + m + "': must be 0 or 1 (or unset: off)");
+  }();
+  return on;
+}
+
 int gemm_pingpong_mode() {
   // Unset or empty: -1, the shape rule in host/grouped_gemm.cu decides; "0": never; 1/2/5/6: that
   // mode wherever the kernel applies. (3/4 were removed in session 26.)

@@ -10,6 +10,7 @@
 #include "host/check.hpp"
 #include "host/tensor_map.hpp"
 #include "kernels/sm90_grouped_gemm.cuh"
+#include "kernels/sm90_grouped_gemm_dact_pingpong.cuh"
 #include "kernels/sm90_grouped_gemm_pingpong.cuh"
 #include "machmoe/machmoe.hpp"
 
@@ -98,6 +99,15 @@ void launch_pingpong(const CUtensorMap& map_a, const CUtensorMap& map_b, const C
   check_cuda(cudaLaunchKernelEx(&launch.config, kernel, map_a, map_b, map_c, p), "grouped_gemm: cudaLaunchKernelEx");
 }
 
+// The dH kernel as a ping-pong GEMM (one 128 x 128 tile per consumer warpgroup).
+template <int EPI>
+void launch_dact_pingpong(const CUtensorMap& map_b, const kernels::GroupedGemmParams& p, int ctas, cudaStream_t stream) {
+  constexpr int smem = kernels::GemmDactPingPongSmem::kBytes;
+  auto* kernel = kernels::sm90_grouped_gemm_dact_pingpong<EPI>;
+  prepare_smem(reinterpret_cast<const void*>(kernel), smem);
+  kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_b, p);
+}
+
 // The variants that exist: the forward's epilogues read K-major W; Store takes either; the dH
 // epilogues read W2 N-major (W2 [E, d, n] is [E, K, N] for dA' = dout·W2).
 template <int BN, int EPI>
@@ -141,7 +151,7 @@ constexpr PingPongRule kPingPongWhere{2048, 512};
 
 }  // namespace
 
-int64_t grouped_gemm_column_tiles(int64_t N) { return ceil_div(N, int64_t{tile_width(N, kernels::kEpiStore)}); }
+int64_t grouped_gemm_column_tiles(int64_t N) { return ceil_div(N, int64_t{kernels::kDsCols}); }
 
 void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   constexpr const char* fn = "grouped_gemm";
@@ -201,7 +211,9 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   const bool pp_ring = pp_mode >= 5;
   // Configuration (data, not code): tile_width, also the column-tile count of the dH epilogue's
   // ds_partial (grouped_gemm_column_tiles).
-  const int bn = pingpong ? kernels::kPingPongBN : tile_width(a.N, epi);
+  // The dH kernel's ping-pong experiment (MACHMOE_DH_PINGPONG=1; kernels/sm90_grouped_gemm_dact_pingpong.cuh).
+  const bool dh_pingpong = dact && a.gather && detail::gemm_dh_pingpong();
+  const int bn = pingpong ? kernels::kPingPongBN : dh_pingpong ? kernels::kDactPPBN : tile_width(a.N, epi);
   const bool wide = bn == 256;
   const int tile_cols = epi == kernels::kEpiGluConcat ? bn / 2 : bn;
   const int64_t n_cols = epi == kernels::kEpiGluConcat ? a.N / 2 : a.N;
@@ -227,6 +239,7 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   p.row_scores = a.row_scores;
   p.row_pair = a.row_pair;
   p.ds_partial = a.ds_partial;
+  p.ds_cols = static_cast<int>(grouped_gemm_column_tiles(a.N));
 
   if (p.E > kernels::kGemmSmemTileE) {  // (up to kGemmSmemTileE experts the kernel builds them itself)
     if (pp_cluster)
@@ -238,6 +251,17 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   }
   const int sms = device_info().sm_count;
   const int ctas = a.max_ctas > 0 ? std::min(a.max_ctas, sms) : sms;
+  if (dh_pingpong) {
+    const CUtensorMap map_b = detail::tensor_map_nmajor(a.w, a.E, a.K, a.N, kernels::kGemmBK, fn);
+    namespace k = kernels;
+    switch (epi) {
+      case k::kEpiDGluInter: launch_dact_pingpong<k::kEpiDGluInter>(map_b, p, ctas, stream); break;
+      case k::kEpiDGluConcat: launch_dact_pingpong<k::kEpiDGluConcat>(map_b, p, ctas, stream); break;
+      default: launch_dact_pingpong<k::kEpiDAct>(map_b, p, ctas, stream); break;
+    }
+    check_launch(fn);
+    return;
+  }
   if (pingpong) {  // W in boxes of 64 rows (K-major) or {64 N, 64 K}; C in boxes of 64 x 64
     const CUtensorMap map_b = a.w_n_major ? detail::tensor_map_nmajor(a.w, a.E, a.K, a.N, kernels::kGemmBK, fn)
                                           : detail::tensor_map_2d(a.w, a.E * a.N, a.K, a.K, kernels::kGemmBK, 64, fn);

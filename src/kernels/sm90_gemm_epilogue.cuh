@@ -33,6 +33,9 @@ enum GemmActivation : int { kActSwiGLU = 0, kActGeGLU = 1, kActReGLU = 2, kActRe
                             kActGELU = 5, kActSiLU = 6 };
 
 constexpr int kGemmBM = 128;
+// The dH epilogue writes one dS partial per this many dA' columns (ds_partial [R, ceil(n/128)]),
+// whichever kernel and tile width ran (host: grouped_gemm_column_tiles).
+constexpr int kDsCols = 128;
 
 struct GroupedGemmParams {
   const __nv_bfloat16* a;        // A rows, leading dimension lda (elements)
@@ -49,12 +52,13 @@ struct GroupedGemmParams {
   int n_tiles;                   // column tiles per expert
   int act;                       // GemmActivation
   // dH epilogue (kEpiD*) only: H [R, n1] (ldh), s_r = row_scores[row_pair[r]], and
-  // ds_partial [R, n_tiles] fp32
+  // ds_partial [R, ds_cols] fp32
   const __nv_bfloat16* h;
   int64_t ldh;
   const float* row_scores;
   const int32_t* row_pair;
   float* ds_partial;
+  int ds_cols;                   // ds_partial's row stride: ceil(N / kDsCols)
   // Timing probes, compiled in only with MACHMOE_GEMM_PROBES (scripts/gpu_probe.sh; the results
   // are wrong): bit 0 the consumers skip the epilogue, bit 1 the wgmmas, bit 2 the producer skips
   // the loads, bit 3 full tiles are staged but not stored (no TMA store); the dH epilogue: bit 4

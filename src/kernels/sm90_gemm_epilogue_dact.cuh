@@ -3,7 +3,7 @@
 // and the consumer warpgroups themselves finish the backward of the activation per routed row r
 // with score s_r, each on its own 64 staged rows while the next tile's wgmmas run:
 //   A_r  = act(H_r)                  recomputed from the saved bf16 H (bitwise the forward's A)
-//   dS_r = Σ_j dA'_rj · A_rj          written per column tile (ds_partial [R, n_tiles], fp32):
+//   dS_r = Σ_j dA'_rj · A_rj          written per 128 columns (ds_partial [R, ceil(n/128)], fp32):
 //                                    no atomics, the tiles are added in order afterwards
 //   dA   = s_r · dA'_r
 //   dH_r = dA ⊙ act'(H_r)            GLU: d gate = dA·f'(g)·u, d up = dA·f(g), in H's layout
@@ -159,8 +159,15 @@ struct DactPipe {
       // The row's chunks are kChunks consecutive lanes (it ≡ lane mod 32, stride a multiple of 32).
 #pragma unroll
       for (int off = kChunks / 2; off > 0; off >>= 1) ds += __shfl_xor_sync(0xffffffffu, ds, off);
-      if (ch == 0 && it < items)
-        p.ds_partial[static_cast<int64_t>(tile.row0 + r) * p.n_tiles + tile.n0 / BN] = ds;
+      // One dS partial per 128 columns (kDsCols), whatever the tile width: a 256-wide tile writes
+      // its sum and a zero, so that the layout does not depend on which kernel ran.
+      if (ch == 0 && it < items) {
+        float* dst = p.ds_partial + static_cast<int64_t>(tile.row0 + r) * p.ds_cols + tile.n0 / kDsCols;
+        dst[0] = ds;
+        if constexpr (BN > kDsCols) {
+          if (tile.n0 / kDsCols + 1 < p.ds_cols) dst[1] = 0.f;
+        }
+      }
     }
   }
 

@@ -90,7 +90,7 @@ def test_dact_epilogue(act, layout, n, d):
     base = [t.bfloat16() for t in dact_reference(da16.float(), h.float(), s, act, layout, n)]
     check(dh, ref[0], base[0], "dH", floor=2 ** -8)
     check(ap, ref[1], base[1], "A'", floor=2 ** -8)
-    assert ds.shape == (R, (n + (255 if n >= 256 else 127)) // (256 if n >= 256 else 128))
+    assert ds.shape == (R, (n + 127) // 128)  # one partial per 128 columns, whichever kernel ran
     check(ds.sum(1), ref[2], base[2].float(), "dS", floor=2 ** -8)
 
 

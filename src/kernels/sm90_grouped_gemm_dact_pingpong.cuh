@@ -1,0 +1,236 @@
+// Kernel family 6 of SPEC §2 (the dH kernel: dA' = dout[gathered] · W2, then the dH epilogue of
+// sm90_gemm_epilogue_dact.cuh) as a ping-pong grouped GEMM: one 128 x 128 tile per consumer
+// warpgroup, SonicMoE's arrangement for this kernel. Opt-in (MACHMOE_DH_PINGPONG=1,
+// host/grouped_gemm.cu) until measured.
+//
+// Why (session 25, Nsight Compute on the H100): SonicMoE's dH at 7B-a takes 1.14x fewer cycles
+// than our cooperative kernel (128 x 256 tiles, both consumer warpgroups on one tile). Ours
+// already runs the dH epilogue in slices under the next tile's wgmmas, but at every tile
+// boundary both warpgroups drain and stage at once while the tensor cores idle. Here each
+// consumer warpgroup owns a whole tile, so its drain, staging and whole epilogue (H loads, dH and
+// A' stores, the dS partials) run while the other warpgroup's wgmmas run. The dO rows are gathered
+// per 128 columns instead of per 256 (twice the cp.async requests per FLOP: session 9 found the
+// request count bounds the gathered GEMMs; SonicMoE pays the same and is faster).
+//
+//   warpgroup 0, the loaders (as the cooperative kernel's with a gather): every thread decodes the
+//     static tile schedule t = blockIdx.x, blockIdx.x + gridDim.x, ...; thread 0 publishes each
+//     tile into a ring (then two stop signals, one per consumer) and issues the TMA loads of W2's
+//     two {64 N, 64 K} boxes per stage; all 128 threads copy the tile's dO rows [128 x 64 K] by
+//     16-byte cp.async, 8 rows each, row offsets held in registers for the whole tile.
+//   warpgroups 1 and 2: consumer c takes the CTA's tiles n = c, c + 2, ... from the ring. Turns as
+//     in sm90_grouped_gemm_pingpong.cuh: wait for the turn (named barrier 4 + c), issue the tile's
+//     wgmmas (two m64n128k16 chains: 128 fp32 accumulators per thread), hand the turn on after the
+//     last K block's wgmmas are issued, then drain, stage the bf16 dA' tile [128 x 128] and the
+//     rows' scores in the warpgroup's own buffer, and run the dH epilogue over its 128 rows
+//     (DactPipe, two groups of loads in flight).
+// A stage is released by the one consumer that read it; every output element, and each row's dS
+// partial of the tile's 128 columns, is written once by one thread: deterministic.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "kernels/sm90_grouped_gemm.cuh"
+
+namespace machmoe::kernels {
+
+constexpr int kDactPPBN = 128;  // two m64n128 chains per consumer
+constexpr int kDactPPGroup = 4;  // epilogue items per thread per load group
+
+struct GemmDactPingPongSmem {
+  static constexpr int BN = kDactPPBN;
+  static constexpr int kABytes = kGemmBM * kGemmBK * 2;  // 16 KB of gathered dO rows
+  static constexpr int kBBytes = BN * kGemmBK * 2;       // 16 KB: two {64 N, 64 K} boxes of W2
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kEpiBufBytes = 128 * epi_row_bytes<BN>();  // a consumer's staged dA' tile
+  static constexpr int kScaleBytes = 128 * 4;                     // its rows' scores
+  static constexpr int kEpiBytes = 2 * (kEpiBufBytes + kScaleBytes);
+  static constexpr int kBudget = 227 * 1024;
+  static constexpr int kFixed = 4096;  // 1 KB alignment slack + barriers + the ring + the tile table
+  static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / kStageBytes;
+  static constexpr int kBytes = kStages * kStageBytes + kEpiBytes + kFixed;
+  static_assert(kStages >= 3 && kStages < kTileRing, "stages");
+  static_assert((2 * kStages + 2 * kTileRing) * 8 + kTileRing * 16 + (kGemmSmemTileE + 1) * 4 <= kFixed - 1024,
+                "fixed shared-memory area too small");
+};
+
+// EPI: kEpiDGluInter, kEpiDGluConcat or kEpiDAct. A = dout [T, K] gathered through p.gather
+// (always: the dH GEMM's rows are routed tokens); W2 [E, K, N] N-major through tmap_b {N, K, E}.
+template <int EPI>
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    sm90_grouped_gemm_dact_pingpong(const __grid_constant__ CUtensorMap tmap_b, const GroupedGemmParams p) {
+  static_assert(gemm_epi_is_dact(EPI), "the dH epilogues only");
+  using Smem = GemmDactPingPongSmem;
+  constexpr int BN = kDactPPBN;
+  constexpr int S = Smem::kStages;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024u - (sm90::smem_addr(smem_raw) & 1023u)) & 1023u);
+  uint8_t* smem_a = smem;
+  uint8_t* smem_b = smem + S * Smem::kABytes;
+  uint8_t* epi = smem + S * Smem::kStageBytes;  // [2][kEpiBufBytes], then [2][128] scores
+  float* scales = reinterpret_cast<float*>(epi + 2 * Smem::kEpiBufBytes);
+  uint64_t* full = reinterpret_cast<uint64_t*>(epi + Smem::kEpiBytes);
+  uint64_t* empty = full + S;
+  uint64_t* tile_full = empty + S;
+  uint64_t* tile_empty = tile_full + kTileRing;
+  GemmTile* ring = reinterpret_cast<GemmTile*>(tile_empty + kTileRing);
+  int32_t* tile_table = reinterpret_cast<int32_t*>(ring + kTileRing);  // [E+1] when E <= kGemmSmemTileE
+
+  constexpr int kLoaders = 128;
+  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      sm90::mbar_init(&full[s], kLoaders + 1);  // the loaders' cp.async arrivals + thread 0's expect_tx
+      sm90::mbar_init(&empty[s], 1);            // the consumer that read it
+    }
+    for (int r = 0; r < kTileRing; ++r) {
+      sm90::mbar_init(&tile_full[r], 1);      // loader thread 0
+      sm90::mbar_init(&tile_empty[r], 128);   // the consumer warpgroup that took the slot
+    }
+    sm90::mbar_fence_init();
+    sm90::tma_prefetch_descriptor(&tmap_b);
+  }
+  if (p.E <= kGemmSmemTileE && threadIdx.x >= 32 && threadIdx.x < 64) gemm_tile_offsets_warp(p, tile_table);
+  __syncthreads();
+  const int total_tiles = gemm_tile_table(p, tile_table)[p.E];
+  const int k_blocks = (p.K + kGemmBK - 1) / kGemmBK;
+
+  if (wg == 0) {
+    // ------------------------------------------------------------ loaders
+    sm90::setmaxnreg_dec<gemm_producer_regs<EPI>()>();
+    const int chunk = tid % 8;  // the 16-byte chunk (8 bf16 of K) this thread copies in its rows
+    constexpr int kRowsPerLoader = 128 * 8 / kLoaders;
+    uint32_t arow[kRowsPerLoader];
+    auto publish = [&](int n, const GemmTile& tile) {
+      const int slot = n % kTileRing;
+      sm90::mbar_wait(&tile_empty[slot], ((n / kTileRing) & 1) ^ 1);
+      ring[slot] = tile;
+      sm90::mbar_arrive(&tile_full[slot]);
+    };
+    for (int t = blockIdx.x, n = 0, it = 0;; t += gridDim.x, ++n) {
+      const bool done = t >= total_tiles;
+      const GemmTile tile = done ? GemmTile{-1, 0, 0, 0} : gemm_decode_tile(p, gemm_tile_table(p, tile_table), t, BN);
+      if (tid == 0) {
+        publish(n, tile);
+        if (done) publish(n + 1, GemmTile{-2, 0, 0, 0});  // the other consumer's stop signal
+      }
+      if (done) break;
+#pragma unroll
+      for (int i = 0; i < kRowsPerLoader; ++i) {  // this thread's rows of the tile (~0 past the expert's end)
+        const int r = tid / 8 + (kLoaders / 8) * i;
+        arow[i] = r < tile.rows ? static_cast<uint32_t>(__ldg(p.gather + tile.row0 + r)) * static_cast<uint32_t>(p.lda / 8)
+                                : ~0u;
+      }
+      for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+        const int s = it % S;
+        sm90::mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
+        uint8_t* a_stage = smem_a + s * Smem::kABytes;
+        uint8_t* b_stage = smem_b + s * Smem::kBBytes;
+        const int k0 = kb * kGemmBK;
+        if (tid == 0) {
+          sm90::mbar_arrive_expect_tx(&full[s], Smem::kBBytes);
+#pragma unroll
+          for (int h = 0; h < BN / 64; ++h)  // [64 K rows][64 N] blocks, 8 KB apart
+            sm90::tma_load_3d(b_stage + h * 64 * 128, &tmap_b, &full[s], tile.n0 + 64 * h, k0, tile.e);
+        }
+        const bool k_ok = k0 + chunk * 8 < p.K;
+        const uint32_t k_units = k0 / 8 + chunk;
+#pragma unroll
+        for (int i = 0; i < kRowsPerLoader; ++i) {
+          const int r = tid / 8 + (kLoaders / 8) * i;
+          const bool ok = k_ok && arow[i] != ~0u;
+          const uint32_t dst = sm90::smem_addr(a_stage + r * 128 + ((chunk ^ (r & 7)) << 4));
+          const void* src = ok ? static_cast<const void*>(reinterpret_cast<const uint4*>(p.a) + (arow[i] + k_units)) : p.a;
+          sm90::cp_async_16(dst, src, ok ? 16 : 0);
+        }
+        sm90::cp_async_arrive_noinc(&full[s]);
+      }
+    }
+  } else {
+    // ------------------------------------------------------------ consumers
+    sm90::setmaxnreg_inc<gemm_consumer_regs<EPI>()>();
+    const int c = wg - 1;
+    uint8_t* buf = epi + c * Smem::kEpiBufBytes;
+    float* scale = scales + c * 128;
+    constexpr int kTurn = 4;  // named barriers 4 (consumer 0's turn) and 5 (consumer 1's); 2, 3: per warpgroup
+    if (c == 1) sm90::named_barrier_arrive(kTurn + 0, 256);  // consumer 0 goes first
+    for (int n = c;; n += 2) {
+      const int slot = n % kTileRing;
+      sm90::mbar_wait(&tile_full[slot], (n / kTileRing) & 1);
+      const GemmTile tile = ring[slot];
+      sm90::mbar_arrive(&tile_empty[slot]);
+      // (the turn protocol of sm90_grouped_gemm_pingpong.cuh: the first stop signal takes the turn
+      // handed to it, the second has none; a stage is waited on only after taking the turn)
+      if (tile.e != -2) sm90::named_barrier_sync(kTurn + c, 256);
+      if (tile.e < 0) break;
+      DactRowScale rs[2];
+      rs[0].load_pairs(p, tile, 0);
+      rs[1].load_pairs(p, tile, 1);
+      float acc[2][BN / 2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) acc[h][i] = 0.f;
+      int prev_stage = -1;
+      // Stage index: the CTA's K blocks are consumed in tile order, k_blocks per tile.
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        const int it = n * k_blocks + kb, s = it % S;
+        sm90::mbar_wait(&full[s], (it / S) & 1);
+        sm90::fence_proxy_async_shared();  // cp.async (generic proxy) -> wgmma
+        const uint32_t a_addr = sm90::smem_addr(smem_a + s * Smem::kABytes);
+        const uint32_t b_addr = sm90::smem_addr(smem_b + s * Smem::kBBytes);
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kGemmBK / 16; ++ks) {
+          const uint64_t desc_b = sm90::smem_desc_mnmajor_sw128(b_addr + ks * 2048, 64 * 128);
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            sm90::wgmma_bf16<BN, 0, 1>(acc[h], sm90::smem_desc_kmajor_sw128(a_addr + h * 64 * 128 + ks * 32), desc_b, 1);
+        }
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<1>();
+        sm90::fence_accumulators(acc[0]);
+        sm90::fence_accumulators(acc[1]);
+        if (prev_stage >= 0 && tid == 0) sm90::mbar_arrive(&empty[prev_stage]);
+        prev_stage = s;
+        if (kb == 0) {
+          rs[0].load_scores(p);
+          rs[1].load_scores(p);
+        }
+      }
+      sm90::named_barrier_arrive(kTurn + (c ^ 1), 256);  // the other consumer's turn
+      sm90::wgmma_wait<0>();
+      sm90::fence_accumulators(acc[0]);
+      sm90::fence_accumulators(acc[1]);
+      if (prev_stage >= 0 && tid == 0) sm90::mbar_arrive(&empty[prev_stage]);
+      if (gemm_probe(p, 1)) continue;  // timing probe: no epilogue
+
+      // The epilogue, under the other consumer's wgmmas. Every thread of this warpgroup is done
+      // reading the buffer (its previous tile's epilogue) before it is overwritten.
+      sm90::named_barrier_sync(2 + c, 128);
+      gemm_stage_out<BN, EPI>(p, tile, 0, acc[0], buf);  // rows 0-63
+      gemm_stage_out<BN, EPI>(p, tile, 1, acc[1], buf);  // rows 64-127
+      rs[0].stage(scale, 0);
+      rs[1].stage(scale, 1);
+      sm90::named_barrier_sync(2 + c, 128);
+      // Items (row, 8-column chunk) of the tile's rows; `end` in whole warps (every lane of a row's
+      // warp runs the dS shuffle). Two load groups in flight: the next group's H loads are issued
+      // before this group is computed.
+      const int items = tile.rows * (BN / 8), end = (items + 31) & ~31;
+      constexpr int kStep = kDactPPGroup * 128;
+      DactPipe<BN, EPI, kDactPPGroup> pa, pb;
+      int next = tid;
+      if (next < end) pa.load(p, tile, 0, items, next, 128);
+      while (next < end) {
+        if (next + kStep < end) pb.load(p, tile, 0, items, next + kStep, 128);
+        pa.compute(p, tile, buf, scale, 0, items, end, next, 128);
+        next += kStep;
+        if (next >= end) break;
+        if (next + kStep < end) pa.load(p, tile, 0, items, next + kStep, 128);
+        pb.compute(p, tile, buf, scale, 0, items, end, next, 128);
+        next += kStep;
+      }
+    }
+  }
+}
+
+}  // namespace machmoe::kernels
