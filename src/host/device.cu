@@ -122,15 +122,16 @@ bool wgrad_pairs_enabled() {
   return on;
 }
 
-bool gemm_dh_pingpong() {
-  static const bool on = [] {
+int gemm_dh_pingpong_mode() {
+  static const int mode = [] {
     const char* v = std::getenv("MACHMOE_DH_PINGPONG");
     const std::string m = v ? v : "";
-    if (m.empty() || m == "0") return false;
-    if (m == "1") return true;
-    throw Error(ErrorCode::InvalidArgument, "MACHMOE_DH_PINGPONG='" + m + "': must be 0 or 1 (or unset: off)");
+    if (m.empty()) return -1;
+    if (m == "0" || m == "1" || m == "2") return m[0] - '0';
+    throw Error(ErrorCode::InvalidArgument, "MACHMOE_DH_PINGPONG='" + m +
+                                                "': must be 0 (off), 1 or 2 (a ping-pong mode), or unset (the shape rule)");
   }();
-  return on;
+  return mode;
 }
 
 int gemm_pingpong_mode() {

@@ -100,10 +100,10 @@ void launch_pingpong(const CUtensorMap& map_a, const CUtensorMap& map_b, const C
 }
 
 // The dH kernel as a ping-pong GEMM (one 128 x 128 tile per consumer warpgroup).
-template <int EPI>
+template <int EPI, bool kSharedEpi>
 void launch_dact_pingpong(const CUtensorMap& map_b, const kernels::GroupedGemmParams& p, int ctas, cudaStream_t stream) {
-  constexpr int smem = kernels::GemmDactPingPongSmem::kBytes;
-  auto* kernel = kernels::sm90_grouped_gemm_dact_pingpong<EPI>;
+  constexpr int smem = kernels::GemmDactPingPongSmem<kSharedEpi>::kBytes;
+  auto* kernel = kernels::sm90_grouped_gemm_dact_pingpong<EPI, kSharedEpi>;
   prepare_smem(reinterpret_cast<const void*>(kernel), smem);
   kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_b, p);
 }
@@ -148,6 +148,15 @@ struct PingPongRule {
   bool wins(int64_t N, int64_t K) const { return N <= max_n || K <= max_k; }
 };
 constexpr PingPongRule kPingPongWhere{2048, 512};
+
+// Where the dH kernel's ping-pong form (mode 1) beats the cooperative one: the reduction K = d at
+// most max_k. Measured (session 27, H100 kernel table): 2-5% faster at d = 768 and 1536, 7-9%
+// slower at d = 4096, where the long main loop hides the cooperative kernel's epilogue anyway and
+// the ping-pong tile's 128 columns gather each dout row twice as often.
+struct DhPingPongRule {
+  int64_t max_k;
+};
+constexpr DhPingPongRule kDhPingPongWhere{2048};
 
 }  // namespace
 
@@ -211,8 +220,11 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   const bool pp_ring = pp_mode >= 5;
   // Configuration (data, not code): tile_width, also the column-tile count of the dH epilogue's
   // ds_partial (grouped_gemm_column_tiles).
-  // The dH kernel's ping-pong experiment (MACHMOE_DH_PINGPONG=1; kernels/sm90_grouped_gemm_dact_pingpong.cuh).
-  const bool dh_pingpong = dact && a.gather && detail::gemm_dh_pingpong();
+  // The dH kernel as a ping-pong GEMM (kernels/sm90_grouped_gemm_dact_pingpong.cuh) where
+  // kDhPingPongWhere says it wins, or as MACHMOE_DH_PINGPONG says (0 never; 1, 2 its modes).
+  const int dh_env = detail::gemm_dh_pingpong_mode();
+  const int dh_mode = dh_env >= 0 ? dh_env : (a.K <= kDhPingPongWhere.max_k ? 1 : 0);
+  const bool dh_pingpong = dact && a.gather && dh_mode > 0;
   const int bn = pingpong ? kernels::kPingPongBN : dh_pingpong ? kernels::kDactPPBN : tile_width(a.N, epi);
   const bool wide = bn == 256;
   const int tile_cols = epi == kernels::kEpiGluConcat ? bn / 2 : bn;
@@ -254,11 +266,16 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (dh_pingpong) {
     const CUtensorMap map_b = detail::tensor_map_nmajor(a.w, a.E, a.K, a.N, kernels::kGemmBK, fn);
     namespace k = kernels;
-    switch (epi) {
-      case k::kEpiDGluInter: launch_dact_pingpong<k::kEpiDGluInter>(map_b, p, ctas, stream); break;
-      case k::kEpiDGluConcat: launch_dact_pingpong<k::kEpiDGluConcat>(map_b, p, ctas, stream); break;
-      default: launch_dact_pingpong<k::kEpiDAct>(map_b, p, ctas, stream); break;
-    }
+    auto with_epi = [&](auto shared) {
+      constexpr bool kShared = decltype(shared)::value;
+      switch (epi) {
+        case k::kEpiDGluInter: launch_dact_pingpong<k::kEpiDGluInter, kShared>(map_b, p, ctas, stream); break;
+        case k::kEpiDGluConcat: launch_dact_pingpong<k::kEpiDGluConcat, kShared>(map_b, p, ctas, stream); break;
+        default: launch_dact_pingpong<k::kEpiDAct, kShared>(map_b, p, ctas, stream); break;
+      }
+    };
+    if (dh_mode == 2) with_epi(std::true_type{});
+    else with_epi(std::false_type{});
     check_launch(fn);
     return;
   }

@@ -68,7 +68,9 @@ def dact_reference(da, h, s, act, layout, n):
 
 @pytest.mark.parametrize("act", list(ACTS))
 @pytest.mark.parametrize("layout", ["interleaved", "concatenated"])
-@pytest.mark.parametrize("n,d", [(256, 192), (128, 64), (136, 200), (512, 256)])
+# d = K <= 2048 takes the ping-pong dH kernel by default (host/grouped_gemm.cu, kDhPingPongWhere),
+# d = 2112 the cooperative one, whose 256-wide tile writes its dS partial and a zero.
+@pytest.mark.parametrize("n,d", [(256, 192), (128, 64), (136, 200), (512, 256), (256, 2112)])
 def test_dact_epilogue(act, layout, n, d):
     if act not in GLU and layout == "concatenated":
         pytest.skip("the layout only matters for GLU activations")
@@ -94,11 +96,12 @@ def test_dact_epilogue(act, layout, n, d):
     check(ds.sum(1), ref[2], base[2].float(), "dS", floor=2 ** -8)
 
 
-def test_small_dact_sanitizer_case():
-    counts, d, n = [3, 0, 130], 64, 128
+@pytest.mark.parametrize("d,n", [(64, 128), (2112, 256)])  # the ping-pong kernel, the cooperative one
+def test_small_dact_sanitizer_case(d, n):
+    counts = [3, 0, 130]
     R = sum(counts)
     dout, idx, rows = gathered(counts, d, True)
-    w2 = (torch.randn(3, d, n, device="cuda") / 8).bfloat16()
+    w2 = (torch.randn(3, d, n, device="cuda") / d ** 0.5).bfloat16()
     h = torch.randn(R, 2 * n, device="cuda").bfloat16()
     sc = torch.rand(R, device="cuda")
     rp = torch.arange(R, device="cuda", dtype=torch.int32)
