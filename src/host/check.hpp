@@ -64,8 +64,7 @@ bool wgrad_pairs_enabled();
 int gemm_pingpong_mode();
 // The dH kernel (ActivationBackward with a gather) runs as the ping-pong kernel of
 // kernels/sm90_grouped_gemm_dact_pingpong.cuh where host/grouped_gemm.cu's shape rule says so
-// (MACHMOE_DH_PINGPONG unset: -1); =0 never, =1 wherever it applies (a buffer per consumer, four
-// stages), =2 the same with one buffer taken in turn (five stages). Other values are refused.
+// (MACHMOE_DH_PINGPONG unset: -1); =0 never, =1 wherever it applies. Other values are refused.
 int gemm_dh_pingpong_mode();
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }

@@ -100,10 +100,10 @@ void launch_pingpong(const CUtensorMap& map_a, const CUtensorMap& map_b, const C
 }
 
 // The dH kernel as a ping-pong GEMM (one 128 x 128 tile per consumer warpgroup).
-template <int EPI, bool kSharedEpi>
+template <int EPI>
 void launch_dact_pingpong(const CUtensorMap& map_b, const kernels::GroupedGemmParams& p, int ctas, cudaStream_t stream) {
-  constexpr int smem = kernels::GemmDactPingPongSmem<kSharedEpi>::kBytes;
-  auto* kernel = kernels::sm90_grouped_gemm_dact_pingpong<EPI, kSharedEpi>;
+  constexpr int smem = kernels::GemmDactPingPongSmem::kBytes;
+  auto* kernel = kernels::sm90_grouped_gemm_dact_pingpong<EPI>;
   prepare_smem(reinterpret_cast<const void*>(kernel), smem);
   kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_b, p);
 }
@@ -221,7 +221,7 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   // Configuration (data, not code): tile_width, also the column-tile count of the dH epilogue's
   // ds_partial (grouped_gemm_column_tiles).
   // The dH kernel as a ping-pong GEMM (kernels/sm90_grouped_gemm_dact_pingpong.cuh) where
-  // kDhPingPongWhere says it wins, or as MACHMOE_DH_PINGPONG says (0 never; 1, 2 its modes).
+  // kDhPingPongWhere says it wins, or as MACHMOE_DH_PINGPONG says (0 never, 1 wherever it applies).
   const int dh_env = detail::gemm_dh_pingpong_mode();
   const int dh_mode = dh_env >= 0 ? dh_env : (a.K <= kDhPingPongWhere.max_k ? 1 : 0);
   const bool dh_pingpong = dact && a.gather && dh_mode > 0;
@@ -266,16 +266,11 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (dh_pingpong) {
     const CUtensorMap map_b = detail::tensor_map_nmajor(a.w, a.E, a.K, a.N, kernels::kGemmBK, fn);
     namespace k = kernels;
-    auto with_epi = [&](auto shared) {
-      constexpr bool kShared = decltype(shared)::value;
-      switch (epi) {
-        case k::kEpiDGluInter: launch_dact_pingpong<k::kEpiDGluInter, kShared>(map_b, p, ctas, stream); break;
-        case k::kEpiDGluConcat: launch_dact_pingpong<k::kEpiDGluConcat, kShared>(map_b, p, ctas, stream); break;
-        default: launch_dact_pingpong<k::kEpiDAct, kShared>(map_b, p, ctas, stream); break;
-      }
-    };
-    if (dh_mode == 2) with_epi(std::true_type{});
-    else with_epi(std::false_type{});
+    switch (epi) {
+      case k::kEpiDGluInter: launch_dact_pingpong<k::kEpiDGluInter>(map_b, p, ctas, stream); break;
+      case k::kEpiDGluConcat: launch_dact_pingpong<k::kEpiDGluConcat>(map_b, p, ctas, stream); break;
+      default: launch_dact_pingpong<k::kEpiDAct>(map_b, p, ctas, stream); break;
+    }
     check_launch(fn);
     return;
   }

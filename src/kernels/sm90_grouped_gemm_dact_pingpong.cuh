@@ -36,9 +36,8 @@ namespace machmoe::kernels {
 constexpr int kDactPPBN = 128;  // two m64n128 chains per consumer
 constexpr int kDactPPGroup = 4;  // epilogue items per thread per load group
 
-// kSharedEpi: the two consumers stage through one buffer, taken in turn (named barriers 6 and
-// 7, as the epilogue ring of sm90_grouped_gemm_pingpong.cuh), which leaves room for a fifth stage.
-template <bool kSharedEpi>
+// (Session 27 also ran the two consumers through one buffer taken in turn, for a fifth stage: no
+// faster at d <= 1536, 11% slower at 30B-b; removed.)
 struct GemmDactPingPongSmem {
   static constexpr int BN = kDactPPBN;
   static constexpr int kABytes = kGemmBM * kGemmBK * 2;  // 16 KB of gathered dO rows
@@ -46,7 +45,7 @@ struct GemmDactPingPongSmem {
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kEpiBufBytes = 128 * epi_row_bytes<BN>();  // a consumer's staged dA' tile
   static constexpr int kScaleBytes = 128 * 4;                     // its rows' scores
-  static constexpr int kEpiBytes = (kSharedEpi ? 1 : 2) * (kEpiBufBytes + kScaleBytes);
+  static constexpr int kEpiBytes = 2 * (kEpiBufBytes + kScaleBytes);
   static constexpr int kBudget = 227 * 1024;
   static constexpr int kFixed = 4096;  // 1 KB alignment slack + barriers + the ring + the tile table
   static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / kStageBytes;
@@ -58,20 +57,19 @@ struct GemmDactPingPongSmem {
 
 // EPI: kEpiDGluInter, kEpiDGluConcat or kEpiDAct. A = dout [T, K] gathered through p.gather
 // (always: the dH GEMM's rows are routed tokens); W2 [E, K, N] N-major through tmap_b {N, K, E}.
-template <int EPI, bool kSharedEpi>
+template <int EPI>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     sm90_grouped_gemm_dact_pingpong(const __grid_constant__ CUtensorMap tmap_b, const GroupedGemmParams p) {
   static_assert(gemm_epi_is_dact(EPI), "the dH epilogues only");
-  using Smem = GemmDactPingPongSmem<kSharedEpi>;
-  constexpr int kBufs = kSharedEpi ? 1 : 2;
+  using Smem = GemmDactPingPongSmem;
   constexpr int BN = kDactPPBN;
   constexpr int S = Smem::kStages;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024u - (sm90::smem_addr(smem_raw) & 1023u)) & 1023u);
   uint8_t* smem_a = smem;
   uint8_t* smem_b = smem + S * Smem::kABytes;
-  uint8_t* epi = smem + S * Smem::kStageBytes;  // [kBufs][kEpiBufBytes], then [kBufs][128] scores
-  float* scales = reinterpret_cast<float*>(epi + kBufs * Smem::kEpiBufBytes);
+  uint8_t* epi = smem + S * Smem::kStageBytes;  // [2][kEpiBufBytes], then [2][128] scores
+  float* scales = reinterpret_cast<float*>(epi + 2 * Smem::kEpiBufBytes);
   uint64_t* full = reinterpret_cast<uint64_t*>(epi + Smem::kEpiBytes);
   uint64_t* empty = full + S;
   uint64_t* tile_full = empty + S;
@@ -130,6 +128,11 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         uint8_t* a_stage = smem_a + s * Smem::kABytes;
         uint8_t* b_stage = smem_b + s * Smem::kBBytes;
         const int k0 = kb * kGemmBK;
+        if (gemm_probe(p, 4)) {  // timing probe: no loads, the stage is "full" at once (stale data)
+          if (tid == 0) sm90::mbar_arrive(&full[s]);
+          sm90::cp_async_arrive_noinc(&full[s]);
+          continue;
+        }
         if (tid == 0) {
           sm90::mbar_arrive_expect_tx(&full[s], Smem::kBBytes);
 #pragma unroll
@@ -153,12 +156,10 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     // ------------------------------------------------------------ consumers
     sm90::setmaxnreg_inc<gemm_consumer_regs<EPI>()>();
     const int c = wg - 1;
-    uint8_t* buf = epi + (kSharedEpi ? 0 : c) * Smem::kEpiBufBytes;
-    float* scale = scales + (kSharedEpi ? 0 : c) * 128;
+    uint8_t* buf = epi + c * Smem::kEpiBufBytes;
+    float* scale = scales + c * 128;
     constexpr int kTurn = 4;  // named barriers 4 (consumer 0's turn) and 5 (consumer 1's); 2, 3: per warpgroup
-    constexpr int kEpiTurn = 6;  // kSharedEpi: 6 and 7, the buffer's turns (tile n's from tile n - 1's)
     if (c == 1) sm90::named_barrier_arrive(kTurn + 0, 256);  // consumer 0 goes first
-    if (kSharedEpi && c == 1) sm90::named_barrier_arrive(kEpiTurn + 0, 256);
     for (int n = c;; n += 2) {
       const int slot = n % kTileRing;
       sm90::mbar_wait(&tile_full[slot], (n / kTileRing) & 1);
@@ -167,7 +168,6 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       // (the turn protocol of sm90_grouped_gemm_pingpong.cuh: the first stop signal takes the turn
       // handed to it, the second has none; a stage is waited on only after taking the turn)
       if (tile.e != -2) sm90::named_barrier_sync(kTurn + c, 256);
-      if (kSharedEpi && tile.e == -1) sm90::named_barrier_sync(kEpiTurn + c, 256);  // (likewise)
       if (tile.e < 0) break;
       DactRowScale rs[2];
       rs[0].load_pairs(p, tile, 0);
@@ -186,12 +186,14 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         const uint32_t a_addr = sm90::smem_addr(smem_a + s * Smem::kABytes);
         const uint32_t b_addr = sm90::smem_addr(smem_b + s * Smem::kBBytes);
         sm90::wgmma_fence();
+        if (!gemm_probe(p, 2)) {  // (timing probe: no wgmma)
 #pragma unroll
-        for (int ks = 0; ks < kGemmBK / 16; ++ks) {
-          const uint64_t desc_b = sm90::smem_desc_mnmajor_sw128(b_addr + ks * 2048, 64 * 128);
+          for (int ks = 0; ks < kGemmBK / 16; ++ks) {
+            const uint64_t desc_b = sm90::smem_desc_mnmajor_sw128(b_addr + ks * 2048, 64 * 128);
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-            sm90::wgmma_bf16<BN, 0, 1>(acc[h], sm90::smem_desc_kmajor_sw128(a_addr + h * 64 * 128 + ks * 32), desc_b, 1);
+            for (int h = 0; h < 2; ++h)
+              sm90::wgmma_bf16<BN, 0, 1>(acc[h], sm90::smem_desc_kmajor_sw128(a_addr + h * 64 * 128 + ks * 32), desc_b, 1);
+          }
         }
         sm90::wgmma_commit();
         sm90::wgmma_wait<1>();
@@ -209,15 +211,11 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       sm90::fence_accumulators(acc[0]);
       sm90::fence_accumulators(acc[1]);
       if (prev_stage >= 0 && tid == 0) sm90::mbar_arrive(&empty[prev_stage]);
-      // The epilogue, under the other consumer's wgmmas. kSharedEpi: the buffer is ours once the
-      // other consumer's epilogue has handed it on (all its threads done reading it); otherwise
-      // every thread of this warpgroup is done with its previous tile's epilogue.
-      if constexpr (kSharedEpi) sm90::named_barrier_sync(kEpiTurn + c, 256);
-      else sm90::named_barrier_sync(2 + c, 128);
-      if (gemm_probe(p, 1)) {  // timing probe: no epilogue (the buffer's turn still goes on)
-        if constexpr (kSharedEpi) sm90::named_barrier_arrive(kEpiTurn + (c ^ 1), 256);
-        continue;
-      }
+      if (gemm_probe(p, 1)) continue;  // timing probe: no epilogue
+
+      // The epilogue, under the other consumer's wgmmas. Every thread of this warpgroup is done
+      // reading the buffer (its previous tile's epilogue) before it is overwritten.
+      sm90::named_barrier_sync(2 + c, 128);
       gemm_stage_out<BN, EPI>(p, tile, 0, acc[0], buf);  // rows 0-63
       gemm_stage_out<BN, EPI>(p, tile, 1, acc[1], buf);  // rows 64-127
       rs[0].stage(scale, 0);
@@ -240,7 +238,6 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         pb.compute(p, tile, buf, scale, 0, items, end, next, 128);
         next += kStep;
       }
-      if constexpr (kSharedEpi) sm90::named_barrier_arrive(kEpiTurn + (c ^ 1), 256);  // (after our last read)
     }
   }
 }
