@@ -3,6 +3,9 @@ run on the CPU under random interleavings: one CTA's scheduler and loading threa
 the TMA completions (in any order) and the wgmma groups in flight; or the two CTAs of a cluster
 (MACHMOE_GEMM_PINGPONG=2), whose stages also fill from the peer's multicast; with `ring_epi`
 (MACHMOE_GEMM_PINGPONG=5/6) the consumers also take the one staging ring in turn (named barriers 6, 7).
+With `self_publish` it is the dH kernel's (src/kernels/sm90_grouped_gemm_dact_pingpong.cuh): no
+scheduler thread; the loading thread decodes and publishes each tile itself before loading it, then
+both stop signals, and only the consumers read the ring.
 
 It checks what a GPU run can miss by luck: no deadlock; no stage overwritten while a wgmma group
 still reads it; no stage read before the fill it waited for (a parity wait two phases ahead);
@@ -46,7 +49,7 @@ class NamedBarrier:  # bar.sync / bar.arrive with count 256: two warpgroups
         self.arrived, self.generation = 0, 0
 
 
-def run(tiles, k_blocks, stages, seed, mutation=None, cluster=False, ring_epi=False):
+def run(tiles, k_blocks, stages, seed, mutation=None, cluster=False, ring_epi=False, self_publish=False):
     """One CTA, or with `cluster` the two CTAs of MACHMOE_GEMM_PINGPONG=2: each stage then fills
     from the CTA's own loads and from the peer's multicast, and is free once both CTAs' consumers
     released it."""
@@ -58,7 +61,7 @@ def run(tiles, k_blocks, stages, seed, mutation=None, cluster=False, ring_epi=Fa
     empty = [[Mbar(empty_count) for _ in range(stages)] for _ in range(ctas)]
     tile_full = [[Mbar(1) for _ in range(RING)] for _ in range(ctas)]
     # the consumer (128 arrivals in the kernel) and the loading thread
-    loader_waited = mutation != "loader not waited"
+    loader_waited = mutation != "loader not waited" and not self_publish
     tile_empty = [[Mbar(2 if loader_waited else 1) for _ in range(RING)] for _ in range(ctas)]
     ring = [[None] * RING for _ in range(ctas)]
     landed = [[[None] * sources for _ in range(stages)] for _ in range(ctas)]  # fill `it` per source
@@ -127,6 +130,37 @@ def run(tiles, k_blocks, stages, seed, mutation=None, cluster=False, ring_epi=Fa
                     tma.append((r ^ 1, s, it, 1))
                 yield
 
+    def loads(r, n):  # tile n's K blocks into the stages
+        for kb in range(k_blocks):
+            it = n * k_blocks + kb
+            s = it % stages
+            yield from wait(lambda: empty[r][s].passed(((it // stages) & 1) ^ 1))
+            for c in (0, 1):
+                assert all(g[0] != s for g in groups[(r, c)]), f"stage {s} (it {it}) refilled while a wgmma reads it"
+            full[r][s].tx += 1
+            full[r][s].arrive()
+            tma.append((r, s, it, 0))
+            yield
+
+    def publishing_loader(r):  # the dH kernel's loader thread 0: publish tile n, then load it
+        n = 0
+        while True:
+            done = n >= tiles
+            slot = n % RING
+            yield from wait(lambda: tile_empty[r][slot].passed(((n // RING) & 1) ^ 1))
+            ring[r][slot] = -1 if done else n
+            tile_full[r][slot].arrive()
+            if done:
+                if mutation == "one stop signal":
+                    return
+                slot2 = (n + 1) % RING
+                yield from wait(lambda: tile_empty[r][slot2].passed((((n + 1) // RING) & 1) ^ 1))
+                ring[r][slot2] = -2
+                tile_full[r][slot2].arrive()
+                return
+            yield from loads(r, n)
+            n += 1
+
     def consumer(r, c):
         if c == 1 and mutation != "no turns":
             nb_arrive(r, 4)  # consumer 0 goes first
@@ -184,8 +218,11 @@ def run(tiles, k_blocks, stages, seed, mutation=None, cluster=False, ring_epi=Fa
 
     agents = {}
     for r in range(ctas):
-        agents[("producer", r)] = producer(r)
-        agents[("scheduler", r)] = scheduler(r)
+        if self_publish:
+            agents[("producer", r)] = publishing_loader(r)
+        else:
+            agents[("producer", r)] = producer(r)
+            agents[("scheduler", r)] = scheduler(r)
         for c in (0, 1):
             agents[(r, c)] = consumer(r, c)
     stops = {}
@@ -235,6 +272,23 @@ def test_pingpong_protocol_model_catches_a_broken_protocol(mutation, cluster, ri
         for seed in range(40 if not cluster else 15):
             try:
                 run(tiles, k_blocks, stages, seed, mutation, cluster, ring_epi)
+            except AssertionError:
+                return  # noticed
+    pytest.fail(f"the model did not notice '{mutation}'")
+
+
+def test_dh_pingpong_protocol_holds_under_random_interleavings():
+    for tiles, k_blocks, stages in SHAPES:
+        for seed in range(40):
+            run(tiles, k_blocks, stages, seed, self_publish=True)
+
+
+@pytest.mark.parametrize("mutation", ["one stop signal", "skip the first stop's turn", "two groups in flight"])
+def test_dh_pingpong_protocol_model_catches_a_broken_protocol(mutation):
+    for tiles, k_blocks, stages in SHAPES:
+        for seed in range(40):
+            try:
+                run(tiles, k_blocks, stages, seed, mutation, self_publish=True)
             except AssertionError:
                 return  # noticed
     pytest.fail(f"the model did not notice '{mutation}'")
