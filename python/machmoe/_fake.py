@@ -149,7 +149,7 @@ def _grouped_gemm_nmajor(a, gather, expert_offsets, w_kn, num_rows, h, row_score
     N = w_kn.shape[2]
     if h is None:  # dX~ = dH · W1: a plain store
         return a.new_empty(num_rows, N), a.new_empty(0), a.new_empty(0, dtype=torch.float32)
-    # dH [rows, n1], A' [rows, n], per-row partial dS per column tile
+    # dH [rows, n1], A' [rows, n], per-row partial dS per 128 columns
     return (a.new_empty(num_rows, _n1(N, activation)), a.new_empty(num_rows, N),
             a.new_empty(num_rows, column_tiles(N), dtype=torch.float32))
 

@@ -95,7 +95,7 @@ std::tuple<Tensor, Tensor> op_grouped_gemm(const Tensor& a, const std::optional<
 
 // The backward's GEMMs with N-major weights. dact = false: C [num_rows, N] = A[rows] · W[e] with
 // w_kn [E, K, N] (dX~ = dH·W1). dact = true: the dH kernel, w_kn = W2 [E, d, n], h [*, n1],
-// returns (dH [num_rows, n1], A' [num_rows, n], ds_partial [num_rows, column tiles]).
+// returns (dH [num_rows, n1], A' [num_rows, n], ds_partial [num_rows, ceil(n / 128)]).
 std::tuple<Tensor, Tensor, Tensor> op_grouped_gemm_nmajor(const Tensor& a, const std::optional<Tensor>& gather,
                                                           const Tensor& expert_offsets, const Tensor& w_kn,
                                                           int64_t num_rows, const std::optional<Tensor>& h,

@@ -68,7 +68,7 @@ def test_inference_forward_fake_saves_no_h():
 
 
 def test_gemm_and_routing_fakes_follow_the_op_docs():
-    # docs/OPS.md: the shapes each op returns, including the per-column-tile dS partials and the
+    # docs/OPS.md: the shapes each op returns, including the per-128-column dS partials and the
     # transposed weight gradient.
     R, T, E, K, d, n = 40, 20, 4, 2, 96, 320
     with FakeTensorMode():
@@ -80,7 +80,8 @@ def test_gemm_and_routing_fakes_follow_the_op_docs():
             a, None, offs, torch.empty(E, d, n, device="cuda", dtype=torch.bfloat16), R,
             torch.empty(R, 2 * n, device="cuda", dtype=torch.bfloat16), torch.empty(R, device="cuda"),
             torch.empty(R, **i32), "swiglu", "interleaved")
-        assert (h.shape, a_.shape, ds.shape, ds.dtype) == ((R, 2 * n), (R, n), (R, 2), torch.float32)
+        # one dS partial per 128 columns of n = 320, whichever kernel runs
+        assert (h.shape, a_.shape, ds.shape, ds.dtype) == ((R, 2 * n), (R, n), (R, 3), torch.float32)
         c, c2 = torch.ops.machmoe.grouped_gemm(a, None, offs, w1, None, R, "glu", "swiglu", "interleaved")
         assert (c.shape, c2.shape) == ((R, 2 * n), (R, n))
         dw1 = torch.ops.machmoe.grouped_gemm_wgrad(a, None, h, offs, True, True)
