@@ -74,7 +74,23 @@ def dact_reference(da, h, s, act, layout, n):
 def test_dact_epilogue(act, layout, n, d):
     if act not in GLU and layout == "concatenated":
         pytest.skip("the layout only matters for GLU activations")
-    counts = [0, 129, 300, 1, 64]
+    check_dact([0, 129, 300, 1, 64], act, layout, n, d)
+
+
+@pytest.mark.parametrize("d", [256, 2112])  # the ping-pong dH kernel, the cooperative one
+@pytest.mark.parametrize("E", [512, 600])
+def test_dact_epilogue_many_experts(E, d):
+    # Up to 512 experts the kernels build their tile offsets in shared memory; above, a separate
+    # kernel writes them (with the ping-pong kernel's 128-wide column tiles). Mostly empty experts,
+    # the used ones at both ends.
+    g = torch.Generator().manual_seed(E + d)
+    counts = [0] * E
+    for e in [0, 1, E // 2, E - 2, E - 1] + torch.randint(0, E, (12,), generator=g).tolist():
+        counts[e] += int(torch.randint(1, 150, (1,), generator=g).item())
+    check_dact(counts, "swiglu", "interleaved", 256, d)
+
+
+def check_dact(counts, act, layout, n, d):
     E, R = len(counts), sum(counts)
     n1 = 2 * n if act in GLU else n
     dout, idx, rows = gathered(counts, d, True)
