@@ -127,8 +127,9 @@ int gemm_dh_pingpong_mode() {
     const char* v = std::getenv("MACHMOE_DH_PINGPONG");
     const std::string m = v ? v : "";
     if (m.empty()) return -1;
-    if (m == "0" || m == "1") return m[0] - '0';
-    throw Error(ErrorCode::InvalidArgument, "MACHMOE_DH_PINGPONG='" + m + "': must be 0 (off), 1 (on), or unset (the shape rule)");
+    if (m == "0" || m == "1" || m == "2") return m[0] - '0';
+    throw Error(ErrorCode::InvalidArgument, "MACHMOE_DH_PINGPONG='" + m +
+                                                "': must be 0 (off), 1 (on), 2 (on, CTA pairs), or unset (the shape rule)");
   }();
   return mode;
 }

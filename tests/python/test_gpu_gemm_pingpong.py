@@ -63,11 +63,11 @@ def test_pingpong_switch_refuses_an_unknown_value():
     assert "MACHMOE_GEMM_PINGPONG='3'" in proc.stderr and "must be 0" in proc.stderr, proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("mode", ["0", "1"])
+@pytest.mark.parametrize("mode", ["0", "1", "2"])
 def test_dh_pingpong_passes_the_dh_and_backward_tests(mode):
     # The dH kernel as a ping-pong GEMM (kernels/sm90_grouped_gemm_dact_pingpong.cuh; by default
-    # where d <= 2048): forced off (0: the cooperative kernel at every shape) and forced on (1),
-    # over the dH epilogue tests (every activation, both layouts, n not a multiple of 128, partial
+    # where d <= 2048): forced off (0: the cooperative kernel at every shape), forced on (1) and
+    # in CTA pairs multicasting W2 (2: an experiment), over the dH epilogue tests (every activation, both layouts, n not a multiple of 128, partial
     # tiles) and the layer backward (SPEC shapes, awkward shapes, determinism), in a child process
     # with the switch set.
     if _HUNG:

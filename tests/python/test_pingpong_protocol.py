@@ -130,16 +130,20 @@ def run(tiles, k_blocks, stages, seed, mutation=None, cluster=False, ring_epi=Fa
                     tma.append((r ^ 1, s, it, 1))
                 yield
 
-    def loads(r, n):  # tile n's K blocks into the stages
+    def loads(r, n):  # tile n's K blocks into the stages (with `cluster`, also the peer's by multicast)
         for kb in range(k_blocks):
             it = n * k_blocks + kb
             s = it % stages
             yield from wait(lambda: empty[r][s].passed(((it // stages) & 1) ^ 1))
-            for c in (0, 1):
-                assert all(g[0] != s for g in groups[(r, c)]), f"stage {s} (it {it}) refilled while a wgmma reads it"
-            full[r][s].tx += 1
+            for dst in range(ctas):
+                for c in (0, 1):
+                    assert all(g[0] != s for g in groups[(dst, c)]), \
+                        f"CTA {r} refills stage {s} (it {it}) of CTA {dst} while a wgmma reads it"
+            full[r][s].tx += sources
             full[r][s].arrive()
             tma.append((r, s, it, 0))
+            if cluster:
+                tma.append((r ^ 1, s, it, 1))
             yield
 
     def publishing_loader(r):  # the dH kernel's loader thread 0: publish tile n, then load it
@@ -277,18 +281,20 @@ def test_pingpong_protocol_model_catches_a_broken_protocol(mutation, cluster, ri
     pytest.fail(f"the model did not notice '{mutation}'")
 
 
-def test_dh_pingpong_protocol_holds_under_random_interleavings():
+@pytest.mark.parametrize("cluster", [False, True], ids=["one CTA", "CTA pair"])
+def test_dh_pingpong_protocol_holds_under_random_interleavings(cluster):
     for tiles, k_blocks, stages in SHAPES:
-        for seed in range(40):
-            run(tiles, k_blocks, stages, seed, self_publish=True)
+        for seed in range(40 if not cluster else 15):
+            run(tiles, k_blocks, stages, seed, cluster=cluster, self_publish=True)
 
 
-@pytest.mark.parametrize("mutation", ["one stop signal", "skip the first stop's turn", "two groups in flight"])
-def test_dh_pingpong_protocol_model_catches_a_broken_protocol(mutation):
+@pytest.mark.parametrize("mutation,cluster", [("one stop signal", False), ("skip the first stop's turn", False),
+                                              ("two groups in flight", False), ("peer not waited", True)])
+def test_dh_pingpong_protocol_model_catches_a_broken_protocol(mutation, cluster):
     for tiles, k_blocks, stages in SHAPES:
-        for seed in range(40):
+        for seed in range(40 if not cluster else 15):
             try:
-                run(tiles, k_blocks, stages, seed, mutation, self_publish=True)
+                run(tiles, k_blocks, stages, seed, mutation, cluster, self_publish=True)
             except AssertionError:
                 return  # noticed
     pytest.fail(f"the model did not notice '{mutation}'")
