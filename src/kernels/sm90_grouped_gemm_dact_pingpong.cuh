@@ -1,7 +1,12 @@
 // Kernel family 6 of SPEC §2 (the dH kernel: dA' = dout[gathered] · W2, then the dH epilogue of
 // sm90_gemm_epilogue_dact.cuh) as a ping-pong grouped GEMM: one 128 x 128 tile per consumer
-// warpgroup, SonicMoE's arrangement for this kernel. Opt-in (MACHMOE_DH_PINGPONG=1,
-// host/grouped_gemm.cu) until measured.
+// warpgroup, SonicMoE's arrangement for this kernel. The default where d = K <= 2048
+// (host/grouped_gemm.cu, kDhPingPongWhere; MACHMOE_DH_PINGPONG=0/1/2 overrides).
+//
+// Measured (session 27, H100 kernel table): 5-6.5% faster than the cooperative kernel at d = 768
+// and 1536 (7B-a 0.529-0.541 ms against 0.568-0.580), 7-9% slower at d = 4096. Timing probes at
+// 7B-a: without its wgmmas it takes 93% of its time, so its loads and the epilogue's traffic bound
+// it (docs/PERF.md, session 27).
 //
 // Why (session 25, Nsight Compute on the H100): SonicMoE's dH at 7B-a takes 1.14x fewer cycles
 // than our cooperative kernel (128 x 256 tiles, both consumer warpgroups on one tile). Ours
