@@ -49,18 +49,32 @@ def test_pingpong_passes_the_store_gemm_and_layer_tests(mode):
     assert " passed" in proc.stdout, f"no test ran:\n{tail}"
 
 
-def test_pingpong_switch_refuses_an_unknown_value():
-    # A typo must not silently fall back to some kernel: the first GEMM that reads it says why.
-    code = ("import torch, machmoe._ops as o; o.require_ops(); "
-            "a = torch.randn(130, 64, device='cuda').bfloat16(); "
-            "w = torch.randn(1, 256, 64, device='cuda').bfloat16(); "
+_STORE_CALL = ("a = torch.randn(130, 64, device='cuda').bfloat16(); "
+               "w = torch.randn(1, 256, 64, device='cuda').bfloat16(); "
+               "off = torch.tensor([0, 130], dtype=torch.int32, device='cuda'); "
+               "torch.ops.machmoe.grouped_gemm(a, None, off, w, None, 130, 'store', 'swiglu', 'interleaved')")
+_DH_CALL = ("dout = torch.randn(130, 64, device='cuda').bfloat16(); "
+            "idx = torch.arange(130, dtype=torch.int32, device='cuda'); "
             "off = torch.tensor([0, 130], dtype=torch.int32, device='cuda'); "
-            "torch.ops.machmoe.grouped_gemm(a, None, off, w, None, 130, 'store', 'swiglu', 'interleaved'); "
-            "torch.cuda.synchronize()")
-    env = dict(os.environ, MACHMOE_GEMM_PINGPONG="3")
+            "w2 = torch.randn(1, 64, 128, device='cuda').bfloat16(); "
+            "h = torch.randn(130, 256, device='cuda').bfloat16(); "
+            "torch.ops.machmoe.grouped_gemm_nmajor(dout, idx, off, w2, 130, h, torch.rand(130, device='cuda'), "
+            "idx, 'swiglu', 'interleaved')")
+
+
+@pytest.mark.parametrize("var,value,call", [("MACHMOE_GEMM_PINGPONG", "3", _STORE_CALL),
+                                            ("MACHMOE_DH_PINGPONG", "5", _DH_CALL)])
+def test_pingpong_switch_refuses_an_unknown_value(var, value, call):
+    # A typo must not silently fall back to some kernel: the first GEMM that reads it says why.
+    code = "import torch, machmoe._ops as o; o.require_ops(); " + call + "; torch.cuda.synchronize()"
+    env = dict(os.environ, **{var: value})
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=90)
-    assert proc.returncode != 0, "MACHMOE_GEMM_PINGPONG=3 was accepted"
-    assert "MACHMOE_GEMM_PINGPONG='3'" in proc.stderr and "must be 0" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode != 0, f"{var}={value} was accepted"
+    assert f"{var}='{value}'" in proc.stderr and "must be 0" in proc.stderr, proc.stderr[-2000:]
+    # and the same call runs with the switch unset (the failure above was the switch's)
+    env.pop(var)
+    ok = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=90)
+    assert ok.returncode == 0, ok.stderr[-2000:]
 
 
 @pytest.mark.parametrize("mode", ["0", "1", "2"])
