@@ -122,29 +122,28 @@ bool wgrad_pairs_enabled() {
   return on;
 }
 
+namespace {
+// A kernel-choice switch: -1 when `name` is unset or empty (the shape rule decides), else its one
+// digit if that is in `digits`; any other value is refused, naming the variable and `rule`.
+int env_mode(const char* name, const char* digits, const char* rule) {
+  const char* v = std::getenv(name);
+  const std::string m = v ? v : "";
+  if (m.empty()) return -1;
+  if (m.size() == 1 && std::string(digits).find(m[0]) != std::string::npos) return m[0] - '0';
+  throw Error(ErrorCode::InvalidArgument, std::string(name) + "='" + m + "': " + rule);
+}
+}  // namespace
+
 int gemm_dh_pingpong_mode() {
-  static const int mode = [] {
-    const char* v = std::getenv("MACHMOE_DH_PINGPONG");
-    const std::string m = v ? v : "";
-    if (m.empty()) return -1;
-    if (m == "0" || m == "1" || m == "2") return m[0] - '0';
-    throw Error(ErrorCode::InvalidArgument, "MACHMOE_DH_PINGPONG='" + m +
-                                                "': must be 0 (off), 1 (on), 2 (on, CTA pairs), or unset (the shape rule)");
-  }();
+  static const int mode = env_mode("MACHMOE_DH_PINGPONG", "012",
+                                   "must be 0 (off), 1 (on), 2 (on, CTA pairs), or unset (the shape rule)");
   return mode;
 }
 
 int gemm_pingpong_mode() {
-  // Unset or empty: -1, the shape rule in host/grouped_gemm.cu decides; "0": never; 1/2/5/6: that
-  // mode wherever the kernel applies. (3/4 were removed in session 26.)
-  static const int mode = [] {
-    const char* v = std::getenv("MACHMOE_GEMM_PINGPONG");
-    const std::string m = v ? v : "";
-    if (m.empty()) return -1;
-    if (m == "0" || m == "1" || m == "2" || m == "5" || m == "6") return m[0] - '0';
-    throw Error(ErrorCode::InvalidArgument, "MACHMOE_GEMM_PINGPONG='" + m +
-                                                "': must be 0 (off), 1, 2, 5 or 6 (a ping-pong mode), or unset (the shape rule)");
-  }();
+  // (3/4 were removed in session 26.)
+  static const int mode = env_mode("MACHMOE_GEMM_PINGPONG", "01256",
+                                   "must be 0 (off), 1, 2, 5 or 6 (a ping-pong mode), or unset (the shape rule)");
   return mode;
 }
 }  // namespace detail

@@ -152,6 +152,42 @@ __global__ void __launch_bounds__(1024) grouped_gemm_tile_offsets(const int32_t*
   if (threadIdx.x == 0) tile_offsets[E] = carry;
 }
 
+// The gathered A tile [128 rows x 64 K] of one stage, copied by kLoaders threads by 16-byte
+// cp.async (the cooperative kernel's loader warpgroup, and the dH ping-pong kernel's). Thread
+// `lane` copies chunk lane % 8 (8 bf16 of K) of rows lane / 8 + (kLoaders / 8)·i, i < kRows; it
+// keeps those rows' A offsets in registers for the whole tile (re-reading them from shared memory
+// each K block put a load in front of every cp.async: ncu showed the loader warps stalled on the
+// L1TEX scoreboard, queued behind the cp.async traffic).
+template <int kLoaders>
+struct GemmGatherRows {
+  static constexpr int kRows = 128 * 8 / kLoaders;
+  uint32_t arow[kRows];  // in 16-byte units (the launcher bounds A below 2^32 of them); ~0: zero-fill
+
+  __device__ __forceinline__ void load(const GroupedGemmParams& p, const GemmTile& tile, int lane) {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int r = lane / 8 + (kLoaders / 8) * i;
+      arow[i] = r < tile.rows ? static_cast<uint32_t>(__ldg(p.gather + tile.row0 + r)) * static_cast<uint32_t>(p.lda / 8)
+                              : ~0u;
+    }
+  }
+  // rows: kRows, or 0 (timing probe 128: A not loaded).
+  __device__ __forceinline__ void copy(const GroupedGemmParams& p, uint8_t* a_stage, int lane, int k0, int rows) const {
+    const int chunk = lane % 8;
+    const bool k_ok = k0 + chunk * 8 < p.K;
+    const uint32_t k_units = k0 / 8 + chunk;  // this thread's 16 bytes of the K block
+#pragma unroll 8
+    for (int i = 0; i < rows; ++i) {
+      const int r = lane / 8 + (kLoaders / 8) * i;
+      const bool ok = k_ok && arow[i] != ~0u;
+      const uint32_t dst = sm90::smem_addr(a_stage + r * 128 + ((chunk ^ (r & 7)) << 4));
+      // arow + k_units < a_rows * lda / 8 < 2^32: a 32-bit add and one wide multiply-add
+      const void* src = ok ? static_cast<const void*>(reinterpret_cast<const uint4*>(p.a) + (arow[i] + k_units)) : p.a;
+      sm90::cp_async_16(dst, src, ok ? 16 : 0);
+    }
+  }
+};
+
 template <int BN>
 struct GemmSmem {
   static constexpr int kABytes = kGemmBM * kGemmBK * 2;  // 16 KB
@@ -332,13 +368,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     };
     // ------------------------------------------------------------ loaders
     const int lane = tid;        // 0 .. kLoaders-1
-    const int chunk = lane % 8;  // 16-byte chunk (8 bf16 of K) this thread copies in its rows
     int it = 0;
-    // With a gather, this thread's rows of the tile, in registers for the whole tile: re-reading
-    // them from shared memory each K block put a load in front of every cp.async (ncu: the loader
-    // warps stalled on the L1TEX scoreboard, queued behind the cp.async traffic).
-    constexpr int kRowsPerLoader = GATHER ? 128 * 8 / kLoaders : 1;
-    uint32_t arow[kRowsPerLoader];
+    GemmGatherRows<kLoaders> rows;  // with a gather, this thread's rows of the tile
     for (int t = blockIdx.x, n = 0;; t += gridDim.x, ++n) {
       const bool done = t >= total_tiles;
       const GemmTile tile = done ? GemmTile{-1, 0, 0, 0} : gemm_decode_tile(p, gemm_tile_table(p, tile_table), t, kTileCols);
@@ -349,15 +380,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         sm90::mbar_arrive(&tile_full[slot]);
       }
       if (done) break;
-      if constexpr (GATHER) {  // this thread's A rows of the tile (~0 past the expert's end)
-#pragma unroll
-        for (int i = 0; i < kRowsPerLoader; ++i) {
-          const int r = lane / 8 + (kLoaders / 8) * i;
-          // in 16-byte units (the launcher bounds A below 2^32 of them); ~0: zero-fill
-          arow[i] = r < tile.rows ? static_cast<uint32_t>(__ldg(p.gather + tile.row0 + r)) * static_cast<uint32_t>(p.lda / 8)
-                                  : ~0u;
-        }
-      }
+      if constexpr (GATHER) rows.load(p, tile, lane);  // this thread's A rows (~0 past the expert's end)
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
         const int s = it % S;
         if constexpr (GATHER) {
@@ -397,17 +420,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
           }
         }
         if constexpr (GATHER) {
-          const bool k_ok = k0 + chunk * 8 < p.K;
-          const uint32_t k_units = k0 / 8 + chunk;  // this thread's 16 bytes of the K block
-#pragma unroll 8
-          for (int i = 0; i < (a_load ? kRowsPerLoader : 0); ++i) {  // rows lane/8 + (kLoaders/8)·i
-            const int r = lane / 8 + (kLoaders / 8) * i;
-            const bool ok = k_ok && arow[i] != ~0u;
-            const uint32_t dst = sm90::smem_addr(a_stage + r * 128 + ((chunk ^ (r & 7)) << 4));
-            // arow + k_units < a_rows * lda / 8 < 2^32: a 32-bit add and one wide multiply-add
-            const void* src = ok ? static_cast<const void*>(reinterpret_cast<const uint4*>(p.a) + (arow[i] + k_units)) : p.a;
-            sm90::cp_async_16(dst, src, ok ? 16 : 0);
-          }
+          rows.copy(p, a_stage, lane, k0, a_load ? GemmGatherRows<kLoaders>::kRows : 0);
           sm90::cp_async_arrive_noinc(&full[s]);
           epi_step(4);
         }

@@ -44,6 +44,7 @@
 #include <cuda_bf16.h>
 
 #include "kernels/sm90_grouped_gemm.cuh"
+#include "kernels/sm90_grouped_gemm_pingpong.cuh"  // pingpong_mainloop
 
 namespace machmoe::kernels {
 
@@ -121,9 +122,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   if (wg == 0) {
     // ------------------------------------------------------------ loaders
     sm90::setmaxnreg_dec<gemm_producer_regs<EPI>()>();
-    const int chunk = tid % 8;  // the 16-byte chunk (8 bf16 of K) this thread copies in its rows
-    constexpr int kRowsPerLoader = 128 * 8 / kLoaders;
-    uint32_t arow[kRowsPerLoader];
+    GemmGatherRows<kLoaders> rows;  // this thread's dout rows of the tile
     auto publish = [&](int n, const GemmTile& tile) {
       const int slot = n % kTileRing;
       sm90::mbar_wait(&tile_empty[slot], ((n / kTileRing) & 1) ^ 1);
@@ -142,12 +141,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         if (done) publish(n + 1, GemmTile{-2, 0, 0, 0});  // the other consumer's stop signal
       }
       if (done) break;
-#pragma unroll
-      for (int i = 0; i < kRowsPerLoader; ++i) {  // this thread's rows of the tile (~0 past the expert's end)
-        const int r = tid / 8 + (kLoaders / 8) * i;
-        arow[i] = r < tile.rows ? static_cast<uint32_t>(__ldg(p.gather + tile.row0 + r)) * static_cast<uint32_t>(p.lda / 8)
-                                : ~0u;
-      }
+      rows.load(p, tile, tid);  // (~0 past the expert's end)
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
         const int s = it % S;
         sm90::mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
@@ -171,16 +165,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
             }
           }
         }
-        const bool k_ok = k0 + chunk * 8 < p.K;
-        const uint32_t k_units = k0 / 8 + chunk;
-#pragma unroll
-        for (int i = 0; i < kRowsPerLoader; ++i) {
-          const int r = tid / 8 + (kLoaders / 8) * i;
-          const bool ok = k_ok && arow[i] != ~0u;
-          const uint32_t dst = sm90::smem_addr(a_stage + r * 128 + ((chunk ^ (r & 7)) << 4));
-          const void* src = ok ? static_cast<const void*>(reinterpret_cast<const uint4*>(p.a) + (arow[i] + k_units)) : p.a;
-          sm90::cp_async_16(dst, src, ok ? 16 : 0);
-        }
+        rows.copy(p, a_stage, tid, k0, GemmGatherRows<kLoaders>::kRows);
         sm90::cp_async_arrive_noinc(&full[s]);
       }
     }
@@ -209,39 +194,14 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       rs[0].load_pairs(p, tile, 0);
       rs[1].load_pairs(p, tile, 1);
       float acc[2][BN / 2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) acc[h][i] = 0.f;
-      int prev_stage = -1;
-      // Stage index: the CTA's K blocks are consumed in tile order, k_blocks per tile.
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        const int it = n * k_blocks + kb, s = it % S;
-        sm90::mbar_wait(&full[s], (it / S) & 1);
-        sm90::fence_proxy_async_shared();  // cp.async (generic proxy) -> wgmma
-        const uint32_t a_addr = sm90::smem_addr(smem_a + s * Smem::kABytes);
-        const uint32_t b_addr = sm90::smem_addr(smem_b + s * Smem::kBBytes);
-        sm90::wgmma_fence();
-        if (!gemm_probe(p, 2)) {  // (timing probe: no wgmma)
-#pragma unroll
-          for (int ks = 0; ks < kGemmBK / 16; ++ks) {
-            const uint64_t desc_b = sm90::smem_desc_mnmajor_sw128(b_addr + ks * 2048, 64 * 128);
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-              sm90::wgmma_bf16<BN, 0, 1>(acc[h], sm90::smem_desc_kmajor_sw128(a_addr + h * 64 * 128 + ks * 32), desc_b, 1);
-          }
-        }
-        sm90::wgmma_commit();
-        sm90::wgmma_wait<1>();
-        sm90::fence_accumulators(acc[0]);
-        sm90::fence_accumulators(acc[1]);
-        if (prev_stage >= 0 && tid == 0) release(prev_stage);
-        prev_stage = s;
-        if (kb == 0) {
-          rs[0].load_scores(p);
-          rs[1].load_scores(p);
-        }
-      }
+      const int prev_stage = pingpong_mainloop<BN, true, true, S, Smem::kABytes, Smem::kBBytes>(
+          p, acc, smem_a, smem_b, n, k_blocks, [&](int s, uint32_t parity) { sm90::mbar_wait(&full[s], parity); },
+          release, [&](int kb) {
+            if (kb == 0) {
+              rs[0].load_scores(p);
+              rs[1].load_scores(p);
+            }
+          });
       sm90::named_barrier_arrive(kTurn + (c ^ 1), 256);  // the other consumer's turn
       sm90::wgmma_wait<0>();
       sm90::fence_accumulators(acc[0]);

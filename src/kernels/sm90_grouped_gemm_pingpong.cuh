@@ -114,6 +114,52 @@ __device__ __forceinline__ void pingpong_copy_rows(const GroupedGemmParams& p, G
   gemm_write_out<BN, kEpiStore, 64>(p, tile, buf, threadIdx.x % 128, rows * (BN / 8), 128, 1 << 30, true, false);
 }
 
+// A consumer's main loop in the ping-pong kernels (this one and sm90_grouped_gemm_dact_pingpong.cuh):
+// CTA tile n's K blocks, stages it = n·k_blocks + kb, into acc [2][BN/2] from zero: two m64nBN
+// chains, rows 0-63 and 64-127 of the A stage. One wgmma group stays in flight; thread 0 of the
+// warpgroup releases each stage (release(s)) once the group reading it has retired. Returns the
+// last stage, not yet released: the caller hands the turn on before it drains. wait_full(s,
+// parity) waits for a stage (the store kernel times the wait); after_block(kb) runs after each
+// block's wait<1>. kGather: A came by cp.async (the generic proxy), fenced for the wgmmas.
+template <int BN, bool B_NMAJOR, bool kGather, int S, int kABytes, int kBBytes, class WaitFull, class Release,
+          class AfterBlock>
+__device__ __forceinline__ int pingpong_mainloop(const GroupedGemmParams& p, float (&acc)[2][BN / 2],
+                                                 const uint8_t* smem_a, const uint8_t* smem_b, int n, int k_blocks,
+                                                 WaitFull wait_full, Release release, AfterBlock after_block) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[h][i] = 0.f;
+  int prev_stage = -1;
+  for (int kb = 0; kb < k_blocks; ++kb) {
+    const int it = n * k_blocks + kb, s = it % S;
+    wait_full(s, (it / S) & 1);
+    if constexpr (kGather) sm90::fence_proxy_async_shared();  // cp.async (generic proxy) -> wgmma
+    const uint32_t a_addr = sm90::smem_addr(smem_a + s * kABytes);
+    const uint32_t b_addr = sm90::smem_addr(smem_b + s * kBBytes);
+    sm90::wgmma_fence();
+    if (!gemm_probe(p, 2)) {  // (timing probe: no wgmma)
+#pragma unroll
+      for (int ks = 0; ks < kGemmBK / 16; ++ks) {
+        const uint64_t desc_b = B_NMAJOR ? sm90::smem_desc_mnmajor_sw128(b_addr + ks * 2048, 64 * 128)
+                                         : sm90::smem_desc_kmajor_sw128(b_addr + ks * 32);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          sm90::wgmma_bf16<BN, 0, B_NMAJOR ? 1 : 0>(acc[h], sm90::smem_desc_kmajor_sw128(a_addr + h * 64 * 128 + ks * 32),
+                                                    desc_b, 1);
+      }
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<1>();
+    sm90::fence_accumulators(acc[0]);
+    sm90::fence_accumulators(acc[1]);
+    if (prev_stage >= 0 && threadIdx.x % 128 == 0) release(prev_stage);
+    prev_stage = s;
+    after_block(kb);
+  }
+  return prev_stage;
+}
+
 // B_NMAJOR: W is [E, K, N] (dX~ = dH·W1), read by the 3-D map {N, K, E} in boxes {64 N, 64 K};
 // otherwise W is [E*N, K] (Y = A·W2ᵀ), read in boxes {64 K, 64 rows}. tmap_a: A [R, K] in boxes
 // {64 K, 128 rows}; tmap_c: C [rows, N] in boxes {64 columns, 64 rows}.
@@ -268,35 +314,14 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       if (kEpi == kPPEpiRing && tile.e == -1) sm90::named_barrier_sync(kEpiTurn + c, 256);
       if (tile.e < 0) break;
       float acc[2][BN / 2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) acc[h][i] = 0.f;
-      int prev_stage = -1;
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        const int it = n * k_blocks + kb, s = it % S;
-        const uint32_t t_full = cyc.now();
-        sm90::mbar_wait(&full[s], (it / S) & 1);
-        cyc.add(PingPongCycles::kFullWait, t_full);
-        const uint32_t a_addr = sm90::smem_addr(smem_a + s * Smem::kABytes);
-        const uint32_t b_addr = sm90::smem_addr(smem_b + s * Smem::kBBytes);
-        sm90::wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < kGemmBK / 16; ++ks) {
-          const uint64_t desc_b = B_NMAJOR ? sm90::smem_desc_mnmajor_sw128(b_addr + ks * 2048, 64 * 128)
-                                           : sm90::smem_desc_kmajor_sw128(b_addr + ks * 32);
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            sm90::wgmma_bf16<BN, 0, B_NMAJOR ? 1 : 0>(acc[h], sm90::smem_desc_kmajor_sw128(a_addr + h * 64 * 128 + ks * 32),
-                                                      desc_b, 1);
-        }
-        sm90::wgmma_commit();
-        sm90::wgmma_wait<1>();
-        sm90::fence_accumulators(acc[0]);
-        sm90::fence_accumulators(acc[1]);
-        if (prev_stage >= 0 && tid == 0) release(prev_stage);
-        prev_stage = s;
-      }
+      const int prev_stage = pingpong_mainloop<BN, B_NMAJOR, false, S, Smem::kABytes, Smem::kBBytes>(
+          p, acc, smem_a, smem_b, n, k_blocks,
+          [&](int s, uint32_t parity) {
+            const uint32_t t_full = cyc.now();
+            sm90::mbar_wait(&full[s], parity);
+            cyc.add(PingPongCycles::kFullWait, t_full);
+          },
+          release, [](int) {});
       // The other consumer's turn: its wgmmas queue behind ours while ours drain.
       sm90::named_barrier_arrive(kTurn + (c ^ 1), 256);
       cyc.add(PingPongCycles::kMainLoop, t_main);
