@@ -100,21 +100,12 @@ void launch_pingpong(const CUtensorMap& map_a, const CUtensorMap& map_b, const C
 }
 
 // The dH kernel as a ping-pong GEMM (one 128 x 128 tile per consumer warpgroup).
-template <int EPI, bool kCluster>
+template <int EPI>
 void launch_dact_pingpong(const CUtensorMap& map_b, const kernels::GroupedGemmParams& p, int ctas, cudaStream_t stream) {
   constexpr int smem = kernels::GemmDactPingPongSmem::kBytes;
-  auto* kernel = kernels::sm90_grouped_gemm_dact_pingpong<EPI, kCluster>;
+  auto* kernel = kernels::sm90_grouped_gemm_dact_pingpong<EPI>;
   prepare_smem(reinterpret_cast<const void*>(kernel), smem);
-  if constexpr (!kCluster) {
-    kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_b, p);
-    return;
-  }
-  // Clusters of two CTAs, as many as the device runs at once within `ctas`.
-  detail::ClusterLaunch launch(2, kernels::kGemmThreads, smem, stream);
-  const int clusters = detail::max_active_clusters(reinterpret_cast<const void*>(kernel), launch.config,
-                                                   "grouped_gemm: cudaOccupancyMaxActiveClusters");
-  launch.config.gridDim = dim3(static_cast<unsigned>(2 * std::max(1, std::min(clusters, ctas / 2))));
-  check_cuda(cudaLaunchKernelEx(&launch.config, kernel, map_b, p), "grouped_gemm: cudaLaunchKernelEx");
+  kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_b, p);
 }
 
 // The variants that exist: the forward's epilogues read K-major W; Store takes either; the dH
@@ -230,13 +221,10 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   // Configuration (data, not code): tile_width, also the column-tile count of the dH epilogue's
   // ds_partial (grouped_gemm_column_tiles).
   // The dH kernel as a ping-pong GEMM (kernels/sm90_grouped_gemm_dact_pingpong.cuh) where
-  // kDhPingPongWhere says it wins, or as MACHMOE_DH_PINGPONG says (0 never, 1 wherever it applies,
-  // 2 the same in CTA pairs multicasting W2: an experiment, not yet run on a GPU).
+  // kDhPingPongWhere says it wins, or as MACHMOE_DH_PINGPONG says (0 never, 1 wherever it applies).
   const int dh_env = detail::gemm_dh_pingpong_mode();
   const int dh_mode = dh_env >= 0 ? dh_env : (a.K <= kDhPingPongWhere.max_k ? 1 : 0);
   const bool dh_pingpong = dact && a.gather && dh_mode > 0;
-  // (mode 2: CTA pairs multicasting W2, units of 256 rows; clusters need two CTAs)
-  const bool dh_cluster = dh_pingpong && dh_mode == 2 && (a.max_ctas == 0 || a.max_ctas >= 2);
   const int bn = pingpong ? kernels::kPingPongBN : dh_pingpong ? kernels::kDactPPBN : tile_width(a.N, epi);
   const bool wide = bn == 256;
   const int tile_cols = epi == kernels::kEpiGluConcat ? bn / 2 : bn;
@@ -266,7 +254,7 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   p.ds_cols = static_cast<int>(grouped_gemm_column_tiles(a.N));
 
   if (p.E > kernels::kGemmSmemTileE) {  // (up to kGemmSmemTileE experts the kernel builds them itself)
-    if (pp_cluster || dh_cluster)
+    if (pp_cluster)
       kernels::grouped_gemm_tile_offsets<2 * kernels::kGemmBM><<<1, 1024, 0, stream>>>(a.expert_offsets, p.E, p.n_tiles,
                                                                                       a.tile_offsets);
     else
@@ -278,16 +266,11 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (dh_pingpong) {
     const CUtensorMap map_b = detail::tensor_map_nmajor(a.w, a.E, a.K, a.N, kernels::kGemmBK, fn);
     namespace k = kernels;
-    auto with_epi = [&](auto cluster) {
-      constexpr bool kC = decltype(cluster)::value;
-      switch (epi) {
-        case k::kEpiDGluInter: launch_dact_pingpong<k::kEpiDGluInter, kC>(map_b, p, ctas, stream); break;
-        case k::kEpiDGluConcat: launch_dact_pingpong<k::kEpiDGluConcat, kC>(map_b, p, ctas, stream); break;
-        default: launch_dact_pingpong<k::kEpiDAct, kC>(map_b, p, ctas, stream); break;
-      }
-    };
-    if (dh_cluster) with_epi(std::true_type{});
-    else with_epi(std::false_type{});
+    switch (epi) {
+      case k::kEpiDGluInter: launch_dact_pingpong<k::kEpiDGluInter>(map_b, p, ctas, stream); break;
+      case k::kEpiDGluConcat: launch_dact_pingpong<k::kEpiDGluConcat>(map_b, p, ctas, stream); break;
+      default: launch_dact_pingpong<k::kEpiDAct>(map_b, p, ctas, stream); break;
+    }
     check_launch(fn);
     return;
   }

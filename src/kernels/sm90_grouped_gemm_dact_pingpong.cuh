@@ -1,7 +1,7 @@
 // Kernel family 6 of SPEC §2 (the dH kernel: dA' = dout[gathered] · W2, then the dH epilogue of
 // sm90_gemm_epilogue_dact.cuh) as a ping-pong grouped GEMM: one 128 x 128 tile per consumer
 // warpgroup, SonicMoE's arrangement for this kernel. The default where d = K <= 2048
-// (host/grouped_gemm.cu, kDhPingPongWhere; MACHMOE_DH_PINGPONG=0/1/2 overrides).
+// (host/grouped_gemm.cu, kDhPingPongWhere; MACHMOE_DH_PINGPONG=0/1 overrides).
 //
 // Measured (session 27, H100 kernel table): 5-6.5% faster than the cooperative kernel at d = 768
 // and 1536 (7B-a 0.529-0.541 ms against 0.568-0.580), 7-9% slower at d = 4096. Timing probes at
@@ -31,14 +31,9 @@
 // A stage is released by the one consumer that read it; every output element, and each row's dS
 // partial of the tile's 128 columns, is written once by one thread: deterministic.
 //
-// kCluster (MACHMOE_DH_PINGPONG=2; SonicMoE's cluster of two, not yet run on a GPU): clusters of
-// two CTAs take units of 256 rows of one expert x 128 columns, rank r the rows 128r .. 128r + 127
-// (rank 1 of an expert's odd last unit has none: it loads, computes and stores nothing). Both need
-// the same W2 tile: each loads one of its two {64 N, 64 K} boxes and multicasts it to both CTAs,
-// halving the weights' L2->SM traffic (session 27's probes: the kernel is bound by its loads and
-// epilogue traffic, not the tensor cores). A stage is free only once the consumers of both CTAs
-// have released it (two arrivals, one remote), since the peer writes into it; neither CTA exits
-// while the other may still write into it or arrive on its barriers.
+// Measured and removed (session 28, H100): the same kernel in CTA pairs, each CTA loading one of
+// W2's two boxes per stage and multicasting it to both (SonicMoE's cluster of two; half the
+// weights' L2->SM bytes). 4-12% slower at d <= 1536 and 11% slower at 30B-b than one CTA alone.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -72,14 +67,13 @@ struct GemmDactPingPongSmem {
 
 // EPI: kEpiDGluInter, kEpiDGluConcat or kEpiDAct. A = dout [T, K] gathered through p.gather
 // (always: the dH GEMM's rows are routed tokens); W2 [E, K, N] N-major through tmap_b {N, K, E}.
-template <int EPI, bool kCluster>
+template <int EPI>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     sm90_grouped_gemm_dact_pingpong(const __grid_constant__ CUtensorMap tmap_b, const GroupedGemmParams p) {
   static_assert(gemm_epi_is_dact(EPI), "the dH epilogues only");
   using Smem = GemmDactPingPongSmem;
   constexpr int BN = kDactPPBN;
   constexpr int S = Smem::kStages;
-  constexpr int kUnitRows = kCluster ? 2 * kGemmBM : kGemmBM;  // rows of one schedule unit
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024u - (sm90::smem_addr(smem_raw) & 1023u)) & 1023u);
   uint8_t* smem_a = smem;
@@ -95,13 +89,10 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
 
   constexpr int kLoaders = 128;
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
-  const uint32_t rank = kCluster ? sm90::cluster_ctarank() : 0, peer = rank ^ 1u;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
-      // the loaders' cp.async arrivals + thread 0's expect_tx (both W2 boxes: its own and, with
-      // kCluster, the peer's multicast)
-      sm90::mbar_init(&full[s], kLoaders + 1);
-      sm90::mbar_init(&empty[s], kCluster ? 2 : 1);  // the consumer that read it (and the peer's)
+      sm90::mbar_init(&full[s], kLoaders + 1);  // the loaders' cp.async arrivals + thread 0's expect_tx
+      sm90::mbar_init(&empty[s], 1);            // the consumer that read it
     }
     for (int r = 0; r < kTileRing; ++r) {
       sm90::mbar_init(&tile_full[r], 1);      // loader thread 0
@@ -110,12 +101,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     sm90::mbar_fence_init();
     sm90::tma_prefetch_descriptor(&tmap_b);
   }
-  if (p.E <= kGemmSmemTileE && threadIdx.x >= 32 && threadIdx.x < 64) gemm_tile_offsets_warp<kUnitRows>(p, tile_table);
-  if constexpr (kCluster)
-    sm90::cluster_sync();  // the peer's barriers exist before anything signals them
-  else
-    __syncthreads();
-  const int first = kCluster ? blockIdx.x / 2 : blockIdx.x, stride = kCluster ? gridDim.x / 2 : gridDim.x;
+  if (p.E <= kGemmSmemTileE && threadIdx.x >= 32 && threadIdx.x < 64) gemm_tile_offsets_warp(p, tile_table);
+  __syncthreads();
   const int total_tiles = gemm_tile_table(p, tile_table)[p.E];
   const int k_blocks = (p.K + kGemmBK - 1) / kGemmBK;
 
@@ -129,13 +116,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       ring[slot] = tile;
       sm90::mbar_arrive(&tile_full[slot]);
     };
-    for (int t = first, n = 0, it = 0;; t += stride, ++n) {
+    for (int t = blockIdx.x, n = 0, it = 0;; t += gridDim.x, ++n) {
       const bool done = t >= total_tiles;
-      GemmTile tile = done ? GemmTile{-1, 0, 0, 0} : gemm_decode_tile<kUnitRows>(p, gemm_tile_table(p, tile_table), t, BN);
-      if (kCluster && !done) {  // this CTA's 128 of the unit's rows (none: rows = 0)
-        tile.row0 += kGemmBM * static_cast<int>(rank);
-        tile.rows = max(0, min(kGemmBM, tile.rows - kGemmBM * static_cast<int>(rank)));
-      }
+      const GemmTile tile = done ? GemmTile{-1, 0, 0, 0} : gemm_decode_tile(p, gemm_tile_table(p, tile_table), t, BN);
       if (tid == 0) {
         publish(n, tile);
         if (done) publish(n + 1, GemmTile{-2, 0, 0, 0});  // the other consumer's stop signal
@@ -156,14 +139,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         if (tid == 0) {
           sm90::mbar_arrive_expect_tx(&full[s], Smem::kBBytes);
 #pragma unroll
-          for (int h = 0; h < BN / 64; ++h) {  // [64 K rows][64 N] blocks, 8 KB apart
-            if constexpr (kCluster) {
-              if (h % 2 != static_cast<int>(rank)) continue;  // the peer multicasts this box
-              sm90::tma_load_3d_multicast(b_stage + h * 64 * 128, &tmap_b, &full[s], tile.n0 + 64 * h, k0, tile.e, 0x3);
-            } else {
-              sm90::tma_load_3d(b_stage + h * 64 * 128, &tmap_b, &full[s], tile.n0 + 64 * h, k0, tile.e);
-            }
-          }
+          for (int h = 0; h < BN / 64; ++h)  // [64 K rows][64 N] blocks, 8 KB apart
+            sm90::tma_load_3d(b_stage + h * 64 * 128, &tmap_b, &full[s], tile.n0 + 64 * h, k0, tile.e);
         }
         rows.copy(p, a_stage, tid, k0, GemmGatherRows<kLoaders>::kRows);
         sm90::cp_async_arrive_noinc(&full[s]);
@@ -172,10 +149,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   } else {
     // ------------------------------------------------------------ consumers
     sm90::setmaxnreg_inc<gemm_consumer_regs<EPI>()>();
-    auto release = [&](int s) {  // by one thread: this CTA's barrier (and the peer's)
-      sm90::mbar_arrive(&empty[s]);
-      if constexpr (kCluster) sm90::mbar_arrive_cluster(&empty[s], peer);
-    };
+    auto release = [&](int s) { sm90::mbar_arrive(&empty[s]); };  // by one thread
     const int c = wg - 1;
     uint8_t* buf = epi + c * Smem::kEpiBufBytes;
     float* scale = scales + c * 128;
@@ -236,9 +210,6 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       }
     }
   }
-  // kCluster: neither CTA exits while the other may still multicast into it or arrive on its
-  // barriers (every thread of both CTAs arrives here).
-  if constexpr (kCluster) sm90::cluster_sync();
 }
 
 }  // namespace machmoe::kernels
