@@ -55,7 +55,14 @@ struct GemmDactPingPongSmem {
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kEpiBufBytes = 128 * epi_row_bytes<BN>();  // a consumer's staged dA' tile
   static constexpr int kScaleBytes = 128 * 4;                     // its rows' scores
+#if MACHMOE_GEMM_PROBE_EXTRA_STAGE
+  // Probe build only (wrong results): no staging buffers, so more stages (6 instead of 4), and the
+  // kernel skips its epilogue: what the main loop would gain from an epilogue without them.
+  static constexpr int kEpiBytes = 0;
+#else
   static constexpr int kEpiBytes = 2 * (kEpiBufBytes + kScaleBytes);
+#endif
+  static constexpr bool kNoEpilogue = kEpiBytes == 0;
   static constexpr int kBudget = 227 * 1024;
   static constexpr int kFixed = 4096;  // 1 KB alignment slack + barriers + the ring + the tile table
   static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / kStageBytes;
@@ -181,7 +188,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       sm90::fence_accumulators(acc[0]);
       sm90::fence_accumulators(acc[1]);
       if (prev_stage >= 0 && tid == 0) release(prev_stage);
-      if (gemm_probe(p, 1)) continue;  // timing probe: no epilogue
+      if (gemm_probe(p, 1) || Smem::kNoEpilogue) continue;  // timing probe: no epilogue
 
       // The epilogue, under the other consumer's wgmmas. Every thread of this warpgroup is done
       // reading the buffer (its previous tile's epilogue) before it is overwritten.
