@@ -31,6 +31,12 @@
 // A stage is released by the one consumer that read it; every output element, and each row's dS
 // partial of the tile's 128 columns, is written once by one thread: deterministic.
 //
+// Session 28 (H100): the main loop is short of stages at d <= 1536. Without the two staging
+// buffers (six stages instead of four, epilogue skipped) it ran 29% faster at 7B-a, as fast as
+// its loads alone. Two ways to free the buffers were correct and slower: the epilogue straight
+// from the accumulators (7-21%), and staging in 64-row halves with five stages (2-6%). With 128
+// accumulators under the 168-register cap, either leaves the epilogue too few loads in flight
+// to stay under the other consumer's main loop (patches in results/session28/).
 // Measured and removed (session 28, H100): the same kernel in CTA pairs, each CTA loading one of
 // W2's two boxes per stage and multicasting it to both (SonicMoE's cluster of two; half the
 // weights' L2->SM bytes). 4-12% slower at d <= 1536 and 11% slower at 30B-b than one CTA alone.
