@@ -102,10 +102,20 @@ void launch_pingpong(const CUtensorMap& map_a, const CUtensorMap& map_b, const C
 // The dH kernel as a ping-pong GEMM (one 128 x 128 tile per consumer warpgroup).
 template <int EPI>
 void launch_dact_pingpong(const CUtensorMap& map_b, const kernels::GroupedGemmParams& p, int ctas, cudaStream_t stream) {
-  constexpr int smem = kernels::GemmDactPingPongSmem::kBytes;
+  constexpr int smem = kernels::GemmDactPingPongSmem<>::kBytes;
   auto* kernel = kernels::sm90_grouped_gemm_dact_pingpong<EPI>;
   prepare_smem(reinterpret_cast<const void*>(kernel), smem);
   kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_b, p);
+}
+
+// MACHMOE_DH_PINGPONG=2: the same with H loaded by TMA (interleaved GLU only). Only full tiles load
+// H through the map, so its rows need no bound (as C's map for stores).
+void launch_dact_pingpong_tma_h(const CUtensorMap& map_b, const CUtensorMap& map_h, const kernels::GroupedGemmParams& p,
+                                int ctas, cudaStream_t stream) {
+  constexpr int smem = kernels::GemmDactPingPongSmem<true>::kBytes;
+  auto* kernel = kernels::sm90_grouped_gemm_dact_pingpong_tma_h<kernels::kEpiDGluInter>;
+  prepare_smem(reinterpret_cast<const void*>(kernel), smem);
+  kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_b, map_h, p);
 }
 
 // The variants that exist: the forward's epilogues read K-major W; Store takes either; the dH
@@ -221,7 +231,8 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   // Configuration (data, not code): tile_width, also the column-tile count of the dH epilogue's
   // ds_partial (grouped_gemm_column_tiles).
   // The dH kernel as a ping-pong GEMM (kernels/sm90_grouped_gemm_dact_pingpong.cuh) where
-  // kDhPingPongWhere says it wins, or as MACHMOE_DH_PINGPONG says (0 never, 1 wherever it applies).
+  // kDhPingPongWhere says it wins, or as MACHMOE_DH_PINGPONG says (0 never, 1 wherever it applies, 2 the
+  // same with H loaded by TMA where H is interleaved: not yet run on a GPU).
   const int dh_env = detail::gemm_dh_pingpong_mode();
   const int dh_mode = dh_env >= 0 ? dh_env : (a.K <= kDhPingPongWhere.max_k ? 1 : 0);
   const bool dh_pingpong = dact && a.gather && dh_mode > 0;
@@ -266,6 +277,12 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (dh_pingpong) {
     const CUtensorMap map_b = detail::tensor_map_nmajor(a.w, a.E, a.K, a.N, kernels::kGemmBK, fn);
     namespace k = kernels;
+    if (dh_mode == 2 && epi == k::kEpiDGluInter) {
+      const CUtensorMap map_h = detail::tensor_map_2d(a.h, int64_t{1} << 31, 2 * a.N, a.ldh, 64, 64, fn);
+      launch_dact_pingpong_tma_h(map_b, map_h, p, ctas, stream);
+      check_launch(fn);
+      return;
+    }
     switch (epi) {
       case k::kEpiDGluInter: launch_dact_pingpong<k::kEpiDGluInter>(map_b, p, ctas, stream); break;
       case k::kEpiDGluConcat: launch_dact_pingpong<k::kEpiDGluConcat>(map_b, p, ctas, stream); break;

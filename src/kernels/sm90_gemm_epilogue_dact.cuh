@@ -193,6 +193,197 @@ struct DactPipe {
   }
 };
 
+// The dH epilogue straight from a consumer warpgroup's accumulators, without staging dA' (the
+// ping-pong dH kernel's MACHMOE_DH_PINGPONG=2 variant). One m64nBNk16 chain covers 64 rows of the
+// tile; as wgmma lays the accumulators out, this thread holds for each 8-column group j the columns
+// c = 8j + 2 (lane % 4), c + 1 of rows r0 = row_base + 16 warp + lane / 4 (acc[4j], acc[4j + 1])
+// and r0 + 8 (acc[4j + 2], acc[4j + 3]). Per (row, column pair): one dH store of 8 bytes
+// (interleaved GLU) or 4, one 4-byte A' store; a row's four lanes cover 32 contiguous bytes of
+// each. dA' is rounded to bf16 first, as the staged epilogue reads it, so every dH and A' element
+// is bitwise the staged epilogue's; the dS partial sums the same products in another order (per
+// thread, then over the row's four lanes).
+// H comes one of two ways:
+//   run_regs: loaded by the thread itself (8- or 4-byte loads, kJ groups ahead). Measured alone
+//     in session 28 (every tile, six stages): 7-21% slower than the staged epilogue, because
+//     under the 168-register cap too few loads stay in flight. Here: an expert's partial last
+//     tile only.
+//   run_smem: a 64-row x 32-column sub-tile of dA' at a time, its H [64 rows][64 bf16] loaded by
+//     TMA (128-byte swizzle) into shared memory ahead of time by the kernel; interleaved GLU only.
+template <int BN, int EPI>
+struct DactFromAcc {
+  static constexpr int kNJ = BN / 8;  // 8-column groups of the chain
+  // groups per load step of run_regs (partial tiles only): more spilled beside the TMA path's
+  // state at the 168-register cap
+  static constexpr int kJ = 1;
+  static_assert(kNJ % kJ == 0, "whole load steps");
+  static constexpr bool kGlu = EPI != kEpiDAct;
+
+  __device__ __forceinline__ static float bf(unsigned w, int i) {  // bf16 i (0: low half) of a word
+    return __uint_as_float(i == 0 ? w << 16 : w & 0xffff0000u);
+  }
+  __device__ __forceinline__ static unsigned pack(float lo, float hi) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const unsigned*>(&h);
+  }
+
+  // One (row, column pair j, j + 1): v holds H (interleaved: (gate, up) of j, then of j + 1;
+  // concatenated: gate j, j + 1, then up j, j + 1; activation: h j, j + 1), da0/da1 the fp32 dA'.
+  template <int ACT>
+  __device__ __forceinline__ static void item(const GroupedGemmParams& p, bool ok, int64_t row, int j, uint2 v,
+                                              float da0, float da1, float s, float& ds) {
+    float g[2], up[2] = {1.f, 1.f};
+    if constexpr (EPI == kEpiDGluInter) {
+      g[0] = bf(v.x, 0), up[0] = bf(v.x, 1), g[1] = bf(v.y, 0), up[1] = bf(v.y, 1);
+    } else if constexpr (EPI == kEpiDGluConcat) {
+      g[0] = bf(v.x, 0), g[1] = bf(v.x, 1), up[0] = bf(v.y, 0), up[1] = bf(v.y, 1);
+    } else {
+      g[0] = bf(v.x, 0), g[1] = bf(v.x, 1);
+    }
+    const float dav[2] = {round_bf16(da0), round_bf16(da1)};
+    float a_scaled[2], d0[2], d1[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float f;
+      const float df = gemm_act_grad<ACT>(g[i], f);
+      const float a = round_bf16(kGlu ? f * up[i] : f);
+      ds += dav[i] * a;
+      const float dd = s * dav[i];
+      a_scaled[i] = s * a;
+      d0[i] = kGlu ? dd * df * up[i] : dd * df;
+      d1[i] = dd * f;
+    }
+    if (!ok) return;
+    const int n = p.N;
+    __nv_bfloat16* dh = p.c + row * p.ldc;
+    if constexpr (EPI == kEpiDGluInter) {  // back to (gate, up) pairs
+      *reinterpret_cast<uint2*>(dh + 2 * j) = make_uint2(pack(d0[0], d1[0]), pack(d0[1], d1[1]));
+    } else if constexpr (EPI == kEpiDGluConcat) {
+      *reinterpret_cast<unsigned*>(dh + j) = pack(d0[0], d0[1]);
+      *reinterpret_cast<unsigned*>(dh + n + j) = pack(d1[0], d1[1]);
+    } else {
+      *reinterpret_cast<unsigned*>(dh + j) = pack(d0[0], d0[1]);
+    }
+    *reinterpret_cast<unsigned*>(p.c2 + row * p.ldc2 + j) = pack(a_scaled[0], a_scaled[1]);
+  }
+
+  // A row's BN columns are its quad's four lanes: one dS partial per row (BN = kDsCols).
+  __device__ __forceinline__ static void write_ds(const GroupedGemmParams& p, const GemmTile& tile, int r0,
+                                                  const bool (&row_ok)[2], float (&ds)[2]) {
+    static_assert(BN == kDsCols, "one dS partial per tile row");
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      ds[half] += __shfl_xor_sync(0xffffffffu, ds[half], 1);
+      ds[half] += __shfl_xor_sync(0xffffffffu, ds[half], 2);
+      if (threadIdx.x % 4 == 0 && row_ok[half])
+        p.ds_partial[static_cast<int64_t>(tile.row0 + r0 + 8 * half) * p.ds_cols + tile.n0 / kDsCols] = ds[half];
+    }
+  }
+
+  template <int ACT>
+  __device__ __forceinline__ static void run_regs_act(const GroupedGemmParams& p, const GemmTile& tile, int row_base,
+                                                      const float (&acc)[BN / 2], const float (&s)[2]) {
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    const int r0 = row_base + warp * 16 + lane / 4;  // this thread's rows r0 and r0 + 8 of the tile
+    const int c0 = tile.n0 + 2 * (lane % 4);          // its column in group 0
+    const int n = p.N;
+    bool row_ok[2];
+    const __nv_bfloat16* hrow[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      row_ok[half] = r0 + 8 * half < tile.rows;
+      hrow[half] = p.h + static_cast<int64_t>(tile.row0 + r0 + 8 * half) * p.ldh;
+    }
+    uint2 hv[2][kJ][2];  // [load step parity][group in step][row half]
+    auto load = [&](int step, uint2 (&dst)[kJ][2]) {
+#pragma unroll
+      for (int q = 0; q < kJ; ++q) {
+        const int j = c0 + 8 * (step * kJ + q);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          uint2 v = make_uint2(0u, 0u);
+          if (row_ok[half] && j < n) {
+            if constexpr (EPI == kEpiDGluInter) {  // (gate, up) of columns j, j + 1: 8 bytes
+              v = __ldg(reinterpret_cast<const uint2*>(hrow[half] + 2 * j));
+            } else if constexpr (EPI == kEpiDGluConcat) {  // gate j, j + 1 and up j, j + 1
+              v.x = __ldg(reinterpret_cast<const unsigned*>(hrow[half] + j));
+              v.y = __ldg(reinterpret_cast<const unsigned*>(hrow[half] + n + j));
+            } else {
+              v.x = __ldg(reinterpret_cast<const unsigned*>(hrow[half] + j));
+            }
+          }
+          dst[q][half] = v;
+        }
+      }
+    };
+    float ds[2] = {0.f, 0.f};
+    constexpr int kSteps = kNJ / kJ;
+    load(0, hv[0]);
+#pragma unroll
+    for (int step = 0; step < kSteps; ++step) {
+      if (step + 1 < kSteps) load(step + 1, hv[(step + 1) % 2]);
+#pragma unroll
+      for (int q = 0; q < kJ; ++q) {
+        const int jj = step * kJ + q, j = c0 + 8 * jj;
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          item<ACT>(p, row_ok[half] && j < n, tile.row0 + r0 + 8 * half, j, hv[step % 2][q][half],
+                    acc[4 * jj + 2 * half], acc[4 * jj + 2 * half + 1], s[half], ds[half]);
+      }
+    }
+    write_ds(p, tile, r0, row_ok, ds);
+  }
+
+  // Sub-tile q (dA' columns 32q .. 32q + 31 of the chain at row_base) of a full tile, H from
+  // hbuf: [64 rows][128 bytes] as TMA writes it with the 128-byte swizzle (16-byte chunk k of row
+  // r at chunk k ^ (r % 8)); 1024-byte aligned. ds accumulates this thread's two rows.
+  template <int ACT>
+  __device__ __forceinline__ static void run_smem_act(const GroupedGemmParams& p, const GemmTile& tile, int row_base,
+                                                      int q, const uint8_t* hbuf, const float (&acc)[BN / 2],
+                                                      const float (&s)[2], float (&ds)[2]) {
+    static_assert(EPI == kEpiDGluInter, "the TMA-loaded H sub-tiles hold (gate, up) pairs");
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    const int rl = warp * 16 + lane / 4;  // this thread's rows rl, rl + 8 of the sub-tile
+#pragma unroll
+    for (int jq = 0; jq < 4; ++jq) {
+      const int jj = 4 * q + jq, j = tile.n0 + 8 * jj + 2 * (lane % 4);
+      const int chunk = 2 * jq + (lane % 4) / 2, within = 8 * (lane % 2);  // H bytes 4 (8 jq + 2 (lane % 4))
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = rl + 8 * half;
+        const uint2 v = *reinterpret_cast<const uint2*>(hbuf + r * 128 + ((chunk ^ (r % 8)) << 4) + within);
+        item<ACT>(p, j < p.N, tile.row0 + row_base + r, j, v, acc[4 * jj + 2 * half], acc[4 * jj + 2 * half + 1],
+                  s[half], ds[half]);
+      }
+    }
+  }
+
+#define MACHMOE_DACT_DISPATCH(call, ...)                                               \
+  if constexpr (EPI == kEpiDAct) {                                                      \
+    switch (p.act) {                                                                    \
+      case kActReLU2: return call<kActReLU2>(__VA_ARGS__);                              \
+      case kActReLU: return call<kActReLU>(__VA_ARGS__);                                \
+      case kActGELU: return call<kActGELU>(__VA_ARGS__);                                \
+      default: return call<kActSiLU>(__VA_ARGS__);                                     \
+    }                                                                                   \
+  } else {                                                                              \
+    switch (p.act) {                                                                    \
+      case kActGeGLU: return call<kActGeGLU>(__VA_ARGS__);                              \
+      case kActReGLU: return call<kActReGLU>(__VA_ARGS__);                              \
+      default: return call<kActSwiGLU>(__VA_ARGS__);                                    \
+    }                                                                                   \
+  }
+  __device__ __forceinline__ static void run_regs(const GroupedGemmParams& p, const GemmTile& tile, int row_base,
+                                                  const float (&acc)[BN / 2], const float (&s)[2]) {
+    MACHMOE_DACT_DISPATCH(run_regs_act, p, tile, row_base, acc, s)
+  }
+  __device__ __forceinline__ static void run_smem(const GroupedGemmParams& p, const GemmTile& tile, int row_base, int q,
+                                                  const uint8_t* hbuf, const float (&acc)[BN / 2],
+                                                  const float (&s)[2], float (&ds)[2]) {
+    MACHMOE_DACT_DISPATCH(run_smem_act, p, tile, row_base, q, hbuf, acc, s, ds)
+  }
+#undef MACHMOE_DACT_DISPATCH
+};
+
 // Consumer side: the scores of the warpgroup's rows, staged with the tile. Loaded in two steps
 // during the main loop (row -> pair at the tile's start, pair -> score after its first K block)
 // so that neither load stalls the tensor cores.

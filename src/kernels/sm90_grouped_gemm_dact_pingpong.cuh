@@ -1,7 +1,9 @@
 // Kernel family 6 of SPEC §2 (the dH kernel: dA' = dout[gathered] · W2, then the dH epilogue of
 // sm90_gemm_epilogue_dact.cuh) as a ping-pong grouped GEMM: one 128 x 128 tile per consumer
 // warpgroup, SonicMoE's arrangement for this kernel. The default where d = K <= 2048
-// (host/grouped_gemm.cu, kDhPingPongWhere; MACHMOE_DH_PINGPONG=0/1 overrides).
+// (host/grouped_gemm.cu, kDhPingPongWhere; MACHMOE_DH_PINGPONG=0/1 overrides; =2 selects the
+// sm90_grouped_gemm_dact_pingpong_tma_h variant at the end of this file, built in session 28 and
+// not yet run on a GPU).
 //
 // Measured (session 27, H100 kernel table): 5-6.5% faster than the cooperative kernel at d = 768
 // and 1536 (7B-a 0.529-0.541 ms against 0.568-0.580), 7-9% slower at d = 4096. Timing probes at
@@ -54,6 +56,7 @@ constexpr int kDactPPGroup = 4;  // epilogue items per thread per load group
 
 // (Session 27 also ran the two consumers through one buffer taken in turn, for a fifth stage: no
 // faster at d <= 1536, 11% slower at 30B-b; removed.)
+template <bool kTmaH = false>
 struct GemmDactPingPongSmem {
   static constexpr int BN = kDactPPBN;
   static constexpr int kABytes = kGemmBM * kGemmBK * 2;  // 16 KB of gathered dO rows
@@ -61,12 +64,16 @@ struct GemmDactPingPongSmem {
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kEpiBufBytes = 128 * epi_row_bytes<BN>();  // a consumer's staged dA' tile
   static constexpr int kScaleBytes = 128 * 4;                     // its rows' scores
+  // kTmaH (MACHMOE_DH_PINGPONG=2): no staged dA'; per consumer kHBufs buffers of one H sub-tile
+  // [64 rows][64 bf16] (8 KB, 1 KB aligned), loaded by TMA ahead of the epilogue.
+  static constexpr int kHBufs = 3;
+  static constexpr int kHBufBytes = 64 * 128;
 #if MACHMOE_GEMM_PROBE_EXTRA_STAGE
   // Probe build only (wrong results): no staging buffers, so more stages (6 instead of 4), and the
   // kernel skips its epilogue: what the main loop would gain from an epilogue without them.
   static constexpr int kEpiBytes = 0;
 #else
-  static constexpr int kEpiBytes = 2 * (kEpiBufBytes + kScaleBytes);
+  static constexpr int kEpiBytes = kTmaH ? 2 * kHBufs * kHBufBytes : 2 * (kEpiBufBytes + kScaleBytes);
 #endif
   static constexpr bool kNoEpilogue = kEpiBytes == 0;
   static constexpr int kBudget = 227 * 1024;
@@ -74,17 +81,21 @@ struct GemmDactPingPongSmem {
   static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / kStageBytes;
   static constexpr int kBytes = kStages * kStageBytes + kEpiBytes + kFixed;
   static_assert(kStages >= 3 && kStages < kTileRing, "stages");
-  static_assert((2 * kStages + 2 * kTileRing) * 8 + kTileRing * 16 + (kGemmSmemTileE + 1) * 4 <= kFixed - 1024,
+  static_assert((2 * kStages + 2 * kTileRing + 2 * kHBufs) * 8 + kTileRing * 16 + (kGemmSmemTileE + 1) * 4 <=
+                    kFixed - 1024,
                 "fixed shared-memory area too small");
 };
 
 // EPI: kEpiDGluInter, kEpiDGluConcat or kEpiDAct. A = dout [T, K] gathered through p.gather
 // (always: the dH GEMM's rows are routed tokens); W2 [E, K, N] N-major through tmap_b {N, K, E}.
-template <int EPI>
-__global__ void __launch_bounds__(kGemmThreads, 1)
-    sm90_grouped_gemm_dact_pingpong(const __grid_constant__ CUtensorMap tmap_b, const GroupedGemmParams p) {
+// kTmaH: the epilogue from the accumulators with H loaded by TMA (tmap_h, interleaved GLU only;
+// an expert's partial last tile loads H itself).
+template <int EPI, bool kTmaH>
+__device__ __forceinline__ void dact_pingpong_body(const CUtensorMap& tmap_b, const CUtensorMap* tmap_h,
+                                                   const GroupedGemmParams& p) {
   static_assert(gemm_epi_is_dact(EPI), "the dH epilogues only");
-  using Smem = GemmDactPingPongSmem;
+  static_assert(!kTmaH || EPI == kEpiDGluInter, "TMA-loaded H: the interleaved GLU layout only");
+  using Smem = GemmDactPingPongSmem<kTmaH>;
   constexpr int BN = kDactPPBN;
   constexpr int S = Smem::kStages;
   extern __shared__ uint8_t smem_raw[];
@@ -99,6 +110,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   uint64_t* tile_empty = tile_full + kTileRing;
   GemmTile* ring = reinterpret_cast<GemmTile*>(tile_empty + kTileRing);
   int32_t* tile_table = reinterpret_cast<int32_t*>(ring + kTileRing);  // [E+1] when E <= kGemmSmemTileE
+  // kTmaH: consumer c's H buffers at epi + (c * kHBufs + b) * kHBufBytes, their barriers after the
+  // tile table's area (inside kFixed: the static_assert above counts them)
+  uint64_t* hfull = reinterpret_cast<uint64_t*>(tile_table + kGemmSmemTileE + 1 + 1);  // [2][kHBufs], 8-aligned
 
   constexpr int kLoaders = 128;
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
@@ -111,8 +125,12 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       sm90::mbar_init(&tile_full[r], 1);      // loader thread 0
       sm90::mbar_init(&tile_empty[r], 128);   // the consumer warpgroup that took the slot
     }
+    if constexpr (kTmaH) {
+      for (int b = 0; b < 2 * Smem::kHBufs; ++b) sm90::mbar_init(&hfull[b], 1);  // the issuing thread's expect_tx
+    }
     sm90::mbar_fence_init();
     sm90::tma_prefetch_descriptor(&tmap_b);
+    if constexpr (kTmaH) sm90::tma_prefetch_descriptor(tmap_h);
   }
   if (p.E <= kGemmSmemTileE && threadIdx.x >= 32 && threadIdx.x < 64) gemm_tile_offsets_warp(p, tile_table);
   __syncthreads();
@@ -167,6 +185,19 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     uint8_t* buf = epi + c * Smem::kEpiBufBytes;
     float* scale = scales + c * 128;
     constexpr int kTurn = 4;  // named barriers 4 (consumer 0's turn) and 5 (consumer 1's); 2, 3: per warpgroup
+    // kTmaH: H sub-tiles issued / consumed by this consumer (the same count in every thread);
+    // sub-tile k of a tile is chain k / 4's dA' columns 32 (k % 4) ..: H rows row0 + 64 (k / 4),
+    // H columns 2 n0 + 64 (k % 4), in buffer (count % kHBufs).
+    int h_issued = 0, h_used = 0;
+    auto h_issue = [&](const GemmTile& t, int k) {
+      const int b = c * Smem::kHBufs + h_issued % Smem::kHBufs;
+      if (tid == 0) {
+        sm90::fence_proxy_async_shared();  // this warpgroup's reads of the buffer -> the TMA's write
+        sm90::mbar_arrive_expect_tx(&hfull[b], Smem::kHBufBytes);
+        sm90::tma_load_2d(epi + b * Smem::kHBufBytes, tmap_h, &hfull[b], 2 * t.n0 + 64 * (k % 4), t.row0 + 64 * (k / 4));
+      }
+      ++h_issued;
+    };
     if (c == 1) sm90::named_barrier_arrive(kTurn + 0, 256);  // consumer 0 goes first
     for (int n = c;; n += 2) {
       const int slot = n % kTileRing;
@@ -177,6 +208,14 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       // handed to it, the second has none; a stage is waited on only after taking the turn)
       if (tile.e != -2) sm90::named_barrier_sync(kTurn + c, 256);
       if (tile.e < 0) break;
+      // kTmaH: a full tile's first kHBufs H sub-tiles load during its main loop (once every thread
+      // of this warpgroup is done with the previous tile's); a partial tile loads H itself.
+      const bool h_tma = kTmaH && !Smem::kNoEpilogue && tile.rows == kGemmBM && !gemm_probe(p, 1);
+      if (h_tma) {
+        sm90::named_barrier_sync(2 + c, 128);
+#pragma unroll 1
+        for (int k = 0; k < Smem::kHBufs; ++k) h_issue(tile, k);
+      }
       DactRowScale rs[2];
       rs[0].load_pairs(p, tile, 0);
       rs[1].load_pairs(p, tile, 1);
@@ -195,6 +234,31 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       sm90::fence_accumulators(acc[1]);
       if (prev_stage >= 0 && tid == 0) release(prev_stage);
       if (gemm_probe(p, 1) || Smem::kNoEpilogue) continue;  // timing probe: no epilogue
+      if constexpr (kTmaH) {  // the epilogue from the accumulators, under the other consumer's wgmmas
+        if (h_tma) {
+          float ds[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+          const bool all_rows[2] = {true, true};
+#pragma unroll
+          for (int k = 0; k < 8; ++k) {
+            const int b = c * Smem::kHBufs + h_used % Smem::kHBufs;
+            sm90::mbar_wait(&hfull[b], (h_used / Smem::kHBufs) & 1);
+            DactFromAcc<BN, EPI>::run_smem(p, tile, 64 * (k / 4), k % 4, epi + b * Smem::kHBufBytes, acc[k / 4],
+                                           rs[k / 4].s, ds[k / 4]);
+            ++h_used;
+            if (k + Smem::kHBufs < 8) {
+              sm90::named_barrier_sync(2 + c, 128);  // every thread is done reading buffer b
+              h_issue(tile, k + Smem::kHBufs);
+            }
+            if (k % 4 == 3)
+              DactFromAcc<BN, EPI>::write_ds(p, tile, 64 * (k / 4) + ((threadIdx.x / 32) % 4) * 16 + (threadIdx.x % 32) / 4,
+                                             all_rows, ds[k / 4]);
+          }
+        } else {
+          DactFromAcc<BN, EPI>::run_regs(p, tile, 0, acc[0], rs[0].s);
+          DactFromAcc<BN, EPI>::run_regs(p, tile, 64, acc[1], rs[1].s);
+        }
+        continue;
+      }
 
       // The epilogue, under the other consumer's wgmmas. Every thread of this warpgroup is done
       // reading the buffer (its previous tile's epilogue) before it is overwritten.
@@ -223,6 +287,25 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       }
     }
   }
+}
+
+template <int EPI>
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    sm90_grouped_gemm_dact_pingpong(const __grid_constant__ CUtensorMap tmap_b, const GroupedGemmParams p) {
+  dact_pingpong_body<EPI, false>(tmap_b, nullptr, p);
+}
+
+// MACHMOE_DH_PINGPONG=2 (session 28, built and not yet run on a GPU): the epilogue from the
+// accumulators, with H [R, 2n] loaded by TMA through tmap_h ({64 columns, 64 rows} boxes, 128-byte
+// swizzle) into three 8 KB sub-tile buffers per consumer instead of two staged 34 KB dA' tiles,
+// so five operand stages instead of four (session 28's probe: six took the 7B-a main loop from
+// 0.427 to 0.305 ms). The loads in flight live in shared memory, not in registers: the register
+// epilogue alone measured 7-21% slower for want of them. SonicMoE's dH loads H the same way.
+template <int EPI>
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    sm90_grouped_gemm_dact_pingpong_tma_h(const __grid_constant__ CUtensorMap tmap_b,
+                                          const __grid_constant__ CUtensorMap tmap_h, const GroupedGemmParams p) {
+  dact_pingpong_body<EPI, true>(tmap_b, &tmap_h, p);
 }
 
 }  // namespace machmoe::kernels
