@@ -117,6 +117,12 @@ __device__ __forceinline__ int gemm_weight_col(const GroupedGemmParams& p, const
   return t.n0 + c;
 }
 
+// Two floats as a bf16 pair in one 32-bit word (lo at the lower address).
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
 // Consumer side: accumulator fragment (+ bias) -> bf16 tile in shared memory. Fragment layout of
 // wgmma m64nBN: register 4·jj + 2·half + i holds row (warp·16 + lane/4 + 8·half) of the
 // warpgroup's 64, column 8·jj + 2·(lane % 4) + i. That is the layout stmatrix takes: one
@@ -137,10 +143,6 @@ __device__ __forceinline__ void gemm_stage_out(const GroupedGemmParams& p, const
   const int schunk = lane / 16;
   const uint32_t base = sm90::smem_addr(epi);
   const __nv_bfloat16* bias = p.bias ? p.bias + static_cast<int64_t>(tile.e) * p.N : nullptr;
-  auto pack = [](float lo, float hi) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  };
 #pragma unroll
   for (int jj = 0; jj < BN / 8; jj += 2) {
     uint32_t v[4];
@@ -156,8 +158,8 @@ __device__ __forceinline__ void gemm_stage_out(const GroupedGemmParams& p, const
         }
       }
       const float* a = acc + (jj + q) * 4;
-      v[2 * q] = pack(a[0] + b0, a[1] + b1);      // rows 0-7 of the warp's 16
-      v[2 * q + 1] = pack(a[2] + b0, a[3] + b1);  // rows 8-15
+      v[2 * q] = pack_bf16x2(a[0] + b0, a[1] + b1);      // rows 0-7 of the warp's 16
+      v[2 * q + 1] = pack_bf16x2(a[2] + b0, a[3] + b1);  // rows 8-15
     }
     sm90::stmatrix_x4(base + epi_chunk_offset<BN, EPI, kBoxRows>(srow, jj + schunk), v[0], v[1], v[2], v[3]);
   }

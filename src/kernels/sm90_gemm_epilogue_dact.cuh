@@ -40,6 +40,22 @@ __device__ __forceinline__ float gemm_act_grad(float h, float& f) {
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
+// One element of the dH epilogue: from H's gate g (the activation's input) and up (1 without a
+// GLU), the bf16-rounded dA' `da` and the row's score s: adds da·A to the row's dS, and gives
+// A' = s·A and the gradients of gate (or of the activation's input) and of up.
+template <int ACT, bool kGlu>
+__device__ __forceinline__ void dact_element(float g, float up, float da, float s, float& ds, float& a_scaled,
+                                             float& d_gate, float& d_up) {
+  float f;
+  const float df = gemm_act_grad<ACT>(g, f);
+  const float a = round_bf16(kGlu ? f * up : f);
+  ds += da * a;
+  const float dd = s * da;
+  a_scaled = s * a;
+  d_gate = kGlu ? dd * df * up : dd * df;
+  d_up = dd * f;
+}
+
 __device__ __forceinline__ void load_bf16x8(const __nv_bfloat16* src, float (&v)[8]) {
   const uint4 raw = *reinterpret_cast<const uint4*>(src);
   const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw);
@@ -122,21 +138,12 @@ struct DactPipe {
           } else {
             g = __bfloat162float(h0[i]);
           }
-          float f;
-          const float df = gemm_act_grad<ACT>(g, f);
-          const float a = round_bf16(kGlu ? f * up : f);
-          ds += da[i] * a;
-          const float dd = s * da[i];
-          a_scaled[i] = s * a;
+          // (d1 is written without a GLU too, and not stored)
           if constexpr (EPI == kEpiDGluInter) {  // back to (gate, up) pairs
             float* dst = i < 4 ? d0 : d1;
-            dst[2 * (i % 4)] = dd * df * up;
-            dst[2 * (i % 4) + 1] = dd * f;
-          } else if constexpr (EPI == kEpiDGluConcat) {
-            d0[i] = dd * df * up;
-            d1[i] = dd * f;
+            dact_element<ACT, kGlu>(g, up, da[i], s, ds, a_scaled[i], dst[2 * (i % 4)], dst[2 * (i % 4) + 1]);
           } else {
-            d0[i] = dd * df;
+            dact_element<ACT, kGlu>(g, up, da[i], s, ds, a_scaled[i], d0[i], d1[i]);
           }
         }
         if (gemm_probe(p, 32) || gemm_probe(p, 64)) {  // timing probes: no dH (32) / A' (64) stores
@@ -221,10 +228,6 @@ struct DactFromAcc {
   __device__ __forceinline__ static float bf(unsigned w, int i) {  // bf16 i (0: low half) of a word
     return __uint_as_float(i == 0 ? w << 16 : w & 0xffff0000u);
   }
-  __device__ __forceinline__ static unsigned pack(float lo, float hi) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const unsigned*>(&h);
-  }
 
   // One (row, column pair j, j + 1): v holds H (interleaved: (gate, up) of j, then of j + 1;
   // concatenated: gate j, j + 1, then up j, j + 1; activation: h j, j + 1), da0/da1 the fp32 dA'.
@@ -239,31 +242,22 @@ struct DactFromAcc {
     } else {
       g[0] = bf(v.x, 0), g[1] = bf(v.x, 1);
     }
-    const float dav[2] = {round_bf16(da0), round_bf16(da1)};
     float a_scaled[2], d0[2], d1[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      float f;
-      const float df = gemm_act_grad<ACT>(g[i], f);
-      const float a = round_bf16(kGlu ? f * up[i] : f);
-      ds += dav[i] * a;
-      const float dd = s * dav[i];
-      a_scaled[i] = s * a;
-      d0[i] = kGlu ? dd * df * up[i] : dd * df;
-      d1[i] = dd * f;
-    }
+    for (int i = 0; i < 2; ++i)
+      dact_element<ACT, kGlu>(g[i], up[i], round_bf16(i == 0 ? da0 : da1), s, ds, a_scaled[i], d0[i], d1[i]);
     if (!ok) return;
     const int n = p.N;
     __nv_bfloat16* dh = p.c + row * p.ldc;
     if constexpr (EPI == kEpiDGluInter) {  // back to (gate, up) pairs
-      *reinterpret_cast<uint2*>(dh + 2 * j) = make_uint2(pack(d0[0], d1[0]), pack(d0[1], d1[1]));
+      *reinterpret_cast<uint2*>(dh + 2 * j) = make_uint2(pack_bf16x2(d0[0], d1[0]), pack_bf16x2(d0[1], d1[1]));
     } else if constexpr (EPI == kEpiDGluConcat) {
-      *reinterpret_cast<unsigned*>(dh + j) = pack(d0[0], d0[1]);
-      *reinterpret_cast<unsigned*>(dh + n + j) = pack(d1[0], d1[1]);
+      *reinterpret_cast<unsigned*>(dh + j) = pack_bf16x2(d0[0], d0[1]);
+      *reinterpret_cast<unsigned*>(dh + n + j) = pack_bf16x2(d1[0], d1[1]);
     } else {
-      *reinterpret_cast<unsigned*>(dh + j) = pack(d0[0], d0[1]);
+      *reinterpret_cast<unsigned*>(dh + j) = pack_bf16x2(d0[0], d0[1]);
     }
-    *reinterpret_cast<unsigned*>(p.c2 + row * p.ldc2 + j) = pack(a_scaled[0], a_scaled[1]);
+    *reinterpret_cast<unsigned*>(p.c2 + row * p.ldc2 + j) = pack_bf16x2(a_scaled[0], a_scaled[1]);
   }
 
   // A row's BN columns are its quad's four lanes: one dS partial per row (BN = kDsCols).
