@@ -99,17 +99,13 @@ __device__ __forceinline__ void dact_pingpong_body(const CUtensorMap& tmap_b, co
   constexpr int BN = kDactPPBN;
   constexpr int S = Smem::kStages;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = smem_raw + ((1024u - (sm90::smem_addr(smem_raw) & 1023u)) & 1023u);
-  uint8_t* smem_a = smem;
-  uint8_t* smem_b = smem + S * Smem::kABytes;
-  uint8_t* epi = smem + S * Smem::kStageBytes;  // [2][kEpiBufBytes], then [2][128] scores
+  const PingPongSmemLayout<Smem> lay(smem_raw);
+  uint8_t *smem_a = lay.smem_a, *smem_b = lay.smem_b;
+  uint8_t* epi = lay.epi;  // [2][kEpiBufBytes], then [2][128] scores (kTmaH: [2][kHBufs] H sub-tiles)
   float* scales = reinterpret_cast<float*>(epi + 2 * Smem::kEpiBufBytes);
-  uint64_t* full = reinterpret_cast<uint64_t*>(epi + Smem::kEpiBytes);
-  uint64_t* empty = full + S;
-  uint64_t* tile_full = empty + S;
-  uint64_t* tile_empty = tile_full + kTileRing;
-  GemmTile* ring = reinterpret_cast<GemmTile*>(tile_empty + kTileRing);
-  int32_t* tile_table = reinterpret_cast<int32_t*>(ring + kTileRing);  // [E+1] when E <= kGemmSmemTileE
+  uint64_t *full = lay.full, *empty = lay.empty, *tile_full = lay.tile_full, *tile_empty = lay.tile_empty;
+  GemmTile* ring = lay.ring;
+  int32_t* tile_table = lay.tile_table;
   // kTmaH: consumer c's H buffers at epi + (c * kHBufs + b) * kHBufBytes, their barriers after the
   // tile table's area (inside kFixed: the static_assert above counts them)
   uint64_t* hfull = reinterpret_cast<uint64_t*>(tile_table + kGemmSmemTileE + 1 + 1);  // [2][kHBufs], 8-aligned

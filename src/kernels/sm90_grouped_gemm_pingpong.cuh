@@ -160,6 +160,31 @@ __device__ __forceinline__ int pingpong_mainloop(const GroupedGemmParams& p, flo
   return prev_stage;
 }
 
+// Where a ping-pong kernel's shared memory holds what (both ping-pong kernels): S operand stages
+// (A tiles, then B tiles), the epilogue area, then the barriers (full / empty per stage,
+// tile_full / tile_empty per ring slot), the tile ring and the tile-offset table [E+1], all from a
+// 1024-byte aligned base (the 128-byte swizzle atoms).
+template <class Smem>
+struct PingPongSmemLayout {
+  uint8_t *smem_a, *smem_b, *epi;
+  uint64_t *full, *empty, *tile_full, *tile_empty;
+  GemmTile* ring;
+  int32_t* tile_table;  // [E+1] when E <= kGemmSmemTileE
+  __device__ __forceinline__ explicit PingPongSmemLayout(uint8_t* smem_raw) {
+    constexpr int S = Smem::kStages;
+    uint8_t* smem = smem_raw + ((1024u - (sm90::smem_addr(smem_raw) & 1023u)) & 1023u);
+    smem_a = smem;
+    smem_b = smem + S * Smem::kABytes;
+    epi = smem + S * Smem::kStageBytes;
+    full = reinterpret_cast<uint64_t*>(epi + Smem::kEpiBytes);
+    empty = full + S;
+    tile_full = empty + S;
+    tile_empty = tile_full + kTileRing;
+    ring = reinterpret_cast<GemmTile*>(tile_empty + kTileRing);
+    tile_table = reinterpret_cast<int32_t*>(ring + kTileRing);
+  }
+};
+
 // B_NMAJOR: W is [E, K, N] (dX~ = dH·W1), read by the 3-D map {N, K, E} in boxes {64 N, 64 K};
 // otherwise W is [E*N, K] (Y = A·W2ᵀ), read in boxes {64 K, 64 rows}. tmap_a: A [R, K] in boxes
 // {64 K, 128 rows}; tmap_c: C [rows, N] in boxes {64 columns, 64 rows}.
@@ -171,16 +196,11 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   constexpr int S = Smem::kStages;
   constexpr int kUnitRows = kCluster ? 2 * kGemmBM : kGemmBM;  // rows of one schedule unit
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = smem_raw + ((1024u - (sm90::smem_addr(smem_raw) & 1023u)) & 1023u);
-  uint8_t* smem_a = smem;
-  uint8_t* smem_b = smem + S * Smem::kABytes;
-  uint8_t* epi = smem + S * Smem::kStageBytes;  // [2][kEpiBufBytes], 1024-byte aligned
-  uint64_t* full = reinterpret_cast<uint64_t*>(epi + Smem::kEpiBytes);
-  uint64_t* empty = full + S;
-  uint64_t* tile_full = empty + S;
-  uint64_t* tile_empty = tile_full + kTileRing;
-  GemmTile* ring = reinterpret_cast<GemmTile*>(tile_empty + kTileRing);
-  int32_t* tile_table = reinterpret_cast<int32_t*>(ring + kTileRing);  // [E+1] when E <= kGemmSmemTileE
+  const PingPongSmemLayout<Smem> lay(smem_raw);
+  uint8_t *smem_a = lay.smem_a, *smem_b = lay.smem_b, *epi = lay.epi;  // epi: [2][kEpiBufBytes], 1024-byte aligned
+  uint64_t *full = lay.full, *empty = lay.empty, *tile_full = lay.tile_full, *tile_empty = lay.tile_empty;
+  GemmTile* ring = lay.ring;
+  int32_t* tile_table = lay.tile_table;
 
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
   const uint32_t rank = kCluster ? sm90::cluster_ctarank() : 0, peer = rank ^ 1u;
