@@ -143,7 +143,7 @@ if [[ -n "${AB_POWER:-}" ]]; then
 fi
 if [[ -n "${AB_NCU:-}" ]]; then
   ncu_bin=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-  metrics=sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__m_xbar2l1tex_read_bytes.sum
+  metrics=sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__m_xbar2l1tex_read_bytes.sum,dram__bytes_read.sum,dram__bytes_write.sum
   ncu_files=()
   for (( i = 0; i < ${#labels[@]}; ++i )); do
     (( ok[i] )) || continue

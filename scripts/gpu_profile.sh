@@ -8,7 +8,8 @@
 # What session 4 ran by hand. Unmodified clocks (--clock-control none), one launch per kernel.
 #
 # Usage: OUT=$OUT scripts/gpu_profile.sh [kernel ...]   (PROFILE_SKIP_BUILD=1 reuses ./build;
-#        PROFILE_CONFIG=30B-a runs the kernels at that SPEC config's shapes, default 7B-a)
+#        PROFILE_CONFIG=30B-a runs the kernels at that SPEC config's shapes, default 7B-a;
+#        PROFILE_KEEP_CSV=1 also copies each kernel's per-SASS-instruction CSV to $OUT/src_KERNEL.csv)
 set -uo pipefail
 
 # shellcheck source=scripts/gpu_env.sh
@@ -40,6 +41,7 @@ for k in "${kernels[@]}"; do
        --section WarpStateStats -f -o "$rep" "$MACHMOE_PYTHON" -m machmoe.bench.ncu_probe "$k" --config "$config" > /dev/null 2>&1 &&
      "$ncu_bin" -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2>/dev/null; then
     "$MACHMOE_PYTHON" -m machmoe.bench.ncu_probe --top "$rep.csv" >> "$log" 2>&1
+    [[ -n "${PROFILE_KEEP_CSV:-}" ]] && cp "$rep.csv" "$OUT/src_$k.csv"
   else
     echo "source counters failed for $k" | tee -a "$log"
   fi

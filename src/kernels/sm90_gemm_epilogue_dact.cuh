@@ -15,6 +15,8 @@
 
 #include <cuda_bf16.h>
 
+#include <type_traits>
+
 #include "kernels/common.cuh"
 #include "kernels/sm90_gemm_epilogue.cuh"
 
@@ -329,25 +331,56 @@ struct DactFromAcc {
 
   // Sub-tile q (dA' columns 32q .. 32q + 31 of the chain at row_base) of a full tile, H from
   // hbuf: [64 rows][128 bytes] as TMA writes it with the 128-byte swizzle (16-byte chunk k of row
-  // r at chunk k ^ (r % 8)); 1024-byte aligned. ds accumulates this thread's two rows.
+  // r at chunk k ^ (r % 8)); 1024-byte aligned. a: this thread's 16 accumulators of the sub-tile
+  // (take_subtile); ds accumulates this thread's two rows.
   template <int ACT>
-  __device__ __forceinline__ static void run_smem_act(const GroupedGemmParams& p, const GemmTile& tile, int row_base,
-                                                      int q, const uint8_t* hbuf, const float (&acc)[BN / 2],
-                                                      const float (&s)[2], float (&ds)[2]) {
+  __device__ __forceinline__ static void run_smem(const GroupedGemmParams& p, const GemmTile& tile, int row_base,
+                                                  int q, const uint8_t* hbuf, const float (&a)[16],
+                                                  const float (&s)[2], float (&ds)[2]) {
     static_assert(EPI == kEpiDGluInter, "the TMA-loaded H sub-tiles hold (gate, up) pairs");
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     const int rl = warp * 16 + lane / 4;  // this thread's rows rl, rl + 8 of the sub-tile
 #pragma unroll
     for (int jq = 0; jq < 4; ++jq) {
-      const int jj = 4 * q + jq, j = tile.n0 + 8 * jj + 2 * (lane % 4);
+      const int j = tile.n0 + 8 * (4 * q + jq) + 2 * (lane % 4);
       const int chunk = 2 * jq + (lane % 4) / 2, within = 8 * (lane % 2);  // H bytes 4 (8 jq + 2 (lane % 4))
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = rl + 8 * half;
         const uint2 v = *reinterpret_cast<const uint2*>(hbuf + r * 128 + ((chunk ^ (r % 8)) << 4) + within);
-        item<ACT>(p, j < p.N, tile.row0 + row_base + r, j, v, acc[4 * jj + 2 * half], acc[4 * jj + 2 * half + 1],
+        item<ACT>(p, j < p.N, tile.row0 + row_base + r, j, v, a[4 * jq + 2 * half], a[4 * jq + 2 * half + 1],
                   s[half], ds[half]);
       }
+    }
+  }
+
+  // This thread's 16 accumulators of sub-tile k (chain k / 4, 8-column groups 4 (k % 4) ..
+  // 4 (k % 4) + 3) for a rolled sub-tile loop: the fully unrolled loop over eight sub-tiles (three
+  // activations each) made the kernel 559 KB of SASS, and its straight-line epilogue stalled on
+  // instruction fetch (session 29, Nsight Compute at 7B-a: no_instruction 5.0 cycles per issue,
+  // tensor pipe 21% against the staged kernel's 35%).
+  __device__ __forceinline__ static void take_subtile(int k, const float (&acc)[2][BN / 2], float (&a)[16]) {
+    static_assert(BN / 2 == 64, "four 16-value sub-tiles per chain");
+#define MACHMOE_TAKE(K)                                                   \
+  case K:                                                                 \
+    _Pragma("unroll") for (int i = 0; i < 16; ++i) a[i] = acc[(K) / 4][16 * ((K) % 4) + i]; \
+    break;
+    switch (k) {
+      MACHMOE_TAKE(0) MACHMOE_TAKE(1) MACHMOE_TAKE(2) MACHMOE_TAKE(3)
+      MACHMOE_TAKE(4) MACHMOE_TAKE(5) MACHMOE_TAKE(6) default: MACHMOE_TAKE(7)
+    }
+#undef MACHMOE_TAKE
+  }
+
+  // f(std::integral_constant<int, ACT>{}) for the GLU activation p.act: one dispatch per tile, so
+  // that each activation's sub-tile loop is one contiguous piece of code.
+  template <class F>
+  __device__ __forceinline__ static void with_glu_act(const GroupedGemmParams& p, F&& f) {
+    static_assert(EPI != kEpiDAct, "GLU layouts only");
+    switch (p.act) {
+      case kActGeGLU: return f(std::integral_constant<int, kActGeGLU>{});
+      case kActReGLU: return f(std::integral_constant<int, kActReGLU>{});
+      default: return f(std::integral_constant<int, kActSwiGLU>{});
     }
   }
 
@@ -369,11 +402,6 @@ struct DactFromAcc {
   __device__ __forceinline__ static void run_regs(const GroupedGemmParams& p, const GemmTile& tile, int row_base,
                                                   const float (&acc)[BN / 2], const float (&s)[2]) {
     MACHMOE_DACT_DISPATCH(run_regs_act, p, tile, row_base, acc, s)
-  }
-  __device__ __forceinline__ static void run_smem(const GroupedGemmParams& p, const GemmTile& tile, int row_base, int q,
-                                                  const uint8_t* hbuf, const float (&acc)[BN / 2],
-                                                  const float (&s)[2], float (&ds)[2]) {
-    MACHMOE_DACT_DISPATCH(run_smem_act, p, tile, row_base, q, hbuf, acc, s, ds)
   }
 #undef MACHMOE_DACT_DISPATCH
 };

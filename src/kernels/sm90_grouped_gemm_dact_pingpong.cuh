@@ -232,23 +232,32 @@ __device__ __forceinline__ void dact_pingpong_body(const CUtensorMap& tmap_b, co
       if (gemm_probe(p, 1) || Smem::kNoEpilogue) continue;  // timing probe: no epilogue
       if constexpr (kTmaH) {  // the epilogue from the accumulators, under the other consumer's wgmmas
         if (h_tma) {
-          float ds[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
-          const bool all_rows[2] = {true, true};
-#pragma unroll
-          for (int k = 0; k < 8; ++k) {
-            const int b = c * Smem::kHBufs + h_used % Smem::kHBufs;
-            sm90::mbar_wait(&hfull[b], (h_used / Smem::kHBufs) & 1);
-            DactFromAcc<BN, EPI>::run_smem(p, tile, 64 * (k / 4), k % 4, epi + b * Smem::kHBufBytes, acc[k / 4],
-                                           rs[k / 4].s, ds[k / 4]);
-            ++h_used;
-            if (k + Smem::kHBufs < 8) {
-              sm90::named_barrier_sync(2 + c, 128);  // every thread is done reading buffer b
-              h_issue(tile, k + Smem::kHBufs);
+          using Epi = DactFromAcc<BN, EPI>;
+          Epi::with_glu_act(p, [&](auto act) {
+            constexpr int ACT = decltype(act)::value;
+            float ds[2] = {0.f, 0.f};  // this thread's two rows of the current chain
+            const bool all_rows[2] = {true, true};
+            // rolled (see take_subtile): one sub-tile's code, run eight times
+#pragma unroll 1
+            for (int k = 0; k < 8; ++k) {
+              const int b = c * Smem::kHBufs + h_used % Smem::kHBufs;
+              float a[16];
+              Epi::take_subtile(k, acc, a);
+              const float s[2] = {k < 4 ? rs[0].s[0] : rs[1].s[0], k < 4 ? rs[0].s[1] : rs[1].s[1]};
+              sm90::mbar_wait(&hfull[b], (h_used / Smem::kHBufs) & 1);
+              Epi::template run_smem<ACT>(p, tile, 64 * (k / 4), k % 4, epi + b * Smem::kHBufBytes, a, s, ds);
+              ++h_used;
+              if (k + Smem::kHBufs < 8) {
+                sm90::named_barrier_sync(2 + c, 128);  // every thread is done reading buffer b
+                h_issue(tile, k + Smem::kHBufs);
+              }
+              if (k % 4 == 3) {
+                Epi::write_ds(p, tile, 64 * (k / 4) + ((threadIdx.x / 32) % 4) * 16 + (threadIdx.x % 32) / 4, all_rows,
+                              ds);
+                ds[0] = ds[1] = 0.f;
+              }
             }
-            if (k % 4 == 3)
-              DactFromAcc<BN, EPI>::write_ds(p, tile, 64 * (k / 4) + ((threadIdx.x / 32) % 4) * 16 + (threadIdx.x % 32) / 4,
-                                             all_rows, ds[k / 4]);
-          }
+          });
         } else {
           DactFromAcc<BN, EPI>::run_regs(p, tile, 0, acc[0], rs[0].s);
           DactFromAcc<BN, EPI>::run_regs(p, tile, 64, acc[1], rs[1].s);

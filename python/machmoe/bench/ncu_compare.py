@@ -144,17 +144,19 @@ def table(config: str, impls: dict[str, list[dict]]) -> str:
 
 def launches(files: list[tuple[str, list[dict]]]) -> str:
     """One row per profiled launch: label, kernel, µs, SM GHz, M cycles, tensor pipe, L2->SM GB,
-    launch shape, top stalls."""
-    lines = ["| variant | kernel | µs | SM GHz | M cycles | tensor pipe | L2→SM GB | grid x block, regs, smem KiB, cluster | "
-             "top stalls (cycles per issue) |", "|---|---|--:|--:|--:|--:|--:|---|---|"]
+    DRAM GB read / written (— where not profiled), launch shape, top stalls."""
+    lines = ["| variant | kernel | µs | SM GHz | M cycles | tensor pipe | L2→SM GB | DRAM GB rd / wr | "
+             "grid x block, regs, smem KiB, cluster | top stalls (cycles per issue) |",
+             "|---|---|--:|--:|--:|--:|--:|--:|---|---|"]
     for label, recs in files:
         if not recs:
-            lines.append(f"| {label} | (nothing profiled) | | | | | | | |")
+            lines.append(f"| {label} | (nothing profiled) | | | | | | | | |")
         for r in recs:
             c, f = _common(r), _fmt
             lines.append(f"| {label} | {str(r.get('Kernel Name', ''))[:48]} | {f(c['t'], '.1f', 1e6)} | "
                          f"{f(c['clk'], '.2f', 1e-9)} | {f(c['cyc'], '.3f', 1e-6)} | {f(c['tp'], '.1f')}% | "
-                         f"{f(c['x2l'], '.2f', 1e-9)} | {c['shape']} | {stalls(r, 5)} |")
+                         f"{f(c['x2l'], '.2f', 1e-9)} | {f(_get(r, 'dram__bytes_read.sum'), '.2f', 1e-9)} / "
+                         f"{f(_get(r, 'dram__bytes_write.sum'), '.2f', 1e-9)} | {c['shape']} | {stalls(r, 5)} |")
     return "\n".join(lines)
 
 
