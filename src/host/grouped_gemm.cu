@@ -110,12 +110,13 @@ void launch_dact_pingpong(const CUtensorMap& map_b, const kernels::GroupedGemmPa
 
 // MACHMOE_DH_PINGPONG=2: the same with H loaded by TMA (interleaved GLU only). Only full tiles load
 // H through the map, so its rows need no bound (as C's map for stores).
-void launch_dact_pingpong_tma_h(const CUtensorMap& map_b, const CUtensorMap& map_h, const kernels::GroupedGemmParams& p,
-                                int ctas, cudaStream_t stream) {
+void launch_dact_pingpong_tma_h(const CUtensorMap& map_b, const CUtensorMap& map_h, const CUtensorMap& map_dh,
+                                const CUtensorMap& map_ap, const kernels::GroupedGemmParams& p, int ctas,
+                                cudaStream_t stream) {
   constexpr int smem = kernels::GemmDactPingPongSmem<true>::kBytes;
   auto* kernel = kernels::sm90_grouped_gemm_dact_pingpong_tma_h<kernels::kEpiDGluInter>;
   prepare_smem(reinterpret_cast<const void*>(kernel), smem);
-  kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_b, map_h, p);
+  kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_b, map_h, map_dh, map_ap, p);
 }
 
 // The variants that exist: the forward's epilogues read K-major W; Store takes either; the dH
@@ -277,9 +278,13 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (dh_pingpong) {
     const CUtensorMap map_b = detail::tensor_map_nmajor(a.w, a.E, a.K, a.N, kernels::kGemmBK, fn);
     namespace k = kernels;
-    if (dh_mode == 2 && epi == k::kEpiDGluInter) {
+    // (TMA stores need dH and A' 16-byte aligned; otherwise mode 1's kernel)
+    if (dh_mode == 2 && epi == k::kEpiDGluInter && detail::aligned16(a.c) && detail::aligned16(a.c2)) {
       const CUtensorMap map_h = detail::tensor_map_2d(a.h, int64_t{1} << 31, 2 * a.N, a.ldh, 64, 64, fn);
-      launch_dact_pingpong_tma_h(map_b, map_h, p, ctas, stream);
+      const CUtensorMap map_dh = detail::tensor_map_2d(a.c, int64_t{1} << 31, 2 * a.N, a.ldc, 64, 64, fn);
+      const CUtensorMap map_ap = detail::tensor_map_2d(a.c2, int64_t{1} << 31, a.N, a.ldc2, 32, 64, fn,
+                                                       CU_TENSOR_MAP_SWIZZLE_64B);
+      launch_dact_pingpong_tma_h(map_b, map_h, map_dh, map_ap, p, ctas, stream);
       check_launch(fn);
       return;
     }

@@ -217,7 +217,12 @@ struct DactPipe {
 //     under the 168-register cap too few loads stay in flight. Here: an expert's partial last
 //     tile only.
 //   run_smem: a 64-row x 32-column sub-tile of dA' at a time, its H [64 rows][64 bf16] loaded by
-//     TMA (128-byte swizzle) into shared memory ahead of time by the kernel; interleaved GLU only.
+//     TMA (128-byte swizzle) into shared memory ahead of time by the kernel, dH and A' written to
+//     shared memory for the kernel's TMA stores (SonicMoE's way); interleaved GLU only. Session 29
+//     (H100, 7B-a): with per-thread 8- and 4-byte global stores instead, the kernel read 1.36 GB
+//     from DRAM against the staged kernel's 0.87 (whose warps store whole 128-byte lines); without
+//     the A' stores 1.20 GB, without the dH stores 1.12 GB: the scattered partial-line stores cost
+//     DRAM reads, and 17% of the time.
 template <int BN, int EPI>
 struct DactFromAcc {
   static constexpr int kNJ = BN / 8;  // 8-column groups of the chain
@@ -233,9 +238,11 @@ struct DactFromAcc {
 
   // One (row, column pair j, j + 1): v holds H (interleaved: (gate, up) of j, then of j + 1;
   // concatenated: gate j, j + 1, then up j, j + 1; activation: h j, j + 1), da0/da1 the fp32 dA'.
+  // Gives dH (interleaved: H's (gate, up) pairs; concatenated: dh.x the gates' pair, dh.y the ups';
+  // activation: dh.x) and the packed A' pair.
   template <int ACT>
-  __device__ __forceinline__ static void item(const GroupedGemmParams& p, bool ok, int64_t row, int j, uint2 v,
-                                              float da0, float da1, float s, float& ds) {
+  __device__ __forceinline__ static void values(uint2 v, float da0, float da1, float s, float& ds, uint2& dh,
+                                                unsigned& ap) {
     float g[2], up[2] = {1.f, 1.f};
     if constexpr (EPI == kEpiDGluInter) {
       g[0] = bf(v.x, 0), up[0] = bf(v.x, 1), g[1] = bf(v.y, 0), up[1] = bf(v.y, 1);
@@ -248,18 +255,32 @@ struct DactFromAcc {
 #pragma unroll
     for (int i = 0; i < 2; ++i)
       dact_element<ACT, kGlu>(g[i], up[i], round_bf16(i == 0 ? da0 : da1), s, ds, a_scaled[i], d0[i], d1[i]);
-    if (!ok) return;
-    const int n = p.N;
-    __nv_bfloat16* dh = p.c + row * p.ldc;
     if constexpr (EPI == kEpiDGluInter) {  // back to (gate, up) pairs
-      *reinterpret_cast<uint2*>(dh + 2 * j) = make_uint2(pack_bf16x2(d0[0], d1[0]), pack_bf16x2(d0[1], d1[1]));
-    } else if constexpr (EPI == kEpiDGluConcat) {
-      *reinterpret_cast<unsigned*>(dh + j) = pack_bf16x2(d0[0], d0[1]);
-      *reinterpret_cast<unsigned*>(dh + n + j) = pack_bf16x2(d1[0], d1[1]);
+      dh = make_uint2(pack_bf16x2(d0[0], d1[0]), pack_bf16x2(d0[1], d1[1]));
     } else {
-      *reinterpret_cast<unsigned*>(dh + j) = pack_bf16x2(d0[0], d0[1]);
+      dh = make_uint2(pack_bf16x2(d0[0], d0[1]), pack_bf16x2(d1[0], d1[1]));
     }
-    *reinterpret_cast<unsigned*>(p.c2 + row * p.ldc2 + j) = pack_bf16x2(a_scaled[0], a_scaled[1]);
+    ap = pack_bf16x2(a_scaled[0], a_scaled[1]);
+  }
+
+  // values(), stored to global memory at row `row` (when ok).
+  template <int ACT>
+  __device__ __forceinline__ static void item(const GroupedGemmParams& p, bool ok, int64_t row, int j, uint2 v,
+                                              float da0, float da1, float s, float& ds) {
+    uint2 d;
+    unsigned ap;
+    values<ACT>(v, da0, da1, s, ds, d, ap);
+    if (!ok) return;
+    __nv_bfloat16* dh = p.c + row * p.ldc;
+    if constexpr (EPI == kEpiDGluInter) {
+      *reinterpret_cast<uint2*>(dh + 2 * j) = d;
+    } else if constexpr (EPI == kEpiDGluConcat) {
+      *reinterpret_cast<unsigned*>(dh + j) = d.x;
+      *reinterpret_cast<unsigned*>(dh + p.N + j) = d.y;
+    } else {
+      *reinterpret_cast<unsigned*>(dh + j) = d.x;
+    }
+    *reinterpret_cast<unsigned*>(p.c2 + row * p.ldc2 + j) = ap;
   }
 
   // A row's BN columns are its quad's four lanes: one dS partial per row (BN = kDsCols).
@@ -329,27 +350,32 @@ struct DactFromAcc {
     write_ds(p, tile, r0, row_ok, ds);
   }
 
-  // Sub-tile q (dA' columns 32q .. 32q + 31 of the chain at row_base) of a full tile, H from
-  // hbuf: [64 rows][128 bytes] as TMA writes it with the 128-byte swizzle (16-byte chunk k of row
-  // r at chunk k ^ (r % 8)); 1024-byte aligned. a: this thread's 16 accumulators of the sub-tile
-  // (take_subtile); ds accumulates this thread's two rows.
+  // Sub-tile q (dA' columns 32q .. 32q + 31 of the chain at row_base) of a full tile, in shared
+  // memory only: H from hbuf [64 rows][128 bytes] as TMA writes it with the 128-byte swizzle
+  // (16-byte chunk k of row r at chunk k ^ (r % 8); 1024-byte aligned), dH written back in place
+  // (the same bytes: each thread overwrites exactly the H it read), A' into abuf [64 rows][64
+  // bytes] with the 64-byte swizzle (chunk k of row r at k ^ ((r / 2) % 4): the eight rows of a
+  // warp's store hit 32 different banks); the kernel stores both by TMA. a: this thread's 16
+  // accumulators of the sub-tile (take_subtile); ds accumulates this thread's two rows. Columns
+  // past N read H as zeros (TMA) with dA' = 0 (W2's map), so add nothing to dS; TMA clips them.
   template <int ACT>
-  __device__ __forceinline__ static void run_smem(const GroupedGemmParams& p, const GemmTile& tile, int row_base,
-                                                  int q, const uint8_t* hbuf, const float (&a)[16],
+  __device__ __forceinline__ static void run_smem(int q, uint8_t* hbuf, uint8_t* abuf, const float (&a)[16],
                                                   const float (&s)[2], float (&ds)[2]) {
     static_assert(EPI == kEpiDGluInter, "the TMA-loaded H sub-tiles hold (gate, up) pairs");
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     const int rl = warp * 16 + lane / 4;  // this thread's rows rl, rl + 8 of the sub-tile
 #pragma unroll
     for (int jq = 0; jq < 4; ++jq) {
-      const int j = tile.n0 + 8 * (4 * q + jq) + 2 * (lane % 4);
       const int chunk = 2 * jq + (lane % 4) / 2, within = 8 * (lane % 2);  // H bytes 4 (8 jq + 2 (lane % 4))
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = rl + 8 * half;
-        const uint2 v = *reinterpret_cast<const uint2*>(hbuf + r * 128 + ((chunk ^ (r % 8)) << 4) + within);
-        item<ACT>(p, j < p.N, tile.row0 + row_base + r, j, v, a[4 * jq + 2 * half], a[4 * jq + 2 * half + 1],
-                  s[half], ds[half]);
+        uint2* h = reinterpret_cast<uint2*>(hbuf + r * 128 + ((chunk ^ (r % 8)) << 4) + within);
+        uint2 d;
+        unsigned ap;
+        values<ACT>(*h, a[4 * jq + 2 * half], a[4 * jq + 2 * half + 1], s[half], ds[half], d, ap);
+        *h = d;
+        *reinterpret_cast<unsigned*>(abuf + r * 64 + ((jq ^ ((r >> 1) & 3)) << 4) + 4 * (lane % 4)) = ap;
       }
     }
   }

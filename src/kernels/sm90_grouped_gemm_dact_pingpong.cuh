@@ -65,43 +65,56 @@ struct GemmDactPingPongSmem {
   static constexpr int kEpiBufBytes = 128 * epi_row_bytes<BN>();  // a consumer's staged dA' tile
   static constexpr int kScaleBytes = 128 * 4;                     // its rows' scores
   // kTmaH (MACHMOE_DH_PINGPONG=2): no staged dA'; per consumer kHBufs buffers of one H sub-tile
-  // [64 rows][64 bf16] (8 KB, 1 KB aligned), loaded by TMA ahead of the epilogue.
+  // [64 rows][64 bf16] (8 KB, 1 KB aligned), loaded by TMA ahead of the epilogue, dH written back
+  // into them in place, and kABufs buffers of one A' sub-tile [64 rows][32 bf16] (4 KB); both
+  // leave by TMA stores.
   static constexpr int kHBufs = 3;
   static constexpr int kHBufBytes = 64 * 128;
+  static constexpr int kABufs = 2;
+  static constexpr int kABufBytes = 64 * 64;
 #if MACHMOE_GEMM_PROBE_EXTRA_STAGE
   // Probe build only (wrong results): no staging buffers, so more stages (6 instead of 4), and the
   // kernel skips its epilogue: what the main loop would gain from an epilogue without them.
   static constexpr int kEpiBytes = 0;
 #else
-  static constexpr int kEpiBytes = kTmaH ? 2 * kHBufs * kHBufBytes : 2 * (kEpiBufBytes + kScaleBytes);
+  static constexpr int kEpiBytes =
+      kTmaH ? 2 * (kHBufs * kHBufBytes + kABufs * kABufBytes) : 2 * (kEpiBufBytes + kScaleBytes);
 #endif
   static constexpr bool kNoEpilogue = kEpiBytes == 0;
   static constexpr int kBudget = 227 * 1024;
-  static constexpr int kFixed = 4096;  // 1 KB alignment slack + barriers + the ring + the tile table
+  // kTmaH's five stages fit only without the 1 KB alignment slack: the kernels declare their dynamic
+  // shared memory 1024-byte aligned, so the layout's round-up is zero (ptxas folds it away).
+  static constexpr int kSlack = kTmaH ? 0 : 1024;
+  static constexpr int kFixed = kSlack + 3072;  // (slack) + barriers + the ring + the tile table
   static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / kStageBytes;
   static constexpr int kBytes = kStages * kStageBytes + kEpiBytes + kFixed;
   static_assert(kStages >= 3 && kStages < kTileRing, "stages");
-  static_assert((2 * kStages + 2 * kTileRing + 2 * kHBufs) * 8 + kTileRing * 16 + (kGemmSmemTileE + 1) * 4 <=
-                    kFixed - 1024,
+  static_assert(!kTmaH || kNoEpilogue || kStages == 5, "the TMA-H variant exists for its fifth stage");
+  static_assert((2 * kStages + 2 * kTileRing + 2 * kHBufs) * 8 + kTileRing * 16 + (kGemmSmemTileE + 2) * 4 <=
+                    kFixed - kSlack,
                 "fixed shared-memory area too small");
 };
 
 // EPI: kEpiDGluInter, kEpiDGluConcat or kEpiDAct. A = dout [T, K] gathered through p.gather
 // (always: the dH GEMM's rows are routed tokens); W2 [E, K, N] N-major through tmap_b {N, K, E}.
-// kTmaH: the epilogue from the accumulators with H loaded by TMA (tmap_h, interleaved GLU only;
-// an expert's partial last tile loads H itself).
+// kTmaH: the epilogue from the accumulators with H loaded by TMA (tmap_h), dH stored by TMA
+// (tmap_dh: H's geometry over dH) and A' too (tmap_ap: {32 columns, 64 rows} boxes, 64-byte
+// swizzle); interleaved GLU only. An expert's partial last tile loads and stores by itself.
 template <int EPI, bool kTmaH>
 __device__ __forceinline__ void dact_pingpong_body(const CUtensorMap& tmap_b, const CUtensorMap* tmap_h,
+                                                   const CUtensorMap* tmap_dh, const CUtensorMap* tmap_ap,
                                                    const GroupedGemmParams& p) {
   static_assert(gemm_epi_is_dact(EPI), "the dH epilogues only");
   static_assert(!kTmaH || EPI == kEpiDGluInter, "TMA-loaded H: the interleaved GLU layout only");
   using Smem = GemmDactPingPongSmem<kTmaH>;
   constexpr int BN = kDactPPBN;
   constexpr int S = Smem::kStages;
-  extern __shared__ uint8_t smem_raw[];
+  // 1024-byte aligned as declared (the 128-byte swizzle's atom), so that the layout's round-up is
+  // zero: the TMA-H variant's budget has no slack for it (Smem::kSlack).
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
   const PingPongSmemLayout<Smem> lay(smem_raw);
   uint8_t *smem_a = lay.smem_a, *smem_b = lay.smem_b;
-  uint8_t* epi = lay.epi;  // [2][kEpiBufBytes], then [2][128] scores (kTmaH: [2][kHBufs] H sub-tiles)
+  uint8_t* epi = lay.epi;  // [2][kEpiBufBytes], then [2][128] scores (kTmaH: [2][kHBufs] H, [2][kABufs] A' sub-tiles)
   float* scales = reinterpret_cast<float*>(epi + 2 * Smem::kEpiBufBytes);
   uint64_t *full = lay.full, *empty = lay.empty, *tile_full = lay.tile_full, *tile_empty = lay.tile_empty;
   GemmTile* ring = lay.ring;
@@ -126,7 +139,11 @@ __device__ __forceinline__ void dact_pingpong_body(const CUtensorMap& tmap_b, co
     }
     sm90::mbar_fence_init();
     sm90::tma_prefetch_descriptor(&tmap_b);
-    if constexpr (kTmaH) sm90::tma_prefetch_descriptor(tmap_h);
+    if constexpr (kTmaH) {
+      sm90::tma_prefetch_descriptor(tmap_h);
+      sm90::tma_prefetch_descriptor(tmap_dh);
+      sm90::tma_prefetch_descriptor(tmap_ap);
+    }
   }
   if (p.E <= kGemmSmemTileE && threadIdx.x >= 32 && threadIdx.x < 64) gemm_tile_offsets_warp(p, tile_table);
   __syncthreads();
@@ -183,12 +200,15 @@ __device__ __forceinline__ void dact_pingpong_body(const CUtensorMap& tmap_b, co
     constexpr int kTurn = 4;  // named barriers 4 (consumer 0's turn) and 5 (consumer 1's); 2, 3: per warpgroup
     // kTmaH: H sub-tiles issued / consumed by this consumer (the same count in every thread);
     // sub-tile k of a tile is chain k / 4's dA' columns 32 (k % 4) ..: H rows row0 + 64 (k / 4),
-    // H columns 2 n0 + 64 (k % 4), in buffer (count % kHBufs).
+    // H columns 2 n0 + 64 (k % 4), in H buffer (count % kHBufs) and A' buffer (count % kABufs).
+    // Thread 0 of the warpgroup issues every load and store. The loads run kHAhead sub-tiles
+    // ahead: at the end of sub-tile k, once the store of k - 1 has read its buffers, H of k + 2
+    // goes into k - 1's buffer.
+    constexpr int kHAhead = Smem::kHBufs - 1;
     int h_issued = 0, h_used = 0;
     auto h_issue = [&](const GemmTile& t, int k) {
       const int b = c * Smem::kHBufs + h_issued % Smem::kHBufs;
       if (tid == 0) {
-        sm90::fence_proxy_async_shared();  // this warpgroup's reads of the buffer -> the TMA's write
         sm90::mbar_arrive_expect_tx(&hfull[b], Smem::kHBufBytes);
         sm90::tma_load_2d(epi + b * Smem::kHBufBytes, tmap_h, &hfull[b], 2 * t.n0 + 64 * (k % 4), t.row0 + 64 * (k / 4));
       }
@@ -204,13 +224,14 @@ __device__ __forceinline__ void dact_pingpong_body(const CUtensorMap& tmap_b, co
       // handed to it, the second has none; a stage is waited on only after taking the turn)
       if (tile.e != -2) sm90::named_barrier_sync(kTurn + c, 256);
       if (tile.e < 0) break;
-      // kTmaH: a full tile's first kHBufs H sub-tiles load during its main loop (once every thread
-      // of this warpgroup is done with the previous tile's); a partial tile loads H itself.
+      // kTmaH: a full tile's first kHAhead H sub-tiles load during its main loop (their buffers'
+      // stores have read them: thread 0 waited for that in the previous tile's last sub-tile,
+      // after every thread's writes, fenced, met at the warpgroup barrier); a partial tile loads
+      // H itself.
       const bool h_tma = kTmaH && !Smem::kNoEpilogue && tile.rows == kGemmBM && !gemm_probe(p, 1);
       if (h_tma) {
-        sm90::named_barrier_sync(2 + c, 128);
 #pragma unroll 1
-        for (int k = 0; k < Smem::kHBufs; ++k) h_issue(tile, k);
+        for (int k = 0; k < kHAhead; ++k) h_issue(tile, k);
       }
       DactRowScale rs[2];
       rs[0].load_pairs(p, tile, 0);
@@ -240,17 +261,28 @@ __device__ __forceinline__ void dact_pingpong_body(const CUtensorMap& tmap_b, co
             // rolled (see take_subtile): one sub-tile's code, run eight times
 #pragma unroll 1
             for (int k = 0; k < 8; ++k) {
-              const int b = c * Smem::kHBufs + h_used % Smem::kHBufs;
+              const int hb = c * Smem::kHBufs + h_used % Smem::kHBufs;
+              uint8_t* hbuf = epi + hb * Smem::kHBufBytes;
+              uint8_t* abuf = epi + 2 * Smem::kHBufs * Smem::kHBufBytes +
+                              (c * Smem::kABufs + h_used % Smem::kABufs) * Smem::kABufBytes;
               float a[16];
               Epi::take_subtile(k, acc, a);
               const float s[2] = {k < 4 ? rs[0].s[0] : rs[1].s[0], k < 4 ? rs[0].s[1] : rs[1].s[1]};
-              sm90::mbar_wait(&hfull[b], (h_used / Smem::kHBufs) & 1);
-              Epi::template run_smem<ACT>(p, tile, 64 * (k / 4), k % 4, epi + b * Smem::kHBufBytes, a, s, ds);
-              ++h_used;
-              if (k + Smem::kHBufs < 8) {
-                sm90::named_barrier_sync(2 + c, 128);  // every thread is done reading buffer b
-                h_issue(tile, k + Smem::kHBufs);
+              sm90::mbar_wait(&hfull[hb], (h_used / Smem::kHBufs) & 1);
+              Epi::template run_smem<ACT>(k % 4, hbuf, abuf, a, s, ds);
+              // The store of k - 1 has read its H and A' buffers (the next load and this
+              // warpgroup's next A' writes reuse them), and this sub-tile's dH and A' are written.
+              if (tid == 0) sm90::bulk_wait_read<0>();
+              sm90::fence_proxy_async_shared();  // this thread's st.shared -> the TMA store's reads
+              sm90::named_barrier_sync(2 + c, 128);
+              if (tid == 0) {
+                const int row = tile.row0 + 64 * (k / 4);
+                sm90::tma_store_2d(tmap_dh, hbuf, 2 * tile.n0 + 64 * (k % 4), row);
+                sm90::tma_store_2d(tmap_ap, abuf, tile.n0 + 32 * (k % 4), row);
+                sm90::bulk_commit_group();
               }
+              ++h_used;
+              if (k + kHAhead < 8) h_issue(tile, k + kHAhead);
               if (k % 4 == 3) {
                 Epi::write_ds(p, tile, 64 * (k / 4) + ((threadIdx.x / 32) % 4) * 16 + (threadIdx.x % 32) / 4, all_rows,
                               ds);
@@ -291,26 +323,33 @@ __device__ __forceinline__ void dact_pingpong_body(const CUtensorMap& tmap_b, co
         next += kStep;
       }
     }
+    if constexpr (kTmaH) {
+      if (tid == 0) sm90::bulk_wait_all();  // the last sub-tiles' stores, before the CTA's memory goes
+    }
   }
 }
 
 template <int EPI>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     sm90_grouped_gemm_dact_pingpong(const __grid_constant__ CUtensorMap tmap_b, const GroupedGemmParams p) {
-  dact_pingpong_body<EPI, false>(tmap_b, nullptr, p);
+  dact_pingpong_body<EPI, false>(tmap_b, nullptr, nullptr, nullptr, p);
 }
 
-// MACHMOE_DH_PINGPONG=2 (session 28, built and not yet run on a GPU): the epilogue from the
+// MACHMOE_DH_PINGPONG=2 (session 28; stores by TMA since session 29): the epilogue from the
 // accumulators, with H [R, 2n] loaded by TMA through tmap_h ({64 columns, 64 rows} boxes, 128-byte
-// swizzle) into three 8 KB sub-tile buffers per consumer instead of two staged 34 KB dA' tiles,
-// so five operand stages instead of four (session 28's probe: six took the 7B-a main loop from
-// 0.427 to 0.305 ms). The loads in flight live in shared memory, not in registers: the register
-// epilogue alone measured 7-21% slower for want of them. SonicMoE's dH loads H the same way.
+// swizzle) into three 8 KB sub-tile buffers per consumer, dH written back into them and A' into
+// two 4 KB buffers, both stored by TMA (tmap_dh, tmap_ap), instead of two staged 34 KB dA' tiles:
+// five operand stages instead of four (session 28's probe: six took the 7B-a main loop from 0.427
+// to 0.305 ms). The loads in flight live in shared memory, not in registers: the register
+// epilogue alone measured 7-21% slower for want of them. SonicMoE's dH loads and stores the same
+// way.
 template <int EPI>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     sm90_grouped_gemm_dact_pingpong_tma_h(const __grid_constant__ CUtensorMap tmap_b,
-                                          const __grid_constant__ CUtensorMap tmap_h, const GroupedGemmParams p) {
-  dact_pingpong_body<EPI, true>(tmap_b, &tmap_h, p);
+                                          const __grid_constant__ CUtensorMap tmap_h,
+                                          const __grid_constant__ CUtensorMap tmap_dh,
+                                          const __grid_constant__ CUtensorMap tmap_ap, const GroupedGemmParams p) {
+  dact_pingpong_body<EPI, true>(tmap_b, &tmap_h, &tmap_dh, &tmap_ap, p);
 }
 
 }  // namespace machmoe::kernels
