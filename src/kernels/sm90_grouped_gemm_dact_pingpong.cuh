@@ -82,8 +82,8 @@ struct GemmDactPingPongSmem {
 #endif
   static constexpr bool kNoEpilogue = kEpiBytes == 0;
   static constexpr int kBudget = 227 * 1024;
-  // kTmaH's five stages fit only without the 1 KB alignment slack: the kernels declare their dynamic
-  // shared memory 1024-byte aligned, so the layout's round-up is zero (ptxas folds it away).
+  // kTmaH's five stages fit only without the 1 KB alignment slack: the dH ping-pong kernels declare
+  // their dynamic shared memory 1024-byte aligned, so the layout's round-up is zero (folded away).
   static constexpr int kSlack = kTmaH ? 0 : 1024;
   static constexpr int kFixed = kSlack + 3072;  // (slack) + barriers + the ring + the tile table
   static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / kStageBytes;
@@ -110,9 +110,11 @@ __device__ __forceinline__ void dact_pingpong_body(const CUtensorMap& tmap_b, co
   constexpr int BN = kDactPPBN;
   constexpr int S = Smem::kStages;
   // 1024-byte aligned as declared (the 128-byte swizzle's atom), so that the layout's round-up is
-  // zero: the TMA-H variant's budget has no slack for it (Smem::kSlack).
-  extern __shared__ __align__(1024) uint8_t smem_raw[];
-  const PingPongSmemLayout<Smem> lay(smem_raw);
+  // zero: the TMA-H variant's budget has no slack for it (Smem::kSlack). (Its own name: declared
+  // as smem_raw, the alignment reached every kernel of the unit and made ptxas spill 8 bytes in
+  // four cooperative GEMMs.)
+  extern __shared__ __align__(1024) uint8_t dact_pingpong_smem[];
+  const PingPongSmemLayout<Smem> lay(dact_pingpong_smem);
   uint8_t *smem_a = lay.smem_a, *smem_b = lay.smem_b;
   uint8_t* epi = lay.epi;  // [2][kEpiBufBytes], then [2][128] scores (kTmaH: [2][kHBufs] H, [2][kABufs] A' sub-tiles)
   float* scales = reinterpret_cast<float*>(epi + 2 * Smem::kEpiBufBytes);
