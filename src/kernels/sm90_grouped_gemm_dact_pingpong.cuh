@@ -2,8 +2,8 @@
 // sm90_gemm_epilogue_dact.cuh) as a ping-pong grouped GEMM: one 128 x 128 tile per consumer
 // warpgroup, SonicMoE's arrangement for this kernel. The default where d = K <= 2048
 // (host/grouped_gemm.cu, kDhPingPongWhere; MACHMOE_DH_PINGPONG=0/1 overrides; =2 selects the
-// sm90_grouped_gemm_dact_pingpong_tma_h variant at the end of this file, built in session 28 and
-// not yet run on a GPU).
+// sm90_grouped_gemm_dact_pingpong_tma_h variant at the end of this file: correct, and 20-27%
+// slower at d <= 1536 in session 29, docs/PERF.md).
 //
 // Measured (session 27, H100 kernel table): 5-6.5% faster than the cooperative kernel at d = 768
 // and 1536 (7B-a 0.529-0.541 ms against 0.568-0.580), 7-9% slower at d = 4096. Timing probes at
