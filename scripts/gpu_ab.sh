@@ -14,8 +14,10 @@
 #      those kernels for each variant: SM clock, board power, clock-event reasons (docs/PERF.md:
 #      the expert GEMMs run at the power cap, so a variant can also win by using less energy);
 #   6. with AB_NCU="7B-a dX~" (one kernel-table row), Nsight Compute on that row's third launch for
-#      each variant: elapsed cycles, tensor-pipe activity, L2->SM bytes, launch shape and the top
-#      warp stalls, one table (python -m machmoe.bench.ncu_compare --launches).
+#      each variant: elapsed cycles, tensor-pipe activity, L2->SM and DRAM bytes, launch shape, the top
+#      warp stalls, one table (python -m machmoe.bench.ncu_compare --launches); AB_NCU_METRICS
+#      (comma-separated) adds metrics to the profile, and AB_NCU_KEEP=1 copies each variant's raw
+#      CSV to $OUT/ncu_I.csv to read here (mind the 8 files that come back).
 #
 # Usage, locally:   git diff main my-branch -- src include > ds.patch   (untracked, travels along)
 #        on device: OUT=$OUT scripts/gpu_ab.sh VARIANT...
@@ -144,6 +146,7 @@ fi
 if [[ -n "${AB_NCU:-}" ]]; then
   ncu_bin=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   metrics=sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__m_xbar2l1tex_read_bytes.sum,dram__bytes_read.sum,dram__bytes_write.sum
+  [[ -n "${AB_NCU_METRICS:-}" ]] && metrics+=",$AB_NCU_METRICS"
   ncu_files=()
   for (( i = 0; i < ${#labels[@]}; ++i )); do
     (( ok[i] )) || continue
@@ -152,6 +155,7 @@ if [[ -n "${AB_NCU:-}" ]]; then
       --metrics "$metrics" -f -o "$aux/ncu_$i" "$MACHMOE_PYTHON" -c "$table" > "$aux/ncu_$i.log" 2>&1
     "$ncu_bin" -i "$aux/ncu_$i.ncu-rep" --page raw --csv > "$aux/ncu_$i.csv" 2>> "$aux/ncu_$i.log"
     ncu_files+=("${labels[$i]}=$aux/ncu_$i.csv")
+    [[ -n "${AB_NCU_KEEP:-}" ]] && cp "$aux/ncu_$i.csv" "$OUT/ncu_$i.csv"
   done
   say "== Nsight Compute, $AB_NCU"
   (cd "$root" && PYTHONPATH=$root/python "$MACHMOE_PYTHON" -m machmoe.bench.ncu_compare --launches "${ncu_files[@]}") \
