@@ -206,60 +206,45 @@ struct DactPipe {
 // ping-pong dH kernel's MACHMOE_DH_PINGPONG=2 variant). One m64nBNk16 chain covers 64 rows of the
 // tile; as wgmma lays the accumulators out, this thread holds for each 8-column group j the columns
 // c = 8j + 2 (lane % 4), c + 1 of rows r0 = row_base + 16 warp + lane / 4 (acc[4j], acc[4j + 1])
-// and r0 + 8 (acc[4j + 2], acc[4j + 3]). Per (row, column pair): one dH store of 8 bytes
-// (interleaved GLU) or 4, one 4-byte A' store; a row's four lanes cover 32 contiguous bytes of
-// each. dA' is rounded to bf16 first, as the staged epilogue reads it, so every dH and A' element
-// is bitwise the staged epilogue's; the dS partial sums the same products in another order (per
+// and r0 + 8 (acc[4j + 2], acc[4j + 3]). Interleaved GLU only (the only layout the variant
+// takes): per (row, column pair) 8 bytes of dH and 4 of A'. dA' is rounded to bf16 first, as the
+// staged epilogue reads it, so every dH and A' element is bitwise the staged epilogue's; the dS partial sums the same products in another order (per
 // thread, then over the row's four lanes).
 // H comes one of two ways:
-//   run_regs: loaded by the thread itself (8- or 4-byte loads, kJ groups ahead). Measured alone
+//   run_regs: loaded by the thread itself (8-byte loads, kJ groups ahead), dH and A' stored by it
+//     (a row's four lanes cover 32 contiguous bytes of dH, 16 of A'). Measured alone
 //     in session 28 (every tile, six stages): 7-21% slower than the staged epilogue, because
 //     under the 168-register cap too few loads stay in flight. Here: an expert's partial last
 //     tile only.
 //   run_smem: a 64-row x 32-column sub-tile of dA' at a time, its H [64 rows][64 bf16] loaded by
 //     TMA (128-byte swizzle) into shared memory ahead of time by the kernel, dH and A' written to
-//     shared memory for the kernel's TMA stores (SonicMoE's way); interleaved GLU only. Session 29
-//     (H100, 7B-a): with per-thread 8- and 4-byte global stores instead, the kernel read 1.36 GB
-//     from DRAM against the staged kernel's 0.87 (whose warps store whole 128-byte lines); without
-//     the A' stores 1.20 GB, without the dH stores 1.12 GB: the scattered partial-line stores cost
-//     DRAM reads, and 17% of the time.
+//     shared memory for the kernel's TMA stores (SonicMoE's way). Session 29 (H100, 7B-a): the
+//     kernel reads 1.27 GB from DRAM against the staged kernel's 0.88, for the same bytes asked of
+//     L2; per-thread global stores instead read 1.36 GB. Not yet explained (docs/PERF.md).
 template <int BN, int EPI>
 struct DactFromAcc {
+  static_assert(EPI == kEpiDGluInter, "the epilogue from the accumulators: interleaved GLU only");
   static constexpr int kNJ = BN / 8;  // 8-column groups of the chain
   // groups per load step of run_regs (partial tiles only): more spilled beside the TMA path's
   // state at the 168-register cap
   static constexpr int kJ = 1;
   static_assert(kNJ % kJ == 0, "whole load steps");
-  static constexpr bool kGlu = EPI != kEpiDAct;
 
   __device__ __forceinline__ static float bf(unsigned w, int i) {  // bf16 i (0: low half) of a word
     return __uint_as_float(i == 0 ? w << 16 : w & 0xffff0000u);
   }
 
-  // One (row, column pair j, j + 1): v holds H (interleaved: (gate, up) of j, then of j + 1;
-  // concatenated: gate j, j + 1, then up j, j + 1; activation: h j, j + 1), da0/da1 the fp32 dA'.
-  // Gives dH (interleaved: H's (gate, up) pairs; concatenated: dh.x the gates' pair, dh.y the ups';
-  // activation: dh.x) and the packed A' pair.
+  // One (row, column pair j, j + 1): v holds H's (gate, up) of j, then of j + 1, da0/da1 the fp32
+  // dA'. Gives dH in the same (gate, up) pairs and the packed A' pair.
   template <int ACT>
   __device__ __forceinline__ static void values(uint2 v, float da0, float da1, float s, float& ds, uint2& dh,
                                                 unsigned& ap) {
-    float g[2], up[2] = {1.f, 1.f};
-    if constexpr (EPI == kEpiDGluInter) {
-      g[0] = bf(v.x, 0), up[0] = bf(v.x, 1), g[1] = bf(v.y, 0), up[1] = bf(v.y, 1);
-    } else if constexpr (EPI == kEpiDGluConcat) {
-      g[0] = bf(v.x, 0), g[1] = bf(v.x, 1), up[0] = bf(v.y, 0), up[1] = bf(v.y, 1);
-    } else {
-      g[0] = bf(v.x, 0), g[1] = bf(v.x, 1);
-    }
+    const float g[2] = {bf(v.x, 0), bf(v.y, 0)}, up[2] = {bf(v.x, 1), bf(v.y, 1)};
     float a_scaled[2], d0[2], d1[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i)
-      dact_element<ACT, kGlu>(g[i], up[i], round_bf16(i == 0 ? da0 : da1), s, ds, a_scaled[i], d0[i], d1[i]);
-    if constexpr (EPI == kEpiDGluInter) {  // back to (gate, up) pairs
-      dh = make_uint2(pack_bf16x2(d0[0], d1[0]), pack_bf16x2(d0[1], d1[1]));
-    } else {
-      dh = make_uint2(pack_bf16x2(d0[0], d0[1]), pack_bf16x2(d1[0], d1[1]));
-    }
+      dact_element<ACT, true>(g[i], up[i], round_bf16(i == 0 ? da0 : da1), s, ds, a_scaled[i], d0[i], d1[i]);
+    dh = make_uint2(pack_bf16x2(d0[0], d1[0]), pack_bf16x2(d0[1], d1[1]));
     ap = pack_bf16x2(a_scaled[0], a_scaled[1]);
   }
 
@@ -271,15 +256,7 @@ struct DactFromAcc {
     unsigned ap;
     values<ACT>(v, da0, da1, s, ds, d, ap);
     if (!ok) return;
-    __nv_bfloat16* dh = p.c + row * p.ldc;
-    if constexpr (EPI == kEpiDGluInter) {
-      *reinterpret_cast<uint2*>(dh + 2 * j) = d;
-    } else if constexpr (EPI == kEpiDGluConcat) {
-      *reinterpret_cast<unsigned*>(dh + j) = d.x;
-      *reinterpret_cast<unsigned*>(dh + p.N + j) = d.y;
-    } else {
-      *reinterpret_cast<unsigned*>(dh + j) = d.x;
-    }
+    *reinterpret_cast<uint2*>(p.c + row * p.ldc + 2 * j) = d;
     *reinterpret_cast<unsigned*>(p.c2 + row * p.ldc2 + j) = ap;
   }
 
@@ -302,7 +279,7 @@ struct DactFromAcc {
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     const int r0 = row_base + warp * 16 + lane / 4;  // this thread's rows r0 and r0 + 8 of the tile
     const int c0 = tile.n0 + 2 * (lane % 4);          // its column in group 0
-    const int n = p.N;
+    const int n = p.N;  // (held in a register: read from the params at each use, ptxas spilled 72 bytes)
     bool row_ok[2];
     const __nv_bfloat16* hrow[2];
 #pragma unroll
@@ -318,16 +295,8 @@ struct DactFromAcc {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           uint2 v = make_uint2(0u, 0u);
-          if (row_ok[half] && j < n) {
-            if constexpr (EPI == kEpiDGluInter) {  // (gate, up) of columns j, j + 1: 8 bytes
-              v = __ldg(reinterpret_cast<const uint2*>(hrow[half] + 2 * j));
-            } else if constexpr (EPI == kEpiDGluConcat) {  // gate j, j + 1 and up j, j + 1
-              v.x = __ldg(reinterpret_cast<const unsigned*>(hrow[half] + j));
-              v.y = __ldg(reinterpret_cast<const unsigned*>(hrow[half] + n + j));
-            } else {
-              v.x = __ldg(reinterpret_cast<const unsigned*>(hrow[half] + j));
-            }
-          }
+          if (row_ok[half] && j < n)  // (gate, up) of columns j, j + 1
+            v = __ldg(reinterpret_cast<const uint2*>(hrow[half] + 2 * j));
           dst[q][half] = v;
         }
       }
@@ -361,7 +330,6 @@ struct DactFromAcc {
   template <int ACT>
   __device__ __forceinline__ static void run_smem(int q, uint8_t* hbuf, uint8_t* abuf, const float (&a)[16],
                                                   const float (&s)[2], float (&ds)[2]) {
-    static_assert(EPI == kEpiDGluInter, "the TMA-loaded H sub-tiles hold (gate, up) pairs");
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     const int rl = warp * 16 + lane / 4;  // this thread's rows rl, rl + 8 of the sub-tile
 #pragma unroll
@@ -402,7 +370,6 @@ struct DactFromAcc {
   // that each activation's sub-tile loop is one contiguous piece of code.
   template <class F>
   __device__ __forceinline__ static void with_glu_act(const GroupedGemmParams& p, F&& f) {
-    static_assert(EPI != kEpiDAct, "GLU layouts only");
     switch (p.act) {
       case kActGeGLU: return f(std::integral_constant<int, kActGeGLU>{});
       case kActReGLU: return f(std::integral_constant<int, kActReGLU>{});
@@ -410,26 +377,11 @@ struct DactFromAcc {
     }
   }
 
-#define MACHMOE_DACT_DISPATCH(call, ...)                                               \
-  if constexpr (EPI == kEpiDAct) {                                                      \
-    switch (p.act) {                                                                    \
-      case kActReLU2: return call<kActReLU2>(__VA_ARGS__);                              \
-      case kActReLU: return call<kActReLU>(__VA_ARGS__);                                \
-      case kActGELU: return call<kActGELU>(__VA_ARGS__);                                \
-      default: return call<kActSiLU>(__VA_ARGS__);                                     \
-    }                                                                                   \
-  } else {                                                                              \
-    switch (p.act) {                                                                    \
-      case kActGeGLU: return call<kActGeGLU>(__VA_ARGS__);                              \
-      case kActReGLU: return call<kActReGLU>(__VA_ARGS__);                              \
-      default: return call<kActSwiGLU>(__VA_ARGS__);                                    \
-    }                                                                                   \
-  }
+  // A chain (rows row_base ..) of an expert's partial last tile, H loaded by the threads.
   __device__ __forceinline__ static void run_regs(const GroupedGemmParams& p, const GemmTile& tile, int row_base,
                                                   const float (&acc)[BN / 2], const float (&s)[2]) {
-    MACHMOE_DACT_DISPATCH(run_regs_act, p, tile, row_base, acc, s)
+    with_glu_act(p, [&](auto act) { run_regs_act<decltype(act)::value>(p, tile, row_base, acc, s); });
   }
-#undef MACHMOE_DACT_DISPATCH
 };
 
 // Consumer side: the scores of the warpgroup's rows, staged with the tile. Loaded in two steps
