@@ -64,11 +64,10 @@ bool wgrad_pairs_enabled();
 int gemm_pingpong_mode();
 // The dH kernel (ActivationBackward with a gather) runs as the ping-pong kernel of
 // kernels/sm90_grouped_gemm_dact_pingpong.cuh where host/grouped_gemm.cu's shape rule says so
-// (MACHMOE_DH_PINGPONG unset: -1); =0 never, =1 wherever it applies, =2 the same with the epilogue
-// from the accumulators, H loaded and dH / A' stored by TMA (interleaved GLU only; session 29:
-// correct, 20-27% slower at d <= 1536). Other values are refused.
-// (Session 28 measured a CTA-pair variant multicasting W2 4-12% slower at d <= 1536 and 11% slower
-// at 30B-b than this kernel alone: removed.)
+// (MACHMOE_DH_PINGPONG unset: -1); =0 never, =1 wherever it applies. Other values are refused.
+// (Removed after measuring them slower than this kernel alone: session 28's CTA-pair variant
+// multicasting W2, 4-12% at d <= 1536 and 11% at 30B-b; sessions 28-30's variant with the epilogue
+// from the accumulators and H / dH / A' moved by TMA, 20-27% at d <= 1536.)
 int gemm_dh_pingpong_mode();
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }

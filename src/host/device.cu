@@ -135,8 +135,8 @@ int env_mode(const char* name, const char* digits, const char* rule) {
 }  // namespace
 
 int gemm_dh_pingpong_mode() {
-  static const int mode = env_mode("MACHMOE_DH_PINGPONG", "012",
-                                   "must be 0 (off), 1 (on), 2 (on, H loaded by TMA), or unset (the shape rule)");
+  // (2, H loaded and dH / A' stored by TMA, was removed in session 30.)
+  static const int mode = env_mode("MACHMOE_DH_PINGPONG", "01", "must be 0 (off), 1 (on), or unset (the shape rule)");
   return mode;
 }
 

@@ -102,21 +102,10 @@ void launch_pingpong(const CUtensorMap& map_a, const CUtensorMap& map_b, const C
 // The dH kernel as a ping-pong GEMM (one 128 x 128 tile per consumer warpgroup).
 template <int EPI>
 void launch_dact_pingpong(const CUtensorMap& map_b, const kernels::GroupedGemmParams& p, int ctas, cudaStream_t stream) {
-  constexpr int smem = kernels::GemmDactPingPongSmem<>::kBytes;
+  constexpr int smem = kernels::GemmDactPingPongSmem::kBytes;
   auto* kernel = kernels::sm90_grouped_gemm_dact_pingpong<EPI>;
   prepare_smem(reinterpret_cast<const void*>(kernel), smem);
   kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_b, p);
-}
-
-// MACHMOE_DH_PINGPONG=2: the same with H loaded by TMA (interleaved GLU only). Only full tiles load
-// H through the map, so its rows need no bound (as C's map for stores).
-void launch_dact_pingpong_tma_h(const CUtensorMap& map_b, const CUtensorMap& map_h, const CUtensorMap& map_dh,
-                                const CUtensorMap& map_ap, const kernels::GroupedGemmParams& p, int ctas,
-                                cudaStream_t stream) {
-  constexpr int smem = kernels::GemmDactPingPongSmem<true>::kBytes;
-  auto* kernel = kernels::sm90_grouped_gemm_dact_pingpong_tma_h<kernels::kEpiDGluInter>;
-  prepare_smem(reinterpret_cast<const void*>(kernel), smem);
-  kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_b, map_h, map_dh, map_ap, p);
 }
 
 // The variants that exist: the forward's epilogues read K-major W; Store takes either; the dH
@@ -232,8 +221,7 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   // Configuration (data, not code): tile_width, also the column-tile count of the dH epilogue's
   // ds_partial (grouped_gemm_column_tiles).
   // The dH kernel as a ping-pong GEMM (kernels/sm90_grouped_gemm_dact_pingpong.cuh) where
-  // kDhPingPongWhere says it wins, or as MACHMOE_DH_PINGPONG says (0 never, 1 wherever it applies, 2 the
-  // same with H in and dH / A' out by TMA where H is interleaved: 20-27% slower, session 29).
+  // kDhPingPongWhere says it wins, or as MACHMOE_DH_PINGPONG says (0 never, 1 wherever it applies).
   const int dh_env = detail::gemm_dh_pingpong_mode();
   const int dh_mode = dh_env >= 0 ? dh_env : (a.K <= kDhPingPongWhere.max_k ? 1 : 0);
   const bool dh_pingpong = dact && a.gather && dh_mode > 0;
@@ -278,16 +266,6 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (dh_pingpong) {
     const CUtensorMap map_b = detail::tensor_map_nmajor(a.w, a.E, a.K, a.N, kernels::kGemmBK, fn);
     namespace k = kernels;
-    // (TMA stores need dH and A' 16-byte aligned; otherwise mode 1's kernel)
-    if (dh_mode == 2 && epi == k::kEpiDGluInter && detail::aligned16(a.c) && detail::aligned16(a.c2)) {
-      const CUtensorMap map_h = detail::tensor_map_2d(a.h, int64_t{1} << 31, 2 * a.N, a.ldh, 64, 64, fn);
-      const CUtensorMap map_dh = detail::tensor_map_2d(a.c, int64_t{1} << 31, 2 * a.N, a.ldc, 64, 64, fn);
-      const CUtensorMap map_ap = detail::tensor_map_2d(a.c2, int64_t{1} << 31, a.N, a.ldc2, 32, 64, fn,
-                                                       CU_TENSOR_MAP_SWIZZLE_64B);
-      launch_dact_pingpong_tma_h(map_b, map_h, map_dh, map_ap, p, ctas, stream);
-      check_launch(fn);
-      return;
-    }
     switch (epi) {
       case k::kEpiDGluInter: launch_dact_pingpong<k::kEpiDGluInter>(map_b, p, ctas, stream); break;
       case k::kEpiDGluConcat: launch_dact_pingpong<k::kEpiDGluConcat>(map_b, p, ctas, stream); break;

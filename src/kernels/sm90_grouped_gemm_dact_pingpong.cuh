@@ -1,9 +1,7 @@
 // Kernel family 6 of SPEC §2 (the dH kernel: dA' = dout[gathered] · W2, then the dH epilogue of
 // sm90_gemm_epilogue_dact.cuh) as a ping-pong grouped GEMM: one 128 x 128 tile per consumer
 // warpgroup, SonicMoE's arrangement for this kernel. The default where d = K <= 2048
-// (host/grouped_gemm.cu, kDhPingPongWhere; MACHMOE_DH_PINGPONG=0/1 overrides; =2 selects the
-// sm90_grouped_gemm_dact_pingpong_tma_h variant at the end of this file: correct, and 20-27%
-// slower at d <= 1536 in session 29, docs/PERF.md).
+// (host/grouped_gemm.cu, kDhPingPongWhere; MACHMOE_DH_PINGPONG=0/1 overrides).
 //
 // Measured (session 27, H100 kernel table): 5-6.5% faster than the cooperative kernel at d = 768
 // and 1536 (7B-a 0.529-0.541 ms against 0.568-0.580), 7-9% slower at d = 4096. Timing probes at
@@ -42,6 +40,11 @@
 // Measured and removed (session 28, H100): the same kernel in CTA pairs, each CTA loading one of
 // W2's two boxes per stage and multicasting it to both (SonicMoE's cluster of two; half the
 // weights' L2->SM bytes). 4-12% slower at d <= 1536 and 11% slower at 30B-b than one CTA alone.
+// Measured and removed (sessions 28-30, H100): the epilogue from the accumulators with H loaded
+// and dH / A' stored by TMA through sub-tile buffers (SonicMoE's epilogue), five stages: correct,
+// 20-27% slower at d <= 1536. It read 1.27-1.34 GB from DRAM against this kernel's 0.87 for the
+// same bytes asked of L2; four stages, H loaded after the main loop, and L2 hints did not bring
+// that down (docs/PERF.md, sessions 29 and 30).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -56,7 +59,6 @@ constexpr int kDactPPGroup = 4;  // epilogue items per thread per load group
 
 // (Session 27 also ran the two consumers through one buffer taken in turn, for a fifth stage: no
 // faster at d <= 1536, 11% slower at 30B-b; removed.)
-template <bool kTmaH = false>
 struct GemmDactPingPongSmem {
   static constexpr int BN = kDactPPBN;
   static constexpr int kABytes = kGemmBM * kGemmBK * 2;  // 16 KB of gathered dO rows
@@ -64,66 +66,43 @@ struct GemmDactPingPongSmem {
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kEpiBufBytes = 128 * epi_row_bytes<BN>();  // a consumer's staged dA' tile
   static constexpr int kScaleBytes = 128 * 4;                     // its rows' scores
-  // kTmaH (MACHMOE_DH_PINGPONG=2): no staged dA'; per consumer kHBufs buffers of one H sub-tile
-  // [64 rows][64 bf16] (8 KB, 1 KB aligned), loaded by TMA ahead of the epilogue, dH written back
-  // into them in place, and kABufs buffers of one A' sub-tile [64 rows][32 bf16] (4 KB); both
-  // leave by TMA stores.
-  static constexpr int kHBufs = 3;
-  static constexpr int kHBufBytes = 64 * 128;
-  static constexpr int kABufs = 2;
-  static constexpr int kABufBytes = 64 * 64;
 #if MACHMOE_GEMM_PROBE_EXTRA_STAGE
   // Probe build only (wrong results): no staging buffers, so more stages (6 instead of 4), and the
   // kernel skips its epilogue: what the main loop would gain from an epilogue without them.
   static constexpr int kEpiBytes = 0;
 #else
-  static constexpr int kEpiBytes =
-      kTmaH ? 2 * (kHBufs * kHBufBytes + kABufs * kABufBytes) : 2 * (kEpiBufBytes + kScaleBytes);
+  static constexpr int kEpiBytes = 2 * (kEpiBufBytes + kScaleBytes);
 #endif
   static constexpr bool kNoEpilogue = kEpiBytes == 0;
   static constexpr int kBudget = 227 * 1024;
-  // kTmaH's five stages fit only without the 1 KB alignment slack: the dH ping-pong kernels declare
-  // their dynamic shared memory 1024-byte aligned, so the layout's round-up is zero (folded away).
-  static constexpr int kSlack = kTmaH ? 0 : 1024;
-  static constexpr int kFixed = kSlack + 3072;  // (slack) + barriers + the ring + the tile table
+  static constexpr int kFixed = 1024 + 3072;  // alignment slack + barriers + the ring + the tile table
   static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / kStageBytes;
   static constexpr int kBytes = kStages * kStageBytes + kEpiBytes + kFixed;
   static_assert(kStages >= 3 && kStages < kTileRing, "stages");
-  static_assert(!kTmaH || kNoEpilogue || kStages == 5, "the TMA-H variant exists for its fifth stage");
-  static_assert((2 * kStages + 2 * kTileRing + 2 * kHBufs) * 8 + kTileRing * 16 + (kGemmSmemTileE + 2) * 4 <=
-                    kFixed - kSlack,
+  static_assert((2 * kStages + 2 * kTileRing) * 8 + kTileRing * 16 + (kGemmSmemTileE + 1) * 4 <= kFixed - 1024,
                 "fixed shared-memory area too small");
 };
 
 // EPI: kEpiDGluInter, kEpiDGluConcat or kEpiDAct. A = dout [T, K] gathered through p.gather
 // (always: the dH GEMM's rows are routed tokens); W2 [E, K, N] N-major through tmap_b {N, K, E}.
-// kTmaH: the epilogue from the accumulators with H loaded by TMA (tmap_h), dH stored by TMA
-// (tmap_dh: H's geometry over dH) and A' too (tmap_ap: {32 columns, 64 rows} boxes, 64-byte
-// swizzle); interleaved GLU only. An expert's partial last tile loads and stores by itself.
-template <int EPI, bool kTmaH>
-__device__ __forceinline__ void dact_pingpong_body(const CUtensorMap& tmap_b, const CUtensorMap* tmap_h,
-                                                   const CUtensorMap* tmap_dh, const CUtensorMap* tmap_ap,
-                                                   const GroupedGemmParams& p) {
+template <int EPI>
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    sm90_grouped_gemm_dact_pingpong(const __grid_constant__ CUtensorMap tmap_b, const GroupedGemmParams p) {
   static_assert(gemm_epi_is_dact(EPI), "the dH epilogues only");
-  static_assert(!kTmaH || EPI == kEpiDGluInter, "TMA-loaded H: the interleaved GLU layout only");
-  using Smem = GemmDactPingPongSmem<kTmaH>;
+  using Smem = GemmDactPingPongSmem;
   constexpr int BN = kDactPPBN;
   constexpr int S = Smem::kStages;
-  // 1024-byte aligned as declared (the 128-byte swizzle's atom), so that the layout's round-up is
-  // zero: the TMA-H variant's budget has no slack for it (Smem::kSlack). (Its own name: declared
-  // as smem_raw, the alignment reached every kernel of the unit and made ptxas spill 8 bytes in
-  // four cooperative GEMMs.)
+  // 1024-byte aligned as declared (the 128-byte swizzle's atom), so that the layout's round-up
+  // folds away. (Its own name: declared as smem_raw, the alignment reached every kernel of the unit
+  // and made ptxas spill 8 bytes in four cooperative GEMMs, session 29.)
   extern __shared__ __align__(1024) uint8_t dact_pingpong_smem[];
   const PingPongSmemLayout<Smem> lay(dact_pingpong_smem);
   uint8_t *smem_a = lay.smem_a, *smem_b = lay.smem_b;
-  uint8_t* epi = lay.epi;  // [2][kEpiBufBytes], then [2][128] scores (kTmaH: [2][kHBufs] H, [2][kABufs] A' sub-tiles)
+  uint8_t* epi = lay.epi;  // [2][kEpiBufBytes], then [2][128] scores
   float* scales = reinterpret_cast<float*>(epi + 2 * Smem::kEpiBufBytes);
   uint64_t *full = lay.full, *empty = lay.empty, *tile_full = lay.tile_full, *tile_empty = lay.tile_empty;
   GemmTile* ring = lay.ring;
   int32_t* tile_table = lay.tile_table;
-  // kTmaH: consumer c's H buffers at epi + (c * kHBufs + b) * kHBufBytes, their barriers after the
-  // tile table's area (inside kFixed: the static_assert above counts them)
-  uint64_t* hfull = reinterpret_cast<uint64_t*>(tile_table + kGemmSmemTileE + 1 + 1);  // [2][kHBufs], 8-aligned
 
   constexpr int kLoaders = 128;
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
@@ -136,16 +115,8 @@ __device__ __forceinline__ void dact_pingpong_body(const CUtensorMap& tmap_b, co
       sm90::mbar_init(&tile_full[r], 1);      // loader thread 0
       sm90::mbar_init(&tile_empty[r], 128);   // the consumer warpgroup that took the slot
     }
-    if constexpr (kTmaH) {
-      for (int b = 0; b < 2 * Smem::kHBufs; ++b) sm90::mbar_init(&hfull[b], 1);  // the issuing thread's expect_tx
-    }
     sm90::mbar_fence_init();
     sm90::tma_prefetch_descriptor(&tmap_b);
-    if constexpr (kTmaH) {
-      sm90::tma_prefetch_descriptor(tmap_h);
-      sm90::tma_prefetch_descriptor(tmap_dh);
-      sm90::tma_prefetch_descriptor(tmap_ap);
-    }
   }
   if (p.E <= kGemmSmemTileE && threadIdx.x >= 32 && threadIdx.x < 64) gemm_tile_offsets_warp(p, tile_table);
   __syncthreads();
@@ -200,22 +171,6 @@ __device__ __forceinline__ void dact_pingpong_body(const CUtensorMap& tmap_b, co
     uint8_t* buf = epi + c * Smem::kEpiBufBytes;
     float* scale = scales + c * 128;
     constexpr int kTurn = 4;  // named barriers 4 (consumer 0's turn) and 5 (consumer 1's); 2, 3: per warpgroup
-    // kTmaH: H sub-tiles issued / consumed by this consumer (the same count in every thread);
-    // sub-tile k of a tile is chain k / 4's dA' columns 32 (k % 4) ..: H rows row0 + 64 (k / 4),
-    // H columns 2 n0 + 64 (k % 4), in H buffer (count % kHBufs) and A' buffer (count % kABufs).
-    // Thread 0 of the warpgroup issues every load and store. The loads run kHAhead sub-tiles
-    // ahead: at the end of sub-tile k, once the store of k - 1 has read its buffers, H of k + 2
-    // goes into k - 1's buffer.
-    constexpr int kHAhead = Smem::kHBufs - 1;
-    int h_issued = 0, h_used = 0;
-    auto h_issue = [&](const GemmTile& t, int k) {
-      const int b = c * Smem::kHBufs + h_issued % Smem::kHBufs;
-      if (tid == 0) {
-        sm90::mbar_arrive_expect_tx(&hfull[b], Smem::kHBufBytes);
-        sm90::tma_load_2d(epi + b * Smem::kHBufBytes, tmap_h, &hfull[b], 2 * t.n0 + 64 * (k % 4), t.row0 + 64 * (k / 4));
-      }
-      ++h_issued;
-    };
     if (c == 1) sm90::named_barrier_arrive(kTurn + 0, 256);  // consumer 0 goes first
     for (int n = c;; n += 2) {
       const int slot = n % kTileRing;
@@ -226,15 +181,6 @@ __device__ __forceinline__ void dact_pingpong_body(const CUtensorMap& tmap_b, co
       // handed to it, the second has none; a stage is waited on only after taking the turn)
       if (tile.e != -2) sm90::named_barrier_sync(kTurn + c, 256);
       if (tile.e < 0) break;
-      // kTmaH: a full tile's first kHAhead H sub-tiles load during its main loop (their buffers'
-      // stores have read them: thread 0 waited for that in the previous tile's last sub-tile,
-      // after every thread's writes, fenced, met at the warpgroup barrier); a partial tile loads
-      // H itself.
-      const bool h_tma = kTmaH && !Smem::kNoEpilogue && tile.rows == kGemmBM && !gemm_probe(p, 1);
-      if (h_tma) {
-#pragma unroll 1
-        for (int k = 0; k < kHAhead; ++k) h_issue(tile, k);
-      }
       DactRowScale rs[2];
       rs[0].load_pairs(p, tile, 0);
       rs[1].load_pairs(p, tile, 1);
@@ -253,51 +199,6 @@ __device__ __forceinline__ void dact_pingpong_body(const CUtensorMap& tmap_b, co
       sm90::fence_accumulators(acc[1]);
       if (prev_stage >= 0 && tid == 0) release(prev_stage);
       if (gemm_probe(p, 1) || Smem::kNoEpilogue) continue;  // timing probe: no epilogue
-      if constexpr (kTmaH) {  // the epilogue from the accumulators, under the other consumer's wgmmas
-        if (h_tma) {
-          using Epi = DactFromAcc<BN, EPI>;
-          Epi::with_glu_act(p, [&](auto act) {
-            constexpr int ACT = decltype(act)::value;
-            float ds[2] = {0.f, 0.f};  // this thread's two rows of the current chain
-            const bool all_rows[2] = {true, true};
-            // rolled (see take_subtile): one sub-tile's code, run eight times
-#pragma unroll 1
-            for (int k = 0; k < 8; ++k) {
-              const int hb = c * Smem::kHBufs + h_used % Smem::kHBufs;
-              uint8_t* hbuf = epi + hb * Smem::kHBufBytes;
-              uint8_t* abuf = epi + 2 * Smem::kHBufs * Smem::kHBufBytes +
-                              (c * Smem::kABufs + h_used % Smem::kABufs) * Smem::kABufBytes;
-              float a[16];
-              Epi::take_subtile(k, acc, a);
-              const float s[2] = {k < 4 ? rs[0].s[0] : rs[1].s[0], k < 4 ? rs[0].s[1] : rs[1].s[1]};
-              sm90::mbar_wait(&hfull[hb], (h_used / Smem::kHBufs) & 1);
-              Epi::template run_smem<ACT>(k % 4, hbuf, abuf, a, s, ds);
-              // The store of k - 1 has read its H and A' buffers (the next load and this
-              // warpgroup's next A' writes reuse them), and this sub-tile's dH and A' are written.
-              if (tid == 0) sm90::bulk_wait_read<0>();
-              sm90::fence_proxy_async_shared();  // this thread's st.shared -> the TMA store's reads
-              sm90::named_barrier_sync(2 + c, 128);
-              if (tid == 0) {
-                const int row = tile.row0 + 64 * (k / 4);
-                sm90::tma_store_2d(tmap_dh, hbuf, 2 * tile.n0 + 64 * (k % 4), row);
-                sm90::tma_store_2d(tmap_ap, abuf, tile.n0 + 32 * (k % 4), row);
-                sm90::bulk_commit_group();
-              }
-              ++h_used;
-              if (k + kHAhead < 8) h_issue(tile, k + kHAhead);
-              if (k % 4 == 3) {
-                Epi::write_ds(p, tile, 64 * (k / 4) + ((threadIdx.x / 32) % 4) * 16 + (threadIdx.x % 32) / 4, all_rows,
-                              ds);
-                ds[0] = ds[1] = 0.f;
-              }
-            }
-          });
-        } else {
-          DactFromAcc<BN, EPI>::run_regs(p, tile, 0, acc[0], rs[0].s);
-          DactFromAcc<BN, EPI>::run_regs(p, tile, 64, acc[1], rs[1].s);
-        }
-        continue;
-      }
 
       // The epilogue, under the other consumer's wgmmas. Every thread of this warpgroup is done
       // reading the buffer (its previous tile's epilogue) before it is overwritten.
@@ -325,33 +226,7 @@ __device__ __forceinline__ void dact_pingpong_body(const CUtensorMap& tmap_b, co
         next += kStep;
       }
     }
-    if constexpr (kTmaH) {
-      if (tid == 0) sm90::bulk_wait_all();  // the last sub-tiles' stores, before the CTA's memory goes
-    }
   }
-}
-
-template <int EPI>
-__global__ void __launch_bounds__(kGemmThreads, 1)
-    sm90_grouped_gemm_dact_pingpong(const __grid_constant__ CUtensorMap tmap_b, const GroupedGemmParams p) {
-  dact_pingpong_body<EPI, false>(tmap_b, nullptr, nullptr, nullptr, p);
-}
-
-// MACHMOE_DH_PINGPONG=2 (session 28; stores by TMA since session 29): the epilogue from the
-// accumulators, with H [R, 2n] loaded by TMA through tmap_h ({64 columns, 64 rows} boxes, 128-byte
-// swizzle) into three 8 KB sub-tile buffers per consumer, dH written back into them and A' into
-// two 4 KB buffers, both stored by TMA (tmap_dh, tmap_ap), instead of two staged 34 KB dA' tiles:
-// five operand stages instead of four (session 28's probe: six took the 7B-a main loop from 0.427
-// to 0.305 ms). The loads in flight live in shared memory, not in registers: the register
-// epilogue alone measured 7-21% slower for want of them. SonicMoE's dH loads and stores the same
-// way.
-template <int EPI>
-__global__ void __launch_bounds__(kGemmThreads, 1)
-    sm90_grouped_gemm_dact_pingpong_tma_h(const __grid_constant__ CUtensorMap tmap_b,
-                                          const __grid_constant__ CUtensorMap tmap_h,
-                                          const __grid_constant__ CUtensorMap tmap_dh,
-                                          const __grid_constant__ CUtensorMap tmap_ap, const GroupedGemmParams p) {
-  dact_pingpong_body<EPI, true>(tmap_b, &tmap_h, &tmap_dh, &tmap_ap, p);
 }
 
 }  // namespace machmoe::kernels
