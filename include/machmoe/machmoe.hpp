@@ -297,7 +297,7 @@ struct GroupedGemmArgs {
   GemmEpilogue epilogue = GemmEpilogue::Store;
   Activation activation = Activation::SwiGLU;
   GateUpLayout layout = GateUpLayout::Interleaved;
-  int32_t* tile_offsets = nullptr;          // workspace [E+1] int32 (device; written only for E > 512)
+  int32_t* tile_offsets = nullptr;          // workspace [E+1] int32 (device; written only for E > 512, > 384 by the dH ping-pong)
   int max_ctas = 0;                         // 0: one persistent CTA per SM
   bool w_n_major = false;                   // W is [E, K, N]
   // ActivationBackward only:

@@ -253,7 +253,9 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   p.ds_partial = a.ds_partial;
   p.ds_cols = static_cast<int>(grouped_gemm_column_tiles(a.N));
 
-  if (p.E > kernels::kGemmSmemTileE) {  // (up to kGemmSmemTileE experts the kernel builds them itself)
+  // (up to kGemmSmemTileE experts the kernel builds them itself; the dH ping-pong, short of shared
+  // memory, up to kDactPPSmemTileE)
+  if (p.E > (dh_pingpong ? kernels::kDactPPSmemTileE : kernels::kGemmSmemTileE)) {
     if (pp_cluster)
       kernels::grouped_gemm_tile_offsets<2 * kernels::kGemmBM><<<1, 1024, 0, stream>>>(a.expert_offsets, p.E, p.n_tiles,
                                                                                       a.tile_offsets);

@@ -102,10 +102,12 @@ constexpr bool epi_boxed() { return EPI == kEpiStore || EPI == kEpiGluInter || E
 template <int BN>
 constexpr int epi_tile_bytes() { return 128 * epi_row_bytes<BN>(); }
 // Byte offset in the staged tile of row r, 16-byte chunk ch (8 columns) of the BN-wide row.
-// Boxed tiles: boxes of kBoxRows rows (128; the ping-pong kernel stages 64-row halves).
-template <int BN, int EPI, int kBoxRows = 128>
+// Boxed tiles: boxes of kBoxRows rows (128; the ping-pong kernel stages 64-row halves). kBoxed: the
+// boxed layout for a tile that never leaves by TMA (the ping-pong dH kernel's dA': 16 bytes a row
+// less than the padded one, which is what its fifth stage needs).
+template <int BN, int EPI, int kBoxRows = 128, bool kBoxed = epi_boxed<EPI>()>
 __device__ __forceinline__ int epi_chunk_offset(int r, int ch) {
-  if constexpr (epi_boxed<EPI>()) return (ch / 8) * (kBoxRows * 128) + r * 128 + (((ch % 8) ^ (r % 8)) << 4);
+  if constexpr (kBoxed) return (ch / 8) * (kBoxRows * 128) + r * 128 + (((ch % 8) ^ (r % 8)) << 4);
   else return r * epi_row_bytes<BN>() + ch * 16;
 }
 
@@ -132,8 +134,8 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 // (30B-b), the other kernels within noise; the shared-memory bytes, not the instructions, bound
 // the staging.
 // cw: which 64 rows of the staged tile (the warpgroup's half of a cooperative tile; 0 with
-// kBoxRows = 64, where `epi` holds one 64-row half).
-template <int BN, int EPI, int kBoxRows = 128>
+// kBoxRows = 64, where `epi` holds one 64-row half). kBoxed: as epi_chunk_offset.
+template <int BN, int EPI, int kBoxRows = 128, bool kBoxed = epi_boxed<EPI>()>
 __device__ __forceinline__ void gemm_stage_out(const GroupedGemmParams& p, const GemmTile& tile, int cw,
                                                const float (&acc)[BN / 2], uint8_t* epi) {
   static_assert(BN % 16 == 0, "pairs of 8-column chunks");
@@ -161,7 +163,7 @@ __device__ __forceinline__ void gemm_stage_out(const GroupedGemmParams& p, const
       v[2 * q] = pack_bf16x2(a[0] + b0, a[1] + b1);      // rows 0-7 of the warp's 16
       v[2 * q + 1] = pack_bf16x2(a[2] + b0, a[3] + b1);  // rows 8-15
     }
-    sm90::stmatrix_x4(base + epi_chunk_offset<BN, EPI, kBoxRows>(srow, jj + schunk), v[0], v[1], v[2], v[3]);
+    sm90::stmatrix_x4(base + epi_chunk_offset<BN, EPI, kBoxRows, kBoxed>(srow, jj + schunk), v[0], v[1], v[2], v[3]);
   }
 }
 

@@ -74,7 +74,9 @@ constexpr int kDactGroupConsumer = 2;
 // row_base + it / kChunks of the staged tile; `items` counts them, `end` rounds that up to whole
 // warps. The scores come from shared memory (`scale` [128], staged with the tile), so no load
 // chain row -> pair -> score.
-template <int BN, int EPI, int G>
+// kBoxed: the tile is staged in the boxed layout (epi_chunk_offset), as the ping-pong dH kernel
+// stages it; else padded rows (epi_row_bytes), as the cooperative kernel does.
+template <int BN, int EPI, int G, bool kBoxed = false>
 struct DactPipe {
   static constexpr int kChunks = BN / 8;  // 8 dA' columns per item
   static_assert(kChunks == 16 || kChunks == 32, "a row's chunks must tile a warp");
@@ -120,7 +122,7 @@ struct DactPipe {
         const int64_t row = tile.row0 + r;
         const float s = scale[r];
         float da[8];
-        load_bf16x8(reinterpret_cast<const __nv_bfloat16*>(epi + r * epi_row_bytes<BN>() + ch * 16), da);
+        load_bf16x8(reinterpret_cast<const __nv_bfloat16*>(epi + epi_chunk_offset<BN, EPI, 128, kBoxed>(r, ch)), da);
         __nv_bfloat16* dh = p.c + row * p.ldc;
         const __nv_bfloat16* h0 = reinterpret_cast<const __nv_bfloat16*>(&h[u][0]);
         const __nv_bfloat16* h1 = reinterpret_cast<const __nv_bfloat16*>(&h[u][1]);

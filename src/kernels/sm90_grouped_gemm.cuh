@@ -110,9 +110,13 @@ constexpr int kTileRing = 8;
 // in L2 (a plain row-major walk streams all of B once per wave of CTAs).
 constexpr int kGemmGroupM = 8;
 
-// The tile-offset table the kernel reads: its own in shared memory, or the global one (E > 512).
+// The tile-offset table the kernel reads: its own in shared memory, or the global one (E > kCap:
+// kGemmSmemTileE, or a smaller table where shared memory is short; the host builds the global one
+// for the same E).
+template <int kCap = kGemmSmemTileE>
 __device__ __forceinline__ const int32_t* gemm_tile_table(const GroupedGemmParams& p, const int32_t* smem_table) {
-  return p.E <= kGemmSmemTileE ? smem_table : p.tile_offsets;
+  static_assert(kCap <= kGemmSmemTileE, "gemm_tile_offsets_warp covers kGemmSmemTileE experts");
+  return p.E <= kCap ? smem_table : p.tile_offsets;
 }
 
 // kUnitRows > BM: row0/rows describe the unit's kUnitRows rows (rows up to kUnitRows).

@@ -37,6 +37,12 @@
 // from the accumulators (7-21%), and staging in 64-row halves with five stages (2-6%). With 128
 // accumulators under the 168-register cap, either leaves the epilogue too few loads in flight
 // to stay under the other consumer's main loop (patches in results/session28/).
+// Session 30 (H100): five stages with both staging buffers kept, by staging dA' in the boxed
+// (swizzled) layout instead of padded rows (32 KB a buffer, not 34) and keeping at most 384
+// experts' tile offsets in shared memory. 7B-a 0.500-0.504 ms against four stages' 0.514-0.517
+// (Nsight Compute: 5% fewer cycles, long-scoreboard stalls 3.7 against 4.9 per issue), 7B-b
+// within noise (0.475-0.501 against 0.498-0.534), 1.4B-a unchanged (its 12 K blocks leave the
+// epilogue the bound). Predicted 0-10%.
 // Measured and removed (session 28, H100): the same kernel in CTA pairs, each CTA loading one of
 // W2's two boxes per stage and multicasting it to both (SonicMoE's cluster of two; half the
 // weights' L2->SM bytes). 4-12% slower at d <= 1536 and 11% slower at 30B-b than one CTA alone.
@@ -56,6 +62,9 @@ namespace machmoe::kernels {
 
 constexpr int kDactPPBN = 128;  // two m64n128 chains per consumer
 constexpr int kDactPPGroup = 4;  // epilogue items per thread per load group
+// Experts whose tile offsets this kernel keeps in shared memory (the host builds the global table
+// above that): fewer than the engine's kGemmSmemTileE, so that five stages fit.
+constexpr int kDactPPSmemTileE = 384;
 
 // (Session 27 also ran the two consumers through one buffer taken in turn, for a fifth stage: no
 // faster at d <= 1536, 11% slower at 30B-b; removed.)
@@ -64,10 +73,12 @@ struct GemmDactPingPongSmem {
   static constexpr int kABytes = kGemmBM * kGemmBK * 2;  // 16 KB of gathered dO rows
   static constexpr int kBBytes = BN * kGemmBK * 2;       // 16 KB: two {64 N, 64 K} boxes of W2
   static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kEpiBufBytes = 128 * epi_row_bytes<BN>();  // a consumer's staged dA' tile
+  // A consumer's staged dA' tile [128 rows][BN], boxed (epi_chunk_offset<.., kBoxed>: two
+  // [128][64] boxes, 128-byte swizzle; conflict-free both ways) rather than padded: 32 KB, not 34.
+  static constexpr int kEpiBufBytes = 128 * BN * 2;
   static constexpr int kScaleBytes = 128 * 4;                     // its rows' scores
 #if MACHMOE_GEMM_PROBE_EXTRA_STAGE
-  // Probe build only (wrong results): no staging buffers, so more stages (6 instead of 4), and the
+  // Probe build only (wrong results): no staging buffers, so more stages (7 instead of 5), and the
   // kernel skips its epilogue: what the main loop would gain from an epilogue without them.
   static constexpr int kEpiBytes = 0;
 #else
@@ -75,11 +86,15 @@ struct GemmDactPingPongSmem {
 #endif
   static constexpr bool kNoEpilogue = kEpiBytes == 0;
   static constexpr int kBudget = 227 * 1024;
-  static constexpr int kFixed = 1024 + 3072;  // alignment slack + barriers + the ring + the tile table
+  // Barriers, the ring and the tile table, with no alignment slack: the kernel declares its dynamic
+  // shared memory 1024-byte aligned, so the layout's round-up is zero. Five stages take the budget
+  // to the byte: 5 x 32 KB + 2 x (32 KB + 512) + 2 KB = 227 KB.
+  static constexpr int kFixed = 2048;
   static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / kStageBytes;
   static constexpr int kBytes = kStages * kStageBytes + kEpiBytes + kFixed;
   static_assert(kStages >= 3 && kStages < kTileRing, "stages");
-  static_assert((2 * kStages + 2 * kTileRing) * 8 + kTileRing * 16 + (kGemmSmemTileE + 1) * 4 <= kFixed - 1024,
+  static_assert(kNoEpilogue || kStages == 5, "the boxed staging exists for the fifth stage");
+  static_assert((2 * kStages + 2 * kTileRing) * 8 + kTileRing * 16 + (kDactPPSmemTileE + 1) * 4 <= kFixed,
                 "fixed shared-memory area too small");
 };
 
@@ -93,7 +108,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   constexpr int BN = kDactPPBN;
   constexpr int S = Smem::kStages;
   // 1024-byte aligned as declared (the 128-byte swizzle's atom), so that the layout's round-up
-  // folds away. (Its own name: declared as smem_raw, the alignment reached every kernel of the unit
+  // folds away: Smem::kFixed has no slack for it. (Its own name: declared as smem_raw, the alignment reached every kernel of the unit
   // and made ptxas spill 8 bytes in four cooperative GEMMs, session 29.)
   extern __shared__ __align__(1024) uint8_t dact_pingpong_smem[];
   const PingPongSmemLayout<Smem> lay(dact_pingpong_smem);
@@ -118,9 +133,10 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     sm90::mbar_fence_init();
     sm90::tma_prefetch_descriptor(&tmap_b);
   }
-  if (p.E <= kGemmSmemTileE && threadIdx.x >= 32 && threadIdx.x < 64) gemm_tile_offsets_warp(p, tile_table);
+  if (p.E <= kDactPPSmemTileE && threadIdx.x >= 32 && threadIdx.x < 64) gemm_tile_offsets_warp(p, tile_table);
   __syncthreads();
-  const int total_tiles = gemm_tile_table(p, tile_table)[p.E];
+  const int32_t* tiles = gemm_tile_table<kDactPPSmemTileE>(p, tile_table);
+  const int total_tiles = tiles[p.E];
   const int k_blocks = (p.K + kGemmBK - 1) / kGemmBK;
 
   if (wg == 0) {
@@ -135,7 +151,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     };
     for (int t = blockIdx.x, n = 0, it = 0;; t += gridDim.x, ++n) {
       const bool done = t >= total_tiles;
-      const GemmTile tile = done ? GemmTile{-1, 0, 0, 0} : gemm_decode_tile(p, gemm_tile_table(p, tile_table), t, BN);
+      const GemmTile tile = done ? GemmTile{-1, 0, 0, 0} : gemm_decode_tile(p, tiles, t, BN);
       if (tid == 0) {
         publish(n, tile);
         if (done) publish(n + 1, GemmTile{-2, 0, 0, 0});  // the other consumer's stop signal
@@ -203,8 +219,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       // The epilogue, under the other consumer's wgmmas. Every thread of this warpgroup is done
       // reading the buffer (its previous tile's epilogue) before it is overwritten.
       sm90::named_barrier_sync(2 + c, 128);
-      gemm_stage_out<BN, EPI>(p, tile, 0, acc[0], buf);  // rows 0-63
-      gemm_stage_out<BN, EPI>(p, tile, 1, acc[1], buf);  // rows 64-127
+      gemm_stage_out<BN, EPI, 128, true>(p, tile, 0, acc[0], buf);  // rows 0-63
+      gemm_stage_out<BN, EPI, 128, true>(p, tile, 1, acc[1], buf);  // rows 64-127
       rs[0].stage(scale, 0);
       rs[1].stage(scale, 1);
       sm90::named_barrier_sync(2 + c, 128);
@@ -213,7 +229,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       // before this group is computed.
       const int items = tile.rows * (BN / 8), end = (items + 31) & ~31;
       constexpr int kStep = kDactPPGroup * 128;
-      DactPipe<BN, EPI, kDactPPGroup> pa, pb;
+      DactPipe<BN, EPI, kDactPPGroup, true> pa, pb;
       int next = tid;
       if (next < end) pa.load(p, tile, 0, items, next, 128);
       while (next < end) {

@@ -78,11 +78,11 @@ def test_dact_epilogue(act, layout, n, d):
 
 
 @pytest.mark.parametrize("d", [256, 2112])  # the ping-pong dH kernel, the cooperative one
-@pytest.mark.parametrize("E", [512, 600])
+@pytest.mark.parametrize("E", [384, 385, 512, 600])
 def test_dact_epilogue_many_experts(E, d):
-    # Up to 512 experts the kernels build their tile offsets in shared memory; above, a separate
-    # kernel writes them (with the ping-pong kernel's 128-wide column tiles). Mostly empty experts,
-    # the used ones at both ends.
+    # Up to 512 experts the kernels build their tile offsets in shared memory (the ping-pong dH
+    # kernel up to 384, kDactPPSmemTileE); above, a separate kernel writes them (with the ping-pong
+    # kernel's 128-wide column tiles). Mostly empty experts, the used ones at both ends.
     g = torch.Generator().manual_seed(E + d)
     counts = [0] * E
     for e in [0, 1, E // 2, E - 2, E - 1] + torch.randint(0, E, (12,), generator=g).tolist():
