@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Nsight Compute profile of the expert GEMMs on the GPU machine, in one device call: builds, then
-# for each kernel named (python -m machmoe.bench.ncu_probe: up, upc, down, dh, dx, dense; default
+# for each kernel named (python -m machmoe.bench.ncu_probe: up, upc, down, dh, dx, dw1, dw1c, dw2,
+# dense; default
 # "dx down upc dense") writes to $OUT/ncu.log
 #   - speed of light, memory workload (with the shared-memory table), warp states, launch stats,
 #     DRAM bytes, L2 hit rate, tensor-pipe activity, L2 -> SM bytes;

@@ -20,7 +20,7 @@ import argparse
 import csv
 
 
-KERNELS = ("up", "upc", "down", "dh", "dx", "dw1", "dw1c", "dense")
+KERNELS = ("up", "upc", "down", "dh", "dx", "dw1", "dw1c", "dw2", "dense")
 
 
 def run_kernel(which: str, T: int = 24576, d: int = 1536, n: int = 256, E: int = 128, K: int = 8) -> None:
@@ -56,6 +56,9 @@ def run_kernel(which: str, T: int = 24576, d: int = 1536, n: int = 256, E: int =
         xg = x[row_token.long()].contiguous() if which == "dw1c" else x
         idx = None if which == "dw1c" else row_token
         fn = lambda: m.grouped_gemm_wgrad(xg, idx, dh, offs, True, False)  # noqa: E731
+    elif which == "dw2":  # dW2 = doutᵀ·A': dout gathered by token (x stands in for it), A' [R, n]
+        ap = torch.randn(R, n, device="cuda").bfloat16()
+        fn = lambda: m.grouped_gemm_wgrad(x, row_token, ap, offs, False, False)  # noqa: E731
     elif which == "dense":  # 8192³ through the same engine (one expert): the mainloop's ceiling
         a = torch.randn(8192, 8192, device="cuda").bfloat16()
         w = (torch.randn(1, 8192, 8192, device="cuda") / 8192 ** 0.5).bfloat16()
