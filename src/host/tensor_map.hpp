@@ -30,16 +30,14 @@ inline EncodeTiledFn encode_tiled() {
   return fn;
 }
 
-// A bf16 tensor of `rank` dims (dims[0] innermost, strides in bytes for dims 1..), boxes `box`;
-// the 128-byte swizzle unless said (a box row of 64 bytes takes the 64-byte one).
+// A bf16 tensor of `rank` dims (dims[0] innermost, strides in bytes for dims 1..), boxes `box`.
 inline CUtensorMap encode_bf16_map(const void* ptr, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
-                                   const cuuint32_t* box, const char* fn,
-                                   CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
+                                   const cuuint32_t* box, const char* fn) {
   CUtensorMap map;
   const cuuint32_t elem_strides[3] = {1, 1, 1};
   const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(ptr), dims,
                                     strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                    swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                    CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw Error(ErrorCode::CudaError, std::string(fn) + ": cuTensorMapEncodeTiled failed with CUresult " +
@@ -49,11 +47,11 @@ inline CUtensorMap encode_bf16_map(const void* ptr, int rank, const cuuint64_t* 
 
 // A bf16 matrix [rows, cols] with `ld` elements between rows, boxes of box_cols x box_rows.
 inline CUtensorMap tensor_map_2d(const void* ptr, int64_t rows, int64_t cols, int64_t ld, int box_cols, int box_rows,
-                                 const char* fn, CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
+                                 const char* fn) {
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
-  return encode_bf16_map(ptr, 2, dims, strides, box, fn, swizzle);
+  return encode_bf16_map(ptr, 2, dims, strides, box, fn);
 }
 
 // W [E, K, N] (N contiguous) as a 3-D map {N, K, E} with boxes of 64 N x box_k K rows of one

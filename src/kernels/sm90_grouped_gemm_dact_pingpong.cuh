@@ -108,8 +108,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   constexpr int BN = kDactPPBN;
   constexpr int S = Smem::kStages;
   // 1024-byte aligned as declared (the 128-byte swizzle's atom), so that the layout's round-up
-  // folds away: Smem::kFixed has no slack for it. (Its own name: declared as smem_raw, the alignment reached every kernel of the unit
-  // and made ptxas spill 8 bytes in four cooperative GEMMs, session 29.)
+  // folds away: Smem::kFixed has no slack for it. (Its own name: declared as smem_raw, the
+  // alignment reached every kernel of the unit and made ptxas spill 8 bytes in four cooperative
+  // GEMMs, session 29.)
   extern __shared__ __align__(1024) uint8_t dact_pingpong_smem[];
   const PingPongSmemLayout<Smem> lay(dact_pingpong_smem);
   uint8_t *smem_a = lay.smem_a, *smem_b = lay.smem_b;

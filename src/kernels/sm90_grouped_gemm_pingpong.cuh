@@ -169,7 +169,7 @@ struct PingPongSmemLayout {
   uint8_t *smem_a, *smem_b, *epi;
   uint64_t *full, *empty, *tile_full, *tile_empty;
   GemmTile* ring;
-  int32_t* tile_table;  // [E+1] when E <= kGemmSmemTileE
+  int32_t* tile_table;  // [E+1] when E is within the kernel's shared-memory table (gemm_tile_table)
   __device__ __forceinline__ explicit PingPongSmemLayout(uint8_t* smem_raw) {
     constexpr int S = Smem::kStages;
     uint8_t* smem = smem_raw + ((1024u - (sm90::smem_addr(smem_raw) & 1023u)) & 1023u);
