@@ -12,8 +12,10 @@
 // Warpgroup 0 loads: all 128 threads copy the gathered A rows by 16-byte cp.async (zero-filled
 // past the expert's last row), thread 0 loads B by TMA for full 64-row blocks; the expert's last,
 // partial block of B is copied by cp.async too, zero-filled, so that no row of the next expert (or
-// the uninitialised tail of the buffer) ever enters the sum. Warpgroups 1-2 run wgmma on 64 rows
-// of M each. A full bf16 tile leaves by TMA: each warpgroup stages its 64 rows of C (or, with
+// the uninitialised tail of the buffer) ever enters the sum. The gathered rows' source indices
+// reach the copying threads through a two-slot ring in shared memory, 256 rows (four K blocks) a
+// slot, loaded a slot ahead. Warpgroups 1-2 run wgmma on 64 rows of M each and release each stage
+// as soon as its wgmmas retire. A full bf16 tile leaves by TMA: each warpgroup stages its 64 rows of C (or, with
 // transpose_c, its 64 columns of Cᵀ) in its own 16 KB buffer, 128 columns at a time, and one of
 // its threads issues each piece's store, the last of which runs under the next tile's main loop
 // (timing probes: the epilogue straight from the accumulators cost 15% on 7B-a, scattered 2-byte
@@ -79,12 +81,19 @@ struct WgradSmem {
   static constexpr int kEpiParts = BN / kEpiCols;
   static constexpr int kEpiBufBytes = 64 * kEpiCols * 2;
   static constexpr int kEpiBytes = 2 * kEpiBufBytes;
+  // The gathered rows' source indices, staged by the loaders kIdxChunk rows at a time in two
+  // slots (WgradIndexRing).
+  static constexpr int kIdxChunk = 256;
+  static constexpr int kIdxBytes = 2 * kIdxChunk * 4;
   static constexpr int kBudget = 227 * 1024;
-  static constexpr int kFixed = 2048;  // 1 KB alignment slack + barriers (3 per stage)
-  static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / kStageBytes;
-  static constexpr int kBytes = kStages * kStageBytes + kEpiBytes + kFixed;
+  // Barriers (3 per stage). No alignment slack: the kernel declares its dynamic shared memory
+  // 1024-byte aligned.
+  static constexpr int kFixed = 1024;
+  static constexpr int kStages = (kBudget - kFixed - kIdxBytes - kEpiBytes) / kStageBytes;
+  static constexpr int kBytes = kStages * kStageBytes + kEpiBytes + kIdxBytes + kFixed;
   static_assert(kStages >= 2, "at least two pipeline stages");
-  static_assert(3 * kStages * 8 <= kFixed - 1024, "fixed shared-memory area too small");
+  static_assert(3 * kStages * 8 <= kFixed, "fixed shared-memory area too small");
+  static_assert(kIdxChunk % kWgradBK == 0 && kIdxChunk % 128 == 0, "a chunk is whole K blocks, whole loader passes");
 };
 
 // Copies rows [r0, r0 + rows) x columns [c0, c0 + W) of a bf16 matrix into MN-major blocks
@@ -107,6 +116,14 @@ struct WgradRows {
       const int r = r0 + tid / kChunksPerRow + kRowsPerPass * i;
       row[i] = r < end ? (gather ? __ldg(gather + r) : r) : -1;
     }
+  }
+
+  // The same rows from the loaders' index ring: `chunk` holds the source rows of rows
+  // [chunk_r0, chunk_r0 + kIdxChunk) (-1 past the expert's end). Shared-memory reads: a few
+  // cycles, where a global load of the index costs this thread an L2 round trip before its copies.
+  static __device__ __forceinline__ void rows_from(int32_t (&row)[kPasses], const int32_t* chunk, int k0, int tid) {
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) row[i] = chunk[k0 + tid / kChunksPerRow + kRowsPerPass * i];
   }
 
   // Addresses in 16-byte units held in 32 bits (the launcher bounds both operands below 2^32 of
@@ -160,15 +177,16 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
                        const GroupedWgradParams p) {
   using Smem = WgradSmem<BN>;
   constexpr int S = Smem::kStages;
-  extern __shared__ uint8_t smem_raw[];
-  // 1024-byte aligned (the 128-byte swizzle atoms), by an offset from smem_raw rather than an
-  // integer round trip, so that the compiler still knows every pointer below is shared memory and
-  // emits ld/st.shared (a generic access costs more instructions and goes the L1TEX way).
-  uint8_t* smem = smem_raw + ((1024u - (sm90::smem_addr(smem_raw) & 1023u)) & 1023u);
+  // 1024-byte aligned as declared (the 128-byte swizzle atoms): Smem::kFixed has no slack for a
+  // round-up. (Its own name, as the dH ping-pong's: the alignment of a shared extern array reaches
+  // every kernel that declares it.)
+  extern __shared__ __align__(1024) uint8_t wgrad_smem[];
+  uint8_t* smem = wgrad_smem;
   uint8_t* smem_a = smem;
   uint8_t* smem_b = smem + S * Smem::kABytes;
   uint8_t* epi = smem + S * Smem::kStageBytes;  // [2][kEpiBufBytes], 1024-byte aligned
-  uint64_t* full = reinterpret_cast<uint64_t*>(epi + Smem::kEpiBytes);
+  int32_t* idx_ring = reinterpret_cast<int32_t*>(epi + Smem::kEpiBytes);  // [2][kIdxChunk]
+  uint64_t* full = reinterpret_cast<uint64_t*>(epi + Smem::kEpiBytes + Smem::kIdxBytes);
   uint64_t* empty = full + S;
   uint64_t* full_peer = empty + S;  // kPair: the half of A the peer gathered has landed here
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
@@ -196,6 +214,34 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
   if (wg == 0) {
     sm90::setmaxnreg_dec<56>();
     int it = 0;
+    // The gather's source rows go through shared memory (idx_ring), kIdxChunk rows at a time: each
+    // loader thread loads kIdxChunk / 128 of the next chunk's indices (coalesced) when a chunk
+    // starts and stores them when the next one starts, so that one index round trip is paid per
+    // kIdxChunk / 64 K blocks, under the copies of the blocks before it. Measured before (session
+    // 31, Nsight Compute source counters, 7B-a dW2): with the indices loaded per thread one block
+    // ahead, the loaders waited on those loads in 9% of all warp samples and the consumers on the
+    // stages in 43%; SonicMoE's dW2 stages 2048 indices in shared memory.
+    constexpr int kIdxPer = Smem::kIdxChunk / 128;
+    constexpr int kBlocksPerChunk = Smem::kIdxChunk / kWgradBK;
+    constexpr int kIdxBar = 3;  // named barrier of the 128 loader threads (1, 2: the consumers')
+    int chunks = 0;             // chunks staged so far: slot = chunks & 1, alternating across tiles
+    int32_t next_idx[kIdxPer];
+    auto load_idx = [&](int r, int end) {
+#pragma unroll
+      for (int k = 0; k < kIdxPer; ++k) {
+        const int rr = r + tid + 128 * k;
+        next_idx[k] = rr < end ? (p.gather ? __ldg(p.gather + rr) : rr) : -1;
+      }
+    };
+    // The slot written was last read two chunks ago, before every loader passed the previous
+    // chunk's barrier; this barrier makes the chunk visible to all of them.
+    auto stage_idx = [&]() {
+      int32_t* slot = idx_ring + (chunks & 1) * Smem::kIdxChunk;
+#pragma unroll
+      for (int k = 0; k < kIdxPer; ++k) slot[tid + 128 * k] = next_idx[k];
+      sm90::named_barrier_sync(kIdxBar, 128);
+      ++chunks;
+    };
     for (int t = first; t < units; t += stride) {
       const auto [e, m0, n0, begin, end] = wgrad_decode<BN, kPair>(p, t, rank);
       const bool has_n = n0 < p.N;  // false only for kPair's rank 1 of an odd last pair
@@ -203,8 +249,18 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
       using RowsA = WgradRows<kPair ? 64 : kWgradBM>;
       using RowsB = WgradRows<BN>;
       int32_t a_rows[RowsA::kPasses];
-      if (begin < end) RowsA::rows_of(a_rows, p.gather, begin, end, tid);
-      for (int r0 = begin; r0 < end; r0 += kWgradBK, ++it) {
+      if (begin < end) {
+        load_idx(begin, end);
+        stage_idx();
+        load_idx(begin + Smem::kIdxChunk, end);
+      }
+      for (int r0 = begin, kb = 0; r0 < end; r0 += kWgradBK, ++it, ++kb) {
+        if (kb > 0 && kb % kBlocksPerChunk == 0) {  // a new chunk: stage it, load the one after
+          stage_idx();
+          load_idx(r0 + Smem::kIdxChunk, end);
+        }
+        RowsA::rows_from(a_rows, idx_ring + ((chunks - 1) & 1) * Smem::kIdxChunk, (kb % kBlocksPerChunk) * kWgradBK,
+                         tid);
         const int s = it % S;
         sm90::mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
         uint8_t* a_stage = smem_a + s * Smem::kABytes;
@@ -239,7 +295,6 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
         else
           RowsA::copy(a_stage, p.a, p.lda, a_rows, m0, p.M, tid);
         sm90::cp_async_arrive_noinc(&full[s]);
-        if (r0 + kWgradBK < end) RowsA::rows_of(a_rows, p.gather, r0 + kWgradBK, end, tid);
       }
     }
   } else {
@@ -259,7 +314,6 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
       float acc[BN / 2];
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-      int prev_stage = -1;
       for (int r0 = begin; r0 < end; r0 += kWgradBK, ++it) {
         const int s = it % S;
         sm90::mbar_wait(&full[s], (it / S) & 1);
@@ -281,14 +335,14 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
           }
         }
         sm90::wgmma_commit();
-        sm90::wgmma_wait<1>();
+        // The stage is released as soon as its wgmmas retire, not one block later: the loaders
+        // refill it while this warpgroup waits for the next one, and the other warpgroup's group
+        // keeps the tensor cores busy meanwhile (session 31, with the index ring: 7B-a dW2 0.473
+        // against 0.485 M cycles, 30B-a +1%; without the ring it made no difference).
+        sm90::wgmma_wait<0>();
         sm90::fence_accumulators(acc);
-        if (prev_stage >= 0 && tid == 0) release(prev_stage);
-        prev_stage = s;
+        if (tid == 0) release(s);
       }
-      sm90::wgmma_wait<0>();
-      sm90::fence_accumulators(acc);
-      if (prev_stage >= 0 && tid == 0) release(prev_stage);
       if (!has_n || gemm_probe(p, 1)) continue;  // no columns (kPair); timing probe: no epilogue
 
       if (p.tma_c && m0 + kWgradBM <= p.M && n0 + BN <= p.N) {
