@@ -58,6 +58,11 @@ void grouped_gemm_wgrad(const GroupedWgradArgs& a, cudaStream_t stream) {
   require_arg(a.ldb >= a.N && a.ldb % 8 == 0, fn, "ldb", "must be >= N and a multiple of 8");
   require_arg(a.a_rows >= 1 && a.a_rows <= kInt32Max && a.b_rows >= 1 && a.b_rows <= kInt32Max, fn, "a_rows/b_rows",
               "must be in [1, 2^31)");
+  // Row counters run in int32 up to a K block and two index chunks past an expert's last row.
+  constexpr int64_t kRowSlack = 2 * kernels::WgradSmem<256>::kIdxChunk;
+  require_arg(a.b_rows <= kInt32Max - kRowSlack, fn, "b_rows",
+              "must be at most 2^31 - 1 - " + std::to_string(kRowSlack) + " (int32 row counters), got " +
+                  std::to_string(a.b_rows));
   // The loaders address rows in 16-byte units held in 32 bits.
   require_arg(a.a_rows * (a.lda / 8) <= (int64_t{1} << 32) - 1 && a.b_rows * (a.ldb / 8) <= (int64_t{1} << 32) - 1, fn,
               "a_rows*lda/b_rows*ldb", "each operand must hold fewer than 2^35 elements (64 GiB of bf16)");

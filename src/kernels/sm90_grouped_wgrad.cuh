@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
     auto load_idx = [&](int r, int end) {
 #pragma unroll
       for (int k = 0; k < kIdxPer; ++k) {
-        const int rr = r + tid + 128 * k;
+        const int rr = r + tid + 128 * k;  // below 2^31: the launcher bounds R (b_rows) with this slack
         next_idx[k] = rr < end ? (p.gather ? __ldg(p.gather + rr) : rr) : -1;
       }
     };

@@ -299,6 +299,11 @@ TEST(GroupedGemm, RefusesGatheredOperandsTooLargeFor32BitOffsets) {
   const std::string wmsg =
       mtest::expect_error(ErrorCode::InvalidArgument, [&] { grouped_gemm_wgrad(w, nullptr); }, "wgrad A of 2^37");
   EXPECT_NE(wmsg.find("a_rows*lda"), std::string::npos) << wmsg;
+  // B's rows (the experts' rows R) leave the kernel's int32 row counters room past the last row.
+  w.a_rows = 64, w.ldb = 8, w.N = 8, w.b_rows = (int64_t{1} << 31) - 100;
+  const std::string bmsg =
+      mtest::expect_error(ErrorCode::InvalidArgument, [&] { grouped_gemm_wgrad(w, nullptr); }, "wgrad R near 2^31");
+  EXPECT_NE(bmsg.find("b_rows"), std::string::npos) << bmsg;
 }
 
 // Null pointers are refused on the host, before any CUDA call (this machine may have no GPU).
