@@ -15,8 +15,8 @@
 // the uninitialised tail of the buffer) ever enters the sum. The gathered rows' source indices
 // reach the copying threads through a two-slot ring in shared memory, 256 rows (four K blocks) a
 // slot, loaded a slot ahead. Warpgroups 1-2 run wgmma on 64 rows of M each and release each stage
-// as soon as its wgmmas retire. A full bf16 tile leaves by TMA: each warpgroup stages its 64 rows of C (or, with
-// transpose_c, its 64 columns of Cᵀ) in its own 16 KB buffer, 128 columns at a time, and one of
+// as soon as its wgmmas retire. A full bf16 tile leaves by TMA: each warpgroup stages its 64 rows
+// of C (or, with transpose_c, its 64 columns of Cᵀ) in its own 16 KB buffer, 128 columns at a time, and one of
 // its threads issues each piece's store, the last of which runs under the next tile's main loop
 // (timing probes: the epilogue straight from the accumulators cost 15% on 7B-a, scattered 2-byte
 // stores for the transposed dW1). Pieces rather than the whole 32 KB: the smaller buffers leave
@@ -82,7 +82,7 @@ struct WgradSmem {
   static constexpr int kEpiBufBytes = 64 * kEpiCols * 2;
   static constexpr int kEpiBytes = 2 * kEpiBufBytes;
   // The gathered rows' source indices, staged by the loaders kIdxChunk rows at a time in two
-  // slots (WgradIndexRing).
+  // slots (the kernel's idx_ring [2][kIdxChunk]).
   static constexpr int kIdxChunk = 256;
   static constexpr int kIdxBytes = 2 * kIdxChunk * 4;
   static constexpr int kBudget = 227 * 1024;
@@ -106,21 +106,19 @@ struct WgradRows {
   static constexpr int kPasses = kWgradBK / kRowsPerPass;  // chunks per thread per K block
   static_assert(128 % kChunksPerRow == 0 && kWgradBK % kRowsPerPass == 0, "chunks must tile the threads");
 
-  // Source row of each of this thread's chunks (-1: past the expert's rows), loaded a K block ahead
-  // so that the gather index's latency hides behind the previous block's copies (nothing may use
-  // the loaded value before copy(), or the thread waits for it here).
-  static __device__ __forceinline__ void rows_of(int32_t (&row)[kPasses], const int32_t* gather, int r0, int end,
-                                                 int tid) {
+  // Row of each of this thread's chunks in a contiguous operand (-1: past the expert's rows).
+  static __device__ __forceinline__ void rows_in(int32_t (&row)[kPasses], int r0, int end, int tid) {
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int r = r0 + tid / kChunksPerRow + kRowsPerPass * i;
-      row[i] = r < end ? (gather ? __ldg(gather + r) : r) : -1;
+      row[i] = r < end ? r : -1;
     }
   }
 
-  // The same rows from the loaders' index ring: `chunk` holds the source rows of rows
-  // [chunk_r0, chunk_r0 + kIdxChunk) (-1 past the expert's end). Shared-memory reads: a few
-  // cycles, where a global load of the index costs this thread an L2 round trip before its copies.
+  // Source row of each of this thread's chunks in the gathered operand, from the loaders' index
+  // ring: `chunk` holds the source rows of rows [chunk_r0, chunk_r0 + kIdxChunk) (-1 past the
+  // expert's end), and this block's rows start at chunk[k0]. Shared-memory reads: a few cycles,
+  // where a global load of the index costs this thread an L2 round trip before its copies.
   static __device__ __forceinline__ void rows_from(int32_t (&row)[kPasses], const int32_t* chunk, int k0, int tid) {
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) row[i] = chunk[k0 + tid / kChunksPerRow + kRowsPerPass * i];
@@ -259,8 +257,8 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
           stage_idx();
           load_idx(r0 + Smem::kIdxChunk, end);
         }
-        RowsA::rows_from(a_rows, idx_ring + ((chunks - 1) & 1) * Smem::kIdxChunk, (kb % kBlocksPerChunk) * kWgradBK,
-                         tid);
+        const int32_t* chunk = idx_ring + ((chunks - 1) & 1) * Smem::kIdxChunk;  // the chunk staged last
+        RowsA::rows_from(a_rows, chunk, (kb % kBlocksPerChunk) * kWgradBK, tid);
         const int s = it % S;
         sm90::mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
         uint8_t* a_stage = smem_a + s * Smem::kABytes;
@@ -285,7 +283,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
         } else {  // the expert's last, partial block: B by cp.async too, zero-filled (none without columns)
           if (has_n) {
             int32_t b_rows[RowsB::kPasses];
-            RowsB::rows_of(b_rows, nullptr, r0, end, tid);
+            RowsB::rows_in(b_rows, r0, end, tid);
             RowsB::copy(b_stage, p.b, p.ldb, b_rows, n0, p.N, tid);
           }
           if (tid == 0) sm90::mbar_arrive(&full[s]);
