@@ -135,7 +135,6 @@ int env_mode(const char* name, const char* digits, const char* rule) {
 }  // namespace
 
 int gemm_dh_pingpong_mode() {
-  // (2, H loaded and dH / A' stored by TMA, was removed in session 30.)
   static const int mode = env_mode("MACHMOE_DH_PINGPONG", "01", "must be 0 (off), 1 (on), or unset (the shape rule)");
   return mode;
 }

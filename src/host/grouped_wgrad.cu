@@ -59,7 +59,7 @@ void grouped_gemm_wgrad(const GroupedWgradArgs& a, cudaStream_t stream) {
   require_arg(a.a_rows >= 1 && a.a_rows <= kInt32Max && a.b_rows >= 1 && a.b_rows <= kInt32Max, fn, "a_rows/b_rows",
               "must be in [1, 2^31)");
   // Row counters run in int32 up to a K block and two index chunks past an expert's last row.
-  constexpr int64_t kRowSlack = 2 * kernels::WgradSmem<256>::kIdxChunk;
+  constexpr int64_t kRowSlack = 2 * kernels::kWgradIdxChunk;
   require_arg(a.b_rows <= kInt32Max - kRowSlack, fn, "b_rows",
               "must be at most 2^31 - 1 - " + std::to_string(kRowSlack) + " (int32 row counters), got " +
                   std::to_string(a.b_rows));

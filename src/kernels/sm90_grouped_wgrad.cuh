@@ -51,6 +51,9 @@
 namespace machmoe::kernels {
 
 constexpr int kWgradBM = 128, kWgradBK = 64, kWgradThreads = 384;
+// The gathered rows' source indices are staged by the loaders this many rows at a time, in two
+// slots (the kernel's idx_ring [2][kWgradIdxChunk]): four K blocks, two indices a loader thread.
+constexpr int kWgradIdxChunk = 256;
 
 struct GroupedWgradParams {
   const __nv_bfloat16* a;  // [*, M], lda
@@ -81,10 +84,7 @@ struct WgradSmem {
   static constexpr int kEpiParts = BN / kEpiCols;
   static constexpr int kEpiBufBytes = 64 * kEpiCols * 2;
   static constexpr int kEpiBytes = 2 * kEpiBufBytes;
-  // The gathered rows' source indices, staged by the loaders kIdxChunk rows at a time in two
-  // slots (the kernel's idx_ring [2][kIdxChunk]).
-  static constexpr int kIdxChunk = 256;
-  static constexpr int kIdxBytes = 2 * kIdxChunk * 4;
+  static constexpr int kIdxBytes = 2 * kWgradIdxChunk * 4;  // the index ring
   static constexpr int kBudget = 227 * 1024;
   // Barriers (3 per stage). No alignment slack: the kernel declares its dynamic shared memory
   // 1024-byte aligned.
@@ -93,7 +93,8 @@ struct WgradSmem {
   static constexpr int kBytes = kStages * kStageBytes + kEpiBytes + kIdxBytes + kFixed;
   static_assert(kStages >= 2, "at least two pipeline stages");
   static_assert(3 * kStages * 8 <= kFixed, "fixed shared-memory area too small");
-  static_assert(kIdxChunk % kWgradBK == 0 && kIdxChunk % 128 == 0, "a chunk is whole K blocks, whole loader passes");
+  static_assert(kWgradIdxChunk % kWgradBK == 0 && kWgradIdxChunk % 128 == 0,
+                "a chunk is whole K blocks, whole loader passes");
 };
 
 // Copies rows [r0, r0 + rows) x columns [c0, c0 + W) of a bf16 matrix into MN-major blocks
@@ -116,8 +117,8 @@ struct WgradRows {
   }
 
   // Source row of each of this thread's chunks in the gathered operand, from the loaders' index
-  // ring: `chunk` holds the source rows of rows [chunk_r0, chunk_r0 + kIdxChunk) (-1 past the
-  // expert's end), and this block's rows start at chunk[k0]. Shared-memory reads: a few cycles,
+  // ring: `chunk` holds the source rows of rows [chunk_r0, chunk_r0 + kWgradIdxChunk) (-1 past
+  // the expert's end), and this block's rows start at chunk[k0]. Shared-memory reads: a few cycles,
   // where a global load of the index costs this thread an L2 round trip before its copies.
   static __device__ __forceinline__ void rows_from(int32_t (&row)[kPasses], const int32_t* chunk, int k0, int tid) {
 #pragma unroll
@@ -183,7 +184,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
   uint8_t* smem_a = smem;
   uint8_t* smem_b = smem + S * Smem::kABytes;
   uint8_t* epi = smem + S * Smem::kStageBytes;  // [2][kEpiBufBytes], 1024-byte aligned
-  int32_t* idx_ring = reinterpret_cast<int32_t*>(epi + Smem::kEpiBytes);  // [2][kIdxChunk]
+  int32_t* idx_ring = reinterpret_cast<int32_t*>(epi + Smem::kEpiBytes);  // [2][kWgradIdxChunk]
   uint64_t* full = reinterpret_cast<uint64_t*>(epi + Smem::kEpiBytes + Smem::kIdxBytes);
   uint64_t* empty = full + S;
   uint64_t* full_peer = empty + S;  // kPair: the half of A the peer gathered has landed here
@@ -212,15 +213,15 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
   if (wg == 0) {
     sm90::setmaxnreg_dec<56>();
     int it = 0;
-    // The gather's source rows go through shared memory (idx_ring), kIdxChunk rows at a time: each
-    // loader thread loads kIdxChunk / 128 of the next chunk's indices (coalesced) when a chunk
-    // starts and stores them when the next one starts, so that one index round trip is paid per
-    // kIdxChunk / 64 K blocks, under the copies of the blocks before it. Measured before (session
-    // 31, Nsight Compute source counters, 7B-a dW2): with the indices loaded per thread one block
-    // ahead, the loaders waited on those loads in 9% of all warp samples and the consumers on the
-    // stages in 43%; SonicMoE's dW2 stages 2048 indices in shared memory.
-    constexpr int kIdxPer = Smem::kIdxChunk / 128;
-    constexpr int kBlocksPerChunk = Smem::kIdxChunk / kWgradBK;
+    // The gather's source rows go through shared memory (idx_ring), kWgradIdxChunk rows at a time:
+    // each loader thread loads kWgradIdxChunk / 128 of the next chunk's indices (coalesced) when a
+    // chunk starts and stores them when the next one starts, so that one index round trip is paid
+    // per kWgradIdxChunk / 64 K blocks, under the copies of the blocks before it. Measured before
+    // (session 31, Nsight Compute source counters, 7B-a dW2): with the indices loaded per thread
+    // one block ahead, the loaders waited on those loads in 9% of all warp samples and the
+    // consumers on the stages in 43%; SonicMoE's dW2 stages 2048 indices in shared memory.
+    constexpr int kIdxPer = kWgradIdxChunk / 128;
+    constexpr int kBlocksPerChunk = kWgradIdxChunk / kWgradBK;
     constexpr int kIdxBar = 3;  // named barrier of the 128 loader threads (1, 2: the consumers')
     int chunks = 0;             // chunks staged so far: slot = chunks & 1, alternating across tiles
     int32_t next_idx[kIdxPer];
@@ -234,7 +235,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
     // The slot written was last read two chunks ago, before every loader passed the previous
     // chunk's barrier; this barrier makes the chunk visible to all of them.
     auto stage_idx = [&]() {
-      int32_t* slot = idx_ring + (chunks & 1) * Smem::kIdxChunk;
+      int32_t* slot = idx_ring + (chunks & 1) * kWgradIdxChunk;
 #pragma unroll
       for (int k = 0; k < kIdxPer; ++k) slot[tid + 128 * k] = next_idx[k];
       sm90::named_barrier_sync(kIdxBar, 128);
@@ -250,14 +251,14 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
       if (begin < end) {
         load_idx(begin, end);
         stage_idx();
-        load_idx(begin + Smem::kIdxChunk, end);
+        load_idx(begin + kWgradIdxChunk, end);
       }
       for (int r0 = begin, kb = 0; r0 < end; r0 += kWgradBK, ++it, ++kb) {
         if (kb > 0 && kb % kBlocksPerChunk == 0) {  // a new chunk: stage it, load the one after
           stage_idx();
-          load_idx(r0 + Smem::kIdxChunk, end);
+          load_idx(r0 + kWgradIdxChunk, end);
         }
-        const int32_t* chunk = idx_ring + ((chunks - 1) & 1) * Smem::kIdxChunk;  // the chunk staged last
+        const int32_t* chunk = idx_ring + ((chunks - 1) & 1) * kWgradIdxChunk;  // the chunk staged last
         RowsA::rows_from(a_rows, chunk, (kb % kBlocksPerChunk) * kWgradBK, tid);
         const int s = it % S;
         sm90::mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
