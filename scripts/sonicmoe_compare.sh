@@ -11,7 +11,7 @@
 #     into $OUT/profiles.txt, tabled side by side (python -m machmoe.bench.profile_compare).
 #   SONIC_NCU=7B-a: also Nsight Compute on both layers' six expert GEMMs, one launch each
 #     (python -m machmoe.bench.ncu_compare): $OUT/ncu_<config>.md, the raw CSVs and $OUT/ncu.log.
-#   SONIC_SASS=7B-a: one kernel of each layer (SONIC_SASS_KERNEL, default 3 = dW2) under Nsight
+#   SONIC_SASS=7B-a: kernels of each layer (SONIC_SASS_KERNEL="0,2", default 3 = dW2) under Nsight
 #     Compute's source counters: its SASS with warp-stall samples per instruction, as CSV.
 #   SONIC_IMPLS: our implementations to time (default machmoe; "grouped_mm,dense,machmoe" adds
 #   the same-run references of SPEC §4).
@@ -107,23 +107,30 @@ if [ -n "${SONIC_NCU:-}" ]; then
   done
 fi
 if [ -n "${SONIC_SASS:-}" ]; then
-  # One kernel of each layer's second call under Nsight Compute's source counters: its SASS with
-  # the warp-stall samples per instruction ($OUT/sass_<impl>_<config>.csv). SONIC_SASS=config,
-  # SONIC_SASS_KERNEL = launch index in up, down, dH, dW2, dW1, dX~ order (default 3: dW2).
+  # Kernels of each layer's second call under Nsight Compute's source counters: their SASS with
+  # the warp-stall samples per instruction ($OUT/sass_<impl>_<config>_k<i>.csv). SONIC_SASS=config,
+  # SONIC_SASS_KERNEL = launch indices in up, down, dH, dW2, dW1, dX~ order, comma-separated
+  # (default 3: dW2); one profiled process per kernel and layer.
   export PYTHONPATH=$sonic_pp:$root/python
   export MACHMOE_LIBRARY_DIR=$root/build/lib
   ncu_bin=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   c=$SONIC_SASS
-  for impl in sonicmoe machmoe; do
-    rep=/tmp/sonic_sass_${impl}_$c
-    timeout 400 "$ncu_bin" --clock-control none -k 'regex:HopperWgmma|sm90_grouped' -s $((6 + ${SONIC_SASS_KERNEL:-3})) -c 1 \
-      --section SourceCounters --section WarpStateStats --section LaunchStats -f -o "$rep" \
-      python3 -m machmoe.bench.profile --config "$c" --impl $impl --plain-calls 2 > "/tmp/sonic_sass_${impl}_$c.log" 2>&1
-    echo "ncu sass $impl $c rc $?"
-    "$ncu_bin" -i "$rep.ncu-rep" --page source --print-source sass --csv > "$OUT/sass_${impl}_$c.csv" 2>> "/tmp/sonic_sass_${impl}_$c.log"
-    "$ncu_bin" -i "$rep.ncu-rep" --page details >> "/tmp/sonic_sass_${impl}_$c.log" 2>&1
-    cat "/tmp/sonic_sass_${impl}_$c.log" >> "$OUT/ncu.log"
-    ls -la "$OUT/sass_${impl}_$c.csv"
+  kernels=${SONIC_SASS_KERNEL:-3}
+  for k in ${kernels//,/ }; do
+    for impl in sonicmoe machmoe; do
+      rep=/tmp/sonic_sass_${impl}_${c}_k$k
+      log=$rep.log
+      timeout 400 "$ncu_bin" --clock-control none -k 'regex:HopperWgmma|sm90_grouped' -s $((6 + k)) -c 1 \
+        --section SourceCounters --section WarpStateStats --section LaunchStats -f -o "$rep" \
+        python3 -m machmoe.bench.profile --config "$c" --impl $impl --plain-calls 2 > "$log" 2>&1
+      echo "ncu sass $impl $c kernel $k rc $?"
+      csv=$OUT/sass_${impl}_${c}_k$k.csv
+      "$ncu_bin" -i "$rep.ncu-rep" --page source --print-source sass --csv > "$csv" 2>> "$log"
+      "$ncu_bin" -i "$rep.ncu-rep" --page details >> "$log" 2>&1
+      { echo "######## sass $impl $c kernel $k"; cat "$log"; } >> "$OUT/ncu.log"
+      ! command -v xz > /dev/null || xz -f "$csv"
+      ls -la "$csv"*
+    done
   done
 fi
 [ -z "$configs" ] || PYTHONPATH=$root/python${base_pp:+:$base_pp} python3 -m machmoe.bench.sonic_compare "$OUT" "$configs" | tee "$OUT/compare.md"
