@@ -17,7 +17,9 @@
 #      each variant: elapsed cycles, tensor-pipe activity, L2->SM and DRAM bytes, launch shape, the top
 #      warp stalls, one table (python -m machmoe.bench.ncu_compare --launches); AB_NCU_METRICS
 #      (comma-separated) adds metrics to the profile, and AB_NCU_KEEP=1 copies each variant's raw
-#      CSV to $OUT/ncu_I.csv to read here (mind the 8 files that come back).
+#      CSV to $OUT/ncu_I.csv to read here (mind the 8 files that come back); AB_NCU_SASS=1 adds the
+#      source counters and writes each variant's SASS with warp-stall samples per instruction to
+#      $OUT/sass_I.csv.xz (results/session31/sass_summary.py reads them).
 #
 # Usage, locally:   git diff main my-branch -- src include > ds.patch   (untracked, travels along)
 #        on device: OUT=$OUT scripts/gpu_ab.sh VARIANT...
@@ -152,8 +154,13 @@ if [[ -n "${AB_NCU:-}" ]]; then
     (( ok[i] )) || continue
     in_variant "$i" env MACHMOE_KERNEL_ROWS="$AB_NCU" timeout 200 "$ncu_bin" --clock-control none \
       -k regex:sm90_grouped -s 2 -c 1 --section SpeedOfLight --section LaunchStats --section WarpStateStats \
-      --metrics "$metrics" -f -o "$aux/ncu_$i" "$MACHMOE_PYTHON" -c "$table" > "$aux/ncu_$i.log" 2>&1
+      ${AB_NCU_SASS:+--section SourceCounters} --metrics "$metrics" -f -o "$aux/ncu_$i" "$MACHMOE_PYTHON" -c "$table" \
+      > "$aux/ncu_$i.log" 2>&1
     "$ncu_bin" -i "$aux/ncu_$i.ncu-rep" --page raw --csv > "$aux/ncu_$i.csv" 2>> "$aux/ncu_$i.log"
+    if [[ -n "${AB_NCU_SASS:-}" ]]; then  # the SASS with warp-stall samples per instruction
+      "$ncu_bin" -i "$aux/ncu_$i.ncu-rep" --page source --print-source sass --csv > "$OUT/sass_$i.csv" 2>> "$aux/ncu_$i.log"
+      xz -f "$OUT/sass_$i.csv" 2>> "$aux/ncu_$i.log"
+    fi
     ncu_files+=("${labels[$i]}=$aux/ncu_$i.csv")
     [[ -n "${AB_NCU_KEEP:-}" ]] && cp "$aux/ncu_$i.csv" "$OUT/ncu_$i.csv"
   done
