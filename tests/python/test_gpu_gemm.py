@@ -60,21 +60,28 @@ def test_grouped_gemm_store(counts, N, K, gather, with_bias):
     check_derived(c, ref, base, "C")
 
 
-@pytest.mark.parametrize("gather", [True, False])
+@pytest.mark.parametrize("gather,epi", [(True, "store"), (False, "store"), (True, "glu")])
 @pytest.mark.parametrize("E", [512, 513, 700])
-def test_grouped_gemm_many_experts(E, gather):
+def test_grouped_gemm_many_experts(E, gather, epi):
     # Up to 512 experts the kernel builds its tile offsets in shared memory; above, a separate
     # kernel writes them to the workspace. Mostly empty experts, the used ones at both ends.
     g = torch.Generator().manual_seed(E)
     counts = [0] * E
     for e in [0, 1, E // 2, E - 2, E - 1] + torch.randint(0, E, (20,), generator=g).tolist():
-        counts[e] += int(torch.randint(1, 200, (1,), generator=g).item())
+        counts[e] += int(torch.randint(1, 300, (1,), generator=g).item())
     # (contiguous A also reaches the ping-pong kernel under MACHMOE_GEMM_PINGPONG, whose units of
-    # 256 rows in CTA pairs have their own tile-offset table; N = 200: a partial 192-wide tile)
-    a, idx, rows, w, off = make_problem(counts, 128 if gather else 200, 64, gather)
-    c, _ = ops().grouped_gemm(a, idx, off, w, None, sum(counts), "store", "swiglu", "interleaved")
+    # 256 rows in CTA pairs have their own tile-offset table; N = 200: a partial 192-wide tile. The
+    # gathered GLU at N = 512 is the up-projection's kernel: 256-wide tiles, H by TMA, A from the
+    # staged rows.)
+    N = 512 if epi == "glu" else 128 if gather else 200
+    a, idx, rows, w, off = make_problem(counts, N, 64, gather)
+    c, act = ops().grouped_gemm(a, idx, off, w, None, sum(counts), epi, "swiglu", "interleaved")
     ref, base = reference(rows, w, off)
-    check_derived(c, ref, base, "C")
+    check_derived(c, ref, base, "H" if epi == "glu" else "C")
+    if epi == "glu":  # A from the kernel's own bf16 H, in float64
+        h = c.double()
+        want = ACTS["swiglu"](h[:, 0::2]) * h[:, 1::2]
+        assert rel_err(act, want) < 2 ** -8
 
 
 @pytest.mark.parametrize("act", list(ACTS))
