@@ -21,32 +21,12 @@ while the TMA store of the previous unit still reads it; a consumer's A never re
 buffer restaged under it; every staged unit stored once, in order. Mutated protocols must fail, so
 that the model can fail. It mirrors the kernel by hand: change both together.
 
-mbarrier model: as test_pingpong_protocol.py (a phase completes when the pending arrivals and the
-transaction count reach zero; a parity wait passes once the phase count's parity differs)."""
+The mbarrier model and the random scheduler are mbarrier_model.py's."""
 
 import random
 
 import pytest
-
-RING = 8  # kTileRing
-
-
-class Mbar:
-    def __init__(self, count):
-        self.count, self.pending, self.phases, self.tx = count, count, 0, 0
-
-    def arrive(self):
-        self.pending -= 1
-        assert self.pending >= 0, "more arrivals than the barrier's count"
-        self.check()
-
-    def check(self):
-        if self.pending == 0 and self.tx == 0:
-            self.phases += 1
-            self.pending = self.count
-
-    def passed(self, parity):
-        return (self.phases & 1) != parity
+from mbarrier_model import RING, Mbar, drive, wait
 
 
 def run(tiles, k_blocks, stages, seed, halves=False, cluster=False, empty_idle=False, mutation=None):
@@ -73,10 +53,6 @@ def run(tiles, k_blocks, stages, seed, halves=False, cluster=False, empty_idle=F
     sources = ("A", "B0", "B1")  # the gathered rows and the weight tile's two boxes
     inflight = []  # (cta, stage, it, source)
     groups = {(r, c): [] for r in range(ctas) for c in (0, 1)}  # wgmma groups in flight: (stage, it)
-
-    def wait(cond):
-        while not cond():
-            yield
 
     def loader(r):
         ep = {"n": 0, "unit": None}
@@ -217,28 +193,16 @@ def run(tiles, k_blocks, stages, seed, halves=False, cluster=False, empty_idle=F
         agents[("loader", r)] = loader(r)
         for c in (0, 1):
             agents[(r, c)] = consumer(r, c)
-    for _ in range(400000):
-        if not agents:
-            break
-        choices = list(agents) + (["load"] if inflight else []) + [("wgmma", k) for k in groups if groups[k]]
-        pick = choices[rnd.randrange(len(choices))]
-        if pick == "load":
-            r, s, it, src = inflight.pop(rnd.randrange(len(inflight)))  # loads land in any order
-            landed[r][s][src] = it
-            if src == "A":
-                full[r][s].arrive()
-            else:
-                full[r][s].tx -= 1
-                full[r][s].check()
-        elif pick[0] == "wgmma":
-            groups[pick[1]].pop(0)
+    def land(event):  # loads land in any order
+        r, s, it, src = event
+        landed[r][s][src] = it
+        if src == "A":
+            full[r][s].arrive()  # the gather's cp.async arrival
         else:
-            try:
-                next(agents[pick])
-            except StopIteration:
-                del agents[pick]
-    else:
-        raise AssertionError("deadlock")
+            full[r][s].tx -= 1
+            full[r][s].check()
+
+    drive(rnd, agents, inflight, land, groups)
     for r in range(ctas):
         want = [(t, p) for t in range(tiles) for p in range(parts)
                 if not (cluster and empty_idle and rows(r, t) == 0)]

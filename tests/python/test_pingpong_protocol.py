@@ -15,33 +15,12 @@ protocols (a turn skipped, the turns removed, two wgmma groups kept in flight, a
 stage without waiting for the peer's consumer) must fail, so the model can fail. It mirrors the
 kernel by hand: change both together.
 
-mbarrier model: a barrier completes a phase when its pending arrivals and transaction bytes reach
-zero; a parity wait for P passes once the phase count's parity differs from P (the hardware rule
-for waits at most one phase ahead, which is what the kernel relies on)."""
+The mbarrier model and the random scheduler are mbarrier_model.py's."""
 
 import random
 
 import pytest
-
-RING = 8  # kTileRing
-
-
-class Mbar:
-    def __init__(self, count):
-        self.count, self.pending, self.phases, self.tx = count, count, 0, 0
-
-    def arrive(self):
-        self.pending -= 1
-        assert self.pending >= 0, "more arrivals than the barrier's count"
-        self.check()
-
-    def check(self):
-        if self.pending == 0 and self.tx == 0:
-            self.phases += 1
-            self.pending = self.count
-
-    def passed(self, parity):
-        return (self.phases & 1) != parity
+from mbarrier_model import RING, Mbar, drive, wait
 
 
 class NamedBarrier:  # bar.sync / bar.arrive with count 256: two warpgroups
@@ -70,10 +49,6 @@ def run(tiles, k_blocks, stages, seed, mutation=None, cluster=False, ring_epi=Fa
     epi_turns = ring_epi and mutation != "no epilogue turns"
     tma = []  # (cta, stage, it, source) in flight
     groups = {(r, c): [] for r in range(ctas) for c in (0, 1)}  # wgmma groups in flight: (stage, it)
-
-    def wait(cond):
-        while not cond():
-            yield
 
     def nb_arrive(r, i):
         b = turn[r][i]
@@ -229,28 +204,14 @@ def run(tiles, k_blocks, stages, seed, mutation=None, cluster=False, ring_epi=Fa
             agents[("scheduler", r)] = scheduler(r)
         for c in (0, 1):
             agents[(r, c)] = consumer(r, c)
-    stops = {}
-    for _ in range(400000):
-        if not agents:
-            break
-        choices = list(agents) + (["tma"] if tma else []) + [("wgmma", key) for key in groups if groups[key]]
-        pick = choices[rnd.randrange(len(choices))]
-        if pick == "tma":
-            r, s, it, src = tma.pop(rnd.randrange(len(tma)))  # loads land in any order
-            landed[r][s][src] = it
-            full[r][s].tx -= 1
-            full[r][s].check()
-        elif pick[0] == "wgmma":
-            groups[pick[1]].pop(0)
-        else:
-            try:
-                next(agents[pick])
-            except StopIteration as stop:
-                if pick[0] not in ("producer", "scheduler"):
-                    stops[pick] = stop.value
-                del agents[pick]
-    else:
-        raise AssertionError("deadlock")
+    def land(event):  # loads land in any order
+        r, s, it, src = event
+        landed[r][s][src] = it
+        full[r][s].tx -= 1
+        full[r][s].check()
+
+    results = drive(rnd, agents, tma, land, groups)
+    stops = {k: v for k, v in results.items() if k[0] not in ("producer", "scheduler")}
     for r in range(ctas):
         assert all(b.arrived == 0 for b in turn[r].values()), "a named-barrier arrival left at exit"
         assert sorted(v for (rr, _), v in stops.items() if rr == r) == [-2, -1], f"stop signals seen: {stops}"
