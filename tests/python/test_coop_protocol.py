@@ -188,11 +188,6 @@ def run(tiles, k_blocks, stages, seed, halves=False, cluster=False, empty_idle=F
             epi_tile[r] = "stop"
         epi_full[r].arrive()
 
-    agents = {}
-    for r in range(ctas):
-        agents[("loader", r)] = loader(r)
-        for c in (0, 1):
-            agents[(r, c)] = consumer(r, c)
     def land(event):  # loads land in any order
         r, s, it, src = event
         landed[r][s][src] = it
@@ -202,6 +197,11 @@ def run(tiles, k_blocks, stages, seed, halves=False, cluster=False, empty_idle=F
             full[r][s].tx -= 1
             full[r][s].check()
 
+    agents = {}
+    for r in range(ctas):
+        agents[("loader", r)] = loader(r)
+        for c in (0, 1):
+            agents[(r, c)] = consumer(r, c)
     drive(rnd, agents, inflight, land, groups)
     for r in range(ctas):
         want = [(t, p) for t in range(tiles) for p in range(parts)

@@ -195,6 +195,12 @@ def run(tiles, k_blocks, stages, seed, mutation=None, cluster=False, ring_epi=Fa
                 nb_arrive(r, 6 + (c ^ 1))
             n += 2
 
+    def land(event):  # loads land in any order
+        r, s, it, src = event
+        landed[r][s][src] = it
+        full[r][s].tx -= 1
+        full[r][s].check()
+
     agents = {}
     for r in range(ctas):
         if self_publish:
@@ -204,12 +210,6 @@ def run(tiles, k_blocks, stages, seed, mutation=None, cluster=False, ring_epi=Fa
             agents[("scheduler", r)] = scheduler(r)
         for c in (0, 1):
             agents[(r, c)] = consumer(r, c)
-    def land(event):  # loads land in any order
-        r, s, it, src = event
-        landed[r][s][src] = it
-        full[r][s].tx -= 1
-        full[r][s].check()
-
     results = drive(rnd, agents, tma, land, groups)
     stops = {k: v for k, v in results.items() if k[0] not in ("producer", "scheduler")}
     for r in range(ctas):
