@@ -159,7 +159,7 @@ if [[ -n "${AB_NCU:-}" ]]; then
     "$ncu_bin" -i "$aux/ncu_$i.ncu-rep" --page raw --csv > "$aux/ncu_$i.csv" 2>> "$aux/ncu_$i.log"
     if [[ -n "${AB_NCU_SASS:-}" ]]; then  # the SASS with warp-stall samples per instruction
       "$ncu_bin" -i "$aux/ncu_$i.ncu-rep" --page source --print-source sass --csv > "$OUT/sass_$i.csv" 2>> "$aux/ncu_$i.log"
-      xz -f "$OUT/sass_$i.csv" 2>> "$aux/ncu_$i.log"
+      ! command -v xz > /dev/null || xz -f "$OUT/sass_$i.csv"  # (as sonicmoe_compare.sh: plain CSV without xz)
     fi
     ncu_files+=("${labels[$i]}=$aux/ncu_$i.csv")
     [[ -n "${AB_NCU_KEEP:-}" ]] && cp "$aux/ncu_$i.csv" "$OUT/ncu_$i.csv"
