@@ -13,6 +13,9 @@
 #     (python -m machmoe.bench.ncu_compare): $OUT/ncu_<config>.md, the raw CSVs and $OUT/ncu.log.
 #   SONIC_SASS=7B-a: kernels of each layer (SONIC_SASS_KERNEL="0,2", default 3 = dW2) under Nsight
 #     Compute's source counters: its SASS with warp-stall samples per instruction, as CSV.
+#   SONIC_KERNELS=7B-a: also both libraries' expert GEMMs in the same sustained loops
+#     (python -m machmoe.bench.sonic_kernels): up-projection alone, dH + dW2, dW1 + dX~;
+#     $OUT/kernels.md.
 #   SONIC_IMPLS: our implementations to time (default machmoe; "grouped_mm,dense,machmoe" adds
 #   the same-run references of SPEC §4).
 # Writes $OUT/sonic_<config>.log, $OUT/ours/bench.json and $OUT/compare.md.
@@ -58,7 +61,7 @@ if [ -n "$configs" ]; then
   done
 fi
 [ ! -f "$OUT/sonic_all.log" ] || grep -E "^T |Average time|rc |wall " "$OUT/sonic_all.log"
-if [ ! -f build/lib/libmachmoe_torch.so ] && { [ "${SONIC_SKIP_OURS:-0}" != 1 ] || [ -n "${SONIC_PROFILE:-}${SONIC_NCU:-}" ]; }; then
+if [ ! -f build/lib/libmachmoe_torch.so ] && { [ "${SONIC_SKIP_OURS:-0}" != 1 ] || [ -n "${SONIC_PROFILE:-}${SONIC_NCU:-}${SONIC_KERNELS:-}" ]; }; then
   MACHMOE_BUILD_TARGETS="machmoe machmoe_torch" PYTHONPATH=$base_pp scripts/build.sh > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 4; }
 fi
 if [ "${SONIC_SKIP_OURS:-0}" != 1 ] && [ -n "$configs" ]; then
@@ -83,6 +86,12 @@ if [ -n "${SONIC_PROFILE:-}" ]; then
     done
   done
   PYTHONPATH=$root/python python3 -m machmoe.bench.profile_compare "$OUT/profiles.txt"
+fi
+if [ -n "${SONIC_KERNELS:-}" ]; then
+  # Each library's kernels in loops of their own (SonicMoE's compile on the first call, in the
+  # warm-up), then profiled; one process for both, so both see the same board state.
+  PYTHONPATH=$sonic_pp:$root/python MACHMOE_LIBRARY_DIR=$root/build/lib timeout "${SONIC_KERNELS_TIMEOUT:-420}" \
+    python3 -m machmoe.bench.sonic_kernels --configs "$SONIC_KERNELS" 2>&1 | tee "$OUT/kernels.md"
 fi
 if [ -n "${SONIC_NCU:-}" ]; then
   # Nsight Compute on the six expert GEMMs of each layer's second forward + backward call (the

@@ -1,0 +1,207 @@
+"""SonicMoE's expert GEMM kernels and ours, each in a sustained loop on the same GPU and routing.
+
+    python -m machmoe.bench.sonic_kernels --configs 7B-a [--warmup-s 2] [--iters 20]
+
+Issues #4 and #5 set kernel targets at SonicMoE's published 7B-a figures (up-projection 559, dH
+328, dX~ 618 TFLOPS). Our kernel table (`machmoe.bench.gemm_kernels`) times each kernel back to
+back, where every expert GEMM runs at the board's power cap; SonicMoE's figures were taken with
+its own harness, and session 25 saw its kernels reach them launched once. This puts both
+libraries' kernels in the same sustained loops, so that the targets can be read on this board:
+
+  * "up":       the up-projection alone (gather + SwiGLU, writes H and A), as the kernel table;
+  * "dH+dW2":   dH then dW2 (SonicMoE runs them in one op, `_down_projection_backward`);
+  * "dW1+dX~":  dW1 then dX~ (SonicMoE's `_up_projection_backward`).
+
+Each group runs `--warmup-s` seconds (the sustained power state), then `--iters` calls under
+torch.profiler; each GEMM's time is the median of its launches, and the loop's idle share
+(1 - kernel time / wall time) is printed: SonicMoE's Python launches can leave gaps, and a GPU
+with gaps runs cooler, which favours it. Both run on the same top-K routing (SonicMoE's metadata
+built as its `TC_topk_router_metadata` does), the same weights (ours [E, 2n, d] / [E, d, n], its
+[2n, d, E] / [d, n, E] views), two rotated input sets, SwiGLU, no biases. SonicMoE's gate/up
+columns are interleaved as ours are; the values do not matter for the time.
+
+SonicMoE (Dao-AILab/sonic-moe) must be importable: `scripts/sonicmoe_compare.sh` with
+`SONIC_KERNELS=7B-a` sets that up. It is never a dependency of machmoe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from .configs import select_configs
+from .gemm_kernels import _ops
+
+GEMM_NAMES = {"machmoe": ("sm90_grouped_gemm", "sm90_grouped_wgrad"), "sonicmoe": ("HopperWgmma",)}
+GROUPS = (("up", ("up-proj",)), ("dH+dW2", ("dH", "dW2")), ("dW1+dX~", ("dW1", "dX~")))
+
+
+def flops(kernel: str, T: int, d: int, n: int, K: int) -> float:
+    R = T * K
+    return {"up-proj": 4.0 * R * d * n, "dH": 2.0 * R * d * n, "dW2": 2.0 * R * d * n,
+            "dW1": 4.0 * R * d * n, "dX~": 4.0 * R * d * n}[kernel]
+
+
+def make_inputs(T: int, d: int, n: int, E: int, K: int, sets: int = 2):
+    """Weights, and `sets` input sets each with its own random top-K routing, as both libraries
+    take them."""
+    ops = _ops()
+    R = T * K
+    w1 = (torch.randn(E, 2 * n, d, device="cuda") * 0.02).bfloat16()
+    w2 = (torch.randn(E, d, n, device="cuda") * 0.02).bfloat16()
+    out = []
+    for _ in range(sets):
+        experts = torch.argsort(torch.rand(T, E, device="cuda"), dim=1)[:, :K].int().contiguous()
+        offs, row_token, _, _, _, _ = ops.routing_metadata(experts, None, T, E)
+        # SonicMoE's metadata (its TC_topk_router_metadata): rows sorted by expert.
+        s_scatter = torch.argsort(experts.view(-1).long(), stable=True).int()
+        freq_off = torch.cat([torch.zeros(1, dtype=torch.int32, device="cuda"),
+                              torch.bincount(experts.view(-1), minlength=E).cumsum(0).int()])
+        out.append(dict(
+            x=torch.randn(T, d, device="cuda").bfloat16(),
+            dout=torch.randn(T, d, device="cuda").bfloat16(),
+            h=torch.randn(R, 2 * n, device="cuda").bfloat16(),    # H (z): the pre-activations
+            dh=torch.randn(R, 2 * n, device="cuda").bfloat16(),   # dH (dz)
+            ap=torch.randn(R, n, device="cuda").bfloat16(),       # A'
+            scores=torch.rand(R, device="cuda"),
+            row_pair=torch.randperm(R, device="cuda").int(),
+            offs=offs, row_token=row_token,
+            s_scatter=s_scatter, x_gather=(s_scatter // K).int(), freq_off=freq_off.int()))
+    return w1, w2, out
+
+
+def machmoe_groups(w1, w2, sets, R: int):
+    ops = _ops()
+
+    def up(s):
+        return ops.grouped_gemm(s["x"], s["row_token"], s["offs"], w1, None, R, "glu", "swiglu", "interleaved")
+
+    def dh_dw2(s):
+        a = ops.grouped_gemm_nmajor(s["dout"], s["row_token"], s["offs"], w2, R, s["h"], s["scores"], s["row_pair"],
+                                    "swiglu", "interleaved")
+        b = ops.grouped_gemm_wgrad(s["dout"], s["row_token"], s["ap"], s["offs"], False, False)
+        return a, b
+
+    def dw1_dx(s):
+        a = ops.grouped_gemm_wgrad(s["x"], s["row_token"], s["dh"], s["offs"], True, False)
+        b = ops.grouped_gemm_nmajor(s["dh"], None, s["offs"], w1, R, None, None, None, "swiglu", "interleaved")
+        return a, b
+
+    return {"up": up, "dH+dW2": dh_dw2, "dW1+dX~": dw1_dx}
+
+
+def sonicmoe_groups(w1, w2, sets, R: int):
+    try:
+        from sonicmoe.functional.backward import _down_projection_backward, _up_projection_backward
+        from sonicmoe.functional.forward import _up_projection_forward
+    except ImportError as err:
+        raise SystemExit(f"SonicMoE is not importable ({err}); see scripts/sonicmoe_compare.sh")
+    w1v, w2v = w1.permute(1, 2, 0), w2.permute(1, 2, 0)  # [2n, d, E], [d, n, E]
+    stream = torch.cuda.current_stream().cuda_stream
+    d = w1.size(2)
+
+    def up(s):
+        z = torch.empty_like(s["h"])
+        y1 = torch.empty_like(s["ap"])
+        _up_projection_forward(x=s["x"], w1=w1v, z=z, y1=y1, b1=None, expert_frequency_offset=s["freq_off"],
+                               expert_schedule_order=None, x_gather_idx=s["x_gather"], stream_id=stream,
+                               activation_type="swiglu", is_glu_activation=True, is_inference_mode_enabled=False)
+        return z, y1
+
+    def dh_dw2(s):
+        dw2, dz, ds = torch.empty_like(w2v), torch.empty_like(s["h"]), torch.empty_like(s["scores"])
+        _down_projection_backward(dout=s["dout"], z=s["h"], w2=w2v, dw2=dw2, dz=dz, ds=ds, b2=None, db2=None,
+                                  topk_scores=s["scores"], expert_frequency_offset=s["freq_off"],
+                                  expert_schedule_order=None, x_gather_idx=s["x_gather"],
+                                  s_scatter_idx=s["s_scatter"], stream_id=stream, is_glu_activation=True,
+                                  activation_type="swiglu")
+        return dw2, dz, ds
+
+    def dw1_dx(s):
+        dw1, dx = torch.empty_like(w1v), torch.empty(R, d, dtype=torch.bfloat16, device="cuda")
+        _up_projection_backward(x=s["x"], w1=w1v, dx_expanded=dx, dw1=dw1, dz=s["dh"], db1=None,
+                                expert_frequency_offset=s["freq_off"], expert_schedule_order=None,
+                                x_gather_idx=s["x_gather"], s_scatter_idx=s["s_scatter"], is_glu_activation=True,
+                                stream_id=stream)
+        return dw1, dx
+
+    return {"up": up, "dH+dW2": dh_dw2, "dW1+dX~": dw1_dx}
+
+
+def time_group(fn, sets, impl: str, n_kernels: int, warmup_s: float, iters: int):
+    """Median time of each of the group's GEMM launches (in launch order) and the loop's idle share."""
+    t0, calls = time.perf_counter(), 0
+    while calls < 3 or time.perf_counter() - t0 < warmup_s:
+        r = fn(sets[calls % len(sets)])
+        del r
+        calls += 1
+        if calls % 8 == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        for i in range(iters):
+            r = fn(sets[i % len(sets)])
+            del r
+        end.record()
+        torch.cuda.synchronize()
+    wall_us = start.elapsed_time(end) * 1e3
+    acts = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+    busy_us = sum(e.time_range.end - e.time_range.start for e in acts)
+    gemms = [e for e in acts if any(k in e.name for k in GEMM_NAMES[impl])]
+    if len(gemms) != n_kernels * iters:
+        raise RuntimeError(f"{impl}: {len(gemms)} GEMM launches for {iters} calls of {n_kernels}: "
+                           f"{sorted({e.name[:60] for e in gemms})}")
+    med = [statistics.median(e.time_range.end - e.time_range.start for e in gemms[k::n_kernels])
+           for k in range(n_kernels)]
+    return med, max(0.0, 1 - busy_us / wall_us), [gemms[k].name[:48] for k in range(n_kernels)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m machmoe.bench.sonic_kernels")
+    p.add_argument("--configs", default="7B-a")
+    p.add_argument("--impls", default="sonicmoe,machmoe")
+    p.add_argument("--warmup-s", dest="warmup_s", type=float, default=2.0)
+    p.add_argument("--iters", type=int, default=20)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("sonic_kernels: needs a CUDA GPU")
+        return 1
+    print(f"GPU: {torch.cuda.get_device_name()}; each group {args.warmup_s} s warm-up, then {args.iters} calls "
+          "under torch.profiler; TFLOPS from the median launch")
+    print("| config | kernel | loop | " + " | ".join(f"{i} TFLOPS (µs)" for i in args.impls.split(",")) +
+          " | loop idle % |")
+    print("|---|---|---|" + "--:|" * len(args.impls.split(",")) + "--:|")
+    for cfg in select_configs(args.configs):
+        T, d, n, E, K = cfg.T, cfg.d, cfg.n, cfg.E, cfg.K
+        w1, w2, sets = make_inputs(T, d, n, E, K)
+        res: dict = {}
+        for impl in args.impls.split(","):
+            groups = (sonicmoe_groups if impl == "sonicmoe" else machmoe_groups)(w1, w2, sets, T * K)
+            for gname, kernels in GROUPS:
+                med, idle, names = time_group(groups[gname], sets, impl, len(kernels), args.warmup_s, args.iters)
+                for k, us, name in zip(kernels, med, names):
+                    res[(gname, k, impl)] = (us, idle, name)
+        for gname, kernels in GROUPS:
+            for k in kernels:
+                cells, idles = [], []
+                for impl in args.impls.split(","):
+                    us, idle, _ = res[(gname, k, impl)]
+                    cells.append(f"{flops(k, T, d, n, K) / us / 1e6:.0f} ({us:.1f})")
+                    idles.append(f"{100 * idle:.1f}")
+                print(f"| {cfg.name} | {k} | {gname} | " + " | ".join(cells) + " | " + " / ".join(idles) + " |")
+        names = sorted({(impl, v[2]) for (g, k, impl), v in res.items()})
+        print("kernels: " + "; ".join(f"{i}: {nm}" for i, nm in names))
+        del w1, w2, sets
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
