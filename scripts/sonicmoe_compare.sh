@@ -11,6 +11,7 @@
 #     into $OUT/profiles.txt, tabled side by side (python -m machmoe.bench.profile_compare).
 #   SONIC_NCU=7B-a: also Nsight Compute on both layers' six expert GEMMs, one launch each
 #     (python -m machmoe.bench.ncu_compare): $OUT/ncu_<config>.md, the raw CSVs and $OUT/ncu.log.
+#     SONIC_NCU_METRICS (comma-separated) adds metrics; the raw CSVs keep them.
 #   SONIC_SASS=7B-a: kernels of each layer (SONIC_SASS_KERNEL="0,2", default 3 = dW2) under Nsight
 #     Compute's source counters: its SASS with warp-stall samples per instruction, as CSV.
 #   SONIC_KERNELS=7B-a: also both libraries' expert GEMMs in the same sustained loops
@@ -101,7 +102,7 @@ if [ -n "${SONIC_NCU:-}" ]; then
   ncu_bin=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   metrics=dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct
   metrics+=,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__m_xbar2l1tex_read_bytes.sum
-  metrics+=,smsp__inst_executed.sum
+  metrics+=,smsp__inst_executed.sum${SONIC_NCU_METRICS:+,$SONIC_NCU_METRICS}
   for c in ${SONIC_NCU//,/ }; do
     for impl in sonicmoe machmoe; do
       rep=/tmp/sonic_ncu_${impl}_$c

@@ -35,6 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from .configs import select_configs
 from .gemm_kernels import _ops
+from .power import Sampler
 
 GEMM_NAMES = {"machmoe": ("sm90_grouped_gemm", "sm90_grouped_wgrad"), "sonicmoe": ("HopperWgmma",)}
 GROUPS = (("up", ("up-proj",)), ("dH+dW2", ("dH", "dW2")), ("dW1+dX~", ("dW1", "dX~")))
@@ -133,15 +134,22 @@ def sonicmoe_groups(w1, w2, sets, R: int):
 
 
 def time_group(fn, sets, impl: str, n_kernels: int, warmup_s: float, iters: int):
-    """Median time of each of the group's GEMM launches (in launch order) and the loop's idle share."""
-    t0, calls = time.perf_counter(), 0
-    while calls < 3 or time.perf_counter() - t0 < warmup_s:
+    """Median time of each of the group's GEMM launches (in launch order), the loop's idle share, the
+    kernels' names, and the wall-clock window (time.time()) of the warm-up's sustained part, for the
+    clock and power samples."""
+    for i in range(3):  # first calls: SonicMoE compiles its kernels here
+        r = fn(sets[i % len(sets)])
+        del r
+    torch.cuda.synchronize()
+    t0, calls = time.time(), 0
+    while time.time() - t0 < warmup_s:
         r = fn(sets[calls % len(sets)])
         del r
         calls += 1
         if calls % 8 == 0:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
+    window = (t0 + min(1.0, warmup_s / 2), time.time())
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start.record()
@@ -160,7 +168,7 @@ def time_group(fn, sets, impl: str, n_kernels: int, warmup_s: float, iters: int)
                            f"{sorted({e.name[:60] for e in gemms})}")
     med = [statistics.median(e.time_range.end - e.time_range.start for e in gemms[k::n_kernels])
            for k in range(n_kernels)]
-    return med, max(0.0, 1 - busy_us / wall_us), [gemms[k].name[:48] for k in range(n_kernels)]
+    return med, max(0.0, 1 - busy_us / wall_us), [gemms[k].name[:48] for k in range(n_kernels)], window
 
 
 def main(argv=None) -> int:
@@ -175,9 +183,13 @@ def main(argv=None) -> int:
         return 1
     print(f"GPU: {torch.cuda.get_device_name()}; each group {args.warmup_s} s warm-up, then {args.iters} calls "
           "under torch.profiler; TFLOPS from the median launch")
-    print("| config | kernel | loop | " + " | ".join(f"{i} TFLOPS (µs)" for i in args.impls.split(",")) +
-          " | loop idle % |")
-    print("|---|---|---|" + "--:|" * len(args.impls.split(",")) + "--:|")
+    impls = args.impls.split(",")
+    table = ["| config | kernel | loop | " + " | ".join(f"{i} TFLOPS (µs)" for i in impls) + " | loop idle % |",
+             "|---|---|---|" + "--:|" * len(impls) + "--:|"]
+    power = ["| config | loop | impl | SM MHz median (min) | W median (max) | clock-event reasons |",
+             "|---|---|---|--:|--:|---|"]
+    windows = []
+    smp = Sampler(50, torch.cuda.current_device()).__enter__()
     for cfg in select_configs(args.configs):
         T, d, n, E, K = cfg.T, cfg.d, cfg.n, cfg.E, cfg.K
         w1, w2, sets = make_inputs(T, d, n, E, K)
@@ -185,7 +197,9 @@ def main(argv=None) -> int:
         for impl in args.impls.split(","):
             groups = (sonicmoe_groups if impl == "sonicmoe" else machmoe_groups)(w1, w2, sets, T * K)
             for gname, kernels in GROUPS:
-                med, idle, names = time_group(groups[gname], sets, impl, len(kernels), args.warmup_s, args.iters)
+                med, idle, names, window = time_group(groups[gname], sets, impl, len(kernels), args.warmup_s,
+                                                      args.iters)
+                windows.append((cfg.name, gname, impl, window))
                 for k, us, name in zip(kernels, med, names):
                     res[(gname, k, impl)] = (us, idle, name)
         for gname, kernels in GROUPS:
@@ -195,11 +209,22 @@ def main(argv=None) -> int:
                     us, idle, _ = res[(gname, k, impl)]
                     cells.append(f"{flops(k, T, d, n, K) / us / 1e6:.0f} ({us:.1f})")
                     idles.append(f"{100 * idle:.1f}")
-                print(f"| {cfg.name} | {k} | {gname} | " + " | ".join(cells) + " | " + " / ".join(idles) + " |")
+                table.append(f"| {cfg.name} | {k} | {gname} | " + " | ".join(cells) + " | " + " / ".join(idles) + " |")
         names = sorted({(impl, v[2]) for (g, k, impl), v in res.items()})
-        print("kernels: " + "; ".join(f"{i}: {nm}" for i, nm in names))
+        table.append("kernels: " + "; ".join(f"{i}: {nm}" for i, nm in names))
+        print("\n".join(table[-1 - 5:]), flush=True)
         del w1, w2, sets
         torch.cuda.empty_cache()
+    smp.__exit__(None, None, None)
+    for name, gname, impl, (t0, t1) in windows:
+        s = smp.summary(t0, t1, settle_s=0.0)
+        if s.get("samples"):
+            power.append(f"| {name} | {gname} | {impl} | {s['sm_mhz']:.0f} ({s['sm_mhz_min']:.0f}) | {s['watts']:.0f} "
+                         f"({s['watts_max']:.0f}) | {s['reasons']} |")
+        else:
+            power.append(f"| {name} | {gname} | {impl} | {s.get('error', 'no samples')} | | |")
+    print("\n".join(table) + "\n\nClock and board power over each loop's sustained warm-up (nvidia-smi every 50 ms):\n"
+          + "\n".join(power))
     return 0
 
 
