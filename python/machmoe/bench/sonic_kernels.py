@@ -15,7 +15,10 @@ libraries' kernels in the same sustained loops, so that the targets can be read 
 Each group runs `--warmup-s` seconds (the sustained power state), then `--iters` calls under
 torch.profiler; each GEMM's time is the median of its launches, and the loop's idle share
 (1 - kernel time / wall time) is printed: SonicMoE's Python launches can leave gaps, and a GPU
-with gaps runs cooler, which favours it. Both run on the same top-K routing (SonicMoE's metadata
+with gaps runs cooler, which favours it. The implementations alternate loop by loop, in reversed
+order every other round: the board's temperature rises over a call, and at the same power cap a
+hotter chip runs slower (session 33's first run, one implementation after the other, read up to
+24% between them; interleaved, ...). Both run on the same top-K routing (SonicMoE's metadata
 built as its `TC_topk_router_metadata` does), the same weights (ours [E, 2n, d] / [E, d, n], its
 [2n, d, E] / [d, n, E] views), two rotated input sets, SwiGLU, no biases. SonicMoE's gate/up
 columns are interleaved as ours are; the values do not matter for the time.
@@ -177,53 +180,67 @@ def main(argv=None) -> int:
     p.add_argument("--impls", default="sonicmoe,machmoe")
     p.add_argument("--warmup-s", dest="warmup_s", type=float, default=2.0)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=2,
+                   help="rounds per loop; the implementations' order alternates between rounds")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("sonic_kernels: needs a CUDA GPU")
         return 1
-    print(f"GPU: {torch.cuda.get_device_name()}; each group {args.warmup_s} s warm-up, then {args.iters} calls "
-          "under torch.profiler; TFLOPS from the median launch")
     impls = args.impls.split(",")
-    table = ["| config | kernel | loop | " + " | ".join(f"{i} TFLOPS (µs)" for i in impls) + " | loop idle % |",
-             "|---|---|---|" + "--:|" * len(impls) + "--:|"]
-    power = ["| config | loop | impl | SM MHz median (min) | W median (max) | clock-event reasons |",
-             "|---|---|---|--:|--:|---|"]
+    print(f"GPU: {torch.cuda.get_device_name()}; per loop and implementation {args.warmup_s} s warm-up, then "
+          f"{args.iters} calls under torch.profiler; TFLOPS from the median launch; {args.rounds} rounds, the "
+          "order of the implementations reversed every other round (a GPU that warms up runs later loops "
+          "slower at the same power cap)")
+    table = ["| config | kernel | loop | " + " | ".join(f"{i} TFLOPS by round" for i in impls) +
+             " | ratio " + " / ".join(impls) + " | loop idle % |",
+             "|---|---|---|" + "--:|" * (len(impls) + 2)]
+    power = ["| config | loop | round | impl | SM MHz median (min) | W median (max) | °C | clock-event reasons |",
+             "|---|---|--:|---|--:|--:|--:|---|"]
     windows = []
     smp = Sampler(50, torch.cuda.current_device()).__enter__()
+    names: set = set()
     for cfg in select_configs(args.configs):
         T, d, n, E, K = cfg.T, cfg.d, cfg.n, cfg.E, cfg.K
         w1, w2, sets = make_inputs(T, d, n, E, K)
-        res: dict = {}
-        for impl in args.impls.split(","):
-            groups = (sonicmoe_groups if impl == "sonicmoe" else machmoe_groups)(w1, w2, sets, T * K)
-            for gname, kernels in GROUPS:
-                med, idle, names, window = time_group(groups[gname], sets, impl, len(kernels), args.warmup_s,
-                                                      args.iters)
-                windows.append((cfg.name, gname, impl, window))
-                for k, us, name in zip(kernels, med, names):
-                    res[(gname, k, impl)] = (us, idle, name)
+        groups = {impl: (sonicmoe_groups if impl == "sonicmoe" else machmoe_groups)(w1, w2, sets, T * K)
+                  for impl in impls}
+        res: dict = {}  # (kernel, impl) -> [µs per round], idle shares
+        for gname, kernels in GROUPS:
+            for rnd in range(args.rounds):
+                for impl in (impls if rnd % 2 == 0 else impls[::-1]):
+                    med, idle, nm, window = time_group(groups[impl][gname], sets, impl, len(kernels), args.warmup_s,
+                                                       args.iters)
+                    windows.append((cfg.name, gname, rnd + 1, impl, window))
+                    names.update((impl, x) for x in nm)
+                    for k, us in zip(kernels, med):
+                        res.setdefault((k, impl), ([], []))
+                        res[(k, impl)][0].append(us)
+                        res[(k, impl)][1].append(idle)
         for gname, kernels in GROUPS:
             for k in kernels:
-                cells, idles = [], []
-                for impl in args.impls.split(","):
-                    us, idle, _ = res[(gname, k, impl)]
-                    cells.append(f"{flops(k, T, d, n, K) / us / 1e6:.0f} ({us:.1f})")
-                    idles.append(f"{100 * idle:.1f}")
-                table.append(f"| {cfg.name} | {k} | {gname} | " + " | ".join(cells) + " | " + " / ".join(idles) + " |")
-        names = sorted({(impl, v[2]) for (g, k, impl), v in res.items()})
-        table.append("kernels: " + "; ".join(f"{i}: {nm}" for i, nm in names))
-        print("\n".join(table[-1 - 5:]), flush=True)
-        del w1, w2, sets
+                cells, idles, best = [], [], []
+                for impl in impls:
+                    us, idle = res[(k, impl)]
+                    tf = [flops(k, T, d, n, K) / u / 1e6 for u in us]
+                    cells.append(" / ".join(f"{x:.0f}" for x in tf))
+                    best.append(statistics.median(tf))
+                    idles.append(f"{100 * statistics.median(idle):.1f}")
+                ratio = f"{best[0] / best[1]:.2f}" if len(best) == 2 else ""
+                table.append(f"| {cfg.name} | {k} | {gname} | " + " | ".join(cells) + f" | {ratio} | "
+                             + " / ".join(idles) + " |")
+        print("\n".join(table), flush=True)
+        del w1, w2, sets, groups
         torch.cuda.empty_cache()
     smp.__exit__(None, None, None)
-    for name, gname, impl, (t0, t1) in windows:
+    for name, gname, rnd, impl, (t0, t1) in windows:
         s = smp.summary(t0, t1, settle_s=0.0)
         if s.get("samples"):
-            power.append(f"| {name} | {gname} | {impl} | {s['sm_mhz']:.0f} ({s['sm_mhz_min']:.0f}) | {s['watts']:.0f} "
-                         f"({s['watts_max']:.0f}) | {s['reasons']} |")
+            power.append(f"| {name} | {gname} | {rnd} | {impl} | {s['sm_mhz']:.0f} ({s['sm_mhz_min']:.0f}) | "
+                         f"{s['watts']:.0f} ({s['watts_max']:.0f}) | {s['temp_c']:.0f} | {s['reasons']} |")
         else:
-            power.append(f"| {name} | {gname} | {impl} | {s.get('error', 'no samples')} | | |")
-    print("\n".join(table) + "\n\nClock and board power over each loop's sustained warm-up (nvidia-smi every 50 ms):\n"
+            power.append(f"| {name} | {gname} | {rnd} | {impl} | {s.get('error', 'no samples')} | | | |")
+    print("\nkernels: " + "; ".join(f"{i}: {nm}" for i, nm in sorted(names)))
+    print("\nClock, board power and temperature over each loop's sustained warm-up (nvidia-smi every 50 ms):\n"
           + "\n".join(power))
     return 0
 
