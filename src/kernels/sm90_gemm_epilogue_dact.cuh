@@ -23,18 +23,21 @@ namespace machmoe::kernels {
 // act(h) exactly as the forward epilogue computes it, and act'(h).
 template <int ACT>
 __device__ __forceinline__ float gemm_act_grad(float h, float& f) {
-  f = gemm_act<ACT>(h);
   if constexpr (ACT == kActSwiGLU || ACT == kActSiLU) {
-    const float sig = __fdividef(1.f, 1.f + __expf(-h));
+    const float sig = sigmoid_approx(h);
+    f = h * sig;  // gemm_act<ACT>(h), bit for bit, with one sigmoid for both
     return sig * (1.f + h * (1.f - sig));
-  } else if constexpr (ACT == kActGeGLU || ACT == kActGELU) {
-    constexpr float c = 0.7978845608028654f;
-    const float th = tanhf(c * (h + 0.044715f * h * h * h));
-    return 0.5f * (1.f + th) + 0.5f * h * (1.f - th * th) * c * (1.f + 3.f * 0.044715f * h * h);
-  } else if constexpr (ACT == kActReGLU || ACT == kActReLU) {
-    return h > 0.f ? 1.f : 0.f;
-  } else {  // ReLU²
-    return h > 0.f ? 2.f * h : 0.f;
+  } else {
+    f = gemm_act<ACT>(h);
+    if constexpr (ACT == kActGeGLU || ACT == kActGELU) {
+      constexpr float c = 0.7978845608028654f;
+      const float th = tanhf(c * (h + 0.044715f * h * h * h));
+      return 0.5f * (1.f + th) + 0.5f * h * (1.f - th * th) * c * (1.f + 3.f * 0.044715f * h * h);
+    } else if constexpr (ACT == kActReGLU || ACT == kActReLU) {
+      return h > 0.f ? 1.f : 0.f;
+    } else {  // ReLU²
+      return h > 0.f ? 2.f * h : 0.f;
+    }
   }
 }
 

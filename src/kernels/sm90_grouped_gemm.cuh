@@ -474,6 +474,10 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       dw.on = dw.next < dw.end;  // warp-uniform (end is a multiple of 32)
       if (dw.on) pipe.load(p, dw.tile, row_base, dw.items, dw.next, 128);
     };
+    // Stage 0's operand descriptors (this warpgroup's 64 rows of A); the main loop advances them.
+    const uint64_t desc_a0 = sm90::smem_desc_kmajor_sw128(sm90::smem_addr(smem_a + cw * 64 * 128));
+    const uint64_t desc_b0 = B_NMAJOR ? sm90::smem_desc_mnmajor_sw128(sm90::smem_addr(smem_b), 64 * 128)
+                                      : sm90::smem_desc_kmajor_sw128(sm90::smem_addr(smem_b));
     for (int n = 0;; ++n) {
       const int slot = n % kTileRing;
       sm90::mbar_wait(&tile_full[slot], (n / kTileRing) & 1);
@@ -490,17 +494,13 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         const int s = it % S;
         sm90::mbar_wait(&full[s], (it / S) & 1);
         if constexpr (GATHER) sm90::fence_proxy_async_shared();  // cp.async (generic proxy) -> wgmma
-        const uint32_t a_addr = sm90::smem_addr(smem_a + s * Smem::kABytes + cw * 64 * 128);
-        const uint32_t b_addr = sm90::smem_addr(smem_b + s * Smem::kBBytes);
         sm90::wgmma_fence();
         if (!gemm_probe(p, 2)) {  // (timing probe: no wgmma)
 #pragma unroll
           for (int ks = 0; ks < kGemmBK / 16; ++ks) {
-            const uint64_t desc_a = sm90::smem_desc_kmajor_sw128(a_addr + ks * 32);
-            if constexpr (B_NMAJOR)
-              sm90::wgmma_bf16<BN, 0, 1>(acc, desc_a, sm90::smem_desc_mnmajor_sw128(b_addr + ks * 2048, 64 * 128), 1);
-            else
-              sm90::wgmma_bf16<BN, 0, 0>(acc, desc_a, sm90::smem_desc_kmajor_sw128(b_addr + ks * 32), 1);
+            const uint64_t desc_a = sm90::smem_desc_advance(desc_a0, s * Smem::kABytes + ks * 32);
+            const uint64_t desc_b = sm90::smem_desc_advance(desc_b0, s * Smem::kBBytes + ks * (B_NMAJOR ? 2048 : 32));
+            sm90::wgmma_bf16<BN, 0, B_NMAJOR ? 1 : 0>(acc, desc_a, desc_b, 1);
           }
         }
         sm90::wgmma_commit();

@@ -131,22 +131,23 @@ __device__ __forceinline__ int pingpong_mainloop(const GroupedGemmParams& p, flo
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[h][i] = 0.f;
   int prev_stage = -1;
+  // Stage 0's operand descriptors, advanced per stage and k step (sm90::smem_desc_advance).
+  const uint64_t desc_a0 = sm90::smem_desc_kmajor_sw128(sm90::smem_addr(smem_a));
+  const uint64_t desc_b0 = B_NMAJOR ? sm90::smem_desc_mnmajor_sw128(sm90::smem_addr(smem_b), 64 * 128)
+                                    : sm90::smem_desc_kmajor_sw128(sm90::smem_addr(smem_b));
   for (int kb = 0; kb < k_blocks; ++kb) {
     const int it = n * k_blocks + kb, s = it % S;
     wait_full(s, (it / S) & 1);
     if constexpr (kGather) sm90::fence_proxy_async_shared();  // cp.async (generic proxy) -> wgmma
-    const uint32_t a_addr = sm90::smem_addr(smem_a + s * kABytes);
-    const uint32_t b_addr = sm90::smem_addr(smem_b + s * kBBytes);
     sm90::wgmma_fence();
     if (!gemm_probe(p, 2)) {  // (timing probe: no wgmma)
 #pragma unroll
       for (int ks = 0; ks < kGemmBK / 16; ++ks) {
-        const uint64_t desc_b = B_NMAJOR ? sm90::smem_desc_mnmajor_sw128(b_addr + ks * 2048, 64 * 128)
-                                         : sm90::smem_desc_kmajor_sw128(b_addr + ks * 32);
+        const uint64_t desc_b = sm90::smem_desc_advance(desc_b0, s * kBBytes + ks * (B_NMAJOR ? 2048 : 32));
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-          sm90::wgmma_bf16<BN, 0, B_NMAJOR ? 1 : 0>(acc[h], sm90::smem_desc_kmajor_sw128(a_addr + h * 64 * 128 + ks * 32),
-                                                    desc_b, 1);
+          sm90::wgmma_bf16<BN, 0, B_NMAJOR ? 1 : 0>(
+              acc[h], sm90::smem_desc_advance(desc_a0, s * kABytes + h * 64 * 128 + ks * 32), desc_b, 1);
       }
     }
     sm90::wgmma_commit();

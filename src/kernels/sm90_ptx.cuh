@@ -201,6 +201,16 @@ __device__ __forceinline__ uint64_t smem_desc_kmajor_sw128(uint32_t addr) {
   return desc;
 }
 
+// `desc` with its start address advanced by `bytes` (a multiple of 16). Only the low word
+// changes: the 14-bit start-address field cannot carry (shared memory is < 256 KB, so every
+// operand address >> 4 fits), so a main loop builds its descriptors once and steps them by a
+// 32-bit add, instead of rebuilding each from its address (mask, shift, or, moves: ~6 instructions
+// a wgmma in the SASS of session 32).
+__device__ __forceinline__ uint64_t smem_desc_advance(uint64_t desc, uint32_t bytes) {
+  const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | lo;
+}
+
 // Descriptor of an MN-major operand tile (transposed wgmma operand, tnspA/tnspB = 1) with the
 // 128-byte swizzle: blocks of 64 M (or N) elements, each stored as K rows of 128 bytes (what a
 // TMA box {64 MN, K rows} or a row-wise cp.async writes). PTX canonical layout
