@@ -119,8 +119,9 @@ constexpr int epi_tile_bytes() { return 128 * epi_row_bytes<BN>(); }
 // less than the padded one, which is what its fifth stage needs).
 template <int BN, int EPI, int kBoxRows = 128, bool kBoxed = epi_boxed<EPI>()>
 __device__ __forceinline__ int epi_chunk_offset(int r, int ch) {
-  if constexpr (kBoxed) return (ch / 8) * (kBoxRows * 128) + r * 128 + (((ch % 8) ^ (r % 8)) << 4);
-  else return r * epi_row_bytes<BN>() + ch * 16;
+  const unsigned ur = r, uc = ch;  // both >= 0: shifts and masks, not signed division
+  if constexpr (kBoxed) return (uc / 8) * (kBoxRows * 128) + ur * 128 + (((uc % 8) ^ (ur % 8)) << 4);
+  else return ur * epi_row_bytes<BN>() + uc * 16;
 }
 
 // Weight row (and bias index) of tile column c: plain/interleaved n0 + c; concatenated GLU:
@@ -211,7 +212,8 @@ __device__ __forceinline__ int gemm_write_out_act(const GroupedGemmParams& p, co
   constexpr int kChunks = epi_chunks_per_row<BN, EPI>();
   write_h = write_h && p.c;  // null c: inference, H is not written
   for (; next < end && budget > 0; next += stride, --budget) {
-    const int r = next / kChunks, ch = next % kChunks;
+    // (next >= 0: unsigned division by the constant kChunks, a shift and a mask where it is a power of two)
+    const int r = static_cast<unsigned>(next) / kChunks, ch = static_cast<unsigned>(next) % kChunks;
     const int64_t row = tile.row0 + r;
     const uint8_t* src = epi + epi_chunk_offset<BN, EPI, kBoxRows>(r, ch);
     if constexpr (EPI == kEpiGluConcat) {

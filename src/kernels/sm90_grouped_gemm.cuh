@@ -180,14 +180,17 @@ struct GemmGatherRows {
     const int chunk = lane % 8;
     const bool k_ok = k0 + chunk * 8 < p.K;
     const uint32_t k_units = k0 / 8 + chunk;  // this thread's 16 bytes of the K block
+    const uint4* a = reinterpret_cast<const uint4*>(p.a);
 #pragma unroll 8
     for (int i = 0; i < rows; ++i) {
       const int r = lane / 8 + (kLoaders / 8) * i;
       const bool ok = k_ok && arow[i] != ~0u;
       const uint32_t dst = sm90::smem_addr(a_stage + r * 128 + ((chunk ^ (r & 7)) << 4));
-      // arow + k_units < a_rows * lda / 8 < 2^32: a 32-bit add and one wide multiply-add
-      const void* src = ok ? static_cast<const void*>(reinterpret_cast<const uint4*>(p.a) + (arow[i] + k_units)) : p.a;
-      sm90::cp_async_16(dst, src, ok ? 16 : 0);
+      // arow + k_units < a_rows * lda / 8 < 2^32: a 32-bit add and one wide multiply-add. A row
+      // past the expert's end reads nothing (src-size 0 zero-fills) from A's first 16 bytes: the
+      // offset is selected rather than the pointer, which kept the compiler reloading p.a from
+      // the constant bank for every row (session 33's SASS).
+      sm90::cp_async_16(dst, a + (ok ? arow[i] + k_units : 0u), ok ? 16 : 0);
     }
   }
 };
