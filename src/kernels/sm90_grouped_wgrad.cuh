@@ -138,8 +138,9 @@ struct WgradRows {
       const int kr = tid / kChunksPerRow + kRowsPerPass * i;
       const bool ok = row[i] >= 0 && col < cols;
       const uint32_t unit = static_cast<uint32_t>(row[i]) * static_cast<uint32_t>(ld / 8) + col / 8;
-      const void* src = ok ? static_cast<const void*>(reinterpret_cast<const uint4*>(base) + unit) : base;
-      sm90::cp_async_16(sm90::smem_addr(block + kr * 128 + (((c % 8) ^ (kr & 7)) << 4)), src, ok ? 16 : 0);
+      // (the offset selected, not the pointer: see GemmGatherRows::copy)
+      sm90::cp_async_16(sm90::smem_addr(block + kr * 128 + (((c % 8) ^ (kr & 7)) << 4)),
+                        reinterpret_cast<const uint4*>(base) + (ok ? unit : 0u), ok ? 16 : 0);
     }
   }
 };
