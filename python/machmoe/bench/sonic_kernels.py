@@ -17,11 +17,14 @@ torch.profiler; each GEMM's time is the median of its launches, and the loop's i
 (1 - kernel time / wall time) is printed: SonicMoE's Python launches can leave gaps, and a GPU
 with gaps runs cooler, which favours it. The implementations alternate loop by loop, in reversed
 order every other round: the board's temperature rises over a call, and at the same power cap a
-hotter chip runs slower (session 33's first run, one implementation after the other, read up to
-24% between them; interleaved, ...). Both run on the same top-K routing (SonicMoE's metadata
-built as its `TC_topk_router_metadata` does), the same weights (ours [E, 2n, d] / [E, d, n], its
-[2n, d, E] / [d, n, E] views), two rotated input sets, SwiGLU, no biases. SonicMoE's gate/up
-columns are interleaved as ours are; the values do not matter for the time.
+hotter chip runs slower. Session 33's first run, all of SonicMoE's loops before all of ours,
+read SonicMoE's kernels 14-24% ahead at 7B-a; interleaved on other boards, 5-8% ahead on the
+up-projection and dH and level on dX~. The very first loop of a call still runs on the coolest
+chip (7B-a's up-projection, SonicMoE's round 1), so read the two rounds, not one.
+
+Both run on the same top-K routing (SonicMoE's metadata built as its `TC_topk_router_metadata`
+does), the same weights (ours [E, 2n, d] / [E, d, n], its [2n, d, E] / [d, n, E] views), two
+rotated input sets, SwiGLU (ours interleaved), no biases: the same work, if not the same values.
 
 SonicMoE (Dao-AILab/sonic-moe) must be importable: `scripts/sonicmoe_compare.sh` with
 `SONIC_KERNELS=7B-a` sets that up. It is never a dependency of machmoe.
