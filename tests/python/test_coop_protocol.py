@@ -7,7 +7,8 @@ release one K block late; the staged tile handed to the loaders through epi_full
 previous unit's A computed from the staged rows under the next tile's K blocks), and the loads and
 wgmma groups completing in any order.
 
-Options model the session-32 variants (results/session32/*.patch), not on main:
+Options model the session-32 variants (results/session32/*.patch), not on main (measured slower:
+a1 flat to 3% slower, c3 and c4 2-10% slower on the H100, sessions 32 and 33):
   halves      the tile staged in two column units through one buffer (a1): the first unit's A is
               computed before the second unit is staged;
   cluster     CTA pairs over 256-row units (c3): each CTA multicasts one of the two weight boxes
