@@ -20,7 +20,9 @@ order every other round: the board's temperature rises over a call, and at the s
 hotter chip runs slower. Session 33's first run, all of SonicMoE's loops before all of ours,
 read SonicMoE's kernels 14-24% ahead at 7B-a; interleaved on other boards, 5-8% ahead on the
 up-projection and dH and level on dX~. The very first loop of a call still runs on the coolest
-chip (7B-a's up-projection, SonicMoE's round 1), so read the two rounds, not one.
+chip (7B-a's up-projection, SonicMoE's round 1): `--preheat-s` (5 s of a dense matmul loop per
+config, after both libraries' first calls) is meant to remove that, not yet run on a GPU; read
+the two rounds, not one.
 
 Both run on the same top-K routing (SonicMoE's metadata built as its `TC_topk_router_metadata`
 does), the same weights (ours [E, 2n, d] / [E, d, n], its [2n, d, E] / [d, n, E] views), two
@@ -143,7 +145,7 @@ def time_group(fn, sets, impl: str, n_kernels: int, warmup_s: float, iters: int)
     """Median time of each of the group's GEMM launches (in launch order), the loop's idle share, the
     kernels' names, and the wall-clock window (time.time()) of the warm-up's sustained part, for the
     clock and power samples."""
-    for i in range(3):  # first calls: SonicMoE compiles its kernels here
+    for i in range(3):  # first calls (main() has already made SonicMoE compile)
         r = fn(sets[i % len(sets)])
         del r
     torch.cuda.synchronize()
@@ -177,6 +179,21 @@ def time_group(fn, sets, impl: str, n_kernels: int, warmup_s: float, iters: int)
     return med, max(0.0, 1 - busy_us / wall_us), [gemms[k].name[:48] for k in range(n_kernels)], window
 
 
+def preheat(seconds: float) -> None:
+    """A dense bf16 matmul loop for `seconds`: the first measured loop then starts on a chip as warm
+    as the later ones (session 33: the first loop of a call, on the coolest chip, read 5-8% above
+    the same kernels' second round)."""
+    if seconds <= 0:
+        return
+    a = torch.randn(8192, 8192, device="cuda").bfloat16()
+    t0 = time.time()
+    while time.time() - t0 < seconds:
+        for _ in range(4):
+            r = a @ a
+            del r
+        torch.cuda.synchronize()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m machmoe.bench.sonic_kernels")
     p.add_argument("--configs", default="7B-a")
@@ -185,6 +202,9 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2,
                    help="rounds per loop; the implementations' order alternates between rounds")
+    p.add_argument("--preheat-s", dest="preheat_s", type=float, default=5.0,
+                   help="seconds of a dense matmul loop per config, after both libraries' first calls "
+                        "(SonicMoE compiles there) and before the first measured loop")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("sonic_kernels: needs a CUDA GPU")
@@ -207,6 +227,12 @@ def main(argv=None) -> int:
         w1, w2, sets = make_inputs(T, d, n, E, K)
         groups = {impl: (sonicmoe_groups if impl == "sonicmoe" else machmoe_groups)(w1, w2, sets, T * K)
                   for impl in impls}
+        for impl in impls:  # first calls (SonicMoE compiles its kernels), then a warm chip
+            for gname, _ in GROUPS:
+                r = groups[impl][gname](sets[0])
+                del r
+        torch.cuda.synchronize()
+        preheat(args.preheat_s)
         res: dict = {}  # (kernel, impl) -> [µs per round], idle shares
         for gname, kernels in GROUPS:
             for rnd in range(args.rounds):
