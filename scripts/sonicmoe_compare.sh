@@ -89,8 +89,8 @@ if [ -n "${SONIC_PROFILE:-}" ]; then
   PYTHONPATH=$root/python python3 -m machmoe.bench.profile_compare "$OUT/profiles.txt"
 fi
 if [ -n "${SONIC_KERNELS:-}" ]; then
-  # Each library's kernels in loops of their own (SonicMoE's compile on the first call, in the
-  # warm-up), then profiled; one process for both, so both see the same board state.
+  # Both libraries' kernels in interleaved loops, one process (SonicMoE compiles on its first
+  # calls, before a preheat and the first measured loop), so both see the same board state.
   PYTHONPATH=$sonic_pp:$root/python MACHMOE_LIBRARY_DIR=$root/build/lib timeout "${SONIC_KERNELS_TIMEOUT:-420}" \
     python3 -m machmoe.bench.sonic_kernels --configs "$SONIC_KERNELS" 2>&1 | tee "$OUT/kernels.md"
 fi

@@ -44,8 +44,8 @@ from torch.profiler import ProfilerActivity, profile
 from .configs import select_configs
 from .gemm_kernels import _ops
 from .power import Sampler
+from .profile_compare import GEMM_NAMES  # each library's expert-GEMM kernel names
 
-GEMM_NAMES = {"machmoe": ("sm90_grouped_gemm", "sm90_grouped_wgrad"), "sonicmoe": ("HopperWgmma",)}
 GROUPS = (("up", ("up-proj",)), ("dH+dW2", ("dH", "dW2")), ("dW1+dX~", ("dW1", "dX~")))
 
 
@@ -83,7 +83,7 @@ def make_inputs(T: int, d: int, n: int, E: int, K: int, sets: int = 2):
     return w1, w2, out
 
 
-def machmoe_groups(w1, w2, sets, R: int):
+def machmoe_groups(w1, w2, R: int):
     ops = _ops()
 
     def up(s):
@@ -103,7 +103,7 @@ def machmoe_groups(w1, w2, sets, R: int):
     return {"up": up, "dH+dW2": dh_dw2, "dW1+dX~": dw1_dx}
 
 
-def sonicmoe_groups(w1, w2, sets, R: int):
+def sonicmoe_groups(w1, w2, R: int):
     try:
         from sonicmoe.functional.backward import _down_projection_backward, _up_projection_backward
         from sonicmoe.functional.forward import _up_projection_forward
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     for cfg in select_configs(args.configs):
         T, d, n, E, K = cfg.T, cfg.d, cfg.n, cfg.E, cfg.K
         w1, w2, sets = make_inputs(T, d, n, E, K)
-        groups = {impl: (sonicmoe_groups if impl == "sonicmoe" else machmoe_groups)(w1, w2, sets, T * K)
+        groups = {impl: (sonicmoe_groups if impl == "sonicmoe" else machmoe_groups)(w1, w2, T * K)
                   for impl in impls}
         for impl in impls:  # first calls (SonicMoE compiles its kernels), then a warm chip
             for gname, _ in GROUPS:
