@@ -186,8 +186,9 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   const int epi = epilogue_code(a);
   if (a.epilogue != GemmEpilogue::Store) {
     const int64_t c2_cols = a.epilogue == GemmEpilogue::GLU ? a.N / 2 : a.N;  // A, or A' [R, N]
-    require_arg(a.c2 && a.ldc2 >= c2_cols && a.ldc2 % 8 == 0, fn, "c2/ldc2",
-                "needs an activation output with ldc2 >= " + std::to_string(c2_cols) + " and a multiple of 8");
+    require_arg(a.c2 && a.ldc2 >= c2_cols && a.ldc2 % 8 == 0 && detail::aligned16(a.c2), fn, "c2/ldc2",
+                "needs an activation output with ldc2 >= " + std::to_string(c2_cols) +
+                    " and a multiple of 8, 16-byte aligned (16-byte stores)");
   }
   if (a.epilogue == GemmEpilogue::GLU)
     require_arg(a.N % 16 == 0, fn, "N", "must be a multiple of 16 for a GLU (2n with n a multiple of 8)");

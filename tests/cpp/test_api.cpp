@@ -306,6 +306,22 @@ TEST(GroupedGemm, RefusesGatheredOperandsTooLargeFor32BitOffsets) {
   EXPECT_NE(bmsg.find("b_rows"), std::string::npos) << bmsg;
 }
 
+// The activation output c2 is written by 16-byte stores: an 8-byte aligned c2 is refused by name
+// on the host, before any CUDA call, as a, w and c are.
+TEST(GroupedGemm, RefusesMisalignedActivationOutput) {
+  alignas(256) static uint64_t buf[64] = {};
+  GroupedGemmArgs g;
+  g.a = g.w = g.c = buf;
+  g.gather = g.expert_offsets = g.tile_offsets = reinterpret_cast<int32_t*>(buf);
+  g.E = 1, g.N = 64, g.K = 64, g.lda = 64, g.ldc = 64, g.a_rows = 64;
+  g.epilogue = GemmEpilogue::GLU;
+  g.c2 = reinterpret_cast<char*>(buf) + 8, g.ldc2 = 32;
+  const std::string msg =
+      mtest::expect_error(ErrorCode::InvalidArgument, [&] { grouped_gemm(g, nullptr); }, "c2 8-byte aligned");
+  EXPECT_NE(msg.find("c2/ldc2"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("16-byte aligned"), std::string::npos) << msg;
+}
+
 // Null pointers are refused on the host, before any CUDA call (this machine may have no GPU).
 TEST(NotBuilt, NullPointersAreRefusedWithoutACrash) {
   for (auto& [name, call] : gpu_calls(nullptr)) {
