@@ -203,7 +203,8 @@ __device__ __forceinline__ int gemm_epi_items_of(const GemmTile& tile, int chunk
 // resume from (>= end when it is done), so the work can be done in slices between other work.
 // Two parts, run by different threads: write_h stores C/H (the epilogue threads, for tiles that
 // did not leave by TMA), write_a computes and stores the activation output A (the consumer
-// warpgroups, each over its own 64 rows, under the next tile's wgmmas).
+// warpgroups, each over its own 64 rows, under the next tile's wgmmas; the interleaved GLU's A
+// goes through gemm_write_a_glu_pairs instead).
 // kBoxRows: the staged tile's box height (epi_chunk_offset; 64 for the ping-pong kernel's halves).
 template <int BN, int EPI, int ACT, int kBoxRows = 128>
 __device__ __forceinline__ int gemm_write_out_act(const GroupedGemmParams& p, const GemmTile& tile,
@@ -239,14 +240,8 @@ __device__ __forceinline__ int gemm_write_out_act(const GroupedGemmParams& p, co
       const uint4 raw = *reinterpret_cast<const uint4*>(src);
       if (write_h) *reinterpret_cast<uint4*>(p.c + row * p.ldc + col) = raw;
       const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&raw);
-      if constexpr (EPI == kEpiGluInter) {  // (gate, up) pairs -> 4 A values
-        if (write_a) {
-          float a[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) a[i] = gemm_act<ACT>(__bfloat162float(h[2 * i])) * __bfloat162float(h[2 * i + 1]);
-          store_bf16(p.c2 + row * p.ldc2 + col / 2, a);
-        }
-      } else if constexpr (EPI == kEpiAct) {
+      // (the interleaved GLU's A: gemm_write_a_glu_pairs, 8 values per item)
+      if constexpr (EPI == kEpiAct) {
         if (write_a) {
           float a[8];
 #pragma unroll
@@ -257,6 +252,52 @@ __device__ __forceinline__ int gemm_write_out_act(const GroupedGemmParams& p, co
     }
   }
   return next;
+}
+
+// The interleaved GLU's activation output A from the staged H tile (boxed, 128 rows), 8 A values
+// (two 8-column chunks of H) per item and one 16-byte store each: half the items, address
+// computations and stores of gemm_write_out_act's 4-value items. Items q (from row0 * BN/16) walk
+// pairs of rows: lane bits 0-1 pick the chunk pair within a 64-column box, bit 2 the row of the
+// pair, the next bits the box, the rest the row pair, so that each group of 8 lanes (one
+// shared-memory wavefront of a 16-byte load) reads two rows of different swizzle parity: 8
+// distinct 16-byte slots, no bank conflict. A row's items still store 256 contiguous bytes of A
+// (BN = 256). Rows at or past row_end are skipped (an odd count leaves half a pair).
+template <int BN, int ACT>
+__device__ __forceinline__ int gemm_write_a_glu_pairs(const GroupedGemmParams& p, const GemmTile& tile,
+                                                      const uint8_t* epi, int next, int end, int stride, int budget,
+                                                      int row_end) {
+  constexpr unsigned kBoxes = BN / 64;
+  for (; next < end && budget > 0; next += stride, --budget) {
+    const unsigned q = next;  // >= 0: shifts and masks
+    const unsigned box = (q / 8) % kBoxes;
+    const int r = 2 * (q / (8 * kBoxes)) + (q / 4) % 2;
+    const unsigned ch = 8 * box + 2 * (q % 4);  // the pair's first chunk (8 H columns)
+    const int col = tile.n0 + 8 * ch;           // its first H column; N % 16 == 0: the pair is in or out
+    if (r >= row_end || col >= p.N) continue;
+    const uint8_t* src = epi + box * (128 * 128) + r * 128;
+    const uint4 raw0 = *reinterpret_cast<const uint4*>(src + (((ch % 8) ^ (r % 8)) << 4));
+    const uint4 raw1 = *reinterpret_cast<const uint4*>(src + ((((ch + 1) % 8) ^ (r % 8)) << 4));
+    const __nv_bfloat16* h0 = reinterpret_cast<const __nv_bfloat16*>(&raw0);
+    const __nv_bfloat16* h1 = reinterpret_cast<const __nv_bfloat16*>(&raw1);
+    float a[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      a[i] = gemm_act<ACT>(__bfloat162float(h0[2 * i])) * __bfloat162float(h0[2 * i + 1]);
+      a[4 + i] = gemm_act<ACT>(__bfloat162float(h1[2 * i])) * __bfloat162float(h1[2 * i + 1]);
+    }
+    store_bf16(p.c2 + static_cast<int64_t>(tile.row0 + r) * p.ldc2 + col / 2, a);
+  }
+  return next;
+}
+
+template <int BN>
+__device__ __forceinline__ int gemm_write_a_glu_inter(const GroupedGemmParams& p, const GemmTile& tile, const uint8_t* epi,
+                                                      int next, int end, int stride, int budget, int row_end) {
+  switch (p.act) {
+    case kActGeGLU: return gemm_write_a_glu_pairs<BN, kActGeGLU>(p, tile, epi, next, end, stride, budget, row_end);
+    case kActReGLU: return gemm_write_a_glu_pairs<BN, kActReGLU>(p, tile, epi, next, end, stride, budget, row_end);
+    default: return gemm_write_a_glu_pairs<BN, kActSwiGLU>(p, tile, epi, next, end, stride, budget, row_end);
+  }
 }
 
 template <int BN, int EPI, int kBoxRows = 128>

@@ -463,13 +463,18 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     // warpgroup on its own 64 staged rows under the next tile's wgmmas: the loader threads, which
     // bound a gathered GEMM by their cp.async issue, then only store C/H (by TMA for full tiles).
     constexpr bool kActOut = EPI == kEpiGluInter || EPI == kEpiGluConcat || EPI == kEpiAct;
-    constexpr int kActItemsPerBlock = 2;
+    // (interleaved GLU: 8 A values per item, gemm_write_a_glu_pairs; else 4 or 8 per item)
+    constexpr bool kActPairs = EPI == kEpiGluInter;
+    constexpr int kActItemsPerBlock = kActPairs ? 1 : 2;
     struct {
       GemmTile tile;
-      int next = 0, end = 0;
+      int next = 0, end = 0, row_end = 0;
     } aw;
     auto act_step = [&](int budget) {
-      aw.next = gemm_write_out<BN, EPI>(p, aw.tile, epi, aw.next, aw.end, 128, budget, false, true);
+      if constexpr (kActPairs)
+        aw.next = gemm_write_a_glu_inter<BN>(p, aw.tile, epi, aw.next, aw.end, 128, budget, aw.row_end);
+      else
+        aw.next = gemm_write_out<BN, EPI>(p, aw.tile, epi, aw.next, aw.end, 128, budget, false, true);
     };
     auto dact_step = [&]() {  // compute the loaded group, load the next one
       pipe.compute(p, dw.tile, epi, epi_scale, row_base, dw.items, dw.end, dw.next, 128);
@@ -558,10 +563,17 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       ++staged;
       if constexpr (kActOut) {
         sm90::named_barrier_sync(2 + cw, 128);  // this warpgroup's rows are staged
-        constexpr int kChunks = epi_chunks_per_row<BN, EPI>();
+        const int rows = max(0, min(64, tile.rows - row_base));
         aw.tile = tile;
-        aw.next = row_base * kChunks + tid;
-        aw.end = (row_base + max(0, min(64, tile.rows - row_base))) * kChunks;
+        if constexpr (kActPairs) {  // BN/16 items per row, in pairs of rows (row_base is even)
+          aw.next = row_base * (BN / 16) + tid;
+          aw.end = (row_base + ((rows + 1) & ~1)) * (BN / 16);
+          aw.row_end = row_base + rows;
+        } else {
+          constexpr int kChunks = epi_chunks_per_row<BN, EPI>();
+          aw.next = row_base * kChunks + tid;
+          aw.end = (row_base + rows) * kChunks;
+        }
       }
     }
     if constexpr (kDact) {
