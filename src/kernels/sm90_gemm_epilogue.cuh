@@ -257,11 +257,12 @@ __device__ __forceinline__ int gemm_write_out_act(const GroupedGemmParams& p, co
 // The interleaved GLU's activation output A from the staged H tile (boxed, 128 rows), 8 A values
 // (two 8-column chunks of H) per item and one 16-byte store each: half the items, address
 // computations and stores of gemm_write_out_act's 4-value items. Items q (from row_base · BN/16,
-// row_base the warpgroup's first staged row, even) walk pairs of staged rows: lane bits 0-1 pick the chunk pair within a 64-column box, bit 2 the row of the
-// pair, the next bits the box, the rest the row pair, so that each group of 8 lanes (one
-// shared-memory wavefront of a 16-byte load) reads two rows of different swizzle parity: 8
-// distinct 16-byte slots, no bank conflict. A row's items still store 256 contiguous bytes of A
-// (BN = 256). Rows at or past row_end are skipped (an odd count leaves half a pair).
+// row_base the warpgroup's first staged row, even) walk pairs of staged rows: lane bits 0-1 pick
+// the chunk pair within a 64-column box, bit 2 the row of the pair, the next bits the box, the
+// rest the row pair, so that each group of 8 lanes (one shared-memory wavefront of a 16-byte
+// load) reads two rows of different swizzle parity: 8 distinct 16-byte slots, no bank conflict.
+// Four lanes store 64 contiguous bytes of A (whole sectors). Rows at or past row_end are skipped
+// (an odd count leaves half a pair).
 template <int BN, int ACT>
 __device__ __forceinline__ int gemm_write_a_glu_pairs(const GroupedGemmParams& p, const GemmTile& tile,
                                                       const uint8_t* epi, int next, int end, int stride, int budget,
