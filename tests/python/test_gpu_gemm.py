@@ -87,7 +87,8 @@ def test_grouped_gemm_many_experts(E, gather, epi):
 @pytest.mark.parametrize("act", list(ACTS))
 @pytest.mark.parametrize("layout", ["interleaved", "concatenated"])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("n", [128, 136, 512])
+# (n = 64 and 72: 128-wide tiles for the GLU, the second one partial; 128 and 136: 256-wide)
+@pytest.mark.parametrize("n", [64, 72, 128, 136, 512])
 def test_grouped_gemm_activation_epilogues(act, layout, with_bias, n):
     if act not in GLU and layout == "concatenated":
         pytest.skip("the layout only matters for GLU activations")
