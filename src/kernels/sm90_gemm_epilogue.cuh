@@ -275,9 +275,8 @@ __device__ __forceinline__ int gemm_write_a_glu_pairs(const GroupedGemmParams& p
     const unsigned ch = 8 * box + 2 * (q % 4);  // the pair's first chunk (8 H columns)
     const int col = tile.n0 + 8 * ch;           // its first H column; N % 16 == 0: the pair is in or out
     if (r >= row_end || col >= p.N) continue;
-    const uint8_t* src = epi + box * (128 * 128) + r * 128;
-    const uint4 raw0 = *reinterpret_cast<const uint4*>(src + (((ch % 8) ^ (r % 8)) << 4));
-    const uint4 raw1 = *reinterpret_cast<const uint4*>(src + ((((ch + 1) % 8) ^ (r % 8)) << 4));
+    const uint4 raw0 = *reinterpret_cast<const uint4*>(epi + epi_chunk_offset<BN, kEpiGluInter>(r, ch));
+    const uint4 raw1 = *reinterpret_cast<const uint4*>(epi + epi_chunk_offset<BN, kEpiGluInter>(r, ch + 1));
     const __nv_bfloat16* h0 = reinterpret_cast<const __nv_bfloat16*>(&raw0);
     const __nv_bfloat16* h1 = reinterpret_cast<const __nv_bfloat16*>(&raw1);
     float a[8];
