@@ -210,7 +210,8 @@ def main(argv=None) -> int:
         print("sonic_kernels: needs a CUDA GPU")
         return 1
     impls = args.impls.split(",")
-    print(f"GPU: {torch.cuda.get_device_name()}; per loop and implementation {args.warmup_s} s warm-up, then "
+    print(f"GPU: {torch.cuda.get_device_name()}; per config {args.preheat_s} s of a dense matmul loop after the "
+          f"first calls; per loop and implementation {args.warmup_s} s warm-up, then "
           f"{args.iters} calls under torch.profiler; TFLOPS from the median launch; {args.rounds} rounds, the "
           "order of the implementations reversed every other round (a GPU that warms up runs later loops "
           "slower at the same power cap)")
