@@ -282,7 +282,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   // between their loads. With TMA one loader warp suffices and three warps do the epilogue.
   constexpr int kLoaders = GATHER ? 128 : 32;
   constexpr int kEpilogueThreads = GATHER ? 128 : 96;
-  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+  const int wg = sm90::warpgroup_index(), tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
       // GATHER: the loaders' cp.async arrivals + the TMA thread's expect_tx; else the expect_tx alone.

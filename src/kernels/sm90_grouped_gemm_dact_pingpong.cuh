@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   int32_t* tile_table = lay.tile_table;
 
   constexpr int kLoaders = 128;
-  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+  const int wg = sm90::warpgroup_index(), tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
       sm90::mbar_init(&full[s], kLoaders + 1);  // the loaders' cp.async arrivals + thread 0's expect_tx

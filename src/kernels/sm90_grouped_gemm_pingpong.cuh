@@ -135,8 +135,9 @@ __device__ __forceinline__ int pingpong_mainloop(const GroupedGemmParams& p, flo
   const uint64_t desc_a0 = sm90::smem_desc_kmajor_sw128(sm90::smem_addr(smem_a));
   const uint64_t desc_b0 = B_NMAJOR ? sm90::smem_desc_mnmajor_sw128(sm90::smem_addr(smem_b), 64 * 128)
                                     : sm90::smem_desc_kmajor_sw128(sm90::smem_addr(smem_b));
+  const int it0 = sm90::warp_uniform(n) * k_blocks;  // (uniform registers for what follows)
   for (int kb = 0; kb < k_blocks; ++kb) {
-    const int it = n * k_blocks + kb, s = it % S;
+    const int it = it0 + kb, s = it % S;
     wait_full(s, (it / S) & 1);
     if constexpr (kGather) sm90::fence_proxy_async_shared();  // cp.async (generic proxy) -> wgmma
     sm90::wgmma_fence();
@@ -203,7 +204,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   GemmTile* ring = lay.ring;
   int32_t* tile_table = lay.tile_table;
 
-  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+  const int wg = sm90::warpgroup_index(), tid = threadIdx.x % 128;
   const uint32_t rank = kCluster ? sm90::cluster_ctarank() : 0, peer = rank ^ 1u;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {

@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(epi + Smem::kEpiBytes + Smem::kIdxBytes);
   uint64_t* empty = full + S;
   uint64_t* full_peer = empty + S;  // kPair: the half of A the peer gathered has landed here
-  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+  const int wg = sm90::warpgroup_index(), tid = threadIdx.x % 128;
   const uint32_t rank = kPair ? sm90::cluster_ctarank() : 0, peer = rank ^ 1u;
   constexpr uint32_t kHalfBytes = Smem::kABytes / 2;  // one [64 K][64 M] block of A
   if (threadIdx.x == 0) {

@@ -15,6 +15,19 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// v as lane 0 of the warp holds it, which the compiler then knows to be the same in every lane, so
+// that what is derived from it can live in uniform registers. For values that are warp-uniform in
+// fact but not provably so (threadIdx.x / 128; a counter whose loop also has data-dependent
+// exits): derived from them, the consumers' stage index, barrier addresses and wgmma descriptors
+// were computed in regular registers and moved to uniform ones by R2UR before every wgmma.
+// Measured (session 35, H100, against the same tree without it): the non-uniform instructions
+// per K block fell from 65 to 15 in the ping-pong store kernel, 47 to 21 in the dH ping-pong and
+// 29 to 21 in the cooperative kernel; 7B-a down-projection +6-9%, dH +2-3%, dX~ +1-3%, 120B-c
+// dX~ +2-4%, the rest within noise.
+__device__ __forceinline__ int warp_uniform(int v) { return __shfl_sync(0xffffffffu, v, 0); }
+// This thread's warpgroup, threadIdx.x / 128, warp-uniform as above.
+__device__ __forceinline__ int warpgroup_index() { return warp_uniform(static_cast<int>(threadIdx.x) / 128); }
+
 // Four 8x8 bf16 matrices to shared memory in one warp instruction: register i of every lane holds
 // its two elements of matrix i (row lane / 4, columns 2·(lane % 4) + {0, 1}: the mma/wgmma
 // accumulator fragment's layout), and lane l gives the 16-byte row address of row l % 8 of
