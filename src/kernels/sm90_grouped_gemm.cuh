@@ -543,8 +543,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         sm90::named_barrier_sync(2 + cw, 128);   // this warpgroup's half is staged
         const int rows = max(0, min(64, tile.rows - row_base));
         dw.tile = tile;
-        dw.items = rows * (BN / 8);
-        dw.end = (dw.items + 31) & ~31;  // whole warps: every lane runs the dS shuffle
+        dw.items = rows * decltype(pipe)::kItemsPerRow;
+        dw.end = decltype(pipe)::end_of(dw.items);  // whole warps: every lane runs the dS shuffle
         dw.next = tid;
         dw.on = dw.next < dw.end;
         if (dw.on) pipe.load(p, dw.tile, row_base, dw.items, dw.next, 128);

@@ -61,7 +61,7 @@
 namespace machmoe::kernels {
 
 constexpr int kDactPPBN = 128;  // two m64n128 chains per consumer
-constexpr int kDactPPGroup = 4;  // epilogue items per thread per load group
+constexpr int kDactPPGroup = 2;  // epilogue items (16 columns each) per thread per load group
 // Experts whose tile offsets this kernel keeps in shared memory (the host builds the global table
 // above that): fewer than the engine's kGemmSmemTileE, so that five stages fit.
 constexpr int kDactPPSmemTileE = 384;
@@ -225,12 +225,13 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       rs[0].stage(scale, 0);
       rs[1].stage(scale, 1);
       sm90::named_barrier_sync(2 + c, 128);
-      // Items (row, 8-column chunk) of the tile's rows; `end` in whole warps (every lane of a row's
-      // warp runs the dS shuffle). Two load groups in flight: the next group's H loads are issued
-      // before this group is computed.
-      const int items = tile.rows * (BN / 8), end = (items + 31) & ~31;
+      // Items (row, two 8-column chunks) of the tile's rows; `end` in whole warps (every lane of a
+      // row's warp runs the dS shuffle). Two load groups in flight: the next group's H loads
+      // are issued before this group is computed.
+      using Pipe = DactPipe<BN, EPI, kDactPPGroup, true>;
+      const int items = tile.rows * Pipe::kItemsPerRow, end = Pipe::end_of(items);
       constexpr int kStep = kDactPPGroup * 128;
-      DactPipe<BN, EPI, kDactPPGroup, true> pa, pb;
+      Pipe pa, pb;
       int next = tid;
       if (next < end) pa.load(p, tile, 0, items, next, 128);
       while (next < end) {
