@@ -389,12 +389,15 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       if (done) break;
       if constexpr (GATHER) rows.load(p, tile, lane);  // this thread's A rows (~0 past the expert's end)
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
-        const int s = it % S;
+        // (warp-uniform to the compiler: the stage's addresses and barriers in uniform registers,
+        // and no per-lane loop around the cp.async arrival; H100, session 35: gathered GEMMs
+        // +0.5-2%, 7B-a up-projection 1% less energy per call)
+        const int itu = sm90::warp_uniform(it), s = itu % S;
         if constexpr (GATHER) {
           const uint32_t bar = sm90::smem_addr(&empty[s]);
-          while (!sm90::mbar_test_wait(bar, ((it / S) & 1) ^ 1)) epi_step(2);
+          while (!sm90::mbar_test_wait(bar, ((itu / S) & 1) ^ 1)) epi_step(2);
         } else {
-          sm90::mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
+          sm90::mbar_wait(&empty[s], ((itu / S) & 1) ^ 1);
         }
         uint8_t* a_stage = smem_a + s * Smem::kABytes;
         uint8_t* b_stage = smem_b + s * Smem::kBBytes;

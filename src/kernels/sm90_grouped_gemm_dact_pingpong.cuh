@@ -160,8 +160,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       if (done) break;
       rows.load(p, tile, tid);  // (~0 past the expert's end)
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
-        const int s = it % S;
-        sm90::mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
+        const int itu = sm90::warp_uniform(it), s = itu % S;  // (uniform registers: sm90::warp_uniform)
+        sm90::mbar_wait(&empty[s], ((itu / S) & 1) ^ 1);
         uint8_t* a_stage = smem_a + s * Smem::kABytes;
         uint8_t* b_stage = smem_b + s * Smem::kBBytes;
         const int k0 = kb * kGemmBK;
