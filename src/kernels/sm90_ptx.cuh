@@ -23,7 +23,9 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 // Measured (session 35, H100, against the same tree without it): the non-uniform instructions
 // per K block fell from 65 to 15 in the ping-pong store kernel, 47 to 21 in the dH ping-pong and
 // 29 to 21 in the cooperative kernel; 7B-a down-projection +6-9%, dH +2-3%, dX~ +1-3%, 120B-c
-// dX~ +2-4%, the rest within noise.
+// dX~ +2-4%, the rest within noise. All 32 lanes of the warp must execute it together (a full-mask
+// shuffle): the callers sit where whole warps run (kernel entry, the loader warpgroup's tile
+// loop, the consumers' main loop).
 __device__ __forceinline__ int warp_uniform(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 // This thread's warpgroup, threadIdx.x / 128, warp-uniform as above.
 __device__ __forceinline__ int warpgroup_index() { return warp_uniform(static_cast<int>(threadIdx.x) / 128); }
