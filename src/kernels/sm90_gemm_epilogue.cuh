@@ -10,6 +10,8 @@
 
 #include <cuda_bf16.h>
 
+#include <cassert>
+
 #include "kernels/common.cuh"
 #include "kernels/sm90_ptx.cuh"
 
@@ -304,9 +306,12 @@ template <int BN, int EPI, int kBoxRows = 128>
 __device__ __forceinline__ int gemm_write_out(const GroupedGemmParams& p, const GemmTile& tile, const uint8_t* epi,
                                               int next, int end, int stride, int budget, bool write_h, bool write_a) {
   static_assert(kBoxRows == 128 || EPI == kEpiStore, "64-row boxes: the plain store only");
-  if constexpr (EPI == kEpiStore) {  // no activation
+  if constexpr (EPI == kEpiStore || EPI == kEpiGluInter) {
+    // No activation here: the plain store has none, and the interleaved GLU's A is written by
+    // gemm_write_a_glu_inter (this path stores its H only, the same for every activation).
+    assert(EPI == kEpiStore || !write_a);
     return gemm_write_out_act<BN, EPI, kActSwiGLU, kBoxRows>(p, tile, epi, next, end, stride, budget, write_h, false);
-  } else if constexpr (EPI == kEpiGluInter || EPI == kEpiGluConcat) {
+  } else if constexpr (EPI == kEpiGluConcat) {
     switch (p.act) {
       case kActGeGLU: return gemm_write_out_act<BN, EPI, kActGeGLU>(p, tile, epi, next, end, stride, budget, write_h, write_a);
       case kActReGLU: return gemm_write_out_act<BN, EPI, kActReGLU>(p, tile, epi, next, end, stride, budget, write_h, write_a);

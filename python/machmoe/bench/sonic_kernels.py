@@ -19,10 +19,10 @@ with gaps runs cooler, which favours it. The implementations alternate loop by l
 order every other round: the board's temperature rises over a call, and at the same power cap a
 hotter chip runs slower. Session 33's first run, all of SonicMoE's loops before all of ours,
 read SonicMoE's kernels 14-24% ahead at 7B-a; interleaved on other boards, 5-8% ahead on the
-up-projection and dH and level on dX~. The very first loop of a call still runs on the coolest
-chip (7B-a's up-projection, SonicMoE's round 1): `--preheat-s` (5 s of a dense matmul loop per
-config, after both libraries' first calls) is meant to remove that, not yet run on a GPU; read
-the two rounds, not one.
+up-projection and dH and level on dX~. The very first loop of a call runs on the coolest chip;
+`--preheat-s` (5 s of a dense matmul loop per config, after both libraries' first calls) warms
+it first (used in sessions 34 and 35). The rounds still spread by up to ~12% (7B-a's
+up-projection, SonicMoE's 546 / 482 in session 35): read both rounds, not one.
 
 Both run on the same top-K routing (SonicMoE's metadata built as its `TC_topk_router_metadata`
 does), the same weights (ours [E, 2n, d] / [E, d, n], its [2n, d, E] / [d, n, E] views), two
