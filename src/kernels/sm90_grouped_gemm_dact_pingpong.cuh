@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     };
     for (int t = blockIdx.x, n = 0, it = 0;; t += gridDim.x, ++n) {
       const bool done = t >= total_tiles;
-      const GemmTile tile = done ? GemmTile{-1, 0, 0, 0} : gemm_decode_tile(p, tiles, t, BN);
+      const GemmTile tile = done ? GemmTile{-1, 0, 0, 0} : gemm_decode_tile<kGemmBM, kDactGroupM>(p, tiles, t, BN);
       if (tid == 0) {
         publish(n, tile);
         if (done) publish(n + 1, GemmTile{-2, 0, 0, 0});  // the other consumer's stop signal
