@@ -16,7 +16,7 @@
 #     Compute's source counters: its SASS with warp-stall samples per instruction, as CSV.
 #   SONIC_KERNELS=7B-a: also both libraries' expert GEMMs in the same sustained loops
 #     (python -m machmoe.bench.sonic_kernels): up-projection alone, dH + dW2, dW1 + dX~;
-#     $OUT/kernels.md.
+#     $OUT/kernels.md. SONIC_KERNELS_ARGS: more arguments for it (e.g. "--timing sonic").
 #   SONIC_IMPLS: our implementations to time (default machmoe; "grouped_mm,dense,machmoe" adds
 #   the same-run references of SPEC §4).
 # Writes $OUT/sonic_<config>.log, $OUT/ours/bench.json and $OUT/compare.md.
@@ -89,10 +89,11 @@ if [ -n "${SONIC_PROFILE:-}" ]; then
   PYTHONPATH=$root/python python3 -m machmoe.bench.profile_compare "$OUT/profiles.txt"
 fi
 if [ -n "${SONIC_KERNELS:-}" ]; then
+  read -r -a kernels_args <<< "${SONIC_KERNELS_ARGS:-}"
   # Both libraries' kernels in interleaved loops, one process (SonicMoE compiles on its first
   # calls, before a preheat and the first measured loop), so both see the same board state.
   PYTHONPATH=$sonic_pp:$root/python MACHMOE_LIBRARY_DIR=$root/build/lib timeout "${SONIC_KERNELS_TIMEOUT:-420}" \
-    python3 -m machmoe.bench.sonic_kernels --configs "$SONIC_KERNELS" 2>&1 | tee "$OUT/kernels.md"
+    python3 -m machmoe.bench.sonic_kernels --configs "$SONIC_KERNELS" "${kernels_args[@]}" 2>&1 | tee "$OUT/kernels.md"
 fi
 if [ -n "${SONIC_NCU:-}" ]; then
   # Nsight Compute on the six expert GEMMs of each layer's second forward + backward call (the

@@ -29,3 +29,11 @@ def test_every_grouped_kernel_has_a_flop_count():
 def test_without_a_gpu_it_says_so(capsys):
     assert sk.main([]) == 1
     assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_timing_protocols_parse_and_refuse_unknown_ones(capsys):
+    assert sk.main(["--timing", "sonic"]) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        sk.main(["--timing", "do_bench"])
