@@ -1,5 +1,6 @@
 // Formulas of docs/LAYER.md re-derived for the tests, independently of src/host: activations,
-// naive per-token expert MLPs, routing scores, aux loss, splitmix64. Used by test_reference.cpp.
+// naive per-token expert MLPs, routing scores, aux loss, splitmix64, random general routing lists.
+// Used by test_reference.cpp and test_reference_metadata.cpp.
 #pragma once
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "machmoe/reference.hpp"
+#include "test_util.hpp"
 
 namespace mtest {
 
@@ -162,4 +164,20 @@ inline double my_uniform(uint64_t seed, int64_t e) {
          9007199254740992.0;
 }
 
+// A general list: each token gets 0..E pairs with experts in random order (repeats when `dups`).
+inline ref::RoutingList random_list(Rng& rng, int64_t T, int64_t E, bool dups) {
+  ref::RoutingList l;
+  for (int64_t t = 0; t < T; ++t) {
+    const size_t start = l.expert.size();
+    const int64_t c = rng() % (E + 1);
+    for (int64_t i = 0; i < c; ++i) {
+      const int32_t e = int32_t(rng() % E);
+      if (!dups && std::count(l.expert.begin() + start, l.expert.end(), e)) continue;
+      l.token.push_back(int32_t(t));
+      l.expert.push_back(e);
+      l.score.push_back(mtest::uniform(rng, 1, -1, 1)[0]);
+    }
+  }
+  return l;
+}
 }  // namespace mtest
