@@ -109,9 +109,9 @@ constexpr int kTileRing = 8;
 // group, so that the CTAs running at the same time share both their A rows and their B columns
 // in L2 (a plain row-major walk streams all of B once per wave of CTAs).
 constexpr int kGemmGroupM = 8;
-// The dH kernels (both forms) go in groups of 4: H100, two calls, 7B-a dH +0.8% and +1.5%, 30B-b
-// +1% (Nsight Compute: 2% fewer cycles); groups of 4 for every kernel cost the 30B-b up-projection
-// 1.7%, so the others keep 8.
+// The dH kernels (both forms) go in groups of 4 (H100, sessions 35-36: 7B-a dH +1.5% and +0.6%,
+// 30B-b +1.9%, 120B-c +0.4%, neutral at 30B-a and 120B-b; Nsight Compute on 7B-a: 2% fewer
+// cycles). Groups of 4 for every kernel cost the 30B-b up-projection 1.7%: the others keep 8.
 constexpr int kDactGroupM = 4;
 
 // The tile-offset table the kernel reads: its own in shared memory, or the global one (E > kCap:

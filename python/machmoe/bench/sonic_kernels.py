@@ -24,9 +24,10 @@ up-projection and dH and level on dX~. The very first loop of a call runs on the
 it first (used in sessions 34 and 35). `--timing sonic` times each loop the way SonicMoE's
 benchmark times its calls instead (`triton.testing.do_bench` after 0.5 s of sleep): 0.5 s idle,
 then do_bench's call counts (5 calls to estimate, 25 ms of warm-up, 100 ms timed), 256 MB zeroed
-before every call; the figure is still the median launch under the profiler (do_bench reports the mean of its
-CUDA events). That is how SonicMoE's benchmark script (`benchmarks/moe-cute.py`) times; how its
-paper timed the kernel figures the issues take as targets is not stated in what we have read.
+before every call; the figure is still the median launch under the profiler (do_bench reports
+the mean of its CUDA events). That is how SonicMoE's benchmark script (`benchmarks/moe-cute.py`)
+times; how its paper timed the kernel figures the issues take as targets is not stated in what we
+have read.
 The rounds still spread by up to ~12% (7B-a's up-projection, SonicMoE's 546 / 482 in session 35):
 read both rounds, not one.
 
@@ -50,8 +51,8 @@ from torch.profiler import ProfilerActivity, profile
 from .configs import select_configs
 from .gemm_kernels import _ops
 from .power import Sampler
-from .timing import L2_FLUSH_BYTES, SONIC_IDLE_S
 from .profile_compare import GEMM_NAMES  # each library's expert-GEMM kernel names
+from .timing import L2_FLUSH_BYTES, SONIC_IDLE_S
 
 # triton.testing.do_bench's defaults (warmup=25 ms, rep=100 ms), for --timing sonic.
 DO_BENCH_WARMUP_S, DO_BENCH_REP_S = 0.025, 0.1
