@@ -101,6 +101,31 @@ __device__ __forceinline__ float gemm_act(float h) {
   }
 }
 
+// The runtime activation code p.act as a compile-time one: calls f(GemmActTag<ACT>{}) for the
+// GLU activations (kGlu) or the others, so that every epilogue instantiates its per-element work
+// once per activation from one switch (ACT = decltype(tag)::value).
+template <int ACT>
+struct GemmActTag {
+  static constexpr int value = ACT;
+};
+template <bool kGlu, class F>
+__device__ __forceinline__ decltype(auto) gemm_act_dispatch(int act, F&& f) {
+  if constexpr (kGlu) {
+    switch (act) {
+      case kActGeGLU: return f(GemmActTag<kActGeGLU>{});
+      case kActReGLU: return f(GemmActTag<kActReGLU>{});
+      default: return f(GemmActTag<kActSwiGLU>{});
+    }
+  } else {
+    switch (act) {
+      case kActReLU2: return f(GemmActTag<kActReLU2>{});
+      case kActReLU: return f(GemmActTag<kActReLU>{});
+      case kActGELU: return f(GemmActTag<kActGELU>{});
+      default: return f(GemmActTag<kActSiLU>{});
+    }
+  }
+}
+
 // Row stride of the staged tile: BN bf16 + 16 bytes, so that the 8 rows a warp writes at once
 // land in different banks (row stride ≡ 4 banks mod 32).
 template <int BN>
@@ -295,11 +320,9 @@ __device__ __forceinline__ int gemm_write_a_glu_pairs(const GroupedGemmParams& p
 template <int BN>
 __device__ __forceinline__ int gemm_write_a_glu_inter(const GroupedGemmParams& p, const GemmTile& tile, const uint8_t* epi,
                                                       int next, int end, int stride, int budget, int row_end) {
-  switch (p.act) {
-    case kActGeGLU: return gemm_write_a_glu_pairs<BN, kActGeGLU>(p, tile, epi, next, end, stride, budget, row_end);
-    case kActReGLU: return gemm_write_a_glu_pairs<BN, kActReGLU>(p, tile, epi, next, end, stride, budget, row_end);
-    default: return gemm_write_a_glu_pairs<BN, kActSwiGLU>(p, tile, epi, next, end, stride, budget, row_end);
-  }
+  return gemm_act_dispatch<true>(p.act, [&](auto act) {
+    return gemm_write_a_glu_pairs<BN, decltype(act)::value>(p, tile, epi, next, end, stride, budget, row_end);
+  });
 }
 
 template <int BN, int EPI, int kBoxRows = 128>
@@ -311,19 +334,10 @@ __device__ __forceinline__ int gemm_write_out(const GroupedGemmParams& p, const 
     // gemm_write_a_glu_inter (this path stores its H only, the same for every activation).
     assert(EPI == kEpiStore || !write_a);
     return gemm_write_out_act<BN, EPI, kActSwiGLU, kBoxRows>(p, tile, epi, next, end, stride, budget, write_h, false);
-  } else if constexpr (EPI == kEpiGluConcat) {
-    switch (p.act) {
-      case kActGeGLU: return gemm_write_out_act<BN, EPI, kActGeGLU>(p, tile, epi, next, end, stride, budget, write_h, write_a);
-      case kActReGLU: return gemm_write_out_act<BN, EPI, kActReGLU>(p, tile, epi, next, end, stride, budget, write_h, write_a);
-      default: return gemm_write_out_act<BN, EPI, kActSwiGLU>(p, tile, epi, next, end, stride, budget, write_h, write_a);
-    }
-  } else {
-    switch (p.act) {
-      case kActReLU2: return gemm_write_out_act<BN, EPI, kActReLU2>(p, tile, epi, next, end, stride, budget, write_h, write_a);
-      case kActReLU: return gemm_write_out_act<BN, EPI, kActReLU>(p, tile, epi, next, end, stride, budget, write_h, write_a);
-      case kActGELU: return gemm_write_out_act<BN, EPI, kActGELU>(p, tile, epi, next, end, stride, budget, write_h, write_a);
-      default: return gemm_write_out_act<BN, EPI, kActSiLU>(p, tile, epi, next, end, stride, budget, write_h, write_a);
-    }
+  } else {  // the concatenated GLU or an activation
+    return gemm_act_dispatch<EPI == kEpiGluConcat>(p.act, [&](auto act) {
+      return gemm_write_out_act<BN, EPI, decltype(act)::value>(p, tile, epi, next, end, stride, budget, write_h, write_a);
+    });
   }
 }
 

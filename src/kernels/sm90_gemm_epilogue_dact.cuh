@@ -217,22 +217,9 @@ struct DactPipe {
   __device__ __forceinline__ void compute(const GroupedGemmParams& p, const GemmTile& tile, const uint8_t* epi,
                                           const float* scale, int row_base, int items, int end, int next,
                                           int stride) {
-#define MACHMOE_DACT_ARGS p, tile, epi, scale, row_base, items, end, next, stride
-    if constexpr (EPI == kEpiDAct) {
-      switch (p.act) {
-        case kActReLU2: return compute_act<kActReLU2>(MACHMOE_DACT_ARGS);
-        case kActReLU: return compute_act<kActReLU>(MACHMOE_DACT_ARGS);
-        case kActGELU: return compute_act<kActGELU>(MACHMOE_DACT_ARGS);
-        default: return compute_act<kActSiLU>(MACHMOE_DACT_ARGS);
-      }
-    } else {
-      switch (p.act) {
-        case kActGeGLU: return compute_act<kActGeGLU>(MACHMOE_DACT_ARGS);
-        case kActReGLU: return compute_act<kActReGLU>(MACHMOE_DACT_ARGS);
-        default: return compute_act<kActSwiGLU>(MACHMOE_DACT_ARGS);
-      }
-    }
-#undef MACHMOE_DACT_ARGS
+    gemm_act_dispatch<EPI != kEpiDAct>(p.act, [&](auto act) {
+      compute_act<decltype(act)::value>(p, tile, epi, scale, row_base, items, end, next, stride);
+    });
   }
 };
 
