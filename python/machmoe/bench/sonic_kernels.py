@@ -198,7 +198,7 @@ def time_group(fn, sets, impl: str, n_kernels: int, warmup_s: float, iters: int,
             if calls % 8 == 0:
                 torch.cuda.synchronize()
     torch.cuda.synchronize()
-    window = (t0 + min(1.0, warmup_s / 2), time.time())
+    warm_end = time.time()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start.record()
@@ -209,8 +209,7 @@ def time_group(fn, sets, impl: str, n_kernels: int, warmup_s: float, iters: int,
             del r
         end.record()
         torch.cuda.synchronize()
-    if sonic:
-        window = (t0, time.time())
+    window = (t0, time.time()) if sonic else (t0 + min(1.0, warmup_s / 2), warm_end)
     wall_us = start.elapsed_time(end) * 1e3
     acts = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                   key=lambda e: e.time_range.start)
