@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generates src/kernels/sm90_wgmma.cuh: the wgmma.mma_async wrappers, one per instruction shape.
+"""Generates src/kernels/ptx/sm90_wgmma.cuh: the wgmma.mma_async wrappers, one per instruction shape.
 
 The PTX instruction names every accumulator register, so a wrapper for m64nNk16 has N/2 asm
 operands; writing them by hand invites mistakes, hence this generator. Run it after editing and

@@ -3,7 +3,7 @@
 demangled by c++filt when it is there. Needs no GPU and no CUDA binary utilities:
 
     nvcc -I include -I src -O3 -DNDEBUG -std=c++17 --expt-relaxed-constexpr \\
-         "--generate-code=arch=compute_90a,code=[sm_90a]" -x cu -cubin -o /tmp/gg.cubin src/host/grouped_gemm.cu
+         "--generate-code=arch=compute_90a,code=[sm_90a]" -x cu -cubin -o /tmp/gg.cubin src/host/gemm/grouped_gemm.cu
     python3 scripts/sass_sizes.py /tmp/gg.cubin [substring]
 
 Why: an epilogue unrolled over many sub-tiles (and over runtime choices such as the activation)

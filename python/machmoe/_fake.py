@@ -3,7 +3,7 @@ tensors can trace them (SPEC §3: schemas in C++, fake kernels in Python).
 
 Each fake returns empty tensors of the shapes and dtypes its C++ op allocates (src/bindings/*.cpp;
 docs/OPS.md) and does no work. The `saved` block's size is the C++ planner's
-(src/host/layer_layout.hpp), restated here in integer arithmetic that also works on symbolic
+(src/host/layer/layer_layout.hpp), restated here in integer arithmetic that also works on symbolic
 sizes, so that `torch.compile(dynamic=True)` keeps T (and the list length R) symbolic instead of
 compiling again for each value. `tests/python/test_fake.py` holds the restatement to the planner
 (`*_workspace_bytes`) over a grid of problems; `tests/python/test_gpu_compile.py` checks every
@@ -27,13 +27,13 @@ def _n1(n, activation: str):
 
 
 def column_tiles(N) -> int:
-    """grouped_gemm_column_tiles (src/host/grouped_gemm.cu): the dH kernel writes one partial dS
+    """grouped_gemm_column_tiles (src/host/gemm/grouped_gemm.cu): the dH kernel writes one partial dS
     per row and 128 columns, whichever kernel (tile width) runs."""
     return (N + 127) // 128
 
 
 def rounding_capacity(T, E, K, tile_m):
-    """token_rounding_capacity (src/host/token_rounding.cu): each expert moves by less than one tile,
+    """token_rounding_capacity (src/host/routing/token_rounding.cu): each expert moves by less than one tile,
     and a token appears at most once per expert. (sym_min: T may be symbolic.)"""
     return torch.sym_min(T * K + E * (tile_m - 1), T * E)
 

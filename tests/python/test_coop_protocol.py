@@ -1,4 +1,4 @@
-"""A model of the cooperative grouped GEMM's synchronisation (src/kernels/sm90_grouped_gemm.cuh, the
+"""A model of the cooperative grouped GEMM's synchronisation (src/kernels/gemm/cooperative.cuh, the
 gathered kernel of the up-projection and dH), run on the CPU under random interleavings: one CTA's
 loader warpgroup (it publishes each tile into the ring, waits for empty stages, arms the full
 barrier, issues the weight boxes by TMA and the gather by cp.async, and between its loads stores

@@ -111,7 +111,7 @@ def test_grouped_gemm_activation_epilogues(act, layout, with_bias, n):
 
 
 def test_small_grouped_gemm_store_contiguous_sanitizer_case():
-    # Contiguous A, N = 200 <= 2048: the ping-pong kernel by default (host/grouped_gemm.cu,
+    # Contiguous A, N = 200 <= 2048: the ping-pong kernel by default (host/gemm/grouped_gemm.cu,
     # kPingPongWhere), with a partial 192-wide tile, an empty expert and an expert's partial rows.
     counts = [3, 0, 130]
     a, idx, rows, w, off = make_problem(counts, 200, 64, gather=False)

@@ -68,7 +68,7 @@ def dact_reference(da, h, s, act, layout, n):
 
 @pytest.mark.parametrize("act", list(ACTS))
 @pytest.mark.parametrize("layout", ["interleaved", "concatenated"])
-# d = K <= 2048 takes the ping-pong dH kernel by default (host/grouped_gemm.cu, kDhPingPongWhere),
+# d = K <= 2048 takes the ping-pong dH kernel by default (host/gemm/grouped_gemm.cu, kDhPingPongWhere),
 # d = 2112 the cooperative one, whose 256-wide tile writes its dS partial and a zero.
 @pytest.mark.parametrize("n,d", [(256, 192), (128, 64), (136, 200), (512, 256), (256, 2112)])
 def test_dact_epilogue(act, layout, n, d):

@@ -1,6 +1,6 @@
-"""The ping-pong grouped GEMM (kernels/sm90_grouped_gemm_pingpong.cuh): the plain store with
+"""The ping-pong grouped GEMM (kernels/gemm/pingpong.cuh): the plain store with
 contiguous A, i.e. the down-projection and dX~. By default it runs where the shape rule of
-host/grouped_gemm.cu (kPingPongWhere) says it wins; MACHMOE_GEMM_PINGPONG=0 turns it off, 1 (2: CTA
+host/gemm/grouped_gemm.cu (kPingPongWhere) says it wins; MACHMOE_GEMM_PINGPONG=0 turns it off, 1 (2: CTA
 pairs multicasting the weights; 5/6: the same with the ring epilogue) forces it wherever it applies.
 
 The switch is read once per process, so the GEMM and layer tests that reach that path run again
@@ -79,7 +79,7 @@ def test_pingpong_switch_refuses_an_unknown_value(var, value, call):
 
 @pytest.mark.parametrize("mode", ["0", "1"])
 def test_dh_pingpong_passes_the_dh_and_backward_tests(mode):
-    # The dH kernel as a ping-pong GEMM (kernels/sm90_grouped_gemm_dact_pingpong.cuh; by default
+    # The dH kernel as a ping-pong GEMM (kernels/gemm/dact_pingpong.cuh; by default
     # where d <= 2048): forced off (0: the cooperative kernel at every shape) and forced on (1),
     # over the dH epilogue tests (every activation, both layouts, n not a multiple of 128, partial
     # tiles) and the layer backward (SPEC shapes, awkward shapes, determinism), in a child process

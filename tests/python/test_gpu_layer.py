@@ -134,7 +134,7 @@ def test_layer_forward_inference_skips_h_and_matches(act, layout):
         out_b, _ = functional.moe(t["x"], t["router_weight"], t["w1"], t["w2"], num_experts_per_tok=K,
                                   activation=act, b1=t["b1"], b2=t["b2"], layout=layout, backend="machmoe")
     assert torch.equal(out_b, out_t)
-    # H is the last sub-buffer of `saved` (src/host/layer_layout.hpp): written in training mode,
+    # H is the last sub-buffer of `saved` (src/host/layer/layer_layout.hpp): written in training mode,
     # and the inference block stops where it would begin.
     n1 = 2 * n if act in GLU else n
     h_bytes = T * K * n1 * 2

@@ -1,9 +1,9 @@
-"""A model of the ping-pong grouped GEMM's synchronisation (src/kernels/sm90_grouped_gemm_pingpong.cuh),
+"""A model of the ping-pong grouped GEMM's synchronisation (src/kernels/gemm/pingpong.cuh),
 run on the CPU under random interleavings: one CTA's scheduler and loading threads, its two consumer warpgroups,
 the TMA completions (in any order) and the wgmma groups in flight; or the two CTAs of a cluster
 (MACHMOE_GEMM_PINGPONG=2), whose stages also fill from the peer's multicast; with `ring_epi`
 (MACHMOE_GEMM_PINGPONG=5/6) the consumers also take the one staging ring in turn (named barriers 6, 7).
-With `self_publish` it is the dH kernel's (src/kernels/sm90_grouped_gemm_dact_pingpong.cuh): no
+With `self_publish` it is the dH kernel's (src/kernels/gemm/dact_pingpong.cuh): no
 scheduler thread; the loading thread decodes and publishes each tile itself before loading it, then
 both stop signals, and only the consumers read the ring.
 

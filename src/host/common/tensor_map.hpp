@@ -1,0 +1,66 @@
+// TMA tensor maps for the GEMM launchers (grouped_gemm.cu, grouped_wgrad.cu): bf16 matrices with
+// the 128-byte swizzle that the wgmma descriptors expect and zeros out of bounds. The driver's
+// encoder is found through the runtime, so the library does not link against libcuda.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "host/common/check.hpp"
+#include "machmoe/types.hpp"
+
+namespace machmoe::detail {
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+inline EncodeTiledFn encode_tiled() {
+  static EncodeTiledFn fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    check_cuda(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &q),
+               "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)");
+    if (q != cudaDriverEntryPointSuccess || !ptr)
+      throw Error(ErrorCode::CudaError, "the driver has no cuTensorMapEncodeTiled (needs CUDA 12+)");
+    return reinterpret_cast<EncodeTiledFn>(ptr);
+  }();
+  return fn;
+}
+
+// A bf16 tensor of `rank` dims (dims[0] innermost, strides in bytes for dims 1..), boxes `box`.
+inline CUtensorMap encode_bf16_map(const void* ptr, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
+                                   const cuuint32_t* box, const char* fn) {
+  CUtensorMap map;
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(ptr), dims,
+                                    strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                    CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw Error(ErrorCode::CudaError, std::string(fn) + ": cuTensorMapEncodeTiled failed with CUresult " +
+                                          std::to_string(static_cast<int>(r)));
+  return map;
+}
+
+// A bf16 matrix [rows, cols] with `ld` elements between rows, boxes of box_cols x box_rows.
+inline CUtensorMap tensor_map_2d(const void* ptr, int64_t rows, int64_t cols, int64_t ld, int box_cols, int box_rows,
+                                 const char* fn) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
+  return encode_bf16_map(ptr, 2, dims, strides, box, fn);
+}
+
+// W [E, K, N] (N contiguous) as a 3-D map {N, K, E} with boxes of 64 N x box_k K rows of one
+// expert: K rows past the expert's K read as zeros, never the next expert's rows.
+inline CUtensorMap tensor_map_nmajor(const void* ptr, int64_t E, int64_t K, int64_t N, int box_k, const char* fn) {
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(N), static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(E)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(N) * 2, static_cast<cuuint64_t>(K * N) * 2};
+  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_k), 1};
+  return encode_bf16_map(ptr, 3, dims, strides, box, fn);
+}
+
+}  // namespace machmoe::detail

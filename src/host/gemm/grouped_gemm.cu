@@ -1,0 +1,332 @@
+// Launcher of the sm_90a grouped GEMM engine (kernels/gemm/cooperative.cuh): argument rules, the
+// tile configuration, the TMA descriptor of the weights, and the persistent launch.
+#include <cuda.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <type_traits>
+
+#include "host/common/check.hpp"
+#include "host/common/tensor_map.hpp"
+#include "kernels/gemm/cooperative.cuh"
+#include "kernels/gemm/dact_pingpong.cuh"
+#include "kernels/gemm/pingpong.cuh"
+#include "machmoe/machmoe.hpp"
+
+namespace machmoe {
+using detail::ceil_div;
+using detail::check_cuda;
+using detail::check_launch;
+using detail::require_arg;
+
+namespace {
+
+// A [rows, K] (or W [E*N, K]) in boxes of 64 K x 128 rows: a K-major operand tile.
+CUtensorMap tile_tensor_map(const void* ptr, int64_t rows, int64_t K, int64_t ld) {
+  return detail::tensor_map_2d(ptr, rows, K, ld, kernels::kGemmBK, 128, "grouped_gemm");
+}
+
+int epilogue_code(const GroupedGemmArgs& a) {
+  const bool glu = is_glu(a.activation);
+  switch (a.epilogue) {
+    case GemmEpilogue::Store: return kernels::kEpiStore;
+    case GemmEpilogue::GLU:
+      return a.layout == GateUpLayout::Interleaved ? kernels::kEpiGluInter : kernels::kEpiGluConcat;
+    case GemmEpilogue::Activation: return kernels::kEpiAct;
+    case GemmEpilogue::ActivationBackward:
+      if (!glu) return kernels::kEpiDAct;
+      return a.layout == GateUpLayout::Interleaved ? kernels::kEpiDGluInter : kernels::kEpiDGluConcat;
+  }
+  throw Error(ErrorCode::InvalidArgument, "grouped_gemm: epilogue out of range");
+}
+
+// A kernel's dynamic shared memory: the device must allow `smem` bytes per block (checked first,
+// so that a too-small device gets this message), and the kernel is opted in to them.
+void prepare_smem(const void* kernel, int smem) {
+  const DeviceInfo info = device_info();
+  require_arg(info.smem_per_block_optin >= static_cast<size_t>(smem), "grouped_gemm", "device",
+              "needs " + std::to_string(smem) + " bytes of shared memory per block, the device allows " +
+                  std::to_string(info.smem_per_block_optin));
+  detail::allow_dynamic_smem(kernel, smem, "grouped_gemm: cudaFuncSetAttribute");
+}
+
+template <int BN, int EPI, bool GATHER, bool B_NMAJOR>
+void launch_variant(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c,
+                    const kernels::GroupedGemmParams& p, int ctas, cudaStream_t stream) {
+  constexpr int smem = kernels::GemmSmem<BN>::kBytes;
+  auto* kernel = kernels::sm90_grouped_gemm<BN, EPI, GATHER, B_NMAJOR>;
+  prepare_smem(reinterpret_cast<const void*>(kernel), smem);
+  kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, map_c, p);
+}
+
+#if MACHMOE_GEMM_PROBES
+// Probe 1024: the ping-pong kernel's cycle counters (kernels::PingPongCycles), per tile, at exit.
+void report_pingpong_cycles() {
+  unsigned long long v[8] = {};
+  if (cudaMemcpyFromSymbol(v, kernels::g_pingpong_cycles, sizeof v) != cudaSuccess || v[6] == 0) return;
+  const double t = static_cast<double>(v[6]);
+  std::fprintf(stderr,
+               "pingpong cycles per tile (one thread per consumer): tile-ring wait %.0f, turn wait %.0f, "
+               "stage-full waits %.0f, main loop %.0f, drain %.0f, epilogue %.0f; producer stage-empty waits %.0f "
+               "(%llu tiles)\n",
+               v[0] / t, v[1] / t, v[2] / t, v[3] / t, v[4] / t, v[5] / t, v[7] / t, v[6]);
+}
+#endif
+
+template <bool B_NMAJOR, bool kCluster, int kEpi>
+void launch_pingpong(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c,
+                     const kernels::GroupedGemmParams& p, int ctas, cudaStream_t stream) {
+  constexpr int bn = kernels::kPingPongBN;
+  constexpr int smem = kernels::GemmPingPongSmem<bn, kEpi>::kBytes;
+  auto* kernel = kernels::sm90_grouped_gemm_pingpong<bn, B_NMAJOR, kCluster, kEpi>;
+  prepare_smem(reinterpret_cast<const void*>(kernel), smem);
+#if MACHMOE_GEMM_PROBES
+  if (p.probe & 1024) {
+    static const bool registered = (std::atexit(report_pingpong_cycles), true);
+    (void)registered;
+  }
+#endif
+  if constexpr (!kCluster) {
+    kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, map_c, p);
+    return;
+  }
+  // Clusters of two CTAs, as many as the device runs at once within `ctas`.
+  detail::ClusterLaunch launch(2, kernels::kGemmThreads, smem, stream);
+  const int clusters = detail::max_active_clusters(reinterpret_cast<const void*>(kernel), launch.config,
+                                                   "grouped_gemm: cudaOccupancyMaxActiveClusters");
+  launch.config.gridDim = dim3(static_cast<unsigned>(2 * std::max(1, std::min(clusters, ctas / 2))));
+  check_cuda(cudaLaunchKernelEx(&launch.config, kernel, map_a, map_b, map_c, p), "grouped_gemm: cudaLaunchKernelEx");
+}
+
+// The dH kernel as a ping-pong GEMM (one 128 x 128 tile per consumer warpgroup).
+template <int EPI>
+void launch_dact_pingpong(const CUtensorMap& map_b, const kernels::GroupedGemmParams& p, int ctas, cudaStream_t stream) {
+  constexpr int smem = kernels::GemmDactPingPongSmem::kBytes;
+  auto* kernel = kernels::sm90_grouped_gemm_dact_pingpong<EPI>;
+  prepare_smem(reinterpret_cast<const void*>(kernel), smem);
+  kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_b, p);
+}
+
+// The variants that exist: the forward's epilogues read K-major W; Store takes either; the dH
+// epilogues read W2 N-major (W2 [E, d, n] is [E, K, N] for dA' = dout·W2).
+template <int BN, int EPI>
+void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c,
+            const kernels::GroupedGemmParams& p, bool n_major, int ctas, cudaStream_t stream) {
+  constexpr bool kMajorK = !kernels::gemm_epi_is_dact(EPI);
+  constexpr bool kMajorN = EPI == kernels::kEpiStore || kernels::gemm_epi_is_dact(EPI);
+  if (n_major) {
+    if constexpr (kMajorN) {
+      if (p.gather) launch_variant<BN, EPI, true, true>(map_a, map_b, map_c, p, ctas, stream);
+      else launch_variant<BN, EPI, false, true>(map_a, map_b, map_c, p, ctas, stream);
+      return;
+    }
+  } else {
+    if constexpr (kMajorK) {
+      if (p.gather) launch_variant<BN, EPI, true, false>(map_a, map_b, map_c, p, ctas, stream);
+      else launch_variant<BN, EPI, false, false>(map_a, map_b, map_c, p, ctas, stream);
+      return;
+    }
+  }
+  throw Error(ErrorCode::Unsupported, "grouped_gemm: this epilogue does not take w_n_major=" +
+                                          std::to_string(static_cast<int>(n_major)));
+}
+
+// Columns of C per tile (the configuration, as data): 256 when N allows, else 128; the
+// concatenated GLU tile always holds 128 gate + 128 up columns.
+int tile_width(int64_t N, int epi) { return N >= 256 || epi == kernels::kEpiGluConcat ? 256 : 128; }
+
+// Where the ping-pong kernel (one CTA, halves epilogue) beats the cooperative one for the plain
+// store with contiguous A: C's width N (d for both the down-projection and dX~) at most max_n, or
+// the reduction K at most max_k at any N. Measured (session 27, kernel tables of the twelve SPEC
+// configs, docs/PERF.md): it wins 1-12% where the epilogue is a large share of a tile (short K)
+// or N is a multiple of 192 (d = 768, 1536); at d = 4096 and 7168 with K >= 1024 it loses 2-5%
+// (H200) and up to 18% (H100, 30B-b dX~): 192-wide tiles read 15% more from L2 and leave a third
+// of a tile idle at N = 4096, and those GEMMs run at the power cap.
+struct PingPongRule {
+  int64_t max_n, max_k;
+  bool wins(int64_t N, int64_t K) const { return N <= max_n || K <= max_k; }
+};
+constexpr PingPongRule kPingPongWhere{2048, 512};
+
+// Where the dH kernel's ping-pong form (mode 1) beats the cooperative one: the reduction K = d at
+// most max_k. Measured (session 27, H100 kernel table): 2-5% faster at d = 768 and 1536, 7-9%
+// slower at d = 4096, where the long main loop hides the cooperative kernel's epilogue anyway and
+// the ping-pong tile's 128 columns gather each dout row twice as often.
+struct DhPingPongRule {
+  int64_t max_k;
+};
+constexpr DhPingPongRule kDhPingPongWhere{2048};
+
+}  // namespace
+
+int64_t grouped_gemm_column_tiles(int64_t N) { return ceil_div(N, int64_t{kernels::kDsCols}); }
+
+void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
+  constexpr const char* fn = "grouped_gemm";
+  require_arg(a.E >= 1 && a.E <= (1 << 24), fn, "E", "must be in [1, 2^24], got " + std::to_string(a.E));
+  require_arg(a.N >= 8 && a.N % 8 == 0 && a.N <= (1 << 24), fn, "N",
+              "must be a positive multiple of 8 (16-byte rows), got " + std::to_string(a.N));
+  require_arg(a.K >= 8 && a.K % 8 == 0, fn, "K", "must be a positive multiple of 8 (16-byte rows), got " +
+                                                   std::to_string(a.K));
+  require_arg(a.E * a.N <= (int64_t{1} << 31) - 1, fn, "E*N", "must fit in int32 (TMA row coordinates)");
+  require_arg(a.lda >= a.K && a.lda % 8 == 0, fn, "lda", "must be >= K and a multiple of 8");
+  require_arg(a.a_rows >= 1 && a.a_rows <= (int64_t{1} << 31) - 1, fn, "a_rows",
+              "must be in [1, 2^31) (rows of A: T for a gather, R otherwise)");
+  // The gather addresses rows in 16-byte units held in 32 bits (fewer loader registers).
+  require_arg(a.gather == nullptr || a.a_rows * (a.lda / 8) <= (int64_t{1} << 32) - 1, fn, "a_rows*lda",
+              "a gathered A must hold fewer than 2^35 elements (64 GiB of bf16)");
+  require_arg(a.c == nullptr || (a.ldc >= a.N && a.ldc % 8 == 0), fn, "ldc", "must be >= N and a multiple of 8");
+  // c may be null for the GLU and activation epilogues: inference, H is not written (only A).
+  const bool h_optional = a.epilogue == GemmEpilogue::GLU || a.epilogue == GemmEpilogue::Activation;
+  require_arg(a.a && a.w && (a.c || h_optional) && a.expert_offsets && a.tile_offsets, fn,
+              "a/w/c/expert_offsets/tile_offsets", "must not be null (c only with the GLU/activation epilogues)");
+  require_arg(detail::aligned16(a.a) && detail::aligned16(a.w) && (a.c == nullptr || detail::aligned16(a.c)), fn, "a/w/c",
+              "must be 16-byte aligned");
+  const int epi = epilogue_code(a);
+  if (a.epilogue != GemmEpilogue::Store) {
+    const int64_t c2_cols = a.epilogue == GemmEpilogue::GLU ? a.N / 2 : a.N;  // A, or A' [R, N]
+    require_arg(a.c2 && a.ldc2 >= c2_cols && a.ldc2 % 8 == 0 && detail::aligned16(a.c2), fn, "c2/ldc2",
+                "needs an activation output with ldc2 >= " + std::to_string(c2_cols) +
+                    " and a multiple of 8, 16-byte aligned (16-byte stores)");
+  }
+  if (a.epilogue == GemmEpilogue::GLU)
+    require_arg(a.N % 16 == 0, fn, "N", "must be a multiple of 16 for a GLU (2n with n a multiple of 8)");
+  const bool dact = a.epilogue == GemmEpilogue::ActivationBackward;
+  require_arg(!a.w_n_major || a.epilogue == GemmEpilogue::Store || dact, fn, "w_n_major",
+              "is taken by the Store and ActivationBackward epilogues only");
+  require_arg(!dact || a.w_n_major, fn, "w_n_major", "must be set with ActivationBackward (W2 [E, d, n] is N-major)");
+  if (dact) {
+    const int64_t n1 = is_glu(a.activation) ? 2 * a.N : a.N;
+    require_arg(a.h && a.ldh >= n1 && a.ldh % 8 == 0 && detail::aligned16(a.h), fn, "h/ldh",
+                "ActivationBackward needs H with ldh >= " + std::to_string(n1) + ", a multiple of 8, 16-byte aligned");
+    require_arg(a.ldc >= n1, fn, "ldc", "must be >= n1 = " + std::to_string(n1) + " (dH has H's columns)");
+    require_arg(a.row_scores && a.row_pair && a.ds_partial, fn, "row_scores/row_pair/ds_partial",
+                "must not be null with ActivationBackward");
+    require_arg(a.bias == nullptr, fn, "bias", "must be null with ActivationBackward");
+  }
+
+  // The ping-pong kernel (kernels/gemm/pingpong.cuh: 192-wide tiles, one per consumer
+  // warpgroup) takes the plain store with contiguous A where the shape rule kPingPongWhere says it
+  // wins, or where MACHMOE_GEMM_PINGPONG forces it (odd: one CTA, even: CTA pairs; 1/2 and 5/6 the
+  // epilogues kernels::kPPEpiHalves and kPPEpiRing; 0: never).
+  // (Its weight boxes reach row E·N + 191 of the [E*N, K] view: kept inside int32.)
+  const int pp_env = detail::gemm_pingpong_mode();
+  const bool pp_applies = epi == kernels::kEpiStore && a.gather == nullptr && a.c &&
+                          a.E * a.N + kernels::kPingPongBN <= (int64_t{1} << 31) - 1;
+  const int pp_mode = pp_env >= 0 ? pp_env : (kPingPongWhere.wins(a.N, a.K) ? 1 : 0);
+  const bool pingpong = pp_applies && pp_mode > 0;
+  // (clusters need two CTAs; one unit of the schedule is then 256 rows: kernels::gemm_expert_tiles)
+  const bool pp_cluster = pingpong && pp_mode % 2 == 0 && (a.max_ctas == 0 || a.max_ctas >= 2);
+  const bool pp_ring = pp_mode >= 5;
+  // Configuration (data, not code): tile_width, also the column-tile count of the dH epilogue's
+  // ds_partial (grouped_gemm_column_tiles).
+  // The dH kernel as a ping-pong GEMM (kernels/gemm/dact_pingpong.cuh) where
+  // kDhPingPongWhere says it wins, or as MACHMOE_DH_PINGPONG says (0 never, 1 wherever it applies).
+  const int dh_env = detail::gemm_dh_pingpong_mode();
+  const int dh_mode = dh_env >= 0 ? dh_env : (a.K <= kDhPingPongWhere.max_k ? 1 : 0);
+  const bool dh_pingpong = dact && a.gather && dh_mode > 0;
+  const int bn = pingpong ? kernels::kPingPongBN : dh_pingpong ? kernels::kDactPPBN : tile_width(a.N, epi);
+  const bool wide = bn == 256;
+  const int tile_cols = epi == kernels::kEpiGluConcat ? bn / 2 : bn;
+  const int64_t n_cols = epi == kernels::kEpiGluConcat ? a.N / 2 : a.N;
+  kernels::GroupedGemmParams p{};
+  p.a = static_cast<const __nv_bfloat16*>(a.a);
+  p.lda = a.lda;
+  p.gather = a.gather;
+  p.expert_offsets = a.expert_offsets;
+  p.tile_offsets = a.tile_offsets;
+  p.bias = static_cast<const __nv_bfloat16*>(a.bias);
+  p.c = static_cast<__nv_bfloat16*>(a.c);
+  p.ldc = a.ldc;
+  p.c2 = static_cast<__nv_bfloat16*>(a.c2);
+  p.ldc2 = a.ldc2;
+  p.E = static_cast<int>(a.E);
+  p.N = static_cast<int>(a.N);
+  p.K = static_cast<int>(a.K);
+  p.n_tiles = static_cast<int>(ceil_div(n_cols, tile_cols));
+  p.act = static_cast<int>(a.activation);
+  p.probe = detail::gemm_probe_from_env();  // 0 unless a -DMACHMOE_GEMM_PROBES=ON build
+  p.h = static_cast<const __nv_bfloat16*>(a.h);
+  p.ldh = a.ldh;
+  p.row_scores = a.row_scores;
+  p.row_pair = a.row_pair;
+  p.ds_partial = a.ds_partial;
+  p.ds_cols = static_cast<int>(grouped_gemm_column_tiles(a.N));
+
+  // (up to kGemmSmemTileE experts the kernel builds them itself; the dH ping-pong, short of shared
+  // memory, up to kDactPPSmemTileE)
+  if (p.E > (dh_pingpong ? kernels::kDactPPSmemTileE : kernels::kGemmSmemTileE)) {
+    if (pp_cluster)
+      kernels::grouped_gemm_tile_offsets<2 * kernels::kGemmBM><<<1, 1024, 0, stream>>>(a.expert_offsets, p.E, p.n_tiles,
+                                                                                      a.tile_offsets);
+    else
+      kernels::grouped_gemm_tile_offsets<><<<1, 1024, 0, stream>>>(a.expert_offsets, p.E, p.n_tiles, a.tile_offsets);
+    check_launch("grouped_gemm: tile offsets");
+  }
+  const int sms = device_info().sm_count;
+  const int ctas = a.max_ctas > 0 ? std::min(a.max_ctas, sms) : sms;
+  if (dh_pingpong) {
+    const CUtensorMap map_b = detail::tensor_map_nmajor(a.w, a.E, a.K, a.N, kernels::kGemmBK, fn);
+    namespace k = kernels;
+    switch (epi) {
+      case k::kEpiDGluInter: launch_dact_pingpong<k::kEpiDGluInter>(map_b, p, ctas, stream); break;
+      case k::kEpiDGluConcat: launch_dact_pingpong<k::kEpiDGluConcat>(map_b, p, ctas, stream); break;
+      default: launch_dact_pingpong<k::kEpiDAct>(map_b, p, ctas, stream); break;
+    }
+    check_launch(fn);
+    return;
+  }
+  if (pingpong) {  // W in boxes of 64 rows (K-major) or {64 N, 64 K}; C in boxes of 64 x 64
+    const CUtensorMap map_b = a.w_n_major ? detail::tensor_map_nmajor(a.w, a.E, a.K, a.N, kernels::kGemmBK, fn)
+                                          : detail::tensor_map_2d(a.w, a.E * a.N, a.K, a.K, kernels::kGemmBK, 64, fn);
+    const CUtensorMap map_a = tile_tensor_map(a.a, a.a_rows, a.K, a.lda);
+    const CUtensorMap map_c = detail::tensor_map_2d(a.c, int64_t{1} << 31, a.N, a.ldc, 64, 64, fn);
+    auto launch = [&](auto b_nmajor, auto cluster, auto epi_kind) {
+      launch_pingpong<decltype(b_nmajor)::value, decltype(cluster)::value, decltype(epi_kind)::value>(
+          map_a, map_b, map_c, p, ctas, stream);
+    };
+    auto with_epi = [&](auto b_nmajor, auto cluster) {
+      if (pp_ring) launch(b_nmajor, cluster, std::integral_constant<int, kernels::kPPEpiRing>{});
+      else launch(b_nmajor, cluster, std::integral_constant<int, kernels::kPPEpiHalves>{});
+    };
+    auto with_cluster = [&](auto b_nmajor) {
+      if (pp_cluster) with_epi(b_nmajor, std::true_type{});
+      else with_epi(b_nmajor, std::false_type{});
+    };
+    if (a.w_n_major) with_cluster(std::true_type{});
+    else with_cluster(std::false_type{});
+    check_launch(fn);
+    return;
+  }
+  const CUtensorMap map_b = a.w_n_major ? detail::tensor_map_nmajor(a.w, a.E, a.K, a.N, kernels::kGemmBK, fn) : tile_tensor_map(a.w, a.E * a.N, a.K, a.K);
+  // Contiguous A goes through TMA too; with a gather the map is unused (any valid map will do).
+  const CUtensorMap map_a = a.gather ? map_b : tile_tensor_map(a.a, a.a_rows, a.K, a.lda);
+  // Full tiles' C (store) or H (interleaved GLU, activation) leave by TMA: C [rows, N] in boxes of
+  // 64 columns x 128 rows. Only
+  // whole 128-row tiles inside an expert go this way, so the row bound only has to cover them:
+  // the rows of C are not known on the host (R = off[E] is on the device).
+  const bool boxed = epi == kernels::kEpiStore || epi == kernels::kEpiGluInter || epi == kernels::kEpiAct;
+  const CUtensorMap map_c =
+      boxed && a.c ? detail::tensor_map_2d(a.c, int64_t{1} << 31, a.N, a.ldc, 64, 128, fn) : map_b;
+  const bool nm = a.w_n_major;
+  namespace k = kernels;
+  switch (epi) {
+    case k::kEpiStore: wide ? launch<256, k::kEpiStore>(map_a, map_b, map_c, p, nm, ctas, stream)
+                            : launch<128, k::kEpiStore>(map_a, map_b, map_c, p, nm, ctas, stream); break;
+    case k::kEpiGluInter: wide ? launch<256, k::kEpiGluInter>(map_a, map_b, map_c, p, nm, ctas, stream)
+                               : launch<128, k::kEpiGluInter>(map_a, map_b, map_c, p, nm, ctas, stream); break;
+    case k::kEpiGluConcat: launch<256, k::kEpiGluConcat>(map_a, map_b, map_c, p, nm, ctas, stream); break;
+    case k::kEpiAct: wide ? launch<256, k::kEpiAct>(map_a, map_b, map_c, p, nm, ctas, stream)
+                          : launch<128, k::kEpiAct>(map_a, map_b, map_c, p, nm, ctas, stream); break;
+    case k::kEpiDGluInter: wide ? launch<256, k::kEpiDGluInter>(map_a, map_b, map_c, p, nm, ctas, stream)
+                                : launch<128, k::kEpiDGluInter>(map_a, map_b, map_c, p, nm, ctas, stream); break;
+    case k::kEpiDGluConcat: wide ? launch<256, k::kEpiDGluConcat>(map_a, map_b, map_c, p, nm, ctas, stream)
+                                 : launch<128, k::kEpiDGluConcat>(map_a, map_b, map_c, p, nm, ctas, stream); break;
+    case k::kEpiDAct: wide ? launch<256, k::kEpiDAct>(map_a, map_b, map_c, p, nm, ctas, stream)
+                           : launch<128, k::kEpiDAct>(map_a, map_b, map_c, p, nm, ctas, stream); break;
+  }
+  check_launch(fn);
+}
+
+}  // namespace machmoe

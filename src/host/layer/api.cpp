@@ -1,0 +1,91 @@
+// The public C++ API's host side: problem validation and the workspace plans (the layer's and the
+// experts' on a general routing list). The layer forward is in layer.cu, the backward in
+// layer_backward.cu, their expert part (and experts_forward/backward) in experts.cpp and
+// experts_backward.cu, the kernel families in routing.cu, token_rounding.cu, grouped_gemm.cu and
+// grouped_wgrad.cu.
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "host/layer/layer_layout.hpp"
+#include "machmoe/machmoe.hpp"
+
+namespace machmoe {
+namespace {
+
+void require(bool ok, const char* field, const std::string& rule) {
+  if (!ok)
+    throw Error(ErrorCode::InvalidArgument, std::string("LayerProblem.") + field + ": " + rule);
+}
+
+}  // namespace
+
+void validate(const LayerProblem& p) {
+  require(p.T >= 0, "T", "must be >= 0, got " + std::to_string(p.T));
+  require(p.d >= 1, "d", "must be >= 1, got " + std::to_string(p.d));
+  require(p.n >= 1, "n", "must be >= 1, got " + std::to_string(p.n));
+  require(p.E >= 1, "E", "must be >= 1, got " + std::to_string(p.E));
+  require(p.K >= 1 && p.K <= p.E, "K",
+          "must be in [1, E=" + std::to_string(p.E) + "], got " + std::to_string(p.K));
+  require(p.rounding_tile_m >= 1, "rounding_tile_m", "must be >= 1, got " + std::to_string(p.rounding_tile_m));
+  require(p.rounding == TokenRounding::None || p.routing == RoutingMethod::SoftmaxTopK, "rounding",
+          std::string("token rounding is defined for routing=softmax_topk only, got routing=") +
+              to_string(p.routing));
+  require(p.dtype == DType::BF16 || p.dtype == DType::FP16 || p.dtype == DType::FP32, "dtype",
+          "must be bfloat16, float16 or float32");
+  // Row indices are int32 on the device; element offsets are 64-bit.
+  require(p.T <= std::numeric_limits<int32_t>::max() / p.K, "T",
+          "T*K must fit in int32 (rows are indexed by int32), got T=" + std::to_string(p.T) +
+              ", K=" + std::to_string(p.K));
+}
+
+WorkspacePlan plan_workspace(const LayerProblem& p) {
+  validate(p);
+  const detail::LayerLayout L(p);  // the same layout layer_forward carves the blocks with
+  WorkspacePlan w;
+  w.saved_bytes = L.saved_bytes;
+  w.inference_saved_bytes = L.inference_saved_bytes;
+  w.forward_workspace_bytes = L.forward_bytes;
+  w.backward_workspace_bytes = L.backward_bytes;
+  return w;
+}
+
+namespace {
+
+void require_experts(bool ok, const char* field, const std::string& rule) {
+  if (!ok) throw Error(ErrorCode::InvalidArgument, std::string("ExpertsProblem.") + field + ": " + rule);
+}
+
+}  // namespace
+
+void validate(const ExpertsProblem& p) {
+  constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+  require_experts(p.T >= 0 && p.T < kInt32Max, "T", "must be in [0, 2^31 - 1), got " + std::to_string(p.T));
+  require_experts(p.d >= 1, "d", "must be >= 1, got " + std::to_string(p.d));
+  require_experts(p.n >= 1, "n", "must be >= 1, got " + std::to_string(p.n));
+  require_experts(p.E >= 1 && p.E <= kInt32Max / 2, "E", "must be in [1, 2^30], got " + std::to_string(p.E));
+  // Rows and pairs are indexed by int32 on the device. A list that repeats no (token, expert) pair
+  // has at most T·E pairs (T·E cannot overflow: both are below 2^31).
+  require_experts(p.R >= 0 && p.R <= kInt32Max, "R", "must be in [0, 2^31), got " + std::to_string(p.R));
+  require_experts(p.R <= p.T * p.E, "R",
+                  "must be <= T*E = " + std::to_string(p.T * p.E) +
+                      " (a list may not repeat a (token, expert) pair), got " + std::to_string(p.R));
+  require_experts(p.dtype == DType::BF16 || p.dtype == DType::FP16 || p.dtype == DType::FP32, "dtype",
+                  "must be bfloat16, float16 or float32");
+}
+
+WorkspacePlan plan_workspace(const ExpertsProblem& p) {
+  validate(p);
+  const detail::ExpertsLayout L(p);  // the same layout experts_forward/backward carve the blocks with
+  WorkspacePlan w;
+  w.saved_bytes = L.saved_bytes;
+  w.inference_saved_bytes = L.saved_bytes;  // experts_forward always writes H
+  w.forward_workspace_bytes = L.forward_bytes;
+  w.backward_workspace_bytes = L.backward_bytes;
+  return w;
+}
+
+// Both directions of the layer run on the GPU (layer.cu, layer_backward.cu).
+bool layer_kernels_available() { return true; }
+
+}  // namespace machmoe

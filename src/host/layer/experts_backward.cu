@@ -1,0 +1,304 @@
+// The expert part of the backward on the GPU (host/layer/experts_internal.hpp; docs/BACKWARD.md steps 1-3
+// and 7-11), and experts_backward: the gradients of experts_forward on a general routing list.
+// On the caller's stream, no host synchronisation, no float atomics (bitwise deterministic):
+//   rebuild row_token -> dH kernel (dA' = dout·W2 gathered; epilogue: dH, A' = s·A, dS partials)
+//   -> d scores (+ ⟨dout, b2⟩) -> dW2, dW1 (varlen-K GEMMs) -> db2, db1 -> dX~ = dH·W1 -> dx.
+// layer_backward (layer_backward.cu) runs the same code, then its router part.
+#include <algorithm>
+#include <string>
+
+#include "host/common/check.hpp"
+#include "host/layer/experts_internal.hpp"
+#include "host/layer/layer_layout.hpp"
+#include "kernels/layer/aggregate_router.cuh"
+#include "kernels/layer/layer_backward.cuh"
+#include "machmoe/machmoe.hpp"
+
+namespace machmoe {
+using detail::at;
+using detail::ceil_div;
+using detail::check_cuda;
+using detail::check_launch;
+using detail::ExpertsBackwardScratch;
+using detail::require_arg;
+
+namespace {
+
+constexpr int kThreads = detail::kBackwardThreads;
+constexpr int kWarpsPerBlock = detail::kBackwardWarpsPerBlock;
+using detail::blocks_for;
+
+// db[e] [cols] = Σ_{rows r of e} scale_r · src[row(r)] (fixed order; kernels/layer/layer_backward.cuh).
+void bias_gradient(const ExpertsBackwardScratch& S, int64_t E, void* ws, const __nv_bfloat16* src,
+                   const int32_t* gather, const float* pair_scores, const int32_t* row_pair,
+                   const int32_t* expert_offsets, int64_t cols, void* out, DType out_dtype, cudaStream_t stream) {
+  constexpr int kChunk = ExpertsBackwardScratch::kBiasChunkRows;
+  kernels::BiasGradParams bp{};
+  bp.src = src;
+  bp.gather = gather;
+  bp.pair_scores = pair_scores;
+  bp.row_pair = row_pair;
+  bp.expert_offsets = expert_offsets;
+  bp.chunk_prefix = at<int32_t>(ws, S.bias_chunk_prefix);
+  bp.partials = at<float>(ws, S.bias_partials);
+  bp.out = out;
+  bp.E = static_cast<int>(E);
+  bp.cols = static_cast<int>(cols);
+  const unsigned col_blocks = static_cast<unsigned>(ceil_div(cols, kThreads));
+  kernels::bwd_bias_partial<kThreads, kChunk>
+      <<<dim3(static_cast<unsigned>(S.bias_chunks), col_blocks), kThreads, 0, stream>>>(bp);
+  check_launch("experts backward: bias gradient partial sums");
+  const dim3 grid(static_cast<unsigned>(E), col_blocks);
+  if (out_dtype == DType::FP32) kernels::bwd_bias_finalize<kThreads, float><<<grid, kThreads, 0, stream>>>(bp);
+  else kernels::bwd_bias_finalize<kThreads, __nv_bfloat16><<<grid, kThreads, 0, stream>>>(bp);
+  check_launch("experts backward: bias gradient");
+}
+
+// dx [T, d] = Σ_{pairs of t} dX~[pair_row] + d_logits[t]·Wr in one pass (kernels/layer/aggregate_router.cuh).
+// Persistent over token tiles: as many token groups as let the blocks of every column block be
+// resident at once (each block loads its Wr slice once; a second wave would double the time of its
+// blocks).
+void aggregate_with_router(const detail::ExpertsBackwardRun& r, const __nv_bfloat16* dx_rows,
+                           const int32_t* token_offsets, cudaStream_t stream) {
+  const detail::ExpertsShape& s = r.shape;
+  kernels::AggregateRouterParams ap{};
+  ap.rows = dx_rows;
+  ap.pair_row = r.pair_row;
+  ap.token_offsets = token_offsets;
+  ap.d_logits = static_cast<const __nv_bfloat16*>(r.router_d_logits);
+  ap.wr = static_cast<const __nv_bfloat16*>(r.router_weight);
+  ap.out = static_cast<__nv_bfloat16*>(r.dx);
+  ap.T = s.T;
+  ap.d = s.d;
+  ap.E = static_cast<int>(r.router_E);
+  const size_t smem = kernels::agg_router_smem_bytes(ap.E);
+  auto* kernel =
+      kernels::agg_router_prefetch(ap.E) ? kernels::aggregate_rows_router<true> : kernels::aggregate_rows_router<false>;
+  detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), static_cast<int>(kernels::agg_router_smem_max()),
+                             "experts backward: cudaFuncSetAttribute (dx aggregation)");
+  const int per_sm = detail::blocks_per_sm(reinterpret_cast<const void*>(kernel), kernels::kAggRouterThreads, smem,
+                                           "experts backward: occupancy of the dx aggregation");
+  const int64_t col_blocks = ceil_div(s.d, kernels::kAggRouterCols);
+  const int64_t tiles = ceil_div(s.T, kernels::kAggRouterTokens);
+  const int64_t groups = std::clamp<int64_t>(int64_t{std::max(per_sm, 1)} * device_info().sm_count / col_blocks, 1,
+                                             std::min<int64_t>(tiles, 65535));
+  const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(groups));
+  kernel<<<grid, kernels::kAggRouterThreads, smem, stream>>>(ap);
+  check_launch("experts backward: dx aggregation with the router's part");
+}
+
+}  // namespace
+
+namespace detail {
+
+void zero_expert_gradients(const ExpertsShape& s, void* dw1, void* db1, void* dw2, void* db2, DType grad_dtype,
+                           const char* fn, cudaStream_t stream) {
+  const size_t es = static_cast<size_t>(dtype_size(grad_dtype));
+  const size_t E = static_cast<size_t>(s.E), d = static_cast<size_t>(s.d), n = static_cast<size_t>(s.n);
+  const size_t n1 = static_cast<size_t>(s.n1);
+  const std::string what = std::string(fn) + ": zero the weight gradients";
+  check_cuda(cudaMemsetAsync(dw1, 0, E * n1 * d * es, stream), what.c_str());
+  check_cuda(cudaMemsetAsync(dw2, 0, E * d * n * es, stream), what.c_str());
+  if (s.has_bias) {
+    check_cuda(cudaMemsetAsync(db1, 0, E * n1 * es, stream), what.c_str());
+    check_cuda(cudaMemsetAsync(db2, 0, E * d * es, stream), what.c_str());
+  }
+}
+
+bool router_dx_fusable(int64_t R, int64_t d, int64_t E) {
+  return d % 8 == 0 && E >= 1 && E <= kernels::kAggRouterMaxE && ceil_div(d, kernels::kAggRouterCols) <= 65535 &&
+         R * d / 8 < (int64_t{1} << 32) && device_info().smem_per_block_optin >= kernels::agg_router_smem_max();
+}
+
+void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream) {
+  const ExpertsShape& s = r.shape;
+  const PairList& l = r.list;
+  const ExpertsBackwardScratch& S = r.scratch;
+  void* w = r.workspace;
+  const int64_t n1 = s.n1, R = l.pairs;
+  int32_t* row_token = at<int32_t>(w, S.row_token);
+  auto* dh = at<__nv_bfloat16>(w, S.dh);
+  auto* a_prime = at<__nv_bfloat16>(w, S.a_prime);
+  float* ds_partial = at<float>(w, S.ds_partial);
+  int32_t* tile_offsets = at<int32_t>(w, S.tile_offsets);
+  // Pairs of token t: [t·K, (t+1)·K) for a top-K list (rebuilt here), the list's own offsets else.
+  int32_t* rebuilt_offsets = l.token ? nullptr : r.topk_token_offsets;
+  const int32_t* token_offsets = l.token ? r.token_offsets : r.topk_token_offsets;
+
+  // 1. The gather index row -> token [R] (and t·K offsets for top-K): not saved (SPEC minimum).
+  kernels::bwd_rebuild_index<kThreads><<<blocks_for(std::max(R, s.T + 1), kThreads), kThreads, 0, stream>>>(
+      r.row_pair, l.token, static_cast<int>(l.K), r.expert_offsets, static_cast<int>(s.E), R, s.T, row_token,
+      rebuilt_offsets);
+  check_launch("experts backward: rebuild row_token");
+
+  // 2. dH kernel: dA' [R, n] = dout[row_token] · W2_e (W2 [E, d, n] read as [E, K = d, N = n]);
+  //    epilogue: dH [R, n1] = dAct(s·dA', H), A' [R, n] = s·act(H), ds_partial [R, tiles].
+  GroupedGemmArgs g;
+  g.a = r.dout;
+  g.lda = s.d;
+  g.a_rows = s.T;
+  g.gather = row_token;
+  g.expert_offsets = r.expert_offsets;
+  g.E = s.E;
+  g.N = s.n;
+  g.K = s.d;
+  g.w = r.w2;
+  g.w_n_major = true;
+  g.c = dh;
+  g.ldc = n1;
+  g.c2 = a_prime;
+  g.ldc2 = s.n;
+  g.epilogue = GemmEpilogue::ActivationBackward;
+  g.activation = s.activation;
+  g.layout = s.layout;
+  g.h = r.h;
+  g.ldh = n1;
+  g.row_scores = l.scores;
+  g.row_pair = r.row_pair;
+  g.ds_partial = ds_partial;
+  g.tile_offsets = tile_offsets;
+  grouped_gemm(g, stream);
+
+  // 3. d scores [pairs] in pair order: Σ_j ds_partial[pair_row[p], j] (+ ⟨dout_t, b2_e⟩).
+  kernels::PairScoreParams ps{};
+  ps.ds_partial = ds_partial;
+  ps.pair_row = r.pair_row;
+  ps.dout = static_cast<const __nv_bfloat16*>(r.dout);
+  ps.b2 = static_cast<const __nv_bfloat16*>(r.b2);
+  ps.pair_expert = l.expert;
+  ps.list_token = l.token;
+  ps.d_score = r.d_scores;
+  ps.pairs = R;
+  ps.tiles = static_cast<int>(S.ds_tiles);
+  ps.K = static_cast<int>(l.K);
+  ps.d = static_cast<int>(s.d);
+  if (s.has_bias)
+    kernels::bwd_pair_scores_bias<kThreads><<<blocks_for(R, kWarpsPerBlock), kThreads, 0, stream>>>(ps);
+  else
+    kernels::bwd_pair_scores<kThreads><<<blocks_for(R, kThreads), kThreads, 0, stream>>>(ps);
+  check_launch("experts backward: d scores");
+  if (r.after_scores) r.after_scores();
+
+  // 7. dW2 [E, d, n] = Σ_r dout[row_token[r]]ᵀ ⊗ A'_r (varlen K over the expert's rows).
+  GroupedWgradArgs w2g;
+  w2g.a = r.dout;
+  w2g.lda = s.d;
+  w2g.a_rows = s.T;
+  w2g.a_gather = row_token;
+  w2g.b = a_prime;
+  w2g.ldb = s.n;
+  w2g.b_rows = R;
+  w2g.expert_offsets = r.expert_offsets;
+  w2g.E = s.E;
+  w2g.M = s.d;
+  w2g.N = s.n;
+  w2g.c = r.dw2;
+  w2g.c_dtype = r.grad_dtype;
+  w2g.transpose_c = false;
+  grouped_gemm_wgrad(w2g, stream);
+
+  // 8. dW1 [E, n1, d] = (Σ_r x[row_token[r]]ᵀ ⊗ dH_r)ᵀ: [E, M = d, N = n1] stored transposed.
+  GroupedWgradArgs w1g;
+  w1g.a = r.x;
+  w1g.lda = s.d;
+  w1g.a_rows = s.T;
+  w1g.a_gather = row_token;
+  w1g.b = dh;
+  w1g.ldb = n1;
+  w1g.b_rows = R;
+  w1g.expert_offsets = r.expert_offsets;
+  w1g.E = s.E;
+  w1g.M = s.d;
+  w1g.N = n1;
+  w1g.c = r.dw1;
+  w1g.c_dtype = r.grad_dtype;
+  w1g.transpose_c = true;
+  grouped_gemm_wgrad(w1g, stream);
+
+  // 9. Bias gradients: db2[e] = Σ_r s_r · dout[row_token[r]], db1[e] = Σ_r dH_r.
+  if (s.has_bias) {
+    kernels::bwd_bias_chunk_prefix<1024, ExpertsBackwardScratch::kBiasChunkRows><<<1, 1024, 0, stream>>>(
+        r.expert_offsets, static_cast<int>(s.E), at<int32_t>(w, S.bias_chunk_prefix));
+    check_launch("experts backward: bias chunk offsets");
+    bias_gradient(S, s.E, w, static_cast<const __nv_bfloat16*>(r.dout), row_token, l.scores, r.row_pair,
+                  r.expert_offsets, s.d, r.db2, r.grad_dtype, stream);
+    bias_gradient(S, s.E, w, dh, nullptr, nullptr, nullptr, r.expert_offsets, n1, r.db1, r.grad_dtype, stream);
+  }
+
+  // 10. dX~ [R, d] = dH · W1_e (W1 [E, n1, d] read as [E, K = n1, N = d]), contiguous rows.
+  GroupedGemmArgs gx;
+  gx.a = dh;
+  gx.lda = n1;
+  gx.a_rows = R;
+  gx.expert_offsets = r.expert_offsets;
+  gx.E = s.E;
+  gx.N = s.d;
+  gx.K = n1;
+  gx.w = r.w1;
+  gx.w_n_major = true;
+  gx.c = at<__nv_bfloat16>(w, S.dx_rows);
+  gx.ldc = s.d;
+  gx.epilogue = GemmEpilogue::Store;
+  gx.tile_offsets = tile_offsets;  // stream order: the dH kernel is done with it
+  grouped_gemm(gx, stream);
+
+  // 11. dx [T, d] = Σ_{pairs of t} dX~[pair_row] (no scores) (+ d_logits·Wr, the router's part).
+  if (r.router_d_logits) {
+    aggregate_with_router(r, static_cast<const __nv_bfloat16*>(gx.c), token_offsets, stream);
+    return;
+  }
+  aggregate(gx.c, DType::BF16, r.pair_row, token_offsets, nullptr, s.T, s.d, r.dx, DType::BF16, stream);
+}
+
+}  // namespace detail
+
+void experts_backward(const ExpertsProblem& p, const ExpertsBackwardArgs& a, cudaStream_t stream) {
+  constexpr const char* fn = "experts_backward";
+  detail::require_gpu_experts(p, fn);
+  require_arg(a.w1 && a.w2 && a.saved && a.dw1 && a.dw2 && a.workspace, fn, "w1/w2/saved/dw1/dw2/workspace",
+              "must not be null");
+  // x, dout and dx have T rows, the list and d_scores R: empty (possibly null) when 0.
+  require_arg(p.T == 0 || (a.x && a.dout && a.dx), fn, "x/dout/dx", "must not be null when T > 0");
+  require_arg(p.R == 0 || (a.pair_token && a.pair_expert && a.d_scores), fn, "pair_token/pair_expert/d_scores",
+              "must not be null when R > 0");
+  const bool b = p.has_bias;
+  require_arg((a.b1 != nullptr) == b && (a.b2 != nullptr) == b && (a.db1 != nullptr) == b && (a.db2 != nullptr) == b,
+              fn, "b1/b2/db1/db2", "must all be given exactly when has_bias");
+  require_arg(a.weight_grad_dtype == DType::BF16 || a.weight_grad_dtype == DType::FP32, fn, "weight_grad_dtype",
+              std::string("must be bfloat16 or float32, got ") + to_string(a.weight_grad_dtype));
+  require_arg((reinterpret_cast<uintptr_t>(a.saved) & 255) == 0 && (reinterpret_cast<uintptr_t>(a.workspace) & 255) == 0,
+              fn, "saved/workspace", "must be 256-byte aligned");
+  const void* rows[] = {a.x, a.w1, a.w2, a.dout, a.dx, a.b2};
+  for (const void* ptr : rows)
+    require_arg(ptr == nullptr || detail::aligned16(ptr), fn, "x/w1/w2/dout/dx/b2",
+                "must be 16-byte aligned (16-byte row vectors)");
+  const detail::ExpertsShape shape = detail::experts_shape(p);
+  if (p.T == 0 || p.R == 0) {  // no rows: every gradient is zero (d_scores is empty)
+    detail::zero_expert_gradients(shape, a.dw1, a.db1, a.dw2, a.db2, a.weight_grad_dtype, fn, stream);
+    if (p.T > 0)
+      check_cuda(cudaMemsetAsync(a.dx, 0, static_cast<size_t>(p.T * p.d) * 2, stream), "experts_backward: zero dx");
+    return;
+  }
+  const detail::ExpertsLayout L(p);
+  const void* s = a.saved;
+  detail::ExpertsBackwardRun r;
+  r.shape = shape;
+  r.list.expert = a.pair_expert;
+  r.list.token = a.pair_token;
+  r.list.scores = at<float>(s, L.scores);
+  r.list.pairs = p.R;
+  r.x = a.x, r.w1 = a.w1, r.w2 = a.w2, r.b2 = a.b2, r.dout = a.dout;
+  r.h = at<void>(s, L.h);
+  r.expert_offsets = at<int32_t>(s, L.expert_offsets);
+  r.row_pair = at<int32_t>(s, L.row_pair);
+  r.pair_row = at<int32_t>(s, L.pair_row);
+  r.token_offsets = at<int32_t>(s, L.token_offsets);
+  r.scratch = L.bwd;
+  r.workspace = a.workspace;
+  r.d_scores = a.d_scores;
+  r.dx = a.dx, r.dw1 = a.dw1, r.db1 = a.db1, r.dw2 = a.dw2, r.db2 = a.db2;
+  r.grad_dtype = a.weight_grad_dtype;
+  detail::experts_backward_run(r, stream);
+}
+
+}  // namespace machmoe

@@ -1,0 +1,101 @@
+// The expert part of a layer call, shared by the router-driven layer (layer.cu, layer_backward.cu)
+// and the experts on a general routing list (experts.cpp, experts_backward.cu): the routing list
+// -> metadata -> up-projection (H) -> down-projection -> aggregation, and its backward. The callers
+// own the blocks; these runs take pointers into them (host/layer/layer_layout.hpp). Nothing here checks
+// arguments: the public entry points have done that.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+
+#include "host/common/check.hpp"
+#include "host/layer/layer_layout.hpp"
+#include "machmoe/machmoe.hpp"
+
+namespace machmoe::detail {
+
+// Launch shape of the backward's small kernels (kernels/layer/layer_backward.cuh), shared by the layer's
+// and the general list's backward: 256 threads, and a grid of blocks covering `work` items at
+// `per_block` each, at least one (grid.x may reach 2^31 - 1).
+constexpr int kBackwardThreads = 256;
+constexpr int kBackwardWarpsPerBlock = kBackwardThreads / 32;
+inline unsigned blocks_for(int64_t work, int64_t per_block) {
+  return static_cast<unsigned>(std::max<int64_t>(ceil_div(work, per_block), 1));
+}
+
+// A routing list of `pairs` pairs in token order: pair p sends token token[p] to expert expert[p]
+// with weight scores[p]. A top-K list has no token array (token = p / K, pairs = T·K). `pairs` is
+// also the capacity of the rows (a rounded list's tail holds invalid pairs that get no row).
+struct PairList {
+  const int32_t* expert = nullptr;  // [pairs]
+  const int32_t* token = nullptr;   // [pairs], or null for a top-K list
+  const float* scores = nullptr;    // [pairs] fp32
+  int64_t pairs = 0;
+  int64_t K = 0;  // top-K lists only
+};
+
+struct ExpertsForwardRun {
+  ExpertsShape shape;
+  PairList list;
+  const void *x = nullptr, *w1 = nullptr, *b1 = nullptr, *w2 = nullptr, *b2 = nullptr;
+  void* out = nullptr;  // [T, d]
+  void* h = nullptr;    // [pairs, n1] (saved for the backward)
+  // Where the metadata goes (the saved block's or scratch); md.row_token is set by the run (scratch).
+  RoutingMetadataOutputs md;
+  ExpertsForwardScratch scratch;  // offsets into `workspace`
+  void* workspace = nullptr;
+};
+
+// Forward, T > 0 and pairs > 0: routing_metadata of the list, H [rows, n1] = x[row_token]·W1ᵀ (+b1)
+// with the GLU/activation epilogue (A scratch), Y = A·W2ᵀ (+b2), out = Σ scores·Y per token.
+// = experts_forward_metadata, then experts_forward_gemms; the layer runs its aux loss between the
+// two, while the router's partial sums are still in L2.
+void experts_forward_run(const ExpertsForwardRun& r, cudaStream_t stream);
+void experts_forward_metadata(const ExpertsForwardRun& r, cudaStream_t stream);
+void experts_forward_gemms(const ExpertsForwardRun& r, cudaStream_t stream);
+
+struct ExpertsBackwardRun {
+  ExpertsShape shape;
+  PairList list;
+  const void *x = nullptr, *w1 = nullptr, *w2 = nullptr, *b2 = nullptr, *dout = nullptr;
+  // What the forward saved.
+  const void* h = nullptr;
+  const int32_t *expert_offsets = nullptr, *row_pair = nullptr, *pair_row = nullptr;
+  // The per-token pair offsets [T+1] of a list with tokens. A top-K list's (t·K) are rebuilt into
+  // topk_token_offsets [T+1] (scratch) instead.
+  const int32_t* token_offsets = nullptr;
+  int32_t* topk_token_offsets = nullptr;
+  ExpertsBackwardScratch scratch;  // offsets into `workspace`
+  void* workspace = nullptr;
+  // Outputs: d_scores [pairs] fp32 (pair order); dx [T, d] bf16; weight and bias gradients in
+  // grad_dtype (db1/db2 only with biases).
+  float* d_scores = nullptr;
+  void *dx = nullptr, *dw1 = nullptr, *db1 = nullptr, *dw2 = nullptr, *db2 = nullptr;
+  DType grad_dtype = DType::BF16;
+  // The layer backward's router part, optional. after_scores runs on the stream once d_scores is
+  // written (the router backward: d_logits from d_scores); with router_d_logits set, the dx
+  // aggregation also adds the router's part d_logits [T, E] · router_weight [E, d] (bf16, fp32
+  // sums; kernels/layer/aggregate_router.cuh), so that dx is written once.
+  std::function<void()> after_scores;
+  const void* router_d_logits = nullptr;
+  const void* router_weight = nullptr;
+  int64_t router_E = 0;
+};
+
+// Whether the dx aggregation can add the router's part itself (experts_backward.cu): d % 8 == 0
+// (16-byte row vectors), E <= 256 (Wr's slice in shared memory), and dX~ [R, d] addressable by
+// 32-bit offsets in 16-byte units.
+bool router_dx_fusable(int64_t R, int64_t d, int64_t E);
+
+// Backward, T > 0 and pairs > 0 (docs/BACKWARD.md steps 1-3 and 7-11): rebuild row_token, the
+// dH kernel (dH, A', dS partials), d_scores, dW2, dW1, db2/db1, dX~ = dH·W1, dx = Σ dX~ per token.
+void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream);
+
+// Zeros for the expert weight and bias gradients (no rows: T = 0 or an empty list).
+void zero_expert_gradients(const ExpertsShape& s, void* dw1, void* db1, void* dw2, void* db2, DType grad_dtype,
+                           const char* fn, cudaStream_t stream);
+
+}  // namespace machmoe::detail

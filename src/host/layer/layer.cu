@@ -1,0 +1,129 @@
+// The layer forward on the GPU, end to end on the caller's stream, no host synchronisation:
+//   logits = x·Wrᵀ (cuBLAS, fp32 out) -> top-K router (or token rounding) -> the expert part
+//   (experts.cpp: routing metadata -> up-projection (gathered rows, GLU/activation epilogue: H saved,
+//   A scratch) -> down-projection (Y scratch) -> aggregation with scores); the aux loss runs between
+//   the metadata and the up-projection.
+// Buffers: host/layer/layer_layout.hpp. The backward is layer_backward.cu.
+#include <string>
+
+#include "host/common/check.hpp"
+#include "host/common/cublas_internal.hpp"
+#include "host/layer/experts_internal.hpp"
+#include "host/layer/layer_layout.hpp"
+#include "host/routing/routing_internal.hpp"
+#include "kernels/routing/aux_loss.cuh"
+#include "machmoe/machmoe.hpp"
+
+namespace machmoe {
+using detail::ceil_div;
+using detail::check_cuda;
+using detail::check_cublas;
+using detail::check_launch;
+using detail::LayerLayout;
+using detail::at;
+using detail::require_arg;
+
+namespace {
+
+// logits [T, E] fp32 = x [T, d] bf16 · Wrᵀ (Wr [E, d] bf16), fp32 accumulation. Column-major
+// view: logitsᵀ [E, T] = Wr · xᵀ. The workspace is ours, so the call is graph-capturable.
+void router_gemm(const void* x, const void* wr, float* logits, int64_t T, int64_t E, int64_t d, void* ws,
+                 size_t ws_bytes, cudaStream_t stream) {
+  cublasHandle_t h = detail::cublas_on(stream, ws, ws_bytes, "layer_forward");
+  const float alpha = 1.f, beta = 0.f;
+  check_cublas(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(E), static_cast<int>(T),
+                            static_cast<int>(d), &alpha, wr, CUDA_R_16BF, static_cast<int>(d), x, CUDA_R_16BF,
+                            static_cast<int>(d), &beta, logits, CUDA_R_32F, static_cast<int>(E),
+                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+               "layer_forward: router GEMM (cublasGemmEx)");
+}
+
+}  // namespace
+
+void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_t stream) {
+  constexpr const char* fn = "layer_forward";
+  detail::require_gpu_layer(p, fn);
+  require_arg(a.router_weight && a.w1 && a.w2 && a.aux_loss && a.saved && a.workspace, fn,
+              "router_weight/w1/w2/aux_loss/saved/workspace", "must not be null");
+  // x and out have T rows: empty (and so possibly null, as an empty framework tensor is) when T = 0.
+  require_arg(p.T == 0 || (a.x && a.out), fn, "x/out", "must not be null when T > 0");
+  require_arg((a.b1 == nullptr) == (a.b2 == nullptr) && (a.b1 != nullptr) == p.has_bias, fn, "b1/b2",
+              "must both be given exactly when has_bias");
+  require_arg(a.selection_bias == nullptr || p.routing == RoutingMethod::Sigmoid, fn, "selection_bias",
+              "is only used with routing=sigmoid");
+  require_arg((reinterpret_cast<uintptr_t>(a.saved) & 255) == 0 && (reinterpret_cast<uintptr_t>(a.workspace) & 255) == 0,
+              fn, "saved/workspace", "must be 256-byte aligned");
+  const LayerLayout L(p);
+  if (p.T == 0) {
+    check_cuda(cudaMemsetAsync(a.aux_loss, 0, sizeof(float), stream), "layer_forward: memset aux");
+    return;
+  }
+  void* s = a.saved;
+  void* w = a.workspace;
+  float* logits = at<float>(s, L.logits);
+  float* scores = at<float>(s, L.scores);
+  int32_t* experts = at<int32_t>(w, L.experts);  // workspace: the backward rebuilds it
+  int32_t* expert_offsets = at<int32_t>(s, L.expert_offsets);
+  const bool rounded = p.rounding != TokenRounding::None;
+  const int64_t R = L.R;  // T·K, or the rounded list's capacity (its length stays on the device)
+
+  router_gemm(a.x, a.router_weight, logits, p.T, p.E, p.d, at<void>(w, L.cublas), LayerLayout::kCublasWorkspace,
+              stream);
+  // The expert part runs on the list the router made: top-K (token = pair / K) or the rounded list
+  // (capacity rows, invalid past its length); `scores`/`experts` hold the list's scores and experts.
+  detail::ExpertsForwardRun r;
+  r.shape = detail::experts_shape(p);
+  r.list.expert = experts;
+  r.list.scores = scores;
+  r.list.pairs = R;
+  const int aux_blocks = static_cast<int>(ceil_div(p.T, LayerLayout::kAuxTokensPerBlock));
+  float* aux_partials = at<float>(w, L.aux_partials);
+  static_assert(LayerLayout::kAuxTokensPerBlock == detail::kRouterAuxTokens,
+                "the router kernel's aux partial sums use the aux loss's token blocks");
+  bool have_aux_partials = false;
+  if (!rounded) {
+    have_aux_partials = detail::topk_router_with_aux(logits, p.T, p.E, p.K, p.routing, p.renormalize,
+                                                     a.selection_bias, scores, experts, aux_partials, stream);
+    r.list.K = p.K;
+  } else {
+    TokenRoundingOutputs tr;
+    tr.topk_scores = at<float>(s, L.topk_scores);
+    tr.topk_experts = at<int32_t>(s, L.topk_experts);
+    tr.token = at<int32_t>(s, L.list_token);
+    tr.expert = experts;
+    tr.score = scores;
+    tr.padded = at<uint8_t>(s, L.list_padded);
+    tr.token_offsets = at<int32_t>(s, L.list_token_offsets);
+    tr.count_topk = at<int32_t>(s, L.count_topk);
+    tr.count_rounded = at<int32_t>(s, L.count_rounded);
+    token_rounding(logits, p.T, p.E, p.K, p.rounding, p.rounding_tile_m, a.seed, tr, at<void>(w, L.rounding),
+                   token_rounding_workspace_bytes(p.T, p.E, p.K), stream);
+    r.list.token = tr.token;
+  }
+  r.x = a.x, r.w1 = a.w1, r.b1 = a.b1, r.w2 = a.w2, r.b2 = a.b2;
+  r.out = a.out;
+  r.h = a.write_h ? at<void>(s, L.h) : nullptr;  // inference: H is not written
+  r.md.expert_offsets = expert_offsets;
+  r.md.row_pair = at<int32_t>(s, L.row_pair);
+  r.md.pair_row = at<int32_t>(s, L.pair_row);
+  r.md.token_offsets = at<int32_t>(w, L.token_offsets);
+  r.scratch = L.fwd;
+  r.workspace = w;
+  detail::experts_forward_metadata(r, stream);
+
+  // The aux loss needs the partial sums and the expert counts only: it runs before the expert
+  // GEMMs, while the partials (and the logits) are still in L2. One block that read them back
+  // from DRAM after the GEMMs took 7.8 µs on 7B-a (profile, session 14).
+  if (!have_aux_partials) {
+    kernels::aux_colsum_partial<LayerLayout::kAuxTokensPerBlock><<<aux_blocks, 256, 0, stream>>>(
+        logits, p.T, static_cast<int>(p.E), aux_partials);
+    check_launch("layer_forward: aux partial sums");
+  }
+  kernels::aux_finalize<1024><<<1, 1024, 0, stream>>>(aux_partials, aux_blocks, static_cast<int>(p.E),
+                                                      expert_offsets, at<float>(w, L.aux_colsum), a.aux_loss);
+  check_launch("layer_forward: aux loss");
+
+  detail::experts_forward_gemms(r, stream);
+}
+
+}  // namespace machmoe

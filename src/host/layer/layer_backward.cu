@@ -1,0 +1,182 @@
+// The layer backward on the GPU (docs/LAYER.md "Backward", docs/BACKWARD.md), end to end on the
+// caller's stream, no host synchronisation, no float atomics (bitwise deterministic):
+//   the expert part (experts_backward.cu: rebuild row_token / token_offsets -> dH kernel (dA' =
+//   dout·W2 gathered; epilogue: dH, A' = s·A, dS partials) -> d scores (+ ⟨dout, b2⟩) -> dW2, dW1
+//   (varlen-K GEMMs) -> db2, db1 -> dX~ = dH·W1 -> dx (aggregate)) and the router backward (top-K
+//   or token rounding) + aux backward -> d_logits -> dWr = d_logitsᵀ·x (cuBLAS), run between d
+//   scores and dW2 so that the dx aggregation adds the router's part d_logits·Wr itself (or, where
+//   it cannot: d % 8 != 0 or E > 256, after the expert part, with dx += d_logits·Wr by cuBLAS).
+// Reads only x, the weights and what layer_forward left in `saved`; scratch in the backward
+// workspace (host/layer/layer_layout.hpp).
+#include <algorithm>
+#include <string>
+
+#include "host/common/check.hpp"
+#include "host/common/cublas_internal.hpp"
+#include "host/layer/experts_internal.hpp"
+#include "host/layer/layer_layout.hpp"
+#include "kernels/routing/aux_loss.cuh"
+#include "kernels/layer/layer_backward.cuh"
+#include "machmoe/machmoe.hpp"
+
+namespace machmoe {
+using detail::at;
+using detail::ceil_div;
+using detail::check_cublas;
+using detail::check_cuda;
+using detail::check_launch;
+using detail::LayerLayout;
+using detail::require_arg;
+
+namespace {
+
+constexpr int kThreads = detail::kBackwardThreads;
+constexpr int kWarpsPerBlock = detail::kBackwardWarpsPerBlock;
+using detail::blocks_for;
+
+cudaDataType_t cuda_type(DType t) { return t == DType::FP32 ? CUDA_R_32F : CUDA_R_16BF; }
+
+void check_args(const LayerProblem& p, const LayerBackwardArgs& a) {
+  constexpr const char* fn = "layer_backward";
+  detail::require_gpu_layer(p, fn);
+  require_arg(a.router_weight && a.w1 && a.w2 && a.saved && a.d_router_weight && a.dw1 && a.dw2 && a.workspace, fn,
+              "router_weight/w1/w2/saved/d_router_weight/dw1/dw2/workspace", "must not be null");
+  // x, dout and dx have T rows: empty (and so possibly null, as an empty framework tensor is) when T = 0.
+  require_arg(p.T == 0 || (a.x && a.dout && a.dx), fn, "x/dout/dx", "must not be null when T > 0");
+  const bool b = p.has_bias;
+  require_arg((a.b1 != nullptr) == b && (a.b2 != nullptr) == b && (a.db1 != nullptr) == b && (a.db2 != nullptr) == b,
+              fn, "b1/b2/db1/db2", "must all be given exactly when has_bias");
+  require_arg(a.weight_grad_dtype == DType::BF16 || a.weight_grad_dtype == DType::FP32, fn, "weight_grad_dtype",
+              std::string("must be bfloat16 or float32, got ") + to_string(a.weight_grad_dtype));
+  require_arg((reinterpret_cast<uintptr_t>(a.saved) & 255) == 0 && (reinterpret_cast<uintptr_t>(a.workspace) & 255) == 0,
+              fn, "saved/workspace", "must be 256-byte aligned");
+  const void* rows[] = {a.x, a.router_weight, a.w1, a.w2, a.dout, a.dx, a.b2};
+  for (const void* ptr : rows)
+    require_arg(ptr == nullptr || detail::aligned16(ptr), fn, "x/router_weight/w1/w2/dout/dx/b2",
+                "must be 16-byte aligned (16-byte row vectors)");
+}
+
+}  // namespace
+
+void layer_backward(const LayerProblem& p, const LayerBackwardArgs& a, cudaStream_t stream) {
+  constexpr const char* fn = "layer_backward";
+  check_args(p, a);
+  const LayerLayout L(p);
+  const int64_t R = L.R;  // T·K, or the rounded list's capacity
+  if (p.T == 0) {  // no token: every gradient is zero (dx is empty)
+    check_cuda(cudaMemsetAsync(a.d_router_weight, 0, static_cast<size_t>(p.E * p.d * dtype_size(a.weight_grad_dtype)),
+                               stream),
+               "layer_backward: zero d_router_weight");
+    detail::zero_expert_gradients(detail::experts_shape(p), a.dw1, a.db1, a.dw2, a.db2, a.weight_grad_dtype, fn,
+                                  stream);
+    return;
+  }
+  const void* s = a.saved;
+  void* w = a.workspace;
+  const bool rounded = p.rounding != TokenRounding::None;
+  const float* logits = at<float>(s, L.logits);
+  const float* scores = at<float>(s, L.scores);  // [pairs] top-K scores or the rounded list's
+  const int32_t* expert_offsets = at<int32_t>(s, L.expert_offsets);
+  // Each pair's expert, rebuilt (not saved): the expert whose rows hold the pair's row.
+  int32_t* experts = at<int32_t>(w, L.b_experts);
+  kernels::bwd_pair_experts<kThreads><<<blocks_for(R, kThreads), kThreads, 0, stream>>>(
+      at<int32_t>(s, L.pair_row), expert_offsets, static_cast<int>(p.E), R, experts);
+  check_launch("layer_backward: pair experts");
+  float* d_scores = at<float>(w, L.d_scores);
+  float* d_logits = at<float>(w, L.d_logits);
+  auto* d_logits_bf16 = at<__nv_bfloat16>(w, L.d_logits_bf16);
+
+  // 1-3, 7-11. The expert part: d scores [pairs], dW2, dW1, db2, db1 and dx's expert part.
+  detail::ExpertsBackwardRun r;
+  r.shape = detail::experts_shape(p);
+  r.list.expert = experts;
+  r.list.token = rounded ? at<int32_t>(s, L.list_token) : nullptr;
+  r.list.scores = scores;
+  r.list.pairs = R;
+  r.list.K = p.K;
+  r.x = a.x, r.w1 = a.w1, r.w2 = a.w2, r.b2 = a.b2, r.dout = a.dout;
+  r.h = at<void>(s, L.h);
+  r.expert_offsets = expert_offsets;
+  r.row_pair = at<int32_t>(s, L.row_pair);
+  r.pair_row = at<int32_t>(s, L.pair_row);
+  // Pairs of token t: the rounded list's saved offsets, or t·K for top-K (rebuilt into scratch).
+  r.token_offsets = rounded ? at<int32_t>(s, L.list_token_offsets) : nullptr;
+  r.topk_token_offsets = rounded ? nullptr : at<int32_t>(w, L.b_token_offsets);
+  r.scratch = L.bwd;
+  r.workspace = w;
+  r.d_scores = d_scores;
+  r.dx = a.dx, r.dw1 = a.dw1, r.db1 = a.db1, r.dw2 = a.dw2, r.db2 = a.db2;
+  r.grad_dtype = a.weight_grad_dtype;
+  // 4-6, 12 (first half): the router backward, once d_scores exists. Where the dx aggregation can
+  // add the router's part d_logits·Wr itself (d % 8 == 0, E <= 256: router_dx_fusable), this runs
+  // inside the expert part, between d scores and the aggregation, and dx is written once;
+  // otherwise after it, and a cuBLAS GEMM adds the router's part to dx.
+  cublasHandle_t h = nullptr;
+  const int T = static_cast<int>(p.T), E = static_cast<int>(p.E), d = static_cast<int>(p.d);
+  // 6. bf16 copy of d_logits: the router GEMMs' operand (fp32 accumulation there). The top-K
+  //    router backward and the aux step write it with d_logits; after the token-rounding backward,
+  //    whose kernel writes fp32 only, this conversion pass makes it.
+  auto to_bf16 = [&] {
+    kernels::bwd_to_bf16<kThreads>
+        <<<blocks_for(p.T * p.E, kThreads * 4), kThreads, 0, stream>>>(d_logits, p.T * p.E, d_logits_bf16);
+    check_launch("layer_backward: d_logits to bf16");
+  };
+  auto router_backward = [&] {
+    // 4. Router backward: d scores -> d_logits [T, E] fp32 (every element written), and for top-K
+    //    its bf16 copy in the same pass (the aux step below rewrites both where it adds).
+    if (!rounded) {
+      detail::topk_router_backward_bf16(logits, scores, experts, d_scores, p.T, p.E, p.K, p.routing, p.renormalize,
+                                        d_logits, d_logits_bf16, stream);
+    } else {
+      token_rounding_backward(logits, at<float>(s, L.topk_scores), at<int32_t>(s, L.topk_experts), r.token_offsets,
+                              experts, at<uint8_t>(s, L.list_padded), d_scores, p.T, p.E, p.K, d_logits, stream);
+    }
+    // 5. Aux loss: d_logits += d_aux · ∂aux/∂logits. A host d_aux of 0 (and no device scalar) adds
+    //    nothing, so the kernels are skipped.
+    if (a.d_aux_device != nullptr || a.d_aux != 0.f) {
+      const int blocks = static_cast<int>(ceil_div(p.T, LayerLayout::kAuxTokensPerBlock));
+      float* partials = at<float>(w, L.b_aux_partials);
+      float* grad = at<float>(w, L.aux_grad);
+      kernels::aux_colsum_partial<LayerLayout::kAuxTokensPerBlock>
+          <<<blocks, kThreads, 0, stream>>>(logits, p.T, static_cast<int>(p.E), partials);
+      check_launch("layer_backward: aux partial sums");
+      kernels::bwd_aux_coefficients<1024><<<1, 1024, 0, stream>>>(partials, blocks, static_cast<int>(p.E),
+                                                                  expert_offsets, a.d_aux, a.d_aux_device, grad);
+      check_launch("layer_backward: aux coefficients");
+      // bwd_aux_apply returns at once when the loss has no gradient (grad[E] == 0, known on the
+      // device only), so the bf16 copy must exist before it.
+      if (rounded) to_bf16();
+      kernels::bwd_aux_apply<kThreads><<<blocks_for(p.T, kWarpsPerBlock), kThreads, 0, stream>>>(
+          logits, p.T, static_cast<int>(p.E), grad, d_logits, d_logits_bf16);
+      check_launch("layer_backward: aux backward");
+    } else if (rounded) {
+      to_bf16();
+    }
+    // 12. dWr (cuBLAS, bf16 operands, fp32 accumulation), column-major views of row-major arrays:
+    //     dWrᵀ [d, E] = xᵀ [d, T] · d_logits [T, E].
+    h = detail::cublas_on(stream, at<void>(w, L.b_cublas), LayerLayout::kCublasWorkspace, fn);
+    const float one = 1.f, zero = 0.f;
+    check_cublas(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, d, E, T, &one, a.x, CUDA_R_16BF, d, d_logits_bf16,
+                              CUDA_R_16BF, E, &zero, a.d_router_weight, cuda_type(a.weight_grad_dtype), d,
+                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                 "layer_backward: d_router_weight GEMM (cublasGemmEx)");
+  };
+  const bool fused_dx = detail::router_dx_fusable(L.R, p.d, p.E);
+  if (fused_dx) {
+    r.after_scores = router_backward;
+    r.router_d_logits = d_logits_bf16;
+    r.router_weight = a.router_weight;
+    r.router_E = p.E;
+  }
+  detail::experts_backward_run(r, stream);
+  if (fused_dx) return;
+  router_backward();
+  // 12 (second half). dxᵀ [d, T] += Wrᵀ [d, E] · d_logitsᵀ [E, T].
+  const float one = 1.f;
+  check_cublas(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, T, E, &one, a.router_weight, CUDA_R_16BF, d,
+                            d_logits_bf16, CUDA_R_16BF, E, &one, a.dx, CUDA_R_16BF, d, CUBLAS_COMPUTE_32F,
+                            CUBLAS_GEMM_DEFAULT),
+               "layer_backward: dx router GEMM (cublasGemmEx)");
+}
+
+}  // namespace machmoe

@@ -1,0 +1,238 @@
+// Where every buffer of a layer call (LayerLayout) and of an experts call on a general routing list
+// (ExpertsLayout) lives inside the caller's `saved` and `workspace` blocks. One definition for
+// plan_workspace (sizes) and the calls (pointers), so the two can never disagree. The expert
+// part's scratch (ExpertsForwardScratch / ExpertsBackwardScratch) is carved the same way in both.
+// All offsets are 256-byte aligned (TMA needs 128, 16-byte vectors need 16).
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "host/routing/routing_internal.hpp"
+#include "machmoe/machmoe.hpp"
+
+namespace machmoe::detail {
+
+// A running allocator over one block: offset of each sub-buffer, then the total.
+struct Carve {
+  size_t bytes = 0;
+  size_t take(size_t n) {
+    const size_t at = bytes;
+    bytes += align256(n);
+    return at;
+  }
+};
+
+// Typed pointer to the sub-buffer at byte offset `off` of a block.
+template <typename T>
+T* at(void* base, size_t off) {
+  return reinterpret_cast<T*>(static_cast<char*>(base) + off);
+}
+template <typename T>
+const T* at(const void* base, size_t off) {
+  return reinterpret_cast<const T*>(static_cast<const char*>(base) + off);
+}
+
+// The data rules of the GPU kernels: bf16 data, 16-byte rows.
+inline void require_gpu_data(DType dtype, int64_t d, int64_t n, const char* fn) {
+  if (dtype != DType::BF16)
+    throw Error(ErrorCode::Unsupported,
+                std::string(fn) + ": the GPU layer runs in bfloat16, got dtype=" + to_string(dtype));
+  if (d % 8 != 0 || n % 8 != 0)
+    throw Error(ErrorCode::Unsupported, std::string(fn) + ": d and n must be multiples of 8 (16-byte rows), got d=" +
+                                            std::to_string(d) + ", n=" + std::to_string(n));
+}
+
+// The problem rules of the GPU layer (forward and backward), beyond validate(): the data rules,
+// at most 32 experts per token with token rounding.
+inline void require_gpu_layer(const LayerProblem& p, const char* fn) {
+  validate(p);
+  require_arg(p.rounding == TokenRounding::None || p.K <= 32, fn, "K", "must be <= 32 with token rounding");
+  require_gpu_data(p.dtype, p.d, p.n, fn);
+}
+
+// The same for the experts on a general routing list: validate() and the data rules.
+inline void require_gpu_experts(const ExpertsProblem& p, const char* fn) {
+  validate(p);
+  require_gpu_data(p.dtype, p.d, p.n, fn);
+}
+
+// The shapes the expert part of a layer call needs (from a LayerProblem or an ExpertsProblem).
+struct ExpertsShape {
+  int64_t T = 0, d = 0, n = 0, n1 = 0, E = 0;  // n1 = columns of H (2n for GLU activations)
+  Activation activation = Activation::SwiGLU;
+  GateUpLayout layout = GateUpLayout::Interleaved;
+  bool has_bias = false;
+  size_t elem = 2;  // bytes per element of x, the weights, H, A, Y (bf16 on the GPU)
+};
+template <typename Problem>  // LayerProblem or ExpertsProblem
+ExpertsShape experts_shape(const Problem& p) {
+  ExpertsShape s;
+  s.T = p.T, s.d = p.d, s.n = p.n, s.n1 = is_glu(p.activation) ? 2 * p.n : p.n, s.E = p.E;
+  s.activation = p.activation, s.layout = p.layout, s.has_bias = p.has_bias;
+  s.elem = static_cast<size_t>(dtype_size(p.dtype));
+  return s;
+}
+
+// The expert part's forward scratch for R rows (bf16 data): the gather index row -> token [R],
+// A [R, n], Y [R, d], the routing metadata's workspace and the GEMMs' tile offsets [E+1].
+struct ExpertsForwardScratch {
+  size_t row_token = 0, a = 0, y = 0, metadata = 0, tile_offsets = 0;
+  void carve(Carve& f, const ExpertsShape& s, int64_t R) {
+    const size_t r = static_cast<size_t>(R), es = s.elem;
+    row_token = f.take(r * 4);
+    a = f.take(r * static_cast<size_t>(s.n) * es);
+    y = f.take(r * static_cast<size_t>(s.d) * es);
+    metadata = f.take(routing_metadata_workspace_bytes(s.T, s.E));
+    tile_offsets = f.take((static_cast<size_t>(s.E) + 1) * 4);
+  }
+};
+
+// The expert part's backward scratch for R rows (host/layer/experts_backward.cu): the rebuilt gather
+// index, the dH kernel's outputs (dH, A' = s·A, dS partials), dX~, the GEMMs' tile offsets, and
+// with biases the per-chunk partial sums of db1/db2.
+struct ExpertsBackwardScratch {
+  // Rows per partial sum of the bias gradients: experts' rows are cut into chunks of this many,
+  // each chunk summed by one block, the chunks of an expert then added in order.
+  static constexpr int kBiasChunkRows = 256;
+  size_t row_token = 0, dh = 0, a_prime = 0, dx_rows = 0, ds_partial = 0, tile_offsets = 0;
+  size_t bias_chunk_prefix = 0, bias_partials = 0;  // has_bias only
+  int64_t ds_tiles = 0;     // column tiles of the dH kernel: the row stride of ds_partial
+  int64_t bias_chunks = 0;  // rows of bias_partials (upper bound of Σ_e ceil(rows_e / kBiasChunkRows))
+  void carve(Carve& b, const ExpertsShape& s, int64_t R) {
+    const size_t r = static_cast<size_t>(R), es = s.elem;
+    row_token = b.take(r * 4);                                   // [R] row -> token
+    dh = b.take(r * static_cast<size_t>(s.n1) * es);             // [R, n1] dH
+    a_prime = b.take(r * static_cast<size_t>(s.n) * es);         // [R, n] A' = s·act(H)
+    dx_rows = b.take(r * static_cast<size_t>(s.d) * es);         // [R, d] dX~ = dH·W1
+    ds_tiles = grouped_gemm_column_tiles(s.n);
+    ds_partial = b.take(r * static_cast<size_t>(ds_tiles) * 4);  // [R, ds_tiles] fp32
+    tile_offsets = b.take((static_cast<size_t>(s.E) + 1) * 4);
+    if (s.has_bias) {
+      bias_chunks = ceil_div(R, kBiasChunkRows) + s.E;
+      const size_t cols = static_cast<size_t>(std::max<int64_t>(s.d, s.n1));
+      bias_chunk_prefix = b.take((static_cast<size_t>(s.E) + 1) * 4);     // [E+1] first chunk of each expert
+      bias_partials = b.take(static_cast<size_t>(bias_chunks) * cols * 4);  // [chunks, max(d, n1)]
+    }
+  }
+};
+
+// The blocks of experts_forward / experts_backward (a general routing list of R pairs).
+struct ExpertsLayout {
+  int64_t R = 0;
+  // saved: H, the scores (a copy: the backward reads them from here), the metadata the backward
+  // needs, and the list's per-token pair offsets (the aggregation of dX~ reads them).
+  size_t h, scores, expert_offsets, row_pair, pair_row, token_offsets;
+  size_t saved_bytes;
+  ExpertsForwardScratch fwd;
+  size_t forward_bytes;
+  ExpertsBackwardScratch bwd;  // d_scores is the caller's output
+  size_t backward_bytes;
+
+  explicit ExpertsLayout(const ExpertsProblem& p) {
+    const ExpertsShape sh = experts_shape(p);
+    R = p.R;
+    const size_t r = static_cast<size_t>(R), T = static_cast<size_t>(p.T), E = static_cast<size_t>(p.E);
+    Carve s;
+    h = s.take(r * static_cast<size_t>(sh.n1) * sh.elem);  // [R, n1]
+    scores = s.take(r * 4);                                // [R] fp32
+    expert_offsets = s.take((E + 1) * 4);
+    row_pair = s.take(r * 4);
+    pair_row = s.take(r * 4);
+    token_offsets = s.take((T + 1) * 4);
+    saved_bytes = s.bytes;
+    Carve f;
+    fwd.carve(f, sh, R);
+    forward_bytes = f.bytes;
+    Carve b;
+    bwd.carve(b, sh, R);
+    backward_bytes = b.bytes;
+  }
+};
+
+struct LayerLayout {
+  int64_t R = 0;   // rows the experts may run on (T·K for top-K)
+  int64_t n1 = 0;  // columns of H
+  // saved (forward -> backward): SPEC §1's X-free minimum: H, 12 bytes per routed pair (scores,
+  // row -> pair, pair -> row), the expert offsets and the logits. Everything else is derivable and
+  // lives in the forward's workspace only: the gather index row -> token and the per-token pair
+  // offsets (pair / K and t·K for top-K; the rounded list saves its own tokens and offsets), and
+  // each pair's expert (the expert whose rows hold the pair's row; the backward rebuilds it).
+  size_t h, scores, expert_offsets, row_pair, pair_row, logits;
+  // token rounding only: the rounded list's tokens and padded flags, the top-K it started from,
+  // its per-token offsets and the per-expert counts before/after
+  size_t list_token = 0, list_padded = 0, topk_scores = 0, topk_experts = 0, list_token_offsets = 0,
+         count_topk = 0, count_rounded = 0;
+  size_t saved_bytes;
+  size_t inference_saved_bytes;  // everything before H (carved last): enough when H is not written
+  // forward workspace: the expert part's scratch (gather index, A, Y, metadata, tile offsets),
+  // the aggregation's pair offsets, the aux loss's partial sums, cuBLAS, token rounding
+  ExpertsForwardScratch fwd;
+  size_t experts, token_offsets, aux_partials, aux_colsum, cublas, rounding = 0;
+  size_t forward_bytes;
+  // backward workspace: the expert part's scratch (host/layer/experts_backward.cu), the top-K list's
+  // token offsets t·K, the d scores, the router's gradients and scratch (layer_backward.cu)
+  ExpertsBackwardScratch bwd;
+  size_t b_experts, b_token_offsets, d_scores, d_logits, d_logits_bf16, b_cublas, b_aux_partials, aux_grad;
+  size_t backward_bytes;
+
+  static constexpr int kAuxTokensPerBlock = 64;
+  static constexpr size_t kCublasWorkspace = size_t{4} << 20;
+
+  explicit LayerLayout(const LayerProblem& p) {
+    const ExpertsShape sh = experts_shape(p);
+    R = p.T * p.K;
+    if (p.rounding != TokenRounding::None) R = std::min(R + p.E * (p.rounding_tile_m - 1), p.T * p.E);
+    n1 = sh.n1;
+    const size_t es = static_cast<size_t>(dtype_size(p.dtype));
+    const size_t r = static_cast<size_t>(R), T = static_cast<size_t>(p.T), E = static_cast<size_t>(p.E);
+    Carve s;
+    scores = s.take(r * 4);                         // [T*K] fp32 (or [R] for a rounded list)
+    expert_offsets = s.take((E + 1) * 4);
+    row_pair = s.take(r * 4);
+    pair_row = s.take(r * 4);
+    logits = s.take(T * E * 4);  // [T, E] fp32: the aux loss and some routings need the softmax
+    const bool rounded = p.rounding != TokenRounding::None;
+    if (rounded) {
+      const size_t tk = T * static_cast<size_t>(p.K);
+      list_token = s.take(r * 4);
+      list_padded = s.take(r);
+      topk_scores = s.take(tk * 4);
+      topk_experts = s.take(tk * 4);
+      list_token_offsets = s.take((T + 1) * 4);
+      count_topk = s.take((E + 1) * 4);
+      count_rounded = s.take(E * 4);
+    }
+    // H last, so that inference (layer_forward with write_h = false) needs only what precedes it.
+    inference_saved_bytes = s.bytes;
+    h = s.take(r * static_cast<size_t>(n1) * es);  // [R, n1]
+    saved_bytes = s.bytes;
+
+    Carve f;
+    fwd.carve(f, sh, R);
+    experts = f.take(r * 4);              // [pairs] int32: the router's (or rounded list's) experts
+    token_offsets = f.take((T + 1) * 4);  // [T+1] the aggregation's pair offsets
+    const size_t aux_blocks = static_cast<size_t>(ceil_div(std::max<int64_t>(p.T, 1), kAuxTokensPerBlock));
+    aux_partials = f.take(aux_blocks * E * 4);
+    aux_colsum = f.take(E * 4);
+    cublas = f.take(kCublasWorkspace);
+    if (rounded) rounding = f.take(token_rounding_workspace_bytes(p.T, p.E, p.K));
+    forward_bytes = f.bytes;
+
+    Carve b;
+    bwd.carve(b, sh, R);
+    b_experts = b.take(r * 4);              // [pairs] int32, rebuilt from pair_row
+    b_token_offsets = b.take((T + 1) * 4);  // [T+1] t·K (top-K; rounding has its own)
+    d_scores = b.take(r * 4);               // [R] fp32, pair order
+    d_logits = b.take(T * E * 4);           // [T, E] fp32
+    d_logits_bf16 = b.take(T * E * 2);      // [T, E] bf16, cuBLAS operand
+    b_cublas = b.take(kCublasWorkspace);
+    b_aux_partials = b.take(aux_blocks * E * 4);  // [aux blocks, E] fp32 column sums of P
+    aux_grad = b.take((E + 1) * 4);               // [E] ∂loss/∂colsum, then a skip flag
+    backward_bytes = b.bytes;
+  }
+};
+
+}  // namespace machmoe::detail

@@ -1,0 +1,53 @@
+// Routing internals shared by the launchers: the layout of routing_metadata's workspace (also
+// read by token rounding, which uses the bit matrix the metadata pass leaves behind: bit (e, t)
+// set <=> token t routed to expert e), and the top-K router with the aux loss's partial sums.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "host/common/check.hpp"
+#include "machmoe/machmoe.hpp"
+
+namespace machmoe::detail {
+
+inline size_t align256(size_t v) { return (v + 255) / 256 * 256; }
+
+// [bits E x W u32 | done counter u32 | duplicate flag u32 | pad] [word prefix E x W i32]
+// [totals E i32] [tile flags W i32]
+// General path: the bits and the two flags are zeroed by one memset at the start of the call.
+// Tiled top-K path: no memset; the prefix region holds the tile counts [tiles, E] (tiles <= W) and
+// the tile flags region one duplicate flag per tile. Either way the bits are all written.
+struct MetadataWorkspace {
+  size_t bits_bytes, counter_offset, prefix_offset, total_offset, tile_flag_offset, bytes;
+  MetadataWorkspace(int64_t T, int64_t E) {
+    const size_t W = static_cast<size_t>(ceil_div(T, 32));
+    const size_t words = static_cast<size_t>(E) * W;
+    bits_bytes = words * 4;
+    counter_offset = bits_bytes;
+    prefix_offset = align256(counter_offset + 8);
+    total_offset = prefix_offset + align256(words * 4);
+    tile_flag_offset = total_offset + align256(static_cast<size_t>(E) * 4);
+    bytes = tile_flag_offset + align256(W * 4);
+  }
+};
+
+// topk_router, and where the kernel can (E <= 256, K <= 32) also the aux loss's column sums of
+// softmax(logits) per 64 tokens into aux_partials [ceil(T / 64), E] (kernels/routing/aux_loss.cuh's
+// aux_colsum_partial layout) in the same pass. Returns whether it wrote them; if not, the caller
+// runs aux_colsum_partial.
+constexpr int kRouterAuxTokens = 64;  // tokens per block of aux_partials
+bool topk_router_with_aux(const float* logits, int64_t T, int64_t E, int64_t K, RoutingMethod method,
+                          bool renormalize, const float* selection_bias, float* scores, int32_t* experts,
+                          float* aux_partials, cudaStream_t stream);
+
+// topk_router_backward that also writes the bf16 copy of d_logits (d_logits_bf16 [T, E]) in the
+// same pass: the layer backward's router GEMMs take it, without a separate conversion kernel.
+void topk_router_backward_bf16(const float* logits, const float* scores, const int32_t* experts,
+                               const float* d_scores, int64_t T, int64_t E, int64_t K, RoutingMethod method,
+                               bool renormalize, float* d_logits, __nv_bfloat16* d_logits_bf16, cudaStream_t stream);
+
+}  // namespace machmoe::detail

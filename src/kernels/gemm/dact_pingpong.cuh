@@ -1,0 +1,250 @@
+// Kernel family 6 of SPEC §2 (the dH kernel: dA' = dout[gathered] · W2, then the dH epilogue of
+// gemm/epilogue_dact.cuh) as a ping-pong grouped GEMM: one 128 x 128 tile per consumer
+// warpgroup, SonicMoE's arrangement for this kernel. The default where d = K <= 2048
+// (host/gemm/grouped_gemm.cu, kDhPingPongWhere; MACHMOE_DH_PINGPONG=0/1 overrides).
+//
+// Measured (session 27, H100 kernel table): 5-6.5% faster than the cooperative kernel at d = 768
+// and 1536 (7B-a 0.529-0.541 ms against 0.568-0.580), 7-9% slower at d = 4096. Timing probes at
+// 7B-a: without its wgmmas it takes 93% of its time, so its loads and the epilogue's traffic bound
+// it (docs/PERF.md, session 27).
+//
+// Why (session 25, Nsight Compute on the H100): SonicMoE's dH at 7B-a takes 1.14x fewer cycles
+// than our cooperative kernel (128 x 256 tiles, both consumer warpgroups on one tile). Ours
+// already runs the dH epilogue in slices under the next tile's wgmmas, but at every tile
+// boundary both warpgroups drain and stage at once while the tensor cores idle. Here each
+// consumer warpgroup owns a whole tile, so its drain, staging and whole epilogue (H loads, dH and
+// A' stores, the dS partials) run while the other warpgroup's wgmmas run. The dO rows are gathered
+// per 128 columns instead of per 256 (twice the cp.async requests per FLOP: session 9 found the
+// request count bounds the gathered GEMMs; SonicMoE pays the same and is faster).
+//
+//   warpgroup 0, the loaders (as the cooperative kernel's with a gather): every thread decodes the
+//     static tile schedule t = blockIdx.x, blockIdx.x + gridDim.x, ...; thread 0 publishes each
+//     tile into a ring (then two stop signals, one per consumer) and issues the TMA loads of W2's
+//     two {64 N, 64 K} boxes per stage; all 128 threads copy the tile's dO rows [128 x 64 K] by
+//     16-byte cp.async, 8 rows each, row offsets held in registers for the whole tile.
+//   warpgroups 1 and 2: consumer c takes the CTA's tiles n = c, c + 2, ... from the ring. Turns as
+//     in gemm/pingpong.cuh: wait for the turn (named barrier 4 + c), issue the tile's
+//     wgmmas (two m64n128k16 chains: 128 fp32 accumulators per thread), hand the turn on after the
+//     last K block's wgmmas are issued, then drain, stage the bf16 dA' tile [128 x 128] and the
+//     rows' scores in the warpgroup's own buffer, and run the dH epilogue over its 128 rows
+//     (DactPipe, two groups of loads in flight).
+// A stage is released by the one consumer that read it; every output element, and each row's dS
+// partial of the tile's 128 columns, is written once by one thread: deterministic.
+//
+// Session 28 (H100): the main loop is short of stages at d <= 1536. Without the two staging
+// buffers (six stages instead of four, epilogue skipped) it ran 29% faster at 7B-a, as fast as
+// its loads alone. Two ways to free the buffers were correct and slower: the epilogue straight
+// from the accumulators (7-21%), and staging in 64-row halves with five stages (2-6%). With 128
+// accumulators under the 168-register cap, either leaves the epilogue too few loads in flight
+// to stay under the other consumer's main loop (patches in results/session28/).
+// Session 30 (H100): five stages with both staging buffers kept, by staging dA' in the boxed
+// (swizzled) layout instead of padded rows (32 KB a buffer, not 34) and keeping at most 384
+// experts' tile offsets in shared memory. 7B-a 0.500-0.504 ms against four stages' 0.514-0.517
+// (Nsight Compute: 5% fewer cycles, long-scoreboard stalls 3.7 against 4.9 per issue), 7B-b
+// within noise (0.475-0.501 against 0.498-0.534), 1.4B-a unchanged (its 12 K blocks leave the
+// epilogue the bound). Predicted 0-10%.
+// Measured and removed (session 28, H100): the same kernel in CTA pairs, each CTA loading one of
+// W2's two boxes per stage and multicasting it to both (SonicMoE's cluster of two; half the
+// weights' L2->SM bytes). 4-12% slower at d <= 1536 and 11% slower at 30B-b than one CTA alone.
+// Measured and removed (sessions 28-30, H100): the epilogue from the accumulators with H loaded
+// and dH / A' stored by TMA through sub-tile buffers (SonicMoE's epilogue), five stages: correct,
+// 20-27% slower at d <= 1536. It read 1.27-1.34 GB from DRAM against this kernel's 0.87 for the
+// same bytes asked of L2; four stages, H loaded after the main loop, and L2 hints did not bring
+// that down (docs/PERF.md, sessions 29 and 30).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "kernels/gemm/cooperative.cuh"
+#include "kernels/gemm/pingpong.cuh"  // pingpong_mainloop
+
+namespace machmoe::kernels {
+
+constexpr int kDactPPBN = 128;  // two m64n128 chains per consumer
+constexpr int kDactPPGroup = 2;  // epilogue items (16 columns each) per thread per load group
+// Experts whose tile offsets this kernel keeps in shared memory (the host builds the global table
+// above that): fewer than the engine's kGemmSmemTileE, so that five stages fit.
+constexpr int kDactPPSmemTileE = 384;
+
+// (Session 27 also ran the two consumers through one buffer taken in turn, for a fifth stage: no
+// faster at d <= 1536, 11% slower at 30B-b; removed.)
+struct GemmDactPingPongSmem {
+  static constexpr int BN = kDactPPBN;
+  static constexpr int kABytes = kGemmBM * kGemmBK * 2;  // 16 KB of gathered dO rows
+  static constexpr int kBBytes = BN * kGemmBK * 2;       // 16 KB: two {64 N, 64 K} boxes of W2
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  // A consumer's staged dA' tile [128 rows][BN], boxed (epi_chunk_offset<.., kBoxed>: two
+  // [128][64] boxes, 128-byte swizzle; conflict-free both ways) rather than padded: 32 KB, not 34.
+  static constexpr int kEpiBufBytes = 128 * BN * 2;
+  static constexpr int kScaleBytes = 128 * 4;                     // its rows' scores
+#if MACHMOE_GEMM_PROBE_EXTRA_STAGE
+  // Probe build only (wrong results): no staging buffers, so more stages (7 instead of 5), and the
+  // kernel skips its epilogue: what the main loop would gain from an epilogue without them.
+  static constexpr int kEpiBytes = 0;
+#else
+  static constexpr int kEpiBytes = 2 * (kEpiBufBytes + kScaleBytes);
+#endif
+  static constexpr bool kNoEpilogue = kEpiBytes == 0;
+  static constexpr int kBudget = 227 * 1024;
+  // Barriers, the ring and the tile table, with no alignment slack: the kernel declares its dynamic
+  // shared memory 1024-byte aligned, so the layout's round-up is zero. Five stages take the budget
+  // to the byte: 5 x 32 KB + 2 x (32 KB + 512) + 2 KB = 227 KB.
+  static constexpr int kFixed = 2048;
+  static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / kStageBytes;
+  static constexpr int kBytes = kStages * kStageBytes + kEpiBytes + kFixed;
+  static_assert(kStages >= 3 && kStages < kTileRing, "stages");
+  static_assert(kNoEpilogue || kStages == 5, "the boxed staging exists for the fifth stage");
+  static_assert((2 * kStages + 2 * kTileRing) * 8 + kTileRing * 16 + (kDactPPSmemTileE + 1) * 4 <= kFixed,
+                "fixed shared-memory area too small");
+};
+
+// EPI: kEpiDGluInter, kEpiDGluConcat or kEpiDAct. A = dout [T, K] gathered through p.gather
+// (always: the dH GEMM's rows are routed tokens); W2 [E, K, N] N-major through tmap_b {N, K, E}.
+template <int EPI>
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    sm90_grouped_gemm_dact_pingpong(const __grid_constant__ CUtensorMap tmap_b, const GroupedGemmParams p) {
+  static_assert(gemm_epi_is_dact(EPI), "the dH epilogues only");
+  using Smem = GemmDactPingPongSmem;
+  constexpr int BN = kDactPPBN;
+  constexpr int S = Smem::kStages;
+  // 1024-byte aligned as declared (the 128-byte swizzle's atom), so that the layout's round-up
+  // folds away: Smem::kFixed has no slack for it. (Its own name: declared as smem_raw, the
+  // alignment reached every kernel of the unit and made ptxas spill 8 bytes in four cooperative
+  // GEMMs, session 29.)
+  extern __shared__ __align__(1024) uint8_t dact_pingpong_smem[];
+  const PingPongSmemLayout<Smem> lay(dact_pingpong_smem);
+  uint8_t *smem_a = lay.smem_a, *smem_b = lay.smem_b;
+  uint8_t* epi = lay.epi;  // [2][kEpiBufBytes], then [2][128] scores
+  float* scales = reinterpret_cast<float*>(epi + 2 * Smem::kEpiBufBytes);
+  uint64_t *full = lay.full, *empty = lay.empty, *tile_full = lay.tile_full, *tile_empty = lay.tile_empty;
+  GemmTile* ring = lay.ring;
+  int32_t* tile_table = lay.tile_table;
+
+  constexpr int kLoaders = 128;
+  const int wg = sm90::warpgroup_index(), tid = threadIdx.x % 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      sm90::mbar_init(&full[s], kLoaders + 1);  // the loaders' cp.async arrivals + thread 0's expect_tx
+      sm90::mbar_init(&empty[s], 1);            // the consumer that read it
+    }
+    for (int r = 0; r < kTileRing; ++r) {
+      sm90::mbar_init(&tile_full[r], 1);      // loader thread 0
+      sm90::mbar_init(&tile_empty[r], 128);   // the consumer warpgroup that took the slot
+    }
+    sm90::mbar_fence_init();
+    sm90::tma_prefetch_descriptor(&tmap_b);
+  }
+  if (p.E <= kDactPPSmemTileE && threadIdx.x >= 32 && threadIdx.x < 64) gemm_tile_offsets_warp(p, tile_table);
+  __syncthreads();
+  const int32_t* tiles = gemm_tile_table<kDactPPSmemTileE>(p, tile_table);
+  const int total_tiles = tiles[p.E];
+  const int k_blocks = (p.K + kGemmBK - 1) / kGemmBK;
+
+  if (wg == 0) {
+    // ------------------------------------------------------------ loaders
+    sm90::setmaxnreg_dec<gemm_producer_regs<EPI>()>();
+    GemmGatherRows<kLoaders> rows;  // this thread's dout rows of the tile
+    auto publish = [&](int n, const GemmTile& tile) {
+      const int slot = n % kTileRing;
+      sm90::mbar_wait(&tile_empty[slot], ((n / kTileRing) & 1) ^ 1);
+      ring[slot] = tile;
+      sm90::mbar_arrive(&tile_full[slot]);
+    };
+    for (int t = blockIdx.x, n = 0, it = 0;; t += gridDim.x, ++n) {
+      const bool done = t >= total_tiles;
+      const GemmTile tile = done ? GemmTile{-1, 0, 0, 0} : gemm_decode_tile<kGemmBM, kDactGroupM>(p, tiles, t, BN);
+      if (tid == 0) {
+        publish(n, tile);
+        if (done) publish(n + 1, GemmTile{-2, 0, 0, 0});  // the other consumer's stop signal
+      }
+      if (done) break;
+      rows.load(p, tile, tid);  // (~0 past the expert's end)
+      for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+        const int itu = sm90::warp_uniform(it), s = itu % S;  // (uniform registers: sm90::warp_uniform)
+        sm90::mbar_wait(&empty[s], ((itu / S) & 1) ^ 1);
+        uint8_t* a_stage = smem_a + s * Smem::kABytes;
+        uint8_t* b_stage = smem_b + s * Smem::kBBytes;
+        const int k0 = kb * kGemmBK;
+        if (gemm_probe(p, 4)) {  // timing probe: no loads, the stage is "full" at once (stale data)
+          if (tid == 0) sm90::mbar_arrive(&full[s]);
+          sm90::cp_async_arrive_noinc(&full[s]);
+          continue;
+        }
+        if (tid == 0) {
+          sm90::mbar_arrive_expect_tx(&full[s], Smem::kBBytes);
+#pragma unroll
+          for (int h = 0; h < BN / 64; ++h)  // [64 K rows][64 N] blocks, 8 KB apart
+            sm90::tma_load_3d(b_stage + h * 64 * 128, &tmap_b, &full[s], tile.n0 + 64 * h, k0, tile.e);
+        }
+        rows.copy(p, a_stage, tid, k0, GemmGatherRows<kLoaders>::kRows);
+        sm90::cp_async_arrive_noinc(&full[s]);
+      }
+    }
+  } else {
+    // ------------------------------------------------------------ consumers
+    sm90::setmaxnreg_inc<gemm_consumer_regs<EPI>()>();
+    auto release = [&](int s) { sm90::mbar_arrive(&empty[s]); };  // by one thread
+    const int c = wg - 1;
+    uint8_t* buf = epi + c * Smem::kEpiBufBytes;
+    float* scale = scales + c * 128;
+    constexpr int kTurn = 4;  // named barriers 4 (consumer 0's turn) and 5 (consumer 1's); 2, 3: per warpgroup
+    if (c == 1) sm90::named_barrier_arrive(kTurn + 0, 256);  // consumer 0 goes first
+    for (int n = c;; n += 2) {
+      const int slot = n % kTileRing;
+      sm90::mbar_wait(&tile_full[slot], (n / kTileRing) & 1);
+      const GemmTile tile = ring[slot];
+      sm90::mbar_arrive(&tile_empty[slot]);
+      // (the turn protocol of gemm/pingpong.cuh: the first stop signal takes the turn
+      // handed to it, the second has none; a stage is waited on only after taking the turn)
+      if (tile.e != -2) sm90::named_barrier_sync(kTurn + c, 256);
+      if (tile.e < 0) break;
+      DactRowScale rs[2];
+      rs[0].load_pairs(p, tile, 0);
+      rs[1].load_pairs(p, tile, 1);
+      float acc[2][BN / 2];
+      const int prev_stage = pingpong_mainloop<BN, true, true, S, Smem::kABytes, Smem::kBBytes>(
+          p, acc, smem_a, smem_b, n, k_blocks, [&](int s, uint32_t parity) { sm90::mbar_wait(&full[s], parity); },
+          release, [&](int kb) {
+            if (kb == 0) {
+              rs[0].load_scores(p);
+              rs[1].load_scores(p);
+            }
+          });
+      sm90::named_barrier_arrive(kTurn + (c ^ 1), 256);  // the other consumer's turn
+      sm90::wgmma_wait<0>();
+      sm90::fence_accumulators(acc[0]);
+      sm90::fence_accumulators(acc[1]);
+      if (prev_stage >= 0 && tid == 0) release(prev_stage);
+      if (gemm_probe(p, 1) || Smem::kNoEpilogue) continue;  // timing probe: no epilogue
+
+      // The epilogue, under the other consumer's wgmmas. Every thread of this warpgroup is done
+      // reading the buffer (its previous tile's epilogue) before it is overwritten.
+      sm90::named_barrier_sync(2 + c, 128);
+      gemm_stage_out<BN, EPI, 128, true>(p, tile, 0, acc[0], buf);  // rows 0-63
+      gemm_stage_out<BN, EPI, 128, true>(p, tile, 1, acc[1], buf);  // rows 64-127
+      rs[0].stage(scale, 0);
+      rs[1].stage(scale, 1);
+      sm90::named_barrier_sync(2 + c, 128);
+      // Items (row, two 8-column chunks) of the tile's rows; `end` in whole warps (every lane of a
+      // row's warp runs the dS shuffle). Two load groups in flight: the next group's H loads
+      // are issued before this group is computed.
+      using Pipe = DactPipe<BN, EPI, kDactPPGroup, true>;
+      const int items = tile.rows * Pipe::kItemsPerRow, end = Pipe::end_of(items);
+      constexpr int kStep = kDactPPGroup * 128;
+      Pipe pa, pb;
+      int next = tid;
+      if (next < end) pa.load(p, tile, 0, items, next, 128);
+      while (next < end) {
+        if (next + kStep < end) pb.load(p, tile, 0, items, next + kStep, 128);
+        pa.compute(p, tile, buf, scale, 0, items, end, next, 128);
+        next += kStep;
+        if (next >= end) break;
+        if (next + kStep < end) pa.load(p, tile, 0, items, next + kStep, 128);
+        pb.compute(p, tile, buf, scale, 0, items, end, next, 128);
+        next += kStep;
+      }
+    }
+  }
+}
+
+}  // namespace machmoe::kernels
