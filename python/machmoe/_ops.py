@@ -1,9 +1,14 @@
 """Loads libmachmoe_torch.so, which registers the `torch.ops.machmoe.*` ops (docs/OPS.md).
 
-Search order: $MACHMOE_LIBRARY_DIR (the development build sets it to build/lib), then this
-package's directory (pip install). A missing or unloadable library is not an import error: the
-pure-PyTorch backend works without it. `ops_available()` says whether it loaded, and
-`require_ops()` raises a RuntimeError that says why not and how to build it.
+Search order, first file found wins:
+  1. $MACHMOE_LIBRARY_DIR/libmachmoe_torch.so, when that variable is set;
+  2. this package's directory (a pip install puts the library beside the Python files);
+  3. <checkout>/build/lib, when this package is the python/ folder of a source checkout built
+     by scripts/build.sh (so that `import machmoe` works right after the README's setup).
+A missing or unloadable library is not an import error: the pure-PyTorch backend works without
+it. `ops_available()` says whether it loaded, `require_ops()` raises a RuntimeError saying why
+not and how to build it, and `layer_kernels_available()` says whether the GPU kernels can run on
+this machine.
 """
 
 from __future__ import annotations
@@ -15,6 +20,15 @@ from typing import Optional
 import torch
 
 LIBRARY_NAME = "libmachmoe_torch.so"
+KERNEL_CAPABILITY = (9, 0)  # the kernels are compiled for sm_90a only (H100, H200)
+
+
+def _checkout_build_dir() -> Optional[Path]:
+    """<checkout>/build/lib when this file lives at <checkout>/python/machmoe/_ops.py."""
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "CMakeLists.txt").is_file() and (checkout / "python" / "machmoe").is_dir():
+        return checkout / "build" / "lib"
+    return None
 
 
 def _candidate_paths() -> list[Path]:
@@ -23,6 +37,9 @@ def _candidate_paths() -> list[Path]:
     if env_dir:
         paths.append(Path(env_dir) / LIBRARY_NAME)
     paths.append(Path(__file__).resolve().parent / LIBRARY_NAME)
+    build_dir = _checkout_build_dir()
+    if build_dir is not None:
+        paths.append(build_dir / LIBRARY_NAME)
     return paths
 
 
@@ -48,6 +65,8 @@ if _LIBRARY_PATH is not None:
     from . import _fake
 
     _fake.register()  # fake kernels of the CUDA ops: torch.compile and FakeTensorMode trace them
+# Asked once: a plain bool that torch.compile can trace through (the op call itself it cannot).
+_KERNELS_COMPILED = _LIBRARY_PATH is not None and bool(torch.ops.machmoe.layer_kernels_available())
 
 
 def ops_available() -> bool:
@@ -56,6 +75,7 @@ def ops_available() -> bool:
 
 
 def library_path() -> Optional[Path]:
+    """The path libmachmoe_torch.so was loaded from, or None."""
     return _LIBRARY_PATH
 
 
@@ -64,11 +84,52 @@ def require_ops() -> None:
     if _LIBRARY_PATH is None:
         raise RuntimeError(
             f"machmoe's compiled ops are not available: {_LOAD_ERROR}. Build them with "
-            "scripts/build.sh and set MACHMOE_LIBRARY_DIR to the build's lib directory "
-            "(e.g. build/lib), or `pip install` the machmoe package."
+            "scripts/build.sh (a source checkout finds build/lib by itself), or set "
+            "MACHMOE_LIBRARY_DIR to the directory holding the library."
         )
 
 
+def kernels_compiled() -> bool:
+    """True when the loaded library was built with the sm_90a layer kernels (a build without
+    CUDA kernels still has the CPU reference ops)."""
+    return ops_available() and _KERNELS_COMPILED
+
+
+def kernels_unavailable_reason(device: Optional[torch.device] = None) -> Optional[str]:
+    """None when the layer kernels can run on `device` (default: any visible GPU), else why not.
+
+    The kernels need the compiled ops, a library built with them, and a CUDA device of compute
+    capability 9.0 (sm_90: H100, H200); other GPUs run the torch backend.
+    """
+    if device is None:
+        return _reason_for_device("any", -1)
+    return _reason_for_device(device.type, -1 if device.index is None else device.index)
+
+
+@torch.compiler.assume_constant_result
+def _reason_for_device(device_type: str, index: int) -> Optional[str]:
+    """kernels_unavailable_reason by device type and index ("any": every visible device; index
+    -1: the current one). torch.compile runs it once while tracing and keeps the answer, so that a
+    compiled layer has no graph break here."""
+    if not ops_available():
+        return f"the compiled ops are not loaded ({_LOAD_ERROR})"
+    if not kernels_compiled():
+        return "the library was built without the GPU layer kernels"
+    if device_type not in ("any", "cuda"):
+        return f"the tensors are on {device_type}, not on a CUDA device"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    if device_type == "cuda":
+        capabilities = [torch.cuda.get_device_capability(None if index < 0 else index)]
+    else:
+        capabilities = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+    if KERNEL_CAPABILITY not in capabilities:
+        found = ", ".join(f"{major}.{minor}" for major, minor in capabilities)
+        return f"the kernels need compute capability 9.0 (sm_90); the device has {found}"
+    return None
+
+
 def layer_kernels_available() -> bool:
-    """True when the compiled ops are loaded and report that the GPU layer kernels exist."""
-    return ops_available() and bool(torch.ops.machmoe.layer_kernels_available())
+    """True when the layer kernels can run here: the compiled ops are loaded, they were built with
+    the kernels, and a CUDA device of compute capability 9.0 is visible."""
+    return kernels_unavailable_reason() is None

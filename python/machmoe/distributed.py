@@ -69,7 +69,7 @@ def _pack_pairs(meta: torch.Tensor, score: torch.Tensor, order: torch.Tensor) ->
 class _PairExchange(torch.autograd.Function):
     """The packed pairs (_ExchangePlan.packed, built from `score`) to their ranks in one all_to_all: one
     collective and one autograd node where the pairs' metadata and scores took three and two (the
-    exchange is bound by the host's time per op: PERF.md, session 21). -> meta [P, 3] and the
+    exchange is bound by the host's time per op: docs/PERF.md). -> meta [P, 3] and the
     scores [P], differentiable in `score` (whose values travel in `packed`). Backward: the
     scores' gradient sent back, un-permuted by `inverse`."""
 
@@ -176,7 +176,7 @@ class _ExchangePlan:
     With `ops` (machmoe's op namespace, on CUDA) all of it comes from one op,
     `exchange_plan` (machmoe::exchange_plan: the routing-metadata kernel run with the owning rank
     in place of the expert, plus three small kernels), every index int32: the exchange is bound
-    by the host's time per op (PERF.md, sessions 21 and 22), and this took ~25 ops. With ops None,
+    by the host's time per op (docs/PERF.md), and this took ~25 ops. With ops None,
     from torch ops: an owners table [T, W] and a stable sort.
     """
 
@@ -269,7 +269,7 @@ def _on_kernels(x: torch.Tensor) -> bool:
     """Whether the routing and the row sums may run on machmoe's CUDA kernels."""
     from . import _ops
 
-    return x.is_cuda and x.dtype == torch.bfloat16 and _ops.ops_available()
+    return x.is_cuda and x.dtype == torch.bfloat16 and _ops.kernels_unavailable_reason(x.device) is None
 
 
 def _route(x, router_weight, K, routing, renormalize, selection_bias, kernels):
@@ -310,13 +310,30 @@ def expert_parallel_moe(
     renormalize: bool = True,
     selection_bias: Optional[torch.Tensor] = None,
     group=None,
-    backend: Union[Backend, str] = Backend.MACHMOE,
+    backend: Union[Backend, str] = Backend.AUTO,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [T, d], aux []) of the layer on this rank's tokens x [T, d], with the experts sharded.
 
     router_weight [E, d] is the same on every rank; w1 [E_local, N1, d], w2 [E_local, d, n], b1
     [E_local, N1], b2 [E_local, d] are this rank's experts (E_local = E / W, rank q holding experts
     q·E_local ...). Every rank of `group` must call this together (it runs collectives).
+
+    Args:
+        x: [T, d] this rank's tokens (T may differ between ranks).
+        router_weight: [E, d] the router, identical on every rank.
+        w1: [E_local, N1, d] this rank's up-projections; N1 = 2n for GLU activations, else n.
+        w2: [E_local, d, n] this rank's down-projections.
+        num_experts_per_tok: K, experts per token, 1 <= K <= E.
+        b1: [E_local, N1] or None (default); given with b2 or not at all.
+        b2: [E_local, d] or None (default).
+        activation: ActivationType or its name (default "swiglu"); see machmoe.functional.moe.
+        layout: "interleaved" (default) or "concatenated" gate/up rows of w1.
+        routing: "softmax_topk" (default), "topk_softmax" or "sigmoid".
+        renormalize: divide a token's K scores by their sum (topk_softmax, sigmoid; default True).
+        selection_bias: [E] sigmoid routing only: added to the scores when choosing experts.
+        group: the torch.distributed process group whose ranks share the experts (None: the
+            default group).
+        backend: "auto" (default), "machmoe" or "torch"; see machmoe.functional.resolve_backend.
     """
     backend = parse_enum(Backend, backend, "backend")
     activation = parse_enum(ActivationType, activation, "activation")
@@ -339,6 +356,7 @@ def expert_parallel_moe(
     weights = {"x": x, "router_weight": router_weight, "w1": w1, "w2": w2, "b1": b1, "b2": b2}
     functional._same_dtype(weights, "x")
     functional._same_device({**weights, "selection_bias": selection_bias}, "x")
+    backend = functional.resolve_backend(backend, x, d, n)
     if backend == Backend.MACHMOE and x.dtype != torch.bfloat16:
         raise NotImplementedError(f"the machmoe backend takes bfloat16 x; got {x.dtype}")
 
@@ -402,6 +420,13 @@ class ExpertParallelMoE(nn.Module):
     them home); the router's covers this rank's tokens only. `reduce_gradients()` makes both the
     gradient of the ranks' mean loss, as DistributedDataParallel would: under DDP, leave the expert
     parameters out of DDP and call it, or call it alone.
+
+    Args: num_experts, num_experts_per_tok, hidden_size, intermediate_size,
+    activation_function, add_bias, std, routing, renormalize, gate_up_layout and backend as for
+    `MoE` (num_experts must be a multiple of the group's size W); and
+        process_group: the group whose ranks share the experts (None: the default group).
+        seed: the initialisation seed, an int >= 0 (default 0), the same on every rank.
+    Token rounding is not offered: it needs every expert's global row count.
     """
 
     def __init__(
@@ -417,7 +442,7 @@ class ExpertParallelMoE(nn.Module):
         routing: Union[RoutingMethod, str] = RoutingMethod.SOFTMAX_TOPK,
         renormalize: bool = True,
         gate_up_layout: Union[GateUpLayout, str] = GateUpLayout.INTERLEAVED,
-        backend: Union[Backend, str] = Backend.MACHMOE,
+        backend: Union[Backend, str] = Backend.AUTO,
         process_group=None,
         seed: int = 0,
     ):

@@ -36,12 +36,18 @@ class GateUpLayout(_StrEnum):
 
 
 class RoutingMethod(_StrEnum):
+    """How router logits become the K experts of a token and their scores (docs/LAYER.md)."""
+
     SOFTMAX_TOPK = "softmax_topk"  # top-K of logits, softmax over the K selected
     TOPK_SOFTMAX = "topk_softmax"  # softmax over all E, top-K, optional renormalisation
     SIGMOID = "sigmoid"  # sigmoid scores, optional renormalisation and selection bias
 
 
 class TokenRounding(_StrEnum):
+    """Tile-aware token rounding: each expert's token count is rounded to a multiple of tile_m
+    (to the nearest multiple, up, down, or stochastically) by adding or dropping the
+    lowest-scoring pairs, so no GEMM tile is partly empty. NONE is plain top-K routing."""
+
     NONE = "none"
     NEAREST = "nr"
     UP = "up"
@@ -50,8 +56,11 @@ class TokenRounding(_StrEnum):
 
 
 class Backend(_StrEnum):
-    MACHMOE = "machmoe"  # the CUDA kernels of this library
-    TORCH = "torch"  # pure PyTorch (CPU or GPU), autograd-differentiable
+    """Which implementation runs the layer (machmoe.functional.resolve_backend picks for AUTO)."""
+
+    AUTO = "auto"  # the kernels where they can run (bf16 CUDA tensors on sm_90), else torch
+    MACHMOE = "machmoe"  # the CUDA kernels of this library; an error where they cannot run
+    TORCH = "torch"  # pure PyTorch (CPU or GPU, any float dtype), autograd-differentiable
 
 
 _E = TypeVar("_E", bound=_StrEnum)

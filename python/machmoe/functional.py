@@ -3,12 +3,18 @@ and token rounding.
 
 Every argument is validated before any work: a broken rule raises TypeError (wrong kind of
 object) or ValueError (wrong value, shape, dtype or device) whose message names the argument and
-the rule. `backend` picks the implementation: "torch" (pure PyTorch, CPU or GPU, differentiable)
-or "machmoe" (this library's CUDA kernels, CUDA tensors only).
+the rule. `backend` picks the implementation (resolve_backend):
+  "auto"     (default) the kernels where they can run, the torch backend everywhere else;
+  "machmoe"  this library's CUDA kernels: bfloat16 tensors on an sm_90 GPU (H100, H200), hidden
+             and intermediate sizes multiples of 8; anything else is an error;
+  "torch"    pure PyTorch on any device and float dtype, differentiable by autograd.
+Both implementations compute the layer of docs/LAYER.md; the kernels in bf16 with fp32
+accumulation, the torch backend in the input dtype with fp32 (or fp64) routing.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence, Union
 
 import torch
@@ -172,8 +178,42 @@ def _validate_routing_list(scores, token_idx, expert_idx, T: int, E: int) -> Non
                          f"sent to expert {expert} more than once")
 
 
-def _backend(backend) -> Backend:
-    return parse_enum(Backend, backend, "backend")
+_LOG = logging.getLogger("machmoe")
+_AUTO_ANNOUNCED: set = set()  # the backends "auto" has already said it chose, in this process
+
+
+def kernels_unavailable_reason(x: torch.Tensor, d: int, n: int) -> Optional[str]:
+    """None when the kernels can run the layer on x [T, d] with intermediate size n, else why not."""
+    why = _ops.kernels_unavailable_reason(x.device)
+    if why is None and x.dtype != torch.bfloat16:
+        why = f"the kernels take bfloat16 tensors; x is {x.dtype}"
+    if why is None and (d % 8 or n % 8):
+        why = f"the kernels need hidden and intermediate sizes that are multiples of 8; got {d}, {n}"
+    return why
+
+
+def resolve_backend(backend: Union[Backend, str], x: torch.Tensor, d: int, n: int) -> Backend:
+    """The backend that runs a call on x [T, d] with intermediate size n: `backend` itself when it
+    is "machmoe" or "torch", and for "auto" the kernels when they can run (compiled ops loaded, a
+    device of compute capability 9.0, x on it, bfloat16, d and n multiples of 8), the torch
+    backend otherwise. The first time "auto" picks each backend it says so, once per process, on
+    the "machmoe" logger: INFO for the kernels or for a CPU tensor, WARNING when a CUDA tensor
+    falls back to the torch backend (likely not what was meant on a GPU)."""
+    backend = parse_enum(Backend, backend, "backend")
+    if backend != Backend.AUTO:
+        return backend
+    why = kernels_unavailable_reason(x, d, n)
+    chosen = Backend.MACHMOE if why is None else Backend.TORCH
+    # (Not while torch.compile traces: the message would be a graph break; eager calls say it.)
+    if chosen not in _AUTO_ANNOUNCED and not torch.compiler.is_compiling():
+        _AUTO_ANNOUNCED.add(chosen)
+        if why is None:
+            _LOG.info("machmoe: backend='auto' runs the machmoe kernels on %s", x.device)
+        else:
+            level = logging.WARNING if x.device.type == "cuda" else logging.INFO
+            _LOG.log(level, "machmoe: backend='auto' runs the torch backend: %s (said once per "
+                     "process; pass backend='torch' to choose it explicitly)", why)
+    return chosen
 
 
 # ---------------------------------------------------------------- public API
@@ -196,15 +236,46 @@ def moe(
     token_rounding: Union[TokenRounding, str] = TokenRounding.NONE,
     tile_m: int = 128,
     seed: int = 0,
-    backend: Union[Backend, str] = Backend.MACHMOE,
+    backend: Union[Backend, str] = Backend.AUTO,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MoE layer on x [T, d] -> (out [T, d] in x's dtype, aux_loss [] float32/float64).
+    """The MoE layer (router, top-K routing, experts, weighted sum) -> (out, aux_loss).
 
-    router_weight [E, d]; w1 [E, N1, d] (N1 = 2n for GLU activations, n otherwise);
-    w2 [E, d, n]; b1 [E, N1] and b2 [E, d] optional, both or neither; selection_bias [E]
-    (sigmoid routing only). Semantics: docs/LAYER.md.
+    Semantics: docs/LAYER.md. Tensors share x's dtype and device (selection_bias: device only).
+
+    Args:
+        x: [T, d] tokens, float16/bfloat16/float32/float64.
+        router_weight: [E, d] router weights (logits = x · router_weightᵀ, computed in fp32 or
+            fp64).
+        w1: [E, N1, d] up-projection (gate and up) weights; N1 = 2n for the GLU activations
+            (swiglu, geglu, reglu), n for the others.
+        w2: [E, d, n] down-projection weights.
+        num_experts_per_tok: K, experts per token, 1 <= K <= E.
+        activation: ActivationType or its name: "swiglu" (default), "geglu", "reglu", "relu2",
+            "relu", "gelu" (tanh approximation), "silu".
+        b1: [E, N1] up-projection bias, or None (default). Given with b2 or not at all.
+        b2: [E, d] down-projection bias, or None (default).
+        layout: where gate and up rows sit in w1 for GLU activations: "interleaved" (default;
+            row 2j gate j, row 2j+1 up j) or "concatenated" (gate rows [0, n), up rows [n, 2n)).
+        routing: "softmax_topk" (default; top-K logits, softmax over those K), "topk_softmax"
+            (softmax over all E, then top-K) or "sigmoid" (sigmoid scores).
+        renormalize: for topk_softmax and sigmoid, divide a token's K scores by their sum
+            (default True); softmax_topk scores already sum to 1.
+        selection_bias: [E] added to the sigmoid scores when choosing experts, never to the
+            scores themselves (sigmoid routing only; default None).
+        token_rounding: "none" (default), or "nr", "up", "down", "stochastic": round each
+            expert's token count to a multiple of tile_m (softmax_topk routing only). A batch
+            whose every expert rounds to zero tokens gives a zero output; the torch backend warns
+            then (the kernels' row counts stay on the GPU, so they do not check: that would cost
+            a host sync per call).
+        tile_m: the rounding tile, rows per expert GEMM tile (default 128; >= 1).
+        seed: the seed of stochastic token rounding, 0 <= seed < 2**63 (default 0).
+        backend: "auto" (default), "machmoe" or "torch"; see resolve_backend.
+
+    Returns:
+        out: [T, d] in x's dtype.
+        aux_loss: [] the load-balancing loss, float32 (float64 for float64 x).
     """
-    backend = _backend(backend)
+    parse_enum(Backend, backend, "backend")
     activation = parse_enum(ActivationType, activation, "activation")
     layout = parse_enum(GateUpLayout, layout, "layout")
     router_weight = _float_tensor(router_weight, "router_weight", 2)
@@ -220,7 +291,7 @@ def moe(
     _same_dtype(weights, "x")
     _same_device({**weights, "selection_bias": selection_bias}, "x")
 
-    if backend == Backend.MACHMOE:
+    if resolve_backend(backend, x, d, w2.shape[2]) == Backend.MACHMOE:
         from . import machmoe_backend
 
         return machmoe_backend.moe(x, router_weight, w1, b1, w2, b2, K, activation, layout, routing,
@@ -241,25 +312,37 @@ def moe_general(
     b2: Optional[torch.Tensor] = None,
     activation: Union[ActivationType, str] = ActivationType.SWIGLU,
     layout: Union[GateUpLayout, str] = GateUpLayout.INTERLEAVED,
-    backend: Union[Backend, str] = Backend.MACHMOE,
+    backend: Union[Backend, str] = Backend.AUTO,
 ) -> torch.Tensor:
-    """The experts on a general routing list -> out [T, d].
+    """The experts on a general routing list -> out [T, d] in x's dtype.
 
-    Pair r sends token token_idx[r] to expert expert_idx[r] with weight scores[r] (any float
-    dtype; it receives gradients, on both backends). Pairs must be ordered by token and must not
-    repeat a (token, expert) pair; a token may have any number of pairs (none gives a zero output
-    row). No router, so no aux loss.
+    Pair r sends token token_idx[r] to expert expert_idx[r] with weight scores[r]. Pairs must be
+    ordered by token and must not repeat a (token, expert) pair; a token may have any number of
+    pairs (none gives a zero output row). No router, so no aux loss.
+
+    Args:
+        x: [T, d] tokens, float16/bfloat16/float32/float64.
+        w1: [E, N1, d] up-projection weights, x's dtype; N1 = 2n for GLU activations, else n.
+        w2: [E, d, n] down-projection weights, x's dtype.
+        scores: [R] pair weights, any float dtype; they receive gradients on both backends.
+        token_idx: [R] integer token of each pair, in [0, T), non-decreasing.
+        expert_idx: [R] integer expert of each pair, in [0, E).
+        b1: [E, N1] up-projection bias, or None (default). Given with b2 or not at all.
+        b2: [E, d] down-projection bias, or None (default).
+        activation: ActivationType or its name (default "swiglu"); see moe().
+        layout: "interleaved" (default) or "concatenated" gate/up rows in w1; see moe().
+        backend: "auto" (default), "machmoe" or "torch"; see resolve_backend.
     """
-    backend = _backend(backend)
+    parse_enum(Backend, backend, "backend")
     activation = parse_enum(ActivationType, activation, "activation")
     layout = parse_enum(GateUpLayout, layout, "layout")
-    T, _, E, _ = _validate_experts(x, w1, w2, b1, b2, activation, None)
+    T, d, E, n = _validate_experts(x, w1, w2, b1, b2, activation, None)
     _validate_routing_list(scores, token_idx, expert_idx, T, E)
     _same_dtype({"x": x, "w1": w1, "w2": w2, "b1": b1, "b2": b2}, "x")
     _same_device({"x": x, "w1": w1, "w2": w2, "b1": b1, "b2": b2, "scores": scores,
                   "token_idx": token_idx, "expert_idx": expert_idx}, "x")
 
-    if backend == Backend.MACHMOE:
+    if resolve_backend(backend, x, d, n) == Backend.MACHMOE:
         from . import machmoe_backend
 
         return machmoe_backend.moe_general(x, w1, b1, w2, b2, scores, token_idx, expert_idx, activation,
@@ -276,10 +359,18 @@ def route(
     renormalize: bool = True,
     selection_bias: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-K routing of logits [T, E] -> (scores [T, K] float32/float64, experts [T, K] int64).
+    """Top-K routing of logits -> (scores [T, K] float32/float64, experts [T, K] int64).
 
     Column k is the k-th choice (descending selection key, ties to the lower expert index, NaN
     above everything). Scores are differentiable w.r.t. logits. Runs in PyTorch on any device.
+
+    Args:
+        logits: [T, E] router logits, any float dtype (routing runs in float32, or float64 for
+            float64 logits).
+        num_experts_per_tok: K, experts per token, 1 <= K <= E.
+        routing: "softmax_topk" (default), "topk_softmax" or "sigmoid"; see moe().
+        renormalize: divide a token's K scores by their sum (topk_softmax, sigmoid; default True).
+        selection_bias: [E] sigmoid routing only: added to the scores when choosing experts.
     """
     logits = _float_tensor(logits, "logits", 2)
     E = logits.shape[1]
@@ -299,9 +390,19 @@ def token_rounding(
     tile_m: int = 128,
     seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tile-aware token rounding of logits [T, E] (softmax_topk routing) -> a general routing
-    list (token [R] int64, expert [R] int64, score [R] float32/float64), ordered by token then
-    expert; feed it to moe_general. Scores are differentiable w.r.t. logits."""
+    """Tile-aware token rounding (softmax_topk routing) -> a general routing list
+    (token [R] int64, expert [R] int64, score [R] float32/float64), ordered by token then expert;
+    feed it to moe_general. Scores are differentiable w.r.t. logits. Runs in PyTorch on any
+    device; warns when it keeps no pair at all (every expert rounded down to zero tokens).
+
+    Args:
+        logits: [T, E] router logits, any float dtype.
+        num_experts_per_tok: K, experts per token before rounding, 1 <= K <= E.
+        mode: "nr" (default; nearest multiple of tile_m, halves up), "up", "down" or
+            "stochastic" (up with probability (count mod tile_m) / tile_m).
+        tile_m: the multiple each expert's token count is rounded to (default 128; >= 1).
+        seed: stochastic mode's seed, 0 <= seed < 2**63 (default 0).
+    """
     logits = _float_tensor(logits, "logits", 2)
     E = logits.shape[1]
     if E < 1:

@@ -3,7 +3,8 @@
 Forward, one C++ call (machmoe::layer_forward): logits = x · Wrᵀ (cuBLAS, fp32 out) -> top-K router
 (or token rounding) -> routing_metadata -> grouped_gemm (gather + GLU/activation epilogue: H, A) ->
 grouped_gemm (store Y) -> aggregate (scores) -> aux loss. It returns a `saved` block (H, scores,
-routing metadata, logits) and nothing else is kept for the backward (SPEC §1).
+routing metadata, logits) and nothing else is kept for the backward: the activation memory of
+the layer is x, H and O(T·K + T·E) routing state.
 Backward, one C++ call (machmoe::layer_backward, docs/BACKWARD.md): from x, the weights and
 `saved`, every gradient (dx, router weight, w1, b1, w2, b2), the aux loss's included.
 
@@ -22,17 +23,26 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from . import _ops
 from .enums import ActivationType, GateUpLayout, RoutingMethod, TokenRounding
 
 
 def _check(x: torch.Tensor, d: int, n: int) -> None:
-    """What the kernels run: CUDA, the op library, bf16, 16-byte rows."""
+    """What the kernels run: the op library built with them, x on an sm_90 device, bf16, 16-byte
+    rows. backend='machmoe' was asked for explicitly: each gap is an error saying what to do."""
     if x.device.type != "cuda":
-        raise ValueError(f"the machmoe backend runs on CUDA tensors; use backend='torch' on the CPU "
-                         f"(x is on {x.device})")
+        raise ValueError(f"the machmoe backend runs on CUDA tensors; use backend='torch' or 'auto' "
+                         f"on the CPU (x is on {x.device})")
     _ops.require_ops()
+    # Fake tensors (FakeTensorMode, torch.compile's tracing) run no kernel: the ops' fake
+    # implementations give the shapes, so no device needs to be present.
+    why = ("the library was built without the GPU layer kernels" if not _ops.kernels_compiled()
+           else None) if is_fake(x) else _ops.kernels_unavailable_reason(x.device)
+    if why is not None:
+        raise RuntimeError(f"backend='machmoe': the kernels cannot run here: {why} "
+                           "(backend='auto' or 'torch' runs the torch backend instead)")
     if x.dtype != torch.bfloat16:
         raise NotImplementedError(f"machmoe backend: the kernels take bfloat16 x and weights; got {x.dtype} "
                                   "(use backend='torch' for other dtypes)")

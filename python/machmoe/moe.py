@@ -1,4 +1,5 @@
-"""`MoE`: the layer as an nn.Module, with SonicMoE's constructor and parameter names."""
+"""`MoE`: the layer as an nn.Module. Its constructor and parameter names (router, c_fc, c_proj)
+are those of SonicMoE's MoE module."""
 
 from __future__ import annotations
 
@@ -79,15 +80,48 @@ class ExpertLinear(nn.Module):
 
 
 class MoE(nn.Module):
-    """A token-choice Mixture-of-Experts layer (docs/LAYER.md).
+    """A token-choice Mixture-of-Experts layer (docs/LAYER.md): a router picks K of E expert MLPs
+    per token, and the output is the score-weighted sum of their outputs.
 
-    Parameters: router.weight [E, hidden]; c_fc.weight [E, N1, hidden] (N1 = 2·intermediate for
-    GLU activations, gate/up rows in `gate_up_layout`), c_fc.bias [E, N1]; c_proj.weight
-    [E, hidden, intermediate], c_proj.bias [E, hidden]; with sigmoid routing a buffer
-    selection_bias [E] (zeros; it changes which experts are selected, never the scores).
+    Args:
+        num_experts: E, the number of experts (>= 1).
+        num_experts_per_tok: K, experts per token (1 <= K <= E).
+        hidden_size: d, the size of a token (the last dimension of hidden_states).
+        intermediate_size: n, each expert's hidden size; GLU activations have 2n up-projection
+            rows (gate and up).
+        activation_function: ActivationType or its name: "swiglu" (default), "geglu",
+            "reglu", "relu2", "relu", "gelu" (tanh approximation), "silu".
+        add_bias: give both expert projections a bias, c_fc.bias and c_proj.bias (default
+            False; initialised to zeros).
+        std: standard deviation of the normal initialisation of every weight (default 0.02).
+        routing: "softmax_topk" (default; top-K logits, softmax over those K), "topk_softmax"
+            (softmax over all E, then top-K) or "sigmoid" (sigmoid scores; adds the
+            selection_bias buffer).
+        renormalize: for topk_softmax and sigmoid routing, divide a token's K scores by their
+            sum (default True).
+        gate_up_layout: where gate and up rows sit in c_fc.weight for GLU activations:
+            "interleaved" (default; row 2j gate j, row 2j+1 up j) or "concatenated" (gate rows
+            [0, n), up rows [n, 2n): the Hugging Face layout).
+        token_rounding: "none" (default), or "nr", "up", "down", "stochastic": in training mode,
+            round each expert's token count to a multiple of tile_m so that no expert GEMM tile
+            is partly empty (softmax_topk routing only; eval mode uses plain top-K). A batch in
+            which every expert rounds down to zero tokens gives a zero output; the torch backend
+            warns then (the kernels keep the row counts on the GPU and do not check).
+        tile_m: the token-rounding multiple (default 128, the kernels' tile height; >= 1).
+        backend: "auto" (default: the kernels for bfloat16 tensors on an sm_90 GPU, the torch
+            backend otherwise), "machmoe" (the kernels, an error where they cannot run) or
+            "torch" (pure PyTorch, any device and float dtype).
 
-    forward(hidden_states [..., hidden]) -> (output [..., hidden], aux_loss []). Token rounding
-    is a training-time routing: in eval mode the layer uses plain top-K.
+    Parameters: router.weight [E, d]; c_fc.weight [E, N1, d] (N1 = 2n for GLU activations, n
+    otherwise), c_fc.bias [E, N1]; c_proj.weight [E, d, n], c_proj.bias [E, d]; with sigmoid
+    routing a buffer selection_bias [E] (zeros; it changes which experts are selected, never
+    the scores).
+
+    forward(hidden_states, backend=None) -> (output, aux_loss):
+        hidden_states: [..., d] tokens, any leading shape; bfloat16 on an H100/H200 runs the
+            kernels under backend="auto".
+        backend: overrides the constructor's backend for this call (None: keep it).
+        output: [..., d] in hidden_states' dtype; aux_loss: [] the load-balancing loss.
     """
 
     def __init__(
@@ -105,7 +139,7 @@ class MoE(nn.Module):
         gate_up_layout: Union[GateUpLayout, str] = GateUpLayout.INTERLEAVED,
         token_rounding: Union[TokenRounding, str] = TokenRounding.NONE,
         tile_m: int = 128,
-        backend: Union[Backend, str] = Backend.MACHMOE,
+        backend: Union[Backend, str] = Backend.AUTO,
     ):
         super().__init__()
         for name, value in layer_settings(num_experts, num_experts_per_tok, hidden_size,
@@ -133,8 +167,15 @@ class MoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor,
                 backend: Optional[Union[Backend, str]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden_states [..., hidden] -> (output [..., hidden], aux_loss []).
-        `backend` overrides the constructor's choice for this call."""
+        """hidden_states [..., hidden_size] -> (output [..., hidden_size] in hidden_states'
+        dtype, aux_loss [] float32, float64 for float64 input).
+
+        Args:
+            hidden_states: [..., hidden_size] tokens; the leading dimensions are flattened into
+                T tokens and restored on the output.
+            backend: "auto", "machmoe" or "torch" for this call only; None (default) uses the
+                constructor's backend.
+        """
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"hidden_states must be a torch.Tensor; "
                             f"got {type(hidden_states).__name__}")

@@ -14,6 +14,7 @@ Arguments are assumed valid; `machmoe.functional` validates them before calling 
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -170,6 +171,12 @@ def token_rounding(
     keep = (rank < rounded[:, None]).T  # [T, E]
 
     token, expert = keep.nonzero(as_tuple=True)  # row-major: by token, then by expert
+    # nonzero() has already brought the row count to the host, so this check is free here.
+    if T > 0 and token.numel() == 0:
+        warnings.warn(f"token rounding (mode {mode.value!r}, tile_m {tile_m}) rounded every "
+                      f"expert's token count down to zero on this batch of {T} tokens, so the "
+                      "experts' output is zero. Use a larger batch, a smaller tile_m, or mode "
+                      "'nr' or 'up'.", RuntimeWarning, stacklevel=2)
     return RoundedRouting(token, expert, pair_score[token, expert], ~selected[token, expert])
 
 

@@ -3,7 +3,10 @@ test per validation rule that the error names the argument it is about."""
 
 from __future__ import annotations
 
+import logging
 import math
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,10 +107,28 @@ def test_missing_ops_raise_a_build_hint(monkeypatch):
 
 
 @pytest.mark.ops
-def test_loaded_ops_report_kernel_availability():
+def test_kernel_availability_means_they_can_run_here():
+    """layer_kernels_available() is True only where the kernels can run: the library built with
+    them AND a visible device of compute capability 9.0, not merely a library built with them."""
     assert _ops.library_path() is not None
-    assert isinstance(torch.ops.machmoe.layer_kernels_available(), bool)
-    assert machmoe.layer_kernels_available() == bool(torch.ops.machmoe.layer_kernels_available())
+    compiled = bool(torch.ops.machmoe.layer_kernels_available())
+    assert _ops.kernels_compiled() == compiled
+    sm90 = torch.cuda.is_available() and any(
+        torch.cuda.get_device_capability(i) == (9, 0) for i in range(torch.cuda.device_count()))
+    assert machmoe.layer_kernels_available() == (compiled and sm90)
+    if not sm90:
+        assert _ops.kernels_unavailable_reason() is not None
+
+
+def test_loader_finds_the_checkout_build(monkeypatch):
+    """Without MACHMOE_LIBRARY_DIR a source checkout looks in <checkout>/build/lib, where
+    scripts/build.sh puts the library."""
+    monkeypatch.delenv("MACHMOE_LIBRARY_DIR", raising=False)
+    checkout = Path(_ops.__file__).resolve().parents[2]
+    paths = _ops._candidate_paths()
+    assert paths[-1] == checkout / "build" / "lib" / _ops.LIBRARY_NAME
+    monkeypatch.setenv("MACHMOE_LIBRARY_DIR", "/somewhere")
+    assert _ops._candidate_paths()[0] == Path("/somewhere") / _ops.LIBRARY_NAME
 
 
 # ---------------------------------------------------------------- functional API
@@ -144,7 +165,7 @@ def test_functional_token_rounding_feeds_moe_general():
 
 def test_machmoe_backend_refuses_cpu_tensors():
     with pytest.raises(ValueError, match="machmoe backend runs on CUDA tensors; use "
-                                         "backend='torch' on the CPU"):
+                                         "backend='torch' or 'auto' on the CPU"):
         call_moe(backend="machmoe")
     with pytest.raises(ValueError, match="CUDA tensors"):
         call_general(backend=Backend.MACHMOE)
@@ -209,7 +230,7 @@ RULES = [
     ("routing", lambda: call_moe(routing="expert_choice"), V, "routing must be one of"),
     ("token_rounding", lambda: call_moe(token_rounding="ceil"), V,
      "token_rounding must be one of"),
-    ("backend", lambda: call_moe(backend="cuda"), V, "backend must be one of 'machmoe', 'torch'"),
+    ("backend", lambda: call_moe(backend="cuda"), V, "backend must be one of 'auto', 'machmoe', 'torch'"),
     ("selection_bias without sigmoid", lambda: call_moe(selection_bias=torch.zeros(E)), V,
      "selection_bias is only used with routing='sigmoid'"),
     ("selection_bias shape", lambda: call_moe(routing="sigmoid", selection_bias=torch.zeros(E + 1)),
@@ -297,13 +318,59 @@ def test_module_forward_shapes_and_functional_equivalence():
     torch.testing.assert_close(aux, expected_aux)
 
 
-def test_module_default_backend_is_machmoe_and_can_be_overridden():
+def test_module_default_backend_is_auto_and_can_be_overridden():
     layer = MoE(E, K, D, N)
+    assert layer.backend is Backend.AUTO
     hidden = torch.randn(3, D)
-    with pytest.raises(ValueError, match="use backend='torch' on the CPU"):
-        layer(hidden)
-    out, _ = layer(hidden, backend="torch")
-    assert out.shape == hidden.shape
+    out, _ = layer(hidden)  # CPU tensors: auto runs the torch backend
+    torch.testing.assert_close(out, layer(hidden, backend="torch")[0])
+    with pytest.raises(ValueError, match="use backend='torch' or 'auto' on the CPU"):
+        layer(hidden, backend="machmoe")
+
+
+def test_auto_backend_picks_torch_where_kernels_cannot_run_and_says_so_once(monkeypatch, caplog):
+    monkeypatch.setattr(functional, "_AUTO_ANNOUNCED", set())
+    x = torch.randn(T, D)
+    assert functional.resolve_backend("auto", x, D, N) is Backend.TORCH
+    assert functional.resolve_backend("torch", x, D, N) is Backend.TORCH
+    assert functional.resolve_backend(Backend.MACHMOE, x, D, N) is Backend.MACHMOE
+    monkeypatch.setattr(functional, "_AUTO_ANNOUNCED", set())
+    tensors = layer_tensors()
+    with caplog.at_level(logging.INFO, logger="machmoe"):
+        first, _ = call_moe(**tensors, backend="auto")
+        call_moe(backend="auto")
+        call_general(backend="auto")
+    said = [r for r in caplog.records if r.name == "machmoe"]
+    assert len(said) == 1 and "torch backend" in said[0].getMessage()
+    torch.testing.assert_close(first, call_moe(**tensors, backend="torch")[0])
+    # Where everything else fits, the dtype alone decides (the kernels take bfloat16 only).
+    monkeypatch.setattr(_ops, "kernels_unavailable_reason", lambda device=None: None)
+    assert functional.kernels_unavailable_reason(x.bfloat16(), 16, 16) is None
+    assert "bfloat16" in functional.kernels_unavailable_reason(x, 16, 16)
+    assert "multiples of 8" in functional.kernels_unavailable_reason(x.bfloat16(), 16, 12)
+
+
+def test_token_rounding_that_drops_every_row_warns():
+    logits = torch.randn(10, E)
+    with pytest.warns(RuntimeWarning, match="rounded every expert's token count down to zero"):
+        token, _, _ = functional.token_rounding(logits, K, mode="down", tile_m=128)
+    assert token.numel() == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        functional.token_rounding(logits, K, mode="up", tile_m=128)  # keeps rows: no warning
+
+
+def test_every_argument_is_documented():
+    """help(machmoe.MoE) and the functional entry points name every argument they take."""
+    import inspect
+
+    for fn, doc in ((MoE.__init__, MoE.__doc__), (MoE.forward, MoE.forward.__doc__),
+                    (functional.moe, None), (functional.moe_general, None),
+                    (functional.route, None), (functional.token_rounding, None)):
+        text = doc or fn.__doc__
+        for name in inspect.signature(fn).parameters:
+            if name != "self":
+                assert f"{name}:" in text, f"{fn.__qualname__}: {name} undocumented"
 
 
 def test_token_rounding_only_in_training():
