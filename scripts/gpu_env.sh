@@ -1,6 +1,6 @@
 # shellcheck shell=bash
-# Sourced by the GPU-machine scripts (gpu_check, gpu_ab, gpu_probe, gpu_profile): the shared
-# preamble. Usage: source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" DEFAULT_OUT_NAME
+# Sourced by the GPU-machine scripts (gpu_check.sh, gpu_ab.sh): the shared preamble.
+# Usage: source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" DEFAULT_OUT_NAME
 # Sets root (the repository, also the working directory) and OUT (created; default
 # $root/DEFAULT_OUT_NAME), and exports the build/Python settings for a machine without network:
 # the GPU machine's python3 already has torch/numpy/pytest, so scripts/setup.sh must never try to

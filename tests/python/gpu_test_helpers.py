@@ -1,5 +1,5 @@
 """Pieces the GPU test files share: the activation table of the float64 references, the GLU
-names, the relative error per tensor (SPEC §4), expert offsets from row counts, the op namespace,
+names, the relative error per tensor, expert offsets from row counts, the op namespace,
 random layer tensors."""
 
 import torch

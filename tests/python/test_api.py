@@ -463,7 +463,7 @@ def test_module_validation_names_the_argument(call, error, match):
 def test_layer_workspace_bytes_is_the_memory_minimum():
     # The saved block of a layer call: H (bf16) + 12 bytes per routed pair + fp32 logits + the
     # expert offsets, within sub-buffer alignment (the same rule as the C++ plan test), and with x
-    # within issue #5's bound 2·T·d + 4·T·K·n + 16·T·K + 4·T·E.
+    # within the bound 2·T·d + 4·T·K·n + 16·T·K + 4·T·E.
     T, d, n, E, K = 24576, 1536, 256, 128, 8
     saved, fwd, bwd, inference = torch.ops.machmoe.layer_workspace_bytes(T, d, n, E, K, "swiglu", "none", 128)
     minimum = T * K * 4 * n + 12 * T * K + 4 * T * E

@@ -1,7 +1,10 @@
-"""Tests of the benchmark pieces (python/machmoe/bench). All but the two `gpu` tests run on the CPU."""
+"""Tests of the benchmark (python/machmoe/bench): its configs and formulas, the grouped_mm reference
+layer, the report (table, JSON, PNG from made-up results) and the command line. All but the
+`gpu` tests run on the CPU."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -19,8 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # ---------------------------------------------------------------- configs and formulas
 
-def test_config_table_matches_spec():
-    # SPEC §5, copied by hand: name, T, d, n, E, K, SonicMoE fwd, bwd.
+def test_config_table_matches_the_published_shapes():
+    # The SonicMoE paper's benchmark shapes and H100 TFLOPS, copied by hand: name, T, d, n, E, K,
+    # SonicMoE fwd, bwd.
     spec = [
         ("1.4B-a", 40960, 768, 256, 128, 8, 340, 365),
         ("1.4B-c", 40960, 768, 1024, 32, 2, 405, 437),
@@ -60,7 +64,7 @@ def test_activation_memory_formula():
     T, d, K, n = 24576, 1536, 8, 256
     assert C.activation_bytes_formula(T, d, K, n) == 2 * T * d + 4 * T * K * n
     assert C.activation_bytes_formula(T, d, K, n, glu=False) == 2 * T * d + 2 * T * K * n
-    # SPEC §5: "the formula gives 0.26 GiB" on 7B-a.
+    # x and H of 7B-a: 0.26 GiB.
     assert C.activation_bytes_formula(T, d, K, n) / C.GIB == pytest.approx(0.26, abs=0.005)
 
 
@@ -272,7 +276,7 @@ def test_report_names_a_failed_backward():
     line = [ln for ln in text.splitlines() if ln.startswith("| 7B-a")][0]
     assert "bwd error" in line and "not built" not in line
     assert "machmoe backward error: RuntimeError: layer_backward: boom" in text
-    row["machmoe"]["backward"] = "not built (issue #5)"
+    row["machmoe"]["backward"] = "not built (no backward kernels)"
     line = [ln for ln in report.markdown(header, {}, [row]).splitlines() if ln.startswith("| 7B-a")][0]
     assert "bwd not built" in line
 
@@ -295,16 +299,102 @@ def test_list_option(capsys):
     assert all(c.name in text for c in C.CONFIGS)
 
 
-def test_module_without_gpu_runs_cpu_demo():
+def _bench_cli(*args, timeout=180):
+    """python -m machmoe.bench ARGS in a child process, as on a machine without a GPU."""
     env = dict(os.environ)
     env["CUDA_VISIBLE_DEVICES"] = ""  # as on a machine without a GPU
     env.pop("MACHMOE_REQUIRE_GPU", None)  # (scripts/test.sh sets it on the GPU machine)
     env["PYTHONPATH"] = str(ROOT / "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run([sys.executable, "-m", "machmoe.bench"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=180)
+    return subprocess.run([sys.executable, "-m", "machmoe.bench", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_module_without_gpu_runs_cpu_demo_and_writes_to_out(tmp_path):
+    out = tmp_path / "new" / "dir"  # created by the demo
+    proc = _bench_cli("--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "No CUDA GPU found: running a small CPU demo of the layer instead" in proc.stdout
     assert "worst relative error" in proc.stdout
+    text = (out / "cpu_demo.md").read_text()
+    assert "worst relative error" in text and "CPU demo: MoE layer" in text
+    data = json.loads((out / "cpu_demo.json").read_text())
+    assert data["verdict"] == "OK" and data["worst"] < 1e-4
+    assert set(data["relative_errors"]["torch backend"]) >= {"out", "dx", "dw1", "dw2"}
+
+
+def test_help_answers_without_importing_torch():
+    """--help is argparse's answer, printed before torch (seconds to import) is loaded."""
+    code = ("import sys; from machmoe.bench.run import parse_args\n"
+            "try:\n    parse_args(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "usage: python -m machmoe.bench" in proc.stdout and "--out DIR" in proc.stdout
+    proc = _bench_cli("--help", timeout=60)
+    assert proc.returncode == 0 and "--configs" in proc.stdout
+
+
+def test_unknown_config_is_an_error_naming_the_valid_ones():
+    proc = _bench_cli("--configs", "nonsense", timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "unknown config 'nonsense'" in proc.stderr
+    assert all(c.name in proc.stderr for c in C.CONFIGS)
+    assert "CPU demo" not in proc.stdout  # refused before anything runs
+    from machmoe.bench.run import TIMING_PROTOCOLS, parse_args
+    from machmoe.bench.timing import PROTOCOLS
+
+    assert TIMING_PROTOCOLS == PROTOCOLS
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--configs", "7B-a,7B-q"])
+    assert exc.value.code == 2
+    assert [c.name for c in parse_args(["--configs", "7b-a, 30B-b"]).config_list] == ["7B-a", "30B-b"]
+
+
+def _ok_row(name, machmoe_fwd, machmoe_bwd, held):
+    row = _fake_row()
+    cfg = C.CONFIGS_BY_NAME[name]
+    row["config"] = {"name": cfg.name, "T": cfg.T, "d": cfg.d, "n": cfg.n, "E": cfg.E, "K": cfg.K}
+    row["bound_gib"] = C.held_bound_less_x_bytes(cfg) / C.GIB
+    row["machmoe"] = {"status": "ok", "fwd_tflops": machmoe_fwd, "bwd_tflops": machmoe_bwd,
+                      "held_gib": held, "err_out": 1e-3, "err_dx": 2e-3}
+    row["ratios"] = report.derived_ratios(row)
+    return row
+
+
+def test_outputs_include_a_chart_of_made_up_results(tmp_path):
+    """write_outputs on made-up rows: bench.md, bench.json and bench.png (TFLOPS forward and
+    backward beside both references, memory beside the bound); a config whose machmoe figures are
+    missing still draws."""
+    pytest.importorskip("matplotlib")
+    header = {"gpu": "fake H100", "commit": "abc", "date_utc": "now", "torch": "x", "cuda": "y",
+              "timing": "rotate"}
+    rows = [_ok_row("7B-a", 370.0, 410.0, 0.4), _ok_row("30B-b", 480.0, 500.0, 1.1), _fake_row("OOM")]
+    paths = report.write_outputs(str(tmp_path), header, {"matmul_tflops": 750.0}, rows, {"configs": "x"})
+    assert [os.path.basename(p) for p in paths] == ["bench.json", "bench.md", "bench.png"]
+    png = (tmp_path / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert json.loads((tmp_path / "bench.json").read_text())["configs"][0]["machmoe"]["fwd_tflops"] == 370.0
+    assert "| 30B-b |" in (tmp_path / "bench.md").read_text()
+
+
+def test_outputs_without_matplotlib_say_so_once(tmp_path, monkeypatch, capsys):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    header = {"gpu": "fake", "commit": "abc", "date_utc": "now", "torch": "x", "cuda": "y"}
+    paths = report.write_outputs(str(tmp_path), header, {}, [_fake_row()], {})
+    assert [os.path.basename(p) for p in paths] == ["bench.json", "bench.md"]
+    said = capsys.readouterr().out
+    assert said.count("matplotlib is not installed") == 1 and not (tmp_path / "bench.png").exists()
 
 
 def test_expert_parallel_bench_without_gpu_says_so(capsys):
@@ -348,162 +438,8 @@ def test_bench_runs_tiny_config_on_gpu():
     assert row["machmoe"]["status"] == "ok" or row["machmoe"]["status"].startswith("not built")
 
 
-# ---------------------------------------------------------------- regression alarm (bench.compare)
-
-def _baseline() -> dict:
-    import json
-    return json.loads((ROOT / "results" / "baseline_h100.json").read_text())
-
-
-def test_baseline_holds_every_layer_config_and_kernel():
-    from machmoe.bench import compare as K
-    figures = K._figures(_baseline())
-    assert sum(name.endswith(" layer fwd") for name in figures) == len(C.CONFIGS)
-    assert sum(name.endswith(" layer bwd") for name in figures) == len(C.CONFIGS)
-    assert any("dH" in name for name in figures) and all(v > 0 for v in figures.values())
-
-
-def test_compare_flags_exactly_the_figures_that_fell():
-    import copy
-    from machmoe.bench import compare as K
-    base = _baseline()
-    same = K.compare(base, base)
-    assert same and all(abs(r["normalised"] - 1) < 1e-12 and not r["regression"] for r in same)
-    new = copy.deepcopy(base)
-    victim = next(k for k in new["gemm_kernels"] if "dW1" in k["kernel"])
-    victim["machmoe_tflops"] *= 0.5  # what 0758b7f did to the weight gradients
-    new["configs"][2]["machmoe"]["bwd_tflops"] *= 0.95  # within the 8% tolerance
-    flagged = [r["figure"] for r in K.compare(new, base) if r["regression"]]
-    assert flagged == [victim["kernel"]]
-
-
-def test_compare_normalises_by_each_runs_ceiling():
-    import copy
-    from machmoe.bench import compare as K
-    base = _baseline()
-    slow = copy.deepcopy(base)  # a machine 15% slower in every figure, its cuBLAS too
-    slow["ceilings"]["matmul_tflops"] *= 0.85
-    for c in slow["configs"]:
-        c["machmoe"]["fwd_tflops"] *= 0.85
-        c["machmoe"]["bwd_tflops"] *= 0.85
-    for k in slow["gemm_kernels"]:
-        k["machmoe_tflops"] *= 0.85
-    rows = K.compare(slow, base)
-    assert all(abs(r["ratio"] - 0.85) < 1e-9 and not r["regression"] for r in rows)
-    text = K.format_rows(rows, slow, base)
-    assert "regressions beyond tolerance: 0" in text
-
-
-def test_probe_table_lines_up_the_runs(tmp_path):
-    """scripts/gpu_probe.sh's table: one column per run, ms per kernel (weight gradients too), a
-    dash where a run has no figure, the kernel order of the normal build."""
-    import json
-
-    from machmoe.bench import probe_table as P
-
-    def save(name, rows):
-        (tmp_path / f"{name}.json").write_text(json.dumps(rows))
-
-    normal = [{"kernel": "dense", "ms": 1.6604}, {"kernel": "7B-a dX~", "ms": 0.63},
-              {"kernel": "7B-a dW1 (varlen-K)", "ms": 0.75}]
-    save("normal", normal)
-    save("probe0", [{"kernel": "7B-a dX~", "ms": 0.682}, {"kernel": "dense", "ms": 1.882}])
-    save("probe3", [{"kernel": "dense", "ms": 1.479}])  # dX~ missing: the run stopped early
-    # probe5.json absent: the run failed; normal2.json identical to normal
-    save("normal2", normal)
-    text = P.format_table(str(tmp_path), ["0", "3", "5"])
-    lines = text.splitlines()
-    head = next(line for line in lines if line.startswith("| kernel"))
-    assert head == ("| kernel | normal | 0: probe build | 3: loads only | 5: wgmma only | normal again |")
-    body = [line for line in lines if line.startswith("| ") and not line.startswith("| kernel")]
-    assert body == ["| dense | 1.660 | 1.882 | 1.479 | — | 1.660 |",
-                    "| 7B-a dX~ | 0.630 | 0.682 | — | — | 0.630 |",
-                    "| 7B-a dW1 (varlen-K) | 0.750 | — | — | — | 0.750 |"]
-    # Every probe bit combination the script runs by default has a name.
-    assert all(p in P.PROBE_NAMES for p in "0 1 8 2 4 3 5 6".split())
-    # The extra-stage build's columns (PROBE_STAGES4=1): files stages4_probe<P>.json.
-    save("stages4_probe1", [{"kernel": "dense", "ms": 1.25}])
-    text = P.format_table(str(tmp_path), ["1", "s4:1"])
-    head = next(line for line in text.splitlines() if line.startswith("| kernel"))
-    assert head == "| kernel | normal | 1: no epilogue | +1 stage: 1: no epilogue | normal again |"
-    assert "| dense | 1.660 | — | 1.250 | 1.660 |" in text.splitlines()
-
-
-def test_power_samples_parse_and_summarise():
-    """machmoe.bench.power: nvidia-smi lines -> per-window medians; headers and N/A lines dropped;
-    the reason mask is the union over the window, named by NVML's bits; the settling margin
-    excludes the first samples."""
-    import datetime as dt
-
-    from machmoe.bench import power as P
-
-    text = "\n".join([
-        "timestamp, clocks.sm [MHz], power.draw.instant [W], clocks_event_reasons.active, temperature.gpu",
-        "2026/11/22 17:00:00.000, 1980, 120.5, 0x0000000000000001, 40",
-        "2026/11/22 17:00:00.100, 1980, 650.0, 0x0000000000000000, 50",
-        "2026/11/22 17:00:00.400, 1755, 699.0, 0x0000000000000004, 60",
-        "2026/11/22 17:00:00.500, 1700, 701.0, 0x0000000000000004, 61",
-        "2026/11/22 17:00:00.600, N/A, 701.0, 0x4, 61",
-        "2026/11/22 17:00:00.700, 1650, 698.0, 0x000000000000000C, 62",
-    ])
-    samples = P.parse_samples(text)
-    assert len(samples) == 5  # header and the N/A line dropped
-    t0 = dt.datetime(2026, 11, 22, 17, 0, 0).timestamp()
-    s = P.summarise(samples, t0, t0 + 0.8, settle_s=0.3)
-    assert s["samples"] == 3
-    assert s["sm_mhz"] == 1700 and s["sm_mhz_min"] == 1650
-    assert s["watts"] == 699.0 and s["watts_max"] == 701.0
-    assert s["reasons"] == "sw-power-cap+hw-slowdown"
-    assert P.summarise(samples, t0 + 5, t0 + 6)["samples"] == 0
-    assert P.reason_names(0) == "none"
-
-
-def test_power_picks_the_fields_this_driver_accepts():
-    from machmoe.bench import power as P
-
-    class R:
-        def __init__(self, ok):
-            self.returncode, self.stdout, self.stderr = (0, "1\n", "") if ok else (2, "", 'Field "x" is not a valid field to query.')
-
-    old = {"power.draw.instant", "clocks_event_reasons.active"}
-    assert P.pick_fields(lambda cmd, **_: R(cmd[1].split("=")[1] not in old)) == \
-        ["clocks.sm", "power.draw", "clocks_throttle_reasons.active", "temperature.gpu"]
-    assert P.pick_fields(lambda cmd, **_: R(True))[1:3] == ["power.draw.instant", "clocks_event_reasons.active"]
-    with pytest.raises(RuntimeError, match="temperature.gpu"):
-        P.pick_fields(lambda cmd, **_: R("temperature" not in cmd[1]))
-
-
-def test_power_energy_per_call():
-    from machmoe.bench import power as P
-
-    assert P.energy_mj(700.0, 0.5, 100.0) == (350.0, 300.0)
-    assert P.energy_mj(700.0, 0.5, None) == (350.0, None)
-
-
-def test_power_sampler_without_nvidia_smi_says_why(monkeypatch):
-    """No nvidia-smi (the CPU machines): the benchmark's ceiling still runs; the clock is reported as
-    not sampled, and the markdown header leaves it out."""
-    from machmoe.bench import power as P
-    from machmoe.bench import report
-
-    def missing(*a, **k):
-        raise FileNotFoundError("nvidia-smi")
-
-    monkeypatch.setattr(P.subprocess, "run", missing)
-    monkeypatch.setattr(P.subprocess, "Popen", missing)
-    with P.Sampler() as smp:
-        pass
-    s = smp.summary(0.0, 1e12)
-    assert s["samples"] == 0 and "nvidia-smi" in s["error"]
-    assert P.describe(s).startswith("clock not sampled (FileNotFoundError")
-    assert report._clock({"matmul_clock": s}) == ""
-    sampled = {"samples": 9, "sm_mhz": 1425.0, "watts": 759.0, "reasons": "sw-power-cap"}
-    assert report._clock({"matmul_clock": sampled}) == " (SM 1425 MHz, 759 W, clock-event reasons: sw-power-cap)"
-    assert P.describe(sampled) == "SM 1425 MHz, 759 W, clock-event reasons: sw-power-cap"
-
-
 def test_kernel_table_configs_from_the_environment(monkeypatch):
-    """MACHMOE_KERNEL_CONFIGS names the SPEC configs of the kernel table (default 7B-a, 30B-b);
+    """MACHMOE_KERNEL_CONFIGS names the benchmark configs of the kernel table (default 7B-a, 30B-b);
     an unknown name is refused with the known ones listed."""
     from machmoe.bench import gemm_kernels as g
 
@@ -527,4 +463,4 @@ def test_kernel_table_rows_from_the_environment(monkeypatch):
     assert keep == ("dense", "down-proj", "dX~")
     assert g.row_wanted("dense GEMM", keep) and g.row_wanted("30B-a dX~ (dH·W1, contiguous)", keep)
     assert not g.row_wanted("30B-a up-proj (gather + SwiGLU, H and A)", keep)
-    assert g.row_filter("7B-a, dense") == ("7B-a", "dense")  # (power --only parses the same way)
+    assert g.row_filter("7B-a, dense") == ("7B-a", "dense")

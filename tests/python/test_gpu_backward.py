@@ -1,9 +1,9 @@
-"""GPU tests of the layer backward on the machmoe kernels (issue #5): the gradients of x, the router
+"""GPU tests of the layer backward on the machmoe kernels: the gradients of x, the router
 weight, w1, w2, b1 and b2 through backend="machmoe" (torch.autograd over machmoe::layer_forward /
 layer_backward), against the torch backend run in float64 on the same bf16-valued inputs. The loss
 has the aux loss in it: loss = Σ out·g + 0.37·aux with a random bf16-valued g.
 
-Tolerance (SPEC §4, as tests/python/test_gpu_layer.py): machmoe's relative error per tensor must
+Tolerance (as tests/python/test_gpu_layer.py): machmoe's relative error per tensor must
 stay within 2x the error of the torch backend run in bf16 on the same inputs, and is never asked to
 be below 2^-7 (four bf16 roundings of 2^-9 each: H, dH, dX~ or A', the output; on small tensors
 both errors are a handful of rounding events and their ratio is noise)."""

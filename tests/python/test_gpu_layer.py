@@ -1,5 +1,5 @@
-"""GPU tests of the layer forward on the machmoe kernels (issue #4), against the torch backend run
-in float64 on the same bf16-valued inputs. Tolerance (SPEC §4): machmoe's relative error per
+"""GPU tests of the layer forward on the machmoe kernels, against the torch backend run
+in float64 on the same bf16-valued inputs. Tolerance: machmoe's relative error per
 tensor must stay within 2x the error of the torch backend run in bf16 on the same inputs. On tiny
 outputs (a few hundred values) both errors are a handful of rounding events and their ratio is
 noise, so the bound is never below 2^-7: four bf16 roundings (H, A, Y, out) of 2^-9 each."""

@@ -1,4 +1,4 @@
-"""GPU tests of the routing and data-movement kernels (SPEC §2 kernels 1, 2, 5, 10) against the
+"""GPU tests of the routing and data-movement kernels (top-K router, routing metadata, aggregation, token rounding) against the
 float64 CPU reference (machmoe.reference ops) and float64 PyTorch math. Integer outputs must match
 the reference exactly. Tests with "small" in their name also run under compute-sanitizer
 (scripts/gpu_check.sh)."""
@@ -400,9 +400,9 @@ def test_token_rounding_removes_padding_rows():
 
 
 def test_bad_arguments_raise_with_their_sizes_in_the_message():
-    """Checks whose message prints a size or a shape raise ValueError with it. On the lent GPU
-    machine these messages once killed the process with a segfault (formatting an integer through
-    an ostream inside the op library; session 22), so each one is exercised here."""
+    """Checks whose message prints a size or a shape raise ValueError with it. Formatting an
+    integer into such a message once crashed the process inside the op library, so each one is
+    exercised here."""
     m = ops()
     logits = torch.randn(3, 4, device="cuda")
     with pytest.raises(ValueError, match=r"K must be in \[1, E=4\], got 5"):

@@ -1,4 +1,4 @@
-"""Benchmark configurations (SPEC §5) and the counting conventions (SPEC §1).
+"""The benchmark configurations and the counting conventions (FLOPs, activation memory).
 
 Everything here is plain arithmetic, so it is tested on the CPU (tests/python/test_bench.py).
 """
@@ -36,7 +36,8 @@ class MoEConfig:
         return self.T * self.K
 
 
-# SPEC §5. DeepSeek-V3's T is not stated by the paper; SPEC fixes it at 32768.
+# The layer shapes of the SonicMoE paper's benchmark, with its H100 TFLOPS. The paper does not
+# state DeepSeek-V3's T; 32768 is used, as for the other large configs.
 CONFIGS: tuple[MoEConfig, ...] = (
     MoEConfig("1.4B-a", 40960, 768, 256, 128, 8, 340, 365),
     MoEConfig("1.4B-c", 40960, 768, 1024, 32, 2, 405, 437),
@@ -75,7 +76,7 @@ def select_configs(names: str | None, t_scale: float = 1.0) -> list[MoEConfig]:
 
 
 def layer_flops(T: int, K: int, n: int, d: int, glu: bool = True) -> tuple[int, int]:
-    """(forward, backward) FLOPs of the expert part of the layer, SPEC §1 convention.
+    """(forward, backward) FLOPs of the expert part of the layer.
 
     GLU: up-projection 2·TK·d·2n + down-projection 2·TK·n·d = 6·TK·n·d forward; the backward does a
     data-gradient and a weight-gradient GEMM for each, twice the forward. Router GEMM not counted.
@@ -93,17 +94,17 @@ def tflops(flop: float, ms: float | None) -> float | None:
 
 
 def activation_bytes_formula(T: int, d: int, K: int, n: int, glu: bool = True) -> int:
-    """Bytes a memory-minimal layer keeps between forward and backward (SPEC §1), bf16.
+    """Bytes a memory-minimal layer keeps between forward and backward, bf16.
 
     X [T, d] (2 bytes each) + H [TK, N1] with N1 = 2n for GLU (2 bytes each) = 2·T·d + 4·T·K·n.
-    The O(T·K + T·E) routing metadata is left out, as in the SPEC's formula.
+    The O(T·K + T·E) routing metadata is left out (held_bound_bytes counts it).
     """
     n1 = 2 * n if glu else n
     return 2 * T * d + 2 * T * K * n1
 
 
 def held_bound_bytes(T: int, d: int, K: int, n: int, E: int) -> int:
-    """Issue #5's bound on the bytes held between forward and backward, output excluded:
+    """The bound on the bytes the layer holds between forward and backward, output excluded:
     2·T·d (x) + 4·T·K·n (H) + 16·T·K (scores and int32 metadata per routed pair) + 4·T·E (fp32
     logits)."""
     return 2 * T * d + 4 * T * K * n + 16 * T * K + 4 * T * E

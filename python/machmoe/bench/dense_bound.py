@@ -1,4 +1,4 @@
-"""The dense cuBLAS bound (SPEC §4 (b)).
+"""The dense cuBLAS bound: the fastest the expert GEMMs could run with cuBLAS.
 
 The layer's expert FLOPs done as batched dense bf16 GEMMs with perfectly balanced experts
 (m = ceil(T·K / E) rows per expert), no routing, no gather, no activation:

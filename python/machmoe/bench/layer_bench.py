@@ -15,6 +15,7 @@ from .configs import GIB, MoEConfig, layer_flops, tflops
 from .timing import cuda_time, held_bytes
 
 NOT_BUILT = "not built"
+NOT_AVAILABLE = "not available"  # the kernels exist but cannot run on this GPU
 OOM = "OOM"
 
 
@@ -186,11 +187,17 @@ def machmoe_call(inputs: LayerInputs) -> Callable:
 
 def probe_machmoe(inputs: LayerInputs) -> tuple[Callable | None, str]:
     """(call, "ok") when the machmoe backend runs, else (None, status) with status "not built"
-    (NotImplementedError / missing module) or the error message."""
+    (no op library, or one without the kernels; NotImplementedError), "not available" (the kernels
+    cannot run on this GPU) or the error message."""
     try:
         call = machmoe_call(inputs)
+        from machmoe import _ops
     except ImportError as err:
         return None, f"{NOT_BUILT} ({err})"
+    why = _ops.kernels_unavailable_reason(inputs.xs[0].device)
+    if why is not None:
+        status = NOT_BUILT if not _ops.kernels_compiled() else NOT_AVAILABLE
+        return None, f"{status} ({why})"
     try:
         with torch.no_grad():
             out, _ = call(inputs.xs[0])

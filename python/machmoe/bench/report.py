@@ -1,4 +1,5 @@
-"""Formatting of benchmark results: the Markdown table (also printed) and the JSON file."""
+"""Benchmark results as files: the Markdown table (also printed), the JSON file with every figure,
+and a PNG chart (matplotlib, imported only to draw it)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ def short_status(status: str) -> str:
     """What goes into a table cell for a non-"ok" implementation."""
     if status.startswith("not built"):
         return "not built"
+    if status.startswith("not available"):
+        return "not available"
     if status.startswith("OOM"):
         return "OOM"
     return "error"
@@ -111,14 +114,6 @@ def largest_spread(rows: list[dict]):
     return best
 
 
-def _clock(ceilings: dict) -> str:
-    """' (SM 1425 MHz, 759 W, clock-event reasons: sw-power-cap)' when the run sampled it."""
-    c = ceilings.get("matmul_clock") or {}
-    if not c.get("samples"):
-        return ""
-    return f" (SM {c['sm_mhz']:.0f} MHz, {c['watts']:.0f} W, clock-event reasons: {c['reasons']})"
-
-
 def markdown(header: dict, ceilings: dict, rows: list[dict]) -> str:
     lines = [
         "# machmoe benchmark",
@@ -127,15 +122,16 @@ def markdown(header: dict, ceilings: dict, rows: list[dict]) -> str:
         f"torch {header['torch']} (CUDA {header['cuda']})",
         "",
         f"Ceilings measured in this run: dense bf16 8192³ matmul "
-        f"{_num(ceilings.get('matmul_tflops'))} TFLOPS{_clock(ceilings)}; device-to-device copy "
+        f"{_num(ceilings.get('matmul_tflops'))} TFLOPS; device-to-device copy "
         f"{_num(ceilings.get('copy_gbps'))} GB/s (bytes read + written).",
         "",
         f"Timing (every figure of this run): {header.get('timing', 'not recorded')}.",
         "",
-        "TFLOPS forward / backward (SPEC §1: fwd 6·T·K·n·d, bwd 12·T·K·n·d, bwd time = "
+        "TFLOPS forward / backward (expert FLOPs only: fwd 6·T·K·n·d, bwd 12·T·K·n·d; bwd time = "
         "(fwd+bwd) − fwd, routing inside the timed region). Memory: GiB held between forward and "
-        "backward excluding the output and x (the caller's); formula 2·T·d + 4·T·K·n bytes; bound: issue #5's "
-        "2·T·d + 4·T·K·n + 16·T·K + 4·T·E less x's 2·T·d, to compare with the measured machmoe GiB.",
+        "backward excluding the output and x (the caller's); formula: x and H, 2·T·d + 4·T·K·n "
+        "bytes; bound: 2·T·d + 4·T·K·n + 16·T·K + 4·T·E (x, H, per-pair scores and metadata, fp32 "
+        "logits) less x's 2·T·d, to compare with the measured machmoe GiB.",
         "",
         "| config | T | d | n | E | K | SonicMoE (paper) | grouped_mm | grouped_mm GiB | formula GiB "
         "| dense bound | machmoe | machmoe GiB | bound GiB | machmoe ÷ grouped_mm | machmoe ÷ dense | machmoe err out / dx |",
@@ -179,9 +175,71 @@ def markdown(header: dict, ceilings: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+PLOT_SERIES = (  # (row key, legend label, colour)
+    ("machmoe", "machmoe", "tab:blue"),
+    ("grouped_mm", "torch._grouped_mm layer", "tab:orange"),
+    ("dense", "dense cuBLAS bound", "tab:gray"),
+)
+
+
+def _ok(row: dict, impl: str, key: str):
+    res = row.get(impl) or {}
+    return res.get(key) if res.get("status") == "ok" else None
+
+
+def write_plot(path: str, header: dict, rows: list[dict]) -> str | None:
+    """Draws bench.png: forward and backward TFLOPS per config (machmoe beside the grouped_mm
+    layer and the dense cuBLAS bound) and the GiB held between forward and backward (machmoe and
+    grouped_mm beside the bound). A missing figure (not built, OOM, error) is left out, its bar
+    absent. Returns the path, or None (saying why once) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("bench.png not written: matplotlib is not installed (pip install matplotlib)")
+        return None
+    names = [r["config"]["name"] for r in rows]
+    xs = list(range(len(rows)))
+    fig, axes = plt.subplots(3, 1, figsize=(max(8.0, 0.9 * len(rows) + 3), 11), sharex=True)
+    panels = (("fwd_tflops", "forward TFLOPS", PLOT_SERIES),
+              ("bwd_tflops", "backward TFLOPS", PLOT_SERIES),
+              ("held_gib", "GiB held for the backward", PLOT_SERIES[:2]))
+    for ax, (key, title, series) in zip(axes, panels):
+        width = 0.8 / (len(series) + (key == "held_gib"))
+        for i, (impl, label, colour) in enumerate(series):
+            offset = (i - (len(series) - 1) / 2) * width
+            pts = [(x + offset, _ok(r, impl, key)) for x, r in zip(xs, rows)]
+            ok = [(x, v) for x, v in pts if v is not None]
+            if ok:
+                ax.bar([p[0] for p in ok], [p[1] for p in ok], width, label=label, color=colour)
+            for (x, v), r in zip(pts, rows):  # say why a bar is missing: "OOM", "not built", ...
+                if v is None and r.get(impl):
+                    ax.text(x, 0, " " + short_status(r[impl].get("status", "error")), rotation=90,
+                            ha="center", va="bottom", fontsize=7, color=colour)
+        if key == "held_gib":
+            bound = [(x, r.get("bound_gib")) for x, r in zip(xs, rows) if r.get("bound_gib") is not None]
+            if bound:
+                ax.scatter([p[0] for p in bound], [p[1] for p in bound], marker="_", s=600,
+                           color="black", label="bound (H and routing state)", zorder=3)
+        ax.set_ylabel(title)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    axes[-1].set_xticks(xs)
+    axes[-1].set_xticklabels(names, rotation=30, ha="right")
+    fig.suptitle(f"machmoe benchmark: {header.get('gpu', '?')}, commit {header.get('commit', '?')}, "
+                 f"{header.get('date_utc', '')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_outputs(out_dir: str, header: dict, ceilings: dict, rows: list[dict], args: dict,
                   extra: dict | None = None, markdown_text: str | None = None) -> list[str]:
-    """Writes bench.json and bench.md into out_dir; returns the paths."""
+    """Writes bench.json, bench.md and bench.png (when matplotlib is installed) into out_dir;
+    returns the paths written."""
     os.makedirs(out_dir, exist_ok=True)
     json_path = os.path.join(out_dir, "bench.json")
     md_path = os.path.join(out_dir, "bench.md")
@@ -190,4 +248,5 @@ def write_outputs(out_dir: str, header: dict, ceilings: dict, rows: list[dict], 
                    **(extra or {})}, f, indent=1, default=str)
     with open(md_path, "w") as f:
         f.write(markdown_text if markdown_text is not None else markdown(header, ceilings, rows))
-    return [json_path, md_path]
+    png_path = write_plot(os.path.join(out_dir, "bench.png"), header, rows)
+    return [json_path, md_path] + ([png_path] if png_path else [])

@@ -1,4 +1,4 @@
-"""Kernel-level benchmark of the routing and data-movement kernels (issue #3 targets), each
+"""Kernel-level benchmark of the routing and data-movement kernels, each
 beside its PyTorch counterpart measured in the same run:
 
 * top-K router (machmoe.topk_router) vs torch.topk + softmax over the K, at T=32768 with
@@ -103,7 +103,7 @@ def bench_aggregate(T: int, d: int, K: int, copy_tbps: float, sets: int = 3) -> 
 
 
 def bench_token_rounding(T: int = 16384, E: int = 128, K: int = 2, M: int = 128) -> dict:
-    """Token rounding (nr) on the SPEC's sparse config (T 16384, E 128, K 2, tile 128) with router
+    """Token rounding (nr) on a sparse config (T 16384, E 128, K 2, tile 128) with router
     logits of random data: its time, and the padding rows a tile-M grouped GEMM would process
     for the plain top-K counts vs. the rounded counts."""
     ops = _ops()

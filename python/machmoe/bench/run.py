@@ -1,8 +1,16 @@
-"""`python -m machmoe.bench`: the layer benchmark of SPEC §4/§5 (the main job).
+"""`python -m machmoe.bench`: the MoE layer benchmark.
 
-On a CUDA GPU, per config: the grouped_mm baseline layer, the dense cuBLAS bound and the machmoe
-kernels (or "not built"), forward/backward TFLOPS and held activation memory, next to the device
-ceilings measured in the same run. Without a GPU: a small CPU demo of the layer (cpu_demo.py).
+On a CUDA GPU, for each config (--list shows them): the layer on machmoe's kernels beside two
+references measured in the same run, the torch._grouped_mm layer (the layer as plain PyTorch
+writes it) and the dense cuBLAS bound (the same FLOPs as balanced batched GEMMs), forward and
+backward TFLOPS and the activation memory held between forward and backward; then the
+kernel-level tables (routing kernels, grouped GEMMs vs cuBLAS). With --out DIR it writes
+bench.md (the table), bench.json (every figure) and bench.png (a chart, when matplotlib is
+installed) there.
+
+Without a CUDA GPU it says so and runs a small CPU demo of the layer instead (forward and
+backward against the float64 reference); with --out DIR the demo writes cpu_demo.md and
+cpu_demo.json there.
 """
 
 from __future__ import annotations
@@ -12,48 +20,50 @@ import os
 import sys
 import time
 
-import torch
-
-from . import cpu_demo
-from .configs import (CONFIGS, GIB, MoEConfig, activation_bytes_formula, held_bound_less_x_bytes, layer_flops,
-                      select_configs)
-from .dense_bound import dense_bound
-from .grouped_mm_layer import grouped_mm_moe
-from .layer_bench import (NOT_BUILT, OOM, LayerInputs, bench_forward_only, bench_layer, compare_forward,
-                          compare_outputs, is_oom,
-                          probe_machmoe)
-from .report import backward_status, derived_ratios, markdown, run_header, write_outputs
-from . import power, timing
-from .timing import copy_bandwidth, free_cuda_memory, matmul_tflops
+from .configs import CONFIGS, GIB, MoEConfig, activation_bytes_formula, held_bound_less_x_bytes, layer_flops, \
+    select_configs
 
 NO_GPU_LINE = "No CUDA GPU found: running a small CPU demo of the layer instead"
 IMPLEMENTATIONS = ("grouped_mm", "dense", "machmoe")
+# machmoe.bench.timing.PROTOCOLS, repeated here so that --help answers without importing torch.
+TIMING_PROTOCOLS = ("rotate", "flush", "sonic")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The command line; a bad argument exits with status 2 and argparse's message."""
     p = argparse.ArgumentParser(prog="python -m machmoe.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="all",
-                   help="comma-separated config names (default: all 12; see --list)")
+                   help="comma-separated config names, case-insensitive (default: all; see --list): "
+                        + ", ".join(c.name for c in CONFIGS))
     p.add_argument("--T-scale", dest="t_scale", type=float, default=1.0,
                    help="multiply every config's T by this (rounded to a multiple of 64)")
     p.add_argument("--list", action="store_true", help="list the configs and exit")
-    p.add_argument("--out", default=None, help="directory for bench.json and bench.md")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="directory for bench.md, bench.json and bench.png (the CPU demo: "
+                        "cpu_demo.md, cpu_demo.json); created if missing")
     p.add_argument("--impls", default=",".join(IMPLEMENTATIONS),
                    help="which of grouped_mm,dense,machmoe to run (default: all)")
     p.add_argument("--min-reps", type=int, default=20, help="least number of timed calls (>= 20)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
     p.add_argument("--cpu-demo", action="store_true", help="run the CPU demo even with a GPU")
-    p.add_argument("--timing", choices=timing.PROTOCOLS, default=None,
+    p.add_argument("--timing", choices=TIMING_PROTOCOLS, default=None,
                    help="rotate: calls back to back (default; or MACHMOE_BENCH_TIMING); flush: 256 MB "
                         "zeroed before each timed call, as triton's do_bench does; sonic: the flush and "
-                        "0.5 s idle before each measurement, as SonicMoE's benchmark does")
+                        "0.5 s idle before each measurement, as SonicMoE's published benchmark times, "
+                        "to compare with the table's SonicMoE (paper) column")
     p.add_argument("--kernels", choices=("auto", "on", "off"), default="auto",
-                   help="kernel-level routing/aggregation rows (routing_kernels.py); auto: when "
-                        "the op library is loaded")
+                   help="the kernel-level tables (routing kernels, grouped GEMMs vs cuBLAS); auto: "
+                        "when the op library is loaded")
     args = p.parse_args(argv)
     if args.t_scale <= 0:
         p.error("--T-scale must be positive")
+    try:
+        args.config_list = select_configs(args.configs, args.t_scale)
+    except ValueError as err:
+        p.error(f"--configs: {err}")
+    if not args.config_list:
+        p.error("--configs names no config; known: " + ", ".join(c.name for c in CONFIGS))
     args.impls = [s.strip() for s in args.impls.split(",") if s.strip()]
     bad = [s for s in args.impls if s not in IMPLEMENTATIONS]
     if bad:
@@ -73,6 +83,9 @@ def list_configs() -> None:
 
 
 def _failure(err: BaseException) -> dict:
+    """The result dict of a failed measurement: {"status": "OOM"} or {"status": "error: ..."}."""
+    from .layer_bench import OOM, is_oom
+
     if is_oom(err):
         return {"status": OOM}
     text = str(err).strip()
@@ -81,6 +94,13 @@ def _failure(err: BaseException) -> dict:
 
 
 def bench_config(cfg: MoEConfig, impls: list[str], min_reps: int, seed: int) -> dict:
+    """One config's row: each implementation's figures (or status), the formulas and ratios."""
+    from .dense_bound import dense_bound
+    from .grouped_mm_layer import grouped_mm_moe
+    from .layer_bench import LayerInputs, bench_layer
+    from .report import derived_ratios
+    from .timing import free_cuda_memory
+
     fwd_flop, bwd_flop = layer_flops(cfg.T, cfg.K, cfg.n, cfg.d)
     row = {
         "config": {"name": cfg.name, "T": cfg.T, "d": cfg.d, "n": cfg.n, "E": cfg.E, "K": cfg.K},
@@ -89,7 +109,8 @@ def bench_config(cfg: MoEConfig, impls: list[str], min_reps: int, seed: int) -> 
         "formula_bytes": activation_bytes_formula(cfg.T, cfg.d, cfg.K, cfg.n),
     }
     row["formula_gib"] = row["formula_bytes"] / GIB
-    # Issue #5's bound, less x (neither layer's held-bytes measurement counts the caller's x).
+    # The memory bound (configs.held_bound_bytes) less x: neither layer's held-bytes measurement
+    # counts the caller's x.
     row["bound_gib"] = held_bound_less_x_bytes(cfg) / GIB
 
     # Dense bound first, before the layer's weights exist: on DeepSeek-V3 the two sets of weights
@@ -130,7 +151,12 @@ def bench_config(cfg: MoEConfig, impls: list[str], min_reps: int, seed: int) -> 
     return row
 
 
-def _bench_machmoe(inputs: LayerInputs, baseline, min_reps: int) -> dict:
+def _bench_machmoe(inputs, baseline, min_reps: int) -> dict:
+    """The machmoe row of one config (inputs: a layer_bench.LayerInputs)."""
+    from .layer_bench import (NOT_BUILT, bench_forward_only, bench_layer, compare_forward, compare_outputs,
+                              is_oom, probe_machmoe)
+    from .timing import free_cuda_memory
+
     try:
         call, status = probe_machmoe(inputs)
     except Exception as err:  # noqa: BLE001
@@ -166,6 +192,9 @@ def _bench_machmoe(inputs: LayerInputs, baseline, min_reps: int) -> dict:
 
 def _kernel_rows(mode: str, copy_gbps: float | None):
     """Rows of routing_kernels.run() (list), or a string saying why there are none."""
+    from .layer_bench import NOT_BUILT
+    from .timing import free_cuda_memory
+
     if mode == "off":
         return "not run (--kernels off)"
     try:
@@ -198,6 +227,8 @@ def _kernel_rows(mode: str, copy_gbps: float | None):
 
 def _gemm_rows(mode: str):
     """Rows of gemm_kernels.run() (grouped GEMM engine vs cuBLAS), or a string saying why not."""
+    from .timing import free_cuda_memory
+
     if mode == "off":
         return "not run (--kernels off)"
     from machmoe import _ops
@@ -215,6 +246,9 @@ def _gemm_rows(mode: str):
 
 
 def _fmt_impl(name: str, res: dict | None) -> str:
+    """One implementation's progress-line fragment: "machmoe 370/410, held 0.40 GiB"."""
+    from .report import backward_status
+
     if res is None:
         return ""
     if res.get("status") != "ok":
@@ -225,24 +259,29 @@ def _fmt_impl(name: str, res: dict | None) -> str:
 
 
 def main(argv=None) -> int:
+    """Runs the benchmark (or the CPU demo); 0 on success, 1 when a measurement failed with an
+    error (out of memory and "not built" are reported, not failures)."""
     args = parse_args(argv)
     if args.list:
         list_configs()
         return 0
+
+    import torch
+
     if not torch.cuda.is_available() or args.cpu_demo:
+        from . import cpu_demo
+
         if not torch.cuda.is_available():
             print(NO_GPU_LINE, flush=True)
-        rc = cpu_demo.run(seed=args.seed)
+        rc = cpu_demo.run(seed=args.seed, out_dir=args.out)
         if not torch.cuda.is_available() and os.environ.get("MACHMOE_REQUIRE_GPU") == "1":
             print("error: MACHMOE_REQUIRE_GPU=1 but no CUDA GPU is visible", file=sys.stderr)
             return 1
         return rc
 
-    try:
-        configs = select_configs(args.configs, args.t_scale)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    from . import timing
+    from .report import markdown, run_header, write_outputs
+    from .timing import copy_bandwidth, free_cuda_memory, matmul_tflops
 
     if args.timing:
         timing.set_protocol(args.timing)
@@ -250,31 +289,25 @@ def main(argv=None) -> int:
     print(f"GPU: {header['gpu']}\ncommit: {header['commit']}\ndate: {header['date_utc']}\n"
           f"torch: {header['torch']} (CUDA {header['cuda']})\ntiming: {header['timing']}", flush=True)
     try:
-        import machmoe  # noqa: F401
         from machmoe import _ops
+
+        why = _ops.kernels_unavailable_reason()
         print(f"machmoe ops: {'loaded from ' + str(_ops.library_path()) if _ops.ops_available() else 'not loaded'}; "
-              f"layer kernels: {'yes' if _ops.layer_kernels_available() else 'no'}", flush=True)
+              f"layer kernels: {'yes' if why is None else 'no (' + why + ')'}", flush=True)
     except Exception as err:  # noqa: BLE001 - informational only
         print(f"machmoe ops: unavailable ({type(err).__name__}: {err})", flush=True)
 
     t_start = time.perf_counter()
     ceilings = {}
     try:
-        # The SM clock and board power while cuBLAS runs: these GPUs run dense GEMMs at their power
-        # cap (docs/PERF.md), so the clock says how much headroom this board has next to others.
-        with power.Sampler() as smp:
-            t0 = time.time()
-            ceilings["matmul_tflops"], t_mm = matmul_tflops(8192, min_reps=args.min_reps)
-            t1 = time.time()
+        ceilings["matmul_tflops"], t_mm = matmul_tflops(8192, min_reps=args.min_reps)
         ceilings["matmul_timing"] = t_mm.as_dict()
-        ceilings["matmul_clock"] = smp.summary(t0, t1, settle_s=0.5)
         ceilings["copy_gbps"], t_copy = copy_bandwidth(1 << 30, min_reps=args.min_reps)
         ceilings["copy_timing"] = t_copy.as_dict()
     except Exception as err:  # noqa: BLE001
         ceilings["error"] = _failure(err)["status"]
     free_cuda_memory()
-    print(f"dense bf16 8192x8192x8192 matmul: {ceilings.get('matmul_tflops', float('nan')):.0f} TFLOPS"
-          f" ({power.describe(ceilings.get('matmul_clock', {}))});"
+    print(f"dense bf16 8192x8192x8192 matmul: {ceilings.get('matmul_tflops', float('nan')):.0f} TFLOPS;"
           f" device-to-device copy: {ceilings.get('copy_gbps', float('nan')):.0f} GB/s "
           f"(bytes read + written)", flush=True)
 
@@ -282,7 +315,7 @@ def main(argv=None) -> int:
     gemm_rows = _gemm_rows(args.kernels)
 
     rows = []
-    for cfg in configs:
+    for cfg in args.config_list:
         t0 = time.perf_counter()
         row = bench_config(cfg, args.impls, args.min_reps, args.seed)
         row["wall_s"] = time.perf_counter() - t0

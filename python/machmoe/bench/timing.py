@@ -1,4 +1,4 @@
-"""GPU timing and device ceilings, per /work/.library/device/METHOD.md and SPEC §4.
+"""GPU timing and device ceilings.
 
 * CUDA events around each call, warm-up first, median of at least `min_reps` calls.
 * Calls rotate over several argument sets (different input tensors) so that L2 does not hold the
@@ -7,9 +7,9 @@
   back. "flush" also zeroes a 256 MB buffer before every timed call, outside its events, as
   `triton.testing.do_bench` does: between calls the GPU runs a memory-bound fill, which also
   lowers its average power, so on a board at its power cap the timed calls may run at a higher
-  clock. "sonic" approaches SonicMoE's benchmark (`benchmarks/moe-cute.py`): the flush, and the
-  GPU left idle for 0.5 s before each measurement, so the power limiter's average starts low. It
-  keeps our median and our warm-up (>= 0.1 s) where do_bench takes the mean after ~5 ms.
+  clock. "sonic" approaches how SonicMoE's published benchmark times (the figures of the table's
+  SonicMoE column): the flush, and the GPU left idle for 0.5 s before each measurement, so the
+  power limiter's average starts low. It keeps this module's median and warm-up (>= 0.1 s).
 * The two ceilings measured in the same run: a dense bf16 8192^3 matmul and a large
   device-to-device copy (bytes read + written).
 """
@@ -35,7 +35,7 @@ class Timing:
     sets: int  # number of rotated argument sets
     rounds: int = 1
     # (largest - smallest round median) / pooled median, in percent: the run-to-run noise that a
-    # difference between two versions has to exceed (METHOD.md: "time the same version twice").
+    # difference between two versions has to exceed.
     spread_pct: float = 0.0
 
     def as_dict(self) -> dict:
@@ -150,7 +150,7 @@ def held_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
     or drops `result` (dropping it frees the saved tensors).
     """
     # Free what earlier calls left in reference cycles first: a previous autograd graph collected
-    # during fn() would lower `after` (an H200 run at 1be09f8 reported 0.14 GiB for 1.4B-a, whose
+    # during fn() would lower `after` (on an H200 this once reported 0.14 GiB for 1.4B-a, whose
     # saved tensors alone are 0.31 GiB).
     gc.collect()
     torch.cuda.synchronize()
