@@ -131,18 +131,4 @@ __device__ __forceinline__ void store_vec16(T* p, const Vec16<T>& v) {
   *reinterpret_cast<uint4*>(p) = v.raw;
 }
 
-// Timing probes of the grouped GEMM and weight-gradient kernels (-DMACHMOE_GEMM_PROBES=ON only;
-// scripts/gpu_probe.sh; wrong results): whether probe `bit` is on in the params' `probe` field.
-// A constant false otherwise, so the probes compile out.
-template <class Params>
-__device__ __forceinline__ bool gemm_probe(const Params& p, int bit) {
-#if MACHMOE_GEMM_PROBES
-  return (p.probe & bit) != 0;
-#else
-  (void)p;
-  (void)bit;
-  return false;
-#endif
-}
-
 }  // namespace machmoe::kernels

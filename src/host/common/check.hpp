@@ -4,7 +4,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include <cstdlib>
+#include <cstdint>
 #include <string>
 
 #include "machmoe/types.hpp"
@@ -53,42 +53,9 @@ struct ClusterLaunch {
   ClusterLaunch(const ClusterLaunch&) = delete;
   ClusterLaunch& operator=(const ClusterLaunch&) = delete;
 };
-// MACHMOE_WGRAD_PAIR=0 turns off the weight gradients' CTA pairs (for A/B and debugging).
-bool wgrad_pairs_enabled();
-// The plain-store grouped GEMM with contiguous A (down-projection, dX~) runs through the
-// ping-pong kernel (kernels/gemm/pingpong.cuh) where the shape rule of
-// host/gemm/grouped_gemm.cu says so (MACHMOE_GEMM_PINGPONG unset: -1). MACHMOE_GEMM_PINGPONG=0 turns it
-// off; =1 forces it wherever it applies, =2 in clusters of two CTAs multicasting the weights, =5/=6
-// the same two with the tile stored by boxes through a two-box ring the consumers take in turn.
-// Any other value is refused (Error, InvalidArgument).
-int gemm_pingpong_mode();
-// The dH kernel (ActivationBackward with a gather) runs as the ping-pong kernel of
-// kernels/gemm/dact_pingpong.cuh where host/gemm/grouped_gemm.cu's shape rule says so
-// (MACHMOE_DH_PINGPONG unset: -1); =0 never, =1 wherever it applies. Other values are refused.
-// (Removed after measuring them slower than this kernel alone: session 28's CTA-pair variant
-// multicasting W2, 4-12% at d <= 1536 and 11% at 30B-b; sessions 28-30's variant with the epilogue
-// from the accumulators and H / dH / A' moved by TMA, 20-27% at d <= 1536.)
-int gemm_dh_pingpong_mode();
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// The timing probes' bits (MACHMOE_GEMM_PROBE, 11 bits: 1-128 the grouped GEMM's and weight
-// gradients', 256 and 512 the weight gradients' only, 1024 the ping-pong kernel's cycle counters;
-// scripts/gpu_probe.sh) in a
-// -DMACHMOE_GEMM_PROBES=ON build, read once; 0 in a normal build, where the kernels compile the
-// probes out.
-inline int gemm_probe_from_env() {
-#if MACHMOE_GEMM_PROBES
-  static const int probe = [] {
-    const char* v = std::getenv("MACHMOE_GEMM_PROBE");
-    return v ? std::atoi(v) & 2047 : 0;
-  }();
-  return probe;
-#else
-  return 0;
-#endif
-}
 
 }  // namespace machmoe::detail

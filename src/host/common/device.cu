@@ -1,6 +1,5 @@
 // Device facts and a self-test kernel: the first thing the GPU tests run, so that a library built
 // for the wrong architecture or a broken driver says so plainly before any layer test.
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -114,37 +113,6 @@ int max_active_clusters(const void* func, const cudaLaunchConfig_t& config, cons
   });
 }
 
-bool wgrad_pairs_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("MACHMOE_WGRAD_PAIR");
-    return v == nullptr || std::string(v) != "0";
-  }();
-  return on;
-}
-
-namespace {
-// A kernel-choice switch: -1 when `name` is unset or empty (the shape rule decides), else its one
-// digit if that is in `digits`; any other value is refused, naming the variable and `rule`.
-int env_mode(const char* name, const char* digits, const char* rule) {
-  const char* v = std::getenv(name);
-  const std::string m = v ? v : "";
-  if (m.empty()) return -1;
-  if (m.size() == 1 && std::string(digits).find(m[0]) != std::string::npos) return m[0] - '0';
-  throw Error(ErrorCode::InvalidArgument, std::string(name) + "='" + m + "': " + rule);
-}
-}  // namespace
-
-int gemm_dh_pingpong_mode() {
-  static const int mode = env_mode("MACHMOE_DH_PINGPONG", "01", "must be 0 (off), 1 (on), or unset (the shape rule)");
-  return mode;
-}
-
-int gemm_pingpong_mode() {
-  // (3/4 were removed in session 26.)
-  static const int mode = env_mode("MACHMOE_GEMM_PINGPONG", "01256",
-                                   "must be 0 (off), 1, 2, 5 or 6 (a ping-pong mode), or unset (the shape rule)");
-  return mode;
-}
 }  // namespace detail
 
 void device_self_test(cudaStream_t stream) {

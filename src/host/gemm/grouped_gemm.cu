@@ -2,10 +2,8 @@
 // tile configuration, the TMA descriptor of the weights, and the persistent launch.
 #include <cuda.h>
 
-#include <cstdio>
-#include <cstdlib>
+#include <algorithm>
 #include <string>
-#include <type_traits>
 
 #include "host/common/check.hpp"
 #include "host/common/tensor_map.hpp"
@@ -60,43 +58,14 @@ void launch_variant(const CUtensorMap& map_a, const CUtensorMap& map_b, const CU
   kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, map_c, p);
 }
 
-#if MACHMOE_GEMM_PROBES
-// Probe 1024: the ping-pong kernel's cycle counters (kernels::PingPongCycles), per tile, at exit.
-void report_pingpong_cycles() {
-  unsigned long long v[8] = {};
-  if (cudaMemcpyFromSymbol(v, kernels::g_pingpong_cycles, sizeof v) != cudaSuccess || v[6] == 0) return;
-  const double t = static_cast<double>(v[6]);
-  std::fprintf(stderr,
-               "pingpong cycles per tile (one thread per consumer): tile-ring wait %.0f, turn wait %.0f, "
-               "stage-full waits %.0f, main loop %.0f, drain %.0f, epilogue %.0f; producer stage-empty waits %.0f "
-               "(%llu tiles)\n",
-               v[0] / t, v[1] / t, v[2] / t, v[3] / t, v[4] / t, v[5] / t, v[7] / t, v[6]);
-}
-#endif
-
-template <bool B_NMAJOR, bool kCluster, int kEpi>
+template <bool B_NMAJOR>
 void launch_pingpong(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c,
                      const kernels::GroupedGemmParams& p, int ctas, cudaStream_t stream) {
   constexpr int bn = kernels::kPingPongBN;
-  constexpr int smem = kernels::GemmPingPongSmem<bn, kEpi>::kBytes;
-  auto* kernel = kernels::sm90_grouped_gemm_pingpong<bn, B_NMAJOR, kCluster, kEpi>;
+  constexpr int smem = kernels::GemmPingPongSmem<bn>::kBytes;
+  auto* kernel = kernels::sm90_grouped_gemm_pingpong<bn, B_NMAJOR>;
   prepare_smem(reinterpret_cast<const void*>(kernel), smem);
-#if MACHMOE_GEMM_PROBES
-  if (p.probe & 1024) {
-    static const bool registered = (std::atexit(report_pingpong_cycles), true);
-    (void)registered;
-  }
-#endif
-  if constexpr (!kCluster) {
-    kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, map_c, p);
-    return;
-  }
-  // Clusters of two CTAs, as many as the device runs at once within `ctas`.
-  detail::ClusterLaunch launch(2, kernels::kGemmThreads, smem, stream);
-  const int clusters = detail::max_active_clusters(reinterpret_cast<const void*>(kernel), launch.config,
-                                                   "grouped_gemm: cudaOccupancyMaxActiveClusters");
-  launch.config.gridDim = dim3(static_cast<unsigned>(2 * std::max(1, std::min(clusters, ctas / 2))));
-  check_cuda(cudaLaunchKernelEx(&launch.config, kernel, map_a, map_b, map_c, p), "grouped_gemm: cudaLaunchKernelEx");
+  kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, map_c, p);
 }
 
 // The dH kernel as a ping-pong GEMM (one 128 x 128 tile per consumer warpgroup).
@@ -208,24 +177,13 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
 
   // The ping-pong kernel (kernels/gemm/pingpong.cuh: 192-wide tiles, one per consumer
   // warpgroup) takes the plain store with contiguous A where the shape rule kPingPongWhere says it
-  // wins, or where MACHMOE_GEMM_PINGPONG forces it (odd: one CTA, even: CTA pairs; 1/2 and 5/6 the
-  // epilogues kernels::kPPEpiHalves and kPPEpiRing; 0: never).
-  // (Its weight boxes reach row E·N + 191 of the [E*N, K] view: kept inside int32.)
-  const int pp_env = detail::gemm_pingpong_mode();
+  // wins. (Its weight boxes reach row E·N + 191 of the [E*N, K] view: kept inside int32.)
   const bool pp_applies = epi == kernels::kEpiStore && a.gather == nullptr && a.c &&
                           a.E * a.N + kernels::kPingPongBN <= (int64_t{1} << 31) - 1;
-  const int pp_mode = pp_env >= 0 ? pp_env : (kPingPongWhere.wins(a.N, a.K) ? 1 : 0);
-  const bool pingpong = pp_applies && pp_mode > 0;
-  // (clusters need two CTAs; one unit of the schedule is then 256 rows: kernels::gemm_expert_tiles)
-  const bool pp_cluster = pingpong && pp_mode % 2 == 0 && (a.max_ctas == 0 || a.max_ctas >= 2);
-  const bool pp_ring = pp_mode >= 5;
-  // Configuration (data, not code): tile_width, also the column-tile count of the dH epilogue's
-  // ds_partial (grouped_gemm_column_tiles).
-  // The dH kernel as a ping-pong GEMM (kernels/gemm/dact_pingpong.cuh) where
-  // kDhPingPongWhere says it wins, or as MACHMOE_DH_PINGPONG says (0 never, 1 wherever it applies).
-  const int dh_env = detail::gemm_dh_pingpong_mode();
-  const int dh_mode = dh_env >= 0 ? dh_env : (a.K <= kDhPingPongWhere.max_k ? 1 : 0);
-  const bool dh_pingpong = dact && a.gather && dh_mode > 0;
+  const bool pingpong = pp_applies && kPingPongWhere.wins(a.N, a.K);
+  // The dH kernel as a ping-pong GEMM (kernels/gemm/dact_pingpong.cuh) where kDhPingPongWhere
+  // says it wins.
+  const bool dh_pingpong = dact && a.gather && a.K <= kDhPingPongWhere.max_k;
   const int bn = pingpong ? kernels::kPingPongBN : dh_pingpong ? kernels::kDactPPBN : tile_width(a.N, epi);
   const bool wide = bn == 256;
   const int tile_cols = epi == kernels::kEpiGluConcat ? bn / 2 : bn;
@@ -246,7 +204,6 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   p.K = static_cast<int>(a.K);
   p.n_tiles = static_cast<int>(ceil_div(n_cols, tile_cols));
   p.act = static_cast<int>(a.activation);
-  p.probe = detail::gemm_probe_from_env();  // 0 unless a -DMACHMOE_GEMM_PROBES=ON build
   p.h = static_cast<const __nv_bfloat16*>(a.h);
   p.ldh = a.ldh;
   p.row_scores = a.row_scores;
@@ -257,11 +214,7 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   // (up to kGemmSmemTileE experts the kernel builds them itself; the dH ping-pong, short of shared
   // memory, up to kDactPPSmemTileE)
   if (p.E > (dh_pingpong ? kernels::kDactPPSmemTileE : kernels::kGemmSmemTileE)) {
-    if (pp_cluster)
-      kernels::grouped_gemm_tile_offsets<2 * kernels::kGemmBM><<<1, 1024, 0, stream>>>(a.expert_offsets, p.E, p.n_tiles,
-                                                                                      a.tile_offsets);
-    else
-      kernels::grouped_gemm_tile_offsets<><<<1, 1024, 0, stream>>>(a.expert_offsets, p.E, p.n_tiles, a.tile_offsets);
+    kernels::grouped_gemm_tile_offsets<<<1, 1024, 0, stream>>>(a.expert_offsets, p.E, p.n_tiles, a.tile_offsets);
     check_launch("grouped_gemm: tile offsets");
   }
   const int sms = device_info().sm_count;
@@ -282,20 +235,8 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
                                           : detail::tensor_map_2d(a.w, a.E * a.N, a.K, a.K, kernels::kGemmBK, 64, fn);
     const CUtensorMap map_a = tile_tensor_map(a.a, a.a_rows, a.K, a.lda);
     const CUtensorMap map_c = detail::tensor_map_2d(a.c, int64_t{1} << 31, a.N, a.ldc, 64, 64, fn);
-    auto launch = [&](auto b_nmajor, auto cluster, auto epi_kind) {
-      launch_pingpong<decltype(b_nmajor)::value, decltype(cluster)::value, decltype(epi_kind)::value>(
-          map_a, map_b, map_c, p, ctas, stream);
-    };
-    auto with_epi = [&](auto b_nmajor, auto cluster) {
-      if (pp_ring) launch(b_nmajor, cluster, std::integral_constant<int, kernels::kPPEpiRing>{});
-      else launch(b_nmajor, cluster, std::integral_constant<int, kernels::kPPEpiHalves>{});
-    };
-    auto with_cluster = [&](auto b_nmajor) {
-      if (pp_cluster) with_epi(b_nmajor, std::true_type{});
-      else with_epi(b_nmajor, std::false_type{});
-    };
-    if (a.w_n_major) with_cluster(std::true_type{});
-    else with_cluster(std::false_type{});
+    if (a.w_n_major) launch_pingpong<true>(map_a, map_b, map_c, p, ctas, stream);
+    else launch_pingpong<false>(map_a, map_b, map_c, p, ctas, stream);
     check_launch(fn);
     return;
   }

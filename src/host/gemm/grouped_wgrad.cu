@@ -89,7 +89,6 @@ void grouped_gemm_wgrad(const GroupedWgradArgs& a, cudaStream_t stream) {
   p.c = a.c;
   p.c_fp32 = a.c_dtype == DType::FP32;
   p.transpose_c = a.transpose_c;
-  p.probe = detail::gemm_probe_from_env();  // 0 unless a -DMACHMOE_GEMM_PROBES=ON build
   // B [b_rows, N] in boxes of 64 columns x 64 rows (an MN-major operand block).
   const CUtensorMap map_b = detail::tensor_map_2d(a.b, a.b_rows, a.N, a.ldb, 64, kernels::kWgradBK, fn);
   // bf16 C: full tiles leave by TMA from each consumer warpgroup's staged part: C [E*M, N] in
@@ -100,7 +99,7 @@ void grouped_gemm_wgrad(const GroupedWgradArgs& a, cudaStream_t stream) {
                                             : detail::tensor_map_2d(a.c, a.E * a.M, a.N, a.N, 64, 64, fn);
   // Two or more column tiles: pairs of CTAs share the gathered A tile (kernels/gemm/wgrad.cuh),
   // where the device can run clusters of two of them (and the caller allows two CTAs).
-  const bool pair = n_tiles >= 2 && (a.max_ctas == 0 || a.max_ctas >= 2) && detail::wgrad_pairs_enabled();
+  const bool pair = n_tiles >= 2 && (a.max_ctas == 0 || a.max_ctas >= 2);
   const int64_t units = a.E * m_tiles * (pair ? (n_tiles + 1) / 2 : n_tiles);
   if (bn == 256) {
     if (pair)

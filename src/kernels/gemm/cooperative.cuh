@@ -60,11 +60,10 @@ __device__ __forceinline__ int gemm_tile_expert(const int32_t* tile_offsets, int
   return lo;
 }
 
-// Tiles of expert e: ceil(rows_e / kUnitRows) row blocks x n_tiles column blocks (both tile-offset
-// builders). kUnitRows: BM, or 2·BM for the ping-pong kernel's CTA pairs (one unit per pair).
-template <int kUnitRows = kGemmBM>
+// Tiles of expert e: ceil(rows_e / BM) row blocks x n_tiles column blocks (both tile-offset
+// builders).
 __device__ __forceinline__ int gemm_expert_tiles(const int32_t* expert_offsets, int e, int n_tiles) {
-  return (__ldg(expert_offsets + e + 1) - __ldg(expert_offsets + e) + kUnitRows - 1) / kUnitRows * n_tiles;
+  return (__ldg(expert_offsets + e + 1) - __ldg(expert_offsets + e) + kGemmBM - 1) / kGemmBM * n_tiles;
 }
 
 // Up to this many experts the kernel builds tile_offsets [E+1] itself, in shared memory, from
@@ -72,9 +71,8 @@ __device__ __forceinline__ int gemm_expert_tiles(const int32_t* expert_offsets, 
 // (two per forward and two per backward; ~2 µs each plus the gap between launches).
 constexpr int kGemmSmemTileE = 512;
 
-// tile_offsets[e] = Σ_{e' < e} ceil(rows_e' / kUnitRows) · n_tiles for E <= kGemmSmemTileE, by one warp:
+// tile_offsets[e] = Σ_{e' < e} ceil(rows_e' / BM) · n_tiles for E <= kGemmSmemTileE, by one warp:
 // lane l owns experts 16l .. 16l + 15.
-template <int kUnitRows = kGemmBM>
 __device__ __forceinline__ void gemm_tile_offsets_warp(const GroupedGemmParams& p, int32_t* out) {
   constexpr int kPer = kGemmSmemTileE / 32;
   const int lane = threadIdx.x % 32;
@@ -82,7 +80,7 @@ __device__ __forceinline__ void gemm_tile_offsets_warp(const GroupedGemmParams& 
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int e = lane * kPer + i;
-    tiles[i] = e < p.E ? gemm_expert_tiles<kUnitRows>(p.expert_offsets, e, p.n_tiles) : 0;
+    tiles[i] = e < p.E ? gemm_expert_tiles(p.expert_offsets, e, p.n_tiles) : 0;
     sum += tiles[i];
   }
   int incl = sum;
@@ -123,36 +121,34 @@ __device__ __forceinline__ const int32_t* gemm_tile_table(const GroupedGemmParam
   return p.E <= kCap ? smem_table : p.tile_offsets;
 }
 
-// kUnitRows > BM: row0/rows describe the unit's kUnitRows rows (rows up to kUnitRows).
-// kGroupM: row blocks per group (kGemmGroupM above).
-template <int kUnitRows = kGemmBM, int kGroupM = kGemmGroupM>
+// Tile t of the schedule; kGroupM: row blocks per group (kGemmGroupM above).
+template <int kGroupM = kGemmGroupM>
 __device__ __forceinline__ GemmTile gemm_decode_tile(const GroupedGemmParams& p, const int32_t* tile_offsets, int t,
                                                     int bn_cols) {
   GemmTile tile;
   tile.e = gemm_tile_expert(tile_offsets, p.E, t);
   const int local = t - tile_offsets[tile.e];
   const int begin = __ldg(p.expert_offsets + tile.e), end = __ldg(p.expert_offsets + tile.e + 1);
-  const int m_tiles = (end - begin + kUnitRows - 1) / kUnitRows;
+  const int m_tiles = (end - begin + kGemmBM - 1) / kGemmBM;
   const int group = local / (kGroupM * p.n_tiles);
   const int first_m = group * kGroupM;
   const int group_m = min(kGroupM, m_tiles - first_m);
   const int within = local - group * kGroupM * p.n_tiles;
   const int m_blk = first_m + within % group_m, n_blk = within / group_m;
-  tile.row0 = begin + m_blk * kUnitRows;
-  tile.rows = min(kUnitRows, end - tile.row0);
+  tile.row0 = begin + m_blk * kGemmBM;
+  tile.rows = min(kGemmBM, end - tile.row0);
   tile.n0 = n_blk * bn_cols;
   return tile;
 }
 
-// tile_offsets[e] = Σ_{e' < e} ceil(rows_e' / kUnitRows) · n_tiles, one block.
-template <int kUnitRows = kGemmBM>
+// tile_offsets[e] = Σ_{e' < e} ceil(rows_e' / BM) · n_tiles, one block.
 __global__ void __launch_bounds__(1024) grouped_gemm_tile_offsets(const int32_t* expert_offsets, int E,
                                                                    int n_tiles, int32_t* tile_offsets) {
   __shared__ int smem[32];
   int carry = 0;
   for (int base = 0; base < E; base += blockDim.x) {
     const int e = base + threadIdx.x;
-    const int tiles = e < E ? gemm_expert_tiles<kUnitRows>(expert_offsets, e, n_tiles) : 0;
+    const int tiles = e < E ? gemm_expert_tiles(expert_offsets, e, n_tiles) : 0;
     int total;
     const int excl = block_exclusive_scan(tiles, smem, &total);
     if (e < E) tile_offsets[e] = carry + excl;
@@ -180,14 +176,13 @@ struct GemmGatherRows {
                               : ~0u;
     }
   }
-  // rows: kRows, or 0 (timing probe 128: A not loaded).
-  __device__ __forceinline__ void copy(const GroupedGemmParams& p, uint8_t* a_stage, int lane, int k0, int rows) const {
+  __device__ __forceinline__ void copy(const GroupedGemmParams& p, uint8_t* a_stage, int lane, int k0) const {
     const int chunk = lane % 8;
     const bool k_ok = k0 + chunk * 8 < p.K;
     const uint32_t k_units = k0 / 8 + chunk;  // this thread's 16 bytes of the K block
     const uint4* a = reinterpret_cast<const uint4*>(p.a);
 #pragma unroll 8
-    for (int i = 0; i < rows; ++i) {
+    for (int i = 0; i < kRows; ++i) {
       const int r = lane / 8 + (kLoaders / 8) * i;
       const bool ok = k_ok && arow[i] != ~0u;
       const uint32_t dst = sm90::smem_addr(a_stage + r * 128 + ((chunk ^ (r & 7)) << 4));
@@ -205,14 +200,7 @@ struct GemmSmem {
   static constexpr int kABytes = kGemmBM * kGemmBK * 2;  // 16 KB
   static constexpr int kBBytes = BN * kGemmBK * 2;       // 32 KB for BN = 256
   static constexpr int kStageBytes = kABytes + kBBytes;
-#if MACHMOE_GEMM_PROBE_EXTRA_STAGE
-  // Probe build only (wrong results): no staged tile, so one more stage (asserted below), and the
-  // kernel skips its epilogue.
-  static constexpr int kEpiBytes = 0;
-#else
   static constexpr int kEpiBytes = epi_tile_bytes<BN>();  // the staged output tile
-#endif
-  static constexpr bool kNoEpilogue = kEpiBytes == 0;
   // Design budget: Hopper's 227 KB per block (the launcher checks the device's opt-in limit).
   // 1 KB aligns the stages; kFixed - 1 KB holds the barriers, the tile ring, the dH row scores
   // and the tile-offset table (static_assert below).
@@ -220,8 +208,6 @@ struct GemmSmem {
   static constexpr int kFixed = 4096;
   static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / kStageBytes;
   static constexpr int kBytes = kStages * kStageBytes + kEpiBytes + kFixed;
-  static_assert(!kNoEpilogue || kStages == (kBudget - kFixed - epi_tile_bytes<BN>()) / kStageBytes + 1,
-                "the extra-stage probe measures exactly one more stage");
   static_assert(kStages >= 2, "at least two pipeline stages");
   static_assert(kStages < kTileRing, "the tile ring must hold more tiles than there are stages");
   // barriers (2 per stage, 2 per ring slot, 2 for the epilogue), the ring, the epilogue's tile,
@@ -273,7 +259,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   // expert's rows: it takes the thread path). Returns whether it went by TMA.
   auto tma_store_tile = [&](const GemmTile& t, bool issuer) {
     if (!kTmaStore || t.rows != kGemmBM) return false;
-    if (issuer && p.c && !gemm_probe(p, 8)) {  // null c (inference): H is not written
+    if (issuer && p.c) {  // null c (inference): H is not written
 #pragma unroll
       for (int h = 0; h < BN / 64; ++h)
         if (t.n0 + 64 * h < p.N) sm90::tma_store_2d(&tmap_c, epi + h * kEpiBoxBytes, t.n0 + 64 * h, t.row0);
@@ -386,7 +372,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       const bool done = t >= total_tiles;
       constexpr int kGroupM = kDact ? kDactGroupM : kGemmGroupM;
       const GemmTile tile = done ? GemmTile{-1, 0, 0, 0}
-                                 : gemm_decode_tile<kGemmBM, kGroupM>(p, gemm_tile_table(p, tile_table), t, kTileCols);
+                                 : gemm_decode_tile<kGroupM>(p, gemm_tile_table(p, tile_table), t, kTileCols);
       if (lane == 0) {  // publish (e = -1 tells the consumers to stop)
         const int slot = n % kTileRing;
         sm90::mbar_wait(&tile_empty[slot], ((n / kTileRing) & 1) ^ 1);
@@ -409,16 +395,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         uint8_t* a_stage = smem_a + s * Smem::kABytes;
         uint8_t* b_stage = smem_b + s * Smem::kBBytes;
         const int k0 = kb * kGemmBK;
-        if (gemm_probe(p, 4)) {  // timing probe: no loads, the stage is "full" at once
-          if (lane == 0) sm90::mbar_arrive(&full[s]);
-          if constexpr (GATHER) sm90::cp_async_arrive_noinc(&full[s]);
-          continue;
-        }
-        // timing probe 128: A loaded only for a row block's first column tile (the other tiles
-        // compute on a stale A): what keeping A on chip across the column tiles would save
-        const bool a_load = !(gemm_probe(p, 128) && tile.n0 > 0);
         if (lane == 0) {
-          sm90::mbar_arrive_expect_tx(&full[s], GATHER || !a_load ? Smem::kBBytes : Smem::kBBytes + Smem::kABytes);
+          sm90::mbar_arrive_expect_tx(&full[s], GATHER ? Smem::kBBytes : Smem::kBBytes + Smem::kABytes);
           if constexpr (B_NMAJOR) {  // BN/64 blocks of [64 K rows][64 N], 8 KB apart
 #pragma unroll
             for (int h = 0; h < BN / 64; ++h)
@@ -432,12 +410,10 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
               sm90::tma_load_2d(b_stage + h * 128 * 128, &tmap_b, &full[s], k0, r);
             }
           }
-          if constexpr (!GATHER) {
-            if (a_load) sm90::tma_load_2d(a_stage, &tmap_a, &full[s], k0, tile.row0);
-          }
+          if constexpr (!GATHER) sm90::tma_load_2d(a_stage, &tmap_a, &full[s], k0, tile.row0);
         }
         if constexpr (GATHER) {
-          rows.copy(p, a_stage, lane, k0, a_load ? GemmGatherRows<kLoaders>::kRows : 0);
+          rows.copy(p, a_stage, lane, k0);
           sm90::cp_async_arrive_noinc(&full[s]);
           epi_step(4);
         }
@@ -513,13 +489,11 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         sm90::mbar_wait(&full[s], (it / S) & 1);
         if constexpr (GATHER) sm90::fence_proxy_async_shared();  // cp.async (generic proxy) -> wgmma
         sm90::wgmma_fence();
-        if (!gemm_probe(p, 2)) {  // (timing probe: no wgmma)
 #pragma unroll
-          for (int ks = 0; ks < kGemmBK / 16; ++ks) {
-            const uint64_t desc_a = sm90::smem_desc_advance(desc_a0, s * Smem::kABytes + ks * 32);
-            const uint64_t desc_b = sm90::smem_desc_advance(desc_b0, s * Smem::kBBytes + ks * (B_NMAJOR ? 2048 : 32));
-            sm90::wgmma_bf16<BN, 0, B_NMAJOR ? 1 : 0>(acc, desc_a, desc_b, 1);
-          }
+        for (int ks = 0; ks < kGemmBK / 16; ++ks) {
+          const uint64_t desc_a = sm90::smem_desc_advance(desc_a0, s * Smem::kABytes + ks * 32);
+          const uint64_t desc_b = sm90::smem_desc_advance(desc_b0, s * Smem::kBBytes + ks * (B_NMAJOR ? 2048 : 32));
+          sm90::wgmma_bf16<BN, 0, B_NMAJOR ? 1 : 0>(acc, desc_a, desc_b, 1);
         }
         sm90::wgmma_commit();
         // The dH epilogue's slice (the previous tile's) runs before the wait, while two wgmma
@@ -544,7 +518,6 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       sm90::wgmma_wait<0>();
       sm90::fence_accumulators(acc);
       if (prev_stage >= 0 && tid == 0) sm90::mbar_arrive(&empty[prev_stage]);
-      if (gemm_probe(p, 1) || Smem::kNoEpilogue) continue;  // timing probe: no epilogue
       if constexpr (kDact) {
         while (dw.on) dact_step();               // the rest of the previous tile's epilogue
         sm90::named_barrier_sync(2 + cw, 128);   // every thread of this warpgroup is done reading it

@@ -77,14 +77,7 @@ struct GemmDactPingPongSmem {
   // [128][64] boxes, 128-byte swizzle; conflict-free both ways) rather than padded: 32 KB, not 34.
   static constexpr int kEpiBufBytes = 128 * BN * 2;
   static constexpr int kScaleBytes = 128 * 4;                     // its rows' scores
-#if MACHMOE_GEMM_PROBE_EXTRA_STAGE
-  // Probe build only (wrong results): no staging buffers, so more stages (7 instead of 5), and the
-  // kernel skips its epilogue: what the main loop would gain from an epilogue without them.
-  static constexpr int kEpiBytes = 0;
-#else
   static constexpr int kEpiBytes = 2 * (kEpiBufBytes + kScaleBytes);
-#endif
-  static constexpr bool kNoEpilogue = kEpiBytes == 0;
   static constexpr int kBudget = 227 * 1024;
   // Barriers, the ring and the tile table, with no alignment slack: the kernel declares its dynamic
   // shared memory 1024-byte aligned, so the layout's round-up is zero. Five stages take the budget
@@ -93,7 +86,7 @@ struct GemmDactPingPongSmem {
   static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / kStageBytes;
   static constexpr int kBytes = kStages * kStageBytes + kEpiBytes + kFixed;
   static_assert(kStages >= 3 && kStages < kTileRing, "stages");
-  static_assert(kNoEpilogue || kStages == 5, "the boxed staging exists for the fifth stage");
+  static_assert(kStages == 5, "the boxed staging exists for the fifth stage");
   static_assert((2 * kStages + 2 * kTileRing) * 8 + kTileRing * 16 + (kDactPPSmemTileE + 1) * 4 <= kFixed,
                 "fixed shared-memory area too small");
 };
@@ -152,7 +145,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     };
     for (int t = blockIdx.x, n = 0, it = 0;; t += gridDim.x, ++n) {
       const bool done = t >= total_tiles;
-      const GemmTile tile = done ? GemmTile{-1, 0, 0, 0} : gemm_decode_tile<kGemmBM, kDactGroupM>(p, tiles, t, BN);
+      const GemmTile tile = done ? GemmTile{-1, 0, 0, 0} : gemm_decode_tile<kDactGroupM>(p, tiles, t, BN);
       if (tid == 0) {
         publish(n, tile);
         if (done) publish(n + 1, GemmTile{-2, 0, 0, 0});  // the other consumer's stop signal
@@ -165,18 +158,13 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         uint8_t* a_stage = smem_a + s * Smem::kABytes;
         uint8_t* b_stage = smem_b + s * Smem::kBBytes;
         const int k0 = kb * kGemmBK;
-        if (gemm_probe(p, 4)) {  // timing probe: no loads, the stage is "full" at once (stale data)
-          if (tid == 0) sm90::mbar_arrive(&full[s]);
-          sm90::cp_async_arrive_noinc(&full[s]);
-          continue;
-        }
         if (tid == 0) {
           sm90::mbar_arrive_expect_tx(&full[s], Smem::kBBytes);
 #pragma unroll
           for (int h = 0; h < BN / 64; ++h)  // [64 K rows][64 N] blocks, 8 KB apart
             sm90::tma_load_3d(b_stage + h * 64 * 128, &tmap_b, &full[s], tile.n0 + 64 * h, k0, tile.e);
         }
-        rows.copy(p, a_stage, tid, k0, GemmGatherRows<kLoaders>::kRows);
+        rows.copy(p, a_stage, tid, k0);
         sm90::cp_async_arrive_noinc(&full[s]);
       }
     }
@@ -215,7 +203,6 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       sm90::fence_accumulators(acc[0]);
       sm90::fence_accumulators(acc[1]);
       if (prev_stage >= 0 && tid == 0) release(prev_stage);
-      if (gemm_probe(p, 1) || Smem::kNoEpilogue) continue;  // timing probe: no epilogue
 
       // The epilogue, under the other consumer's wgmmas. Every thread of this warpgroup is done
       // reading the buffer (its previous tile's epilogue) before it is overwritten.

@@ -61,12 +61,6 @@ struct GroupedGemmParams {
   const int32_t* row_pair;
   float* ds_partial;
   int ds_cols;                   // ds_partial's row stride: ceil(N / kDsCols)
-  // Timing probes, compiled in only with MACHMOE_GEMM_PROBES (scripts/gpu_probe.sh; the results
-  // are wrong): bit 0 the consumers skip the epilogue, bit 1 the wgmmas, bit 2 the producer skips
-  // the loads, bit 3 full tiles are staged but not stored (no TMA store); the dH epilogue: bit 4
-  // no H loads, bit 5 no dH stores, bit 6 no A' stores; bit 7 A loaded for a row block's first
-  // column tile only. 0 otherwise.
-  int probe;
 };
 
 struct GemmTile {

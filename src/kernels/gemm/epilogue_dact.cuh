@@ -100,10 +100,7 @@ struct DactPipe {
       const int it = next + u * stride;
       const int r = row_base + it / kItemsPerRow, j = tile.n0 + (it % kItemsPerRow) * 8;
       const int j2 = j + BN / 2;  // the second chunk's first column
-      if (gemm_probe(p, 16)) {  // timing probe: no H loads (H = 1)
-#pragma unroll
-        for (int v = 0; v < 4; ++v) h[u][v] = make_uint4(0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u);
-      } else if (it < items && j < p.N) {
+      if (it < items && j < p.N) {
         const bool two = j2 < p.N;
         const __nv_bfloat16* hrow = p.h + static_cast<int64_t>(tile.row0 + r) * p.ldh;
         if constexpr (EPI == kEpiDGluInter) {  // (gate, up) pairs at columns 2j .. 2j + 15, 2j2 ..
@@ -161,24 +158,18 @@ struct DactPipe {
         dact_element<ACT, kGlu>(g, up, da[i], s, ds, a_scaled[i], d0[i], d1[i]);
       }
     }
-    if (gemm_probe(p, 32) || gemm_probe(p, 64)) {  // timing probes: no dH (32) / A' (64) stores
-#pragma unroll
-      for (int i = 0; i < 8; ++i) ds += 1e-30f * (d0[i] + (kGlu ? d1[i] : 0.f) + a_scaled[i]);  // (kept live)
-    }
     const int jc = j + c * (BN / 2);
     __nv_bfloat16* dh = p.c + row * p.ldc;
-    if (!gemm_probe(p, 32)) {
-      if constexpr (EPI == kEpiDGluInter) {
-        store_bf16(dh + 2 * jc, d0);
-        store_bf16(dh + 2 * jc + 8, d1);
-      } else if constexpr (EPI == kEpiDGluConcat) {
-        store_bf16(dh + jc, d0);
-        store_bf16(dh + p.N + jc, d1);
-      } else {
-        store_bf16(dh + jc, d0);
-      }
+    if constexpr (EPI == kEpiDGluInter) {
+      store_bf16(dh + 2 * jc, d0);
+      store_bf16(dh + 2 * jc + 8, d1);
+    } else if constexpr (EPI == kEpiDGluConcat) {
+      store_bf16(dh + jc, d0);
+      store_bf16(dh + p.N + jc, d1);
+    } else {
+      store_bf16(dh + jc, d0);
     }
-    if (!gemm_probe(p, 64)) store_bf16(p.c2 + row * p.ldc2 + jc, a_scaled);
+    store_bf16(p.c2 + row * p.ldc2 + jc, a_scaled);
     return ds;
   }
 

@@ -67,10 +67,6 @@ struct GroupedWgradParams {
   void* c;                 // [E, M, N] or [E, N, M]
   bool c_fp32, transpose_c;
   bool tma_c;              // bf16 C: full tiles leave by TMA (tmap_c: C [E*M, N], or [E*N, M] transposed)
-  // Timing probes (a -DMACHMOE_GEMM_PROBES=ON build only; wrong results): bit 0 no epilogue
-  // stores, bit 1 no wgmma, bit 2 no loads (stages are "full" at once); 256: B's partial last block
-  // by TMA; 512: half of B's boxes only. 0 otherwise.
-  int probe;
 };
 
 template <int BN>
@@ -266,21 +262,12 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
         uint8_t* a_stage = smem_a + s * Smem::kABytes;
         uint8_t* b_stage = smem_b + s * Smem::kBBytes;
         if (kPair && tid == 0) sm90::mbar_arrive_expect_tx(&full_peer[s], kHalfBytes);
-        if (gemm_probe(p, 4)) {  // timing probe: no loads; 129 arrivals complete the stage
-          sm90::mbar_arrive(&full[s]);
-          if (tid == 0) sm90::mbar_arrive(&full[s]);
-          continue;
-        }
-        // Timing probes 256 and 512 (session 25, wrong results): B's partial last block by TMA too
-        // (what per-expert tensor maps, as SonicMoE's, would save: its 2048 cp.async), and only half
-        // of B's boxes loaded (the L2 reads a 2-CTA weight multicast along M would save).
-        if ((end - r0 >= kWgradBK || gemm_probe(p, 256)) && has_n) {
+        if (end - r0 >= kWgradBK && has_n) {
           if (tid == 0) {
-            const bool half_b = gemm_probe(p, 512);
-            sm90::mbar_arrive_expect_tx(&full[s], half_b ? Smem::kBBytes / 2 : Smem::kBBytes);
+            sm90::mbar_arrive_expect_tx(&full[s], Smem::kBBytes);
 #pragma unroll
             for (int h = 0; h < BN / 64; ++h)
-              if (!half_b || h < BN / 128) sm90::tma_load_2d(b_stage + h * 64 * 128, &tmap_b, &full[s], n0 + 64 * h, r0);
+              sm90::tma_load_2d(b_stage + h * 64 * 128, &tmap_b, &full[s], n0 + 64 * h, r0);
           }
         } else {  // the expert's last, partial block: B by cp.async too, zero-filled (none without columns)
           if (has_n) {
@@ -327,12 +314,10 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
         sm90::wgmma_fence();
         // (Unconditional even without columns: the result is then dropped. A runtime condition
         // around the wgmmas makes ptxas fence them (C7519) or serialise them (C7520): -5% and more.)
-        if (!gemm_probe(p, 2)) {  // (timing probe: no wgmma)
 #pragma unroll
-          for (int ks = 0; ks < kWgradBK / 16; ++ks) {
-            sm90::wgmma_bf16<BN, 1, 1>(acc, sm90::smem_desc_mnmajor_sw128(a_addr + ks * 2048, 64 * 128),
-                                       sm90::smem_desc_mnmajor_sw128(b_addr + ks * 2048, 64 * 128), 1);
-          }
+        for (int ks = 0; ks < kWgradBK / 16; ++ks) {
+          sm90::wgmma_bf16<BN, 1, 1>(acc, sm90::smem_desc_mnmajor_sw128(a_addr + ks * 2048, 64 * 128),
+                                     sm90::smem_desc_mnmajor_sw128(b_addr + ks * 2048, 64 * 128), 1);
         }
         sm90::wgmma_commit();
         // The stage is released as soon as its wgmmas retire, not one block later: the loaders
@@ -343,7 +328,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
         sm90::fence_accumulators(acc);
         if (tid == 0) release(s);
       }
-      if (!has_n || gemm_probe(p, 1)) continue;  // no columns (kPair); timing probe: no epilogue
+      if (!has_n) continue;  // kPair's rank 1 of an odd last pair: no columns to store
 
       if (p.tma_c && m0 + kWgradBM <= p.M && n0 + BN <= p.N) {
         // A full tile: stage this warpgroup's 64 x BN part in 128-column pieces through its buffer,
