@@ -1,4 +1,4 @@
-"""scripts/sass_sizes.py reads kernel sizes from a cubin's section headers: checked on a minimal
+"""tools/sass_sizes.py reads kernel sizes from a cubin's section headers: checked on a minimal
 64-bit ELF built here (no CUDA needed), with a non-.text section it must skip."""
 
 import importlib.util
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("sass_sizes", ROOT / "scripts" / "sass_sizes.py")
+    spec = importlib.util.spec_from_file_location("sass_sizes", ROOT / "tools" / "sass_sizes.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -4,11 +4,11 @@ demangled by c++filt when it is there. Needs no GPU and no CUDA binary utilities
 
     nvcc -I include -I src -O3 -DNDEBUG -std=c++17 --expt-relaxed-constexpr \\
          "--generate-code=arch=compute_90a,code=[sm_90a]" -x cu -cubin -o /tmp/gg.cubin src/host/gemm/grouped_gemm.cu
-    python3 scripts/sass_sizes.py /tmp/gg.cubin [substring]
+    python3 tools/sass_sizes.py /tmp/gg.cubin [substring]
 
 Why: an epilogue unrolled over many sub-tiles (and over runtime choices such as the activation)
-can outgrow the instruction caches; session 29's dH variant at 559 KB stalled on `no_instruction`
-(docs/PERF.md). Each SASS instruction is 16 bytes."""
+can outgrow the instruction caches: a dH kernel variant of 559 KB stalled on `no_instruction`
+(Nsight Compute). Each SASS instruction is 16 bytes."""
 
 import shutil
 import struct
