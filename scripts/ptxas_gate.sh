@@ -4,14 +4,14 @@
 #   - a kernel spills registers (every spill in this library would be one nobody chose), or
 #   - ptxas had to insert a warpgroup.arrive before a wgmma (C7519) or serialise the wgmmas
 #     (C7520): both follow from a runtime condition around wgmma issue or from accumulators the
-#     compiler cannot keep in place, and cost 5% (C7519) to 20% (C7520) of a GEMM (session 10:
-#     the weight gradients' CTA pairs measured slower for that reason alone); or serialised
-#     every wgmma of a kernel for want of registers while a wgmma group is in flight (C7511) or
-#     for accumulators defined by other instructions inside a wgmma pipeline (C7515; session 15); or
+#     compiler cannot keep in place, and cost 5% (C7519) to 20% (C7520) of a GEMM (measured on an
+#     H100: an early weight-gradient CTA-pair kernel was slower for that reason alone); or
+#     serialised every wgmma of a kernel for want of registers while a wgmma group is in flight
+#     (C7511) or for accumulators defined by other instructions inside a wgmma pipeline (C7515); or
 #   - a kernel has a stack frame: a register array indexed at run time lives in local memory
-#     without counting as a spill (session 32: a runtime trip count over the gather's row offsets
-#     gave the CTA-pair up-projection a 32-byte frame and made it 17-25% slower). No kernel of
-#     this library needs one.
+#     without counting as a spill (a runtime trip count over the gather's row offsets gave a
+#     CTA-pair up-projection a 32-byte frame and made it 17-25% slower). No kernel of this library
+#     needs one.
 # The reports themselves are dropped; every other diagnostic still reaches the build output.
 set -uo pipefail
 log=$(mktemp)
