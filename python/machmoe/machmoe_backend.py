@@ -36,10 +36,15 @@ def _check(x: torch.Tensor, d: int, n: int) -> None:
         raise ValueError(f"the machmoe backend runs on CUDA tensors; use backend='torch' or 'auto' "
                          f"on the CPU (x is on {x.device})")
     _ops.require_ops()
-    # Fake tensors (FakeTensorMode, torch.compile's tracing) run no kernel: the ops' fake
-    # implementations give the shapes, so no device needs to be present.
-    why = ("the library was built without the GPU layer kernels" if not _ops.kernels_compiled()
-           else None) if is_fake(x) else _ops.kernels_unavailable_reason(x.device)
+    if torch.compiler.is_compiling():
+        # torch.compile traces this once with the device of the real inputs (a constant to it).
+        why = _ops.kernels_unavailable_reason(x.device)
+    elif is_fake(x):
+        # FakeTensorMode runs no kernel: the ops' fake implementations give the shapes, so no
+        # device needs to be present.
+        why = None if _ops.kernels_compiled() else "the library was built without the GPU layer kernels"
+    else:
+        why = _ops.kernels_unavailable_reason(x.device)
     if why is not None:
         raise RuntimeError(f"backend='machmoe': the kernels cannot run here: {why} "
                            "(backend='auto' or 'torch' runs the torch backend instead)")
