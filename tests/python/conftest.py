@@ -3,7 +3,8 @@
 Markers:
   gpu  needs a CUDA GPU: skipped without one, failed instead when MACHMOE_REQUIRE_GPU=1.
   ops  needs libmachmoe_torch.so (torch.ops.machmoe): skipped without it, failed instead when
-       MACHMOE_REQUIRE_OPS=1. Point MACHMOE_LIBRARY_DIR at the build (e.g. build/lib).
+       MACHMOE_REQUIRE_OPS=1. A source checkout finds build/lib by itself; MACHMOE_LIBRARY_DIR
+       points at another build.
 
 Every test starts from a fresh random seed, printed (and so shown when the test fails);
 MACHMOE_TEST_SEED=<seed> replays one.
@@ -45,7 +46,7 @@ def pytest_runtest_setup(item):
         pytest.skip(reason)
     if item.get_closest_marker("ops") is not None and not _ops.ops_available():
         reason = ("needs libmachmoe_torch.so, which did not load (build it with "
-                  "scripts/build.sh and set MACHMOE_LIBRARY_DIR=build/lib)")
+                  "scripts/build.sh, or set MACHMOE_LIBRARY_DIR to another build's lib directory)")
         if _required("MACHMOE_REQUIRE_OPS"):
             pytest.fail(f"MACHMOE_REQUIRE_OPS=1 but this test {reason}", pytrace=False)
         pytest.skip(reason)
