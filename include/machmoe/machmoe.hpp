@@ -281,6 +281,13 @@ void exchange_plan(const int32_t* experts, const float* scores, int64_t T, int64
 // Needs K, N, lda, ldc, ldc2 multiples of 8 and 16-byte aligned pointers. R = off[E] is read on
 // the device only: no host sync.
 enum class GemmEpilogue : int32_t { Store = 0, GLU = 1, Activation = 2, ActivationBackward = 3 };
+// Which kernel runs a grouped GEMM. Auto: chosen by the problem's shape (the fastest measured).
+// Cooperative: both consumer warpgroups on one tile; runs every problem. PingPong: one tile per
+// consumer warpgroup; runs the Store epilogue with contiguous A, and ActivationBackward with a
+// gather (its own dH kernel). A forced kernel that cannot run the problem is refused
+// (InvalidArgument). Every kernel computes the same result; forcing one is for tests and
+// comparisons.
+enum class GemmKernel : int32_t { Auto = 0, Cooperative = 1, PingPong = 2 };
 struct GroupedGemmArgs {
   const void* a = nullptr;
   int64_t lda = 0;
@@ -306,6 +313,7 @@ struct GroupedGemmArgs {
   const float* row_scores = nullptr;        // [pairs] fp32, indexed through row_pair
   const int32_t* row_pair = nullptr;        // [R]
   float* ds_partial = nullptr;              // [R, grouped_gemm_column_tiles(N)]
+  GemmKernel kernel = GemmKernel::Auto;
 };
 void grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
 // The row stride of ActivationBackward's ds_partial for N output columns: one partial dS per
@@ -318,6 +326,10 @@ int64_t grouped_gemm_column_tiles(int64_t N);
 // C is [E, M, N], or [E, N, M] with transpose_c, in c_dtype (FP32 or BF16), written (not
 // accumulated); an expert with no rows gets exact zeros. dW2 = A: dout gathered by token,
 // B: A'; dW1 (transposed): A: x gathered by token, B: dH. Fixed summation order (deterministic).
+// Which weight-gradient kernel runs. Auto: CTA pairs where there are two or more column tiles
+// (N > 256, or 128 < N < 256) and max_ctas allows two CTAs, else one CTA per tile. SingleCta
+// and CtaPairs force one (CtaPairs is refused where it cannot run). Both give bitwise the same C.
+enum class WgradKernel : int32_t { Auto = 0, SingleCta = 1, CtaPairs = 2 };
 struct GroupedWgradArgs {
   const void* a = nullptr;
   int64_t lda = 0;
@@ -332,6 +344,7 @@ struct GroupedWgradArgs {
   DType c_dtype = DType::FP32;
   bool transpose_c = false;
   int max_ctas = 0;
+  WgradKernel kernel = WgradKernel::Auto;
 };
 void grouped_gemm_wgrad(const GroupedWgradArgs& args, cudaStream_t stream);
 

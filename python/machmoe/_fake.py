@@ -139,13 +139,14 @@ def _experts_backward(x, w1, b1, w2, b2, token_idx, expert_idx, saved, dout, act
     return x.new_empty(x.shape), dw1, db1, dw2, db2, x.new_empty(token_idx.numel(), dtype=torch.float32)
 
 
-def _grouped_gemm(a, gather, expert_offsets, w, bias, num_rows, epilogue, activation, layout):
+def _grouped_gemm(a, gather, expert_offsets, w, bias, num_rows, epilogue, activation, layout, kernel="auto"):
     N = w.shape[1]
     c2 = a.new_empty(0) if epilogue == "store" else a.new_empty(num_rows, N // 2 if epilogue == "glu" else N)
     return a.new_empty(num_rows, N), c2
 
 
-def _grouped_gemm_nmajor(a, gather, expert_offsets, w_kn, num_rows, h, row_scores, row_pair, activation, layout):
+def _grouped_gemm_nmajor(a, gather, expert_offsets, w_kn, num_rows, h, row_scores, row_pair, activation, layout,
+                         kernel="auto"):
     N = w_kn.shape[2]
     if h is None:  # dX~ = dH · W1: a plain store
         return a.new_empty(num_rows, N), a.new_empty(0), a.new_empty(0, dtype=torch.float32)
@@ -154,7 +155,7 @@ def _grouped_gemm_nmajor(a, gather, expert_offsets, w_kn, num_rows, h, row_score
             a.new_empty(num_rows, column_tiles(N), dtype=torch.float32))
 
 
-def _grouped_gemm_wgrad(a, a_gather, b, expert_offsets, transpose_c, fp32):
+def _grouped_gemm_wgrad(a, a_gather, b, expert_offsets, transpose_c, fp32, kernel="auto"):
     E, M, N = expert_offsets.numel() - 1, a.shape[1], b.shape[1]
     shape = (E, N, M) if transpose_c else (E, M, N)
     return a.new_empty(shape, dtype=torch.float32 if fp32 else torch.bfloat16)

@@ -20,6 +20,22 @@ GemmEpilogue parse_epilogue(const std::string& s) {
   MACHMOE_CHECK_VALUE(false, "epilogue: unknown value '", s, "'; choose one of store, glu, activation");
 }
 
+// The ops' `kernel` argument (GemmKernel; tests and comparisons force one, "auto" lets the shape
+// rule choose).
+GemmKernel parse_kernel(const std::string& s) {
+  if (s == "auto") return GemmKernel::Auto;
+  if (s == "cooperative") return GemmKernel::Cooperative;
+  if (s == "pingpong") return GemmKernel::PingPong;
+  MACHMOE_CHECK_VALUE(false, "kernel: unknown value '", s, "'; choose one of auto, cooperative, pingpong");
+}
+
+WgradKernel parse_wgrad_kernel(const std::string& s) {
+  if (s == "auto") return WgradKernel::Auto;
+  if (s == "single") return WgradKernel::SingleCta;
+  if (s == "pairs") return WgradKernel::CtaPairs;
+  MACHMOE_CHECK_VALUE(false, "kernel: unknown value '", s, "'; choose one of auto, single, pairs");
+}
+
 void check_bf16_matrix(const Tensor& t, const char* name, int dims) {
   check_dims(t, name, dims);
   check_bf16(t, name, t.sizes());  // dtype, device and contiguity; any shape of `dims` dimensions
@@ -56,7 +72,7 @@ std::tuple<Tensor, Tensor> op_grouped_gemm(const Tensor& a, const std::optional<
                                            const Tensor& expert_offsets, const Tensor& w,
                                            const std::optional<Tensor>& bias, int64_t num_rows,
                                            const std::string& epilogue, const std::string& activation,
-                                           const std::string& layout) {
+                                           const std::string& layout, const std::string& kernel) {
   return translate_errors([&] {
     MACHMOE_CHECK_VALUE(a.is_cuda() && a.scalar_type() == at::kBFloat16 && a.dim() == 2 && a.stride(1) == 1,
                       "a must be a 2-D bfloat16 CUDA tensor with unit column stride");
@@ -88,6 +104,7 @@ std::tuple<Tensor, Tensor> op_grouped_gemm(const Tensor& a, const std::optional<
     g.epilogue = epi;
     g.activation = parse_activation(activation);
     g.layout = parse_layout(layout);
+    g.kernel = parse_kernel(kernel);
     if (num_rows > 0) grouped_gemm(g, at::cuda::getCurrentCUDAStream());
     return std::make_tuple(c, c2);
   });
@@ -101,7 +118,8 @@ std::tuple<Tensor, Tensor, Tensor> op_grouped_gemm_nmajor(const Tensor& a, const
                                                           int64_t num_rows, const std::optional<Tensor>& h,
                                                           const std::optional<Tensor>& row_scores,
                                                           const std::optional<Tensor>& row_pair,
-                                                          const std::string& activation, const std::string& layout) {
+                                                          const std::string& activation, const std::string& layout,
+                                                          const std::string& kernel) {
   return translate_errors([&] {
     check_bf16_matrix(a, "a", 2);
     check_bf16_matrix(w_kn, "w_kn", 3);
@@ -121,6 +139,7 @@ std::tuple<Tensor, Tensor, Tensor> op_grouped_gemm_nmajor(const Tensor& a, const
     g.w_n_major = true;
     g.activation = act;
     g.layout = parse_layout(layout);
+    g.kernel = parse_kernel(kernel);
     Tensor c, c2, ds;
     if (!dact) {
       c = at::empty({num_rows, N}, a.options());
@@ -155,7 +174,7 @@ std::tuple<Tensor, Tensor, Tensor> op_grouped_gemm_nmajor(const Tensor& a, const
 
 // C [E, M, N] (or [E, N, M] with transpose_c) = Σ over each expert's rows of a[gather[r]]ᵀ ⊗ b[r].
 Tensor op_grouped_gemm_wgrad(const Tensor& a, const std::optional<Tensor>& a_gather, const Tensor& b,
-                             const Tensor& expert_offsets, bool transpose_c, bool fp32) {
+                             const Tensor& expert_offsets, bool transpose_c, bool fp32, const std::string& kernel) {
   return translate_errors([&] {
     check_bf16_matrix(a, "a", 2);
     check_bf16_matrix(b, "b", 2);
@@ -181,6 +200,7 @@ Tensor op_grouped_gemm_wgrad(const Tensor& a, const std::optional<Tensor>& a_gat
     w.c = c.data_ptr();
     w.c_dtype = fp32 ? DType::FP32 : DType::BF16;
     w.transpose_c = transpose_c;
+    w.kernel = parse_wgrad_kernel(kernel);
     grouped_gemm_wgrad(w, at::cuda::getCurrentCUDAStream());
     return c;
   });
@@ -190,11 +210,12 @@ Tensor op_grouped_gemm_wgrad(const Tensor& a, const std::optional<Tensor>& a_gat
 
 TORCH_LIBRARY_FRAGMENT(machmoe, m) {
   m.def("grouped_gemm(Tensor a, Tensor? gather, Tensor expert_offsets, Tensor w, Tensor? bias, int num_rows,"
-        " str epilogue, str activation, str layout) -> (Tensor, Tensor)");
+        " str epilogue, str activation, str layout, str kernel=\"auto\") -> (Tensor, Tensor)");
   m.def("grouped_gemm_nmajor(Tensor a, Tensor? gather, Tensor expert_offsets, Tensor w_kn, int num_rows,"
-        " Tensor? h, Tensor? row_scores, Tensor? row_pair, str activation, str layout) -> (Tensor, Tensor, Tensor)");
+        " Tensor? h, Tensor? row_scores, Tensor? row_pair, str activation, str layout, str kernel=\"auto\")"
+        " -> (Tensor, Tensor, Tensor)");
   m.def("grouped_gemm_wgrad(Tensor a, Tensor? a_gather, Tensor b, Tensor expert_offsets, bool transpose_c,"
-        " bool fp32) -> Tensor");
+        " bool fp32, str kernel=\"auto\") -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {

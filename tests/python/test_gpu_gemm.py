@@ -1,8 +1,9 @@
-"""GPU tests of the sm_90a grouped GEMM engine (SPEC §2 kernels 3, 4) against float64 math.
+"""GPU tests of the sm_90a grouped GEMM engine (the forward's up- and down-projection GEMMs)
+against float64 math.
 
 Tolerance: the engine rounds to bf16 like a plain PyTorch bf16 matmul does, so its relative error
 per tensor must stay within 2x the error of torch's bf16 GEMM on the same operands (measured in
-the same test), per SPEC §4. Tests with "small" in their name also run under compute-sanitizer."""
+the same test). Tests with "small" in their name also run under compute-sanitizer."""
 
 import pytest
 import torch
@@ -69,8 +70,7 @@ def test_grouped_gemm_many_experts(E, gather, epi):
     counts = [0] * E
     for e in [0, 1, E // 2, E - 2, E - 1] + torch.randint(0, E, (20,), generator=g).tolist():
         counts[e] += int(torch.randint(1, 300, (1,), generator=g).item())
-    # (contiguous A also reaches the ping-pong kernel under MACHMOE_GEMM_PINGPONG, whose units of
-    # 256 rows in CTA pairs have their own tile-offset table; N = 200: a partial 192-wide tile. The
+    # (contiguous A reaches the ping-pong kernel at N = 200, a partial 192-wide tile. The
     # gathered GLU at N = 512 is the up-projection's kernel: 256-wide tiles, H by TMA, A from the
     # staged rows.)
     N = 512 if epi == "glu" else 128 if gather else 200
@@ -111,7 +111,7 @@ def test_grouped_gemm_activation_epilogues(act, layout, with_bias, n):
 
 
 def test_small_grouped_gemm_store_contiguous_sanitizer_case():
-    # Contiguous A, N = 200 <= 2048: the ping-pong kernel by default (host/gemm/grouped_gemm.cu,
+    # Contiguous A, N = 200 <= 2048: the ping-pong kernel by default (host/gemm/config.hpp,
     # kPingPongWhere), with a partial 192-wide tile, an empty expert and an expert's partial rows.
     counts = [3, 0, 130]
     a, idx, rows, w, off = make_problem(counts, 200, 64, gather=False)

@@ -1,96 +1,129 @@
-"""The ping-pong grouped GEMM (kernels/gemm/pingpong.cuh): the plain store with
-contiguous A, i.e. the down-projection and dX~. By default it runs where the shape rule of
-host/gemm/grouped_gemm.cu (kPingPongWhere) says it wins; MACHMOE_GEMM_PINGPONG=0 turns it off, 1 (2: CTA
-pairs multicasting the weights; 5/6: the same with the ring epilogue) forces it wherever it applies.
-
-The switch is read once per process, so the GEMM and layer tests that reach that path run again
-in a child process for each setting (0 keeps the cooperative kernel covered at the shapes the rule
-gives to the ping-pong one), against the same float64 references and derived tolerances (SPEC §4). `scripts/gpu_ab.sh @MACHMOE_GEMM_PINGPONG=1` runs every GPU test that way
-and times the kernels beside the default."""
-
-import os
-import subprocess
-import sys
-from pathlib import Path
+"""Both kernels of every grouped GEMM that has two, at the same shapes: the cooperative kernel
+(kernels/gemm/cooperative.cuh) and the ping-pong ones (kernels/gemm/pingpong.cuh for the plain
+store with contiguous A, kernels/gemm/dact_pingpong.cuh for the dH epilogue), and the weight
+gradients with and without CTA pairs. By default the shape rules of host/gemm/config.cpp choose
+one; the ops' `kernel` argument forces each here, so that both stay covered at the shapes the rule
+gives to the other, against the same float64 references and derived tolerances as the other GEMM
+tests. A forced kernel that cannot run the problem is refused."""
 
 import pytest
+import torch
+
+from gpu_test_helpers import ops, offsets
+from test_gpu_gemm import check_derived, make_problem, reference
+from test_gpu_gemm_backward import check_dact, gathered
 
 pytestmark = [pytest.mark.gpu, pytest.mark.ops]
 
-HERE = Path(__file__).parent
-
-# The plain-store GEMMs with K-major and N-major weights (partial tiles, N not a multiple of the
-# 192-wide tile, biases, > 512 experts), and the layer forward and backward at SPEC shapes and
-# awkward ones, whose down-projection and dX~ take the ping-pong path: one child per mode, so
-# that torch and the op library load once.
-FILES = ["test_gpu_gemm.py", "test_gpu_gemm_backward.py", "test_gpu_layer.py", "test_gpu_backward.py"]
-EXPR = "store or many_experts or can_fail or spec_shapes or awkward or empty_experts or deterministic"
+KERNELS = ["cooperative", "pingpong"]
+# Partial tiles, empty experts, one expert of 1000 rows.
+COUNTS = [[0, 1, 127, 128, 129, 0, 77, 256], [5, 0, 0, 1000, 3]]
 
 
-# A hang (a deadlock in the kernel) costs one child's timeout, not two: gpu_check's test step has a
-# few minutes for the whole suite.
-_HUNG = []
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("counts", COUNTS)
+# N = 768: the ping-pong kernel by default; 200: a partial 192-wide tile; N = 4096 with K = 1024:
+# the cooperative kernel by default.
+@pytest.mark.parametrize("N,K", [(768, 256), (200, 64), (4096, 1024)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_store_both_kernels(kernel, counts, N, K, with_bias):
+    a, _, rows, w, off = make_problem(counts, N, K, gather=False)
+    bias = torch.randn(len(counts), N, device="cuda").bfloat16() if with_bias else None
+    c, _ = ops().grouped_gemm(a, None, off, w, bias, sum(counts), "store", "swiglu", "interleaved", kernel)
+    ref, base = reference(rows, w, off, bias)
+    check_derived(c, ref, base, f"C ({kernel})")
 
 
-@pytest.mark.parametrize("mode", ["0", "1", "2", "5", "6"])
-def test_pingpong_passes_the_store_gemm_and_layer_tests(mode):
-    if _HUNG:
-        pytest.fail(f"not run: the child with MACHMOE_GEMM_PINGPONG={_HUNG[0]} did not finish in 90 s")
-    env = dict(os.environ, MACHMOE_GEMM_PINGPONG=mode)
-    try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                               *[str(HERE / f) for f in FILES], "-k", EXPR],
-                              env=env, capture_output=True, text=True, timeout=90)
-    except subprocess.TimeoutExpired:
-        _HUNG.append(mode)
-        raise
-    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
-    assert proc.returncode == 0, f"with MACHMOE_GEMM_PINGPONG={mode} the tests failed:\n{tail}"
-    assert " passed" in proc.stdout, f"no test ran:\n{tail}"
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("N,K", [(768, 512), (200, 136), (4096, 1024)])
+def test_nmajor_store_both_kernels(kernel, N, K):
+    counts = COUNTS[0]
+    a, _, rows = gathered(counts, K, gather=False)
+    w = (torch.randn(len(counts), K, N, device="cuda") / K ** 0.5).bfloat16()  # [E, K, N]
+    off = offsets(counts)
+    c, _, _ = ops().grouped_gemm_nmajor(a, None, off, w, sum(counts), None, None, None, "swiglu", "interleaved",
+                                        kernel)
+    o = off.tolist()
+    ref = torch.cat([rows[o[e]:o[e + 1]].double() @ w[e].double() for e in range(len(counts))])
+    base = torch.cat([rows[o[e]:o[e + 1]] @ w[e] for e in range(len(counts))])
+    check_derived(c, ref, base, f"C ({kernel})")
 
 
-_STORE_CALL = ("a = torch.randn(130, 64, device='cuda').bfloat16(); "
-               "w = torch.randn(1, 256, 64, device='cuda').bfloat16(); "
-               "off = torch.tensor([0, 130], dtype=torch.int32, device='cuda'); "
-               "torch.ops.machmoe.grouped_gemm(a, None, off, w, None, 130, 'store', 'swiglu', 'interleaved')")
-_DH_CALL = ("dout = torch.randn(130, 64, device='cuda').bfloat16(); "
-            "idx = torch.arange(130, dtype=torch.int32, device='cuda'); "
-            "off = torch.tensor([0, 130], dtype=torch.int32, device='cuda'); "
-            "w2 = torch.randn(1, 64, 128, device='cuda').bfloat16(); "
-            "h = torch.randn(130, 256, device='cuda').bfloat16(); "
-            "torch.ops.machmoe.grouped_gemm_nmajor(dout, idx, off, w2, 130, h, torch.rand(130, device='cuda'), "
-            "idx, 'swiglu', 'interleaved')")
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("E", [512, 513])  # the kernel's own tile-offset table, the launcher's
+def test_store_many_experts_both_kernels(kernel, E):
+    g = torch.Generator().manual_seed(E)
+    counts = [0] * E
+    for e in [0, 1, E // 2, E - 2, E - 1] + torch.randint(0, E, (20,), generator=g).tolist():
+        counts[e] += int(torch.randint(1, 300, (1,), generator=g).item())
+    a, _, rows, w, off = make_problem(counts, 200, 64, gather=False)
+    c, _ = ops().grouped_gemm(a, None, off, w, None, sum(counts), "store", "swiglu", "interleaved", kernel)
+    ref, base = reference(rows, w, off)
+    check_derived(c, ref, base, f"C ({kernel})")
 
 
-@pytest.mark.parametrize("var,value,call", [("MACHMOE_GEMM_PINGPONG", "3", _STORE_CALL),
-                                            ("MACHMOE_DH_PINGPONG", "2", _DH_CALL)])
-def test_pingpong_switch_refuses_an_unknown_value(var, value, call):
-    # A typo must not silently fall back to some kernel: the first GEMM that reads it says why.
-    code = "import torch, machmoe._ops as o; o.require_ops(); " + call + "; torch.cuda.synchronize()"
-    env = dict(os.environ, **{var: value})
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=90)
-    assert proc.returncode != 0, f"{var}={value} was accepted"
-    assert f"{var}='{value}'" in proc.stderr and "must be 0" in proc.stderr, proc.stderr[-2000:]
-    # and the same call runs with the switch unset (the failure above was the switch's)
-    env.pop(var)
-    ok = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=90)
-    assert ok.returncode == 0, ok.stderr[-2000:]
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("act,layout", [("swiglu", "interleaved"), ("geglu", "concatenated"), ("gelu", "interleaved")])
+# d = 256: the dH ping-pong kernel by default; d = 2112: the cooperative one.
+@pytest.mark.parametrize("n,d", [(256, 256), (136, 200), (256, 2112)])
+def test_dact_both_kernels(kernel, act, layout, n, d):
+    check_dact([0, 129, 300, 1, 64], act, layout, n, d, kernel=kernel)
 
 
-@pytest.mark.parametrize("mode", ["0", "1"])
-def test_dh_pingpong_passes_the_dh_and_backward_tests(mode):
-    # The dH kernel as a ping-pong GEMM (kernels/gemm/dact_pingpong.cuh; by default
-    # where d <= 2048): forced off (0: the cooperative kernel at every shape) and forced on (1),
-    # over the dH epilogue tests (every activation, both layouts, n not a multiple of 128, partial
-    # tiles) and the layer backward (SPEC shapes, awkward shapes, determinism), in a child process
-    # with the switch set.
-    if _HUNG:
-        pytest.fail(f"not run: the child with MACHMOE_GEMM_PINGPONG={_HUNG[0]} did not finish in 90 s")
-    env = dict(os.environ, MACHMOE_DH_PINGPONG=mode)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                           str(HERE / "test_gpu_gemm_backward.py"), str(HERE / "test_gpu_backward.py"),
-                           "-k", "dact or layer_backward"],
-                          env=env, capture_output=True, text=True, timeout=120)
-    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
-    assert proc.returncode == 0, f"with MACHMOE_DH_PINGPONG={mode} the tests failed:\n{tail}"
-    assert " passed" in proc.stdout, f"no test ran:\n{tail}"
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("E", [384, 385])  # the dH ping-pong kernel's shared-memory table, then the launcher's
+def test_dact_many_experts_both_kernels(kernel, E):
+    counts = [0] * E
+    for e in [0, 1, E // 2, E - 2, E - 1]:
+        counts[e] += 100 + e % 50
+    check_dact(counts, "swiglu", "interleaved", 256, 256, kernel=kernel)
+
+
+def test_store_kernels_agree():
+    # Same operands through both kernels: each within the tolerance, and both close to each other.
+    counts = COUNTS[0]
+    a, _, rows, w, off = make_problem(counts, 768, 256, gather=False)
+    outs = [ops().grouped_gemm(a, None, off, w, None, sum(counts), "store", "swiglu", "interleaved", k)[0]
+            for k in KERNELS + ["auto"]]
+    ref, base = reference(rows, w, off)
+    for k, c in zip(KERNELS + ["auto"], outs):
+        check_derived(c, ref, base, f"C ({k})")
+    assert torch.equal(outs[2], outs[1]), "auto must run the ping-pong kernel at N = 768"
+
+
+def test_forced_pingpong_refused_where_it_cannot_run():
+    counts = [3, 130]
+    a, idx, _, w, off = make_problem(counts, 256, 64, gather=True)
+    with pytest.raises(ValueError, match="PingPong"):  # a gathered store
+        ops().grouped_gemm(a, idx, off, w, None, sum(counts), "store", "swiglu", "interleaved", "pingpong")
+    with pytest.raises(ValueError, match="PingPong"):  # the GLU epilogue
+        ops().grouped_gemm(a, idx, off, w, None, sum(counts), "glu", "swiglu", "interleaved", "pingpong")
+    with pytest.raises(ValueError, match="kernel"):
+        ops().grouped_gemm(a, idx, off, w, None, sum(counts), "store", "swiglu", "interleaved", "fastest")
+
+
+_WGRAD_COUNTS = [700, 0, 129, 64]
+
+
+@pytest.mark.parametrize("transpose,fp32", [(True, True), (False, False)])
+def test_wgrad_pairs_match_single_ctas(transpose, fp32):
+    # CTA pairs change who gathers the rows, not the summation order: bitwise the same C. N = 768:
+    # three column tiles, so the last pair's second CTA has none.
+    torch.manual_seed(5)
+    T = 500
+    a = torch.randn(T, 384, device="cuda").bfloat16()
+    idx = torch.randint(0, T, (sum(_WGRAD_COUNTS),), device="cuda", dtype=torch.int32)
+    b = torch.randn(sum(_WGRAD_COUNTS), 768, device="cuda").bfloat16()
+    off = offsets(_WGRAD_COUNTS)
+    outs = [ops().grouped_gemm_wgrad(a, idx, b, off, transpose, fp32, k) for k in ("pairs", "single", "auto")]
+    assert torch.count_nonzero(outs[0]) > 0 and torch.count_nonzero(outs[0][1]) == 0
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[2], outs[0])
+
+
+def test_wgrad_pairs_refused_with_one_column_tile():
+    a = torch.randn(64, 128, device="cuda").bfloat16()
+    b = torch.randn(64, 256, device="cuda").bfloat16()
+    off = offsets([64])
+    with pytest.raises(ValueError, match="CtaPairs"):
+        ops().grouped_gemm_wgrad(a, None, b, off, False, True, "pairs")

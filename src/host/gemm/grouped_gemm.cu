@@ -1,12 +1,15 @@
-// Launcher of the sm_90a grouped GEMM engine (kernels/gemm/cooperative.cuh): argument rules, the
-// tile configuration, the TMA descriptor of the weights, and the persistent launch.
+// Launcher of the sm_90a grouped GEMM engine (kernels/gemm/): argument rules, the TMA descriptors,
+// and the persistent launch of the kernel and tile configuration that choose_gemm_config
+// (host/gemm/config.cpp) picked for the problem's shape.
 #include <cuda.h>
 
 #include <algorithm>
 #include <string>
+#include <type_traits>
 
 #include "host/common/check.hpp"
 #include "host/common/tensor_map.hpp"
+#include "host/gemm/config.hpp"
 #include "kernels/gemm/cooperative.cuh"
 #include "kernels/gemm/dact_pingpong.cuh"
 #include "kernels/gemm/pingpong.cuh"
@@ -14,29 +17,32 @@
 
 namespace machmoe {
 using detail::ceil_div;
-using detail::check_cuda;
 using detail::check_launch;
+using detail::GemmConfig;
+using detail::GemmEpiCode;
+using detail::GemmKernelKind;
 using detail::require_arg;
+
+// The configuration's constants are the kernels' own.
+static_assert(static_cast<int>(GemmEpiCode::Store) == kernels::kEpiStore &&
+                  static_cast<int>(GemmEpiCode::GluInter) == kernels::kEpiGluInter &&
+                  static_cast<int>(GemmEpiCode::GluConcat) == kernels::kEpiGluConcat &&
+                  static_cast<int>(GemmEpiCode::Act) == kernels::kEpiAct &&
+                  static_cast<int>(GemmEpiCode::DGluInter) == kernels::kEpiDGluInter &&
+                  static_cast<int>(GemmEpiCode::DGluConcat) == kernels::kEpiDGluConcat &&
+                  static_cast<int>(GemmEpiCode::DAct) == kernels::kEpiDAct,
+              "epilogue codes");
+static_assert(detail::kPingPongTileN == kernels::kPingPongBN && detail::kDactPingPongTileN == kernels::kDactPPBN &&
+                  detail::kSmemTileExperts == kernels::kGemmSmemTileE &&
+                  detail::kDactPingPongSmemTileExperts == kernels::kDactPPSmemTileE &&
+                  detail::kDsColumns == kernels::kDsCols,
+              "tile widths and shared-memory tile tables");
 
 namespace {
 
 // A [rows, K] (or W [E*N, K]) in boxes of 64 K x 128 rows: a K-major operand tile.
 CUtensorMap tile_tensor_map(const void* ptr, int64_t rows, int64_t K, int64_t ld) {
   return detail::tensor_map_2d(ptr, rows, K, ld, kernels::kGemmBK, 128, "grouped_gemm");
-}
-
-int epilogue_code(const GroupedGemmArgs& a) {
-  const bool glu = is_glu(a.activation);
-  switch (a.epilogue) {
-    case GemmEpilogue::Store: return kernels::kEpiStore;
-    case GemmEpilogue::GLU:
-      return a.layout == GateUpLayout::Interleaved ? kernels::kEpiGluInter : kernels::kEpiGluConcat;
-    case GemmEpilogue::Activation: return kernels::kEpiAct;
-    case GemmEpilogue::ActivationBackward:
-      if (!glu) return kernels::kEpiDAct;
-      return a.layout == GateUpLayout::Interleaved ? kernels::kEpiDGluInter : kernels::kEpiDGluConcat;
-  }
-  throw Error(ErrorCode::InvalidArgument, "grouped_gemm: epilogue out of range");
 }
 
 // A kernel's dynamic shared memory: the device must allow `smem` bytes per block (checked first,
@@ -77,11 +83,11 @@ void launch_dact_pingpong(const CUtensorMap& map_b, const kernels::GroupedGemmPa
   kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_b, p);
 }
 
-// The variants that exist: the forward's epilogues read K-major W; Store takes either; the dH
-// epilogues read W2 N-major (W2 [E, d, n] is [E, K, N] for dA' = dout·W2).
+// The cooperative kernel's variants that exist: the forward's epilogues read K-major W; Store
+// takes either; the dH epilogues read W2 N-major (W2 [E, d, n] is [E, K, N] for dA' = dout·W2).
 template <int BN, int EPI>
-void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c,
-            const kernels::GroupedGemmParams& p, bool n_major, int ctas, cudaStream_t stream) {
+void launch_cooperative(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c,
+                        const kernels::GroupedGemmParams& p, bool n_major, int ctas, cudaStream_t stream) {
   constexpr bool kMajorK = !kernels::gemm_epi_is_dact(EPI);
   constexpr bool kMajorN = EPI == kernels::kEpiStore || kernels::gemm_epi_is_dact(EPI);
   if (n_major) {
@@ -101,37 +107,9 @@ void launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMa
                                           std::to_string(static_cast<int>(n_major)));
 }
 
-// Columns of C per tile (the configuration, as data): 256 when N allows, else 128; the
-// concatenated GLU tile always holds 128 gate + 128 up columns.
-int tile_width(int64_t N, int epi) { return N >= 256 || epi == kernels::kEpiGluConcat ? 256 : 128; }
-
-// Where the ping-pong kernel (one CTA, halves epilogue) beats the cooperative one for the plain
-// store with contiguous A: C's width N (d for both the down-projection and dX~) at most max_n, or
-// the reduction K at most max_k at any N. Measured (session 27, kernel tables of the twelve SPEC
-// configs, docs/PERF.md): it wins 1-12% where the epilogue is a large share of a tile (short K)
-// or N is a multiple of 192 (d = 768, 1536); at d = 4096 and 7168 with K >= 1024 it loses 2-5%
-// (H200) and up to 18% (H100, 30B-b dX~): 192-wide tiles read 15% more from L2 and leave a third
-// of a tile idle at N = 4096, and those GEMMs run at the power cap.
-struct PingPongRule {
-  int64_t max_n, max_k;
-  bool wins(int64_t N, int64_t K) const { return N <= max_n || K <= max_k; }
-};
-constexpr PingPongRule kPingPongWhere{2048, 512};
-
-// Where the dH kernel's ping-pong form (mode 1) beats the cooperative one: the reduction K = d at
-// most max_k. Measured (session 27, H100 kernel table): 2-5% faster at d = 768 and 1536, 7-9%
-// slower at d = 4096, where the long main loop hides the cooperative kernel's epilogue anyway and
-// the ping-pong tile's 128 columns gather each dout row twice as often.
-struct DhPingPongRule {
-  int64_t max_k;
-};
-constexpr DhPingPongRule kDhPingPongWhere{2048};
-
-}  // namespace
-
-int64_t grouped_gemm_column_tiles(int64_t N) { return ceil_div(N, int64_t{kernels::kDsCols}); }
-
-void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
+// The argument rules (everything the kernels rely on); throws Error(InvalidArgument) naming the
+// argument.
+void check_args(const GroupedGemmArgs& a) {
   constexpr const char* fn = "grouped_gemm";
   require_arg(a.E >= 1 && a.E <= (1 << 24), fn, "E", "must be in [1, 2^24], got " + std::to_string(a.E));
   require_arg(a.N >= 8 && a.N % 8 == 0 && a.N <= (1 << 24), fn, "N",
@@ -152,7 +130,8 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
               "a/w/c/expert_offsets/tile_offsets", "must not be null (c only with the GLU/activation epilogues)");
   require_arg(detail::aligned16(a.a) && detail::aligned16(a.w) && (a.c == nullptr || detail::aligned16(a.c)), fn, "a/w/c",
               "must be 16-byte aligned");
-  const int epi = epilogue_code(a);
+  require_arg(a.epilogue >= GemmEpilogue::Store && a.epilogue <= GemmEpilogue::ActivationBackward, fn, "epilogue",
+              "out of range");
   if (a.epilogue != GemmEpilogue::Store) {
     const int64_t c2_cols = a.epilogue == GemmEpilogue::GLU ? a.N / 2 : a.N;  // A, or A' [R, N]
     require_arg(a.c2 && a.ldc2 >= c2_cols && a.ldc2 % 8 == 0 && detail::aligned16(a.c2), fn, "c2/ldc2",
@@ -174,20 +153,28 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
                 "must not be null with ActivationBackward");
     require_arg(a.bias == nullptr, fn, "bias", "must be null with ActivationBackward");
   }
+}
 
-  // The ping-pong kernel (kernels/gemm/pingpong.cuh: 192-wide tiles, one per consumer
-  // warpgroup) takes the plain store with contiguous A where the shape rule kPingPongWhere says it
-  // wins. (Its weight boxes reach row E·N + 191 of the [E*N, K] view: kept inside int32.)
-  const bool pp_applies = epi == kernels::kEpiStore && a.gather == nullptr && a.c &&
-                          a.E * a.N + kernels::kPingPongBN <= (int64_t{1} << 31) - 1;
-  const bool pingpong = pp_applies && kPingPongWhere.wins(a.N, a.K);
-  // The dH kernel as a ping-pong GEMM (kernels/gemm/dact_pingpong.cuh) where kDhPingPongWhere
-  // says it wins.
-  const bool dh_pingpong = dact && a.gather && a.K <= kDhPingPongWhere.max_k;
-  const int bn = pingpong ? kernels::kPingPongBN : dh_pingpong ? kernels::kDactPPBN : tile_width(a.N, epi);
-  const bool wide = bn == 256;
-  const int tile_cols = epi == kernels::kEpiGluConcat ? bn / 2 : bn;
-  const int64_t n_cols = epi == kernels::kEpiGluConcat ? a.N / 2 : a.N;
+}  // namespace
+
+int64_t grouped_gemm_column_tiles(int64_t N) { return ceil_div(N, int64_t{kernels::kDsCols}); }
+
+void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
+  constexpr const char* fn = "grouped_gemm";
+  check_args(a);
+  detail::GemmShape shape;
+  shape.E = a.E;
+  shape.N = a.N;
+  shape.K = a.K;
+  shape.epilogue = a.epilogue;
+  shape.activation = a.activation;
+  shape.layout = a.layout;
+  shape.gather = a.gather != nullptr;
+  shape.has_c = a.c != nullptr;
+  shape.kernel = a.kernel;
+  const GemmConfig cfg = detail::choose_gemm_config(shape);
+  const int epi = static_cast<int>(cfg.epi);
+
   kernels::GroupedGemmParams p{};
   p.a = static_cast<const __nv_bfloat16*>(a.a);
   p.lda = a.lda;
@@ -202,7 +189,7 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   p.E = static_cast<int>(a.E);
   p.N = static_cast<int>(a.N);
   p.K = static_cast<int>(a.K);
-  p.n_tiles = static_cast<int>(ceil_div(n_cols, tile_cols));
+  p.n_tiles = static_cast<int>(cfg.n_tiles);
   p.act = static_cast<int>(a.activation);
   p.h = static_cast<const __nv_bfloat16*>(a.h);
   p.ldh = a.ldh;
@@ -211,17 +198,16 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   p.ds_partial = a.ds_partial;
   p.ds_cols = static_cast<int>(grouped_gemm_column_tiles(a.N));
 
-  // (up to kGemmSmemTileE experts the kernel builds them itself; the dH ping-pong, short of shared
-  // memory, up to kDactPPSmemTileE)
-  if (p.E > (dh_pingpong ? kernels::kDactPPSmemTileE : kernels::kGemmSmemTileE)) {
+  // Above the kernel's shared-memory capacity the tile-offset table comes from a scan kernel.
+  if (cfg.global_tile_offsets) {
     kernels::grouped_gemm_tile_offsets<<<1, 1024, 0, stream>>>(a.expert_offsets, p.E, p.n_tiles, a.tile_offsets);
     check_launch("grouped_gemm: tile offsets");
   }
   const int sms = device_info().sm_count;
   const int ctas = a.max_ctas > 0 ? std::min(a.max_ctas, sms) : sms;
-  if (dh_pingpong) {
+  namespace k = kernels;
+  if (cfg.kernel == GemmKernelKind::DactPingPong) {
     const CUtensorMap map_b = detail::tensor_map_nmajor(a.w, a.E, a.K, a.N, kernels::kGemmBK, fn);
-    namespace k = kernels;
     switch (epi) {
       case k::kEpiDGluInter: launch_dact_pingpong<k::kEpiDGluInter>(map_b, p, ctas, stream); break;
       case k::kEpiDGluConcat: launch_dact_pingpong<k::kEpiDGluConcat>(map_b, p, ctas, stream); break;
@@ -230,7 +216,7 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
     check_launch(fn);
     return;
   }
-  if (pingpong) {  // W in boxes of 64 rows (K-major) or {64 N, 64 K}; C in boxes of 64 x 64
+  if (cfg.kernel == GemmKernelKind::PingPong) {  // W in boxes of 64 rows (K-major) or {64 N, 64 K}; C in boxes of 64 x 64
     const CUtensorMap map_b = a.w_n_major ? detail::tensor_map_nmajor(a.w, a.E, a.K, a.N, kernels::kGemmBK, fn)
                                           : detail::tensor_map_2d(a.w, a.E * a.N, a.K, a.K, kernels::kGemmBK, 64, fn);
     const CUtensorMap map_a = tile_tensor_map(a.a, a.a_rows, a.K, a.lda);
@@ -240,32 +226,34 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
     check_launch(fn);
     return;
   }
-  const CUtensorMap map_b = a.w_n_major ? detail::tensor_map_nmajor(a.w, a.E, a.K, a.N, kernels::kGemmBK, fn) : tile_tensor_map(a.w, a.E * a.N, a.K, a.K);
+  const CUtensorMap map_b = a.w_n_major ? detail::tensor_map_nmajor(a.w, a.E, a.K, a.N, kernels::kGemmBK, fn)
+                                        : tile_tensor_map(a.w, a.E * a.N, a.K, a.K);
   // Contiguous A goes through TMA too; with a gather the map is unused (any valid map will do).
   const CUtensorMap map_a = a.gather ? map_b : tile_tensor_map(a.a, a.a_rows, a.K, a.lda);
   // Full tiles' C (store) or H (interleaved GLU, activation) leave by TMA: C [rows, N] in boxes of
-  // 64 columns x 128 rows. Only
-  // whole 128-row tiles inside an expert go this way, so the row bound only has to cover them:
-  // the rows of C are not known on the host (R = off[E] is on the device).
+  // 64 columns x 128 rows. Only whole 128-row tiles inside an expert go this way, so the row bound
+  // only has to cover them: the rows of C are not known on the host (R = off[E] is on the device).
   const bool boxed = epi == kernels::kEpiStore || epi == kernels::kEpiGluInter || epi == kernels::kEpiAct;
   const CUtensorMap map_c =
       boxed && a.c ? detail::tensor_map_2d(a.c, int64_t{1} << 31, a.N, a.ldc, 64, 128, fn) : map_b;
   const bool nm = a.w_n_major;
-  namespace k = kernels;
+  const bool wide = cfg.bn == 256;
+  auto run = [&](auto bn, auto epi_code) {
+    launch_cooperative<decltype(bn)::value, decltype(epi_code)::value>(map_a, map_b, map_c, p, nm, ctas, stream);
+  };
+  auto with_width = [&](auto epi_code) {
+    if (wide) run(std::integral_constant<int, 256>{}, epi_code);
+    else run(std::integral_constant<int, 128>{}, epi_code);
+  };
   switch (epi) {
-    case k::kEpiStore: wide ? launch<256, k::kEpiStore>(map_a, map_b, map_c, p, nm, ctas, stream)
-                            : launch<128, k::kEpiStore>(map_a, map_b, map_c, p, nm, ctas, stream); break;
-    case k::kEpiGluInter: wide ? launch<256, k::kEpiGluInter>(map_a, map_b, map_c, p, nm, ctas, stream)
-                               : launch<128, k::kEpiGluInter>(map_a, map_b, map_c, p, nm, ctas, stream); break;
-    case k::kEpiGluConcat: launch<256, k::kEpiGluConcat>(map_a, map_b, map_c, p, nm, ctas, stream); break;
-    case k::kEpiAct: wide ? launch<256, k::kEpiAct>(map_a, map_b, map_c, p, nm, ctas, stream)
-                          : launch<128, k::kEpiAct>(map_a, map_b, map_c, p, nm, ctas, stream); break;
-    case k::kEpiDGluInter: wide ? launch<256, k::kEpiDGluInter>(map_a, map_b, map_c, p, nm, ctas, stream)
-                                : launch<128, k::kEpiDGluInter>(map_a, map_b, map_c, p, nm, ctas, stream); break;
-    case k::kEpiDGluConcat: wide ? launch<256, k::kEpiDGluConcat>(map_a, map_b, map_c, p, nm, ctas, stream)
-                                 : launch<128, k::kEpiDGluConcat>(map_a, map_b, map_c, p, nm, ctas, stream); break;
-    case k::kEpiDAct: wide ? launch<256, k::kEpiDAct>(map_a, map_b, map_c, p, nm, ctas, stream)
-                           : launch<128, k::kEpiDAct>(map_a, map_b, map_c, p, nm, ctas, stream); break;
+    case k::kEpiStore: with_width(std::integral_constant<int, k::kEpiStore>{}); break;
+    case k::kEpiGluInter: with_width(std::integral_constant<int, k::kEpiGluInter>{}); break;
+    // (always 256 wide: 128 gate + 128 up columns)
+    case k::kEpiGluConcat: run(std::integral_constant<int, 256>{}, std::integral_constant<int, k::kEpiGluConcat>{}); break;
+    case k::kEpiAct: with_width(std::integral_constant<int, k::kEpiAct>{}); break;
+    case k::kEpiDGluInter: with_width(std::integral_constant<int, k::kEpiDGluInter>{}); break;
+    case k::kEpiDGluConcat: with_width(std::integral_constant<int, k::kEpiDGluConcat>{}); break;
+    case k::kEpiDAct: with_width(std::integral_constant<int, k::kEpiDAct>{}); break;
   }
   check_launch(fn);
 }

@@ -1,5 +1,6 @@
-// Launcher of the weight-gradient grouped GEMM (varlen K, kernels/gemm/wgrad.cuh):
-// argument rules, the TMA descriptor of B, and the persistent launch.
+// Launcher of the weight-gradient grouped GEMM (varlen K, kernels/gemm/wgrad.cuh): argument rules,
+// the TMA descriptors, and the persistent launch of the configuration that choose_wgrad_config
+// (host/gemm/config.cpp) picked.
 #include <cuda.h>
 
 #include <algorithm>
@@ -8,11 +9,11 @@
 
 #include "host/common/check.hpp"
 #include "host/common/tensor_map.hpp"
+#include "host/gemm/config.hpp"
 #include "kernels/gemm/wgrad.cuh"
 #include "machmoe/machmoe.hpp"
 
 namespace machmoe {
-using detail::ceil_div;
 using detail::check_cuda;
 using detail::check_launch;
 using detail::require_arg;
@@ -34,8 +35,8 @@ void launch(const CUtensorMap& map_b, const CUtensorMap& map_c, const kernels::G
     kernel<<<static_cast<int>(std::min(cap, units)), kernels::kWgradThreads, smem, stream>>>(map_b, map_c, p);
     return;
   }
-  // Clusters of two CTAs: as many as the device runs at once (one CTA per SM; the lent H100
-  // places 66, i.e. every SM), at most one per unit.
+  // Clusters of two CTAs: as many as the device runs at once (one CTA per SM), at most one per
+  // unit.
   detail::ClusterLaunch launch(2, kernels::kWgradThreads, smem, stream);
   const int clusters = detail::max_active_clusters(reinterpret_cast<const void*>(kernel), launch.config,
                                                    "grouped_gemm_wgrad: cudaOccupancyMaxActiveClusters");
@@ -70,9 +71,17 @@ void grouped_gemm_wgrad(const GroupedWgradArgs& a, cudaStream_t stream) {
   require_arg(detail::aligned16(a.a) && detail::aligned16(a.b) && detail::aligned16(a.c), fn, "a/b/c",
               "must be 16-byte aligned");
   require_arg(a.c_dtype == DType::FP32 || a.c_dtype == DType::BF16, fn, "c_dtype", "must be FP32 or BF16");
-  const int bn = a.N >= 256 ? 256 : 128;
-  const int64_t m_tiles = ceil_div(a.M, int64_t{kernels::kWgradBM}), n_tiles = ceil_div(a.N, int64_t{bn});
-  require_arg(a.E * m_tiles * n_tiles <= kInt32Max, fn, "E*M*N", "too many output tiles for int32 tile indices");
+  require_arg(a.kernel >= WgradKernel::Auto && a.kernel <= WgradKernel::CtaPairs, fn, "kernel", "out of range");
+  detail::WgradShape shape;
+  shape.E = a.E;
+  shape.M = a.M;
+  shape.N = a.N;
+  shape.max_ctas = a.max_ctas;
+  shape.kernel = a.kernel;
+  const detail::WgradConfig cfg = detail::choose_wgrad_config(shape);
+  static_assert(detail::kWgradTileM == kernels::kWgradBM, "the configuration's tile height is the kernel's");
+  const int bn = cfg.bn;
+  require_arg(a.E * cfg.m_tiles * cfg.n_tiles <= kInt32Max, fn, "E*M*N", "too many output tiles for int32 tile indices");
 
   kernels::GroupedWgradParams p{};
   p.a = static_cast<const __nv_bfloat16*>(a.a);
@@ -84,8 +93,8 @@ void grouped_gemm_wgrad(const GroupedWgradArgs& a, cudaStream_t stream) {
   p.E = static_cast<int>(a.E);
   p.M = static_cast<int>(a.M);
   p.N = static_cast<int>(a.N);
-  p.m_tiles = static_cast<int>(m_tiles);
-  p.n_tiles = static_cast<int>(n_tiles);
+  p.m_tiles = static_cast<int>(cfg.m_tiles);
+  p.n_tiles = static_cast<int>(cfg.n_tiles);
   p.c = a.c;
   p.c_fp32 = a.c_dtype == DType::FP32;
   p.transpose_c = a.transpose_c;
@@ -97,10 +106,9 @@ void grouped_gemm_wgrad(const GroupedWgradArgs& a, cudaStream_t stream) {
   const CUtensorMap map_c = !p.tma_c ? map_b
                             : a.transpose_c ? detail::tensor_map_2d(a.c, a.E * a.N, a.M, a.M, 64, std::min(bn, 128), fn)
                                             : detail::tensor_map_2d(a.c, a.E * a.M, a.N, a.N, 64, 64, fn);
-  // Two or more column tiles: pairs of CTAs share the gathered A tile (kernels/gemm/wgrad.cuh),
-  // where the device can run clusters of two of them (and the caller allows two CTAs).
-  const bool pair = n_tiles >= 2 && (a.max_ctas == 0 || a.max_ctas >= 2);
-  const int64_t units = a.E * m_tiles * (pair ? (n_tiles + 1) / 2 : n_tiles);
+  // CTA pairs share the gathered A tile (kernels/gemm/wgrad.cuh).
+  const bool pair = cfg.cta_pairs;
+  const int64_t units = cfg.units;
   if (bn == 256) {
     if (pair)
       launch<256, true>(map_b, map_c, p, units, a.max_ctas, stream);
