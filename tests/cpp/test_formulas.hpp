@@ -1,6 +1,6 @@
 // Formulas of docs/LAYER.md re-derived for the tests, independently of src/host: activations,
 // naive per-token expert MLPs, routing scores, aux loss, splitmix64, random general routing lists.
-// Used by test_reference.cpp and test_reference_metadata.cpp.
+// Used by the CPU reference's tests (test_reference*.cpp).
 #pragma once
 
 #include <algorithm>
