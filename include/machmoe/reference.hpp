@@ -119,7 +119,7 @@ struct ExpertsGrads {
   std::vector<double> dw2, db2; // [E, d, n], [E, d]
   std::vector<double> d_score;  // [R] in pair order
 };
-// The memory-minimal backward of SPEC §1: uses only x, H, scores and metadata (A is recomputed).
+// The memory-minimal backward: uses only x, H, scores and metadata (A is recomputed).
 ExpertsGrads experts_backward(const Shape& s, const double* x, const Weights& w,
                               const RoutingList& list, const Metadata& md, const double* H,
                               const double* dout);

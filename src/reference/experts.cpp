@@ -1,5 +1,5 @@
 // CPU reference, expert half: activations, the per-expert MLP forward on the expert-grouped rows,
-// and its memory-minimal backward (SPEC §1) that uses only x, H, scores and the metadata.
+// and its memory-minimal backward that uses only x, H, scores and the metadata.
 #include <cmath>
 #include <string>
 

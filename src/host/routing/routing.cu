@@ -1,4 +1,4 @@
-// Launchers of the routing and data-movement kernel families (SPEC §2 kernels 1, 2, 5, 10): argument
+// Launchers of the routing and data-movement kernels (top-K router, routing metadata, aggregation): argument
 // checks, the choice of kernel variant, and launches on the caller's stream. No host sync.
 #include <algorithm>
 #include <cstdint>

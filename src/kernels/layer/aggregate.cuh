@@ -1,4 +1,4 @@
-// Kernel families 5 and 10 (SPEC §2): per-token gather-and-sum of the token's routed rows.
+// Aggregation: per-token gather-and-sum of the token's routed rows.
 //   out[t] = Σ_{p in [token_offsets[t], token_offsets[t+1])} (score[p] or 1) · rows[pair_row[p]]
 // rows [R, d] (Y in the forward, dX̃ in the backward), fp32 accumulation, out [T, d]. A token with
 // no pairs gets zeros; a pair with pair_row = -1 (invalid routing) contributes nothing.

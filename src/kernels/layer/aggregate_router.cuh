@@ -1,10 +1,9 @@
-// Kernel families 10 and 11 of SPEC §2 in one pass: the backward's dX aggregation together with the
-// router's part of dx, so that dx is written once:
+// The backward's dX aggregation and the router's part of dx in one pass, so that dx is written once:
 //   dx[t, :] = Σ_{p in [token_offsets[t], token_offsets[t+1])} dX̃[pair_row[p], :]  +  d_logits[t, :] · Wr
 // dX̃ [R, d] bf16, d_logits [T, E] bf16, Wr [E, d] bf16 (the router weight), dx [T, d] bf16; the
-// sums are fp32 and dx is rounded once. Before, the aggregation wrote dx and a cuBLAS GEMM with
-// beta = 1 read and wrote it again (2·T·d·2 bytes more). Measured on the H100 (session 8, µs per
-// call): 7B-a 269 against 241 + 72 for the two, 30B-b 934 against 823 + 257 (docs/PERF.md).
+// sums are fp32 and dx is rounded once. The alternative, the aggregation writing dx and a cuBLAS
+// GEMM with beta = 1 reading and writing it again, moves 2·T·d·2 bytes more; on an H100 it took
+// 241 + 72 µs per call at 7B-a against this kernel's 269, and 823 + 257 at 30B-b against 934.
 // Block: 128 columns of d, 512 threads (16 warps), persistent over token tiles of 64:
 //   0. Wr[:, its columns] (E <= 256 rows) into shared memory once;
 //   per tile: 1. the d_logits tile [64, E] in shared memory (for E <= 128 loaded by cp.async
@@ -12,10 +11,10 @@
 //   (mma.sync m16n8k16, fp32; warp w owns rows 16·(w % 4), columns 32·(w / 4)), G to shared
 //   memory as fp32; 3. thread (token row i / 16 + 32·pass,
 //   16-byte column vector i % 16): the token's dX̃ rows, up to 8 loads in flight, + G; one store.
-// Why persistent: with Wr re-read per 64-token tile (48 KB of operand loads per tile; the first
-// merged version) the mma phase added ~80 µs on 7B-a and did not hide behind the dX̃ loads: 306
-// µs. Wr once per block: 291; the next tile's d_logits by cp.async under this tile's sums and a
-// grid of one wave: 269.
+// Why persistent: re-reading Wr per 64-token tile (48 KB of operand loads per tile) makes the mma
+// phase too long to hide behind the dX̃ loads (on an H100 at 7B-a: 306 µs per call); Wr once per
+// block gives 291, and the next tile's d_logits by cp.async under this tile's sums with a grid of
+// one wave 269.
 // Needs d % 8 == 0, E <= 256, 16-byte aligned dX̃ / Wr / dx and R·d/8 < 2^32 (the launcher
 // checks; otherwise the layer falls back to the aggregation and a cuBLAS GEMM). d_logits rows are read by 16-byte
 // vectors when E % 8 == 0 and element by element otherwise. Deterministic: fixed summation order.

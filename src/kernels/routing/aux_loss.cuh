@@ -57,8 +57,8 @@ __device__ __forceinline__ float aux_block_sum(float v, float* red /*[32]*/) {
 // Deterministic: the order of every sum is fixed by E, blocks and kThreads.
 //   E % 4 == 0 (E <= 4·kThreads): thread t owns the column quad q = t % (E/4) and the rows
 //     b ≡ t / (E/4) (mod P), P = kThreads / (E/4): float4 loads along a row, eight in flight, then
-//     a fixed tree over the P row phases through `scratch` [4·kThreads]. 7B-a: 14.4 µs with
-//     the scalar path below (profile, session 14), which loaded one float per lane.
+//     a fixed tree over the P row phases through `scratch` [4·kThreads]: more bytes in flight per
+//     lane than the scalar path below, which loads one float per lane and is latency-bound.
 //   otherwise: up to 8 lanes per expert, each with 4 loads in flight, then a fixed shuffle tree.
 template <int kThreads>
 __device__ __forceinline__ void aux_column_sums(const float* partials, int blocks, int E, const int32_t* expert_offsets,

@@ -1,4 +1,4 @@
-// Kernel family 2 (SPEC §2): routing metadata. From R routed pairs (expert id per pair, and the
+// Routing metadata. From R routed pairs (expert id per pair, and the
 // token per pair or p / K for top-K) it builds, with no host synchronisation and no sort:
 //   expert_offsets [E+1]  rows of expert e are [off[e], off[e+1])
 //   row_token [R]         gather index: row -> token

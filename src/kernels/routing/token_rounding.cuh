@@ -1,4 +1,4 @@
-// Token rounding on the GPU (SPEC §2, docs/LAYER.md "Token rounding"): moves each expert's row
+// Token rounding on the GPU (docs/LAYER.md "Token rounding"): moves each expert's row
 // count f_e to a multiple r_e of the tile M by dropping its lowest-score selected tokens or padding
 // it with its best non-selected tokens, then emits the general routing list ordered by token,
 // then expert. Starts from the softmax_topk routing and its metadata bit matrix

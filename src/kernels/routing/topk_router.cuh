@@ -1,4 +1,4 @@
-// Kernel family 1 (SPEC §2): the top-K router. logits [T, E] fp32 -> scores [T, K] fp32 and
+// The top-K router. logits [T, E] fp32 -> scores [T, K] fp32 and
 // experts [T, K] int32, for the routing variants of docs/LAYER.md, and its backward
 // d_scores [T, K] -> d_logits [T, E].
 //
@@ -100,8 +100,8 @@ __global__ void __launch_bounds__(256) topk_router_registers(RouterParams p) {
 
 // Fast path for E <= 32 * kRouterSortedMaxV: each lane sorts its V candidate keys once, so that a
 // selection round is two warp reductions (REDUX) over the lanes' heads and a shift in the winning
-// lane, instead of a rescan of V keys plus a 64-bit shuffle tree (the previous kernel: 27 µs for
-// 24576 tokens at E = 128, issue-bound). A block takes kRouterBlockTokens consecutive tokens, 4
+// lane, instead of a rescan of V keys plus a 64-bit shuffle tree per round (which leaves the
+// selection bound by instruction issue). A block takes kRouterBlockTokens consecutive tokens, 4
 // per warp in order, with the next token's logits loaded while this one is selected; with
 // aux_partials it also writes the aux loss's column sums of softmax(logits) over its tokens
 // (partials [blocks, E]; fixed order, so deterministic), which saves the aux loss a second pass
