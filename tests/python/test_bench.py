@@ -402,8 +402,11 @@ def test_expert_parallel_bench_without_gpu_says_so(capsys):
         pytest.skip("a GPU is present: the bench would run (python -m machmoe.bench.expert_parallel)")
     from machmoe.bench import expert_parallel
 
-    expert_parallel.main(["--configs", "7B-a"])
+    expert_parallel.main(["--configs", "7B-a", "--out", "unused"])
     assert "no CUDA GPU; nothing to measure" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:  # a bad config is refused first, GPU or not
+        expert_parallel.main(["--configs", "7B-z"])
+    assert exc.value.code == 2 and "unknown config '7B-z'" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- on a GPU

@@ -1,6 +1,7 @@
 """Expert parallelism on the GPUs of one host (a measurement, not the main job):
 
   python -m machmoe.bench.expert_parallel [--configs 7B-a,30B-b] [--world W] [--reps 20] [--profile]
+                                          [--out DIR]
 
 Each of W ranks (NCCL, one GPU each) holds a whole config's batch of T tokens and E / W experts;
 `machmoe.distributed.ExpertParallelMoE` trains the layer with tokens exchanged all-to-all. Beside
@@ -13,7 +14,8 @@ bytes each rank sends per forward (rows of x out, partial sums back) and the pea
 (torch.profiler over 5 calls), for the single-GPU layer and the expert-parallel one.
 
 Every rank runs a fixed number of calls in lockstep (the layer runs collectives), timed by CUDA
-events around the whole loop; the figure is the slowest rank's.
+events around the whole loop; the figure is the slowest rank's. With --out DIR the table is also
+written to DIR/expert_parallel.md.
 """
 
 from __future__ import annotations
@@ -130,20 +132,27 @@ def _profile(name: str, step, rank: int, calls: int = 5) -> None:
 
 
 def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup: int,
-         profile_calls: bool = False) -> None:
+         profile_calls: bool = False, out_dir: str | None = None) -> None:
     from machmoe import MoE
     from machmoe.distributed import ExpertParallelMoE
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
+    table: list[str] = []  # rank 0's lines, for --out
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        table.append(line)
+
     try:
         if rank == 0:
-            print(f"expert parallelism over {world} x {torch.cuda.get_device_name()} (NCCL); "
-                  f"forward + backward, {reps} calls after {warmup}, slowest rank")
-            print("| config | T per rank | E per rank | single GPU ms (TFLOPS) | expert parallel ms "
-                  "(TFLOPS) | ratio | MB sent per rank per forward | peak GiB (single / EP) |")
-            print("|---|--:|--:|--:|--:|--:|--:|--:|")
+            say(f"expert parallelism over {world} x {torch.cuda.get_device_name()} (NCCL); "
+                f"forward + backward, {reps} calls after {warmup}, slowest rank")
+            say("")
+            say("| config | T per rank | E per rank | single GPU ms (TFLOPS) | expert parallel ms "
+                "(TFLOPS) | ratio | MB sent per rank per forward | peak GiB (single / EP) |")
+            say("|---|--:|--:|--:|--:|--:|--:|--:|")
         for cfg in configs:
             torch.manual_seed(0)
             full = MoE(cfg.E, cfg.K, cfg.d, cfg.n).cuda().bfloat16()
@@ -176,10 +185,10 @@ def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup
             dist.all_reduce(sent, op=dist.ReduceOp.MAX)
             flop = sum(layer_flops(cfg.T, cfg.K, cfg.n, cfg.d))
             if rank == 0:
-                print(f"| {cfg.name} | {cfg.T} | {cfg.E // world} | {single_ms:.3f} "
-                      f"({tflops(flop, single_ms):.0f}) | {ep_ms:.3f} ({tflops(flop, ep_ms):.0f}) | "
-                      f"{single_ms / ep_ms:.2f} | {float(sent) / 1e6:.0f} | "
-                      f"{single_peak / 2**30:.2f} / {ep_peak / 2**30:.2f} |", flush=True)
+                say(f"| {cfg.name} | {cfg.T} | {cfg.E // world} | {single_ms:.3f} "
+                    f"({tflops(flop, single_ms):.0f}) | {ep_ms:.3f} ({tflops(flop, ep_ms):.0f}) | "
+                    f"{single_ms / ep_ms:.2f} | {float(sent) / 1e6:.0f} | "
+                    f"{single_peak / 2**30:.2f} / {ep_peak / 2**30:.2f} |")
             if profile_calls:
                 del layer
                 full = MoE(cfg.E, cfg.K, cfg.d, cfg.n).cuda().bfloat16()
@@ -189,32 +198,43 @@ def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup
                 del full
             del layer, x, dout
             torch.cuda.empty_cache()
+        if rank == 0 and out_dir:
+            os.makedirs(out_dir, exist_ok=True)
+            path = os.path.join(out_dir, "expert_parallel.md")
+            with open(path, "w") as f:
+                f.write("\n".join(table) + "\n")
+            print(f"wrote {path}")
     finally:
         dist.destroy_process_group()
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default="7B-a,30B-b")
+    parser = argparse.ArgumentParser(prog="python -m machmoe.bench.expert_parallel", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="7B-a,30B-b", help="comma-separated config names")
     parser.add_argument("--world", type=int, default=None, help="GPUs to use (default: all)")
     parser.add_argument("--T-scale", type=float, default=1.0)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="also print rank 0's kernels and ops per call")
+    parser.add_argument("--out", default=None, metavar="DIR", help="also write the table to DIR/expert_parallel.md")
     args = parser.parse_args(argv)
+    try:
+        configs = select_configs(args.configs, args.T_scale)
+    except ValueError as err:
+        parser.error(f"--configs: {err}")
     if not torch.cuda.is_available():
         print("expert_parallel: no CUDA GPU; nothing to measure")
         return
     world = args.world or torch.cuda.device_count()
     if not 1 <= world <= torch.cuda.device_count():
         raise SystemExit(f"--world must be in [1, {torch.cuda.device_count()}] (GPUs here); got {world}")
-    configs = select_configs(args.configs, args.T_scale)
     for cfg in configs:
         if cfg.E % world:
             raise SystemExit(f"{cfg.name}: E = {cfg.E} is not a multiple of --world {world}")
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_run, args=(world, os.path.join(tmp, "init"), configs, args.reps, args.warmup, args.profile),
-                 nprocs=world, join=True)
+        mp.spawn(_run, args=(world, os.path.join(tmp, "init"), configs, args.reps, args.warmup, args.profile,
+                             args.out), nprocs=world, join=True)
 
 
 if __name__ == "__main__":
