@@ -141,6 +141,8 @@ class MoE(nn.Module):
         tile_m: int = 128,
         backend: Union[Backend, str] = Backend.AUTO,
     ):
+        """Checks and stores the options and creates the parameters; the class docstring
+        documents every argument. A bad argument raises TypeError or ValueError naming it."""
         super().__init__()
         for name, value in layer_settings(num_experts, num_experts_per_tok, hidden_size,
                                           intermediate_size, activation_function, add_bias, std,
