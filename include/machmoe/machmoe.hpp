@@ -30,9 +30,31 @@ struct LayerProblem {
   DType dtype = DType::BF16;  // x, weights, H and the output
 };
 
+struct ExpertsProblem;
+
+// A problem that validate() accepted, kept as a read-only copy. Only validate() makes one, so a
+// function that takes it need not check the problem again: a framework binding validates once
+// and hands the result to plan_workspace and to the forward or backward call. The overloads
+// that take the plain problem validate it themselves.
+template <typename Problem>
+class Validated {
+ public:
+  const Problem& problem() const { return problem_; }
+  const Problem& operator*() const { return problem_; }
+  const Problem* operator->() const { return &problem_; }
+
+ private:
+  explicit Validated(const Problem& p) : problem_(p) {}
+  Problem problem_;
+  friend Validated<LayerProblem> validate(const LayerProblem& p);
+  friend Validated<ExpertsProblem> validate(const ExpertsProblem& p);
+};
+using ValidLayerProblem = Validated<LayerProblem>;
+using ValidExpertsProblem = Validated<ExpertsProblem>;
+
 // Throws Error(InvalidArgument) naming the first field that breaks a rule, or
 // Error(Unsupported) for a valid problem beyond this build's limits.
-void validate(const LayerProblem& p);
+ValidLayerProblem validate(const LayerProblem& p);
 
 // Bytes the caller provides. `saved` lives from forward to backward (H bf16, fp32 scores, int32
 // metadata, and logits where a routing variant needs them); `forward_workspace` and
@@ -45,7 +67,8 @@ struct WorkspacePlan {
   size_t forward_workspace_bytes = 0;
   size_t backward_workspace_bytes = 0;
 };
-WorkspacePlan plan_workspace(const LayerProblem& p);
+WorkspacePlan plan_workspace(const ValidLayerProblem& p);
+WorkspacePlan plan_workspace(const LayerProblem& p);  // validates p
 
 // Device pointers; layouts as docs/LAYER.md. Biases and selection_bias may be null when unused.
 struct LayerForwardArgs {
@@ -65,7 +88,8 @@ struct LayerForwardArgs {
   // feed layer_backward; everything else is the same, the output bitwise so.
   bool write_h = true;
 };
-void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_t stream);
+void layer_forward(const ValidLayerProblem& p, const LayerForwardArgs& a, cudaStream_t stream);
+void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_t stream);  // validates p
 
 // Gradients of the layer (docs/LAYER.md "Backward"), from what layer_forward left in `saved`.
 // dx is bf16 [T, d]; the weight and bias gradients (d_router_weight [E, d], dw1 [E, n1, d],
@@ -94,7 +118,8 @@ struct LayerBackwardArgs {
   void* workspace = nullptr;    // plan.backward_workspace_bytes, 256-byte aligned
   DType weight_grad_dtype = DType::BF16;
 };
-void layer_backward(const LayerProblem& p, const LayerBackwardArgs& a, cudaStream_t stream);
+void layer_backward(const ValidLayerProblem& p, const LayerBackwardArgs& a, cudaStream_t stream);
+void layer_backward(const LayerProblem& p, const LayerBackwardArgs& a, cudaStream_t stream);  // validates p
 
 // ---------------------------------------------------------------- experts on a general routing list
 // The expert part of the layer alone, on a routing list the caller gives (docs/LAYER.md, "general"):
@@ -121,11 +146,12 @@ struct ExpertsProblem {
 };
 
 // Throws Error(InvalidArgument) naming the first field that breaks a rule.
-void validate(const ExpertsProblem& p);
+ValidExpertsProblem validate(const ExpertsProblem& p);
 // Bytes the caller provides, exact for this problem (as the layer's plan): `saved` holds H [R, n1]
 // bf16, the fp32 scores [R], expert_offsets [E+1], row_pair / pair_row [R] and the list's
 // per-token offsets [T+1]; nothing of size R·d.
-WorkspacePlan plan_workspace(const ExpertsProblem& p);
+WorkspacePlan plan_workspace(const ValidExpertsProblem& p);
+WorkspacePlan plan_workspace(const ExpertsProblem& p);  // validates p
 
 struct ExpertsForwardArgs {
   const void* x = nullptr;             // [T, d]
@@ -141,7 +167,8 @@ struct ExpertsForwardArgs {
   void* workspace = nullptr;           // plan.forward_workspace_bytes, 256-byte aligned
   int32_t* duplicate_flag = nullptr;   // [1] or null: set to 1 when the list repeats a pair, else 0
 };
-void experts_forward(const ExpertsProblem& p, const ExpertsForwardArgs& a, cudaStream_t stream);
+void experts_forward(const ValidExpertsProblem& p, const ExpertsForwardArgs& a, cudaStream_t stream);
+void experts_forward(const ExpertsProblem& p, const ExpertsForwardArgs& a, cudaStream_t stream);  // validates p
 
 // Gradients of experts_forward from what it left in `saved` and the same list (pair_token and
 // pair_expert; the scores are read from `saved`). dx bf16 [T, d]; d_scores fp32 [R] in the list's
@@ -167,11 +194,12 @@ struct ExpertsBackwardArgs {
   void* workspace = nullptr;             // plan.backward_workspace_bytes, 256-byte aligned
   DType weight_grad_dtype = DType::BF16;
 };
-void experts_backward(const ExpertsProblem& p, const ExpertsBackwardArgs& a, cudaStream_t stream);
+void experts_backward(const ValidExpertsProblem& p, const ExpertsBackwardArgs& a, cudaStream_t stream);
+void experts_backward(const ExpertsProblem& p, const ExpertsBackwardArgs& a, cudaStream_t stream);  // validates p
 
-// ---------------------------------------------------------------- kernel families (SPEC §2)
+// ---------------------------------------------------------------- kernel families
 
-// 1. top-K router: logits [T, E] fp32 -> scores [T, K] fp32, experts [T, K] int32 (docs/LAYER.md;
+// The top-K router: logits [T, E] fp32 -> scores [T, K] fp32, experts [T, K] int32 (docs/LAYER.md;
 // ties to the lower expert index, NaN selected first). Any E >= 1 and 1 <= K <= E; E <= 4096 with
 // K <= 32 keep the row in registers (fast path). selection_bias [E] only with Sigmoid, may be null.
 void topk_router(const float* logits, int64_t T, int64_t E, int64_t K, RoutingMethod method,
@@ -183,7 +211,7 @@ void topk_router_backward(const float* logits, const float* scores, const int32_
                           RoutingMethod method, bool renormalize, float* d_logits,
                           cudaStream_t stream);
 
-// 2. routing metadata of R pairs, ordered by token: pair_expert [R], and pair_token [R] or null
+// Routing metadata of R pairs, ordered by token: pair_expert [R], and pair_token [R] or null
 // for a top-K list (token of pair p = p / K). Outputs (int32, device): see RoutingMetadataOutputs.
 // A pair whose expert or token is out of range gets pair_row = -1 and no row (expert_offsets[E]
 // then counts the valid pairs only); a repeated (token, expert) pair sets *duplicate_flag = 1 and
@@ -205,7 +233,7 @@ void routing_metadata(const int32_t* pair_expert, const int32_t* pair_token, int
                       int64_t T, int64_t E, const RoutingMetadataOutputs& out, void* workspace,
                       size_t workspace_bytes, cudaStream_t stream);
 
-// 3. token rounding (training only; docs/LAYER.md): softmax_topk routing of logits [T, E] fp32,
+// Token rounding (training only; docs/LAYER.md): softmax_topk routing of logits [T, E] fp32,
 // then each expert's row count moved to a multiple of tile_m (mode Nearest/Up/Down/Stochastic),
 // emitted as a general routing list ordered by token, then expert. The list has R rows, R =
 // token_offsets[T] on the device (no host sync), R <= token_rounding_capacity(...); rows past R
@@ -233,7 +261,7 @@ void token_rounding_backward(const float* logits, const float* topk_scores,
                              const int32_t* expert, const uint8_t* padded, const float* d_score,
                              int64_t T, int64_t E, int64_t K, float* d_logits, cudaStream_t stream);
 
-// 5/10. aggregation: out[t] = Σ_{p in [token_offsets[t], token_offsets[t+1])} (scores[p] or 1) ·
+// Aggregation: out[t] = Σ_{p in [token_offsets[t], token_offsets[t+1])} (scores[p] or 1) ·
 // rows[pair_row[p]]; rows [R, d], out [T, d], fp32 accumulation; scores null for the dX
 // aggregation. Rows and out may each be bf16, fp16 or fp32.
 void aggregate(const void* rows, DType rows_dtype, const int32_t* pair_row,

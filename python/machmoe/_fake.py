@@ -1,18 +1,24 @@
 """Fake (meta) implementations of the CUDA ops, so that torch.compile, FakeTensorMode and meta
-tensors can trace them (SPEC §3: schemas in C++, fake kernels in Python).
+tensors can trace them: the schemas live in C++, the fake kernels here.
 
 Each fake returns empty tensors of the shapes and dtypes its C++ op allocates (src/bindings/*.cpp;
-docs/OPS.md) and does no work. The `saved` block's size is the C++ planner's
-(src/host/layer/layer_layout.hpp), restated here in integer arithmetic that also works on symbolic
-sizes, so that `torch.compile(dynamic=True)` keeps T (and the list length R) symbolic instead of
-compiling again for each value. `tests/python/test_fake.py` holds the restatement to the planner
-(`*_workspace_bytes`) over a grid of problems; `tests/python/test_gpu_compile.py` checks every
-fake against its kernel with torch.library.opcheck.
+docs/OPS.md) and does no work. The `saved` block's size is not restated here: the C++ library
+defines its layout once (src/host/layer/saved_layout.hpp) and hands it out through the tensor-free
+ops `layer_saved_layout` / `experts_saved_layout`, as part sizes linear in the block's rows R and
+tokens T. The fakes evaluate those in integer arithmetic that also works on symbolic sizes, so
+that `torch.compile(dynamic=True)` keeps T (and the list length R) symbolic instead of compiling
+again for each value; the weights' sizes (n, E) are read as plain integers. `tests/python/
+test_fake.py` checks the fakes' sizes against the C++ planner (`*_workspace_bytes`), also on
+symbolic T; `tests/python/test_gpu_compile.py` checks every fake against its kernel with
+torch.library.opcheck.
 
 Registered by `machmoe._ops` once the op library has loaded (the schemas come from it).
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Tuple
 
 import torch
 
@@ -38,28 +44,54 @@ def rounding_capacity(T, E, K, tile_m):
     return torch.sym_min(T * K + E * (tile_m - 1), T * E)
 
 
-def _align(nbytes):
-    """Carve::take's rounding of every sub-buffer to 256 bytes."""
-    return (nbytes + 255) // 256 * 256
+class SavedLayout(NamedTuple):
+    """A saved block as the C++ library describes it (saved_layout_ints in
+    src/host/layer/saved_layout.hpp): every part starts at a multiple of `alignment` bytes and has
+    per_row·R + per_token·T + fixed bytes; a layer call's rows are
+    min(rows_per_token·T + rows_extra, rows_cap_per_token·T) (no min when the cap is 0)."""
+    alignment: int
+    rows_per_token: int
+    rows_extra: int
+    rows_cap_per_token: int
+    parts: Tuple[Tuple[int, int, int], ...]
+
+    @staticmethod
+    def decode(ints) -> "SavedLayout":
+        head, flat = list(ints[:4]), list(ints[4:])
+        assert len(flat) % 3 == 0, f"saved layout of {len(ints)} integers"
+        return SavedLayout(*head, tuple(tuple(flat[i:i + 3]) for i in range(0, len(flat), 3)))
+
+    def rows(self, T):
+        """A layer call's rows for T tokens (T may be symbolic)."""
+        rows = self.rows_per_token * T + self.rows_extra
+        return torch.sym_min(rows, self.rows_cap_per_token * T) if self.rows_cap_per_token else rows
+
+    def nbytes(self, R, T):
+        """The block's bytes for R rows and T tokens (either may be symbolic)."""
+        a = self.alignment
+        return sum((per_row * R + per_token * T + fixed + a - 1) // a * a for per_row, per_token, fixed in self.parts)
 
 
-def layer_saved_bytes(T, E, K, n1, rounding: str, tile_m, write_h: bool = True):
-    """LayerLayout's saved block (bf16 H): the scores, the expert offsets, row -> pair, pair -> row,
-    the fp32 logits [T, E], with token rounding the rounded list and the top-K it came from, and
-    last H [R, n1] (left out for inference). R = T·K, or the rounded list's capacity."""
-    rounded = rounding != "none"
-    R = rounding_capacity(T, E, K, tile_m) if rounded else T * K
-    size = 3 * _align(R * 4) + _align((E + 1) * 4) + _align(T * E * 4)
-    if rounded:
-        size += (_align(R * 4) + _align(R) + 2 * _align(T * K * 4) + _align((T + 1) * 4) + _align((E + 1) * 4)
-                 + _align(E * 4))
-    return size + _align(R * n1 * 2) if write_h else size
+@functools.lru_cache(maxsize=None)
+def layer_saved_layout(n: int, E: int, K: int, activation: str, rounding: str, tile_m: int,
+                       write_h: bool = True) -> SavedLayout:
+    return SavedLayout.decode(torch.ops.machmoe.layer_saved_layout(n, E, K, activation, rounding, tile_m, write_h))
 
 
-def experts_saved_bytes(T, E, R, n1):
-    """ExpertsLayout's saved block: H [R, n1] bf16, the scores, the expert offsets, row -> pair,
-    pair -> row and the per-token pair offsets [T+1]."""
-    return _align(R * n1 * 2) + 3 * _align(R * 4) + _align((E + 1) * 4) + _align((T + 1) * 4)
+@functools.lru_cache(maxsize=None)
+def experts_saved_layout(n: int, E: int, activation: str) -> SavedLayout:
+    return SavedLayout.decode(torch.ops.machmoe.experts_saved_layout(n, E, activation))
+
+
+def layer_saved_bytes(T, n, E, K, activation: str, rounding: str, tile_m, write_h: bool = True):
+    """Bytes of layer_forward's saved block (without H for inference); T may be symbolic."""
+    layout = layer_saved_layout(int(n), int(E), int(K), activation, rounding, int(tile_m), bool(write_h))
+    return layout.nbytes(layout.rows(T), T)
+
+
+def experts_saved_bytes(T, R, n, E, activation: str):
+    """Bytes of experts_forward's saved block for a list of R pairs; T and R may be symbolic."""
+    return experts_saved_layout(int(n), int(E), activation).nbytes(R, T)
 
 
 def _topk_router(logits, K, routing, renormalize, selection_bias):
@@ -109,7 +141,7 @@ def _layer_forward(x, router_weight, w1, b1, w2, b2, selection_bias, K, activati
                    renormalize, rounding, tile_m, seed, write_h=True):
     T, d = x.shape
     E, n = w1.shape[0], w2.shape[2]
-    saved = layer_saved_bytes(T, E, K, _n1(n, activation), rounding, tile_m, write_h)
+    saved = layer_saved_bytes(T, n, E, K, activation, rounding, tile_m, write_h)
     return x.new_empty(T, d), x.new_empty((), dtype=torch.float32), x.new_empty(saved, dtype=torch.uint8)
 
 
@@ -130,7 +162,7 @@ def _layer_backward(x, router_weight, w1, b1, w2, b2, saved, dout, d_aux, K, act
 def _experts_forward(x, w1, b1, w2, b2, scores, token_idx, expert_idx, activation, layout):
     T, d = x.shape
     E, n = w1.shape[0], w2.shape[2]
-    saved = experts_saved_bytes(T, E, scores.numel(), _n1(n, activation))
+    saved = experts_saved_bytes(T, scores.numel(), n, E, activation)
     return x.new_empty(T, d), x.new_empty(saved, dtype=torch.uint8)
 
 

@@ -15,8 +15,8 @@ namespace machmoe::bindings {
 
 // Error messages are built here from std::string and std::to_string and handed to PyTorch as one
 // finished string, never through an ostream (which TORCH_CHECK's variadic form, c10::str, uses).
-// On the lent GPU machine's PyTorch, formatting an integer through an ostream inside this library
-// killed the process with a segfault instead of raising (session 22: every shape check that
+// With the PyTorch of a GPU machine (torch 2.11), formatting an integer through an ostream inside
+// this library killed the process with a segfault instead of raising (every shape check that
 // printed a size did so; strings and dtypes did not), so no message here takes that path.
 inline std::string msg_part(const char* s) { return s; }
 inline std::string msg_part(const std::string& s) { return s; }
@@ -64,16 +64,29 @@ inline void check_dims(const at::Tensor& t, const char* name, int64_t dims) {
   MACHMOE_CHECK_VALUE(t.dim() == dims, name, " must be ", dims, "-D, got shape ", t.sizes());
 }
 
+// The rules for a tensor entering a CUDA op, in one place: on a CUDA device (on `device` when
+// given: the op's first tensor's, so that one op never mixes devices), of `dtype`, contiguous
+// (the kernels index raw rows), of `shape` (pass t.sizes() to accept any). The first rule broken
+// raises ValueError naming the argument and the rule.
+inline void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef shape,
+                         const at::Device* device = nullptr) {
+  MACHMOE_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());
+  if (device)
+    MACHMOE_CHECK_VALUE(t.device() == *device, name, " must be on the device of the op's first tensor (", *device,
+                        "), got ", t.device());
+  MACHMOE_CHECK_VALUE(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ", t.scalar_type());
+  MACHMOE_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
+  MACHMOE_CHECK_VALUE(t.sizes() == shape, name, " must have shape ", shape, ", got ", t.sizes());
+}
+
 inline void check_shape(const at::Tensor& t, const char* name, at::IntArrayRef shape) {
   MACHMOE_CHECK_VALUE(t.sizes() == shape, name, " must have shape ", shape, ", got ", t.sizes());
 }
 
 // A bfloat16 CUDA tensor, contiguous, of the given shape (the layer's data).
-inline void check_bf16(const at::Tensor& t, const char* name, at::IntArrayRef shape) {
-  MACHMOE_CHECK_VALUE(t.is_cuda() && t.scalar_type() == at::kBFloat16, name, " must be a bfloat16 CUDA tensor, got ",
-                    t.scalar_type(), " on ", t.device());
-  MACHMOE_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
-  check_shape(t, name, shape);
+inline void check_bf16(const at::Tensor& t, const char* name, at::IntArrayRef shape,
+                       const at::Device* device = nullptr) {
+  check_tensor(t, name, at::kBFloat16, shape, device);
 }
 
 // The fields a LayerProblem or an ExpertsProblem takes from the tensors (x [T, d], w1 [E, n1, d],
@@ -96,14 +109,13 @@ Problem problem_from_tensors(const at::Tensor& x, const at::Tensor& w1, const at
   return p;
 }
 
-// The `saved` block a forward op returned, handed back to its backward op: uint8, contiguous,
-// on `device`, of the plan's size for the same problem.
+// The `saved` block a forward op returned, handed back to its backward op: 1-D uint8 of the plan's
+// size for the same problem, on `device`, contiguous.
 inline void check_saved(const at::Tensor& saved, size_t bytes, const at::Device& device, const char* forward_op) {
-  MACHMOE_CHECK_VALUE(saved.is_cuda() && saved.scalar_type() == at::kByte && saved.is_contiguous() && saved.dim() == 1,
-                    "saved must be the contiguous uint8 CUDA tensor ", forward_op, " returned");
-  MACHMOE_CHECK_VALUE(saved.numel() == static_cast<int64_t>(bytes), "saved must have ", bytes,
-                    " bytes for this problem (the ", forward_op, " call with the same arguments), got ", saved.numel());
-  MACHMOE_CHECK_VALUE(saved.device() == device, "saved must be on x's device (", device, "), got ", saved.device());
+  MACHMOE_CHECK_VALUE(saved.dim() == 1 && saved.numel() == static_cast<int64_t>(bytes), "saved must have ", bytes,
+                      " bytes for this problem (what ", forward_op, " returned for the same arguments), got shape ",
+                      saved.sizes());
+  check_tensor(saved, "saved", at::kByte, saved.sizes(), &device);
 }
 
 }  // namespace machmoe::bindings

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "bindings/common.hpp"
+#include "host/layer/saved_layout.hpp"
 #include "machmoe/machmoe.hpp"
 
 namespace machmoe::bindings {
@@ -18,36 +19,28 @@ namespace {
 using at::Tensor;
 
 // The problem of an experts call from the tensors' shapes (x [T, d], w1 [E, n1, d], w2 [E, d, n]),
-// the list's length R and the string options.
-ExpertsProblem experts_problem(const Tensor& x, const Tensor& w1, const Tensor& w2, bool has_bias, int64_t R,
-                               const std::string& activation, const std::string& layout) {
+// the list's length R and the string options, validated: the one validation of the call.
+ValidExpertsProblem experts_problem(const Tensor& x, const Tensor& w1, const Tensor& w2, bool has_bias, int64_t R,
+                                    const std::string& activation, const std::string& layout) {
   ExpertsProblem p = problem_from_tensors<ExpertsProblem>(x, w1, w2, has_bias, activation, layout);
   p.R = R;
-  validate(p);
-  return p;
+  return validate(p);
 }
 
-// x and the expert weights and biases of problem p: bf16, contiguous, shaped as LAYER.md.
+// x and the expert weights and biases of problem p: bf16, contiguous, on x's device, shaped as
+// docs/LAYER.md.
 void check_expert_tensors(const ExpertsProblem& p, const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1,
                           const Tensor& w2, const std::optional<Tensor>& b2) {
   const int64_t n1 = is_glu(p.activation) ? 2 * p.n : p.n;
+  const at::Device device = x.device();
   check_bf16(x, "x", {p.T, p.d});
-  check_bf16(w1, "w1", {p.E, n1, p.d});
-  check_bf16(w2, "w2", {p.E, p.d, p.n});
+  check_bf16(w1, "w1", {p.E, n1, p.d}, &device);
+  check_bf16(w2, "w2", {p.E, p.d, p.n}, &device);
   MACHMOE_CHECK_VALUE(b1.has_value() == b2.has_value(), "b1 and b2 must be given together or not at all");
   if (b1) {
-    check_bf16(*b1, "b1", {p.E, n1});
-    check_bf16(*b2, "b2", {p.E, p.d});
+    check_bf16(*b1, "b1", {p.E, n1}, &device);
+    check_bf16(*b2, "b2", {p.E, p.d}, &device);
   }
-}
-
-// One array of the routing list: 1-D, R elements, contiguous, `dtype`, on x's device.
-void check_list(const Tensor& t, const char* name, int64_t R, at::ScalarType dtype, const at::Device& device) {
-  MACHMOE_CHECK_VALUE(t.dim() == 1 && t.numel() == R, name, " must be 1-D with R = ", R, " elements, got shape ",
-                    t.sizes());
-  MACHMOE_CHECK_VALUE(t.scalar_type() == dtype && t.is_contiguous(), name, " must be a contiguous ", dtype,
-                    " tensor, got ", t.scalar_type());
-  MACHMOE_CHECK_VALUE(t.device() == device, name, " must be on x's device (", device, "), got ", t.device());
 }
 
 std::tuple<Tensor, Tensor> op_experts_forward(const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1,
@@ -56,13 +49,16 @@ std::tuple<Tensor, Tensor> op_experts_forward(const Tensor& x, const Tensor& w1,
                                               const std::string& activation, const std::string& layout) {
   return translate_errors([&] {
     check_dims(scores, "scores", 1);
-    const ExpertsProblem p = experts_problem(x, w1, w2, b1.has_value(), scores.numel(), activation, layout);
+    const ValidExpertsProblem valid =
+        experts_problem(x, w1, w2, b1.has_value(), scores.numel(), activation, layout);
+    const ExpertsProblem& p = *valid;
     check_expert_tensors(p, x, w1, b1, w2, b2);
-    check_list(scores, "scores", p.R, at::kFloat, x.device());
-    check_list(token_idx, "token_idx", p.R, at::kInt, x.device());
-    check_list(expert_idx, "expert_idx", p.R, at::kInt, x.device());
+    const at::Device device = x.device();
+    check_tensor(scores, "scores", at::kFloat, {p.R}, &device);
+    check_tensor(token_idx, "token_idx", at::kInt, {p.R}, &device);
+    check_tensor(expert_idx, "expert_idx", at::kInt, {p.R}, &device);
     const c10::cuda::CUDAGuard guard(x.device());
-    const WorkspacePlan plan = plan_workspace(p);
+    const WorkspacePlan plan = plan_workspace(valid);
     const auto bytes = x.options().dtype(at::kByte);
     Tensor out = at::empty({p.T, p.d}, x.options());
     Tensor saved = at::empty({static_cast<int64_t>(plan.saved_bytes)}, bytes);
@@ -79,7 +75,7 @@ std::tuple<Tensor, Tensor> op_experts_forward(const Tensor& x, const Tensor& w1,
     a.out = out.data_ptr();
     a.saved = saved.data_ptr();
     a.workspace = ws.data_ptr();
-    experts_forward(p, a, at::cuda::getCurrentCUDAStream());
+    experts_forward(valid, a, at::cuda::getCurrentCUDAStream());
     return std::make_tuple(out, saved);
   });
 }
@@ -94,12 +90,15 @@ Grads op_experts_backward(const Tensor& x, const Tensor& w1, const std::optional
                           const std::string& layout) {
   return translate_errors([&] {
     check_dims(token_idx, "token_idx", 1);
-    const ExpertsProblem p = experts_problem(x, w1, w2, b1.has_value(), token_idx.numel(), activation, layout);
+    const ValidExpertsProblem valid =
+        experts_problem(x, w1, w2, b1.has_value(), token_idx.numel(), activation, layout);
+    const ExpertsProblem& p = *valid;
     check_expert_tensors(p, x, w1, b1, w2, b2);
-    check_list(token_idx, "token_idx", p.R, at::kInt, x.device());
-    check_list(expert_idx, "expert_idx", p.R, at::kInt, x.device());
-    check_bf16(dout, "dout", {p.T, p.d});
-    const WorkspacePlan plan = plan_workspace(p);
+    const at::Device device = x.device();
+    check_tensor(token_idx, "token_idx", at::kInt, {p.R}, &device);
+    check_tensor(expert_idx, "expert_idx", at::kInt, {p.R}, &device);
+    check_bf16(dout, "dout", {p.T, p.d}, &device);
+    const WorkspacePlan plan = plan_workspace(valid);
     check_saved(saved, plan.saved_bytes, x.device(), "experts_forward");
     const c10::cuda::CUDAGuard guard(x.device());
     const int64_t n1 = is_glu(p.activation) ? 2 * p.n : p.n;
@@ -131,7 +130,7 @@ Grads op_experts_backward(const Tensor& x, const Tensor& w1, const std::optional
     a.d_scores = d_scores.data_ptr<float>();
     a.workspace = ws.data_ptr();
     a.weight_grad_dtype = DType::BF16;
-    experts_backward(p, a, at::cuda::getCurrentCUDAStream());
+    experts_backward(valid, a, at::cuda::getCurrentCUDAStream());
     return Grads(dx, dw1, db1, dw2, db2, d_scores);
   });
 }
@@ -150,6 +149,17 @@ std::vector<int64_t> op_experts_workspace_bytes(int64_t T, int64_t d, int64_t n,
   });
 }
 
+// The saved block of an experts call as host/layer/saved_layout.hpp describes it (for every T and
+// list length R; no part has a size in d): what the fake kernels size the block with. No GPU needed.
+std::vector<int64_t> op_experts_saved_layout(int64_t n, int64_t E, const std::string& activation) {
+  return translate_errors([&] {
+    ExpertsProblem p;  // T = R = 0 and d = 1 stand for every T, R and d
+    p.d = 1, p.n = n, p.E = E;
+    p.activation = parse_activation(activation);
+    return detail::experts_saved_layout_ints(validate(p));
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(machmoe, m) {
@@ -160,6 +170,7 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
         " -> (Tensor dx, Tensor dw1, Tensor? db1, Tensor dw2, Tensor? db2, Tensor d_scores)");
   m.def("experts_workspace_bytes(int T, int d, int n, int E, int R, str activation, bool bias) -> int[]",
         &op_experts_workspace_bytes);
+  m.def("experts_saved_layout(int n, int E, str activation) -> int[]", &op_experts_saved_layout);
 }
 
 TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {

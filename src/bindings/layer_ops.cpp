@@ -15,32 +15,34 @@ namespace {
 
 using at::Tensor;
 
-// The problem of a layer call from the tensors' shapes and the string options.
-LayerProblem layer_problem(const Tensor& x, const Tensor& w1, const Tensor& w2, bool has_bias, int64_t K,
-                           const std::string& activation, const std::string& layout, const std::string& routing,
-                           bool renormalize, const std::string& rounding, int64_t tile_m) {
+// The problem of a layer call from the tensors' shapes and the string options, validated: the one
+// validation of the call (plan_workspace and the C++ call take the validated problem as it is).
+ValidLayerProblem layer_problem(const Tensor& x, const Tensor& w1, const Tensor& w2, bool has_bias, int64_t K,
+                                const std::string& activation, const std::string& layout, const std::string& routing,
+                                bool renormalize, const std::string& rounding, int64_t tile_m) {
   LayerProblem p = problem_from_tensors<LayerProblem>(x, w1, w2, has_bias, activation, layout);
   p.K = K;
   p.routing = parse_routing(routing);
   p.renormalize = renormalize;
   p.rounding = parse_token_rounding(rounding);
   p.rounding_tile_m = tile_m;
-  validate(p);
-  return p;
+  return validate(p);
 }
 
-// x, router weight, expert weights and biases of problem p: bf16, contiguous, shaped as LAYER.md.
+// x, router weight, expert weights and biases of problem p: bf16, contiguous, on x's device,
+// shaped as docs/LAYER.md.
 void check_layer_tensors(const LayerProblem& p, const Tensor& x, const Tensor& router_weight, const Tensor& w1,
                          const std::optional<Tensor>& b1, const Tensor& w2, const std::optional<Tensor>& b2) {
   const int64_t n1 = is_glu(p.activation) ? 2 * p.n : p.n;
+  const at::Device device = x.device();
   check_bf16(x, "x", {p.T, p.d});
-  check_bf16(router_weight, "router_weight", {p.E, p.d});
-  check_bf16(w1, "w1", {p.E, n1, p.d});
-  check_bf16(w2, "w2", {p.E, p.d, p.n});
+  check_bf16(router_weight, "router_weight", {p.E, p.d}, &device);
+  check_bf16(w1, "w1", {p.E, n1, p.d}, &device);
+  check_bf16(w2, "w2", {p.E, p.d, p.n}, &device);
   MACHMOE_CHECK_VALUE(b1.has_value() == b2.has_value(), "b1 and b2 must be given together or not at all");
   if (b1) {
-    check_bf16(*b1, "b1", {p.E, n1});
-    check_bf16(*b2, "b2", {p.E, p.d});
+    check_bf16(*b1, "b1", {p.E, n1}, &device);
+    check_bf16(*b2, "b2", {p.E, p.d}, &device);
   }
 }
 
@@ -53,17 +55,14 @@ std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tenso
                                                     const std::string& rounding, int64_t tile_m, int64_t seed,
                                                     bool write_h) {
   return translate_errors([&] {
-    const LayerProblem p =
+    const ValidLayerProblem valid =
         layer_problem(x, w1, w2, b1.has_value(), K, activation, layout, routing, renormalize, rounding, tile_m);
+    const LayerProblem& p = *valid;
     check_layer_tensors(p, x, router_weight, w1, b1, w2, b2);
-    if (selection_bias) {
-      MACHMOE_CHECK_VALUE(selection_bias->is_cuda() && selection_bias->scalar_type() == at::kFloat &&
-                            selection_bias->is_contiguous(),
-                        "selection_bias must be a contiguous float32 CUDA tensor");
-      check_shape(*selection_bias, "selection_bias", {p.E});
-    }
+    const at::Device device = x.device();
+    if (selection_bias) check_tensor(*selection_bias, "selection_bias", at::kFloat, {p.E}, &device);
     const c10::cuda::CUDAGuard guard(x.device());
-    const WorkspacePlan plan = plan_workspace(p);
+    const WorkspacePlan plan = plan_workspace(valid);
     const auto bytes = x.options().dtype(at::kByte);
     Tensor out = at::empty({p.T, p.d}, x.options());
     Tensor aux = at::empty({}, x.options().dtype(at::kFloat));
@@ -84,7 +83,7 @@ std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tenso
     a.workspace = ws.data_ptr();
     a.seed = static_cast<uint64_t>(seed);
     a.write_h = write_h;
-    layer_forward(p, a, at::cuda::getCurrentCUDAStream());
+    layer_forward(valid, a, at::cuda::getCurrentCUDAStream());
     return std::make_tuple(out, aux, saved);
   });
 }
@@ -100,11 +99,13 @@ Grads op_layer_backward(const Tensor& x, const Tensor& router_weight, const Tens
                         const std::string& layout, const std::string& routing, bool renormalize,
                         const std::string& rounding, int64_t tile_m) {
   return translate_errors([&] {
-    const LayerProblem p =
+    const ValidLayerProblem valid =
         layer_problem(x, w1, w2, b1.has_value(), K, activation, layout, routing, renormalize, rounding, tile_m);
+    const LayerProblem& p = *valid;
     check_layer_tensors(p, x, router_weight, w1, b1, w2, b2);
-    check_bf16(dout, "dout", {p.T, p.d});
-    const WorkspacePlan plan = plan_workspace(p);
+    const at::Device device = x.device();
+    check_bf16(dout, "dout", {p.T, p.d}, &device);
+    const WorkspacePlan plan = plan_workspace(valid);
     check_saved(saved, plan.saved_bytes, x.device(), "layer_forward");
     if (d_aux)
       MACHMOE_CHECK_VALUE(d_aux->numel() == 1 && d_aux->is_floating_point() && d_aux->device() == x.device(),
@@ -143,7 +144,7 @@ Grads op_layer_backward(const Tensor& x, const Tensor& router_weight, const Tens
     a.db2 = db2 ? db2->data_ptr() : nullptr;
     a.workspace = ws.data_ptr();
     a.weight_grad_dtype = DType::BF16;
-    layer_backward(p, a, at::cuda::getCurrentCUDAStream());
+    layer_backward(valid, a, at::cuda::getCurrentCUDAStream());
     return Grads(dx, dwr, dw1, db1, dw2, db2);
   });
 }

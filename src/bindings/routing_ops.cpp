@@ -14,12 +14,6 @@ namespace {
 
 using at::Tensor;
 
-void check_cuda_tensor(const Tensor& t, const char* name, at::ScalarType dtype) {
-  MACHMOE_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor, got ", t.device());
-  MACHMOE_CHECK_VALUE(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ", t.scalar_type());
-  MACHMOE_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
-}
-
 DType to_dtype(at::ScalarType t, const char* name) {
   switch (t) {
     case at::kBFloat16: return DType::BF16;
@@ -32,14 +26,12 @@ DType to_dtype(at::ScalarType t, const char* name) {
 std::tuple<Tensor, Tensor> op_topk_router(const Tensor& logits, int64_t K, const std::string& routing,
                                           bool renormalize, const std::optional<Tensor>& selection_bias) {
   return translate_errors([&] {
-    check_cuda_tensor(logits, "logits", at::kFloat);
     check_dims(logits, "logits", 2);
+    check_tensor(logits, "logits", at::kFloat, logits.sizes());
     const int64_t T = logits.size(0), E = logits.size(1);
-    const c10::cuda::CUDAGuard guard(logits.device());
-    if (selection_bias) {
-      check_cuda_tensor(*selection_bias, "selection_bias", at::kFloat);
-      check_shape(*selection_bias, "selection_bias", {E});
-    }
+    const at::Device device = logits.device();
+    const c10::cuda::CUDAGuard guard(device);
+    if (selection_bias) check_tensor(*selection_bias, "selection_bias", at::kFloat, {E}, &device);
     MACHMOE_CHECK_VALUE(K >= 1 && K <= E, "K must be in [1, E=", E, "], got ", K);
     Tensor scores = at::empty({T, K}, logits.options());
     Tensor experts = at::empty({T, K}, logits.options().dtype(at::kInt));
@@ -53,18 +45,16 @@ std::tuple<Tensor, Tensor> op_topk_router(const Tensor& logits, int64_t K, const
 Tensor op_topk_router_backward(const Tensor& logits, const Tensor& scores, const Tensor& experts,
                                const Tensor& d_scores, const std::string& routing, bool renormalize) {
   return translate_errors([&] {
-    check_cuda_tensor(logits, "logits", at::kFloat);
     check_dims(logits, "logits", 2);
+    check_tensor(logits, "logits", at::kFloat, logits.sizes());
     const int64_t T = logits.size(0), E = logits.size(1);
     check_dims(scores, "scores", 2);
     const int64_t K = scores.size(1);
-    check_cuda_tensor(scores, "scores", at::kFloat);
-    check_cuda_tensor(experts, "experts", at::kInt);
-    check_cuda_tensor(d_scores, "d_scores", at::kFloat);
-    check_shape(scores, "scores", {T, K});
-    check_shape(experts, "experts", {T, K});
-    check_shape(d_scores, "d_scores", {T, K});
-    const c10::cuda::CUDAGuard guard(logits.device());
+    const at::Device device = logits.device();
+    check_tensor(scores, "scores", at::kFloat, {T, K}, &device);
+    check_tensor(experts, "experts", at::kInt, {T, K}, &device);
+    check_tensor(d_scores, "d_scores", at::kFloat, {T, K}, &device);
+    const c10::cuda::CUDAGuard guard(device);
     Tensor d_logits = at::empty({T, E}, logits.options());
     topk_router_backward(logits.data_ptr<float>(), scores.data_ptr<float>(), experts.data_ptr<int32_t>(),
                          d_scores.data_ptr<float>(), T, E, K, parse_routing(routing), renormalize,
@@ -77,12 +67,12 @@ Tensor op_topk_router_backward(const Tensor& logits, const Tensor& scores, const
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> op_routing_metadata(
     const Tensor& pair_expert, const std::optional<Tensor>& pair_token, int64_t T, int64_t E) {
   return translate_errors([&] {
-    check_cuda_tensor(pair_expert, "pair_expert", at::kInt);
+    check_tensor(pair_expert, "pair_expert", at::kInt, pair_expert.sizes());
+    const at::Device device = pair_expert.device();
     int64_t K = 0;
     if (pair_token) {
       check_dims(pair_expert, "pair_expert", 1);
-      check_cuda_tensor(*pair_token, "pair_token", at::kInt);
-      check_shape(*pair_token, "pair_token", pair_expert.sizes());
+      check_tensor(*pair_token, "pair_token", at::kInt, pair_expert.sizes(), &device);
     } else {
       check_dims(pair_expert, "pair_expert", 2);
       MACHMOE_CHECK_VALUE(pair_expert.size(0) == T, "pair_expert must be [T=", T, ", K] without pair_token, got ",
@@ -90,7 +80,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> op_routing_metadata(
       K = pair_expert.size(1);
     }
     const int64_t R = pair_expert.numel();
-    const c10::cuda::CUDAGuard guard(pair_expert.device());
+    const c10::cuda::CUDAGuard guard(device);
     const auto opts = pair_expert.options();
     Tensor expert_offsets = at::empty({E + 1}, opts), row_token = at::empty({R}, opts),
            row_pair = at::empty({R}, opts), pair_row = at::empty({R}, opts),
@@ -116,13 +106,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> op_routing_metadata(
 using PlanResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 PlanResult op_exchange_plan(const Tensor& experts, const Tensor& scores, int64_t E, int64_t W, int64_t rank) {
   return translate_errors([&] {
-    check_cuda_tensor(experts, "experts", at::kInt);
-    check_cuda_tensor(scores, "scores", at::kFloat);
     check_dims(experts, "experts", 2);
+    check_tensor(experts, "experts", at::kInt, experts.sizes());
     const int64_t T = experts.size(0), K = experts.size(1), R = T * K;
-    check_shape(scores, "scores", {T, K});
+    const at::Device device = experts.device();
+    check_tensor(scores, "scores", at::kFloat, {T, K}, &device);
     MACHMOE_CHECK_VALUE(W >= 1 && E >= W && E % W == 0, "E must be a multiple of W >= 1, got E=", E, ", W=", W);
-    const c10::cuda::CUDAGuard guard(experts.device());
+    const c10::cuda::CUDAGuard guard(device);
     const auto opts = experts.options();
     Tensor counts = at::empty({W, 2}, opts), row_offsets = at::empty({W + 1}, opts),
            row_token = at::empty({R}, opts), pair_row = at::empty({R}, opts), order = at::empty({R}, opts),
@@ -151,21 +141,20 @@ PlanResult op_exchange_plan(const Tensor& experts, const Tensor& scores, int64_t
 Tensor op_aggregate(const Tensor& rows, const Tensor& pair_row, const Tensor& token_offsets,
                     const std::optional<Tensor>& scores, std::optional<at::ScalarType> out_dtype) {
   return translate_errors([&] {
-    MACHMOE_CHECK_VALUE(rows.is_cuda() && rows.is_contiguous(), "rows must be a contiguous CUDA tensor");
     check_dims(rows, "rows", 2);
-    check_cuda_tensor(pair_row, "pair_row", at::kInt);
-    check_cuda_tensor(token_offsets, "token_offsets", at::kInt);
+    const DType rows_dtype = to_dtype(rows.scalar_type(), "rows");
+    check_tensor(rows, "rows", rows.scalar_type(), rows.sizes());
+    const at::Device device = rows.device();
+    check_tensor(pair_row, "pair_row", at::kInt, pair_row.sizes(), &device);
     check_dims(token_offsets, "token_offsets", 1);
+    check_tensor(token_offsets, "token_offsets", at::kInt, token_offsets.sizes(), &device);
     const int64_t T = token_offsets.size(0) - 1, d = rows.size(1);
     MACHMOE_CHECK_VALUE(T >= 0, "token_offsets must have T+1 >= 1 elements");
-    if (scores) {
-      check_cuda_tensor(*scores, "scores", at::kFloat);
-      check_shape(*scores, "scores", pair_row.sizes());
-    }
-    const c10::cuda::CUDAGuard guard(rows.device());
+    if (scores) check_tensor(*scores, "scores", at::kFloat, pair_row.sizes(), &device);
+    const c10::cuda::CUDAGuard guard(device);
     const at::ScalarType odt = out_dtype.value_or(rows.scalar_type());
     Tensor out = at::empty({T, d}, rows.options().dtype(odt));
-    aggregate(rows.data_ptr(), to_dtype(rows.scalar_type(), "rows"), pair_row.data_ptr<int32_t>(),
+    aggregate(rows.data_ptr(), rows_dtype, pair_row.data_ptr<int32_t>(),
               token_offsets.data_ptr<int32_t>(), scores ? scores->data_ptr<float>() : nullptr, T, d,
               out.data_ptr(), to_dtype(odt, "out_dtype"), at::cuda::getCurrentCUDAStream());
     return out;
@@ -178,8 +167,8 @@ using RoundingResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor
 RoundingResult op_token_rounding(const Tensor& logits, int64_t K, const std::string& mode, int64_t tile_m,
                                  int64_t seed) {
   return translate_errors([&] {
-    check_cuda_tensor(logits, "logits", at::kFloat);
     check_dims(logits, "logits", 2);
+    check_tensor(logits, "logits", at::kFloat, logits.sizes());
     const int64_t T = logits.size(0), E = logits.size(1);
     MACHMOE_CHECK_VALUE(K >= 1 && K <= E, "K must be in [1, E=", E, "], got ", K);
     MACHMOE_CHECK_VALUE(tile_m >= 1, "tile_m must be >= 1, got ", tile_m);
@@ -213,22 +202,19 @@ Tensor op_token_rounding_backward(const Tensor& logits, const Tensor& topk_score
                                   const Tensor& token_offsets, const Tensor& expert, const Tensor& padded,
                                   const Tensor& d_score) {
   return translate_errors([&] {
-    check_cuda_tensor(logits, "logits", at::kFloat);
     check_dims(logits, "logits", 2);
+    check_tensor(logits, "logits", at::kFloat, logits.sizes());
     const int64_t T = logits.size(0), E = logits.size(1);
     check_dims(topk_scores, "topk_scores", 2);
     const int64_t K = topk_scores.size(1);
-    check_cuda_tensor(topk_scores, "topk_scores", at::kFloat);
-    check_cuda_tensor(topk_experts, "topk_experts", at::kInt);
-    check_shape(topk_experts, "topk_experts", {T, K});
-    check_cuda_tensor(token_offsets, "token_offsets", at::kInt);
-    check_shape(token_offsets, "token_offsets", {T + 1});
-    check_cuda_tensor(expert, "expert", at::kInt);
-    check_cuda_tensor(padded, "padded", at::kBool);
-    check_cuda_tensor(d_score, "d_score", at::kFloat);
-    check_shape(padded, "padded", expert.sizes());
-    check_shape(d_score, "d_score", expert.sizes());
-    const c10::cuda::CUDAGuard guard(logits.device());
+    const at::Device device = logits.device();
+    check_tensor(topk_scores, "topk_scores", at::kFloat, {T, K}, &device);
+    check_tensor(topk_experts, "topk_experts", at::kInt, {T, K}, &device);
+    check_tensor(token_offsets, "token_offsets", at::kInt, {T + 1}, &device);
+    check_tensor(expert, "expert", at::kInt, expert.sizes(), &device);
+    check_tensor(padded, "padded", at::kBool, expert.sizes(), &device);
+    check_tensor(d_score, "d_score", at::kFloat, expert.sizes(), &device);
+    const c10::cuda::CUDAGuard guard(device);
     Tensor d_logits = at::empty({T, E}, logits.options());
     token_rounding_backward(logits.data_ptr<float>(), topk_scores.data_ptr<float>(), topk_experts.data_ptr<int32_t>(),
                             token_offsets.data_ptr<int32_t>(), expert.data_ptr<int32_t>(),

@@ -1,10 +1,13 @@
-// The machmoe op library's device-facing ops (schemas in docs/OPS.md). Layer ops arrive with the
-// GPU kernels (issues #3-#5); until then Python asks layer_kernels_available() and refuses.
+// The machmoe op library's tensor-free ops (schemas in docs/OPS.md): what the library can run on
+// this machine, the device's facts, and the layer's workspace plan and saved-block layout, which
+// need no GPU. The tensor ops are in layer_ops.cpp, experts_ops.cpp, routing_ops.cpp, gemm_ops.cpp
+// and reference_ops.cpp.
 #include <torch/library.h>
 
 #include <vector>
 
 #include "bindings/common.hpp"
+#include "host/layer/saved_layout.hpp"
 #include "machmoe/machmoe.hpp"
 
 namespace machmoe::bindings {
@@ -13,14 +16,14 @@ namespace {
 bool op_layer_kernels_available() { return layer_kernels_available(); }
 
 // These two take no tensor, so PyTorch's CUDA state may not be up yet (asking it for its current
-// stream then crashed on the GPU machine): they use the CUDA runtime directly and the legacy
+// stream then crashed the process): they use the CUDA runtime directly and the legacy
 // default stream. device_self_test synchronises anyway; it is a diagnostic.
 void op_device_self_test() {
   translate_errors([] { device_self_test(nullptr); });
 }
 
 // [sm_count, cc_major, cc_minor, shared memory per block (opt-in), L2 bytes]. Plain integers: a
-// `str` return crashed the op dispatcher on the GPU machine (torch 2.11), ints do not.
+// `str` return crashed the op dispatcher with torch 2.11 on a GPU machine, ints do not.
 std::vector<int64_t> op_device_info() {
   return translate_errors([] {
     const DeviceInfo i = device_info();
@@ -48,6 +51,23 @@ std::vector<int64_t> op_layer_workspace_bytes(int64_t T, int64_t d, int64_t n, i
   });
 }
 
+// The saved block of a layer call as host/layer/saved_layout.hpp describes it, for every T (and
+// d: no part has a size in d), in saved_layout_ints' encoding: the part sizes as functions of the
+// rows R and the tokens T, and R as a function of T. The fake kernels (python/machmoe/_fake.py)
+// size the block from it on symbolic T, so the fake and the C++ planner share one definition.
+// Without write_h the list stops before H (inference). No GPU needed.
+std::vector<int64_t> op_layer_saved_layout(int64_t n, int64_t E, int64_t K, const std::string& activation,
+                                           const std::string& rounding, int64_t tile_m, bool write_h) {
+  return translate_errors([&] {
+    LayerProblem p;  // T = 0 and d = 1 stand for every T and d
+    p.d = 1, p.n = n, p.E = E, p.K = K;
+    p.activation = parse_activation(activation);
+    p.rounding = parse_token_rounding(rounding);
+    p.rounding_tile_m = tile_m;
+    return detail::layer_saved_layout_ints(validate(p), write_h);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(machmoe, m) {
@@ -56,6 +76,8 @@ TORCH_LIBRARY(machmoe, m) {
   m.def("device_info() -> int[]", &op_device_info);
   m.def("layer_workspace_bytes(int T, int d, int n, int E, int K, str activation, str rounding, int tile_m)"
         " -> int[]", &op_layer_workspace_bytes);
+  m.def("layer_saved_layout(int n, int E, int K, str activation, str rounding, int tile_m, bool write_h=True)"
+        " -> int[]", &op_layer_saved_layout);
 }
 
 }  // namespace machmoe::bindings

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "machmoe/machmoe.hpp"
@@ -66,6 +68,31 @@ TEST(Validate, AcceptsValidProblems) {
     p.rounding_tile_m = 1;
     EXPECT_NO_THROW(validate(p)) << to_string(r) << " tile_m=1";
   }
+}
+
+// Only validate() makes a validated problem: no default, no construction or conversion from a
+// plain problem, and read-only access afterwards. So a function that takes one (plan_workspace,
+// the forward and backward calls) may rely on the problem's rules without checking them again.
+static_assert(!std::is_default_constructible_v<ValidLayerProblem>);
+static_assert(!std::is_constructible_v<ValidLayerProblem, LayerProblem>);
+static_assert(!std::is_convertible_v<LayerProblem, ValidLayerProblem>);
+static_assert(std::is_same_v<decltype(*std::declval<const ValidLayerProblem&>()), const LayerProblem&>);
+static_assert(!std::is_default_constructible_v<ValidExpertsProblem>);
+static_assert(!std::is_constructible_v<ValidExpertsProblem, ExpertsProblem>);
+static_assert(!std::is_convertible_v<ExpertsProblem, ValidExpertsProblem>);
+static_assert(std::is_same_v<decltype(*std::declval<const ValidExpertsProblem&>()), const ExpertsProblem&>);
+
+TEST(Validate, ReturnsTheProblemItAccepted) {
+  LayerProblem p = valid_problem();
+  p.K = 3, p.activation = Activation::GELU, p.rounding = TokenRounding::Up, p.rounding_tile_m = 64;
+  const ValidLayerProblem v = validate(p);
+  EXPECT_EQ(v->T, p.T);
+  EXPECT_EQ(v->K, 3);
+  EXPECT_EQ(v.problem().activation, Activation::GELU);
+  EXPECT_EQ((*v).rounding_tile_m, 64);
+  // The plan of the validated problem is the plan of the plain one (which validates it first).
+  EXPECT_EQ(plan_workspace(v).saved_bytes, plan_workspace(p).saved_bytes);
+  EXPECT_EQ(plan_workspace(v).backward_workspace_bytes, plan_workspace(p).backward_workspace_bytes);
 }
 
 TEST(Validate, RejectsEachBadField) {
@@ -235,23 +262,23 @@ TEST(LayerBackward, RefusesWhatItDoesNotRun) {
   p = valid_problem(), p.rounding = TokenRounding::Up, p.E = 64, p.K = 33;
   refuses(ErrorCode::InvalidArgument, p, ba, "rounding K > 32", "K");
   p = valid_problem(), p.has_bias = true;
-  refuses(ErrorCode::InvalidArgument, p, ba, "has_bias without biases", "b1/b2/db1/db2");
+  refuses(ErrorCode::InvalidArgument, p, ba, "has_bias without biases", "b1 must be given when has_bias");
   LayerBackwardArgs half = ba;
   half.b1 = half.b2 = half.db1 = aligned;  // db2 missing
-  refuses(ErrorCode::InvalidArgument, p, half, "db2 missing", "b1/b2/db1/db2");
+  refuses(ErrorCode::InvalidArgument, p, half, "db2 missing", "db2 must be given when has_bias");
   p = valid_problem();
-  refuses(ErrorCode::InvalidArgument, p, half, "biases without has_bias", "b1/b2/db1/db2");
+  refuses(ErrorCode::InvalidArgument, p, half, "biases without has_bias", "b1 must be null unless has_bias");
   LayerBackwardArgs a = ba;
   a.weight_grad_dtype = DType::FP16;
   refuses(ErrorCode::InvalidArgument, p, a, "fp16 weight gradients", "weight_grad_dtype");
   a = ba, a.workspace = static_cast<char*>(aligned) + 16;
-  refuses(ErrorCode::InvalidArgument, p, a, "workspace 16-byte aligned", "256-byte aligned");
+  refuses(ErrorCode::InvalidArgument, p, a, "workspace 16-byte aligned", "workspace must be 256-byte aligned");
   a = ba, a.dout = static_cast<char*>(aligned) + 2;
-  refuses(ErrorCode::InvalidArgument, p, a, "dout 2-byte aligned", "16-byte aligned");
+  refuses(ErrorCode::InvalidArgument, p, a, "dout 2-byte aligned", "dout must be 16-byte aligned");
   a = ba, a.dw1 = nullptr;
-  refuses(ErrorCode::InvalidArgument, p, a, "null dw1", "must not be null");
+  refuses(ErrorCode::InvalidArgument, p, a, "null dw1", "dw1 must not be null");
   a = ba, a.dout = nullptr;  // allowed only when T = 0 (an empty tensor)
-  refuses(ErrorCode::InvalidArgument, p, a, "null dout", "must not be null when T > 0");
+  refuses(ErrorCode::InvalidArgument, p, a, "null dout", "dout must not be null when T > 0");
 }
 
 // The layer forward refuses, before touching memory, what it does not run: non-bf16 data and
@@ -400,10 +427,10 @@ TEST(Names, GluKinds) {
 
 namespace {
 
-// The saved block is SPEC §1's minimum: H (bf16, 4·n bytes per routed pair for a GLU), 12 bytes
+// The saved block is the memory minimum: H (bf16, 4·n bytes per routed pair for a GLU), 12 bytes
 // per pair (scores, row -> pair, pair -> row; each pair's expert is rebuilt by the backward),
 // fp32 logits [T, E], expert offsets [E+1], plus at most 256 bytes of alignment per sub-buffer.
-// Nothing of size T·K·d (no Y). With x it stays within issue #5's bound
+// Nothing of size T·K·d (no Y). With x it stays within the layer's memory target
 // 2·T·d + 4·T·K·n + 16·T·K + 4·T·E bytes.
 TEST(PlanWorkspace, SavedIsTheMemoryMinimum) {
   struct Cfg { int64_t T, d, n, E, K; };
@@ -418,7 +445,7 @@ TEST(PlanWorkspace, SavedIsTheMemoryMinimum) {
     EXPECT_LE(saved, minimum + 4 * static_cast<size_t>(c.E + 1) + 6 * 256) << "T=" << c.T;
     const size_t bound = pairs * 4 * c.n + 16 * pairs + 4 * static_cast<size_t>(c.T * c.E);  // less x
     // The 4 bytes per pair of slack cover the expert offsets and the sub-buffers' alignment once
-    // there are more than E + 1 + 384 pairs (all the SPEC configs; not the tiny one).
+    // there are more than E + 1 + 384 pairs (every benchmark configuration; not the tiny one).
     if (pairs >= static_cast<size_t>(c.E) + 1 + 384) EXPECT_LE(saved, bound) << "T=" << c.T;
   }
 }
@@ -433,7 +460,9 @@ TEST(PlanWorkspace, InferenceSavedDropsExactlyH) {
       p.activation = act, p.rounding = rnd;
       const WorkspacePlan w = plan_workspace(p);
       const int64_t n1 = is_glu(act) ? 2 * p.n : p.n;
-      const int64_t rows = rnd == TokenRounding::None ? p.T * p.K : std::min(p.T * p.K + p.E * (p.rounding_tile_m - 1), p.T * p.E);
+      const int64_t rows = rnd == TokenRounding::None
+                               ? p.T * p.K
+                               : std::min(p.T * p.K + p.E * (p.rounding_tile_m - 1), p.T * p.E);
       const size_t h = (static_cast<size_t>(rows * n1 * 2) + 255) / 256 * 256;
       EXPECT_EQ(w.inference_saved_bytes + h, w.saved_bytes) << to_string(act) << " " << to_string(rnd);
     }

@@ -164,22 +164,23 @@ TEST(ExpertsForward, RefusesWhatItDoesNotRun) {
   p = valid_experts(), p.R = p.T * p.E + 1;
   refuses(ErrorCode::InvalidArgument, p, fa, "R > T*E", "ExpertsProblem.R");
   p = valid_experts(), p.has_bias = true;
-  refuses(ErrorCode::InvalidArgument, p, fa, "has_bias without biases", "b1/b2");
+  refuses(ErrorCode::InvalidArgument, p, fa, "has_bias without biases", "b1 must be given when has_bias");
   ExpertsForwardArgs a = fa;
   a.b1 = a.b2 = m;
-  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "biases without has_bias", "b1/b2");
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "biases without has_bias",
+          "b1 must be null unless has_bias");
   a = fa, a.pair_token = nullptr;
-  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "null pair_token", "must not be null when R > 0");
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "null pair_token", "pair_token must not be null when R > 0");
   a = fa, a.scores = nullptr;
-  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "null scores", "scores/pair_token/pair_expert");
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "null scores", "scores must not be null when R > 0");
   a = fa, a.out = nullptr;
-  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "null out", "must not be null when T > 0");
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "null out", "out must not be null when T > 0");
   a = fa, a.w2 = nullptr;
-  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "null w2", "w1/w2/saved/workspace");
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "null w2", "w2 must not be null");
   a = fa, a.saved = static_cast<char*>(m) + 128;
-  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "saved 128-byte aligned", "256-byte aligned");
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "saved 128-byte aligned", "saved must be 256-byte aligned");
   a = fa, a.x = static_cast<char*>(m) + 8;
-  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "x 8-byte aligned", "16-byte aligned");
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "x 8-byte aligned", "x must be 16-byte aligned");
 }
 
 TEST(ExpertsBackward, RefusesWhatItDoesNotRun) {
@@ -203,22 +204,26 @@ TEST(ExpertsBackward, RefusesWhatItDoesNotRun) {
   p = valid_experts(), p.has_bias = true;
   ExpertsBackwardArgs a = ba;
   a.b1 = a.b2 = a.db1 = m;  // db2 missing
-  refuses(ErrorCode::InvalidArgument, p, a, "db2 missing", "b1/b2/db1/db2");
-  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "biases without has_bias", "b1/b2/db1/db2");
+  refuses(ErrorCode::InvalidArgument, p, a, "db2 missing", "db2 must be given when has_bias");
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "biases without has_bias",
+          "b1 must be null unless has_bias");
   a = ba, a.weight_grad_dtype = DType::FP16;
   refuses(ErrorCode::InvalidArgument, valid_experts(), a, "fp16 weight gradients", "weight_grad_dtype");
   a = ba, a.d_scores = nullptr;
-  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "null d_scores", "pair_token/pair_expert/d_scores");
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "null d_scores",
+          "d_scores must not be null when R > 0");
   a = ba, a.pair_expert = nullptr;
-  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "null pair_expert", "must not be null when R > 0");
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "null pair_expert",
+          "pair_expert must not be null when R > 0");
   a = ba, a.dout = nullptr;
-  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "null dout", "must not be null when T > 0");
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "null dout", "dout must not be null when T > 0");
   a = ba, a.dw1 = nullptr;
-  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "null dw1", "must not be null");
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "null dw1", "dw1 must not be null");
   a = ba, a.workspace = static_cast<char*>(m) + 16;
-  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "workspace 16-byte aligned", "256-byte aligned");
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "workspace 16-byte aligned",
+          "workspace must be 256-byte aligned");
   a = ba, a.dout = static_cast<char*>(m) + 2;
-  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "dout 2-byte aligned", "16-byte aligned");
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "dout 2-byte aligned", "dout must be 16-byte aligned");
 }
 
 // All-null arguments are refused on the host, before any CUDA call, for the empty cases too.

@@ -1,6 +1,8 @@
-"""The fake kernels (machmoe/_fake.py) without a GPU: every CUDA op has one, and the whole layer,
-forward and backward, traces on fake CUDA tensors with the shapes the C++ ops allocate. Their
-agreement with the kernels themselves is checked on the GPU (test_gpu_compile.py)."""
+"""The fake kernels (machmoe/_fake.py) without a GPU: every CUDA op has one, the whole layer,
+forward and backward, traces on fake CUDA tensors with the shapes the C++ ops allocate, and the
+saved block's size, which the fakes take from the C++ layout, is the C++ planner's, also on
+symbolic sizes. Their agreement with the kernels themselves is checked on the GPU
+(test_gpu_compile.py)."""
 
 import pytest
 import torch
@@ -93,24 +95,106 @@ def test_gemm_and_routing_fakes_follow_the_op_docs():
 
 
 def test_saved_block_sizes_are_the_planners():
-    # The fakes restate the C++ planner's saved-block size in arithmetic that also runs on symbolic
-    # sizes (torch.compile(dynamic=True)); it must give the planner's bytes for every problem.
+    # The fakes size the saved block from the C++ layout (layer_saved_layout / experts_saved_layout);
+    # evaluated at a concrete T it must give the planner's bytes (*_workspace_bytes) for every problem.
     checked = 0
-    for T in (1, 7, 64, 300, 4097):
+    for T in (0, 1, 7, 64, 300, 4097):
         for E in (1, 8, 130):
             for K in sorted({1, 2, min(E, 8)}):
                 if K > E:
                     continue
                 for n, act in ((64, "swiglu"), (200, "relu")):
-                    n1 = 2 * n if act == "swiglu" else n
                     for rounding, tile_m in (("none", 128), ("nr", 1), ("up", 64), ("stochastic", 128)):
                         plan = torch.ops.machmoe.layer_workspace_bytes(T, 96, n, E, K, act, rounding, tile_m)
-                        assert _fake.layer_saved_bytes(T, E, K, n1, rounding, tile_m) == plan[0], \
+                        assert _fake.layer_saved_bytes(T, n, E, K, act, rounding, tile_m) == plan[0], \
                             (T, E, K, n, act, rounding, tile_m)
-                        assert _fake.layer_saved_bytes(T, E, K, n1, rounding, tile_m, False) == plan[3]
+                        assert _fake.layer_saved_bytes(T, n, E, K, act, rounding, tile_m, False) == plan[3]
+                        if rounding != "none":  # the token_rounding fake's list length is the layout's rows
+                            layout = _fake.layer_saved_layout(n, E, K, act, rounding, tile_m)
+                            assert _fake.rounding_capacity(T, E, K, tile_m) == layout.rows(T)
                         checked += 1
                     for R in sorted({0, min(5, T * E), min(T * K + 3, T * E)}):
                         for bias in (False, True):
                             plan = torch.ops.machmoe.experts_workspace_bytes(T, 96, n, E, R, act, bias)
-                            assert _fake.experts_saved_bytes(T, E, R, n1) == plan[0], (T, E, R, n, act, bias)
+                            assert _fake.experts_saved_bytes(T, R, n, E, act) == plan[0], (T, E, R, n, act, bias)
     assert checked > 100
+
+
+def test_saved_layout_ops_validate_their_arguments():
+    with pytest.raises(ValueError, match="K"):
+        torch.ops.machmoe.layer_saved_layout(64, 4, 5, "swiglu", "none", 128)
+    with pytest.raises(ValueError, match="activation"):
+        torch.ops.machmoe.experts_saved_layout(64, 4, "swish")
+
+
+def _symbolic_trace(fn, *tensors):
+    """make_fx with symbolic sizes: every size of `tensors` becomes a symbol. Returns the shape
+    environment and what fn returned while tracing (sizes as SymInts)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    seen = {}
+
+    def traced(*args):
+        seen["result"] = fn(*args)
+        return [t for t in args]
+
+    graph = make_fx(traced, tracing_mode="symbolic")(*tensors)
+    shape_env = next(n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder").fake_mode.shape_env
+    return shape_env, seen["result"]
+
+
+def _backed_values(shape_env):
+    """Each symbol's value in the trace (the sizes the traced tensors had)."""
+    return getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
+
+
+@pytest.mark.parametrize("act,rounding,write_h", [("swiglu", "none", True), ("relu", "up", True),
+                                                  ("geglu", "nr", False)])
+def test_layer_fake_keeps_the_token_count_symbolic(act, rounding, write_h):
+    # The fake's saved block under symbolic T: no guard on T (one compiled graph serves every
+    # token count), and the expression gives the planner's bytes at every T.
+    d, n, E, K, tile_m = 64, 48, 8, 2, 16
+    n1 = 2 * n if act in ("swiglu", "geglu") else n
+
+    def forward(x, wr, w1, w2):
+        _, _, saved = torch.ops.machmoe.layer_forward(x, wr, w1, None, w2, None, None, K, act, "interleaved",
+                                                      "softmax_topk", True, rounding, tile_m, 0, write_h)
+        return x.shape[0], saved.shape[0]
+
+    bf16 = dict(dtype=torch.bfloat16)
+    shape_env, (T_sym, saved_sym) = _symbolic_trace(
+        forward, torch.empty(77, d, **bf16), torch.empty(E, d, **bf16), torch.empty(E, n1, d, **bf16),
+        torch.empty(E, d, n, **bf16))
+    T_expr = T_sym.node.expr
+    assert isinstance(saved_sym, torch.SymInt) and T_expr.free_symbols <= saved_sym.node.expr.free_symbols
+    assert not any(T_expr.free_symbols & g.expr.free_symbols for g in shape_env.guards), \
+        "the fake guarded on the token count"
+    for T in (1, 77, 128, 1000, 4097):
+        hints = dict(_backed_values(shape_env))
+        hints.update({s: T for s in T_expr.free_symbols})
+        bytes_at_T = int(saved_sym.node.expr.xreplace(hints))
+        plan = torch.ops.machmoe.layer_workspace_bytes(T, d, n, E, K, act, rounding, tile_m)
+        assert bytes_at_T == plan[0 if write_h else 3], T
+
+
+def test_experts_fake_keeps_tokens_and_list_length_symbolic():
+    d, n, E = 64, 40, 6
+
+    def forward(x, w1, w2, scores, token_idx, expert_idx):
+        _, saved = torch.ops.machmoe.experts_forward(x, w1, None, w2, None, scores, token_idx, expert_idx,
+                                                     "relu", "interleaved")
+        return x.shape[0], scores.shape[0], saved.shape[0]
+
+    bf16, i32 = dict(dtype=torch.bfloat16), dict(dtype=torch.int32)
+    R0 = 50
+    shape_env, (T_sym, R_sym, saved_sym) = _symbolic_trace(
+        forward, torch.empty(33, d, **bf16), torch.empty(E, n, d, **bf16), torch.empty(E, d, n, **bf16),
+        torch.empty(R0), torch.empty(R0, **i32), torch.empty(R0, **i32))
+    free = T_sym.node.expr.free_symbols | R_sym.node.expr.free_symbols
+    assert not any(free & g.expr.free_symbols for g in shape_env.guards), "the fake guarded on T or R"
+    for T, R in ((1, 3), (33, 50), (500, 2999)):
+        hints = dict(_backed_values(shape_env))
+        hints.update({s: T for s in T_sym.node.expr.free_symbols})
+        hints.update({s: R for s in R_sym.node.expr.free_symbols})
+        plan = torch.ops.machmoe.experts_workspace_bytes(T, d, n, E, R, "relu", False)
+        assert int(saved_sym.node.expr.xreplace(hints)) == plan[0], (T, R)

@@ -1,5 +1,7 @@
 // The public C++ API's host side: problem validation and the workspace plans (the layer's and the
-// experts' on a general routing list). The layer forward is in layer.cu, the backward in
+// experts' on a general routing list), and the calls on a plain problem. validate() is the only
+// maker of a ValidLayerProblem / ValidExpertsProblem; every overload that takes a plain problem is
+// here, validates it once and passes the result on. The layer forward is in layer.cu, the backward in
 // layer_backward.cu, their expert part (and experts_forward/backward) in experts.cpp and
 // experts_backward.cu, the kernel families in routing.cu, token_rounding.cu, grouped_gemm.cu and
 // grouped_wgrad.cu.
@@ -20,7 +22,7 @@ void require(bool ok, const char* field, const std::string& rule) {
 
 }  // namespace
 
-void validate(const LayerProblem& p) {
+ValidLayerProblem validate(const LayerProblem& p) {
   require(p.T >= 0, "T", "must be >= 0, got " + std::to_string(p.T));
   require(p.d >= 1, "d", "must be >= 1, got " + std::to_string(p.d));
   require(p.n >= 1, "n", "must be >= 1, got " + std::to_string(p.n));
@@ -37,10 +39,12 @@ void validate(const LayerProblem& p) {
   require(p.T <= std::numeric_limits<int32_t>::max() / p.K, "T",
           "T*K must fit in int32 (rows are indexed by int32), got T=" + std::to_string(p.T) +
               ", K=" + std::to_string(p.K));
+  return ValidLayerProblem(p);
 }
 
-WorkspacePlan plan_workspace(const LayerProblem& p) {
-  validate(p);
+WorkspacePlan plan_workspace(const LayerProblem& p) { return plan_workspace(validate(p)); }
+
+WorkspacePlan plan_workspace(const ValidLayerProblem& p) {
   const detail::LayerLayout L(p);  // the same layout layer_forward carves the blocks with
   WorkspacePlan w;
   w.saved_bytes = L.saved_bytes;
@@ -58,7 +62,7 @@ void require_experts(bool ok, const char* field, const std::string& rule) {
 
 }  // namespace
 
-void validate(const ExpertsProblem& p) {
+ValidExpertsProblem validate(const ExpertsProblem& p) {
   constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
   require_experts(p.T >= 0 && p.T < kInt32Max, "T", "must be in [0, 2^31 - 1), got " + std::to_string(p.T));
   require_experts(p.d >= 1, "d", "must be >= 1, got " + std::to_string(p.d));
@@ -72,10 +76,12 @@ void validate(const ExpertsProblem& p) {
                       " (a list may not repeat a (token, expert) pair), got " + std::to_string(p.R));
   require_experts(p.dtype == DType::BF16 || p.dtype == DType::FP16 || p.dtype == DType::FP32, "dtype",
                   "must be bfloat16, float16 or float32");
+  return ValidExpertsProblem(p);
 }
 
-WorkspacePlan plan_workspace(const ExpertsProblem& p) {
-  validate(p);
+WorkspacePlan plan_workspace(const ExpertsProblem& p) { return plan_workspace(validate(p)); }
+
+WorkspacePlan plan_workspace(const ValidExpertsProblem& p) {
   const detail::ExpertsLayout L(p);  // the same layout experts_forward/backward carve the blocks with
   WorkspacePlan w;
   w.saved_bytes = L.saved_bytes;
@@ -83,6 +89,21 @@ WorkspacePlan plan_workspace(const ExpertsProblem& p) {
   w.forward_workspace_bytes = L.forward_bytes;
   w.backward_workspace_bytes = L.backward_bytes;
   return w;
+}
+
+// The calls on a plain problem: validated here, once, then the calls on the validated problem
+// (layer.cu, layer_backward.cu, experts.cpp, experts_backward.cu), which check nothing of it again.
+void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_t stream) {
+  layer_forward(validate(p), a, stream);
+}
+void layer_backward(const LayerProblem& p, const LayerBackwardArgs& a, cudaStream_t stream) {
+  layer_backward(validate(p), a, stream);
+}
+void experts_forward(const ExpertsProblem& p, const ExpertsForwardArgs& a, cudaStream_t stream) {
+  experts_forward(validate(p), a, stream);
+}
+void experts_backward(const ExpertsProblem& p, const ExpertsBackwardArgs& a, cudaStream_t stream) {
+  experts_backward(validate(p), a, stream);
 }
 
 // Both directions of the layer run on the GPU (layer.cu, layer_backward.cu).

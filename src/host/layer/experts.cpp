@@ -8,6 +8,7 @@
 #include <string>
 
 #include "host/common/check.hpp"
+#include "host/layer/call_rules.hpp"
 #include "host/layer/experts_internal.hpp"
 #include "host/layer/layer_layout.hpp"
 #include "machmoe/machmoe.hpp"
@@ -15,7 +16,6 @@
 namespace machmoe {
 using detail::at;
 using detail::check_cuda;
-using detail::require_arg;
 
 namespace detail {
 
@@ -90,23 +90,20 @@ void experts_forward_gemms(const ExpertsForwardRun& r, cudaStream_t stream) {
 
 }  // namespace detail
 
-void experts_forward(const ExpertsProblem& p, const ExpertsForwardArgs& a, cudaStream_t stream) {
+void experts_forward(const ValidExpertsProblem& valid, const ExpertsForwardArgs& a, cudaStream_t stream) {
   constexpr const char* fn = "experts_forward";
-  detail::require_gpu_experts(p, fn);
-  require_arg(a.w1 && a.w2 && a.saved && a.workspace, fn, "w1/w2/saved/workspace", "must not be null");
+  const ExpertsProblem& p = *valid;
+  detail::require_gpu_problem(valid, fn);
+  detail::require_given(fn, {{"w1", a.w1}, {"w2", a.w2}, {"saved", a.saved}, {"workspace", a.workspace}});
   // x and out have T rows, the list R: empty (and so possibly null, as an empty framework tensor is) when 0.
-  require_arg(p.T == 0 || (a.x && a.out), fn, "x/out", "must not be null when T > 0");
-  require_arg(p.R == 0 || (a.scores && a.pair_token && a.pair_expert), fn, "scores/pair_token/pair_expert",
-              "must not be null when R > 0");
-  require_arg((a.b1 == nullptr) == (a.b2 == nullptr) && (a.b1 != nullptr) == p.has_bias, fn, "b1/b2",
-              "must both be given exactly when has_bias");
-  require_arg((reinterpret_cast<uintptr_t>(a.saved) & 255) == 0 && (reinterpret_cast<uintptr_t>(a.workspace) & 255) == 0,
-              fn, "saved/workspace", "must be 256-byte aligned");
-  const void* rows[] = {a.x, a.w1, a.w2, a.out, a.b2};
-  for (const void* ptr : rows)
-    require_arg(ptr == nullptr || detail::aligned16(ptr), fn, "x/w1/w2/out/b2",
-                "must be 16-byte aligned (16-byte row vectors)");
-  const detail::ExpertsLayout L(p);
+  if (p.T > 0) detail::require_given(fn, {{"x", a.x}, {"out", a.out}}, "T > 0");
+  if (p.R > 0)
+    detail::require_given(fn, {{"scores", a.scores}, {"pair_token", a.pair_token}, {"pair_expert", a.pair_expert}},
+                          "R > 0");
+  detail::require_given_exactly_when(p.has_bias, "has_bias", fn, {{"b1", a.b1}, {"b2", a.b2}});
+  detail::require_block_aligned(fn, {{"saved", a.saved}, {"workspace", a.workspace}});
+  detail::require_row_aligned(fn, {{"x", a.x}, {"w1", a.w1}, {"w2", a.w2}, {"out", a.out}, {"b2", a.b2}});
+  const detail::ExpertsLayout L(valid);
   if (p.T == 0 || p.R == 0) {  // no rows: out = 0, no repeat; the GEMMs need at least one row
     if (a.duplicate_flag)
       check_cuda(cudaMemsetAsync(a.duplicate_flag, 0, sizeof(int32_t), stream), "experts_forward: memset flag");

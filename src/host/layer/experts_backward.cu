@@ -8,6 +8,7 @@
 #include <string>
 
 #include "host/common/check.hpp"
+#include "host/layer/call_rules.hpp"
 #include "host/layer/experts_internal.hpp"
 #include "host/layer/layer_layout.hpp"
 #include "kernels/layer/aggregate_router.cuh"
@@ -20,7 +21,6 @@ using detail::ceil_div;
 using detail::check_cuda;
 using detail::check_launch;
 using detail::ExpertsBackwardScratch;
-using detail::require_arg;
 
 namespace {
 
@@ -125,7 +125,7 @@ void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream) {
   int32_t* rebuilt_offsets = l.token ? nullptr : r.topk_token_offsets;
   const int32_t* token_offsets = l.token ? r.token_offsets : r.topk_token_offsets;
 
-  // 1. The gather index row -> token [R] (and t·K offsets for top-K): not saved (SPEC minimum).
+  // 1. The gather index row -> token [R] (and t·K offsets for top-K): not saved (derivable).
   kernels::bwd_rebuild_index<kThreads><<<blocks_for(std::max(R, s.T + 1), kThreads), kThreads, 0, stream>>>(
       r.row_pair, l.token, static_cast<int>(l.K), r.expert_offsets, static_cast<int>(s.E), R, s.T, row_token,
       rebuilt_offsets);
@@ -252,26 +252,23 @@ void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream) {
 
 }  // namespace detail
 
-void experts_backward(const ExpertsProblem& p, const ExpertsBackwardArgs& a, cudaStream_t stream) {
+void experts_backward(const ValidExpertsProblem& valid, const ExpertsBackwardArgs& a, cudaStream_t stream) {
   constexpr const char* fn = "experts_backward";
-  detail::require_gpu_experts(p, fn);
-  require_arg(a.w1 && a.w2 && a.saved && a.dw1 && a.dw2 && a.workspace, fn, "w1/w2/saved/dw1/dw2/workspace",
-              "must not be null");
+  const ExpertsProblem& p = *valid;
+  detail::require_gpu_problem(valid, fn);
+  detail::require_given(fn, {{"w1", a.w1}, {"w2", a.w2}, {"saved", a.saved}, {"dw1", a.dw1}, {"dw2", a.dw2},
+                             {"workspace", a.workspace}});
   // x, dout and dx have T rows, the list and d_scores R: empty (possibly null) when 0.
-  require_arg(p.T == 0 || (a.x && a.dout && a.dx), fn, "x/dout/dx", "must not be null when T > 0");
-  require_arg(p.R == 0 || (a.pair_token && a.pair_expert && a.d_scores), fn, "pair_token/pair_expert/d_scores",
-              "must not be null when R > 0");
-  const bool b = p.has_bias;
-  require_arg((a.b1 != nullptr) == b && (a.b2 != nullptr) == b && (a.db1 != nullptr) == b && (a.db2 != nullptr) == b,
-              fn, "b1/b2/db1/db2", "must all be given exactly when has_bias");
-  require_arg(a.weight_grad_dtype == DType::BF16 || a.weight_grad_dtype == DType::FP32, fn, "weight_grad_dtype",
-              std::string("must be bfloat16 or float32, got ") + to_string(a.weight_grad_dtype));
-  require_arg((reinterpret_cast<uintptr_t>(a.saved) & 255) == 0 && (reinterpret_cast<uintptr_t>(a.workspace) & 255) == 0,
-              fn, "saved/workspace", "must be 256-byte aligned");
-  const void* rows[] = {a.x, a.w1, a.w2, a.dout, a.dx, a.b2};
-  for (const void* ptr : rows)
-    require_arg(ptr == nullptr || detail::aligned16(ptr), fn, "x/w1/w2/dout/dx/b2",
-                "must be 16-byte aligned (16-byte row vectors)");
+  if (p.T > 0) detail::require_given(fn, {{"x", a.x}, {"dout", a.dout}, {"dx", a.dx}}, "T > 0");
+  if (p.R > 0)
+    detail::require_given(fn, {{"pair_token", a.pair_token}, {"pair_expert", a.pair_expert}, {"d_scores", a.d_scores}},
+                          "R > 0");
+  detail::require_given_exactly_when(p.has_bias, "has_bias", fn,
+                                     {{"b1", a.b1}, {"b2", a.b2}, {"db1", a.db1}, {"db2", a.db2}});
+  detail::require_weight_grad_dtype(a.weight_grad_dtype, fn);
+  detail::require_block_aligned(fn, {{"saved", a.saved}, {"workspace", a.workspace}});
+  detail::require_row_aligned(fn,
+                              {{"x", a.x}, {"w1", a.w1}, {"w2", a.w2}, {"dout", a.dout}, {"dx", a.dx}, {"b2", a.b2}});
   const detail::ExpertsShape shape = detail::experts_shape(p);
   if (p.T == 0 || p.R == 0) {  // no rows: every gradient is zero (d_scores is empty)
     detail::zero_expert_gradients(shape, a.dw1, a.db1, a.dw2, a.db2, a.weight_grad_dtype, fn, stream);
@@ -279,7 +276,7 @@ void experts_backward(const ExpertsProblem& p, const ExpertsBackwardArgs& a, cud
       check_cuda(cudaMemsetAsync(a.dx, 0, static_cast<size_t>(p.T * p.d) * 2, stream), "experts_backward: zero dx");
     return;
   }
-  const detail::ExpertsLayout L(p);
+  const detail::ExpertsLayout L(valid);
   const void* s = a.saved;
   detail::ExpertsBackwardRun r;
   r.shape = shape;

@@ -8,6 +8,7 @@
 
 #include "host/common/check.hpp"
 #include "host/common/cublas_internal.hpp"
+#include "host/layer/call_rules.hpp"
 #include "host/layer/experts_internal.hpp"
 #include "host/layer/layer_layout.hpp"
 #include "host/routing/routing_internal.hpp"
@@ -40,20 +41,20 @@ void router_gemm(const void* x, const void* wr, float* logits, int64_t T, int64_
 
 }  // namespace
 
-void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_t stream) {
+void layer_forward(const ValidLayerProblem& valid, const LayerForwardArgs& a, cudaStream_t stream) {
   constexpr const char* fn = "layer_forward";
-  detail::require_gpu_layer(p, fn);
-  require_arg(a.router_weight && a.w1 && a.w2 && a.aux_loss && a.saved && a.workspace, fn,
-              "router_weight/w1/w2/aux_loss/saved/workspace", "must not be null");
+  const LayerProblem& p = *valid;
+  detail::require_gpu_problem(valid, fn);
+  detail::require_given(fn, {{"router_weight", a.router_weight}, {"w1", a.w1}, {"w2", a.w2}, {"aux_loss", a.aux_loss},
+                             {"saved", a.saved}, {"workspace", a.workspace}});
   // x and out have T rows: empty (and so possibly null, as an empty framework tensor is) when T = 0.
-  require_arg(p.T == 0 || (a.x && a.out), fn, "x/out", "must not be null when T > 0");
-  require_arg((a.b1 == nullptr) == (a.b2 == nullptr) && (a.b1 != nullptr) == p.has_bias, fn, "b1/b2",
-              "must both be given exactly when has_bias");
+  if (p.T > 0) detail::require_given(fn, {{"x", a.x}, {"out", a.out}}, "T > 0");
+  detail::require_given_exactly_when(p.has_bias, "has_bias", fn, {{"b1", a.b1}, {"b2", a.b2}});
   require_arg(a.selection_bias == nullptr || p.routing == RoutingMethod::Sigmoid, fn, "selection_bias",
               "is only used with routing=sigmoid");
-  require_arg((reinterpret_cast<uintptr_t>(a.saved) & 255) == 0 && (reinterpret_cast<uintptr_t>(a.workspace) & 255) == 0,
-              fn, "saved/workspace", "must be 256-byte aligned");
-  const LayerLayout L(p);
+  detail::require_block_aligned(fn, {{"saved", a.saved}, {"workspace", a.workspace}});
+  detail::require_row_aligned(fn, {{"x", a.x}, {"w1", a.w1}, {"w2", a.w2}, {"b2", a.b2}});
+  const LayerLayout L(valid);
   if (p.T == 0) {
     check_cuda(cudaMemsetAsync(a.aux_loss, 0, sizeof(float), stream), "layer_forward: memset aux");
     return;
@@ -112,8 +113,8 @@ void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_
   detail::experts_forward_metadata(r, stream);
 
   // The aux loss needs the partial sums and the expert counts only: it runs before the expert
-  // GEMMs, while the partials (and the logits) are still in L2. One block that read them back
-  // from DRAM after the GEMMs took 7.8 µs on 7B-a (profile, session 14).
+  // GEMMs, while the partials (and the logits) are still in L2; run after the GEMMs, the same
+  // single block read them back from DRAM and took 7.8 µs at the 7B-a configuration.
   if (!have_aux_partials) {
     kernels::aux_colsum_partial<LayerLayout::kAuxTokensPerBlock><<<aux_blocks, 256, 0, stream>>>(
         logits, p.T, static_cast<int>(p.E), aux_partials);

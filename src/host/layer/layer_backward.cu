@@ -13,6 +13,7 @@
 
 #include "host/common/check.hpp"
 #include "host/common/cublas_internal.hpp"
+#include "host/layer/call_rules.hpp"
 #include "host/layer/experts_internal.hpp"
 #include "host/layer/layer_layout.hpp"
 #include "kernels/routing/aux_loss.cuh"
@@ -26,7 +27,6 @@ using detail::check_cublas;
 using detail::check_cuda;
 using detail::check_launch;
 using detail::LayerLayout;
-using detail::require_arg;
 
 namespace {
 
@@ -36,32 +36,30 @@ using detail::blocks_for;
 
 cudaDataType_t cuda_type(DType t) { return t == DType::FP32 ? CUDA_R_32F : CUDA_R_16BF; }
 
-void check_args(const LayerProblem& p, const LayerBackwardArgs& a) {
+void check_args(const ValidLayerProblem& valid, const LayerBackwardArgs& a) {
   constexpr const char* fn = "layer_backward";
-  detail::require_gpu_layer(p, fn);
-  require_arg(a.router_weight && a.w1 && a.w2 && a.saved && a.d_router_weight && a.dw1 && a.dw2 && a.workspace, fn,
-              "router_weight/w1/w2/saved/d_router_weight/dw1/dw2/workspace", "must not be null");
+  const LayerProblem& p = *valid;
+  detail::require_gpu_problem(valid, fn);
+  detail::require_given(fn, {{"router_weight", a.router_weight}, {"w1", a.w1}, {"w2", a.w2}, {"saved", a.saved},
+                             {"d_router_weight", a.d_router_weight}, {"dw1", a.dw1}, {"dw2", a.dw2},
+                             {"workspace", a.workspace}});
   // x, dout and dx have T rows: empty (and so possibly null, as an empty framework tensor is) when T = 0.
-  require_arg(p.T == 0 || (a.x && a.dout && a.dx), fn, "x/dout/dx", "must not be null when T > 0");
-  const bool b = p.has_bias;
-  require_arg((a.b1 != nullptr) == b && (a.b2 != nullptr) == b && (a.db1 != nullptr) == b && (a.db2 != nullptr) == b,
-              fn, "b1/b2/db1/db2", "must all be given exactly when has_bias");
-  require_arg(a.weight_grad_dtype == DType::BF16 || a.weight_grad_dtype == DType::FP32, fn, "weight_grad_dtype",
-              std::string("must be bfloat16 or float32, got ") + to_string(a.weight_grad_dtype));
-  require_arg((reinterpret_cast<uintptr_t>(a.saved) & 255) == 0 && (reinterpret_cast<uintptr_t>(a.workspace) & 255) == 0,
-              fn, "saved/workspace", "must be 256-byte aligned");
-  const void* rows[] = {a.x, a.router_weight, a.w1, a.w2, a.dout, a.dx, a.b2};
-  for (const void* ptr : rows)
-    require_arg(ptr == nullptr || detail::aligned16(ptr), fn, "x/router_weight/w1/w2/dout/dx/b2",
-                "must be 16-byte aligned (16-byte row vectors)");
+  if (p.T > 0) detail::require_given(fn, {{"x", a.x}, {"dout", a.dout}, {"dx", a.dx}}, "T > 0");
+  detail::require_given_exactly_when(p.has_bias, "has_bias", fn,
+                                     {{"b1", a.b1}, {"b2", a.b2}, {"db1", a.db1}, {"db2", a.db2}});
+  detail::require_weight_grad_dtype(a.weight_grad_dtype, fn);
+  detail::require_block_aligned(fn, {{"saved", a.saved}, {"workspace", a.workspace}});
+  detail::require_row_aligned(fn, {{"x", a.x}, {"router_weight", a.router_weight}, {"w1", a.w1}, {"w2", a.w2},
+                                   {"dout", a.dout}, {"dx", a.dx}, {"b2", a.b2}});
 }
 
 }  // namespace
 
-void layer_backward(const LayerProblem& p, const LayerBackwardArgs& a, cudaStream_t stream) {
+void layer_backward(const ValidLayerProblem& valid, const LayerBackwardArgs& a, cudaStream_t stream) {
   constexpr const char* fn = "layer_backward";
-  check_args(p, a);
-  const LayerLayout L(p);
+  const LayerProblem& p = *valid;
+  check_args(valid, a);
+  const LayerLayout L(valid);
   const int64_t R = L.R;  // T·K, or the rounded list's capacity
   if (p.T == 0) {  // no token: every gradient is zero (dx is empty)
     check_cuda(cudaMemsetAsync(a.d_router_weight, 0, static_cast<size_t>(p.E * p.d * dtype_size(a.weight_grad_dtype)),

@@ -1,15 +1,18 @@
 // Where every buffer of a layer call (LayerLayout) and of an experts call on a general routing list
-// (ExpertsLayout) lives inside the caller's `saved` and `workspace` blocks. One definition for
-// plan_workspace (sizes) and the calls (pointers), so the two can never disagree. The expert
-// part's scratch (ExpertsForwardScratch / ExpertsBackwardScratch) is carved the same way in both.
-// All offsets are 256-byte aligned (TMA needs 128, 16-byte vectors need 16).
+// (ExpertsLayout) lives inside the caller's `saved` and `workspace` blocks, at a given T: one
+// definition for plan_workspace (sizes) and the calls (pointers), so the two can never disagree.
+// The saved blocks' parts and their sizes come from host/layer/saved_layout.hpp, which the fake
+// kernels of the PyTorch ops read as well. The expert part's scratch (ExpertsForwardScratch /
+// ExpertsBackwardScratch) is carved the same way in both. Every offset is 256-byte aligned (TMA
+// needs 128, 16-byte vectors need 16). The layouts take a validated problem: their arithmetic
+// relies on validate()'s bounds (sizes >= 0, row counts within int32).
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <string>
 
+#include "host/layer/saved_layout.hpp"
 #include "host/routing/routing_internal.hpp"
 #include "machmoe/machmoe.hpp"
 
@@ -20,7 +23,7 @@ struct Carve {
   size_t bytes = 0;
   size_t take(size_t n) {
     const size_t at = bytes;
-    bytes += align256(n);
+    bytes += (n + kSavedPartAlignment - 1) / kSavedPartAlignment * kSavedPartAlignment;
     return at;
   }
 };
@@ -33,30 +36,6 @@ T* at(void* base, size_t off) {
 template <typename T>
 const T* at(const void* base, size_t off) {
   return reinterpret_cast<const T*>(static_cast<const char*>(base) + off);
-}
-
-// The data rules of the GPU kernels: bf16 data, 16-byte rows.
-inline void require_gpu_data(DType dtype, int64_t d, int64_t n, const char* fn) {
-  if (dtype != DType::BF16)
-    throw Error(ErrorCode::Unsupported,
-                std::string(fn) + ": the GPU layer runs in bfloat16, got dtype=" + to_string(dtype));
-  if (d % 8 != 0 || n % 8 != 0)
-    throw Error(ErrorCode::Unsupported, std::string(fn) + ": d and n must be multiples of 8 (16-byte rows), got d=" +
-                                            std::to_string(d) + ", n=" + std::to_string(n));
-}
-
-// The problem rules of the GPU layer (forward and backward), beyond validate(): the data rules,
-// at most 32 experts per token with token rounding.
-inline void require_gpu_layer(const LayerProblem& p, const char* fn) {
-  validate(p);
-  require_arg(p.rounding == TokenRounding::None || p.K <= 32, fn, "K", "must be <= 32 with token rounding");
-  require_gpu_data(p.dtype, p.d, p.n, fn);
-}
-
-// The same for the experts on a general routing list: validate() and the data rules.
-inline void require_gpu_experts(const ExpertsProblem& p, const char* fn) {
-  validate(p);
-  require_gpu_data(p.dtype, p.d, p.n, fn);
 }
 
 // The shapes the expert part of a layer call needs (from a LayerProblem or an ExpertsProblem).
@@ -122,8 +101,7 @@ struct ExpertsBackwardScratch {
 // The blocks of experts_forward / experts_backward (a general routing list of R pairs).
 struct ExpertsLayout {
   int64_t R = 0;
-  // saved: H, the scores (a copy: the backward reads them from here), the metadata the backward
-  // needs, and the list's per-token pair offsets (the aggregation of dX~ reads them).
+  // saved (host/layer/saved_layout.hpp, ExpertsSavedPart): offsets of its parts
   size_t h, scores, expert_offsets, row_pair, pair_row, token_offsets;
   size_t saved_bytes;
   ExpertsForwardScratch fwd;
@@ -131,18 +109,17 @@ struct ExpertsLayout {
   ExpertsBackwardScratch bwd;  // d_scores is the caller's output
   size_t backward_bytes;
 
-  explicit ExpertsLayout(const ExpertsProblem& p) {
+  explicit ExpertsLayout(const ValidExpertsProblem& valid) {
+    const ExpertsProblem& p = *valid;
     const ExpertsShape sh = experts_shape(p);
     R = p.R;
-    const size_t r = static_cast<size_t>(R), T = static_cast<size_t>(p.T), E = static_cast<size_t>(p.E);
+    const auto parts = experts_saved_terms(valid);
+    size_t off[kExpertsSavedParts];
     Carve s;
-    h = s.take(r * static_cast<size_t>(sh.n1) * sh.elem);  // [R, n1]
-    scores = s.take(r * 4);                                // [R] fp32
-    expert_offsets = s.take((E + 1) * 4);
-    row_pair = s.take(r * 4);
-    pair_row = s.take(r * 4);
-    token_offsets = s.take((T + 1) * 4);
+    for (int i = 0; i < kExpertsSavedParts; ++i) off[i] = s.take(parts[i].bytes(R, p.T));
     saved_bytes = s.bytes;
+    h = off[kExpertsH], scores = off[kExpertsScores], expert_offsets = off[kExpertsExpertOffsets];
+    row_pair = off[kExpertsRowPair], pair_row = off[kExpertsPairRow], token_offsets = off[kExpertsTokenOffsets];
     Carve f;
     fwd.carve(f, sh, R);
     forward_bytes = f.bytes;
@@ -155,16 +132,11 @@ struct ExpertsLayout {
 struct LayerLayout {
   int64_t R = 0;   // rows the experts may run on (T·K for top-K)
   int64_t n1 = 0;  // columns of H
-  // saved (forward -> backward): SPEC §1's X-free minimum: H, 12 bytes per routed pair (scores,
-  // row -> pair, pair -> row), the expert offsets and the logits. Everything else is derivable and
-  // lives in the forward's workspace only: the gather index row -> token and the per-token pair
-  // offsets (pair / K and t·K for top-K; the rounded list saves its own tokens and offsets), and
-  // each pair's expert (the expert whose rows hold the pair's row; the backward rebuilds it).
-  size_t h, scores, expert_offsets, row_pair, pair_row, logits;
-  // token rounding only: the rounded list's tokens and padded flags, the top-K it started from,
-  // its per-token offsets and the per-expert counts before/after
-  size_t list_token = 0, list_padded = 0, topk_scores = 0, topk_experts = 0, list_token_offsets = 0,
-         count_topk = 0, count_rounded = 0;
+  // saved (host/layer/saved_layout.hpp, LayerSavedPart): offsets of its parts; the rounded list's
+  // are used with token rounding only
+  size_t scores, expert_offsets, row_pair, pair_row, logits;
+  size_t list_token, list_padded, topk_scores, topk_experts, list_token_offsets, count_topk, count_rounded;
+  size_t h;
   size_t saved_bytes;
   size_t inference_saved_bytes;  // everything before H (carved last): enough when H is not written
   // forward workspace: the expert part's scratch (gather index, A, Y, metadata, tile offsets),
@@ -181,34 +153,27 @@ struct LayerLayout {
   static constexpr int kAuxTokensPerBlock = 64;
   static constexpr size_t kCublasWorkspace = size_t{4} << 20;
 
-  explicit LayerLayout(const LayerProblem& p) {
+  explicit LayerLayout(const ValidLayerProblem& valid) {
+    const LayerProblem& p = *valid;
     const ExpertsShape sh = experts_shape(p);
-    R = p.T * p.K;
-    if (p.rounding != TokenRounding::None) R = std::min(R + p.E * (p.rounding_tile_m - 1), p.T * p.E);
+    const LayerSavedTerms terms = layer_saved_terms(valid);
+    R = terms.rows.at(p.T);
     n1 = sh.n1;
-    const size_t es = static_cast<size_t>(dtype_size(p.dtype));
     const size_t r = static_cast<size_t>(R), T = static_cast<size_t>(p.T), E = static_cast<size_t>(p.E);
+    size_t off[kLayerSavedParts];
     Carve s;
-    scores = s.take(r * 4);                         // [T*K] fp32 (or [R] for a rounded list)
-    expert_offsets = s.take((E + 1) * 4);
-    row_pair = s.take(r * 4);
-    pair_row = s.take(r * 4);
-    logits = s.take(T * E * 4);  // [T, E] fp32: the aux loss and some routings need the softmax
-    const bool rounded = p.rounding != TokenRounding::None;
-    if (rounded) {
-      const size_t tk = T * static_cast<size_t>(p.K);
-      list_token = s.take(r * 4);
-      list_padded = s.take(r);
-      topk_scores = s.take(tk * 4);
-      topk_experts = s.take(tk * 4);
-      list_token_offsets = s.take((T + 1) * 4);
-      count_topk = s.take((E + 1) * 4);
-      count_rounded = s.take(E * 4);
+    for (int i = 0; i < kLayerSavedParts; ++i) {
+      if (i == kLayerH) inference_saved_bytes = s.bytes;
+      off[i] = s.take(terms.parts[i].bytes(R, p.T));
     }
-    // H last, so that inference (layer_forward with write_h = false) needs only what precedes it.
-    inference_saved_bytes = s.bytes;
-    h = s.take(r * static_cast<size_t>(n1) * es);  // [R, n1]
     saved_bytes = s.bytes;
+    scores = off[kLayerScores], expert_offsets = off[kLayerExpertOffsets];
+    row_pair = off[kLayerRowPair], pair_row = off[kLayerPairRow], logits = off[kLayerLogits];
+    list_token = off[kLayerListToken], list_padded = off[kLayerListPadded];
+    topk_scores = off[kLayerTopkScores], topk_experts = off[kLayerTopkExperts];
+    list_token_offsets = off[kLayerListTokenOffsets];
+    count_topk = off[kLayerCountTopk], count_rounded = off[kLayerCountRounded];
+    h = off[kLayerH];
 
     Carve f;
     fwd.carve(f, sh, R);
@@ -218,7 +183,7 @@ struct LayerLayout {
     aux_partials = f.take(aux_blocks * E * 4);
     aux_colsum = f.take(E * 4);
     cublas = f.take(kCublasWorkspace);
-    if (rounded) rounding = f.take(token_rounding_workspace_bytes(p.T, p.E, p.K));
+    if (p.rounding != TokenRounding::None) rounding = f.take(token_rounding_workspace_bytes(p.T, p.E, p.K));
     forward_bytes = f.bytes;
 
     Carve b;
