@@ -5,7 +5,7 @@
 #   MACHMOE_BUILD_DIR   build directory (default ./build; the Python package looks in build/lib)
 #   MACHMOE_JOBS        parallel compile jobs (default: all cores)
 #   MACHMOE_BUILD_TARGETS="machmoe machmoe_torch"  builds only those targets
-# A first build compiles every sm_90a kernel: about 10 minutes on 2 cores, 2 on 16; later builds
+# A first build compiles every sm_90a kernel: 23 minutes on a busy 2-core machine; later builds
 # recompile only what changed.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -81,6 +81,15 @@ if [ ! -x "$venv/bin/python" ] && has_torch "$base"; then
   # PyTorch is already there (a GPU machine's preinstalled one, say): reuse it, download nothing.
   say "creating .venv on $base, which already has PyTorch $torch_range (reused, not downloaded)"
   "$base" -m venv --system-site-packages "$venv" >&2
+  # When python3 is itself a virtual environment, --system-site-packages shows the interpreter's
+  # packages, not that environment's: a .pth adds its site-packages (and runs their .pth files).
+  # .pth files load in name order: python3-env.pth after machmoe-dev.pth, so this checkout's
+  # python/ comes before any machmoe that environment has.
+  base_site=$("$base" -c "import sys, sysconfig; print(sysconfig.get_paths()['purelib'] if sys.prefix != sys.base_prefix else '')")
+  if [ -n "$base_site" ]; then
+    site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    echo "import site; site.addsitedir('$base_site')" > "$site/python3-env.pth"
+  fi
   missing=()
   for mod in numpy pytest; do
     "$venv/bin/python" -c "import $mod" 2>/dev/null || missing+=("$(grep "^$mod==" "$root/requirements.txt")")
