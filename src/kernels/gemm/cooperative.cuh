@@ -1,32 +1,29 @@
-// Kernel families 3, 4 (and later 6, 9) of SPEC §2: the sm_90a grouped GEMM engine.
+// The sm_90a grouped GEMM engine's cooperative kernel: every epilogue, gathered or contiguous A.
 //
 //   for every expert e with rows [off[e], off[e+1]):
 //     C[r, :] = epilogue( A[row(r), :] · B_eᵀ )      A [*, K] bf16, B_e = W[e] [N, K] bf16 (K-major)
 //   row(r) = gather[r] (gathered activation rows, e.g. X by token) or r (contiguous rows).
 //
 // Persistent and warp-specialised: 3 warpgroups per CTA, one CTA per SM.
-//   warpgroup 0 (56 registers), the loaders and the epilogue:
-//     loader warps (warp 0; all four with a gather): thread 0 decodes the tile schedule and hands
-//       it to the consumers through a ring, and issues the TMA loads of the B tile (weights) and
-//       of contiguous A; with a gather the loader threads copy the A rows by 16-byte cp.async,
-//       each keeping its 8 rows of the tile in registers as 32-bit offsets. A ring of
-//       shared-memory stages, one mbarrier per stage (TMA bytes + cp.async arrivals).
+//   warpgroup 0 (56 registers), the loaders and the epilogue (GemmCooperative::producer,
+//   ::epilogue_warps):
+//     loader warps (warp 0; all four with a gather): thread 0 decodes the tile schedule
+//       (gemm/scheduler.cuh) and hands it to the consumers through a ring, and issues the TMA
+//       loads of the B tile (weights) and of contiguous A; with a gather the loader threads copy
+//       the A rows by 16-byte cp.async, each keeping its 8 rows of the tile in registers as
+//       32-bit offsets. A ring of shared-memory stages, one mbarrier per stage (TMA bytes +
+//       cp.async arrivals).
 //     epilogue (warps 1-3 without a gather; the loaders themselves, between loads, with one):
 //       stores the staged C/H tile while the consumers already run the next tile: full tiles by
 //       TMA from one thread, partial tiles (an expert's last) by the threads.
-//   warpgroups 1-2, consumers (224 registers): each owns 64 rows of the 128-row tile, runs
-//     wgmma m64n{BN}k16 with fp32 accumulators, keeps one wgmma group in flight, releases a stage
-//     as soon as the wgmmas reading it retire, and stages the finished tile (+ bias, bf16) out to
-//     shared memory. The work an epilogue does per element runs here too, on the warpgroup's own
-//     64 staged rows, in slices under the next tile's wgmmas: the activation output A of the
-//     GLU/activation epilogues (gemm/epilogue.cuh) and the whole dH epilogue
-//     (gemm/epilogue_dact.cuh). Measured: on the loaders, A cost the gathered up-projection
-//     18% (the loaders' cp.async issue bounds it); here, 9%.
-// Tiles: 128 rows of one expert x BN columns; an expert's last tile is predicated (no expert is
-// padded to the tile), empty experts have no tiles. Tile t of the whole problem is found by a
-// binary search over tile_offsets [E+1] (prefix of per-expert tile counts; for E <= 512 the kernel
-// builds it in shared memory itself), so every CTA walks
-// the same static schedule t = blockIdx.x, blockIdx.x + gridDim.x, ...
+//   warpgroups 1-2, consumers (224 registers; ::consumer): each owns 64 rows of the 128-row tile,
+//     runs wgmma m64n{BN}k16 with fp32 accumulators, keeps one wgmma group in flight, releases a
+//     stage as soon as the wgmmas reading it retire, and stages the finished tile
+//     (+ bias, bf16) out to shared memory (::stage_tile). The work an epilogue does per element
+//     runs here too, on the warpgroup's own 64 staged rows, in slices under the next tile's
+//     wgmmas: the activation output A of the GLU/activation epilogues (gemm/epilogue.cuh) and the
+//     whole dH epilogue (gemm/epilogue_dact.cuh). On the loaders instead, A cost the gathered
+//     up-projection 18% (the loaders' cp.async issue bounds it); here, 9%.
 // Shared-memory operand tiles use the 128-byte swizzle (TMA writes it; the cp.async producer
 // computes it) so that wgmma reads them without bank conflicts.
 #pragma once
@@ -36,126 +33,17 @@
 #include "kernels/common.cuh"
 #include "kernels/gemm/epilogue.cuh"
 #include "kernels/gemm/epilogue_dact.cuh"
+#include "kernels/gemm/params.cuh"
+#include "kernels/gemm/scheduler.cuh"
 #include "kernels/ptx/sm90_ptx.cuh"
 
 namespace machmoe::kernels {
 
-constexpr int kGemmBK = 64;  // one 128-byte swizzle row of bf16
-constexpr int kGemmThreads = 384;
 // Register split of the 64K-register file: (56 + 2 x 224) x 128 threads = 64512.
 template <int EPI>
 constexpr int gemm_producer_regs() { return 56; }
 template <int EPI>
 constexpr int gemm_consumer_regs() { return 224; }
-
-// Expert of tile t: the largest e with tile_offsets[e] <= t (empty experts share an offset).
-// tile_offsets is the kernel's shared-memory table (E <= kGemmSmemTileE) or the global one.
-__device__ __forceinline__ int gemm_tile_expert(const int32_t* tile_offsets, int E, int t) {
-  int lo = 0, hi = E;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) >> 1;
-    if (tile_offsets[mid] <= t) lo = mid;
-    else hi = mid;
-  }
-  return lo;
-}
-
-// Tiles of expert e: ceil(rows_e / BM) row blocks x n_tiles column blocks (both tile-offset
-// builders).
-__device__ __forceinline__ int gemm_expert_tiles(const int32_t* expert_offsets, int e, int n_tiles) {
-  return (__ldg(expert_offsets + e + 1) - __ldg(expert_offsets + e) + kGemmBM - 1) / kGemmBM * n_tiles;
-}
-
-// Up to this many experts the kernel builds tile_offsets [E+1] itself, in shared memory, from
-// expert_offsets (one warp, before the first barrier): no separate scan kernel and its launch
-// (two per forward and two per backward; ~2 µs each plus the gap between launches).
-constexpr int kGemmSmemTileE = 512;
-
-// tile_offsets[e] = Σ_{e' < e} ceil(rows_e' / BM) · n_tiles for E <= kGemmSmemTileE, by one warp:
-// lane l owns experts 16l .. 16l + 15.
-__device__ __forceinline__ void gemm_tile_offsets_warp(const GroupedGemmParams& p, int32_t* out) {
-  constexpr int kPer = kGemmSmemTileE / 32;
-  const int lane = threadIdx.x % 32;
-  int tiles[kPer], sum = 0;
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int e = lane * kPer + i;
-    tiles[i] = e < p.E ? gemm_expert_tiles(p.expert_offsets, e, p.n_tiles) : 0;
-    sum += tiles[i];
-  }
-  int incl = sum;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int v = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += v;
-  }
-  int run = incl - sum;
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int e = lane * kPer + i;
-    if (e < p.E) out[e] = run;
-    run += tiles[i];
-  }
-  if (lane == 31) out[p.E] = incl;
-}
-
-// Tiles the producer may decode ahead of the consumers: more than the stages, so that the
-// publishing thread never waits on the consumers while its loads are ahead of them.
-constexpr int kTileRing = 8;
-
-// Tiles of one expert are visited in groups of kGemmGroupM row blocks, column block outer inside a
-// group, so that the CTAs running at the same time share both their A rows and their B columns
-// in L2 (a plain row-major walk streams all of B once per wave of CTAs).
-constexpr int kGemmGroupM = 8;
-// The dH kernels (both forms) go in groups of 4 (H100, sessions 35-36: 7B-a dH +1.5% and +0.6%,
-// 30B-b +1.9%, 120B-c +0.4%, neutral at 30B-a and 120B-b; Nsight Compute on 7B-a: 2% fewer
-// cycles). Groups of 4 for every kernel cost the 30B-b up-projection 1.7%: the others keep 8.
-constexpr int kDactGroupM = 4;
-
-// The tile-offset table the kernel reads: its own in shared memory, or the global one (E > kCap:
-// kGemmSmemTileE, or a smaller table where shared memory is short; the host builds the global one
-// for the same E).
-template <int kCap = kGemmSmemTileE>
-__device__ __forceinline__ const int32_t* gemm_tile_table(const GroupedGemmParams& p, const int32_t* smem_table) {
-  static_assert(kCap <= kGemmSmemTileE, "gemm_tile_offsets_warp covers kGemmSmemTileE experts");
-  return p.E <= kCap ? smem_table : p.tile_offsets;
-}
-
-// Tile t of the schedule; kGroupM: row blocks per group (kGemmGroupM above).
-template <int kGroupM = kGemmGroupM>
-__device__ __forceinline__ GemmTile gemm_decode_tile(const GroupedGemmParams& p, const int32_t* tile_offsets, int t,
-                                                    int bn_cols) {
-  GemmTile tile;
-  tile.e = gemm_tile_expert(tile_offsets, p.E, t);
-  const int local = t - tile_offsets[tile.e];
-  const int begin = __ldg(p.expert_offsets + tile.e), end = __ldg(p.expert_offsets + tile.e + 1);
-  const int m_tiles = (end - begin + kGemmBM - 1) / kGemmBM;
-  const int group = local / (kGroupM * p.n_tiles);
-  const int first_m = group * kGroupM;
-  const int group_m = min(kGroupM, m_tiles - first_m);
-  const int within = local - group * kGroupM * p.n_tiles;
-  const int m_blk = first_m + within % group_m, n_blk = within / group_m;
-  tile.row0 = begin + m_blk * kGemmBM;
-  tile.rows = min(kGemmBM, end - tile.row0);
-  tile.n0 = n_blk * bn_cols;
-  return tile;
-}
-
-// tile_offsets[e] = Σ_{e' < e} ceil(rows_e' / BM) · n_tiles, one block.
-__global__ void __launch_bounds__(1024) grouped_gemm_tile_offsets(const int32_t* expert_offsets, int E,
-                                                                   int n_tiles, int32_t* tile_offsets) {
-  __shared__ int smem[32];
-  int carry = 0;
-  for (int base = 0; base < E; base += blockDim.x) {
-    const int e = base + threadIdx.x;
-    const int tiles = e < E ? gemm_expert_tiles(expert_offsets, e, n_tiles) : 0;
-    int total;
-    const int excl = block_exclusive_scan(tiles, smem, &total);
-    if (e < E) tile_offsets[e] = carry + excl;
-    carry += total;
-  }
-  if (threadIdx.x == 0) tile_offsets[E] = carry;
-}
 
 // The gathered A tile [128 rows x 64 K] of one stage, copied by kLoaders threads by 16-byte
 // cp.async (the cooperative kernel's loader warpgroup, and the dH ping-pong kernel's). Thread
@@ -189,143 +77,101 @@ struct GemmGatherRows {
       // arow + k_units < a_rows * lda / 8 < 2^32: a 32-bit add and one wide multiply-add. A row
       // past the expert's end reads nothing (src-size 0 zero-fills) from A's first 16 bytes: the
       // offset is selected rather than the pointer, which kept the compiler reloading p.a from
-      // the constant bank for every row (session 33's SASS).
+      // the constant bank for every row.
       sm90::cp_async_16(dst, a + (ok ? arow[i] + k_units : 0u), ok ? 16 : 0);
     }
   }
 };
 
-template <int BN>
-struct GemmSmem {
-  static constexpr int kABytes = kGemmBM * kGemmBK * 2;  // 16 KB
-  static constexpr int kBBytes = BN * kGemmBK * 2;       // 32 KB for BN = 256
-  static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kEpiBytes = epi_tile_bytes<BN>();  // the staged output tile
-  // Design budget: Hopper's 227 KB per block (the launcher checks the device's opt-in limit).
-  // 1 KB aligns the stages; kFixed - 1 KB holds the barriers, the tile ring, the dH row scores
-  // and the tile-offset table (static_assert below).
-  static constexpr int kBudget = 227 * 1024;
-  static constexpr int kFixed = 4096;
-  static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / kStageBytes;
-  static constexpr int kBytes = kStages * kStageBytes + kEpiBytes + kFixed;
-  static_assert(kStages >= 2, "at least two pipeline stages");
-  static_assert(kStages < kTileRing, "the tile ring must hold more tiles than there are stages");
-  // barriers (2 per stage, 2 per ring slot, 2 for the epilogue), the ring, the epilogue's tile,
-  // the dH epilogue's row scores [128], the tile-offset table [kGemmSmemTileE + 1]: all inside
-  // kFixed after the 1 KB alignment slack.
-  static_assert((2 * kStages + 2 * kTileRing + 2) * 8 + (kTileRing + 1) * 16 + 128 * 4 + (kGemmSmemTileE + 1) * 4 <=
-                    kFixed - 1024,
-                "fixed shared-memory area too small");
-};
 
-// GATHER: A rows come through p.gather by 16-byte cp.async from producer warp 0; otherwise A is
-// contiguous and loaded by TMA like B (tmap_a over A [rows, K]; a box may run into the next
-// expert's rows, which are computed and not stored).
-// B_NMAJOR: W is [E, K, N] (N contiguous), read through a 3-D map {N, K, E} in boxes of 64 N x 64 K
-// and handed to wgmma as an N-major operand (the backward's dA' = dout·W2 and dX~ = dH·W1).
+// The cooperative kernel's phases. GATHER: A rows come through p.gather by 16-byte cp.async from
+// the loader threads; otherwise A is contiguous and loaded by TMA like B (tmap_a over A [rows, K];
+// a box may run into the next expert's rows, which are computed and not stored). B_NMAJOR: W is
+// [E, K, N] (N contiguous), read through a 3-D map {N, K, E} in boxes of 64 N x 64 K and handed to
+// wgmma as an N-major operand (the backward's dA' = dout·W2 and dX~ = dH·W1).
 template <int BN, int EPI, bool GATHER, bool B_NMAJOR>
-__global__ void __launch_bounds__(kGemmThreads, 1)
-    sm90_grouped_gemm(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
-                      const __grid_constant__ CUtensorMap tmap_c, const GroupedGemmParams p) {
+struct GemmCooperative {
   using Smem = GemmSmem<BN>;
-  constexpr int S = Smem::kStages;
+  using Layout = GemmSmemLayout<BN>;
+  static constexpr int S = Smem::kStages;
   // BN columns of C per tile; the concatenated GLU tile spans BN/2 gate + BN/2 up columns.
-  constexpr int kTileCols = EPI == kEpiGluConcat ? BN / 2 : BN;
-  extern __shared__ uint8_t smem_raw[];
-  // 1024-byte aligned (the 128-byte swizzle atoms), by an offset from smem_raw rather than an
-  // integer round trip, so that the compiler still knows every pointer below is shared memory and
-  // emits ld/st.shared (a generic access costs more instructions and goes the L1TEX way).
-  uint8_t* smem = smem_raw + ((1024u - (sm90::smem_addr(smem_raw) & 1023u)) & 1023u);
-  uint8_t* smem_a = smem;
-  uint8_t* smem_b = smem + S * Smem::kABytes;
-  uint8_t* epi = smem + S * Smem::kStageBytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(epi + Smem::kEpiBytes);
-  uint64_t* empty = full + S;
-  // The tile schedule, decoded by the producer (whose latency is hidden: it runs ahead) and
-  // handed to the consumers through a small ring, so that they never stall on the binary search.
-  uint64_t* tile_full = empty + S;
-  uint64_t* tile_empty = tile_full + kTileRing;
-  uint64_t* epi_full = tile_empty + kTileRing;  // consumers staged a tile
-  uint64_t* epi_empty = epi_full + 1;           // epilogue warps are done with it
-  GemmTile* ring = reinterpret_cast<GemmTile*>(epi_empty + 1);
-  GemmTile* epi_tile = ring + kTileRing;
-  float* epi_scale = reinterpret_cast<float*>(epi_tile + 1);  // [128] dH epilogue: the staged rows' s
-  int32_t* tile_table = reinterpret_cast<int32_t*>(epi_scale + 128);  // [E+1] when E <= kGemmSmemTileE
-  constexpr bool kDact = gemm_epi_is_dact(EPI);
+  static constexpr int kTileCols = EPI == kEpiGluConcat ? BN / 2 : BN;
+  static constexpr bool kDact = gemm_epi_is_dact(EPI);
+  static constexpr int kGroupM = kDact ? kDactGroupM : kGemmGroupM;
   // Full tiles' C (plain store) or H (interleaved GLU, activation) leave by TMA (tmap_c); the
   // epilogue threads then have nothing to write (A is the consumers').
-  constexpr bool kTmaStore = epi_boxed<EPI>();
+  static constexpr bool kTmaStore = epi_boxed<EPI>();
+  // A gather needs the cp.async issue of all four warps (one per SM sub-partition) to keep up with
+  // the tensor cores, so with a gather the same 128 threads also write the epilogue, in slices
+  // between their loads. With TMA one loader warp suffices and three warps do the epilogue.
+  static constexpr int kLoaders = GATHER ? 128 : 32;
+  static constexpr int kEpilogueThreads = GATHER ? 128 : 96;
+  // The activation output A of the GLU/activation epilogues, run by each consumer warpgroup on
+  // its own 64 staged rows under the next tile's wgmmas: the loader threads, which bound a
+  // gathered GEMM by their cp.async issue, then only store C/H (by TMA for full tiles).
+  static constexpr bool kActOut = EPI == kEpiGluInter || EPI == kEpiGluConcat || EPI == kEpiAct;
+  // (interleaved GLU: 8 A values per item, gemm_write_a_glu_pairs; else 4 or 8 per item)
+  static constexpr bool kActPairs = EPI == kEpiGluInter;
+  static constexpr int kActItemsPerBlock = kActPairs ? 1 : 2;
+
+  static __device__ __forceinline__ void init_barriers(const Layout& sm) {
+    for (int s = 0; s < S; ++s) {
+      // GATHER: the loaders' cp.async arrivals + the TMA thread's expect_tx; else the expect_tx alone.
+      sm90::mbar_init(&sm.full[s], GATHER ? kLoaders + 1 : 1);
+      sm90::mbar_init(&sm.empty[s], 2);  // one arrival per consumer warpgroup
+    }
+    for (int r = 0; r < kTileRing; ++r) {
+      sm90::mbar_init(&sm.tile_full[r], 1);     // the producer's publishing thread
+      sm90::mbar_init(&sm.tile_empty[r], 256);  // every consumer thread, once it has read the slot
+    }
+    sm90::mbar_init(sm.epi_full, 256);
+    sm90::mbar_init(sm.epi_empty, kEpilogueThreads);
+  }
+
   // One thread stores a full staged tile's boxes (a partial tile must not write the next
   // expert's rows: it takes the thread path). Returns whether it went by TMA.
-  auto tma_store_tile = [&](const GemmTile& t, bool issuer) {
+  static __device__ __forceinline__ bool tma_store_tile(const GroupedGemmParams& p, const CUtensorMap* tmap_c,
+                                                        const uint8_t* epi, const GemmTile& t, bool issuer) {
     if (!kTmaStore || t.rows != kGemmBM) return false;
     if (issuer && p.c) {  // null c (inference): H is not written
 #pragma unroll
       for (int h = 0; h < BN / 64; ++h)
-        if (t.n0 + 64 * h < p.N) sm90::tma_store_2d(&tmap_c, epi + h * kEpiBoxBytes, t.n0 + 64 * h, t.row0);
+        if (t.n0 + 64 * h < p.N) sm90::tma_store_2d(tmap_c, epi + h * kEpiBoxBytes, t.n0 + 64 * h, t.row0);
       sm90::bulk_commit_group();
     }
     return true;
-  };
-
-  // A gather needs the cp.async issue of all four warps (one per SM sub-partition) to keep up with
-  // the tensor cores, so with a gather the same 128 threads also write the epilogue, in slices
-  // between their loads. With TMA one loader warp suffices and three warps do the epilogue.
-  constexpr int kLoaders = GATHER ? 128 : 32;
-  constexpr int kEpilogueThreads = GATHER ? 128 : 96;
-  const int wg = sm90::warpgroup_index(), tid = threadIdx.x % 128;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) {
-      // GATHER: the loaders' cp.async arrivals + the TMA thread's expect_tx; else the expect_tx alone.
-      sm90::mbar_init(&full[s], GATHER ? kLoaders + 1 : 1);
-      sm90::mbar_init(&empty[s], 2);  // one arrival per consumer warpgroup
-    }
-    for (int r = 0; r < kTileRing; ++r) {
-      sm90::mbar_init(&tile_full[r], 1);     // the producer's publishing thread
-      sm90::mbar_init(&tile_empty[r], 256);  // every consumer thread, once it has read the slot
-    }
-    sm90::mbar_init(epi_full, 256);
-    sm90::mbar_init(epi_empty, kEpilogueThreads);
-    sm90::mbar_fence_init();
-    sm90::tma_prefetch_descriptor(&tmap_b);
-    if (!GATHER) sm90::tma_prefetch_descriptor(&tmap_a);
-    if (kTmaStore) sm90::tma_prefetch_descriptor(&tmap_c);
   }
-  const bool smem_tiles = p.E <= kGemmSmemTileE;
-  if (smem_tiles && threadIdx.x >= 32 && threadIdx.x < 64) gemm_tile_offsets_warp(p, tile_table);
-  __syncthreads();
-  // (chosen again at each use from the parameters rather than held in a register: several
-  // variants run at the 168-register cap, and a held pointer spilled there)
-  const int total_tiles = gemm_tile_table(p, tile_table)[p.E];
-  const int k_blocks = (p.K + kGemmBK - 1) / kGemmBK;
 
-  if (wg == 0) {
-    sm90::setmaxnreg_dec<gemm_producer_regs<EPI>()>();
-    if (tid >= kLoaders) {
-      // ---------------------------------------------------------- epilogue warps (TMA path)
-      for (int n = 0;; ++n) {
-        sm90::mbar_wait(epi_full, n & 1);
-        const GemmTile tile = *epi_tile;
-        if (tile.e < 0) break;
-        const bool by_tma = tma_store_tile(tile, tid == kLoaders);
-        if (by_tma) {  // nothing left for the threads (A is the consumers')
-          if (tid == kLoaders) sm90::bulk_wait_read_all();  // the staged tile may be overwritten after this
-          sm90::mbar_arrive(epi_empty);
-          continue;
-        }
-        // (the dH epilogue runs in the consumers: only the stop signal reaches here)
-        if constexpr (!kDact)
-          gemm_write_out<BN, EPI>(p, tile, epi, tid - kLoaders, gemm_epi_items_of(tile, epi_chunks_per_row<BN, EPI>()),
-                                  kEpilogueThreads, 1 << 30, true, false);
-        sm90::mbar_arrive(epi_empty);
+  // Epilogue warps 1-3 (contiguous A): each staged tile, until the consumers' stop signal.
+  static __device__ __forceinline__ void epilogue_warps(const GroupedGemmParams& p, const CUtensorMap* tmap_c,
+                                                        const Layout& sm, int tid) {
+    for (int n = 0;; ++n) {
+      sm90::mbar_wait(sm.epi_full, n & 1);
+      const GemmTile tile = *sm.epi_tile;
+      if (tile.e < 0) break;
+      const bool by_tma = tma_store_tile(p, tmap_c, sm.epi, tile, tid == kLoaders);
+      if (by_tma) {  // nothing left for the threads (A is the consumers')
+        if (tid == kLoaders) sm90::bulk_wait_read_all();  // the staged tile may be overwritten after this
+        sm90::mbar_arrive(sm.epi_empty);
+        continue;
       }
-      if (kTmaStore && tid == kLoaders) sm90::bulk_wait_all();
-      return;
+      // (the dH epilogue runs in the consumers: only the stop signal reaches here)
+      if constexpr (!kDact)
+        gemm_write_out<BN, EPI>(p, tile, sm.epi, tid - kLoaders, gemm_epi_items_of(tile, epi_chunks_per_row<BN, EPI>()),
+                                kEpilogueThreads, 1 << 30, true, false);
+      sm90::mbar_arrive(sm.epi_empty);
     }
-    // With a gather the loaders also write the epilogue's C/H (tiles that do not leave by TMA):
-    // `ep` tracks the staged tile in progress.
-    // They never block on a stage while epilogue work is pending (the consumers may be waiting
-    // for it to stage their next tile), and poll it while they wait.
+    if (kTmaStore && tid == kLoaders) sm90::bulk_wait_all();
+  }
+
+  // The loader threads: decode and publish each tile, fill the stages; with a gather also the
+  // epilogue's C/H stores (tiles that do not leave by TMA), in slices between the loads.
+  static __device__ __forceinline__ void producer(const GroupedGemmParams& p, const CUtensorMap* tmap_a,
+                                                  const CUtensorMap* tmap_b, const CUtensorMap* tmap_c,
+                                                  const Layout& sm, int tid, int total_tiles, int k_blocks) {
+    // `ep` tracks the staged tile in progress. The loaders never block on a stage while epilogue
+    // work is pending (the consumers may be waiting for it to stage their next tile), and poll it
+    // while they wait.
     struct {
       int n = 0, next = -1;
       bool tma = false;  // this tile's C/H went by TMA (issued by loader thread 0)
@@ -335,25 +181,26 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     auto epi_begin = [&](const GemmTile& t) {  // a staged tile was taken: start its walk
       ep.tile = t;
       ep.next = tid;
-      ep.tma = tma_store_tile(t, tid == 0);
+      ep.tma = tma_store_tile(p, tmap_c, sm.epi, t, tid == 0);
       if (ep.tma) ep.next = 1 << 30;  // nothing left for the threads (A is the consumers')
     };
     auto epi_work = [&](int budget) {  // one slice of the tile in progress
       if constexpr (!kDact) {
         const int items = gemm_epi_items_of(ep.tile, epi_chunks_per_row<BN, EPI>());
-        if (ep.next < items) ep.next = gemm_write_out<BN, EPI>(p, ep.tile, epi, ep.next, items, kEpilogueThreads, budget, true, false);
+        if (ep.next < items)
+          ep.next = gemm_write_out<BN, EPI>(p, ep.tile, sm.epi, ep.next, items, kEpilogueThreads, budget, true, false);
         if (ep.next < items) return;
       }
       if (ep.tma && tid == 0) sm90::bulk_wait_read_all();
-      sm90::mbar_arrive(epi_empty);
+      sm90::mbar_arrive(sm.epi_empty);
       ep.next = -1;
       ++ep.n;
     };
     auto epi_step = [&](int budget) {
       if constexpr (GATHER) {
         if (ep.next < 0) {
-          if (!sm90::mbar_test_wait(sm90::smem_addr(epi_full), ep.n & 1)) return;
-          const GemmTile t = *epi_tile;
+          if (!sm90::mbar_test_wait(sm90::smem_addr(sm.epi_full), ep.n & 1)) return;
+          const GemmTile t = *sm.epi_tile;
           if (t.e < 0) return;  // the stop signal: handled after the last load
           epi_begin(t);
           // A full tile's TMA store was just issued: finish (wait for it to have read the staged
@@ -364,57 +211,57 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         epi_work(budget);
       }
     };
-    // ------------------------------------------------------------ loaders
-    const int lane = tid;        // 0 .. kLoaders-1
+    const int lane = tid;  // 0 .. kLoaders-1
     int it = 0;
     GemmGatherRows<kLoaders> rows;  // with a gather, this thread's rows of the tile
     for (int t = blockIdx.x, n = 0;; t += gridDim.x, ++n) {
       const bool done = t >= total_tiles;
-      constexpr int kGroupM = kDact ? kDactGroupM : kGemmGroupM;
-      const GemmTile tile = done ? GemmTile{-1, 0, 0, 0}
-                                 : gemm_decode_tile<kGroupM>(p, gemm_tile_table(p, tile_table), t, kTileCols);
+      // (the table chosen again at each use from the parameters rather than held in a register:
+      // several variants run at the 168-register cap, and a held pointer spilled there)
+      const GemmTile tile =
+          done ? GemmTile{-1, 0, 0, 0} : gemm_decode_tile<kGroupM>(p, gemm_tile_table(p, sm.tile_table), t, kTileCols);
       if (lane == 0) {  // publish (e = -1 tells the consumers to stop)
         const int slot = n % kTileRing;
-        sm90::mbar_wait(&tile_empty[slot], ((n / kTileRing) & 1) ^ 1);
-        ring[slot] = tile;
-        sm90::mbar_arrive(&tile_full[slot]);
+        sm90::mbar_wait(&sm.tile_empty[slot], ((n / kTileRing) & 1) ^ 1);
+        sm.ring[slot] = tile;
+        sm90::mbar_arrive(&sm.tile_full[slot]);
       }
       if (done) break;
       if constexpr (GATHER) rows.load(p, tile, lane);  // this thread's A rows (~0 past the expert's end)
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
         // (warp-uniform to the compiler: the stage's addresses and barriers in uniform registers,
-        // and no per-lane loop around the cp.async arrival; H100, session 35: gathered GEMMs
-        // +0.5-2%, 7B-a up-projection 1% less energy per call)
+        // and no per-lane loop around the cp.async arrival; on an H100 the gathered GEMMs ran
+        // 0.5-2% faster)
         const int itu = sm90::warp_uniform(it), s = itu % S;
         if constexpr (GATHER) {
-          const uint32_t bar = sm90::smem_addr(&empty[s]);
+          const uint32_t bar = sm90::smem_addr(&sm.empty[s]);
           while (!sm90::mbar_test_wait(bar, ((itu / S) & 1) ^ 1)) epi_step(2);
         } else {
-          sm90::mbar_wait(&empty[s], ((itu / S) & 1) ^ 1);
+          sm90::mbar_wait(&sm.empty[s], ((itu / S) & 1) ^ 1);
         }
-        uint8_t* a_stage = smem_a + s * Smem::kABytes;
-        uint8_t* b_stage = smem_b + s * Smem::kBBytes;
+        uint8_t* a_stage = sm.smem_a + s * Smem::kABytes;
+        uint8_t* b_stage = sm.smem_b + s * Smem::kBBytes;
         const int k0 = kb * kGemmBK;
         if (lane == 0) {
-          sm90::mbar_arrive_expect_tx(&full[s], GATHER ? Smem::kBBytes : Smem::kBBytes + Smem::kABytes);
+          sm90::mbar_arrive_expect_tx(&sm.full[s], GATHER ? Smem::kBBytes : Smem::kBBytes + Smem::kABytes);
           if constexpr (B_NMAJOR) {  // BN/64 blocks of [64 K rows][64 N], 8 KB apart
 #pragma unroll
             for (int h = 0; h < BN / 64; ++h)
-              sm90::tma_load_3d(b_stage + h * 64 * 128, &tmap_b, &full[s], tile.n0 + 64 * h, k0, tile.e);
+              sm90::tma_load_3d(b_stage + h * 64 * 128, tmap_b, &sm.full[s], tile.n0 + 64 * h, k0, tile.e);
           } else {
             const int wrow = tile.e * p.N;  // first row of W[e] in the [E*N, K] view
 #pragma unroll
             for (int h = 0; h < BN / 128; ++h) {
               // Interleaved/plain: rows n0 + 128h; concatenated GLU: gate rows j0.., up rows n + j0..
               const int r = EPI == kEpiGluConcat ? wrow + h * (p.N / 2) + tile.n0 : wrow + tile.n0 + 128 * h;
-              sm90::tma_load_2d(b_stage + h * 128 * 128, &tmap_b, &full[s], k0, r);
+              sm90::tma_load_2d(b_stage + h * 128 * 128, tmap_b, &sm.full[s], k0, r);
             }
           }
-          if constexpr (!GATHER) sm90::tma_load_2d(a_stage, &tmap_a, &full[s], k0, tile.row0);
+          if constexpr (!GATHER) sm90::tma_load_2d(a_stage, tmap_a, &sm.full[s], k0, tile.row0);
         }
         if constexpr (GATHER) {
           rows.copy(p, a_stage, lane, k0);
-          sm90::cp_async_arrive_noinc(&full[s]);
+          sm90::cp_async_arrive_noinc(&sm.full[s]);
           epi_step(4);
         }
       }
@@ -422,8 +269,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     if constexpr (GATHER) {  // drain: the remaining staged tiles, until the consumers say stop
       for (;;) {
         if (ep.next < 0) {
-          sm90::mbar_wait(epi_full, ep.n & 1);
-          const GemmTile t = *epi_tile;
+          sm90::mbar_wait(sm.epi_full, ep.n & 1);
+          const GemmTile t = *sm.epi_tile;
           if (t.e < 0) break;
           epi_begin(t);
         }
@@ -431,10 +278,23 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       }
       if (kTmaStore && tid == 0) sm90::bulk_wait_all();
     }
-  } else {
-    // ------------------------------------------------------------ consumers
-    sm90::setmaxnreg_inc<gemm_consumer_regs<EPI>()>();
-    const int cw = wg - 1;
+  }
+
+  // The staged tile out to the epilogue threads: wait until they are done with the previous one,
+  // stage this warpgroup's rows, signal. staged: tiles staged so far (the barrier's phase).
+  static __device__ __forceinline__ void stage_tile(const GroupedGemmParams& p, const Layout& sm, const GemmTile& tile,
+                                                    int cw, const float (&acc)[BN / 2], int& staged) {
+    sm90::mbar_wait(sm.epi_empty, (staged & 1) ^ 1);
+    gemm_stage_out<BN, EPI>(p, tile, cw, acc, sm.epi);
+    if constexpr (kTmaStore) sm90::fence_proxy_async_shared();  // st.shared -> the TMA store's reads
+    if (threadIdx.x == 128) *sm.epi_tile = tile;
+    sm90::mbar_arrive(sm.epi_full);
+    ++staged;
+  }
+
+  // Consumer warpgroup cw (0 or 1): its 64 rows of every tile of the ring, until the stop signal.
+  static __device__ __forceinline__ void consumer(const GroupedGemmParams& p, const Layout& sm, int cw, int tid,
+                                                  int k_blocks) {
     int it = 0, staged = 0;
     // The dH epilogue, run by each consumer warpgroup on its own 64 rows of the staged tile while
     // the next tile's wgmmas run: one group of items per K block (loads issued a block ahead).
@@ -445,48 +305,41 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       bool on = false;
     } dw;
     const int row_base = cw * 64;
-    // The activation output A of the GLU/activation epilogues, also run by each consumer
-    // warpgroup on its own 64 staged rows under the next tile's wgmmas: the loader threads, which
-    // bound a gathered GEMM by their cp.async issue, then only store C/H (by TMA for full tiles).
-    constexpr bool kActOut = EPI == kEpiGluInter || EPI == kEpiGluConcat || EPI == kEpiAct;
-    // (interleaved GLU: 8 A values per item, gemm_write_a_glu_pairs; else 4 or 8 per item)
-    constexpr bool kActPairs = EPI == kEpiGluInter;
-    constexpr int kActItemsPerBlock = kActPairs ? 1 : 2;
     struct {
       GemmTile tile;
       int next = 0, end = 0, row_end = 0;
     } aw;
     auto act_step = [&](int budget) {
       if constexpr (kActPairs)
-        aw.next = gemm_write_a_glu_inter<BN>(p, aw.tile, epi, aw.next, aw.end, 128, budget, aw.row_end);
+        aw.next = gemm_write_a_glu_inter<BN>(p, aw.tile, sm.epi, aw.next, aw.end, 128, budget, aw.row_end);
       else
-        aw.next = gemm_write_out<BN, EPI>(p, aw.tile, epi, aw.next, aw.end, 128, budget, false, true);
+        aw.next = gemm_write_out<BN, EPI>(p, aw.tile, sm.epi, aw.next, aw.end, 128, budget, false, true);
     };
     auto dact_step = [&]() {  // compute the loaded group, load the next one
-      pipe.compute(p, dw.tile, epi, epi_scale, row_base, dw.items, dw.end, dw.next, 128);
+      pipe.compute(p, dw.tile, sm.epi, sm.epi_scale, row_base, dw.items, dw.end, dw.next, 128);
       dw.next += kDactGroupConsumer * 128;
       dw.on = dw.next < dw.end;  // warp-uniform (end is a multiple of 32)
       if (dw.on) pipe.load(p, dw.tile, row_base, dw.items, dw.next, 128);
     };
     // Stage 0's operand descriptors (this warpgroup's 64 rows of A); the main loop advances them.
-    const uint64_t desc_a0 = sm90::smem_desc_kmajor_sw128(sm90::smem_addr(smem_a + cw * 64 * 128));
-    const uint64_t desc_b0 = B_NMAJOR ? sm90::smem_desc_mnmajor_sw128(sm90::smem_addr(smem_b), 64 * 128)
-                                      : sm90::smem_desc_kmajor_sw128(sm90::smem_addr(smem_b));
+    const uint64_t desc_a0 = sm90::smem_desc_kmajor_sw128(sm90::smem_addr(sm.smem_a + cw * 64 * 128));
+    const uint64_t desc_b0 = B_NMAJOR ? sm90::smem_desc_mnmajor_sw128(sm90::smem_addr(sm.smem_b), 64 * 128)
+                                      : sm90::smem_desc_kmajor_sw128(sm90::smem_addr(sm.smem_b));
     for (int n = 0;; ++n) {
       const int slot = n % kTileRing;
-      sm90::mbar_wait(&tile_full[slot], (n / kTileRing) & 1);
-      const GemmTile tile = ring[slot];
-      sm90::mbar_arrive(&tile_empty[slot]);
+      sm90::mbar_wait(&sm.tile_full[slot], (n / kTileRing) & 1);
+      const GemmTile tile = sm.ring[slot];
+      sm90::mbar_arrive(&sm.tile_empty[slot]);
       if (tile.e < 0) break;
       float acc[BN / 2];
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-      int prev_stage = -1;
       DactRowScale rs;
       if constexpr (kDact) rs.load_pairs(p, tile, cw);
+      int prev_stage = -1;
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
         const int s = it % S;
-        sm90::mbar_wait(&full[s], (it / S) & 1);
+        sm90::mbar_wait(&sm.full[s], (it / S) & 1);
         if constexpr (GATHER) sm90::fence_proxy_async_shared();  // cp.async (generic proxy) -> wgmma
         sm90::wgmma_fence();
 #pragma unroll
@@ -498,15 +351,15 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         sm90::wgmma_commit();
         // The dH epilogue's slice (the previous tile's) runs before the wait, while two wgmma
         // groups are queued (the previous block's and this one), so that the tensor cores have
-        // work for its whole length. Measured: 30B-b dH +5%, 7B-a +1%; the GLU's A slice below
-        // did not gain from the same move (7B-a up-projection -3%), so it stays after the wait.
+        // work for its whole length: dH +1-5%. The GLU's A slice did not gain from the same move
+        // (the up-projection lost 3%), so it stays after the wait.
         if constexpr (kDact) {
           if (dw.on) dact_step();
         }
         // Keep this stage's group in flight; the previous one is done after wait<1>.
         sm90::wgmma_wait<1>();
         sm90::fence_accumulators(acc);
-        if (prev_stage >= 0 && tid == 0) sm90::mbar_arrive(&empty[prev_stage]);
+        if (prev_stage >= 0 && tid == 0) sm90::mbar_arrive(&sm.empty[prev_stage]);
         prev_stage = s;
         if constexpr (kDact) {
           if (kb == 0) rs.load_scores(p);
@@ -517,12 +370,12 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       }
       sm90::wgmma_wait<0>();
       sm90::fence_accumulators(acc);
-      if (prev_stage >= 0 && tid == 0) sm90::mbar_arrive(&empty[prev_stage]);
+      if (prev_stage >= 0 && tid == 0) sm90::mbar_arrive(&sm.empty[prev_stage]);
       if constexpr (kDact) {
         while (dw.on) dact_step();               // the rest of the previous tile's epilogue
         sm90::named_barrier_sync(2 + cw, 128);   // every thread of this warpgroup is done reading it
-        gemm_stage_out<BN, EPI>(p, tile, cw, acc, epi);
-        rs.stage(epi_scale, cw);
+        gemm_stage_out<BN, EPI>(p, tile, cw, acc, sm.epi);
+        rs.stage(sm.epi_scale, cw);
         sm90::named_barrier_sync(2 + cw, 128);   // this warpgroup's half is staged
         const int rows = max(0, min(64, tile.rows - row_base));
         dw.tile = tile;
@@ -537,13 +390,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         while (aw.next < aw.end) act_step(1 << 30);  // the rest of the previous tile's A
         sm90::named_barrier_sync(2 + cw, 128);       // every thread of this warpgroup is done reading it
       }
-      // Stage the tile out for the epilogue warps once they are done with the previous one.
-      sm90::mbar_wait(epi_empty, (staged & 1) ^ 1);
-      gemm_stage_out<BN, EPI>(p, tile, cw, acc, epi);
-      if constexpr (kTmaStore) sm90::fence_proxy_async_shared();  // st.shared -> the TMA store's reads
-      if (threadIdx.x == 128) *epi_tile = tile;
-      sm90::mbar_arrive(epi_full);
-      ++staged;
+      stage_tile(p, sm, tile, cw, acc, staged);
       if constexpr (kActOut) {
         sm90::named_barrier_sync(2 + cw, 128);  // this warpgroup's rows are staged
         const int rows = max(0, min(64, tile.rows - row_base));
@@ -565,10 +412,44 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     if constexpr (kActOut) {
       while (aw.next < aw.end) act_step(1 << 30);  // the last tile's A
     }
-    // Tell the epilogue warps to stop.
-    sm90::mbar_wait(epi_empty, (staged & 1) ^ 1);
-    if (threadIdx.x == 128) epi_tile->e = -1;
-    sm90::mbar_arrive(epi_full);
+    // Tell the epilogue threads to stop.
+    sm90::mbar_wait(sm.epi_empty, (staged & 1) ^ 1);
+    if (threadIdx.x == 128) sm.epi_tile->e = -1;
+    sm90::mbar_arrive(sm.epi_full);
+  }
+};
+
+template <int BN, int EPI, bool GATHER, bool B_NMAJOR>
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    sm90_grouped_gemm(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
+                      const __grid_constant__ CUtensorMap tmap_c, const GroupedGemmParams p) {
+  using Gemm = GemmCooperative<BN, EPI, GATHER, B_NMAJOR>;
+  extern __shared__ uint8_t smem_raw[];
+  const typename Gemm::Layout sm(smem_raw);
+  const int wg = sm90::warpgroup_index(), tid = threadIdx.x % 128;
+  if (threadIdx.x == 0) {
+    Gemm::init_barriers(sm);
+    sm90::mbar_fence_init();
+    sm90::tma_prefetch_descriptor(&tmap_b);
+    if (!GATHER) sm90::tma_prefetch_descriptor(&tmap_a);
+    if (Gemm::kTmaStore) sm90::tma_prefetch_descriptor(&tmap_c);
+  }
+  const bool smem_tiles = p.E <= kGemmSmemTileE;
+  if (smem_tiles && threadIdx.x >= 32 && threadIdx.x < 64) gemm_tile_offsets_warp(p, sm.tile_table);
+  __syncthreads();
+  const int total_tiles = gemm_tile_table(p, sm.tile_table)[p.E];
+  const int k_blocks = (p.K + kGemmBK - 1) / kGemmBK;
+
+  if (wg == 0) {
+    sm90::setmaxnreg_dec<gemm_producer_regs<EPI>()>();
+    if (tid >= Gemm::kLoaders) {
+      Gemm::epilogue_warps(p, &tmap_c, sm, tid);
+      return;
+    }
+    Gemm::producer(p, &tmap_a, &tmap_b, &tmap_c, sm, tid, total_tiles, k_blocks);
+  } else {
+    sm90::setmaxnreg_inc<gemm_consumer_regs<EPI>()>();
+    Gemm::consumer(p, sm, wg - 1, tid, k_blocks);
   }
 }
 

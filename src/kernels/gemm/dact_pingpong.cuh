@@ -1,21 +1,18 @@
-// Kernel family 6 of SPEC §2 (the dH kernel: dA' = dout[gathered] · W2, then the dH epilogue of
-// gemm/epilogue_dact.cuh) as a ping-pong grouped GEMM: one 128 x 128 tile per consumer
-// warpgroup, SonicMoE's arrangement for this kernel. The default where d = K <= 2048
-// (host/gemm/grouped_gemm.cu, kDhPingPongWhere; MACHMOE_DH_PINGPONG=0/1 overrides).
+// The dH kernel (dA' = dout[gathered] · W2, then the dH epilogue of gemm/epilogue_dact.cuh) as a
+// ping-pong grouped GEMM: one 128 x 128 tile per consumer warpgroup. The host chooses it where
+// d = K <= 2048 (host/gemm/config.hpp, kDactPingPongWhere).
 //
-// Measured (session 27, H100 kernel table): 5-6.5% faster than the cooperative kernel at d = 768
-// and 1536 (7B-a 0.529-0.541 ms against 0.568-0.580), 7-9% slower at d = 4096. Timing probes at
-// 7B-a: without its wgmmas it takes 93% of its time, so its loads and the epilogue's traffic bound
-// it (docs/PERF.md, session 27).
+// On an H100 (2026-11; configurations of machmoe.bench): 5-6.5% faster than the cooperative
+// kernel at d = 768 and 1536 (7B-a 0.529-0.541 ms against 0.568-0.580), 7-9% slower at d = 4096.
+// Without its wgmmas it still takes 93% of its time at 7B-a: its loads and the epilogue's traffic
+// bound it.
 //
-// Why (session 25, Nsight Compute on the H100): SonicMoE's dH at 7B-a takes 1.14x fewer cycles
-// than our cooperative kernel (128 x 256 tiles, both consumer warpgroups on one tile). Ours
-// already runs the dH epilogue in slices under the next tile's wgmmas, but at every tile
-// boundary both warpgroups drain and stage at once while the tensor cores idle. Here each
-// consumer warpgroup owns a whole tile, so its drain, staging and whole epilogue (H loads, dH and
-// A' stores, the dS partials) run while the other warpgroup's wgmmas run. The dO rows are gathered
-// per 128 columns instead of per 256 (twice the cp.async requests per FLOP: session 9 found the
-// request count bounds the gathered GEMMs; SonicMoE pays the same and is faster).
+// Why: the cooperative kernel already runs the dH epilogue in slices under the next tile's
+// wgmmas, but at every tile boundary both warpgroups drain and stage at once while the tensor
+// cores idle. Here each consumer warpgroup owns a whole tile, so its drain, staging and whole
+// epilogue (H loads, dH and A' stores, the dS partials) run while the other warpgroup's wgmmas
+// run. The dO rows are gathered per 128 columns instead of per 256 (twice the cp.async requests
+// per FLOP, which bound the gathered GEMMs).
 //
 //   warpgroup 0, the loaders (as the cooperative kernel's with a gather): every thread decodes the
 //     static tile schedule t = blockIdx.x, blockIdx.x + gridDim.x, ...; thread 0 publishes each
@@ -31,32 +28,23 @@
 // A stage is released by the one consumer that read it; every output element, and each row's dS
 // partial of the tile's 128 columns, is written once by one thread: deterministic.
 //
-// Session 28 (H100): the main loop is short of stages at d <= 1536. Without the two staging
-// buffers (six stages instead of four, epilogue skipped) it ran 29% faster at 7B-a, as fast as
-// its loads alone. Two ways to free the buffers were correct and slower: the epilogue straight
-// from the accumulators (7-21%), and staging in 64-row halves with five stages (2-6%). With 128
-// accumulators under the 168-register cap, either leaves the epilogue too few loads in flight
-// to stay under the other consumer's main loop (patches in results/session28/).
-// Session 30 (H100): five stages with both staging buffers kept, by staging dA' in the boxed
-// (swizzled) layout instead of padded rows (32 KB a buffer, not 34) and keeping at most 384
-// experts' tile offsets in shared memory. 7B-a 0.500-0.504 ms against four stages' 0.514-0.517
-// (Nsight Compute: 5% fewer cycles, long-scoreboard stalls 3.7 against 4.9 per issue), 7B-b
-// within noise (0.475-0.501 against 0.498-0.534), 1.4B-a unchanged (its 12 K blocks leave the
-// epilogue the bound). Predicted 0-10%.
-// Measured and removed (session 28, H100): the same kernel in CTA pairs, each CTA loading one of
-// W2's two boxes per stage and multicasting it to both (SonicMoE's cluster of two; half the
-// weights' L2->SM bytes). 4-12% slower at d <= 1536 and 11% slower at 30B-b than one CTA alone.
-// Measured and removed (sessions 28-30, H100): the epilogue from the accumulators with H loaded
-// and dH / A' stored by TMA through sub-tile buffers (SonicMoE's epilogue), five stages: correct,
-// 20-27% slower at d <= 1536. It read 1.27-1.34 GB from DRAM against this kernel's 0.87 for the
-// same bytes asked of L2; four stages, H loaded after the main loop, and L2 hints did not bring
-// that down (docs/PERF.md, sessions 29 and 30).
+// Five stages, with both staging buffers kept, by staging dA' in the boxed (swizzled) layout
+// instead of padded rows (32 KB a buffer, not 34) and keeping at most 384 experts' tile offsets
+// in shared memory: against four stages, 7B-a 0.500-0.504 ms instead of 0.514-0.517 (5% fewer
+// cycles). Measured slower, on an H100: freeing the staging buffers for more stages, with the
+// epilogue straight from the accumulators (7-21%) or staging in 64-row halves (2-6%): with 128
+// accumulators under the 168-register cap, either leaves the epilogue too few loads in flight to
+// stay under the other consumer's main loop; the kernel in CTA pairs multicasting W2's boxes
+// (4-12% at d <= 1536); the epilogue from the accumulators with H, dH and A' moved by TMA through
+// sub-tile buffers (20-27% at d <= 1536: 1.3x the DRAM reads for the same L2 requests).
 #pragma once
 
 #include <cuda_bf16.h>
 
-#include "kernels/gemm/cooperative.cuh"
-#include "kernels/gemm/pingpong.cuh"  // pingpong_mainloop
+#include "kernels/gemm/cooperative.cuh"  // GemmGatherRows
+#include "kernels/gemm/epilogue_dact.cuh"
+#include "kernels/gemm/pingpong.cuh"  // pingpong_mainloop, PingPongSmemLayout
+#include "kernels/gemm/scheduler.cuh"
 
 namespace machmoe::kernels {
 
@@ -66,8 +54,6 @@ constexpr int kDactPPGroup = 2;  // epilogue items (16 columns each) per thread 
 // above that): fewer than the engine's kGemmSmemTileE, so that five stages fit.
 constexpr int kDactPPSmemTileE = 384;
 
-// (Session 27 also ran the two consumers through one buffer taken in turn, for a fifth stage: no
-// faster at d <= 1536, 11% slower at 30B-b; removed.)
 struct GemmDactPingPongSmem {
   static constexpr int BN = kDactPPBN;
   static constexpr int kABytes = kGemmBM * kGemmBK * 2;  // 16 KB of gathered dO rows
@@ -103,7 +89,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   // 1024-byte aligned as declared (the 128-byte swizzle's atom), so that the layout's round-up
   // folds away: Smem::kFixed has no slack for it. (Its own name: declared as smem_raw, the
   // alignment reached every kernel of the unit and made ptxas spill 8 bytes in four cooperative
-  // GEMMs, session 29.)
+  // GEMMs.)
   extern __shared__ __align__(1024) uint8_t dact_pingpong_smem[];
   const PingPongSmemLayout<Smem> lay(dact_pingpong_smem);
   uint8_t *smem_a = lay.smem_a, *smem_b = lay.smem_b;

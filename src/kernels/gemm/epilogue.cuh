@@ -13,63 +13,14 @@
 #include <cassert>
 
 #include "kernels/common.cuh"
+#include "kernels/gemm/params.cuh"
 #include "kernels/ptx/sm90_ptx.cuh"
 
 namespace machmoe::kernels {
 
-enum GemmEpilogue : int {
-  kEpiStore = 0,      // C = acc (+ bias)
-  kEpiGluInter = 1,   // GLU, gate/up interleaved columns: C = H, C2 = act(gate)·up
-  kEpiGluConcat = 2,  // GLU, B tile = [BN/2 gate rows; BN/2 up rows] of a concatenated W1
-  kEpiAct = 3,        // non-GLU activation: C = H, C2 = act(H)
-  // The backward's dH kernel (gemm/epilogue_dact.cuh): the GEMM gives dA' [R, n]; with the
-  // saved H it writes C = dH [R, n1], C2 = A' = s·act(H) [R, n] and the per-row dS partials.
-  kEpiDGluInter = 4,
-  kEpiDGluConcat = 5,
-  kEpiDAct = 6,
-};
-
-constexpr bool gemm_epi_is_dact(int epi) { return epi >= kEpiDGluInter; }
-
-enum GemmActivation : int { kActSwiGLU = 0, kActGeGLU = 1, kActReGLU = 2, kActReLU2 = 3, kActReLU = 4,
-                            kActGELU = 5, kActSiLU = 6 };
-
-constexpr int kGemmBM = 128;
-// The dH epilogue writes one dS partial per this many dA' columns (ds_partial [R, ceil(n/128)]),
-// whichever kernel and tile width ran (host: grouped_gemm_column_tiles).
-constexpr int kDsCols = 128;
-
-struct GroupedGemmParams {
-  const __nv_bfloat16* a;        // A rows, leading dimension lda (elements)
-  int64_t lda;
-  const int32_t* gather;         // [R] row -> A row, or null (row r of A)
-  const int32_t* expert_offsets; // [E+1]
-  const int32_t* tile_offsets;   // [E+1], from grouped_gemm_tile_offsets
-  const __nv_bfloat16* bias;     // [E, N] (in W's row order) or null
-  __nv_bfloat16* c;              // [R, ldc]: C (store) or H (GLU / act; null: H not written)
-  int64_t ldc;
-  __nv_bfloat16* c2;             // [R, ldc2]: A = act(H), or null
-  int64_t ldc2;
-  int E, N, K;                   // N: output columns of C (2n for GLU)
-  int n_tiles;                   // column tiles per expert
-  int act;                       // GemmActivation
-  // dH epilogue (kEpiD*) only: H [R, n1] (ldh), s_r = row_scores[row_pair[r]], and
-  // ds_partial [R, ds_cols] fp32
-  const __nv_bfloat16* h;
-  int64_t ldh;
-  const float* row_scores;
-  const int32_t* row_pair;
-  float* ds_partial;
-  int ds_cols;                   // ds_partial's row stride: ceil(N / kDsCols)
-};
-
-struct GemmTile {
-  int e, row0, rows, n0;  // expert (-1: no more tiles), first row, rows (<= 128), first column
-};
-
 // 1 / (1 + e^-h) by ex2.approx.ftz and rcp.approx.ftz, two MUFU operations. __expf and
 // __fdividef compile (without -ftz) to the same two plus a guard for the subnormal range: a
-// compare and two predicated multiplies per element in the epilogues' SASS (session 33). With
+// compare and two predicated multiplies per element in the epilogues' SASS. With
 // ftz, 2^x below 2^-126 becomes 0, where the sigmoid is 1 to fp32 precision anyway, and e^-h =
 // inf gives 0, as it should.
 __device__ __forceinline__ float sigmoid_approx(float h) {
@@ -120,20 +71,6 @@ __device__ __forceinline__ decltype(auto) gemm_act_dispatch(int act, F&& f) {
   }
 }
 
-// Row stride of the staged tile: BN bf16 + 16 bytes, so that the 8 rows a warp writes at once
-// land in different banks (row stride ≡ 4 banks mod 32).
-template <int BN>
-constexpr int epi_row_bytes() { return BN * 2 + 16; }
-
-// The plain-store, interleaved-GLU and activation epilogues stage their tile (C or H) as BN/64 TMA
-// boxes [128 rows][64 columns] with the 128-byte swizzle instead (conflict-free too: the 8 rows
-// of a warp's store hit 8 different 16-byte slots), so that a full tile's C/H leaves by TMA
-// stores and the epilogue threads only compute and write A.
-constexpr int kEpiBoxBytes = 128 * 128;
-template <int EPI>
-constexpr bool epi_boxed() { return EPI == kEpiStore || EPI == kEpiGluInter || EPI == kEpiAct; }
-template <int BN>
-constexpr int epi_tile_bytes() { return 128 * epi_row_bytes<BN>(); }
 // Byte offset in the staged tile of row r, 16-byte chunk ch (8 columns) of the BN-wide row.
 // Boxed tiles: boxes of kBoxRows rows (128; the ping-pong kernel stages 64-row halves). kBoxed: the
 // boxed layout for a tile that never leaves by TMA (the ping-pong dH kernel's dA': 16 bytes a row
@@ -164,7 +101,7 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 // warpgroup's 64, column 8·jj + 2·(lane % 4) + i. That is the layout stmatrix takes: one
 // stmatrix.x4 per two 8-column chunks stores the warp's 16 rows of both (matrices: rows 0-7 and
 // 8-15 of chunk jj, then of chunk jj + 1), 16 instructions at BN = 256 instead of 64 4-byte
-// st.shared, with fewer address computations. Measured (session 14): dX~ +1% (7B-a) and +2%
+// st.shared, with fewer address computations. Measured on an H100: dX~ +1% (7B-a) and +2%
 // (30B-b), the other kernels within noise; the shared-memory bytes, not the instructions, bound
 // the staging.
 // cw: which 64 rows of the staged tile (the warpgroup's half of a cooperative tile; 0 with

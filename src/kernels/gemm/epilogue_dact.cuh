@@ -1,4 +1,4 @@
-// The dH epilogue of the grouped GEMM engine (SPEC §2 kernel 6, docs/BACKWARD.md): the engine
+// The dH epilogue of the grouped GEMM engine (docs/BACKWARD.md): the engine
 // computes dA'_r = dout_{tok(r)} · W2_e (fp32, staged to shared memory as bf16 like every tile),
 // and the consumer warpgroups themselves finish the backward of the activation per routed row r
 // with score s_r, each on its own 64 staged rows while the next tile's wgmmas run:
@@ -81,8 +81,8 @@ constexpr int kDactGroupConsumer = 1;
 // row's left half, then its right half. Items are rows row_base + it / (BN/16); `items` =
 // rows · kItemsPerRow, end_of(items) rounds it up to whole warps. The scores come from shared
 // memory (`scale` [128], staged with the tile), so no load chain row -> pair -> score.
-// Measured (session 35, H100, against 8-column items in the same calls): dH +1-2% at 7B-a and
-// 30B-b, +4-5% at 120B-c. (Session 34's first 16-column form, lanes 32 bytes apart, lost 2-5%.)
+// Measured on an H100 against 8-column items in the same calls: dH +1-2% at 7B-a and 30B-b, +4-5%
+// at 120B-c. (A 16-column form with lanes 32 bytes apart lost 2-5%.)
 // kBoxed: the tile is staged in the boxed layout (epi_chunk_offset), as the ping-pong dH kernel
 // stages it; else padded rows (epi_row_bytes), as the cooperative kernel does.
 template <int BN, int EPI, int G, bool kBoxed = false>

@@ -10,7 +10,7 @@
 // H200 it is 1-12% faster than the cooperative kernel where d <= 2048 or K <= 512, and 2-5%
 // slower at d >= 4096 with K >= 1024 (hence the shape rule).
 //
-//   warpgroup 0: warp 1, one thread, decodes the static tile schedule (as the cooperative kernel) into
+//   warpgroup 0: warp 1, one thread, decodes the static tile schedule (gemm/scheduler.cuh) into
 //     a ring; warp 0, one thread, loads A [128 rows x 64 K] and B [BN x 64 K] per stage by TMA,
 //     tile by tile from the ring. The other threads have nothing to do.
 //   warpgroups 1 and 2: consumer c takes the CTA's tiles n = c, c + 2, ...; its K blocks are the
@@ -27,7 +27,10 @@
 
 #include <cuda_bf16.h>
 
-#include "kernels/gemm/cooperative.cuh"
+#include "kernels/gemm/epilogue.cuh"
+#include "kernels/gemm/params.cuh"
+#include "kernels/gemm/scheduler.cuh"
+#include "kernels/ptx/sm90_ptx.cuh"
 
 namespace machmoe::kernels {
 
@@ -71,8 +74,8 @@ __device__ __forceinline__ void pingpong_copy_rows(const GroupedGemmParams& p, G
 // chains, rows 0-63 and 64-127 of the A stage. One wgmma group stays in flight; thread 0 of the
 // warpgroup releases each stage (release(s)) once the group reading it has retired. Returns the
 // last stage, not yet released: the caller hands the turn on before it drains. wait_full(s,
-// parity) waits for a stage (the store kernel times the wait); after_block(kb) runs after each
-// block's wait<1>. kGather: A came by cp.async (the generic proxy), fenced for the wgmmas.
+// parity) waits for a stage; after_block(kb) runs after each block's wait<1>. kGather: A came by
+// cp.async (the generic proxy), fenced for the wgmmas.
 template <int BN, bool B_NMAJOR, bool kGather, int S, int kABytes, int kBBytes, class WaitFull, class Release,
           class AfterBlock>
 __device__ __forceinline__ int pingpong_mainloop(const GroupedGemmParams& p, float (&acc)[2][BN / 2],

@@ -1,4 +1,4 @@
-// Kernel families 7 and 8 of SPEC §2: the weight gradients as varlen-K grouped GEMMs on sm_90a.
+// The weight gradients as varlen-K grouped GEMMs on sm_90a.
 //
 //   for every expert e with rows [off[e], off[e+1]):
 //     C[e] (M x N) = Σ_r A[row(r), :]ᵀ ⊗ B[r, :]      A rows [*, M] bf16, B rows [R, N] bf16
@@ -16,25 +16,25 @@
 // reach the copying threads through a two-slot ring in shared memory, 256 rows (four K blocks) a
 // slot, loaded a slot ahead. Warpgroups 1-2 run wgmma on 64 rows of M each and release each stage
 // as soon as its wgmmas retire. A full bf16 tile leaves by TMA: each warpgroup stages its 64 rows
-// of C (or, with transpose_c, its 64 columns of Cᵀ) in its own 16 KB buffer, 128 columns at a time, and one of
-// its threads issues each piece's store, the last of which runs under the next tile's main loop
-// (timing probes: the epilogue straight from the accumulators cost 15% on 7B-a, scattered 2-byte
+// of C (or, with transpose_c, its 64 columns of Cᵀ) in its own 16 KB buffer, 128 columns at a
+// time, and one of its threads issues each piece's store, the last of which runs under the next
+// tile's main loop (the epilogue straight from the accumulators cost 15% at 7B-a: scattered 2-byte
 // stores for the transposed dW1). Pieces rather than the whole 32 KB: the smaller buffers leave
-// room for a fourth 48 KB stage at BN = 256 (session 10: 30B-b dW1 +9%, dW2 +6%, 7B-a dW1 +5%;
+// room for a fourth 48 KB stage at BN = 256 (on an H100: 30B-b dW1 +9%, dW2 +6%, 7B-a dW1 +5%;
 // the second piece waits for the first's store to have read the buffer, which costs less).
 // Partial tiles (at M's or N's end) and fp32 C are written straight from the accumulators. Tiles
 // (e, m_blk, n_blk) are walked statically, expert-major; an expert with no rows gets its tiles
 // written with zeros. Fixed K order: deterministic.
 //
-// Paired mode (kPair, N >= 2 column tiles): clusters of two CTAs compute the two column tiles
+// Paired mode (kPair; the host's choice where N has two or more column tiles): clusters of two CTAs compute the two column tiles
 // (n-blocks 2u, 2u + 1) of the same (expert, 128 rows of M), which need the same gathered A
 // tile. Each CTA gathers only its half of it (rank r: M columns 64r .. 64r + 63, the half its
-// consumer warpgroup r reads), so each SM issues half the cp.async of the unpaired kernel (a
-// probe that gathered half the rows, wrong results: 7B-a dW1 +26%, 30B-b dW2/dW1 +25%; the
-// gather's cp.async bounds these kernels). Thread 0 of warpgroup r relays the half to the peer's
-// stage by one 8 KB bulk copy (shared::cta -> shared::cluster, completing on the peer's
-// `full_peer` barrier) once its full-barrier wait says the stage has landed. Measured (H100,
-// session 10): 30B-b dW2/dW1 +8%, 7B-a dW1 +4%. Slower alternatives: the relay from loader
+// consumer warpgroup r reads), so each SM issues half the cp.async of the unpaired kernel (the
+// gather's cp.async bounds these kernels: gathering half the rows alone, with wrong results, ran
+// 7B-a dW1 26% and 30B-b dW2/dW1 25% faster). Thread 0 of warpgroup r relays the half to the
+// peer's stage by one 8 KB bulk copy (shared::cta -> shared::cluster, completing on the peer's
+// `full_peer` barrier) once its full-barrier wait says the stage has landed. Measured on an H100:
+// 30B-b dW2/dW1 +8%, 7B-a dW1 +4%. Slower alternatives: the relay from loader
 // warp 0, polled while it waits for a free slot (7B-a dW1 -10%), and relaying every landed stage
 // ahead of the consumer's own block (-6%). A stage is free again only when the consumers of
 // both CTAs have released it (four arrivals, two of them remote), since the peer writes into
@@ -213,10 +213,9 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
     // The gather's source rows go through shared memory (idx_ring), kWgradIdxChunk rows at a time:
     // each loader thread loads kWgradIdxChunk / 128 of the next chunk's indices (coalesced) when a
     // chunk starts and stores them when the next one starts, so that one index round trip is paid
-    // per kWgradIdxChunk / 64 K blocks, under the copies of the blocks before it. Measured before
-    // (session 31, Nsight Compute source counters, 7B-a dW2): with the indices loaded per thread
-    // one block ahead, the loaders waited on those loads in 9% of all warp samples and the
-    // consumers on the stages in 43%; SonicMoE's dW2 stages 2048 indices in shared memory.
+    // per kWgradIdxChunk / 64 K blocks, under the copies of the blocks before it. (Nsight Compute
+    // at 7B-a dW2, with the indices loaded per thread one block ahead instead: the loaders waited
+    // on those loads in 9% of all warp samples and the consumers on the stages in 43%.)
     constexpr int kIdxPer = kWgradIdxChunk / 128;
     constexpr int kBlocksPerChunk = kWgradIdxChunk / kWgradBK;
     constexpr int kIdxBar = 3;  // named barrier of the 128 loader threads (1, 2: the consumers')
@@ -322,8 +321,8 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
         sm90::wgmma_commit();
         // The stage is released as soon as its wgmmas retire, not one block later: the loaders
         // refill it while this warpgroup waits for the next one, and the other warpgroup's group
-        // keeps the tensor cores busy meanwhile (session 31, with the index ring: 7B-a dW2 0.473
-        // against 0.485 M cycles, 30B-a +1%; without the ring it made no difference).
+        // keeps the tensor cores busy meanwhile (with the index ring: 7B-a dW2 0.473 against
+        // 0.485 M cycles, 30B-a +1%).
         sm90::wgmma_wait<0>();
         sm90::fence_accumulators(acc);
         if (tid == 0) release(s);

@@ -20,7 +20,7 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 // fact but not provably so (threadIdx.x / 128; a counter whose loop also has data-dependent
 // exits): derived from them, the consumers' stage index, barrier addresses and wgmma descriptors
 // were computed in regular registers and moved to uniform ones by R2UR before every wgmma.
-// Measured (session 35, H100, against the same tree without it): the non-uniform instructions
+// Measured (on an H100, against the same tree without it): the non-uniform instructions
 // per K block fell from 65 to 15 in the ping-pong store kernel, 47 to 21 in the dH ping-pong and
 // 29 to 21 in the cooperative kernel; 7B-a down-projection +6-9%, dH +2-3%, dX~ +1-3%, 120B-c
 // dX~ +2-4%, the rest within noise. All 32 lanes of the warp must execute it together (a full-mask
@@ -90,7 +90,7 @@ __device__ __forceinline__ uint32_t cluster_ctarank() {
 // One arrival on the barrier at `bar`'s offset in CTA `cta` of this cluster. Default semantics
 // (release at CTA scope): the reads this arrival orders are wgmma operand reads already retired
 // by wgmma.wait_group; a cluster-scope release compiled to a full memory barrier per arrival
-// (session 4, ERRBAR in the SASS).
+// (an ERRBAR in the SASS).
 __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(bar)), "r"(cta));
@@ -202,7 +202,7 @@ __device__ __forceinline__ uint64_t smem_desc_kmajor_sw128(uint32_t addr) {
 // changes: the 14-bit start-address field cannot carry (shared memory is < 256 KB, so every
 // operand address >> 4 fits), so a main loop builds its descriptors once and steps them by a
 // 32-bit add, instead of rebuilding each from its address (mask, shift, or, moves: ~6 instructions
-// a wgmma in the SASS of session 32).
+// a wgmma in the SASS).
 __device__ __forceinline__ uint64_t smem_desc_advance(uint64_t desc, uint32_t bytes) {
   const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
   return (desc & 0xFFFFFFFF00000000ull) | lo;

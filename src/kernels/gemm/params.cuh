@@ -1,0 +1,156 @@
+// What the grouped GEMM kernels (gemm/cooperative.cuh, gemm/pingpong.cuh, gemm/dact_pingpong.cuh)
+// share: the parameter block the host fills, the tile, the epilogue codes, and the cooperative
+// kernel's shared-memory layout. Header-only, CUDA only.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/ptx/sm90_ptx.cuh"
+
+namespace machmoe::kernels {
+
+enum GemmEpilogue : int {
+  kEpiStore = 0,      // C = acc (+ bias)
+  kEpiGluInter = 1,   // GLU, gate/up interleaved columns: C = H, C2 = act(gate)·up
+  kEpiGluConcat = 2,  // GLU, B tile = [BN/2 gate rows; BN/2 up rows] of a concatenated W1
+  kEpiAct = 3,        // non-GLU activation: C = H, C2 = act(H)
+  // The backward's dH kernel (gemm/epilogue_dact.cuh): the GEMM gives dA' [R, n]; with the
+  // saved H it writes C = dH [R, n1], C2 = A' = s·act(H) [R, n] and the per-row dS partials.
+  kEpiDGluInter = 4,
+  kEpiDGluConcat = 5,
+  kEpiDAct = 6,
+};
+
+constexpr bool gemm_epi_is_dact(int epi) { return epi >= kEpiDGluInter; }
+
+enum GemmActivation : int { kActSwiGLU = 0, kActGeGLU = 1, kActReGLU = 2, kActReLU2 = 3, kActReLU = 4,
+                            kActGELU = 5, kActSiLU = 6 };
+
+// Tiles: 128 rows (one expert's) x BN columns, in K blocks of 64 (one 128-byte swizzle row of bf16).
+constexpr int kGemmBM = 128;
+constexpr int kGemmBK = 64;
+// Three warpgroups: the producer (loads; the epilogue's stores) and two consumers (wgmma).
+constexpr int kGemmThreads = 384;
+// The dH epilogue writes one dS partial per this many dA' columns (ds_partial [R, ceil(n/128)]),
+// whichever kernel and tile width ran (host: grouped_gemm_column_tiles).
+constexpr int kDsCols = 128;
+
+struct GroupedGemmParams {
+  const __nv_bfloat16* a;        // A rows, leading dimension lda (elements)
+  int64_t lda;
+  const int32_t* gather;         // [R] row -> A row, or null (row r of A)
+  const int32_t* expert_offsets; // [E+1]
+  const int32_t* tile_offsets;   // [E+1], from grouped_gemm_tile_offsets
+  const __nv_bfloat16* bias;     // [E, N] (in W's row order) or null
+  __nv_bfloat16* c;              // [R, ldc]: C (store) or H (GLU / act; null: H not written)
+  int64_t ldc;
+  __nv_bfloat16* c2;             // [R, ldc2]: A = act(H), or null
+  int64_t ldc2;
+  int E, N, K;                   // N: output columns of C (2n for GLU)
+  int n_tiles;                   // column tiles per expert
+  int act;                       // GemmActivation
+  // dH epilogue (kEpiD*) only: H [R, n1] (ldh), s_r = row_scores[row_pair[r]], and
+  // ds_partial [R, ds_cols] fp32
+  const __nv_bfloat16* h;
+  int64_t ldh;
+  const float* row_scores;
+  const int32_t* row_pair;
+  float* ds_partial;
+  int ds_cols;                   // ds_partial's row stride: ceil(N / kDsCols)
+};
+
+struct GemmTile {
+  int e, row0, rows, n0;  // expert (-1: no more tiles), first row, rows (<= 128), first column
+};
+
+// Row stride of the staged tile: BN bf16 + 16 bytes, so that the 8 rows a warp writes at once
+// land in different banks (row stride ≡ 4 banks mod 32).
+template <int BN>
+constexpr int epi_row_bytes() { return BN * 2 + 16; }
+
+// The plain-store, interleaved-GLU and activation epilogues stage their tile (C or H) as BN/64 TMA
+// boxes [128 rows][64 columns] with the 128-byte swizzle instead (conflict-free too: the 8 rows
+// of a warp's store hit 8 different 16-byte slots), so that a full tile's C/H leaves by TMA
+// stores and the epilogue threads only compute and write A.
+constexpr int kEpiBoxBytes = 128 * 128;
+template <int EPI>
+constexpr bool epi_boxed() { return EPI == kEpiStore || EPI == kEpiGluInter || EPI == kEpiAct; }
+template <int BN>
+constexpr int epi_tile_bytes() { return 128 * epi_row_bytes<BN>(); }
+
+// Up to this many experts a kernel builds the tile-offset table [E+1] itself, in shared memory,
+// from expert_offsets (gemm/scheduler.cuh): no separate scan kernel and its launch (two per
+// forward and two per backward; ~2 µs each plus the gap between launches).
+constexpr int kGemmSmemTileE = 512;
+
+// Tiles the producer may decode ahead of the consumers: more than the stages, so that the
+// publishing thread never waits on the consumers while its loads are ahead of them.
+constexpr int kTileRing = 8;
+
+// The cooperative kernel's shared memory: S stages of [A tile | B tile], the staged output tile,
+// then (kFixed) the barriers, the tile ring, the staged tile's descriptor, the dH epilogue's row
+// scores and the tile-offset table.
+template <int BN>
+struct GemmSmem {
+  static constexpr int kABytes = kGemmBM * kGemmBK * 2;  // 16 KB
+  static constexpr int kBBytes = BN * kGemmBK * 2;       // 32 KB for BN = 256
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kEpiBytes = epi_tile_bytes<BN>();  // the staged output tile
+  // Design budget: Hopper's 227 KB per block (the launcher checks the device's opt-in limit).
+  // 1 KB aligns the stages; kFixed - 1 KB holds the barriers, the tile ring, the dH row scores
+  // and the tile-offset table (static_assert below).
+  static constexpr int kBudget = 227 * 1024;
+  static constexpr int kFixed = 4096;
+  static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / kStageBytes;
+  static constexpr int kBytes = kStages * kStageBytes + kEpiBytes + kFixed;
+  static_assert(kStages >= 2, "at least two pipeline stages");
+  static_assert(kStages < kTileRing, "the tile ring must hold more tiles than there are stages");
+  // barriers (2 per stage, 2 per ring slot, 2 for the epilogue), the ring, the epilogue's tile,
+  // the dH epilogue's row scores [128], the tile-offset table [kGemmSmemTileE + 1]: all inside
+  // kFixed after the 1 KB alignment slack.
+  static_assert((2 * kStages + 2 * kTileRing + 2) * 8 + (kTileRing + 1) * 16 + 128 * 4 + (kGemmSmemTileE + 1) * 4 <=
+                    kFixed - 1024,
+                "fixed shared-memory area too small");
+};
+
+// Where GemmSmem<BN> puts what, from the kernel's dynamic shared memory.
+template <int BN>
+struct GemmSmemLayout {
+  using Smem = GemmSmem<BN>;
+  uint8_t *smem_a, *smem_b;  // [S][kABytes], [S][kBBytes]: the operand stages
+  uint8_t* epi;              // [kEpiBytes]: the staged output tile
+  uint64_t *full, *empty;    // [S] each: a stage's data has landed / its wgmmas have retired
+  // The tile schedule, decoded by the producer (whose latency is hidden: it runs ahead) and
+  // handed to the consumers through a small ring, so that they never stall on the binary search.
+  uint64_t *tile_full, *tile_empty;  // [kTileRing] each
+  uint64_t* epi_full;   // consumers staged a tile
+  uint64_t* epi_empty;  // the epilogue threads are done with it
+  GemmTile* ring;       // [kTileRing]
+  GemmTile* epi_tile;   // the staged tile
+  float* epi_scale;     // [128] the dH epilogue: the staged rows' scores
+  int32_t* tile_table;  // [E+1] when E <= kGemmSmemTileE
+  __device__ __forceinline__ explicit GemmSmemLayout(uint8_t* smem_raw) {
+    constexpr int S = Smem::kStages;
+    // 1024-byte aligned (the 128-byte swizzle atoms), by an offset from smem_raw rather than an
+    // integer round trip, so that the compiler still knows every pointer below is shared memory
+    // and emits ld/st.shared (a generic access costs more instructions and goes the L1TEX way).
+    uint8_t* smem = smem_raw + ((1024u - (sm90::smem_addr(smem_raw) & 1023u)) & 1023u);
+    smem_a = smem;
+    smem_b = smem + S * Smem::kABytes;
+    epi = smem + S * Smem::kStageBytes;
+    full = reinterpret_cast<uint64_t*>(epi + Smem::kEpiBytes);
+    empty = full + S;
+    tile_full = empty + S;
+    tile_empty = tile_full + kTileRing;
+    epi_full = tile_empty + kTileRing;
+    epi_empty = epi_full + 1;
+    ring = reinterpret_cast<GemmTile*>(epi_empty + 1);
+    epi_tile = ring + kTileRing;
+    epi_scale = reinterpret_cast<float*>(epi_tile + 1);
+    tile_table = reinterpret_cast<int32_t*>(epi_scale + 128);
+  }
+};
+
+}  // namespace machmoe::kernels
