@@ -34,6 +34,7 @@
 #include "kernels/gemm/epilogue.cuh"
 #include "kernels/gemm/epilogue_dact.cuh"
 #include "kernels/gemm/params.cuh"
+#include "kernels/gemm/pipeline.cuh"
 #include "kernels/gemm/scheduler.cuh"
 #include "kernels/ptx/sm90_ptx.cuh"
 
@@ -94,6 +95,7 @@ struct GemmCooperative {
   using Smem = GemmSmem<BN>;
   using Layout = GemmSmemLayout<BN>;
   static constexpr int S = Smem::kStages;
+  using Stages = StageRing<S>;
   // BN columns of C per tile; the concatenated GLU tile spans BN/2 gate + BN/2 up columns.
   static constexpr int kTileCols = EPI == kEpiGluConcat ? BN / 2 : BN;
   static constexpr bool kDact = gemm_epi_is_dact(EPI);
@@ -115,11 +117,9 @@ struct GemmCooperative {
   static constexpr int kActItemsPerBlock = kActPairs ? 1 : 2;
 
   static __device__ __forceinline__ void init_barriers(const Layout& sm) {
-    for (int s = 0; s < S; ++s) {
-      // GATHER: the loaders' cp.async arrivals + the TMA thread's expect_tx; else the expect_tx alone.
-      sm90::mbar_init(&sm.full[s], GATHER ? kLoaders + 1 : 1);
-      sm90::mbar_init(&sm.empty[s], 2);  // one arrival per consumer warpgroup
-    }
+    // full: the loaders' cp.async arrivals (GATHER) + the TMA thread's expect_tx; empty: one
+    // arrival per consumer warpgroup.
+    sm.stages().init(GATHER ? kLoaders + 1 : 1, 2);
     for (int r = 0; r < kTileRing; ++r) {
       sm90::mbar_init(&sm.tile_full[r], 1);     // the producer's publishing thread
       sm90::mbar_init(&sm.tile_empty[r], 256);  // every consumer thread, once it has read the slot
@@ -212,6 +212,7 @@ struct GemmCooperative {
       }
     };
     const int lane = tid;  // 0 .. kLoaders-1
+    const Stages stages = sm.stages();
     int it = 0;
     GemmGatherRows<kLoaders> rows;  // with a gather, this thread's rows of the tile
     for (int t = blockIdx.x, n = 0;; t += gridDim.x, ++n) {
@@ -232,36 +233,36 @@ struct GemmCooperative {
         // (warp-uniform to the compiler: the stage's addresses and barriers in uniform registers,
         // and no per-lane loop around the cp.async arrival; on an H100 the gathered GEMMs ran
         // 0.5-2% faster)
-        const int itu = sm90::warp_uniform(it), s = itu % S;
+        const typename Stages::Slot slot = Stages::slot(sm90::warp_uniform(it));
+        const int s = slot.stage;
         if constexpr (GATHER) {
-          const uint32_t bar = sm90::smem_addr(&sm.empty[s]);
-          while (!sm90::mbar_test_wait(bar, ((itu / S) & 1) ^ 1)) epi_step(2);
+          while (!stages.try_acquire(slot)) epi_step(2);
         } else {
-          sm90::mbar_wait(&sm.empty[s], ((itu / S) & 1) ^ 1);
+          stages.acquire(slot);
         }
         uint8_t* a_stage = sm.smem_a + s * Smem::kABytes;
         uint8_t* b_stage = sm.smem_b + s * Smem::kBBytes;
         const int k0 = kb * kGemmBK;
         if (lane == 0) {
-          sm90::mbar_arrive_expect_tx(&sm.full[s], GATHER ? Smem::kBBytes : Smem::kBBytes + Smem::kABytes);
+          stages.commit_tx(s, GATHER ? Smem::kBBytes : Smem::kBBytes + Smem::kABytes);
           if constexpr (B_NMAJOR) {  // BN/64 blocks of [64 K rows][64 N], 8 KB apart
 #pragma unroll
             for (int h = 0; h < BN / 64; ++h)
-              sm90::tma_load_3d(b_stage + h * 64 * 128, tmap_b, &sm.full[s], tile.n0 + 64 * h, k0, tile.e);
+              sm90::tma_load_3d(b_stage + h * 64 * 128, tmap_b, stages.full_barrier(s), tile.n0 + 64 * h, k0, tile.e);
           } else {
             const int wrow = tile.e * p.N;  // first row of W[e] in the [E*N, K] view
 #pragma unroll
             for (int h = 0; h < BN / 128; ++h) {
               // Interleaved/plain: rows n0 + 128h; concatenated GLU: gate rows j0.., up rows n + j0..
               const int r = EPI == kEpiGluConcat ? wrow + h * (p.N / 2) + tile.n0 : wrow + tile.n0 + 128 * h;
-              sm90::tma_load_2d(b_stage + h * 128 * 128, tmap_b, &sm.full[s], k0, r);
+              sm90::tma_load_2d(b_stage + h * 128 * 128, tmap_b, stages.full_barrier(s), k0, r);
             }
           }
-          if constexpr (!GATHER) sm90::tma_load_2d(a_stage, tmap_a, &sm.full[s], k0, tile.row0);
+          if constexpr (!GATHER) sm90::tma_load_2d(a_stage, tmap_a, stages.full_barrier(s), k0, tile.row0);
         }
         if constexpr (GATHER) {
           rows.copy(p, a_stage, lane, k0);
-          sm90::cp_async_arrive_noinc(&sm.full[s]);
+          stages.commit_cp_async(s);
           epi_step(4);
         }
       }
@@ -295,6 +296,7 @@ struct GemmCooperative {
   // Consumer warpgroup cw (0 or 1): its 64 rows of every tile of the ring, until the stop signal.
   static __device__ __forceinline__ void consumer(const GroupedGemmParams& p, const Layout& sm, int cw, int tid,
                                                   int k_blocks) {
+    const Stages stages = sm.stages();
     int it = 0, staged = 0;
     // The dH epilogue, run by each consumer warpgroup on its own 64 rows of the staged tile while
     // the next tile's wgmmas run: one group of items per K block (loads issued a block ahead).
@@ -338,8 +340,9 @@ struct GemmCooperative {
       if constexpr (kDact) rs.load_pairs(p, tile, cw);
       int prev_stage = -1;
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
-        const int s = it % S;
-        sm90::mbar_wait(&sm.full[s], (it / S) & 1);
+        const typename Stages::Slot slot = Stages::slot(it);
+        const int s = slot.stage;
+        stages.wait(slot);
         if constexpr (GATHER) sm90::fence_proxy_async_shared();  // cp.async (generic proxy) -> wgmma
         sm90::wgmma_fence();
 #pragma unroll
@@ -359,7 +362,7 @@ struct GemmCooperative {
         // Keep this stage's group in flight; the previous one is done after wait<1>.
         sm90::wgmma_wait<1>();
         sm90::fence_accumulators(acc);
-        if (prev_stage >= 0 && tid == 0) sm90::mbar_arrive(&sm.empty[prev_stage]);
+        if (prev_stage >= 0 && tid == 0) stages.release(prev_stage);
         prev_stage = s;
         if constexpr (kDact) {
           if (kb == 0) rs.load_scores(p);
@@ -370,7 +373,7 @@ struct GemmCooperative {
       }
       sm90::wgmma_wait<0>();
       sm90::fence_accumulators(acc);
-      if (prev_stage >= 0 && tid == 0) sm90::mbar_arrive(&sm.empty[prev_stage]);
+      if (prev_stage >= 0 && tid == 0) stages.release(prev_stage);
       if constexpr (kDact) {
         while (dw.on) dact_step();               // the rest of the previous tile's epilogue
         sm90::named_barrier_sync(2 + cw, 128);   // every thread of this warpgroup is done reading it

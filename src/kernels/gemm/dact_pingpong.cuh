@@ -95,17 +95,16 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   uint8_t *smem_a = lay.smem_a, *smem_b = lay.smem_b;
   uint8_t* epi = lay.epi;  // [2][kEpiBufBytes], then [2][128] scores
   float* scales = reinterpret_cast<float*>(epi + 2 * Smem::kEpiBufBytes);
-  uint64_t *full = lay.full, *empty = lay.empty, *tile_full = lay.tile_full, *tile_empty = lay.tile_empty;
+  const StageRing<S> stages = lay.stages();
+  uint64_t *tile_full = lay.tile_full, *tile_empty = lay.tile_empty;
   GemmTile* ring = lay.ring;
   int32_t* tile_table = lay.tile_table;
 
   constexpr int kLoaders = 128;
   const int wg = sm90::warpgroup_index(), tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) {
-      sm90::mbar_init(&full[s], kLoaders + 1);  // the loaders' cp.async arrivals + thread 0's expect_tx
-      sm90::mbar_init(&empty[s], 1);            // the consumer that read it
-    }
+    // full: the loaders' cp.async arrivals + thread 0's expect_tx; empty: the consumer that read it
+    stages.init(kLoaders + 1, 1);
     for (int r = 0; r < kTileRing; ++r) {
       sm90::mbar_init(&tile_full[r], 1);      // loader thread 0
       sm90::mbar_init(&tile_empty[r], 128);   // the consumer warpgroup that took the slot
@@ -139,25 +138,26 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       if (done) break;
       rows.load(p, tile, tid);  // (~0 past the expert's end)
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
-        const int itu = sm90::warp_uniform(it), s = itu % S;  // (uniform registers: sm90::warp_uniform)
-        sm90::mbar_wait(&empty[s], ((itu / S) & 1) ^ 1);
+        // (uniform registers: sm90::warp_uniform)
+        const typename StageRing<S>::Slot slot = StageRing<S>::slot(sm90::warp_uniform(it));
+        const int s = slot.stage;
+        stages.acquire(slot);
         uint8_t* a_stage = smem_a + s * Smem::kABytes;
         uint8_t* b_stage = smem_b + s * Smem::kBBytes;
         const int k0 = kb * kGemmBK;
         if (tid == 0) {
-          sm90::mbar_arrive_expect_tx(&full[s], Smem::kBBytes);
+          stages.commit_tx(s, Smem::kBBytes);
 #pragma unroll
           for (int h = 0; h < BN / 64; ++h)  // [64 K rows][64 N] blocks, 8 KB apart
-            sm90::tma_load_3d(b_stage + h * 64 * 128, &tmap_b, &full[s], tile.n0 + 64 * h, k0, tile.e);
+            sm90::tma_load_3d(b_stage + h * 64 * 128, &tmap_b, stages.full_barrier(s), tile.n0 + 64 * h, k0, tile.e);
         }
         rows.copy(p, a_stage, tid, k0);
-        sm90::cp_async_arrive_noinc(&full[s]);
+        stages.commit_cp_async(s);
       }
     }
   } else {
     // ------------------------------------------------------------ consumers
     sm90::setmaxnreg_inc<gemm_consumer_regs<EPI>()>();
-    auto release = [&](int s) { sm90::mbar_arrive(&empty[s]); };  // by one thread
     const int c = wg - 1;
     uint8_t* buf = epi + c * Smem::kEpiBufBytes;
     float* scale = scales + c * 128;
@@ -177,8 +177,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       rs[1].load_pairs(p, tile, 1);
       float acc[2][BN / 2];
       const int prev_stage = pingpong_mainloop<BN, true, true, S, Smem::kABytes, Smem::kBBytes>(
-          p, acc, smem_a, smem_b, n, k_blocks, [&](int s, uint32_t parity) { sm90::mbar_wait(&full[s], parity); },
-          release, [&](int kb) {
+          acc, stages, smem_a, smem_b, n, k_blocks, [&](int kb) {
             if (kb == 0) {
               rs[0].load_scores(p);
               rs[1].load_scores(p);
@@ -188,7 +187,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       sm90::wgmma_wait<0>();
       sm90::fence_accumulators(acc[0]);
       sm90::fence_accumulators(acc[1]);
-      if (prev_stage >= 0 && tid == 0) release(prev_stage);
+      if (prev_stage >= 0 && tid == 0) stages.release(prev_stage);
 
       // The epilogue, under the other consumer's wgmmas. Every thread of this warpgroup is done
       // reading the buffer (its previous tile's epilogue) before it is overwritten.

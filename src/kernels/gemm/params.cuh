@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "kernels/gemm/pipeline.cuh"
 #include "kernels/ptx/sm90_ptx.cuh"
 
 namespace machmoe::kernels {
@@ -131,6 +132,7 @@ struct GemmSmemLayout {
   GemmTile* epi_tile;   // the staged tile
   float* epi_scale;     // [128] the dH epilogue: the staged rows' scores
   int32_t* tile_table;  // [E+1] when E <= kGemmSmemTileE
+  __device__ __forceinline__ StageRing<Smem::kStages> stages() const { return {full, empty}; }
   __device__ __forceinline__ explicit GemmSmemLayout(uint8_t* smem_raw) {
     constexpr int S = Smem::kStages;
     // 1024-byte aligned (the 128-byte swizzle atoms), by an offset from smem_raw rather than an

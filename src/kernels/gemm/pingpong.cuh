@@ -29,6 +29,7 @@
 
 #include "kernels/gemm/epilogue.cuh"
 #include "kernels/gemm/params.cuh"
+#include "kernels/gemm/pipeline.cuh"
 #include "kernels/gemm/scheduler.cuh"
 #include "kernels/ptx/sm90_ptx.cuh"
 
@@ -72,15 +73,14 @@ __device__ __forceinline__ void pingpong_copy_rows(const GroupedGemmParams& p, G
 // A consumer's main loop in the ping-pong kernels (this one and gemm/dact_pingpong.cuh):
 // CTA tile n's K blocks, stages it = n·k_blocks + kb, into acc [2][BN/2] from zero: two m64nBN
 // chains, rows 0-63 and 64-127 of the A stage. One wgmma group stays in flight; thread 0 of the
-// warpgroup releases each stage (release(s)) once the group reading it has retired. Returns the
-// last stage, not yet released: the caller hands the turn on before it drains. wait_full(s,
-// parity) waits for a stage; after_block(kb) runs after each block's wait<1>. kGather: A came by
-// cp.async (the generic proxy), fenced for the wgmmas.
-template <int BN, bool B_NMAJOR, bool kGather, int S, int kABytes, int kBBytes, class WaitFull, class Release,
-          class AfterBlock>
-__device__ __forceinline__ int pingpong_mainloop(const GroupedGemmParams& p, float (&acc)[2][BN / 2],
+// warpgroup releases each stage (stages.release) once the group reading it has retired. Returns
+// the last stage, not yet released: the caller hands the turn on before it drains. after_block(kb)
+// runs after each block's wait<1>. kGather: A came by cp.async (the generic proxy), fenced for the
+// wgmmas.
+template <int BN, bool B_NMAJOR, bool kGather, int S, int kABytes, int kBBytes, class AfterBlock>
+__device__ __forceinline__ int pingpong_mainloop(float (&acc)[2][BN / 2], const StageRing<S>& stages,
                                                  const uint8_t* smem_a, const uint8_t* smem_b, int n, int k_blocks,
-                                                 WaitFull wait_full, Release release, AfterBlock after_block) {
+                                                 AfterBlock after_block) {
 #pragma unroll
   for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -92,8 +92,9 @@ __device__ __forceinline__ int pingpong_mainloop(const GroupedGemmParams& p, flo
                                     : sm90::smem_desc_kmajor_sw128(sm90::smem_addr(smem_b));
   const int it0 = sm90::warp_uniform(n) * k_blocks;  // (uniform registers for what follows)
   for (int kb = 0; kb < k_blocks; ++kb) {
-    const int it = it0 + kb, s = it % S;
-    wait_full(s, (it / S) & 1);
+    const typename StageRing<S>::Slot slot = StageRing<S>::slot(it0 + kb);
+    const int s = slot.stage;
+    stages.wait(slot);
     if constexpr (kGather) sm90::fence_proxy_async_shared();  // cp.async (generic proxy) -> wgmma
     sm90::wgmma_fence();
 #pragma unroll
@@ -108,7 +109,7 @@ __device__ __forceinline__ int pingpong_mainloop(const GroupedGemmParams& p, flo
     sm90::wgmma_wait<1>();
     sm90::fence_accumulators(acc[0]);
     sm90::fence_accumulators(acc[1]);
-    if (prev_stage >= 0 && threadIdx.x % 128 == 0) release(prev_stage);
+    if (prev_stage >= 0 && threadIdx.x % 128 == 0) stages.release(prev_stage);
     prev_stage = s;
     after_block(kb);
   }
@@ -125,6 +126,7 @@ struct PingPongSmemLayout {
   uint64_t *full, *empty, *tile_full, *tile_empty;
   GemmTile* ring;
   int32_t* tile_table;  // [E+1] when E is within the kernel's shared-memory table (gemm_tile_table)
+  __device__ __forceinline__ StageRing<Smem::kStages> stages() const { return {full, empty}; }
   __device__ __forceinline__ explicit PingPongSmemLayout(uint8_t* smem_raw) {
     constexpr int S = Smem::kStages;
     uint8_t* smem = smem_raw + ((1024u - (sm90::smem_addr(smem_raw) & 1023u)) & 1023u);
@@ -152,16 +154,14 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   const PingPongSmemLayout<Smem> lay(smem_raw);
   uint8_t *smem_a = lay.smem_a, *smem_b = lay.smem_b, *epi = lay.epi;  // epi: [2][kEpiBufBytes], 1024-byte aligned
-  uint64_t *full = lay.full, *empty = lay.empty, *tile_full = lay.tile_full, *tile_empty = lay.tile_empty;
+  const StageRing<S> stages = lay.stages();
+  uint64_t *tile_full = lay.tile_full, *tile_empty = lay.tile_empty;
   GemmTile* ring = lay.ring;
   int32_t* tile_table = lay.tile_table;
 
   const int wg = sm90::warpgroup_index(), tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) {
-      sm90::mbar_init(&full[s], 1);   // the TMA thread's expect_tx
-      sm90::mbar_init(&empty[s], 1);  // the consumer that read it
-    }
+    stages.init(1, 1);  // full: the TMA thread's expect_tx; empty: the consumer that read the stage
     for (int r = 0; r < kTileRing; ++r) {
       sm90::mbar_init(&tile_full[r], 1);
       sm90::mbar_init(&tile_empty[r], 129);  // the consumer warpgroup that took the slot, and the loading thread
@@ -205,30 +205,30 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       sm90::mbar_arrive(&tile_empty[slot]);
       if (tile.e < 0) break;
       for (int kb = 0; kb < k_blocks; ++kb) {
-        const int it = n * k_blocks + kb, s = it % S;
-        sm90::mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
+        const typename StageRing<S>::Slot slot = StageRing<S>::slot(n * k_blocks + kb);
+        const int s = slot.stage;
+        stages.acquire(slot);
         uint8_t* a_stage = smem_a + s * Smem::kABytes;
         uint8_t* b_stage = smem_b + s * Smem::kBBytes;
         const int k0 = kb * kGemmBK;
-        sm90::mbar_arrive_expect_tx(&full[s], Smem::kStageBytes);
+        stages.commit_tx(s, Smem::kStageBytes);
 #pragma unroll
         for (int h = 0; h < BN / 64; ++h) {
           uint8_t* dst = b_stage + h * 64 * 128;
           // [64 K rows][64 N] blocks (B_NMAJOR), or rows n0 + 64h of W[e] in the [E*N, K] view
           // ([64 rows][64 K]), 8 KB apart
           const int x = B_NMAJOR ? tile.n0 + 64 * h : k0, y = B_NMAJOR ? k0 : tile.e * p.N + tile.n0 + 64 * h;
-          if constexpr (B_NMAJOR) sm90::tma_load_3d(dst, &tmap_b, &full[s], x, y, tile.e);
-          else sm90::tma_load_2d(dst, &tmap_b, &full[s], x, y);
+          if constexpr (B_NMAJOR) sm90::tma_load_3d(dst, &tmap_b, stages.full_barrier(s), x, y, tile.e);
+          else sm90::tma_load_2d(dst, &tmap_b, stages.full_barrier(s), x, y);
         }
         // (a box may run into the next expert's rows: computed, never stored)
-        sm90::tma_load_2d(a_stage, &tmap_a, &full[s], k0, tile.row0);
+        sm90::tma_load_2d(a_stage, &tmap_a, stages.full_barrier(s), k0, tile.row0);
       }
     }
     __syncwarp();  // warps 0 and 1 whole again before the end (lanes 1-31 had nothing to do)
   } else {
     // ------------------------------------------------------------ consumers
     sm90::setmaxnreg_inc<kPingPongConsumerRegs>();
-    auto release = [&](int s) { sm90::mbar_arrive(&empty[s]); };  // by one thread
     const int c = wg - 1;
     uint8_t* buf = epi + c * Smem::kEpiBufBytes;
     constexpr int kTurn = 4;  // named barriers 4 (consumer 0's turn) and 5 (consumer 1's); 2, 3: per warpgroup
@@ -250,14 +250,13 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       if (tile.e < 0) break;
       float acc[2][BN / 2];
       const int prev_stage = pingpong_mainloop<BN, B_NMAJOR, false, S, Smem::kABytes, Smem::kBBytes>(
-          p, acc, smem_a, smem_b, n, k_blocks, [&](int s, uint32_t parity) { sm90::mbar_wait(&full[s], parity); },
-          release, [](int) {});
+          acc, stages, smem_a, smem_b, n, k_blocks, [](int) {});
       // The other consumer's turn: its wgmmas queue behind ours while ours drain.
       sm90::named_barrier_arrive(kTurn + (c ^ 1), 256);
       sm90::wgmma_wait<0>();
       sm90::fence_accumulators(acc[0]);
       sm90::fence_accumulators(acc[1]);
-      if (prev_stage >= 0 && tid == 0) release(prev_stage);
+      if (prev_stage >= 0 && tid == 0) stages.release(prev_stage);
       if (p.c) {  // (null c: nothing is stored)
         // A half cut by the expert's end is copied out of the buffer, not stored from the
         // accumulators: those 4-byte stores of the partial tiles (1 tile in 12 at d = 768) took

@@ -46,6 +46,7 @@
 #include <cuda_bf16.h>
 
 #include "kernels/common.cuh"
+#include "kernels/gemm/pipeline.cuh"
 #include "kernels/ptx/sm90_ptx.cuh"
 
 namespace machmoe::kernels {
@@ -185,6 +186,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(epi + Smem::kEpiBytes + Smem::kIdxBytes);
   uint64_t* empty = full + S;
   uint64_t* full_peer = empty + S;  // kPair: the half of A the peer gathered has landed here
+  const StageRing<S> stages{full, empty};
   const int wg = sm90::warpgroup_index(), tid = threadIdx.x % 128;
   const uint32_t rank = kPair ? sm90::cluster_ctarank() : 0, peer = rank ^ 1u;
   constexpr uint32_t kHalfBytes = Smem::kABytes / 2;  // one [64 K][64 M] block of A
@@ -256,17 +258,18 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
         }
         const int32_t* chunk = idx_ring + ((chunks - 1) & 1) * kWgradIdxChunk;  // the chunk staged last
         RowsA::rows_from(a_rows, chunk, (kb % kBlocksPerChunk) * kWgradBK, tid);
-        const int s = it % S;
-        sm90::mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
+        const typename StageRing<S>::Slot slot = StageRing<S>::slot(it);
+        const int s = slot.stage;
+        stages.acquire(slot);
         uint8_t* a_stage = smem_a + s * Smem::kABytes;
         uint8_t* b_stage = smem_b + s * Smem::kBBytes;
         if (kPair && tid == 0) sm90::mbar_arrive_expect_tx(&full_peer[s], kHalfBytes);
         if (end - r0 >= kWgradBK && has_n) {
           if (tid == 0) {
-            sm90::mbar_arrive_expect_tx(&full[s], Smem::kBBytes);
+            stages.commit_tx(s, Smem::kBBytes);
 #pragma unroll
             for (int h = 0; h < BN / 64; ++h)
-              sm90::tma_load_2d(b_stage + h * 64 * 128, &tmap_b, &full[s], n0 + 64 * h, r0);
+              sm90::tma_load_2d(b_stage + h * 64 * 128, &tmap_b, stages.full_barrier(s), n0 + 64 * h, r0);
           }
         } else {  // the expert's last, partial block: B by cp.async too, zero-filled (none without columns)
           if (has_n) {
@@ -274,13 +277,13 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
             RowsB::rows_in(b_rows, r0, end, tid);
             RowsB::copy(b_stage, p.b, p.ldb, b_rows, n0, p.N, tid);
           }
-          if (tid == 0) sm90::mbar_arrive(&full[s]);
+          if (tid == 0) stages.commit(s);
         }
         if constexpr (kPair)
           RowsA::copy(a_stage + rank * kHalfBytes, p.a, p.lda, a_rows, m0 + 64 * rank, p.M, tid);
         else
           RowsA::copy(a_stage, p.a, p.lda, a_rows, m0, p.M, tid);
-        sm90::cp_async_arrive_noinc(&full[s]);
+        stages.commit_cp_async(s);
       }
     }
   } else {
@@ -291,8 +294,8 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
     int it = 0;
     // A stage is free once this warpgroup's wgmmas reading it retired: tell both CTAs with kPair.
     auto release = [&](int s) {
-      sm90::mbar_arrive(&empty[s]);
-      if constexpr (kPair) sm90::mbar_arrive_cluster(&empty[s], peer);
+      stages.release(s);
+      if constexpr (kPair) sm90::mbar_arrive_cluster(&stages.empty[s], peer);
     };
     for (int t = first; t < units; t += stride) {
       const auto [e, m0, n0, begin, end] = wgrad_decode<BN, kPair>(p, t, rank);
@@ -301,10 +304,11 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
       for (int r0 = begin; r0 < end; r0 += kWgradBK, ++it) {
-        const int s = it % S;
-        sm90::mbar_wait(&full[s], (it / S) & 1);
+        const typename StageRing<S>::Slot slot = StageRing<S>::slot(it);
+        const int s = slot.stage;
+        stages.wait(slot);
         // kPair: warpgroup `rank` reads this CTA's own half of A, the other one the peer's
-        if (kPair && cw != static_cast<int>(rank)) sm90::mbar_wait(&full_peer[s], (it / S) & 1);
+        if (kPair && cw != static_cast<int>(rank)) sm90::mbar_wait(&full_peer[s], slot.phase);
         sm90::fence_proxy_async_shared();  // cp.async (generic proxy) -> wgmma and the relay (async proxy)
         if (kPair && cw == static_cast<int>(rank) && tid == 0)  // relay this CTA's half to the peer
           sm90::bulk_copy_to_peer(smem_a + s * Smem::kABytes + rank * kHalfBytes, kHalfBytes, &full_peer[s], peer);
