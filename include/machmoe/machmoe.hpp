@@ -296,7 +296,7 @@ void exchange_plan(const int32_t* experts, const float* scores, int64_t T, int64
                    int64_t W, int64_t rank, const ExchangePlanOutputs& out, void* workspace,
                    size_t workspace_bytes, cudaStream_t stream);
 
-// 3/4/6/9. the sm_90a grouped GEMM engine: for every expert e with rows [off[e], off[e+1]),
+// The sm_90a grouped GEMM engine: for every expert e with rows [off[e], off[e+1]),
 //   C[r] = epilogue(A[row(r)] · W[e]ᵀ),  row(r) = gather[r] (gathered rows) or r (contiguous),
 // A bf16 rows (lda elements apart), W [E, N, K] bf16 (nn.Linear layout, K contiguous), or with
 // w_n_major W [E, K, N] (N contiguous: the backward's dA' = dout·W2 and dX~ = dH·W1).
@@ -348,7 +348,7 @@ void grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
 // 128 columns, ceil(N / 128), whichever kernel runs.
 int64_t grouped_gemm_column_tiles(int64_t N);
 
-// 7/8. weight gradients as varlen-K grouped GEMMs, the row (token) dimension gathered:
+// The weight gradients as varlen-K grouped GEMMs, the row (token) dimension gathered:
 //   C[e] = Σ_{r in [off[e], off[e+1])} A[row(r)]ᵀ ⊗ B[r]        [M, N] per expert
 // row(r) = a_gather[r] or r. A rows [*, M] bf16 (lda), B rows [R, N] bf16 (ldb, contiguous).
 // C is [E, M, N], or [E, N, M] with transpose_c, in c_dtype (FP32 or BF16), written (not
