@@ -453,20 +453,21 @@ TEST(PlanWorkspace, SavedIsTheMemoryMinimum) {
 // Inference (write_h = false) needs the saved block less H: R·n1 bf16 rounded to 256 bytes, for
 // every activation kind and with token rounding (more rows); an experts call always writes H.
 TEST(PlanWorkspace, InferenceSavedDropsExactlyH) {
-  for (const Activation act : {Activation::SwiGLU, Activation::GELU}) {
-    for (const TokenRounding rnd : {TokenRounding::None, TokenRounding::Nearest}) {
-      LayerProblem p;
-      p.T = 1000, p.d = 256, p.n = 72, p.E = 16, p.K = 3;
-      p.activation = act, p.rounding = rnd;
-      const WorkspacePlan w = plan_workspace(p);
-      const int64_t n1 = is_glu(act) ? 2 * p.n : p.n;
-      const int64_t rows = rnd == TokenRounding::None
-                               ? p.T * p.K
-                               : std::min(p.T * p.K + p.E * (p.rounding_tile_m - 1), p.T * p.E);
-      const size_t h = (static_cast<size_t>(rows * n1 * 2) + 255) / 256 * 256;
-      EXPECT_EQ(w.inference_saved_bytes + h, w.saved_bytes) << to_string(act) << " " << to_string(rnd);
-    }
-  }
+  for (const Activation act : {Activation::SwiGLU, Activation::GELU})
+    for (const TokenRounding rnd : {TokenRounding::None, TokenRounding::Nearest})
+      for (const int64_t T : {1, 5, 1000}) {  // token rounding's capacity at its T·E cap, and below it
+        LayerProblem p;
+        p.T = T, p.d = 256, p.n = 72, p.E = 16, p.K = 3;
+        p.activation = act, p.rounding = rnd;
+        const WorkspacePlan w = plan_workspace(p);
+        const int64_t n1 = is_glu(act) ? 2 * p.n : p.n;
+        // With token rounding, H has a row for each place of the rounded list, as the token
+        // rounding kernels size it.
+        const int64_t rows =
+            rnd == TokenRounding::None ? p.T * p.K : token_rounding_capacity(p.T, p.E, p.K, p.rounding_tile_m);
+        const size_t h = (static_cast<size_t>(rows * n1 * 2) + 255) / 256 * 256;
+        EXPECT_EQ(w.inference_saved_bytes + h, w.saved_bytes) << to_string(act) << " " << to_string(rnd) << " T=" << T;
+      }
   ExpertsProblem e;
   e.T = 100, e.d = 64, e.n = 32, e.E = 4, e.R = 150;
   const WorkspacePlan we = plan_workspace(e);
