@@ -13,7 +13,7 @@
 #      - else the pinned development set (requirements.txt) is installed from PyPI. PyTorch comes
 #        from PyTorch's CPU index (about 200 MB) when there is no NVIDIA GPU and that index answers
 #        within a few seconds; otherwise from PyPI, whose Linux wheel is the CUDA build (about
-#        3 GB to download with its NVIDIA libraries, 4.6 GB installed).
+#        2.8 GB to download with its NVIDIA libraries, 4.6 GB installed).
 # In ./.venv, machmoe is installed in editable form without compiling anything: a .pth file puts
 # python/ on the path, and the package loads the op library that scripts/build.sh builds in
 # build/lib. `source .venv/bin/activate` then gives `import machmoe`.
@@ -113,8 +113,8 @@ urllib.request.urlopen(sys.argv[1] + '/torch/', timeout=5)" "$cpu_index" >/dev/n
       pip_install --index-url "$cpu_index" "torch==$pinned_torch"
     else
       why=$([ "$has_gpu" = 1 ] && echo "NVIDIA GPU found" || echo "PyTorch's CPU index is not reachable")
-      say "$why: PyTorch $pinned_torch from PyPI, the CUDA build: about 3 GB to download with its" \
-          "NVIDIA libraries (4.6 GB installed; pip shows each download, and its cache serves a second setup)"
+      say "$why: PyTorch $pinned_torch from PyPI, the CUDA build: about 2.8 GB to download with" \
+          "its NVIDIA libraries, 4.6 GB installed (pip shows each download as it goes)"
     fi
   fi
   say "installing requirements.txt"
