@@ -49,8 +49,9 @@ bool ok(cudaError_t e, const char* what) {
 int main() {
   machmoe::LayerProblem p;
   p.T = 256, p.d = 128, p.n = 64, p.E = 8, p.K = 2;  // SwiGLU, interleaved, softmax over top-K
-  machmoe::validate(p);
-  const machmoe::WorkspacePlan plan = machmoe::plan_workspace(p);
+  // validate() checks the problem once; the validated copy is what the planner and the GPU calls take.
+  const machmoe::ValidLayerProblem valid = machmoe::validate(p);
+  const machmoe::WorkspacePlan plan = machmoe::plan_workspace(valid);
   std::printf("layer T=%lld d=%lld n=%lld E=%lld K=%lld: saved %zu B, forward workspace %zu B\n",
               (long long)p.T, (long long)p.d, (long long)p.n, (long long)p.E, (long long)p.K, plan.saved_bytes,
               plan.forward_workspace_bytes);
@@ -90,7 +91,7 @@ int main() {
   a.x = dx, a.router_weight = dwr, a.w1 = dw1, a.w2 = dw2;
   a.out = dout, a.aux_loss = daux, a.saved = dsaved, a.workspace = dws;
   try {
-    machmoe::layer_forward(p, a, nullptr);
+    machmoe::layer_forward(valid, a, nullptr);
   } catch (const machmoe::Error& e) {
     std::fprintf(stderr, "layer_forward: %s\n", e.what());
     return 1;
