@@ -88,6 +88,14 @@ struct WgradSmem {
   static constexpr int kFixed = 1024;
   static constexpr int kStages = (kBudget - kFixed - kIdxBytes - kEpiBytes) / kStageBytes;
   static constexpr int kBytes = kStages * kStageBytes + kEpiBytes + kIdxBytes + kFixed;
+  // The carve-up: [kStages] A stages (two [64 K][64 M] blocks each) | [kStages] B stages (BN/64
+  // [64 K][64 N] blocks each) | [2] C staging buffers | [2] index-ring slots | barriers ([kStages]
+  // full, [kStages] empty, [kStages] full_peer). The A stages and the C buffers are 1024-byte
+  // aligned.
+  static constexpr int kBOffset = kStages * kABytes;
+  static constexpr int kEpiOffset = kStages * kStageBytes;
+  static constexpr int kIdxOffset = kEpiOffset + kEpiBytes;
+  static constexpr int kBarOffset = kIdxOffset + kIdxBytes;
   static_assert(kStages >= 2, "at least two pipeline stages");
   static_assert(3 * kStages * 8 <= kFixed, "fixed shared-memory area too small");
   static_assert(kWgradIdxChunk % kWgradBK == 0 && kWgradIdxChunk % 128 == 0,
@@ -168,29 +176,38 @@ __device__ __forceinline__ WgradTile wgrad_decode(const GroupedWgradParams& p, i
   return w;
 }
 
+// The weight-gradient kernels' dynamic shared memory, carved up as WgradSmem's offsets say.
+// 1024-byte aligned as declared (the 128-byte swizzle atoms): WgradSmem::kFixed has no slack for a
+// round-up. (Its own name, as the dH ping-pong's: the alignment of a shared extern array reaches
+// every kernel that declares it.)
+extern __shared__ __align__(1024) uint8_t wgrad_smem[];
+
+// The kernel's phases: barrier setup (init_barriers), the loader warpgroup (loader), the consumer
+// warpgroups (consumer: the main loop over an expert's K blocks, then store_tile_direct or
+// store_tile_tma).
+//
+// How the phases are written keeps the machine code of the single kernel body they were split
+// from (the compiler simplifies each phase before inlining it, so what a phase can see there
+// matters): each phase takes its shared-memory addresses from wgrad_smem itself, not as arguments
+// or in a struct, so that they are constants when it is simplified; the thread's lane and warp are
+// computed in the consumer and handed to the stores. (A shared-memory layout struct, the
+// consumer's epilogue as an if/else with the TMA path first, or `peer` computed in the consumer
+// each changed the generated code.)
 template <int BN, bool kPair>
-__global__ void __launch_bounds__(kWgradThreads, 1)
-    sm90_grouped_wgrad(const __grid_constant__ CUtensorMap tmap_b, const __grid_constant__ CUtensorMap tmap_c,
-                       const GroupedWgradParams p) {
+struct GroupedWgrad {
   using Smem = WgradSmem<BN>;
-  constexpr int S = Smem::kStages;
-  // 1024-byte aligned as declared (the 128-byte swizzle atoms): Smem::kFixed has no slack for a
-  // round-up. (Its own name, as the dH ping-pong's: the alignment of a shared extern array reaches
-  // every kernel that declares it.)
-  extern __shared__ __align__(1024) uint8_t wgrad_smem[];
-  uint8_t* smem = wgrad_smem;
-  uint8_t* smem_a = smem;
-  uint8_t* smem_b = smem + S * Smem::kABytes;
-  uint8_t* epi = smem + S * Smem::kStageBytes;  // [2][kEpiBufBytes], 1024-byte aligned
-  int32_t* idx_ring = reinterpret_cast<int32_t*>(epi + Smem::kEpiBytes);  // [2][kWgradIdxChunk]
-  uint64_t* full = reinterpret_cast<uint64_t*>(epi + Smem::kEpiBytes + Smem::kIdxBytes);
-  uint64_t* empty = full + S;
-  uint64_t* full_peer = empty + S;  // kPair: the half of A the peer gathered has landed here
-  const StageRing<S> stages{full, empty};
-  const int wg = sm90::warpgroup_index(), tid = threadIdx.x % 128;
-  const uint32_t rank = kPair ? sm90::cluster_ctarank() : 0, peer = rank ^ 1u;
-  constexpr uint32_t kHalfBytes = Smem::kABytes / 2;  // one [64 K][64 M] block of A
-  if (threadIdx.x == 0) {
+  static constexpr int S = Smem::kStages;
+  using Stages = StageRing<S>;
+  static constexpr uint32_t kHalfBytes = Smem::kABytes / 2;  // one [64 K][64 M] block of A
+  // This CTA's columns of A: all 128, or with kPair its half (M columns m0 + 64·rank ..).
+  using RowsA = WgradRows<kPair ? 64 : kWgradBM>;
+  using RowsB = WgradRows<BN>;
+
+  // By thread 0, before the CTA's (with kPair the cluster's) first barrier.
+  static __device__ __forceinline__ void init_barriers() {
+    uint64_t* full = reinterpret_cast<uint64_t*>(wgrad_smem + Smem::kBarOffset);  // [S]
+    uint64_t* empty = full + S;                                                      // [S]
+    uint64_t* full_peer = empty + S;  // [S], kPair: the half of A the peer gathered has landed here
     for (int s = 0; s < S; ++s) {
       // 128 cp.async arrivals (this CTA's rows of A, the partial block's B) + thread 0's (expect_tx)
       sm90::mbar_init(&full[s], 128 + 1);
@@ -198,31 +215,33 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
       sm90::mbar_init(&empty[s], kPair ? 4 : 2);
       if (kPair) sm90::mbar_init(&full_peer[s], 1);  // thread 0's expect_tx; the bytes come from the peer
     }
-    sm90::mbar_fence_init();
-    sm90::tma_prefetch_descriptor(&tmap_b);
-    if (p.tma_c) sm90::tma_prefetch_descriptor(&tmap_c);
   }
-  if constexpr (kPair)
-    sm90::cluster_sync();  // the peer's barriers exist before anyone signals them
-  else
-    __syncthreads();
-  const int units = p.E * wgrad_units_per_expert<kPair>(p);
-  const int first = kPair ? blockIdx.x / 2 : blockIdx.x, stride = kPair ? gridDim.x / 2 : gridDim.x;
 
-  if (wg == 0) {
-    sm90::setmaxnreg_dec<56>();
+  // Warpgroup 0, the loaders: for every K block of every unit, the gathered A rows [64 K][128 M]
+  // (with kPair this CTA's [64 K][64 M] half) by cp.async from all 128 threads, and B [64 K][BN]
+  // by TMA from thread 0, or by cp.async for an expert's last, partial block, zero-filled so that
+  // no row past the expert's end enters the sum.
+  static __device__ __forceinline__ void loader(const GroupedWgradParams& p, const CUtensorMap* tmap_b, int tid,
+                                                uint32_t rank, int first, int stride, int units) {
+    uint8_t* smem_a = wgrad_smem;                   // [S][kABytes]
+    uint8_t* smem_b = wgrad_smem + Smem::kBOffset;  // [S][kBBytes]
+    int32_t* idx_ring = reinterpret_cast<int32_t*>(wgrad_smem + Smem::kIdxOffset);  // [2][kWgradIdxChunk]
+    uint64_t* full = reinterpret_cast<uint64_t*>(wgrad_smem + Smem::kBarOffset);
+    uint64_t* full_peer = full + 2 * S;
+    const Stages stages{full, full + S};
     int it = 0;
-    // The gather's source rows go through shared memory (idx_ring), kWgradIdxChunk rows at a time:
-    // each loader thread loads kWgradIdxChunk / 128 of the next chunk's indices (coalesced) when a
+    // The gathered rows' source indices go through shared memory (idx_ring), kWgradIdxChunk rows
+    // at a time: each loader thread loads kIdxPer of the next chunk's indices (coalesced) when a
     // chunk starts and stores them when the next one starts, so that one index round trip is paid
-    // per kWgradIdxChunk / 64 K blocks, under the copies of the blocks before it. (Nsight Compute
-    // at 7B-a dW2, with the indices loaded per thread one block ahead instead: the loaders waited
-    // on those loads in 9% of all warp samples and the consumers on the stages in 43%.)
+    // per kBlocksPerChunk K blocks, under the copies of the blocks before it. (Nsight Compute at
+    // 7B-a dW2, with the indices loaded per thread one block ahead instead: the loaders waited on
+    // those loads in 9% of all warp samples and the consumers on the stages in 43%.)
     constexpr int kIdxPer = kWgradIdxChunk / 128;
     constexpr int kBlocksPerChunk = kWgradIdxChunk / kWgradBK;
     constexpr int kIdxBar = 3;  // named barrier of the 128 loader threads (1, 2: the consumers')
     int chunks = 0;             // chunks staged so far: slot = chunks & 1, alternating across tiles
     int32_t next_idx[kIdxPer];
+    // The source rows of rows [r, r + kWgradIdxChunk) of B into next_idx, -1 past the expert's end.
     auto load_idx = [&](int r, int end) {
 #pragma unroll
       for (int k = 0; k < kIdxPer; ++k) {
@@ -242,9 +261,6 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
     for (int t = first; t < units; t += stride) {
       const auto [e, m0, n0, begin, end] = wgrad_decode<BN, kPair>(p, t, rank);
       const bool has_n = n0 < p.N;  // false only for kPair's rank 1 of an odd last pair
-      // This CTA's columns of A: all 128, or with kPair its half (M columns m0 + 64·rank ..).
-      using RowsA = WgradRows<kPair ? 64 : kWgradBM>;
-      using RowsB = WgradRows<BN>;
       int32_t a_rows[RowsA::kPasses];
       if (begin < end) {
         load_idx(begin, end);
@@ -258,7 +274,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
         }
         const int32_t* chunk = idx_ring + ((chunks - 1) & 1) * kWgradIdxChunk;  // the chunk staged last
         RowsA::rows_from(a_rows, chunk, (kb % kBlocksPerChunk) * kWgradBK, tid);
-        const typename StageRing<S>::Slot slot = StageRing<S>::slot(it);
+        const typename Stages::Slot slot = Stages::slot(it);
         const int s = slot.stage;
         stages.acquire(slot);
         uint8_t* a_stage = smem_a + s * Smem::kABytes;
@@ -269,7 +285,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
             stages.commit_tx(s, Smem::kBBytes);
 #pragma unroll
             for (int h = 0; h < BN / 64; ++h)
-              sm90::tma_load_2d(b_stage + h * 64 * 128, &tmap_b, stages.full_barrier(s), n0 + 64 * h, r0);
+              sm90::tma_load_2d(b_stage + h * 64 * 128, tmap_b, stages.full_barrier(s), n0 + 64 * h, r0);
           }
         } else {  // the expert's last, partial block: B by cp.async too, zero-filled (none without columns)
           if (has_n) {
@@ -286,10 +302,117 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
         stages.commit_cp_async(s);
       }
     }
-  } else {
-    // ------------------------------------------------------------ consumers
-    sm90::setmaxnreg_inc<224>();
-    const int cw = wg - 1;
+  }
+
+  // Partial tiles (at M's or N's end) and fp32 C: this warpgroup's 64 x BN part of tile (e, m0,
+  // n0) straight from the accumulators acc [BN/2], two columns a store. Accumulator fragment:
+  // register 4·jj + 2·half + i is row (warp·16 + lane/4 + 8·half) of the warpgroup's 64, column
+  // 8·jj + 2·(lane % 4) + i.
+  static __device__ __forceinline__ void store_tile_direct(const GroupedWgradParams& p, int e, int m0, int n0, int cw,
+                                                           int lane, int warp, const float (&acc)[BN / 2]) {
+    const int64_t base = static_cast<int64_t>(e) * p.M * p.N;
+#pragma unroll
+    for (int jj = 0; jj < BN / 8; ++jj) {
+      const int n = n0 + jj * 8 + 2 * (lane % 4);
+      if (n >= p.N) continue;  // N is a multiple of 8: n + 1 < N too
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int m = m0 + cw * 64 + warp * 16 + lane / 4 + 8 * half;
+        if (m >= p.M) continue;
+        const float v0 = acc[jj * 4 + half * 2], v1 = acc[jj * 4 + half * 2 + 1];
+        if (p.transpose_c) {
+          const int64_t i0 = base + static_cast<int64_t>(n) * p.M + m, i1 = i0 + p.M;
+          if (p.c_fp32) {
+            static_cast<float*>(p.c)[i0] = v0;
+            static_cast<float*>(p.c)[i1] = v1;
+          } else {
+            static_cast<__nv_bfloat16*>(p.c)[i0] = __float2bfloat16_rn(v0);
+            static_cast<__nv_bfloat16*>(p.c)[i1] = __float2bfloat16_rn(v1);
+          }
+        } else {
+          const int64_t i0 = base + static_cast<int64_t>(m) * p.N + n;
+          if (p.c_fp32)
+            *reinterpret_cast<float2*>(static_cast<float*>(p.c) + i0) = make_float2(v0, v1);
+          else
+            *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.c) + i0) = __floats2bfloat162_rn(v0, v1);
+        }
+      }
+    }
+  }
+
+  // A full bf16 tile (e, m0, n0) by TMA: this warpgroup's 64 x BN part of C in kEpiParts pieces of
+  // [64][kEpiCols] through its own buffer, 128-byte swizzled rows as the TMA store reads them,
+  // each once the buffer's previous store has read it. (One 16 KB buffer per warpgroup instead of
+  // 32 KB: a fourth stage at BN = 256.) The last piece's store runs under the next tile.
+  static __device__ __forceinline__ void store_tile_tma(const GroupedWgradParams& p, const CUtensorMap* tmap_c, int e,
+                                                        int m0, int n0, int cw, int tid, int lane, int warp,
+                                                        const float (&acc)[BN / 2]) {
+#pragma unroll
+    for (int part = 0; part < Smem::kEpiParts; ++part) {
+      uint8_t* buf = wgrad_smem + Smem::kEpiOffset + cw * Smem::kEpiBufBytes;  // [64][kEpiCols] bf16
+      if (tid == 0) sm90::bulk_wait_read_all();
+      sm90::named_barrier_sync(1 + cw, 128);
+      constexpr int kJ = Smem::kEpiCols / 8;  // 8-column groups per piece
+      if (p.transpose_c) {
+        // [kEpiCols rows n][64 m] (one box {64 m, kEpiCols n} of C [E*N, M]): 2-byte stores,
+        // conflict-free (the 4 n of a warp's store fall in 4 different swizzled 16-byte slots).
+#pragma unroll
+        for (int j = 0; j < kJ; ++j) {
+          const int jj = part * kJ + j;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int m = warp * 16 + lane / 4 + 8 * half;
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+              const int n = j * 8 + 2 * (lane % 4) + i;
+              *reinterpret_cast<__nv_bfloat16*>(buf + n * 128 + (((m >> 3) ^ (n & 7)) << 4) + (m & 7) * 2) =
+                  __float2bfloat16_rn(acc[jj * 4 + half * 2 + i]);
+            }
+          }
+        }
+      } else {
+        // kEpiCols/64 boxes [64 rows m][64 n] (boxes {64 n, 64 m} of C [E*M, N]).
+#pragma unroll
+        for (int j = 0; j < kJ; ++j) {
+          const int jj = part * kJ + j;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int r = warp * 16 + lane / 4 + 8 * half;
+            *reinterpret_cast<__nv_bfloat162*>(buf + (j / 8) * (64 * 128) + r * 128 + (((j % 8) ^ (r & 7)) << 4) +
+                                               (lane % 4) * 4) =
+                __floats2bfloat162_rn(acc[jj * 4 + half * 2], acc[jj * 4 + half * 2 + 1]);
+          }
+        }
+      }
+      sm90::fence_proxy_async_shared();  // st.shared -> the TMA store's reads
+      sm90::named_barrier_sync(1 + cw, 128);
+      if (tid == 0) {
+        const int c0 = n0 + part * Smem::kEpiCols;
+        if (p.transpose_c) {
+          sm90::tma_store_2d(tmap_c, buf, m0 + cw * 64, e * p.N + c0);
+        } else {
+#pragma unroll
+          for (int h = 0; h < Smem::kEpiCols / 64; ++h)
+            sm90::tma_store_2d(tmap_c, buf + h * (64 * 128), c0 + 64 * h, e * p.M + m0 + cw * 64);
+        }
+        sm90::bulk_commit_group();
+      }
+    }
+  }
+
+  // Consumer warpgroup cw (0 or 1): rows [64 cw, 64 cw + 64) of M of every unit's tile. The main
+  // loop runs wgmma m64n{BN}k16 over the expert's K blocks, A [64 K][64 M] and B [64 K][BN] both
+  // MN-major (tnspA = tnspB = 1), into acc [BN/2] fp32 a thread, and releases each stage as soon
+  // as its wgmmas retire; then the tile leaves by one of the two stores. (The main loop stays in
+  // this function: the stores share its accumulators.)
+  static __device__ __forceinline__ void consumer(const GroupedWgradParams& p, const CUtensorMap* tmap_c, int cw,
+                                                  int tid, uint32_t rank, uint32_t peer, int first, int stride,
+                                                  int units) {
+    uint8_t* smem_a = wgrad_smem;                   // [S][kABytes]
+    uint8_t* smem_b = wgrad_smem + Smem::kBOffset;  // [S][kBBytes]
+    uint64_t* full = reinterpret_cast<uint64_t*>(wgrad_smem + Smem::kBarOffset);
+    uint64_t* full_peer = full + 2 * S;
+    const Stages stages{full, full + S};
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     int it = 0;
     // A stage is free once this warpgroup's wgmmas reading it retired: tell both CTAs with kPair.
@@ -304,7 +427,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
       for (int r0 = begin; r0 < end; r0 += kWgradBK, ++it) {
-        const typename StageRing<S>::Slot slot = StageRing<S>::slot(it);
+        const typename Stages::Slot slot = Stages::slot(it);
         const int s = slot.stage;
         stages.wait(slot);
         // kPair: warpgroup `rank` reads this CTA's own half of A, the other one the peer's
@@ -332,97 +455,43 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
         if (tid == 0) release(s);
       }
       if (!has_n) continue;  // kPair's rank 1 of an odd last pair: no columns to store
-
-      if (p.tma_c && m0 + kWgradBM <= p.M && n0 + BN <= p.N) {
-        // A full tile: stage this warpgroup's 64 x BN part in 128-column pieces through its buffer,
-        // 128-byte swizzled rows as the TMA store reads them, each once the buffer's previous store
-        // has read it. (One 16 KB buffer per warpgroup instead of 32 KB: a fourth stage at BN = 256.)
-#pragma unroll
-        for (int part = 0; part < Smem::kEpiParts; ++part) {
-          uint8_t* buf = epi + cw * Smem::kEpiBufBytes;
-          if (tid == 0) sm90::bulk_wait_read_all();
-          sm90::named_barrier_sync(1 + cw, 128);
-          constexpr int kJ = Smem::kEpiCols / 8;  // 8-column groups per piece
-          if (p.transpose_c) {
-            // [kEpiCols rows n][64 m] (one box {64 m, kEpiCols n} of C [E*N, M]): 2-byte stores,
-            // conflict-free (the 4 n of a warp's store fall in 4 different swizzled 16-byte slots).
-#pragma unroll
-            for (int j = 0; j < kJ; ++j) {
-              const int jj = part * kJ + j;
-#pragma unroll
-              for (int half = 0; half < 2; ++half) {
-                const int m = warp * 16 + lane / 4 + 8 * half;
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                  const int n = j * 8 + 2 * (lane % 4) + i;
-                  *reinterpret_cast<__nv_bfloat16*>(buf + n * 128 + (((m >> 3) ^ (n & 7)) << 4) + (m & 7) * 2) =
-                      __float2bfloat16_rn(acc[jj * 4 + half * 2 + i]);
-                }
-              }
-            }
-          } else {
-            // kEpiCols/64 boxes [64 rows m][64 n] (boxes {64 n, 64 m} of C [E*M, N]).
-#pragma unroll
-            for (int j = 0; j < kJ; ++j) {
-              const int jj = part * kJ + j;
-#pragma unroll
-              for (int half = 0; half < 2; ++half) {
-                const int r = warp * 16 + lane / 4 + 8 * half;
-                *reinterpret_cast<__nv_bfloat162*>(buf + (j / 8) * (64 * 128) + r * 128 + (((j % 8) ^ (r & 7)) << 4) +
-                                                   (lane % 4) * 4) =
-                    __floats2bfloat162_rn(acc[jj * 4 + half * 2], acc[jj * 4 + half * 2 + 1]);
-              }
-            }
-          }
-          sm90::fence_proxy_async_shared();  // st.shared -> the TMA store's reads
-          sm90::named_barrier_sync(1 + cw, 128);
-          if (tid == 0) {
-            const int c0 = n0 + part * Smem::kEpiCols;
-            if (p.transpose_c) {
-              sm90::tma_store_2d(&tmap_c, buf, m0 + cw * 64, e * p.N + c0);
-            } else {
-#pragma unroll
-              for (int h = 0; h < Smem::kEpiCols / 64; ++h)
-                sm90::tma_store_2d(&tmap_c, buf + h * (64 * 128), c0 + 64 * h, e * p.M + m0 + cw * 64);
-            }
-            sm90::bulk_commit_group();
-          }
-        }
+      if (!(p.tma_c && m0 + kWgradBM <= p.M && n0 + BN <= p.N)) {
+        store_tile_direct(p, e, m0, n0, cw, lane, warp, acc);
         continue;
       }
-
-      // Accumulator fragment: register 4·jj + 2·half + i is row (warp·16 + lane/4 + 8·half) of the
-      // warpgroup's 64, column 8·jj + 2·(lane % 4) + i.
-      const int64_t base = static_cast<int64_t>(e) * p.M * p.N;
-#pragma unroll
-      for (int jj = 0; jj < BN / 8; ++jj) {
-        const int n = n0 + jj * 8 + 2 * (lane % 4);
-        if (n >= p.N) continue;  // N is a multiple of 8: n + 1 < N too
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int m = m0 + cw * 64 + warp * 16 + lane / 4 + 8 * half;
-          if (m >= p.M) continue;
-          const float v0 = acc[jj * 4 + half * 2], v1 = acc[jj * 4 + half * 2 + 1];
-          if (p.transpose_c) {
-            const int64_t i0 = base + static_cast<int64_t>(n) * p.M + m, i1 = i0 + p.M;
-            if (p.c_fp32) {
-              static_cast<float*>(p.c)[i0] = v0;
-              static_cast<float*>(p.c)[i1] = v1;
-            } else {
-              static_cast<__nv_bfloat16*>(p.c)[i0] = __float2bfloat16_rn(v0);
-              static_cast<__nv_bfloat16*>(p.c)[i1] = __float2bfloat16_rn(v1);
-            }
-          } else {
-            const int64_t i0 = base + static_cast<int64_t>(m) * p.N + n;
-            if (p.c_fp32)
-              *reinterpret_cast<float2*>(static_cast<float*>(p.c) + i0) = make_float2(v0, v1);
-            else
-              *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.c) + i0) = __floats2bfloat162_rn(v0, v1);
-          }
-        }
-      }
+      store_tile_tma(p, tmap_c, e, m0, n0, cw, tid, lane, warp, acc);
     }
     if (tid == 0) sm90::bulk_wait_all();  // this warpgroup's TMA stores are complete
+  }
+};
+
+template <int BN, bool kPair>
+__global__ void __launch_bounds__(kWgradThreads, 1)
+    sm90_grouped_wgrad(const __grid_constant__ CUtensorMap tmap_b, const __grid_constant__ CUtensorMap tmap_c,
+                       const GroupedWgradParams p) {
+  using Wgrad = GroupedWgrad<BN, kPair>;
+  const int wg = sm90::warpgroup_index(), tid = threadIdx.x % 128;
+  const uint32_t rank = kPair ? sm90::cluster_ctarank() : 0, peer = rank ^ 1u;
+  if (threadIdx.x == 0) {
+    Wgrad::init_barriers();
+    sm90::mbar_fence_init();
+    sm90::tma_prefetch_descriptor(&tmap_b);
+    if (p.tma_c) sm90::tma_prefetch_descriptor(&tmap_c);
+  }
+  if constexpr (kPair)
+    sm90::cluster_sync();  // the peer's barriers exist before anyone signals them
+  else
+    __syncthreads();
+  // Units are walked statically: this CTA (with kPair, cluster) takes first, first + stride, ...
+  const int units = p.E * wgrad_units_per_expert<kPair>(p);
+  const int first = kPair ? blockIdx.x / 2 : blockIdx.x, stride = kPair ? gridDim.x / 2 : gridDim.x;
+
+  if (wg == 0) {
+    sm90::setmaxnreg_dec<56>();
+    Wgrad::loader(p, &tmap_b, tid, rank, first, stride, units);
+  } else {
+    sm90::setmaxnreg_inc<224>();
+    Wgrad::consumer(p, &tmap_c, wg - 1, tid, rank, peer, first, stride, units);
   }
   // kPair: neither CTA exits while the other may still arrive on its barriers or relay into it.
   if constexpr (kPair) sm90::cluster_sync();
