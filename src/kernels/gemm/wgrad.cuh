@@ -182,17 +182,16 @@ __device__ __forceinline__ WgradTile wgrad_decode(const GroupedWgradParams& p, i
 // every kernel that declares it.)
 extern __shared__ __align__(1024) uint8_t wgrad_smem[];
 
-// The kernel's phases: barrier setup (init_barriers), the loader warpgroup (loader), the consumer
-// warpgroups (consumer: the main loop over an expert's K blocks, then store_tile_direct or
-// store_tile_tma).
+// The kernel's phases: barrier setup (init_barriers), the loader warpgroup (loader), and the
+// consumer warpgroups' two epilogues (store_tile_direct, store_tile_tma); the consumers' main loop
+// is in the kernel body.
 //
-// How the phases are written keeps the machine code of the single kernel body they were split
-// from (the compiler simplifies each phase before inlining it, so what a phase can see there
-// matters): each phase takes its shared-memory addresses from wgrad_smem itself, not as arguments
-// or in a struct, so that they are constants when it is simplified; the thread's lane and warp are
-// computed in the consumer and handed to the stores. (A shared-memory layout struct, the
-// consumer's epilogue as an if/else with the TMA path first, or `peer` computed in the consumer
-// each changed the generated code.)
+// The split keeps the machine code of the single kernel body it came from. The compiler simplifies
+// each phase before inlining it, so what a phase can see there matters: each phase takes its
+// shared-memory addresses from wgrad_smem itself (constants), not as arguments or from a struct;
+// the consumers' lane and warp come from the kernel body, and `peer` is computed at the kernel's
+// start. The consumers' main loop as a function of its own compiled to another block order or
+// other register assignments in every form tried, so it stays inline.
 template <int BN, bool kPair>
 struct GroupedWgrad {
   using Smem = WgradSmem<BN>;
@@ -399,70 +398,6 @@ struct GroupedWgrad {
       }
     }
   }
-
-  // Consumer warpgroup cw (0 or 1): rows [64 cw, 64 cw + 64) of M of every unit's tile. The main
-  // loop runs wgmma m64n{BN}k16 over the expert's K blocks, A [64 K][64 M] and B [64 K][BN] both
-  // MN-major (tnspA = tnspB = 1), into acc [BN/2] fp32 a thread, and releases each stage as soon
-  // as its wgmmas retire; then the tile leaves by one of the two stores. (The main loop stays in
-  // this function: the stores share its accumulators.)
-  static __device__ __forceinline__ void consumer(const GroupedWgradParams& p, const CUtensorMap* tmap_c, int cw,
-                                                  int tid, uint32_t rank, uint32_t peer, int first, int stride,
-                                                  int units) {
-    uint8_t* smem_a = wgrad_smem;                   // [S][kABytes]
-    uint8_t* smem_b = wgrad_smem + Smem::kBOffset;  // [S][kBBytes]
-    uint64_t* full = reinterpret_cast<uint64_t*>(wgrad_smem + Smem::kBarOffset);
-    uint64_t* full_peer = full + 2 * S;
-    const Stages stages{full, full + S};
-    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
-    int it = 0;
-    // A stage is free once this warpgroup's wgmmas reading it retired: tell both CTAs with kPair.
-    auto release = [&](int s) {
-      stages.release(s);
-      if constexpr (kPair) sm90::mbar_arrive_cluster(&stages.empty[s], peer);
-    };
-    for (int t = first; t < units; t += stride) {
-      const auto [e, m0, n0, begin, end] = wgrad_decode<BN, kPair>(p, t, rank);
-      const bool has_n = n0 < p.N;
-      float acc[BN / 2];
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-      for (int r0 = begin; r0 < end; r0 += kWgradBK, ++it) {
-        const typename Stages::Slot slot = Stages::slot(it);
-        const int s = slot.stage;
-        stages.wait(slot);
-        // kPair: warpgroup `rank` reads this CTA's own half of A, the other one the peer's
-        if (kPair && cw != static_cast<int>(rank)) sm90::mbar_wait(&full_peer[s], slot.phase);
-        sm90::fence_proxy_async_shared();  // cp.async (generic proxy) -> wgmma and the relay (async proxy)
-        if (kPair && cw == static_cast<int>(rank) && tid == 0)  // relay this CTA's half to the peer
-          sm90::bulk_copy_to_peer(smem_a + s * Smem::kABytes + rank * kHalfBytes, kHalfBytes, &full_peer[s], peer);
-        const uint32_t a_addr = sm90::smem_addr(smem_a + s * Smem::kABytes + cw * 64 * 128);
-        const uint32_t b_addr = sm90::smem_addr(smem_b + s * Smem::kBBytes);
-        sm90::wgmma_fence();
-        // (Unconditional even without columns: the result is then dropped. A runtime condition
-        // around the wgmmas makes ptxas fence them (C7519) or serialise them (C7520): -5% and more.)
-#pragma unroll
-        for (int ks = 0; ks < kWgradBK / 16; ++ks) {
-          sm90::wgmma_bf16<BN, 1, 1>(acc, sm90::smem_desc_mnmajor_sw128(a_addr + ks * 2048, 64 * 128),
-                                     sm90::smem_desc_mnmajor_sw128(b_addr + ks * 2048, 64 * 128), 1);
-        }
-        sm90::wgmma_commit();
-        // The stage is released as soon as its wgmmas retire, not one block later: the loaders
-        // refill it while this warpgroup waits for the next one, and the other warpgroup's group
-        // keeps the tensor cores busy meanwhile (with the index ring: 7B-a dW2 0.473 against
-        // 0.485 M cycles, 30B-a +1%).
-        sm90::wgmma_wait<0>();
-        sm90::fence_accumulators(acc);
-        if (tid == 0) release(s);
-      }
-      if (!has_n) continue;  // kPair's rank 1 of an odd last pair: no columns to store
-      if (!(p.tma_c && m0 + kWgradBM <= p.M && n0 + BN <= p.N)) {
-        store_tile_direct(p, e, m0, n0, cw, lane, warp, acc);
-        continue;
-      }
-      store_tile_tma(p, tmap_c, e, m0, n0, cw, tid, lane, warp, acc);
-    }
-    if (tid == 0) sm90::bulk_wait_all();  // this warpgroup's TMA stores are complete
-  }
 };
 
 template <int BN, bool kPair>
@@ -490,8 +425,69 @@ __global__ void __launch_bounds__(kWgradThreads, 1)
     sm90::setmaxnreg_dec<56>();
     Wgrad::loader(p, &tmap_b, tid, rank, first, stride, units);
   } else {
+    // The consumers, warpgroup cw (0 or 1): rows [64 cw, 64 cw + 64) of M of every unit's tile.
+    // The main loop runs wgmma m64n{BN}k16 over the expert's K blocks, A [64 K][64 M] and B
+    // [64 K][BN] both MN-major (tnspA = tnspB = 1), into acc [BN/2] fp32 a thread, and releases
+    // each stage as soon as its wgmmas retire; the tile then leaves by one of the two stores.
     sm90::setmaxnreg_inc<224>();
-    Wgrad::consumer(p, &tmap_c, wg - 1, tid, rank, peer, first, stride, units);
+    using Smem = typename Wgrad::Smem;
+    constexpr int S = Smem::kStages;
+    constexpr uint32_t kHalfBytes = Wgrad::kHalfBytes;
+    const int cw = wg - 1;
+    uint8_t* smem_a = wgrad_smem;                   // [S][kABytes]
+    uint8_t* smem_b = wgrad_smem + Smem::kBOffset;  // [S][kBBytes]
+    uint64_t* full = reinterpret_cast<uint64_t*>(wgrad_smem + Smem::kBarOffset);
+    uint64_t* full_peer = full + 2 * S;
+    const typename Wgrad::Stages stages{full, full + S};
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    int it = 0;
+    // A stage is free once this warpgroup's wgmmas reading it retired: tell both CTAs with kPair.
+    auto release = [&](int s) {
+      stages.release(s);
+      if constexpr (kPair) sm90::mbar_arrive_cluster(&stages.empty[s], peer);
+    };
+    for (int t = first; t < units; t += stride) {
+      const auto [e, m0, n0, begin, end] = wgrad_decode<BN, kPair>(p, t, rank);
+      const bool has_n = n0 < p.N;
+      float acc[BN / 2];
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+      for (int r0 = begin; r0 < end; r0 += kWgradBK, ++it) {
+        const typename Wgrad::Stages::Slot slot = Wgrad::Stages::slot(it);
+        const int s = slot.stage;
+        stages.wait(slot);
+        // kPair: warpgroup `rank` reads this CTA's own half of A, the other one the peer's
+        if (kPair && cw != static_cast<int>(rank)) sm90::mbar_wait(&full_peer[s], slot.phase);
+        sm90::fence_proxy_async_shared();  // cp.async (generic proxy) -> wgmma and the relay (async proxy)
+        if (kPair && cw == static_cast<int>(rank) && tid == 0)  // relay this CTA's half to the peer
+          sm90::bulk_copy_to_peer(smem_a + s * Smem::kABytes + rank * kHalfBytes, kHalfBytes, &full_peer[s], peer);
+        const uint32_t a_addr = sm90::smem_addr(smem_a + s * Smem::kABytes + cw * 64 * 128);
+        const uint32_t b_addr = sm90::smem_addr(smem_b + s * Smem::kBBytes);
+        sm90::wgmma_fence();
+        // (Unconditional even without columns: the result is then dropped. A runtime condition
+        // around the wgmmas makes ptxas fence them (C7519) or serialise them (C7520): -5% and more.)
+#pragma unroll
+        for (int ks = 0; ks < kWgradBK / 16; ++ks) {
+          sm90::wgmma_bf16<BN, 1, 1>(acc, sm90::smem_desc_mnmajor_sw128(a_addr + ks * 2048, 64 * 128),
+                                     sm90::smem_desc_mnmajor_sw128(b_addr + ks * 2048, 64 * 128), 1);
+        }
+        sm90::wgmma_commit();
+        // The stage is released as soon as its wgmmas retire, not one block later: the loaders
+        // refill it while this warpgroup waits for the next one, and the other warpgroup's group
+        // keeps the tensor cores busy meanwhile (with the index ring: 7B-a dW2 0.473 against
+        // 0.485 M cycles, 30B-a +1%).
+        sm90::wgmma_wait<0>();
+        sm90::fence_accumulators(acc);
+        if (tid == 0) release(s);
+      }
+      if (!has_n) continue;  // kPair's rank 1 of an odd last pair: no columns to store
+      if (p.tma_c && m0 + kWgradBM <= p.M && n0 + BN <= p.N) {
+        Wgrad::store_tile_tma(p, &tmap_c, e, m0, n0, cw, tid, lane, warp, acc);
+        continue;
+      }
+      Wgrad::store_tile_direct(p, e, m0, n0, cw, lane, warp, acc);
+    }
+    if (tid == 0) sm90::bulk_wait_all();  // this warpgroup's TMA stores are complete
   }
   // kPair: neither CTA exits while the other may still arrive on its barriers or relay into it.
   if constexpr (kPair) sm90::cluster_sync();
