@@ -20,7 +20,7 @@
 //     two {64 N, 64 K} boxes per stage; all 128 threads copy the tile's dO rows [128 x 64 K] by
 //     16-byte cp.async, 8 rows each, row offsets held in registers for the whole tile.
 //   warpgroups 1 and 2: consumer c takes the CTA's tiles n = c, c + 2, ... from the ring. Turns as
-//     in gemm/pingpong.cuh: wait for the turn (named barrier 4 + c), issue the tile's
+//     in gemm/pingpong.cuh (PingPongTurns): wait for the turn, issue the tile's
 //     wgmmas (two m64n128k16 chains: 128 fp32 accumulators per thread), hand the turn on after the
 //     last K block's wgmmas are issued, then drain, stage the bf16 dA' tile [128 x 128] and the
 //     rows' scores in the warpgroup's own buffer, and run the dH epilogue over its 128 rows
@@ -43,7 +43,7 @@
 
 #include "kernels/gemm/cooperative.cuh"  // GemmGatherRows
 #include "kernels/gemm/epilogue_dact.cuh"
-#include "kernels/gemm/pingpong.cuh"  // pingpong_mainloop, PingPongSmemLayout
+#include "kernels/gemm/pingpong.cuh"  // pingpong_mainloop, PingPongSmemLayout, PingPongTurns
 #include "kernels/gemm/scheduler.cuh"
 
 namespace machmoe::kernels {
@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   float* scales = reinterpret_cast<float*>(epi + 2 * Smem::kEpiBufBytes);
   const StageRing<S> stages = lay.stages();
   uint64_t *tile_full = lay.tile_full, *tile_empty = lay.tile_empty;
-  GemmTile* ring = lay.ring;
+  const TileRing tile_ring = lay.tile_ring();
   int32_t* tile_table = lay.tile_table;
 
   constexpr int kLoaders = 128;
@@ -122,18 +122,12 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     // ------------------------------------------------------------ loaders
     sm90::setmaxnreg_dec<gemm_producer_regs<EPI>()>();
     GemmGatherRows<kLoaders> rows;  // this thread's dout rows of the tile
-    auto publish = [&](int n, const GemmTile& tile) {
-      const int slot = n % kTileRing;
-      sm90::mbar_wait(&tile_empty[slot], ((n / kTileRing) & 1) ^ 1);
-      ring[slot] = tile;
-      sm90::mbar_arrive(&tile_full[slot]);
-    };
     for (int t = blockIdx.x, n = 0, it = 0;; t += gridDim.x, ++n) {
       const bool done = t >= total_tiles;
       const GemmTile tile = done ? GemmTile{-1, 0, 0, 0} : gemm_decode_tile<kDactGroupM>(p, tiles, t, BN);
       if (tid == 0) {
-        publish(n, tile);
-        if (done) publish(n + 1, GemmTile{-2, 0, 0, 0});  // the other consumer's stop signal
+        tile_ring.publish(n, tile);
+        if (done) tile_ring.publish(n + 1, GemmTile{-2, 0, 0, 0});  // the other consumer's stop signal
       }
       if (done) break;
       rows.load(p, tile, tid);  // (~0 past the expert's end)
@@ -161,16 +155,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     const int c = wg - 1;
     uint8_t* buf = epi + c * Smem::kEpiBufBytes;
     float* scale = scales + c * 128;
-    constexpr int kTurn = 4;  // named barriers 4 (consumer 0's turn) and 5 (consumer 1's); 2, 3: per warpgroup
-    if (c == 1) sm90::named_barrier_arrive(kTurn + 0, 256);  // consumer 0 goes first
+    const PingPongTurns turns(tile_ring, c);
     for (int n = c;; n += 2) {
-      const int slot = n % kTileRing;
-      sm90::mbar_wait(&tile_full[slot], (n / kTileRing) & 1);
-      const GemmTile tile = ring[slot];
-      sm90::mbar_arrive(&tile_empty[slot]);
-      // (the turn protocol of gemm/pingpong.cuh: the first stop signal takes the turn
-      // handed to it, the second has none; a stage is waited on only after taking the turn)
-      if (tile.e != -2) sm90::named_barrier_sync(kTurn + c, 256);
+      const GemmTile tile = turns.next_tile(n);  // (a stage is waited on only after the turn)
       if (tile.e < 0) break;
       DactRowScale rs[2];
       rs[0].load_pairs(p, tile, 0);
@@ -183,7 +170,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
               rs[1].load_scores(p);
             }
           });
-      sm90::named_barrier_arrive(kTurn + (c ^ 1), 256);  // the other consumer's turn
+      turns.hand_on();
       sm90::wgmma_wait<0>();
       sm90::fence_accumulators(acc[0]);
       sm90::fence_accumulators(acc[1]);

@@ -1,6 +1,6 @@
 // What the grouped GEMM kernels (gemm/cooperative.cuh, gemm/pingpong.cuh, gemm/dact_pingpong.cuh)
-// share: the parameter block the host fills, the tile, the epilogue codes, and the cooperative
-// kernel's shared-memory layout. Header-only, CUDA only.
+// share: the parameter block the host fills, the tile, the epilogue codes, the ring of decoded
+// tiles, and the cooperative kernel's shared-memory layout. Header-only, CUDA only.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -89,6 +89,30 @@ constexpr int kGemmSmemTileE = 512;
 // Tiles the producer may decode ahead of the consumers: more than the stages, so that the
 // publishing thread never waits on the consumers while its loads are ahead of them.
 constexpr int kTileRing = 8;
+
+// The ring of decoded tiles, from the producer's publishing thread to the threads that run them:
+// slot n % kTileRing holds the CTA's tile n. full[slot] takes one arrival (the publisher);
+// empty[slot] one from every thread that takes the slot (the kernel sets the count). Phases
+// alternate every kTileRing tiles, as StageRing's do every S stages.
+struct TileRing {
+  uint64_t *full, *empty;  // [kTileRing] each
+  GemmTile* slots;         // [kTileRing]
+  // Tile n, once every taker of the slot's previous tile (n - kTileRing) has read it.
+  __device__ __forceinline__ void publish(int n, const GemmTile& tile) const {
+    const int slot = n % kTileRing;
+    sm90::mbar_wait(&empty[slot], ((n / kTileRing) & 1) ^ 1);
+    slots[slot] = tile;
+    sm90::mbar_arrive(&full[slot]);
+  }
+  // Tile n, once published; this thread's arrival then frees the slot for tile n + kTileRing.
+  __device__ __forceinline__ GemmTile take(int n) const {
+    const int slot = n % kTileRing;
+    sm90::mbar_wait(&full[slot], (n / kTileRing) & 1);
+    const GemmTile tile = slots[slot];
+    sm90::mbar_arrive(&empty[slot]);
+    return tile;
+  }
+};
 
 // The cooperative kernel's shared memory: S stages of [A tile | B tile], the staged output tile,
 // then (kFixed) the barriers, the tile ring, the staged tile's descriptor, the dH epilogue's row

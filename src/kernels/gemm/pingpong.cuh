@@ -119,7 +119,9 @@ __device__ __forceinline__ int pingpong_mainloop(float (&acc)[2][BN / 2], const 
 // Where a ping-pong kernel's shared memory holds what (both ping-pong kernels): S operand stages
 // (A tiles, then B tiles), the epilogue area, then the barriers (full / empty per stage,
 // tile_full / tile_empty per ring slot), the tile ring and the tile-offset table [E+1], all from a
-// 1024-byte aligned base (the 128-byte swizzle atoms).
+// 1024-byte aligned base (the 128-byte swizzle atoms). The part up to tile_empty is the same as
+// GemmSmemLayout's, written out rather than inherited from a shared base: through a base class the
+// compiler folded the tile-table address differently (other instructions in every grouped GEMM).
 template <class Smem>
 struct PingPongSmemLayout {
   uint8_t *smem_a, *smem_b, *epi;
@@ -127,6 +129,7 @@ struct PingPongSmemLayout {
   GemmTile* ring;
   int32_t* tile_table;  // [E+1] when E is within the kernel's shared-memory table (gemm_tile_table)
   __device__ __forceinline__ StageRing<Smem::kStages> stages() const { return {full, empty}; }
+  __device__ __forceinline__ TileRing tile_ring() const { return {tile_full, tile_empty, ring}; }
   __device__ __forceinline__ explicit PingPongSmemLayout(uint8_t* smem_raw) {
     constexpr int S = Smem::kStages;
     uint8_t* smem = smem_raw + ((1024u - (sm90::smem_addr(smem_raw) & 1023u)) & 1023u);
@@ -140,6 +143,36 @@ struct PingPongSmemLayout {
     ring = reinterpret_cast<GemmTile*>(tile_empty + kTileRing);
     tile_table = reinterpret_cast<int32_t*>(ring + kTileRing);
   }
+};
+
+// The consumers' turns in both ping-pong kernels. Consumer c (0 or 1) runs the CTA's tiles
+// n = c, c + 2, ..., taken from the tile ring; it issues a tile's wgmmas only in its turn, and hands
+// the turn to the other consumer as soon as the tile's last wgmmas are issued, so that the other's
+// wgmmas queue behind them while this one drains and stores. Turn c is named barrier
+// kBarrier + c over both consumer warpgroups (bar.arrive by the giver, bar.sync by the taker).
+struct PingPongTurns {
+  static constexpr int kBarrier = 4;  // named barriers 4 (consumer 0's turn) and 5 (consumer 1's); 2, 3: per warpgroup
+  TileRing tiles;
+  int c;
+  // Consumer 1 hands consumer 0 its first turn.
+  __device__ __forceinline__ PingPongTurns(const TileRing& tile_ring, int consumer) : tiles(tile_ring), c(consumer) {
+    if (c == 1) sm90::named_barrier_arrive(kBarrier + 0, 256);
+  }
+  // Tile n (this consumer's next), then its turn; e < 0: a stop signal, the caller stops. Tile n's
+  // turn is handed on by the consumer that issued tile n - 1 (tile 0's by the constructor). The
+  // first stop signal (e = -1, n = the CTA's tile count) has such a turn pending too: it takes it,
+  // so that no arrival is left on a named barrier when the CTA exits. Nobody hands a turn to the
+  // second stop (e = -2).
+  // The turn is also what keeps the stage barriers' parity waits unambiguous: a consumer waits on
+  // its first stage only after the other has seen every earlier stage full, so it is never two
+  // phases ahead of a stage. Never wait on a stage before taking the turn.
+  __device__ __forceinline__ GemmTile next_tile(int n) const {
+    const GemmTile tile = tiles.take(n);
+    if (tile.e != -2) sm90::named_barrier_sync(kBarrier + c, 256);
+    return tile;
+  }
+  // The other consumer's turn: call once this tile's last wgmmas are issued.
+  __device__ __forceinline__ void hand_on() const { sm90::named_barrier_arrive(kBarrier + (c ^ 1), 256); }
 };
 
 // B_NMAJOR: W is [E, K, N] (dX~ = dH·W1), read by the 3-D map {N, K, E} in boxes {64 N, 64 K};
@@ -156,7 +189,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   uint8_t *smem_a = lay.smem_a, *smem_b = lay.smem_b, *epi = lay.epi;  // epi: [2][kEpiBufBytes], 1024-byte aligned
   const StageRing<S> stages = lay.stages();
   uint64_t *tile_full = lay.tile_full, *tile_empty = lay.tile_empty;
-  GemmTile* ring = lay.ring;
+  const TileRing tile_ring = lay.tile_ring();
   int32_t* tile_table = lay.tile_table;
 
   const int wg = sm90::warpgroup_index(), tid = threadIdx.x % 128;
@@ -189,20 +222,14 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       for (int t = blockIdx.x, n = 0;; t += gridDim.x, ++n) {
         const bool done = t >= total_tiles;
         const GemmTile tile = done ? GemmTile{-1 - stops, 0, 0, 0} : gemm_decode_tile(p, gemm_tile_table(p, tile_table), t, BN);
-        const int slot = n % kTileRing;
-        sm90::mbar_wait(&tile_empty[slot], ((n / kTileRing) & 1) ^ 1);
-        ring[slot] = tile;
-        sm90::mbar_arrive(&tile_full[slot]);
+        tile_ring.publish(n, tile);
         if (done && ++stops == 2) break;
       }
     }
     // Warp 0, one thread: the loads, tile by tile from the ring (it reads every slot up to the
     // first stop signal; the second is the other consumer's alone).
     for (int n = 0; tid == 0; ++n) {
-      const int slot = n % kTileRing;
-      sm90::mbar_wait(&tile_full[slot], (n / kTileRing) & 1);
-      const GemmTile tile = ring[slot];
-      sm90::mbar_arrive(&tile_empty[slot]);
+      const GemmTile tile = tile_ring.take(n);
       if (tile.e < 0) break;
       for (int kb = 0; kb < k_blocks; ++kb) {
         const typename StageRing<S>::Slot slot = StageRing<S>::slot(n * k_blocks + kb);
@@ -231,28 +258,15 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     sm90::setmaxnreg_inc<kPingPongConsumerRegs>();
     const int c = wg - 1;
     uint8_t* buf = epi + c * Smem::kEpiBufBytes;
-    constexpr int kTurn = 4;  // named barriers 4 (consumer 0's turn) and 5 (consumer 1's); 2, 3: per warpgroup
-    if (c == 1) sm90::named_barrier_arrive(kTurn + 0, 256);  // consumer 0 goes first
+    const PingPongTurns turns(tile_ring, c);
     bool stored = false;  // a TMA store from `buf` may still be reading it
     for (int n = c;; n += 2) {
-      const int slot = n % kTileRing;
-      sm90::mbar_wait(&tile_full[slot], (n / kTileRing) & 1);
-      const GemmTile tile = ring[slot];
-      sm90::mbar_arrive(&tile_empty[slot]);
-      // Tile n's turn is handed over by the warpgroup that issued tile n - 1 (tile 0's by consumer
-      // 1 above). The first stop signal (e = -1, n = the CTA's tile count) has such a turn pending
-      // too: take it, so that no arrival is left on a named barrier when the CTA exits. Nobody
-      // hands a turn to the second stop.
-      // The turn is also what keeps the stage barriers' parity waits unambiguous: a consumer waits
-      // on its first stage only after the other has seen every earlier stage full, so it is never
-      // two phases ahead of a stage. Never wait on a stage before taking the turn.
-      if (tile.e != -2) sm90::named_barrier_sync(kTurn + c, 256);
+      const GemmTile tile = turns.next_tile(n);
       if (tile.e < 0) break;
       float acc[2][BN / 2];
       const int prev_stage = pingpong_mainloop<BN, B_NMAJOR, false, S, Smem::kABytes, Smem::kBBytes>(
           acc, stages, smem_a, smem_b, n, k_blocks, [](int) {});
-      // The other consumer's turn: its wgmmas queue behind ours while ours drain.
-      sm90::named_barrier_arrive(kTurn + (c ^ 1), 256);
+      turns.hand_on();  // the other consumer's wgmmas queue behind ours while ours drain
       sm90::wgmma_wait<0>();
       sm90::fence_accumulators(acc[0]);
       sm90::fence_accumulators(acc[1]);
