@@ -1,6 +1,6 @@
 // What the grouped GEMM kernels (gemm/cooperative.cuh, gemm/pingpong.cuh, gemm/dact_pingpong.cuh)
 // share: the parameter block the host fills, the tile, the epilogue codes, the ring of decoded
-// tiles, and the cooperative kernel's shared-memory layout. Header-only, CUDA only.
+// tiles, and the shared-memory layout. Header-only, CUDA only.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -140,12 +140,20 @@ struct GemmSmem {
                 "fixed shared-memory area too small");
 };
 
-// Where GemmSmem<BN> puts what, from the kernel's dynamic shared memory.
-template <int BN>
-struct GemmSmemLayout {
-  using Smem = GemmSmem<BN>;
+// Where a grouped GEMM kernel's shared memory holds what, for its Smem (GemmSmem, or a ping-pong
+// kernel's): from a 1024-byte aligned base, S operand stages (A tiles, then B tiles), the
+// epilogue area [Smem::kEpiBytes], the barriers (full / empty per stage, tile_full / tile_empty
+// per ring slot), then the epilogue handoff (kEpiHandoff), the tile ring and the tile-offset table.
+// kEpiHandoff, the cooperative kernel: its consumers hand each staged tile to separate epilogue
+// threads (epi_full / epi_empty, the staged tile's descriptor, the dH epilogue's row scores). The
+// ping-pong consumers store their own tiles: no handoff, those pointers are null.
+// (One constructor for both on purpose: with the common part carved in a base class or helper
+// function, the compiler folded the tile-table address differently and every kernel's SASS
+// changed.)
+template <class Smem, bool kEpiHandoff>
+struct GroupedGemmSmemLayout {
   uint8_t *smem_a, *smem_b;  // [S][kABytes], [S][kBBytes]: the operand stages
-  uint8_t* epi;              // [kEpiBytes]: the staged output tile
+  uint8_t* epi;              // [kEpiBytes]: the staged output
   uint64_t *full, *empty;    // [S] each: a stage's data has landed / its wgmmas have retired
   // The tile schedule, decoded by the producer (whose latency is hidden: it runs ahead) and
   // handed to the consumers through a small ring, so that they never stall on the binary search.
@@ -155,9 +163,10 @@ struct GemmSmemLayout {
   GemmTile* ring;       // [kTileRing]
   GemmTile* epi_tile;   // the staged tile
   float* epi_scale;     // [128] the dH epilogue: the staged rows' scores
-  int32_t* tile_table;  // [E+1] when E <= kGemmSmemTileE
+  int32_t* tile_table;  // [E+1] when E is within the kernel's shared-memory table (gemm_tile_table)
   __device__ __forceinline__ StageRing<Smem::kStages> stages() const { return {full, empty}; }
-  __device__ __forceinline__ explicit GemmSmemLayout(uint8_t* smem_raw) {
+  __device__ __forceinline__ TileRing tile_ring() const { return {tile_full, tile_empty, ring}; }
+  __device__ __forceinline__ explicit GroupedGemmSmemLayout(uint8_t* smem_raw) {
     constexpr int S = Smem::kStages;
     // 1024-byte aligned (the 128-byte swizzle atoms), by an offset from smem_raw rather than an
     // integer round trip, so that the compiler still knows every pointer below is shared memory
@@ -170,13 +179,25 @@ struct GemmSmemLayout {
     empty = full + S;
     tile_full = empty + S;
     tile_empty = tile_full + kTileRing;
-    epi_full = tile_empty + kTileRing;
-    epi_empty = epi_full + 1;
-    ring = reinterpret_cast<GemmTile*>(epi_empty + 1);
-    epi_tile = ring + kTileRing;
-    epi_scale = reinterpret_cast<float*>(epi_tile + 1);
-    tile_table = reinterpret_cast<int32_t*>(epi_scale + 128);
+    if constexpr (kEpiHandoff) {
+      epi_full = tile_empty + kTileRing;
+      epi_empty = epi_full + 1;
+      ring = reinterpret_cast<GemmTile*>(epi_empty + 1);
+      epi_tile = ring + kTileRing;
+      epi_scale = reinterpret_cast<float*>(epi_tile + 1);
+      tile_table = reinterpret_cast<int32_t*>(epi_scale + 128);
+    } else {
+      epi_full = epi_empty = nullptr;
+      ring = reinterpret_cast<GemmTile*>(tile_empty + kTileRing);
+      epi_tile = nullptr;
+      epi_scale = nullptr;
+      tile_table = reinterpret_cast<int32_t*>(ring + kTileRing);
+    }
   }
 };
+
+// The cooperative kernel's (gemm/cooperative.cuh).
+template <int BN>
+using GemmSmemLayout = GroupedGemmSmemLayout<GemmSmem<BN>, true>;
 
 }  // namespace machmoe::kernels

@@ -116,34 +116,10 @@ __device__ __forceinline__ int pingpong_mainloop(float (&acc)[2][BN / 2], const 
   return prev_stage;
 }
 
-// Where a ping-pong kernel's shared memory holds what (both ping-pong kernels): S operand stages
-// (A tiles, then B tiles), the epilogue area, then the barriers (full / empty per stage,
-// tile_full / tile_empty per ring slot), the tile ring and the tile-offset table [E+1], all from a
-// 1024-byte aligned base (the 128-byte swizzle atoms). The part up to tile_empty is the same as
-// GemmSmemLayout's, written out rather than inherited from a shared base: through a base class the
-// compiler folded the tile-table address differently (other instructions in every grouped GEMM).
+// Both ping-pong kernels' shared memory: the stages, their own epilogue area, the barriers, the
+// tile ring and the tile-offset table (no epilogue handoff: each consumer stores its own tiles).
 template <class Smem>
-struct PingPongSmemLayout {
-  uint8_t *smem_a, *smem_b, *epi;
-  uint64_t *full, *empty, *tile_full, *tile_empty;
-  GemmTile* ring;
-  int32_t* tile_table;  // [E+1] when E is within the kernel's shared-memory table (gemm_tile_table)
-  __device__ __forceinline__ StageRing<Smem::kStages> stages() const { return {full, empty}; }
-  __device__ __forceinline__ TileRing tile_ring() const { return {tile_full, tile_empty, ring}; }
-  __device__ __forceinline__ explicit PingPongSmemLayout(uint8_t* smem_raw) {
-    constexpr int S = Smem::kStages;
-    uint8_t* smem = smem_raw + ((1024u - (sm90::smem_addr(smem_raw) & 1023u)) & 1023u);
-    smem_a = smem;
-    smem_b = smem + S * Smem::kABytes;
-    epi = smem + S * Smem::kStageBytes;
-    full = reinterpret_cast<uint64_t*>(epi + Smem::kEpiBytes);
-    empty = full + S;
-    tile_full = empty + S;
-    tile_empty = tile_full + kTileRing;
-    ring = reinterpret_cast<GemmTile*>(tile_empty + kTileRing);
-    tile_table = reinterpret_cast<int32_t*>(ring + kTileRing);
-  }
-};
+using PingPongSmemLayout = GroupedGemmSmemLayout<Smem, false>;
 
 // The consumers' turns in both ping-pong kernels. Consumer c (0 or 1) runs the CTA's tiles
 // n = c, c + 2, ..., taken from the tile ring; it issues a tile's wgmmas only in its turn, and hands
