@@ -1,9 +1,9 @@
 """Loads libmachmoe_torch.so, which registers the `torch.ops.machmoe.*` ops (docs/OPS.md).
 
-Search order, first file found wins:
-  1. $MACHMOE_LIBRARY_DIR/libmachmoe_torch.so, when that variable is set;
-  2. this package's directory (a pip install puts the library beside the Python files);
-  3. <checkout>/build/lib, when this package is the python/ folder of a source checkout built
+Where it looks: $MACHMOE_LIBRARY_DIR/libmachmoe_torch.so alone when that variable is set (an
+explicit choice never falls back to another, possibly stale, build); otherwise, first found wins:
+  1. this package's directory (a pip install puts the library beside the Python files);
+  2. <checkout>/build/lib, when this package is the python/ folder of a source checkout built
      by scripts/build.sh (so that `import machmoe` works right after the README's setup).
 A missing or unloadable library is not an import error: the pure-PyTorch backend works without
 it. `ops_available()` says whether it loaded, `require_ops()` raises a RuntimeError saying why
@@ -32,11 +32,10 @@ def _checkout_build_dir() -> Optional[Path]:
 
 
 def _candidate_paths() -> list[Path]:
-    paths = []
     env_dir = os.environ.get("MACHMOE_LIBRARY_DIR")
     if env_dir:
-        paths.append(Path(env_dir) / LIBRARY_NAME)
-    paths.append(Path(__file__).resolve().parent / LIBRARY_NAME)
+        return [Path(env_dir) / LIBRARY_NAME]
+    paths = [Path(__file__).resolve().parent / LIBRARY_NAME]
     build_dir = _checkout_build_dir()
     if build_dir is not None:
         paths.append(build_dir / LIBRARY_NAME)

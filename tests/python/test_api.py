@@ -122,13 +122,13 @@ def test_kernel_availability_means_they_can_run_here():
 
 def test_loader_finds_the_checkout_build(monkeypatch):
     """Without MACHMOE_LIBRARY_DIR a source checkout looks in <checkout>/build/lib, where
-    scripts/build.sh puts the library."""
+    scripts/build.sh puts the library; with it, only there (never a stale default build)."""
     monkeypatch.delenv("MACHMOE_LIBRARY_DIR", raising=False)
     checkout = Path(_ops.__file__).resolve().parents[2]
     paths = _ops._candidate_paths()
     assert paths[-1] == checkout / "build" / "lib" / _ops.LIBRARY_NAME
     monkeypatch.setenv("MACHMOE_LIBRARY_DIR", "/somewhere")
-    assert _ops._candidate_paths()[0] == Path("/somewhere") / _ops.LIBRARY_NAME
+    assert _ops._candidate_paths() == [Path("/somewhere") / _ops.LIBRARY_NAME]
 
 
 # ---------------------------------------------------------------- functional API
