@@ -221,12 +221,7 @@ struct GemmCooperative {
       // several variants run at the 168-register cap, and a held pointer spilled there)
       const GemmTile tile =
           done ? GemmTile{-1, 0, 0, 0} : gemm_decode_tile<kGroupM>(p, gemm_tile_table(p, sm.tile_table), t, kTileCols);
-      if (lane == 0) {  // publish (e = -1 tells the consumers to stop)
-        const int slot = n % kTileRing;
-        sm90::mbar_wait(&sm.tile_empty[slot], ((n / kTileRing) & 1) ^ 1);
-        sm.ring[slot] = tile;
-        sm90::mbar_arrive(&sm.tile_full[slot]);
-      }
+      if (lane == 0) sm.tile_ring().publish(n, tile);  // (e = -1 tells the consumers to stop)
       if (done) break;
       if constexpr (GATHER) rows.load(p, tile, lane);  // this thread's A rows (~0 past the expert's end)
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
@@ -328,10 +323,7 @@ struct GemmCooperative {
     const uint64_t desc_b0 = B_NMAJOR ? sm90::smem_desc_mnmajor_sw128(sm90::smem_addr(sm.smem_b), 64 * 128)
                                       : sm90::smem_desc_kmajor_sw128(sm90::smem_addr(sm.smem_b));
     for (int n = 0;; ++n) {
-      const int slot = n % kTileRing;
-      sm90::mbar_wait(&sm.tile_full[slot], (n / kTileRing) & 1);
-      const GemmTile tile = sm.ring[slot];
-      sm90::mbar_arrive(&sm.tile_empty[slot]);
+      const GemmTile tile = sm.tile_ring().take(n);
       if (tile.e < 0) break;
       float acc[BN / 2];
 #pragma unroll
