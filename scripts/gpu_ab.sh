@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A/B of kernel changes on an H100/H200 machine, in one run: the working tree as it is (A) against
-# variants, each the same tree with a patch applied. Prints and writes $OUT/ab.log:
+# variants, each the same tree with a patch applied. Prints and writes $MACHMOE_OUT_DIR/ab.log:
 #   1. A and every patched tree built at once (the library and the torch ops only, no C++ tests;
 #      A in ./build, patch P in /tmp/machmoe_ab_P/build);
 #   2. each variant's GPU GEMM, layer and backward tests (pytest, MACHMOE_REQUIRE_GPU=1), run side
@@ -11,7 +11,7 @@
 #   4. with AB_LAYER="7B-a,30B-b" (config names), the layer benchmark of each (machmoe only).
 #
 # Usage, locally:   git diff main my-branch -- src include > my_change.patch
-#        on the GPU: OUT=/some/dir scripts/gpu_ab.sh my_change.patch [other.patch ...]
+#        on the GPU: MACHMOE_OUT_DIR=/some/dir scripts/gpu_ab.sh my_change.patch [other.patch ...]
 # Environment: AB_REPS, AB_LAYER, AB_SKIP_TESTS=1 (timing only, for variants already verified),
 #   AB_TESTS=gemm (a screening: only the GEMM test files, no racecheck; verify a winner in full),
 #   MACHMOE_KERNEL_ROWS / MACHMOE_KERNEL_CONFIGS (which rows and configs the kernel table times).
@@ -21,7 +21,7 @@ set -uo pipefail
 patches=("$@")
 # shellcheck source=scripts/gpu_env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh" gpu_ab_out
-log=$OUT/ab.log
+log=$MACHMOE_OUT_DIR/ab.log
 : > "$log"
 aux=/tmp/machmoe_ab_logs   # build/test/layer logs stay here; failures are quoted into ab.log
 rm -rf "$aux" && mkdir -p "$aux"

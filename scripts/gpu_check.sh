@@ -2,17 +2,17 @@
 # shellcheck disable=SC2317  # step functions run through an exported `bash -c`
 # The one script to run on an H100/H200 machine (no network needed): environment report, build,
 # tests (GPU tests must not skip), compute-sanitizer memcheck and racecheck on the small GPU
-# tests, and the benchmark. Every step's log goes to $OUT:
-#   $OUT/build.log      environment (nvidia-smi, nvcc, python, torch) + the build
-#   $OUT/tests.log      scripts/test.sh (ctest + pytest) with MACHMOE_REQUIRE_GPU=1
-#   $OUT/sanitizer.log  compute-sanitizer memcheck on `pytest -m gpu -k small`, racecheck on the small GEMM cases
-#   $OUT/bench.log      python -m machmoe.bench (+ $OUT/bench.md, bench.json, bench.png)
-#   $OUT/summary.txt    each step's status and time, and the benchmark's table
+# tests, and the benchmark. Every step's log goes to $MACHMOE_OUT_DIR:
+#   $MACHMOE_OUT_DIR/build.log      environment (nvidia-smi, nvcc, python, torch) + the build
+#   $MACHMOE_OUT_DIR/tests.log      scripts/test.sh (ctest + pytest) with MACHMOE_REQUIRE_GPU=1
+#   $MACHMOE_OUT_DIR/sanitizer.log  compute-sanitizer memcheck on `pytest -m gpu -k small`, racecheck on the small GEMM cases
+#   $MACHMOE_OUT_DIR/bench.log      python -m machmoe.bench (+ $MACHMOE_OUT_DIR/bench.md, bench.json, bench.png)
+#   $MACHMOE_OUT_DIR/summary.txt    each step's status and time, and the benchmark's table
 # A failing step does not stop the next one; the exit status is non-zero if any step failed.
 # The whole run is held under GPU_CHECK_BUDGET_S seconds (default 560, to fit a 10-minute
 # slot): each step gets a timeout from what is left, keeping time in reserve for the benchmark.
 #
-# Usage: OUT=/some/dir scripts/gpu_check.sh [extra arguments for python -m machmoe.bench]
+# Usage: MACHMOE_OUT_DIR=/some/dir scripts/gpu_check.sh [extra arguments for python -m machmoe.bench]
 #   GPU_CHECK_SKIP="tests sanitizer"  skips steps by name (build, tests, sanitizer, bench)
 set -uo pipefail
 
@@ -82,17 +82,17 @@ if torch.cuda.is_available():
 EOF
 }
 export -f env_report
-run_step env "$OUT/build.log" 60 env_report
+run_step env "$MACHMOE_OUT_DIR/build.log" 60 env_report
 
 # ---------------------------------------------------------------- build
-run_step build "$OUT/build.log" "$(timeout_for 240 300)" scripts/build.sh
+run_step build "$MACHMOE_OUT_DIR/build.log" "$(timeout_for 240 300)" scripts/build.sh
 
 # ---------------------------------------------------------------- tests
 run_tests() {
   MACHMOE_REQUIRE_GPU=1 scripts/test.sh --durations=15  # the slowest tests, to keep this step under its limit
 }
 export -f run_tests
-run_step tests "$OUT/tests.log" "$(timeout_for 330 150)" run_tests
+run_step tests "$MACHMOE_OUT_DIR/tests.log" "$(timeout_for 330 150)" run_tests
 
 # ---------------------------------------------------------------- compute-sanitizer
 # Memcheck over the small GPU tests. PyTorch's caching allocator would hide out-of-bounds accesses
@@ -129,31 +129,31 @@ sanitize() {
     -p no:cacheprovider
 }
 export -f sanitize
-run_step sanitizer "$OUT/sanitizer.log" "$(timeout_for 150 60)" sanitize
+run_step sanitizer "$MACHMOE_OUT_DIR/sanitizer.log" "$(timeout_for 150 60)" sanitize
 
 # ---------------------------------------------------------------- benchmark
 # expandable segments: fewer fragmentation OOMs when big configs follow each other.
 # MACHMOE_REQUIRE_GPU=1: no silent CPU demo if the GPU is not visible.
 run_bench() {
   MACHMOE_REQUIRE_GPU=1 PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
-    "$PY" -m machmoe.bench --out "$OUT" "$@"
+    "$PY" -m machmoe.bench --out "$MACHMOE_OUT_DIR" "$@"
 }
 export -f run_bench
-run_step bench "$OUT/bench.log" "$(timeout_for 400 15)" run_bench "$@"
+run_step bench "$MACHMOE_OUT_DIR/bench.log" "$(timeout_for 400 15)" run_bench "$@"
 
 # ---------------------------------------------------------------- summary
 {
   echo
-  echo "gpu_check summary ($(( SECONDS - t_start ))s total, logs in $OUT)"
+  echo "gpu_check summary ($(( SECONDS - t_start ))s total, logs in $MACHMOE_OUT_DIR)"
   printf '%-10s %-28s %6s  %s\n' step status seconds log
   for i in "${!step_names[@]}"; do
     printf '%-10s %-28s %6s  %s\n' "${step_names[$i]}" "${step_status[$i]}" "${step_secs[$i]}" "${step_logs[$i]}"
   done
-  if [[ -f "$OUT/bench.md" ]]; then
+  if [[ -f "$MACHMOE_OUT_DIR/bench.md" ]]; then
     echo
-    grep -E '^(GPU:|Ceilings|\| )' "$OUT/bench.md" | cut -c1-400
+    grep -E '^(GPU:|Ceilings|\| )' "$MACHMOE_OUT_DIR/bench.md" | cut -c1-400
   fi
   echo
   if (( failed )); then echo "RESULT: FAILED"; else echo "RESULT: OK"; fi
-} | tee "$OUT/summary.txt"
+} | tee "$MACHMOE_OUT_DIR/summary.txt"
 exit "$failed"
