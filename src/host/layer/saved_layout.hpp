@@ -30,9 +30,7 @@ struct PartSize {
 
 // Rows a layer call's experts may run on, from its tokens T:
 //   min(per_token·T + extra, cap_per_token·T), or per_token·T + extra with cap_per_token = 0.
-// Top-K: T·K. Token rounding: the rounded list's capacity min(T·K + E·(tile_m - 1), T·E) (each
-// expert moves by less than one tile, a token appears at most once per expert), as
-// token_rounding_capacity computes it.
+// Top-K: T·K. Token rounding: token_rounding_rows below.
 struct LayerRows {
   int64_t per_token = 0, extra = 0, cap_per_token = 0;
   int64_t at(int64_t T) const {
@@ -40,6 +38,13 @@ struct LayerRows {
     return cap_per_token > 0 ? std::min(rows, cap_per_token * T) : rows;
   }
 };
+
+// The rounded list's capacity min(T·K + E·(tile_m - 1), T·E): each expert moves by less than one
+// tile, and a token appears at most once per expert. The one definition: token_rounding_capacity
+// evaluates it at T, the saved layout (and through it the fake kernels) keeps it symbolic in T.
+inline LayerRows token_rounding_rows(int64_t E, int64_t K, int64_t tile_m) {
+  return LayerRows{K, E * (tile_m - 1), E};
+}
 
 // The parts of a layer call's saved block, in carving order. What is saved is the minimum the
 // backward cannot rebuild cheaply: H, 12 bytes per routed pair (score, row -> pair, pair -> row),
@@ -75,7 +80,7 @@ inline LayerSavedTerms layer_saved_terms(const ValidLayerProblem& valid) {
   const int64_t es = dtype_size(p.dtype), n1 = is_glu(p.activation) ? 2 * p.n : p.n;
   const bool rounded = p.rounding != TokenRounding::None;
   LayerSavedTerms t;
-  t.rows = rounded ? LayerRows{p.K, p.E * (p.rounding_tile_m - 1), p.E} : LayerRows{p.K, 0, 0};
+  t.rows = rounded ? token_rounding_rows(p.E, p.K, p.rounding_tile_m) : LayerRows{p.K, 0, 0};
   auto& s = t.parts;  // {per_row, per_token, fixed}
   s[kLayerScores] = {4, 0, 0};
   s[kLayerExpertOffsets] = {0, 0, (p.E + 1) * 4};

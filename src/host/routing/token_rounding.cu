@@ -5,6 +5,7 @@
 #include <string>
 
 #include "host/common/check.hpp"
+#include "host/layer/saved_layout.hpp"
 #include "host/routing/routing_internal.hpp"
 #include "kernels/routing/token_rounding.cuh"
 #include "machmoe/machmoe.hpp"
@@ -58,8 +59,7 @@ void check_rounding_shape(const char* fn, int64_t T, int64_t E, int64_t K) {
 
 int64_t token_rounding_capacity(int64_t T, int64_t E, int64_t K, int64_t tile_m) {
   require_arg(tile_m >= 1, "token_rounding_capacity", "tile_m", "must be >= 1");
-  // Each expert moves by less than one tile, and a token can appear at most once per expert.
-  return std::min(T * K + E * (tile_m - 1), T * E);
+  return detail::token_rounding_rows(E, K, tile_m).at(T);
 }
 
 size_t token_rounding_workspace_bytes(int64_t T, int64_t E, int64_t K) {
