@@ -28,6 +28,7 @@ __version__ = "0.1.0"
 # so that `python -m machmoe.bench --help` does not wait for torch.
 _LAZY = {
     "MoE": ("moe", "MoE"),
+    "shared_experts": ("shared_experts", "shared_experts"),
     "functional": ("functional", None),
     "layer_kernels_available": ("_ops", "layer_kernels_available"),
     "ops_available": ("_ops", "ops_available"),
@@ -42,6 +43,7 @@ __all__ = [
     "TokenRounding",
     "is_glu",
     "functional",
+    "shared_experts",
     "layer_kernels_available",
     "ops_available",
     "__version__",

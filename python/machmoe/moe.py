@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from . import functional
+from .shared_experts import shared_experts
 from .enums import (
     ActivationType,
     Backend,
@@ -111,11 +112,17 @@ class MoE(nn.Module):
         backend: "auto" (default: the kernels for bfloat16 tensors on an sm_90 GPU, the torch
             backend otherwise), "machmoe" (the kernels, an error where they cannot run) or
             "torch" (pure PyTorch, any device and float dtype).
+        num_shared_experts: S, always-on experts that every token visits, their outputs added
+            to the routed experts' (default 0; machmoe.shared_experts.shared_experts).
+        shared_intermediate_size: each shared expert's hidden size n_s (default: n).
+        shared_expert_gate: weight the shared experts' sum per token by sigmoid(x · g), g a
+            [1, d] weight (Qwen's shared-expert gate; default False).
 
     Parameters: router.weight [E, d]; c_fc.weight [E, N1, d] (N1 = 2n for GLU activations, n
     otherwise), c_fc.bias [E, N1]; c_proj.weight [E, d, n], c_proj.bias [E, d]; with sigmoid
     routing a buffer selection_bias [E] (zeros; it changes which experts are selected, never
-    the scores).
+    the scores); with shared experts shared_c_fc.weight [S, N1s, d], shared_c_proj.weight
+    [S, d, n_s] (and their biases with add_bias) and, with the gate, shared_gate.weight [1, d].
 
     forward(hidden_states, backend=None) -> (output, aux_loss):
         hidden_states: [..., d] tokens, any leading shape; bfloat16 on an H100/H200 runs the
@@ -140,6 +147,9 @@ class MoE(nn.Module):
         token_rounding: Union[TokenRounding, str] = TokenRounding.NONE,
         tile_m: int = 128,
         backend: Union[Backend, str] = Backend.AUTO,
+        num_shared_experts: int = 0,
+        shared_intermediate_size: Optional[int] = None,
+        shared_expert_gate: bool = False,
     ):
         """Checks and stores the options and creates the parameters; the class docstring
         documents every argument. A bad argument raises TypeError or ValueError naming it."""
@@ -166,6 +176,29 @@ class MoE(nn.Module):
             self.register_buffer("selection_bias", torch.zeros(E))
         else:
             self.selection_bias = None
+        self._init_shared_experts(num_shared_experts, shared_intermediate_size, shared_expert_gate,
+                                  add_bias, std)
+
+    def _init_shared_experts(self, S, n_s, gate: bool, add_bias: bool, std: float) -> None:
+        if isinstance(S, bool) or not isinstance(S, int) or S < 0:
+            raise ValueError(f"num_shared_experts must be an int >= 0; got {S!r}")
+        self.num_shared_experts = S
+        self.shared_intermediate_size = (self.intermediate_size if n_s is None else
+                                         _positive_int(n_s, "shared_intermediate_size"))
+        if not isinstance(gate, bool):
+            raise TypeError(f"shared_expert_gate must be a bool; got {type(gate).__name__}")
+        if gate and S == 0:
+            raise ValueError("shared_expert_gate=True needs num_shared_experts >= 1")
+        self.shared_c_fc = self.shared_c_proj = self.shared_gate = None
+        if S == 0:
+            return
+        d, n_s = self.hidden_size, self.shared_intermediate_size
+        n1 = 2 * n_s if is_glu(self.activation_function) else n_s
+        self.shared_c_fc = ExpertLinear(S, d, n1, add_bias, std)
+        self.shared_c_proj = ExpertLinear(S, n_s, d, add_bias, std)
+        if gate:
+            self.shared_gate = nn.Linear(d, 1, bias=False)
+            nn.init.normal_(self.shared_gate.weight, mean=0.0, std=std)
 
     def forward(self, hidden_states: torch.Tensor,
                 backend: Optional[Union[Backend, str]] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,6 +235,13 @@ class MoE(nn.Module):
             token_rounding=rounding, tile_m=self.tile_m, seed=seed,
             backend=self.backend if backend is None else backend,
         )
+        if self.num_shared_experts:
+            out = out + shared_experts(
+                x, self.shared_c_fc.weight, self.shared_c_proj.weight,
+                gate_weight=None if self.shared_gate is None else self.shared_gate.weight,
+                b1=self.shared_c_fc.bias, b2=self.shared_c_proj.bias,
+                activation=self.activation_function, layout=self.gate_up_layout,
+                backend=self.backend if backend is None else backend)
         return out.reshape(hidden_states.shape), aux
 
     def extra_repr(self) -> str:
@@ -210,4 +250,7 @@ class MoE(nn.Module):
                 f"activation_function={self.activation_function.value}, "
                 f"routing={self.routing.value}, gate_up_layout={self.gate_up_layout.value}, "
                 f"token_rounding={self.token_rounding.value}, tile_m={self.tile_m}, "
-                f"backend={self.backend.value}")
+                f"backend={self.backend.value}"
+                + (f", num_shared_experts={self.num_shared_experts}, shared_intermediate_size="
+                   f"{self.shared_intermediate_size}, shared_expert_gate={self.shared_gate is not None}"
+                   if self.num_shared_experts else ""))

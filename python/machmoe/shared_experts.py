@@ -1,0 +1,83 @@
+"""Shared experts: S always-on expert MLPs that every token visits, beside the routed ones
+(DeepSeek-V2/V3, Kimi K2, GLM-4.5, Qwen2/Qwen3-Next's shared expert).
+
+They run on the same expert kernels as the routed experts: the shared experts are a routing list
+in which token t goes to each of the S shared experts with weight 1, or with Qwen's per-token
+gate sigmoid(x_t · g) (g [1, d]). The list is ordered and free of repeated pairs by construction,
+so it needs no check (and no host synchronisation). As for the routed experts, the backward keeps
+only H [T·S, N1] between forward and backward, never the experts' outputs.
+
+A shared expert of intermediate size n_s is one expert of that size; a model whose shared MLP is m
+times the routed expert's size (`n_shared_experts = m` in DeepSeek's configs) has S = 1 and
+n_s = m · n.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from . import functional, torch_backend
+from .enums import ActivationType, Backend, GateUpLayout, parse_enum
+
+
+def shared_expert_routing(T: int, S: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The list that sends every token to every shared expert, ordered by token:
+    token_idx [T·S] = 0,0..,1,1.. and expert_idx [T·S] = 0..S-1, 0..S-1, .. (int32)."""
+    token = torch.arange(T, device=device, dtype=torch.int32).repeat_interleave(S)
+    expert = torch.arange(S, device=device, dtype=torch.int32).repeat(T)
+    return token, expert
+
+
+def shared_experts(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    gate_weight: Optional[torch.Tensor] = None,
+    b1: Optional[torch.Tensor] = None,
+    b2: Optional[torch.Tensor] = None,
+    activation: Union[ActivationType, str] = ActivationType.SWIGLU,
+    layout: Union[GateUpLayout, str] = GateUpLayout.INTERLEAVED,
+    backend: Union[Backend, str] = Backend.AUTO,
+) -> torch.Tensor:
+    """The sum of S shared experts' outputs -> out [T, d] in x's dtype.
+
+        out_t = g_t · Σ_s MLP_s(x_t),  g_t = sigmoid(x_t · gate_weightᵀ) or 1 without a gate.
+
+    Args:
+        x: [T, d] tokens.
+        w1: [S, N1, d] up-projection weights of the S shared experts, x's dtype; N1 = 2·n_s for
+            GLU activations, else n_s.
+        w2: [S, d, n_s] down-projection weights.
+        gate_weight: [1, d] Qwen's shared-expert gate (a bias-free nn.Linear(d, 1)'s weight), or
+            None (default): every shared expert's output is added with weight 1.
+        b1, b2: [S, N1] and [S, d] biases, or None (default); both or neither.
+        activation, layout, backend: as machmoe.functional.moe.
+    Every input that is a floating tensor receives its gradient.
+    """
+    parse_enum(Backend, backend, "backend")
+    activation = parse_enum(ActivationType, activation, "activation")
+    layout = parse_enum(GateUpLayout, layout, "layout")
+    T, d, S, n = functional._validate_experts(x, w1, w2, b1, b2, activation, None)
+    if gate_weight is not None:
+        gate_weight = functional._float_tensor(gate_weight, "gate_weight", 2)
+        functional._shape(gate_weight, "gate_weight", (1, d), "[1, d] with d = x.shape[1]")
+    tensors = {"x": x, "w1": w1, "w2": w2, "b1": b1, "b2": b2, "gate_weight": gate_weight}
+    functional._same_dtype(tensors, "x")
+    functional._same_device(tensors, "x")
+
+    token, expert = shared_expert_routing(T, S, x.device)  # [T·S] each
+    score_dtype = torch_backend.routing_dtype(x.dtype)  # fp32 (fp64 for fp64 input), as routing
+    if gate_weight is None:
+        scores = torch.ones(T * S, device=x.device, dtype=score_dtype)
+    else:
+        # The gate in the routing dtype (the kernels weight the experts' rows in fp32 anyway).
+        gate_logit = torch.nn.functional.linear(x, gate_weight).to(score_dtype).squeeze(1)  # [T]
+        scores = torch.sigmoid(gate_logit).repeat_interleave(S)  # [T·S]
+    if functional.resolve_backend(backend, x, d, n) == Backend.MACHMOE:
+        from . import machmoe_backend
+
+        return machmoe_backend.moe_general(x, w1, b1, w2, b2, scores, token, expert, activation, layout)
+    return torch_backend.experts(x, w1, b1, w2, b2, token, expert, scores, activation, layout)
