@@ -409,6 +409,21 @@ def test_expert_parallel_bench_without_gpu_says_so(capsys):
     assert exc.value.code == 2 and "unknown config '7B-z'" in capsys.readouterr().err
 
 
+def test_variants_bench_refuses_bad_configs_and_tabulates(capsys):
+    from machmoe.bench import variants
+
+    with pytest.raises(SystemExit) as exc:  # a bad config is refused first, GPU or not
+        variants.main(["--configs", "7B-z"])
+    assert exc.value.code == 2 and "unknown config '7B-z'" in capsys.readouterr().err
+    rows = [{"config": "7B-a", "variant": "default", "share": 1.0, "fwd_ms": 2.0, "fwdbwd_ms": 6.0,
+             "held_gib": 0.2, "fwd_ratio": 1.0, "fwdbwd_ratio": 1.0},
+            {"config": "7B-a", "variant": "x", "share": 1.0, "status": "not in this build (y)"}]
+    text = variants.table(rows)
+    assert "| 7B-a | default | 2.000 | 6.000 | 1.000 | 1.000 | 1.000 | 0.20 |" in text
+    assert "| 7B-a | x | not in this build (y) |" in text
+    assert [v.share(8) for v in variants.VARIANTS if v.shared] == [1.125, 1.125]
+
+
 # ---------------------------------------------------------------- on a GPU
 
 @pytest.mark.gpu

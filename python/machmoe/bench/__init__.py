@@ -13,6 +13,8 @@ Modules:
   routing_kernels   the routing and aggregation kernels beside PyTorch (a table of the benchmark)
   expert_parallel   expert parallelism over the GPUs of one host (python -m machmoe.bench.expert_parallel)
   token_rounding_bench  the layer forward with and without token rounding
+  variants          the routing, activation and shared-expert variants beside the default layer
+                    (python -m machmoe.bench.variants)
 """
 
 from __future__ import annotations

@@ -40,10 +40,11 @@ class LayerInputs:
         self.w2 = normal((cfg.E, cfg.d, cfg.n), 0.02).requires_grad_(True)  # [E, d, n]
         self.xs = [normal((cfg.T, cfg.d), 1.0).requires_grad_(True) for _ in range(sets)]
         self.douts = [normal((cfg.T, cfg.d), 1.0) for _ in range(sets)]
+        self.extra_params: list[torch.Tensor] = []  # a variant's own weights (shared experts)
 
     @property
     def params(self) -> list[torch.Tensor]:
-        return [self.router_weight, self.w1, self.w2]
+        return [self.router_weight, self.w1, self.w2, *self.extra_params]
 
 
 def is_oom(err: BaseException) -> bool:
