@@ -21,6 +21,7 @@ struct LayerProblem {
   int64_t E = 0;  // experts
   int64_t K = 0;  // experts per token
   Activation activation = Activation::SwiGLU;
+  GluClamp glu_clamp;  // ClampedSwiGLU's parameters; the defaults for any other activation
   GateUpLayout layout = GateUpLayout::Interleaved;
   bool has_bias = false;
   RoutingMethod routing = RoutingMethod::SoftmaxTopK;
@@ -140,6 +141,7 @@ struct ExpertsProblem {
   int64_t E = 0;  // experts
   int64_t R = 0;  // pairs in the list (0 allowed; at most T·E, the most a list without repeats has)
   Activation activation = Activation::SwiGLU;
+  GluClamp glu_clamp;  // ClampedSwiGLU's parameters; the defaults for any other activation
   GateUpLayout layout = GateUpLayout::Interleaved;
   bool has_bias = false;
   DType dtype = DType::BF16;  // x, weights, H and the output
@@ -331,6 +333,7 @@ struct GroupedGemmArgs {
   int64_t ldc2 = 0;
   GemmEpilogue epilogue = GemmEpilogue::Store;
   Activation activation = Activation::SwiGLU;
+  GluClamp glu_clamp;                       // ClampedSwiGLU's parameters (GLU, ActivationBackward)
   GateUpLayout layout = GateUpLayout::Interleaved;
   int32_t* tile_offsets = nullptr;          // workspace [E+1] int32 (device; written only for E > 512, > 384 by the dH ping-pong)
   int max_ctas = 0;                         // 0: one persistent CTA per SM

@@ -84,6 +84,7 @@ Metadata build_metadata(const RoutingList& list, int64_t T, int64_t E);
 struct Shape {
   int64_t T = 0, d = 0, n = 0, E = 0;
   Activation act = Activation::SwiGLU;
+  GluClamp clamp;  // Activation::ClampedSwiGLU's parameters (the defaults for any other)
   GateUpLayout layout = GateUpLayout::Interleaved;
   bool bias = false;
   int64_t n1() const { return is_glu(act) ? 2 * n : n; }  // rows of W1 per expert
@@ -98,11 +99,13 @@ struct Weights {
   const double* b2 = nullptr;
 };
 
-// act(H) for one row: h [n1] -> a [n].
-void activation_forward(Activation act, GateUpLayout layout, int64_t n, const double* h, double* a);
-// dH [n1] from dA [n] and H [n1].
+// act(H) for one row: h [n1] -> a [n]. `clamp`: ClampedSwiGLU's parameters.
+void activation_forward(Activation act, GateUpLayout layout, int64_t n, const double* h, double* a,
+                        const GluClamp& clamp = {});
+// dH [n1] from dA [n] and H [n1]. A clamp passes the gradient where it does not bind, bounds
+// included (as torch.clamp).
 void activation_backward(Activation act, GateUpLayout layout, int64_t n, const double* h,
-                         const double* da, double* dh);
+                         const double* da, double* dh, const GluClamp& clamp = {});
 
 struct ExpertsForward {
   std::vector<double> H;    // [R, n1] in row (expert-grouped) order

@@ -10,12 +10,37 @@
 namespace machmoe {
 
 // Activation of the expert MLP. GLU kinds make W1 produce 2n columns (gate/up pairs).
-enum class Activation : int32_t { SwiGLU = 0, GeGLU = 1, ReGLU = 2, ReLU2 = 3, ReLU = 4, GELU = 5, SiLU = 6 };
-inline constexpr int kNumActivations = 7;
+// ClampedSwiGLU: the clamped SwiGLU of gpt-oss and DeepSeek-V4, with its parameters in GluClamp.
+enum class Activation : int32_t {
+  SwiGLU = 0, GeGLU = 1, ReGLU = 2, ReLU2 = 3, ReLU = 4, GELU = 5, SiLU = 6, ClampedSwiGLU = 7
+};
+inline constexpr int kNumActivations = 8;
 
 constexpr bool is_glu(Activation a) {
-  return a == Activation::SwiGLU || a == Activation::GeGLU || a == Activation::ReGLU;
+  return a == Activation::SwiGLU || a == Activation::GeGLU || a == Activation::ReGLU ||
+         a == Activation::ClampedSwiGLU;
 }
+
+// The parameters of Activation::ClampedSwiGLU, with L = limit, α = alpha, o = up_offset
+// (docs/LAYER.md gives the derivatives):
+//   clamp_after = false: g' = min(g, L), u' = clamp(u, -L, L), A = g'·σ(α·g')·(u' + o)
+//   clamp_after = true:  A = min(g·σ(α·g), L)·(clamp(u, -L, L) + o)
+// The defaults are gpt-oss's; DeepSeek-V4's is {alpha = 1, limit = 10, up_offset = 0}. Runtime
+// values: the kernels take them as arguments. Any other activation requires the defaults.
+struct GluClamp {
+  float alpha = 1.702f;
+  float limit = 7.f;
+  float up_offset = 1.f;
+  bool clamp_after = false;
+  bool operator==(const GluClamp& o) const {
+    return alpha == o.alpha && limit == o.limit && up_offset == o.up_offset && clamp_after == o.clamp_after;
+  }
+  bool operator!=(const GluClamp& o) const { return !(*this == o); }
+};
+
+// Throws Error(InvalidArgument) naming `fn` and the rule: alpha, limit and up_offset finite,
+// alpha > 0, limit > 0, and the defaults unless act is ClampedSwiGLU.
+void check_glu_clamp(const char* fn, Activation act, const GluClamp& c);
 
 // Where gate and up live among the 2n rows of W1 (and columns of H): see docs/LAYER.md.
 enum class GateUpLayout : int32_t { Interleaved = 0, Concatenated = 1 };

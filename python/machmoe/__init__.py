@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import importlib
 
-from .enums import ActivationType, Backend, GateUpLayout, RoutingMethod, TokenRounding, is_glu
+from .enums import ActivationType, Backend, GateUpLayout, GluClamp, RoutingMethod, TokenRounding, is_glu
 
 __version__ = "0.1.0"
 
@@ -39,6 +39,7 @@ __all__ = [
     "ActivationType",
     "Backend",
     "GateUpLayout",
+    "GluClamp",
     "RoutingMethod",
     "TokenRounding",
     "is_glu",

@@ -138,7 +138,7 @@ def _token_rounding_backward(logits, topk_scores, topk_experts, token_offsets, e
 
 
 def _layer_forward(x, router_weight, w1, b1, w2, b2, selection_bias, K, activation, layout, routing,
-                   renormalize, rounding, tile_m, seed, write_h=True):
+                   renormalize, rounding, tile_m, seed, write_h=True, glu_clamp=()):
     T, d = x.shape
     E, n = w1.shape[0], w2.shape[2]
     saved = layer_saved_bytes(T, n, E, K, activation, rounding, tile_m, write_h)
@@ -154,31 +154,32 @@ def _weight_grads(x, w1, b1, w2):
 
 
 def _layer_backward(x, router_weight, w1, b1, w2, b2, saved, dout, d_aux, K, activation, layout, routing,
-                    renormalize, rounding, tile_m):
+                    renormalize, rounding, tile_m, glu_clamp=()):
     dw1, db1, dw2, db2 = _weight_grads(x, w1, b1, w2)
     return x.new_empty(x.shape), router_weight.new_empty(router_weight.shape), dw1, db1, dw2, db2
 
 
-def _experts_forward(x, w1, b1, w2, b2, scores, token_idx, expert_idx, activation, layout):
+def _experts_forward(x, w1, b1, w2, b2, scores, token_idx, expert_idx, activation, layout, glu_clamp=()):
     T, d = x.shape
     E, n = w1.shape[0], w2.shape[2]
     saved = experts_saved_bytes(T, scores.numel(), n, E, activation)
     return x.new_empty(T, d), x.new_empty(saved, dtype=torch.uint8)
 
 
-def _experts_backward(x, w1, b1, w2, b2, token_idx, expert_idx, saved, dout, activation, layout):
+def _experts_backward(x, w1, b1, w2, b2, token_idx, expert_idx, saved, dout, activation, layout, glu_clamp=()):
     dw1, db1, dw2, db2 = _weight_grads(x, w1, b1, w2)
     return x.new_empty(x.shape), dw1, db1, dw2, db2, x.new_empty(token_idx.numel(), dtype=torch.float32)
 
 
-def _grouped_gemm(a, gather, expert_offsets, w, bias, num_rows, epilogue, activation, layout, kernel="auto"):
+def _grouped_gemm(a, gather, expert_offsets, w, bias, num_rows, epilogue, activation, layout, kernel="auto",
+                  glu_clamp=()):
     N = w.shape[1]
     c2 = a.new_empty(0) if epilogue == "store" else a.new_empty(num_rows, N // 2 if epilogue == "glu" else N)
     return a.new_empty(num_rows, N), c2
 
 
 def _grouped_gemm_nmajor(a, gather, expert_offsets, w_kn, num_rows, h, row_scores, row_pair, activation, layout,
-                         kernel="auto"):
+                         kernel="auto", glu_clamp=()):
     N = w_kn.shape[2]
     if h is None:  # dX~ = dH · W1: a plain store
         return a.new_empty(num_rows, N), a.new_empty(0), a.new_empty(0, dtype=torch.float32)

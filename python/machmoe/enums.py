@@ -7,8 +7,10 @@ raises ValueError naming the argument and listing the accepted values.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from enum import Enum
-from typing import TypeVar, Union
+from typing import Optional, TypeVar, Union
 
 
 class _StrEnum(str, Enum):
@@ -26,6 +28,8 @@ class ActivationType(_StrEnum):
     RELU = "relu"
     GELU = "gelu"  # tanh approximation
     SILU = "silu"
+    # gpt-oss's / DeepSeek-V4's clamped SwiGLU; its parameters are a GluClamp (docs/LAYER.md)
+    CLAMPED_SWIGLU = "clamped_swiglu"
 
 
 class GateUpLayout(_StrEnum):
@@ -82,4 +86,68 @@ def parse_enum(enum_type: type[_E], value: Union[_E, str], arg: str) -> _E:
 def is_glu(activation: Union[ActivationType, str]) -> bool:
     """True for the gated activations, whose up-projection has 2n rows per expert."""
     act = parse_enum(ActivationType, activation, "activation")
-    return act in (ActivationType.SWIGLU, ActivationType.GEGLU, ActivationType.REGLU)
+    return act in (ActivationType.SWIGLU, ActivationType.GEGLU, ActivationType.REGLU,
+                   ActivationType.CLAMPED_SWIGLU)
+
+
+@dataclass(frozen=True)
+class GluClamp:
+    """The parameters of the "clamped_swiglu" activation (docs/LAYER.md), with L = limit:
+
+    clamp_after=False: g' = min(g, L), u' = clamp(u, -L, L), A = g'·sigmoid(alpha·g')·(u' + up_offset)
+    clamp_after=True:  A = min(g·sigmoid(alpha·g), L)·(clamp(u, -L, L) + up_offset)
+
+    The defaults are gpt-oss's (GluClamp.gpt_oss()); DeepSeek-V4's is GluClamp.deepseek_v4(L).
+    The kernels take the values as float32 (they are converted once).
+    """
+
+    alpha: float = 1.702
+    limit: float = 7.0
+    up_offset: float = 1.0
+    clamp_after: bool = False
+
+    @classmethod
+    def gpt_oss(cls, limit: float = 7.0, alpha: float = 1.702) -> "GluClamp":
+        """gpt-oss: gate clamped above, up clamped, gate·sigmoid(alpha·gate)·(up + 1)."""
+        return cls(alpha=alpha, limit=limit, up_offset=1.0)
+
+    @classmethod
+    def deepseek_v4(cls, limit: float = 10.0) -> "GluClamp":
+        """DeepSeek-V4: gate clamped above, up clamped, then plain SwiGLU silu(gate)·up."""
+        return cls(alpha=1.0, limit=limit, up_offset=0.0)
+
+    @classmethod
+    def post_activation(cls, limit: float) -> "GluClamp":
+        """The clamp after the activation: min(silu(gate), L)·clamp(up, -L, L)."""
+        return cls(alpha=1.0, limit=limit, up_offset=0.0, clamp_after=True)
+
+    def as_list(self) -> list[float]:
+        """[alpha, limit, up_offset, clamp_after] as the ops take it (`float[] glu_clamp`)."""
+        return [float(self.alpha), float(self.limit), float(self.up_offset), 1.0 if self.clamp_after else 0.0]
+
+
+def resolve_glu_clamp(activation: Union[ActivationType, str], glu_clamp: Optional[GluClamp]) -> Optional[GluClamp]:
+    """The clamp parameters of `activation`: a GluClamp for "clamped_swiglu" (the defaults where
+    glu_clamp is None), None for every other activation, which takes none (ValueError if given)."""
+    act = parse_enum(ActivationType, activation, "activation")
+    if glu_clamp is not None and not isinstance(glu_clamp, GluClamp):
+        raise ValueError(f"glu_clamp must be a machmoe.GluClamp or None, got {type(glu_clamp).__name__}")
+    if act != ActivationType.CLAMPED_SWIGLU:
+        if glu_clamp is not None:
+            raise ValueError(f"glu_clamp is taken by activation 'clamped_swiglu' only, got activation {act.value!r}")
+        return None
+    c = glu_clamp if glu_clamp is not None else GluClamp()
+    for name in ("alpha", "limit", "up_offset"):
+        v = getattr(c, name)
+        if not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"glu_clamp.{name} must be a finite number, got {v!r}")
+    if not c.alpha > 0:
+        raise ValueError(f"glu_clamp.alpha must be > 0, got {c.alpha!r}")
+    if not c.limit > 0:
+        raise ValueError(f"glu_clamp.limit must be > 0, got {c.limit!r}")
+    return c
+
+
+def glu_clamp_list(glu_clamp: Optional[GluClamp]) -> list[float]:
+    """The ops' `glu_clamp` argument: [] for None (no clamp parameters)."""
+    return [] if glu_clamp is None else glu_clamp.as_list()

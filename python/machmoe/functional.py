@@ -24,10 +24,12 @@ from .enums import (
     ActivationType,
     Backend,
     GateUpLayout,
+    GluClamp,
     RoutingMethod,
     TokenRounding,
     is_glu,
     parse_enum,
+    resolve_glu_clamp,
 )
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -237,6 +239,7 @@ def moe(
     tile_m: int = 128,
     seed: int = 0,
     backend: Union[Backend, str] = Backend.AUTO,
+    glu_clamp: Optional[GluClamp] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE layer (router, top-K routing, experts, weighted sum) -> (out, aux_loss).
 
@@ -251,7 +254,8 @@ def moe(
         w2: [E, d, n] down-projection weights.
         num_experts_per_tok: K, experts per token, 1 <= K <= E.
         activation: ActivationType or its name: "swiglu" (default), "geglu", "reglu", "relu2",
-            "relu", "gelu" (tanh approximation), "silu".
+            "relu", "gelu" (tanh approximation), "silu", "clamped_swiglu" (gpt-oss's and
+            DeepSeek-V4's clamped SwiGLU, a GLU; its parameters are glu_clamp).
         b1: [E, N1] up-projection bias, or None (default). Given with b2 or not at all.
         b2: [E, d] down-projection bias, or None (default).
         layout: where gate and up rows sit in w1 for GLU activations: "interleaved" (default;
@@ -270,6 +274,9 @@ def moe(
         tile_m: the rounding tile, rows per expert GEMM tile (default 128; >= 1).
         seed: the seed of stochastic token rounding, 0 <= seed < 2**63 (default 0).
         backend: "auto" (default), "machmoe" or "torch"; see resolve_backend.
+        glu_clamp: the parameters of activation "clamped_swiglu" (a machmoe.GluClamp; None:
+            gpt-oss's, GluClamp()); GluClamp.deepseek_v4(limit) and GluClamp.post_activation(limit)
+            give the other variants. Other activations take none.
 
     Returns:
         out: [T, d] in x's dtype.
@@ -277,6 +284,7 @@ def moe(
     """
     parse_enum(Backend, backend, "backend")
     activation = parse_enum(ActivationType, activation, "activation")
+    glu_clamp = resolve_glu_clamp(activation, glu_clamp)
     layout = parse_enum(GateUpLayout, layout, "layout")
     router_weight = _float_tensor(router_weight, "router_weight", 2)
     E = router_weight.shape[0]
@@ -295,9 +303,9 @@ def moe(
         from . import machmoe_backend
 
         return machmoe_backend.moe(x, router_weight, w1, b1, w2, b2, K, activation, layout, routing,
-                                   renormalize, selection_bias, rounding, tile_m, seed)
+                                   renormalize, selection_bias, rounding, tile_m, seed, glu_clamp)
     return torch_backend.moe(x, router_weight, w1, b1, w2, b2, K, activation, layout, routing,
-                             renormalize, selection_bias, rounding, tile_m, seed)
+                             renormalize, selection_bias, rounding, tile_m, seed, glu_clamp)
 
 
 def moe_general(
@@ -313,6 +321,7 @@ def moe_general(
     activation: Union[ActivationType, str] = ActivationType.SWIGLU,
     layout: Union[GateUpLayout, str] = GateUpLayout.INTERLEAVED,
     backend: Union[Backend, str] = Backend.AUTO,
+    glu_clamp: Optional[GluClamp] = None,
 ) -> torch.Tensor:
     """The experts on a general routing list -> out [T, d] in x's dtype.
 
@@ -332,9 +341,11 @@ def moe_general(
         activation: ActivationType or its name (default "swiglu"); see moe().
         layout: "interleaved" (default) or "concatenated" gate/up rows in w1; see moe().
         backend: "auto" (default), "machmoe" or "torch"; see resolve_backend.
+        glu_clamp: the parameters of activation "clamped_swiglu"; see moe().
     """
     parse_enum(Backend, backend, "backend")
     activation = parse_enum(ActivationType, activation, "activation")
+    glu_clamp = resolve_glu_clamp(activation, glu_clamp)
     layout = parse_enum(GateUpLayout, layout, "layout")
     T, d, E, n = _validate_experts(x, w1, w2, b1, b2, activation, None)
     _validate_routing_list(scores, token_idx, expert_idx, T, E)
@@ -346,9 +357,9 @@ def moe_general(
         from . import machmoe_backend
 
         return machmoe_backend.moe_general(x, w1, b1, w2, b2, scores, token_idx, expert_idx, activation,
-                                           layout)
+                                           layout, glu_clamp)
     return torch_backend.experts(x, w1, b1, w2, b2, token_idx, expert_idx, scores, activation,
-                                 layout)
+                                 layout, glu_clamp)
 
 
 def route(

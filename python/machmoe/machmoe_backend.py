@@ -26,7 +26,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from . import _ops
-from .enums import ActivationType, GateUpLayout, RoutingMethod, TokenRounding
+from .enums import ActivationType, GateUpLayout, GluClamp, RoutingMethod, TokenRounding, glu_clamp_list
 
 
 def _check(x: torch.Tensor, d: int, n: int) -> None:
@@ -66,10 +66,12 @@ class _Layer(torch.autograd.Function):
     block; nothing else. selection_bias changes only which experts are selected: no gradient."""
 
     @staticmethod
-    def forward(ctx, x, router_weight, w1, b1, w2, b2, selection_bias, opts):
-        out, aux, saved = torch.ops.machmoe.layer_forward(x, router_weight, w1, b1, w2, b2, selection_bias, *opts)
+    def forward(ctx, x, router_weight, w1, b1, w2, b2, selection_bias, opts, glu_clamp):
+        out, aux, saved = torch.ops.machmoe.layer_forward(x, router_weight, w1, b1, w2, b2, selection_bias, *opts,
+                                                          glu_clamp=glu_clamp)
         ctx.save_for_backward(x, router_weight, w1, b1, w2, b2, saved)
         ctx.opts = opts
+        ctx.glu_clamp = glu_clamp
         # Unused outputs arrive as None (no zero tensors made): d_aux None means 0.
         ctx.set_materialize_grads(False)
         return out, aux
@@ -82,25 +84,27 @@ class _Layer(torch.autograd.Function):
         # d_aux stays a device tensor: the backward reads it on the stream (no .item() sync).
         dx, dwr, dw1, db1, dw2, db2 = torch.ops.machmoe.layer_backward(
             x, router_weight, w1, b1, w2, b2, saved, dout, d_aux, K, activation, layout, routing, renormalize,
-            rounding, tile_m)
-        return dx, dwr, dw1, db1, dw2, db2, None, None
+            rounding, tile_m, glu_clamp=ctx.glu_clamp)
+        return dx, dwr, dw1, db1, dw2, db2, None, None, None
 
 
 def moe(x, router_weight, w1, b1, w2, b2, K: int, activation: ActivationType, layout: GateUpLayout,
         routing: RoutingMethod, renormalize: bool, selection_bias, rounding: TokenRounding, tile_m: int,
-        seed: int):
+        seed: int, glu_clamp: Optional[GluClamp] = None):
     T, d = x.shape
     E, n = w1.shape[0], w2.shape[2]
     _check(x, d, n)
     x, router_weight, w1, w2, b1, b2 = (_contiguous(t) for t in (x, router_weight, w1, w2, b1, b2))
     bias = None if selection_bias is None else selection_bias.detach().float().contiguous()
     opts = (K, activation.value, layout.value, routing.value, renormalize, rounding.value, tile_m, seed)
+    glu = glu_clamp_list(glu_clamp)  # [] or [alpha, limit, up_offset, clamp_after]
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                             for t in (x, router_weight, w1, b1, w2, b2))):
         # Inference: no autograd node, and the up-projection does not write H (nothing will read it).
-        out, aux, _ = torch.ops.machmoe.layer_forward(x, router_weight, w1, b1, w2, b2, bias, *opts, False)
+        out, aux, _ = torch.ops.machmoe.layer_forward(x, router_weight, w1, b1, w2, b2, bias, *opts, False,
+                                                      glu_clamp=glu)
         return out, aux
-    return _Layer.apply(x, router_weight, w1, b1, w2, b2, bias, opts)
+    return _Layer.apply(x, router_weight, w1, b1, w2, b2, bias, opts, glu)
 
 
 class _General(torch.autograd.Function):
@@ -112,6 +116,7 @@ class _General(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, scores, token, expert, opts):
         # scores [R] any float dtype -> fp32 for the kernels; token/expert [R] int32.
+        # opts: (activation, layout, glu_clamp list)
         out, saved = torch.ops.machmoe.experts_forward(x, w1, b1, w2, b2, scores.float().contiguous(), token,
                                                        expert, *opts)
         ctx.save_for_backward(x, w1, b1, w2, b2, token, expert, saved)
@@ -132,7 +137,7 @@ class _General(torch.autograd.Function):
 
 
 def moe_general(x, w1, b1, w2, b2, scores, token_idx, expert_idx, activation: ActivationType,
-                layout: GateUpLayout):
+                layout: GateUpLayout, glu_clamp: Optional[GluClamp] = None):
     """out [T, d] of the experts on the list (scores, token_idx, expert_idx) [R], differentiable in x,
     the weights, the biases and the scores. machmoe.functional has checked the list (ordered by
     token, in range, no repeated (token, expert) pair: the kernels' metadata would merge a repeat
@@ -143,4 +148,5 @@ def moe_general(x, w1, b1, w2, b2, scores, token_idx, expert_idx, activation: Ac
     x, w1, w2, b1, b2 = (_contiguous(t) for t in (x, w1, w2, b1, b2))
     tok = token_idx.to(torch.int32).contiguous()
     exp = expert_idx.to(torch.int32).contiguous()
-    return _General.apply(x, w1, b1, w2, b2, scores, tok, exp, (activation.value, layout.value))
+    return _General.apply(x, w1, b1, w2, b2, scores, tok, exp,
+                          (activation.value, layout.value, glu_clamp_list(glu_clamp)))

@@ -15,9 +15,11 @@ from .enums import (
     ActivationType,
     Backend,
     GateUpLayout,
+    GluClamp,
     RoutingMethod,
     TokenRounding,
     is_glu,
+    resolve_glu_clamp,
     parse_enum,
 )
 
@@ -91,7 +93,8 @@ class MoE(nn.Module):
         intermediate_size: n, each expert's hidden size; GLU activations have 2n up-projection
             rows (gate and up).
         activation_function: ActivationType or its name: "swiglu" (default), "geglu",
-            "reglu", "relu2", "relu", "gelu" (tanh approximation), "silu".
+            "reglu", "relu2", "relu", "gelu" (tanh approximation), "silu", "clamped_swiglu"
+            (gpt-oss's and DeepSeek-V4's clamped SwiGLU, a GLU; parameters in glu_clamp).
         add_bias: give both expert projections a bias, c_fc.bias and c_proj.bias (default
             False; initialised to zeros).
         std: standard deviation of the normal initialisation of every weight (default 0.02).
@@ -117,6 +120,9 @@ class MoE(nn.Module):
         shared_intermediate_size: each shared expert's hidden size n_s (default: n).
         shared_expert_gate: weight the shared experts' sum per token by sigmoid(x · g), g a
             [1, d] weight (Qwen's shared-expert gate; default False).
+        glu_clamp: the parameters of "clamped_swiglu", a machmoe.GluClamp (None: gpt-oss's,
+            GluClamp(); GluClamp.deepseek_v4(limit), GluClamp.post_activation(limit)); other
+            activations take none.
 
     Parameters: router.weight [E, d]; c_fc.weight [E, N1, d] (N1 = 2n for GLU activations, n
     otherwise), c_fc.bias [E, N1]; c_proj.weight [E, d, n], c_proj.bias [E, d]; with sigmoid
@@ -150,6 +156,7 @@ class MoE(nn.Module):
         num_shared_experts: int = 0,
         shared_intermediate_size: Optional[int] = None,
         shared_expert_gate: bool = False,
+        glu_clamp: Optional[GluClamp] = None,
     ):
         """Checks and stores the options and creates the parameters; the class docstring
         documents every argument. A bad argument raises TypeError or ValueError naming it."""
@@ -165,6 +172,8 @@ class MoE(nn.Module):
                              f"routing='softmax_topk'; got routing={self.routing.value!r}")
         self.tile_m = _positive_int(tile_m, "tile_m")
         self.backend = parse_enum(Backend, backend, "backend")
+        # activation_function "clamped_swiglu": its parameters (None: gpt-oss's); None otherwise
+        self.glu_clamp = resolve_glu_clamp(self.activation_function, glu_clamp)
 
         E, d, n = num_experts, hidden_size, intermediate_size
         n1 = 2 * n if is_glu(self.activation_function) else n
@@ -234,6 +243,7 @@ class MoE(nn.Module):
             selection_bias=self.selection_bias,
             token_rounding=rounding, tile_m=self.tile_m, seed=seed,
             backend=self.backend if backend is None else backend,
+            glu_clamp=self.glu_clamp,
         )
         if self.num_shared_experts:
             out = out + shared_experts(
@@ -241,13 +251,14 @@ class MoE(nn.Module):
                 gate_weight=None if self.shared_gate is None else self.shared_gate.weight,
                 b1=self.shared_c_fc.bias, b2=self.shared_c_proj.bias,
                 activation=self.activation_function, layout=self.gate_up_layout,
-                backend=self.backend if backend is None else backend)
+                backend=self.backend if backend is None else backend, glu_clamp=self.glu_clamp)
         return out.reshape(hidden_states.shape), aux
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, num_experts_per_tok={self.num_experts_per_tok}, "
                 f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"activation_function={self.activation_function.value}, "
+                + (f"glu_clamp={self.glu_clamp}, " if self.glu_clamp is not None else "") +
                 f"routing={self.routing.value}, gate_up_layout={self.gate_up_layout.value}, "
                 f"token_rounding={self.token_rounding.value}, tile_m={self.tile_m}, "
                 f"backend={self.backend.value}"

@@ -10,7 +10,8 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from . import _ops
-from .enums import ActivationType, GateUpLayout, RoutingMethod, TokenRounding, parse_enum
+from .enums import (ActivationType, GateUpLayout, GluClamp, RoutingMethod, TokenRounding, glu_clamp_list,
+                    parse_enum, resolve_glu_clamp)
 
 
 def _ops_namespace():
@@ -112,8 +113,10 @@ def layer(
     token_rounding: Union[TokenRounding, str] = TokenRounding.NONE,
     tile_m: int = 128,
     seed: int = 0,
+    glu_clamp: Optional[GluClamp] = None,
 ) -> LayerResult:
     """Forward and backward of the whole layer in float64, for dout [T, d] and d_aux."""
+    clamp = glu_clamp_list(resolve_glu_clamp(activation, glu_clamp))
     return LayerResult(*_ops_namespace().reference_layer(
         x, router_weight, w1, b1, w2, b2, selection_bias, dout, float(d_aux),
         num_experts_per_tok,
@@ -122,7 +125,7 @@ def layer(
         parse_enum(RoutingMethod, routing, "routing").value,
         renormalize,
         parse_enum(TokenRounding, token_rounding, "token_rounding").value,
-        tile_m, seed))
+        tile_m, seed, glu_clamp=clamp))
 
 
 def general(
@@ -138,9 +141,11 @@ def general(
     b2: Optional[torch.Tensor] = None,
     activation: Union[ActivationType, str] = ActivationType.SWIGLU,
     layout: Union[GateUpLayout, str] = GateUpLayout.INTERLEAVED,
+    glu_clamp: Optional[GluClamp] = None,
 ) -> GeneralResult:
     """Forward and backward of the experts on a general routing list (ordered by token)."""
+    clamp = glu_clamp_list(resolve_glu_clamp(activation, glu_clamp))
     return GeneralResult(*_ops_namespace().reference_general(
         x, w1, b1, w2, b2, token, expert, score, dout,
         parse_enum(ActivationType, activation, "activation").value,
-        parse_enum(GateUpLayout, layout, "layout").value))
+        parse_enum(GateUpLayout, layout, "layout").value, glu_clamp=clamp))

@@ -19,7 +19,7 @@ from typing import Optional, Union
 import torch
 
 from . import functional, torch_backend
-from .enums import ActivationType, Backend, GateUpLayout, parse_enum
+from .enums import ActivationType, Backend, GateUpLayout, GluClamp, parse_enum, resolve_glu_clamp
 
 
 def shared_expert_routing(T: int, S: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +41,7 @@ def shared_experts(
     activation: Union[ActivationType, str] = ActivationType.SWIGLU,
     layout: Union[GateUpLayout, str] = GateUpLayout.INTERLEAVED,
     backend: Union[Backend, str] = Backend.AUTO,
+    glu_clamp: Optional[GluClamp] = None,
 ) -> torch.Tensor:
     """The sum of S shared experts' outputs -> out [T, d] in x's dtype.
 
@@ -54,12 +55,13 @@ def shared_experts(
         gate_weight: [1, d] Qwen's shared-expert gate (a bias-free nn.Linear(d, 1)'s weight), or
             None (default): every shared expert's output is added with weight 1.
         b1, b2: [S, N1] and [S, d] biases, or None (default); both or neither.
-        activation, layout, backend: as machmoe.functional.moe.
+        activation, layout, backend, glu_clamp: as machmoe.functional.moe.
     Every input that is a floating tensor receives its gradient.
     """
     parse_enum(Backend, backend, "backend")
     activation = parse_enum(ActivationType, activation, "activation")
     layout = parse_enum(GateUpLayout, layout, "layout")
+    glu_clamp = resolve_glu_clamp(activation, glu_clamp)
     T, d, S, n = functional._validate_experts(x, w1, w2, b1, b2, activation, None)
     if gate_weight is not None:
         gate_weight = functional._float_tensor(gate_weight, "gate_weight", 2)
@@ -79,5 +81,6 @@ def shared_experts(
     if functional.resolve_backend(backend, x, d, n) == Backend.MACHMOE:
         from . import machmoe_backend
 
-        return machmoe_backend.moe_general(x, w1, b1, w2, b2, scores, token, expert, activation, layout)
-    return torch_backend.experts(x, w1, b1, w2, b2, token, expert, scores, activation, layout)
+        return machmoe_backend.moe_general(x, w1, b1, w2, b2, scores, token, expert, activation, layout,
+                                           glu_clamp)
+    return torch_backend.experts(x, w1, b1, w2, b2, token, expert, scores, activation, layout, glu_clamp)

@@ -23,10 +23,12 @@ import torch.nn.functional as F
 from .enums import (
     ActivationType,
     GateUpLayout,
+    GluClamp,
     RoutingMethod,
     TokenRounding,
     is_glu,
     parse_enum,
+    resolve_glu_clamp,
 )
 
 _MASK64 = (1 << 64) - 1
@@ -280,10 +282,24 @@ _PLAIN_FUNCTIONS = {
 }
 
 
+def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, c: GluClamp) -> torch.Tensor:
+    # torch.clamp passes the gradient where min <= x <= max (bounds included), as gpt-oss's and
+    # DeepSeek-V4's clamps do.
+    if c.clamp_after:
+        f = (gate * torch.sigmoid(gate * c.alpha)).clamp(max=c.limit)
+    else:
+        gate = gate.clamp(max=c.limit)
+        f = gate * torch.sigmoid(gate * c.alpha)
+    return f * (up.clamp(min=-c.limit, max=c.limit) + c.up_offset)
+
+
 def apply_activation(h: torch.Tensor, activation: Union[ActivationType, str],
-                     layout: Union[GateUpLayout, str] = GateUpLayout.INTERLEAVED) -> torch.Tensor:
-    """A = act(H): H [rows, N1] -> A [rows, n] (N1 = 2n for GLU, n otherwise)."""
+                     layout: Union[GateUpLayout, str] = GateUpLayout.INTERLEAVED,
+                     glu_clamp: Optional[GluClamp] = None) -> torch.Tensor:
+    """A = act(H): H [rows, N1] -> A [rows, n] (N1 = 2n for GLU, n otherwise). glu_clamp: the
+    parameters of "clamped_swiglu" (None: its defaults; other activations take none)."""
     act = parse_enum(ActivationType, activation, "activation")
+    clamp = resolve_glu_clamp(act, glu_clamp)
     if not is_glu(act):
         return _PLAIN_FUNCTIONS[act](h)
     layout = parse_enum(GateUpLayout, layout, "layout")
@@ -292,6 +308,8 @@ def apply_activation(h: torch.Tensor, activation: Union[ActivationType, str],
         gate, up = h[..., 0::2], h[..., 1::2]
     else:
         gate, up = h[..., :n], h[..., n:]
+    if clamp is not None:
+        return _clamped_swiglu(gate, up, clamp)
     return _GATE_FUNCTIONS[act](gate) * up
 
 
@@ -306,6 +324,7 @@ def experts(
     score: torch.Tensor,
     activation: Union[ActivationType, str],
     layout: Union[GateUpLayout, str] = GateUpLayout.INTERLEAVED,
+    glu_clamp: Optional[GluClamp] = None,
 ) -> torch.Tensor:
     """The experts on a general routing list: out [T, d] = Σ_pairs score · MLP_expert(x_token).
 
@@ -332,7 +351,7 @@ def experts(
     y_rows = []
     for e in range(E):  # every expert, empty ones too: they still get (zero) gradients
         h = F.linear(x_rows[e], w1_e[e], b1_e[e])  # H [T_e, N1]
-        a = apply_activation(h, activation, layout)  # A [T_e, n]
+        a = apply_activation(h, activation, layout, glu_clamp)  # A [T_e, n]
         y_rows.append(F.linear(a, w2_e[e], b2_e[e]))  # Y [T_e, d]
     y = torch.cat(y_rows)  # [R, d]
 
@@ -370,12 +389,13 @@ def moe_forward(
     rounding: Union[TokenRounding, str] = TokenRounding.NONE,
     tile_m: int = 128,
     seed: int = 0,
+    glu_clamp: Optional[GluClamp] = None,
 ) -> LayerForward:
     """The whole layer, with its intermediates (logits and the routing list) exposed."""
     logits = router_logits(x, router_weight)
     token, expert, score = route_pairs(logits, K, routing, renormalize, selection_bias,
                                        rounding, tile_m, seed)
-    out = experts(x, w1, b1, w2, b2, token, expert, score, activation, layout)
+    out = experts(x, w1, b1, w2, b2, token, expert, score, activation, layout, glu_clamp)
     return LayerForward(out, aux_loss(logits, expert), logits, token, expert, score)
 
 

@@ -89,11 +89,27 @@ inline void check_bf16(const at::Tensor& t, const char* name, at::IntArrayRef sh
   check_tensor(t, name, at::kBFloat16, shape, device);
 }
 
+// The clamped SwiGLU's parameters as the ops take them (`float[] glu_clamp`): empty for the
+// defaults (machmoe::GluClamp), or [alpha, limit, up_offset, clamp_after] with clamp_after 0 or 1.
+inline GluClamp glu_clamp_from(at::ArrayRef<double> v) {
+  GluClamp c;
+  if (v.empty()) return c;
+  MACHMOE_CHECK_VALUE(v.size() == 4, "glu_clamp must be empty or [alpha, limit, up_offset, clamp_after], got ",
+                      static_cast<int64_t>(v.size()), " values");
+  MACHMOE_CHECK_VALUE(v[3] == 0.0 || v[3] == 1.0, "glu_clamp: clamp_after (its 4th value) must be 0 or 1");
+  c.alpha = static_cast<float>(v[0]);
+  c.limit = static_cast<float>(v[1]);
+  c.up_offset = static_cast<float>(v[2]);
+  c.clamp_after = v[3] == 1.0;
+  return c;
+}
+
 // The fields a LayerProblem or an ExpertsProblem takes from the tensors (x [T, d], w1 [E, n1, d],
 // w2 [E, d, n]) and the options both have; the caller sets the rest and validates.
 template <typename Problem>
 Problem problem_from_tensors(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2, bool has_bias,
-                             const std::string& activation, const std::string& layout) {
+                             const std::string& activation, const std::string& layout,
+                             at::ArrayRef<double> glu_clamp) {
   check_dims(x, "x", 2);
   check_dims(w1, "w1", 3);
   check_dims(w2, "w2", 3);
@@ -103,6 +119,7 @@ Problem problem_from_tensors(const at::Tensor& x, const at::Tensor& w1, const at
   p.E = w1.size(0);
   p.n = w2.size(2);
   p.activation = parse_activation(activation);
+  p.glu_clamp = glu_clamp_from(glu_clamp);
   p.layout = parse_layout(layout);
   p.has_bias = has_bias;
   p.dtype = DType::BF16;

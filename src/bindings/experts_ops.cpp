@@ -21,8 +21,9 @@ using at::Tensor;
 // The problem of an experts call from the tensors' shapes (x [T, d], w1 [E, n1, d], w2 [E, d, n]),
 // the list's length R and the string options, validated: the one validation of the call.
 ValidExpertsProblem experts_problem(const Tensor& x, const Tensor& w1, const Tensor& w2, bool has_bias, int64_t R,
-                                    const std::string& activation, const std::string& layout) {
-  ExpertsProblem p = problem_from_tensors<ExpertsProblem>(x, w1, w2, has_bias, activation, layout);
+                                    const std::string& activation, const std::string& layout,
+                                    at::ArrayRef<double> glu_clamp) {
+  ExpertsProblem p = problem_from_tensors<ExpertsProblem>(x, w1, w2, has_bias, activation, layout, glu_clamp);
   p.R = R;
   return validate(p);
 }
@@ -46,11 +47,12 @@ void check_expert_tensors(const ExpertsProblem& p, const Tensor& x, const Tensor
 std::tuple<Tensor, Tensor> op_experts_forward(const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1,
                                               const Tensor& w2, const std::optional<Tensor>& b2, const Tensor& scores,
                                               const Tensor& token_idx, const Tensor& expert_idx,
-                                              const std::string& activation, const std::string& layout) {
+                                              const std::string& activation, const std::string& layout,
+                                              at::ArrayRef<double> glu_clamp) {
   return translate_errors([&] {
     check_dims(scores, "scores", 1);
     const ValidExpertsProblem valid =
-        experts_problem(x, w1, w2, b1.has_value(), scores.numel(), activation, layout);
+        experts_problem(x, w1, w2, b1.has_value(), scores.numel(), activation, layout, glu_clamp);
     const ExpertsProblem& p = *valid;
     check_expert_tensors(p, x, w1, b1, w2, b2);
     const at::Device device = x.device();
@@ -87,11 +89,11 @@ using Grads = std::tuple<Tensor, Tensor, std::optional<Tensor>, Tensor, std::opt
 Grads op_experts_backward(const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1, const Tensor& w2,
                           const std::optional<Tensor>& b2, const Tensor& token_idx, const Tensor& expert_idx,
                           const Tensor& saved, const Tensor& dout, const std::string& activation,
-                          const std::string& layout) {
+                          const std::string& layout, at::ArrayRef<double> glu_clamp) {
   return translate_errors([&] {
     check_dims(token_idx, "token_idx", 1);
     const ValidExpertsProblem valid =
-        experts_problem(x, w1, w2, b1.has_value(), token_idx.numel(), activation, layout);
+        experts_problem(x, w1, w2, b1.has_value(), token_idx.numel(), activation, layout, glu_clamp);
     const ExpertsProblem& p = *valid;
     check_expert_tensors(p, x, w1, b1, w2, b2);
     const at::Device device = x.device();
@@ -164,9 +166,9 @@ std::vector<int64_t> op_experts_saved_layout(int64_t n, int64_t E, const std::st
 
 TORCH_LIBRARY_FRAGMENT(machmoe, m) {
   m.def("experts_forward(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, Tensor scores, Tensor token_idx,"
-        " Tensor expert_idx, str activation, str layout) -> (Tensor out, Tensor saved)");
+        " Tensor expert_idx, str activation, str layout, float[] glu_clamp=[]) -> (Tensor out, Tensor saved)");
   m.def("experts_backward(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, Tensor token_idx,"
-        " Tensor expert_idx, Tensor saved, Tensor dout, str activation, str layout)"
+        " Tensor expert_idx, Tensor saved, Tensor dout, str activation, str layout, float[] glu_clamp=[])"
         " -> (Tensor dx, Tensor dw1, Tensor? db1, Tensor dw2, Tensor? db2, Tensor d_scores)");
   m.def("experts_workspace_bytes(int T, int d, int n, int E, int R, str activation, bool bias) -> int[]",
         &op_experts_workspace_bytes);

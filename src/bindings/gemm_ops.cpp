@@ -72,7 +72,8 @@ std::tuple<Tensor, Tensor> op_grouped_gemm(const Tensor& a, const std::optional<
                                            const Tensor& expert_offsets, const Tensor& w,
                                            const std::optional<Tensor>& bias, int64_t num_rows,
                                            const std::string& epilogue, const std::string& activation,
-                                           const std::string& layout, const std::string& kernel) {
+                                           const std::string& layout, const std::string& kernel,
+                                           at::ArrayRef<double> glu_clamp) {
   return translate_errors([&] {
     MACHMOE_CHECK_VALUE(a.is_cuda() && a.scalar_type() == at::kBFloat16 && a.dim() == 2 && a.stride(1) == 1,
                       "a must be a 2-D bfloat16 CUDA tensor with unit column stride");
@@ -103,6 +104,7 @@ std::tuple<Tensor, Tensor> op_grouped_gemm(const Tensor& a, const std::optional<
     g.ldc2 = c2_cols;
     g.epilogue = epi;
     g.activation = parse_activation(activation);
+    g.glu_clamp = glu_clamp_from(glu_clamp);
     g.layout = parse_layout(layout);
     g.kernel = parse_kernel(kernel);
     if (num_rows > 0) grouped_gemm(g, at::cuda::getCurrentCUDAStream());
@@ -119,7 +121,7 @@ std::tuple<Tensor, Tensor, Tensor> op_grouped_gemm_nmajor(const Tensor& a, const
                                                           const std::optional<Tensor>& row_scores,
                                                           const std::optional<Tensor>& row_pair,
                                                           const std::string& activation, const std::string& layout,
-                                                          const std::string& kernel) {
+                                                          const std::string& kernel, at::ArrayRef<double> glu_clamp) {
   return translate_errors([&] {
     check_bf16_matrix(a, "a", 2);
     check_bf16_matrix(w_kn, "w_kn", 3);
@@ -138,6 +140,7 @@ std::tuple<Tensor, Tensor, Tensor> op_grouped_gemm_nmajor(const Tensor& a, const
     GroupedGemmArgs g = gemm_args(a, K, gather, expert_offsets, w_kn, E, N, K, tiles);
     g.w_n_major = true;
     g.activation = act;
+    g.glu_clamp = glu_clamp_from(glu_clamp);
     g.layout = parse_layout(layout);
     g.kernel = parse_kernel(kernel);
     Tensor c, c2, ds;
@@ -210,9 +213,10 @@ Tensor op_grouped_gemm_wgrad(const Tensor& a, const std::optional<Tensor>& a_gat
 
 TORCH_LIBRARY_FRAGMENT(machmoe, m) {
   m.def("grouped_gemm(Tensor a, Tensor? gather, Tensor expert_offsets, Tensor w, Tensor? bias, int num_rows,"
-        " str epilogue, str activation, str layout, str kernel=\"auto\") -> (Tensor, Tensor)");
+        " str epilogue, str activation, str layout, str kernel=\"auto\", float[] glu_clamp=[]) -> (Tensor, Tensor)");
   m.def("grouped_gemm_nmajor(Tensor a, Tensor? gather, Tensor expert_offsets, Tensor w_kn, int num_rows,"
-        " Tensor? h, Tensor? row_scores, Tensor? row_pair, str activation, str layout, str kernel=\"auto\")"
+        " Tensor? h, Tensor? row_scores, Tensor? row_pair, str activation, str layout, str kernel=\"auto\","
+        " float[] glu_clamp=[])"
         " -> (Tensor, Tensor, Tensor)");
   m.def("grouped_gemm_wgrad(Tensor a, Tensor? a_gather, Tensor b, Tensor expert_offsets, bool transpose_c,"
         " bool fp32, str kernel=\"auto\") -> Tensor");

@@ -19,8 +19,9 @@ using at::Tensor;
 // validation of the call (plan_workspace and the C++ call take the validated problem as it is).
 ValidLayerProblem layer_problem(const Tensor& x, const Tensor& w1, const Tensor& w2, bool has_bias, int64_t K,
                                 const std::string& activation, const std::string& layout, const std::string& routing,
-                                bool renormalize, const std::string& rounding, int64_t tile_m) {
-  LayerProblem p = problem_from_tensors<LayerProblem>(x, w1, w2, has_bias, activation, layout);
+                                bool renormalize, const std::string& rounding, int64_t tile_m,
+                                at::ArrayRef<double> glu_clamp) {
+  LayerProblem p = problem_from_tensors<LayerProblem>(x, w1, w2, has_bias, activation, layout, glu_clamp);
   p.K = K;
   p.routing = parse_routing(routing);
   p.renormalize = renormalize;
@@ -53,10 +54,11 @@ std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tenso
                                                     const std::string& activation, const std::string& layout,
                                                     const std::string& routing, bool renormalize,
                                                     const std::string& rounding, int64_t tile_m, int64_t seed,
-                                                    bool write_h) {
+                                                    bool write_h, at::ArrayRef<double> glu_clamp) {
   return translate_errors([&] {
     const ValidLayerProblem valid =
-        layer_problem(x, w1, w2, b1.has_value(), K, activation, layout, routing, renormalize, rounding, tile_m);
+        layer_problem(x, w1, w2, b1.has_value(), K, activation, layout, routing, renormalize, rounding, tile_m,
+                      glu_clamp);
     const LayerProblem& p = *valid;
     check_layer_tensors(p, x, router_weight, w1, b1, w2, b2);
     const at::Device device = x.device();
@@ -97,10 +99,11 @@ Grads op_layer_backward(const Tensor& x, const Tensor& router_weight, const Tens
                         const Tensor& w2, const std::optional<Tensor>& b2, const Tensor& saved, const Tensor& dout,
                         const std::optional<Tensor>& d_aux, int64_t K, const std::string& activation,
                         const std::string& layout, const std::string& routing, bool renormalize,
-                        const std::string& rounding, int64_t tile_m) {
+                        const std::string& rounding, int64_t tile_m, at::ArrayRef<double> glu_clamp) {
   return translate_errors([&] {
     const ValidLayerProblem valid =
-        layer_problem(x, w1, w2, b1.has_value(), K, activation, layout, routing, renormalize, rounding, tile_m);
+        layer_problem(x, w1, w2, b1.has_value(), K, activation, layout, routing, renormalize, rounding, tile_m,
+                      glu_clamp);
     const LayerProblem& p = *valid;
     check_layer_tensors(p, x, router_weight, w1, b1, w2, b2);
     const at::Device device = x.device();
@@ -154,11 +157,11 @@ Grads op_layer_backward(const Tensor& x, const Tensor& router_weight, const Tens
 TORCH_LIBRARY_FRAGMENT(machmoe, m) {
   m.def("layer_forward(Tensor x, Tensor router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2,"
         " Tensor? selection_bias, int K, str activation, str layout, str routing, bool renormalize,"
-        " str rounding, int tile_m, int seed, bool write_h=True)"
+        " str rounding, int tile_m, int seed, bool write_h=True, float[] glu_clamp=[])"
         " -> (Tensor, Tensor, Tensor)");
   m.def("layer_backward(Tensor x, Tensor router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2,"
         " Tensor saved, Tensor dout, Tensor? d_aux, int K, str activation, str layout, str routing,"
-        " bool renormalize, str rounding, int tile_m)"
+        " bool renormalize, str rounding, int tile_m, float[] glu_clamp=[])"
         " -> (Tensor dx, Tensor d_router_weight, Tensor dw1, Tensor? db1, Tensor dw2, Tensor? db2)");
 }
 

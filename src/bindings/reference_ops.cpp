@@ -61,9 +61,12 @@ struct ExpertInputs {
 
 ExpertInputs expert_inputs(const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1,
                            const Tensor& w2, const std::optional<Tensor>& b2,
-                           const std::string& activation, const std::string& layout) {
+                           const std::string& activation, const std::string& layout,
+                           at::ArrayRef<double> glu_clamp) {
   ExpertInputs in;
   in.s.act = parse_activation(activation);
+  in.s.clamp = glu_clamp_from(glu_clamp);
+  check_glu_clamp("reference", in.s.act, in.s.clamp);
   in.s.layout = parse_layout(layout);
   check_dims(x, "x", 2);
   check_dims(w1, "w1", 3);
@@ -152,9 +155,10 @@ LayerResult reference_layer(const Tensor& x, const Tensor& router_weight, const 
                             const std::optional<Tensor>& b2, const std::optional<Tensor>& selection_bias,
                             const Tensor& dout, double d_aux, int64_t K, const std::string& activation,
                             const std::string& layout, const std::string& routing, bool renormalize,
-                            const std::string& rounding, int64_t tile_m, int64_t seed) {
+                            const std::string& rounding, int64_t tile_m, int64_t seed,
+                            at::ArrayRef<double> glu_clamp) {
   return translate_errors([&] {
-    const ExpertInputs in = expert_inputs(x, w1, b1, w2, b2, activation, layout);
+    const ExpertInputs in = expert_inputs(x, w1, b1, w2, b2, activation, layout, glu_clamp);
     const auto& s = in.s;
     check_shape(router_weight, "router_weight", {s.E, s.d});
     check_shape(dout, "dout", {s.T, s.d});
@@ -189,9 +193,9 @@ LayerResult reference_layer(const Tensor& x, const Tensor& router_weight, const 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> reference_general(
     const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1, const Tensor& w2,
     const std::optional<Tensor>& b2, const Tensor& token, const Tensor& expert, const Tensor& score,
-    const Tensor& dout, const std::string& activation, const std::string& layout) {
+    const Tensor& dout, const std::string& activation, const std::string& layout, at::ArrayRef<double> glu_clamp) {
   return translate_errors([&] {
-    const ExpertInputs in = expert_inputs(x, w1, b1, w2, b2, activation, layout);
+    const ExpertInputs in = expert_inputs(x, w1, b1, w2, b2, activation, layout, glu_clamp);
     const auto& s = in.s;
     check_shape(dout, "dout", {s.T, s.d});
     ref::RoutingList list;
@@ -225,11 +229,11 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
         " -> (Tensor, Tensor, Tensor, Tensor, Tensor)", &reference_metadata);
   m.def("reference_layer(Tensor x, Tensor router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2,"
         " Tensor? selection_bias, Tensor dout, float d_aux, int K, str activation, str layout,"
-        " str routing, bool renormalize, str rounding, int tile_m, int seed)"
+        " str routing, bool renormalize, str rounding, int tile_m, int seed, float[] glu_clamp=[])"
         " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
         &reference_layer);
   m.def("reference_general(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, Tensor token,"
-        " Tensor expert, Tensor score, Tensor dout, str activation, str layout)"
+        " Tensor expert, Tensor score, Tensor dout, str activation, str layout, float[] glu_clamp=[])"
         " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", &reference_general);
 }
 

@@ -23,6 +23,7 @@ double act_value(Activation a, double h) {
     case Activation::ReGLU:
     case Activation::ReLU: return h > 0 ? h : 0.0;
     case Activation::ReLU2: return h > 0 ? h * h : 0.0;
+    case Activation::ClampedSwiGLU: break;  // glu_point
   }
   return NAN;
 }
@@ -43,8 +44,29 @@ double act_derivative(Activation a, double h) {
     case Activation::ReGLU:
     case Activation::ReLU: return h > 0 ? 1.0 : 0.0;
     case Activation::ReLU2: return h > 0 ? 2.0 * h : 0.0;
+    case Activation::ClampedSwiGLU: break;  // glu_point
   }
   return NAN;
+}
+
+// One GLU pair: A = f(g)·u and its partial derivatives ∂A/∂g, ∂A/∂u.
+struct GluPoint {
+  double a, da_dg, da_du;
+};
+GluPoint glu_point(Activation act, const GluClamp& c, double g, double u) {
+  if (act != Activation::ClampedSwiGLU) return {act_value(act, g) * u, act_derivative(act, g) * u, act_value(act, g)};
+  // docs/LAYER.md: the clamped SwiGLU. The parameters are floats; their exact values in double.
+  const double L = c.limit, alpha = c.alpha;
+  const double gc = !c.clamp_after && g > L ? L : g;
+  const double sig = sigmoid(alpha * gc);
+  const double silu = gc * sig;
+  const double f = c.clamp_after && silu > L ? L : silu;
+  const double uc = (u < -L ? -L : u > L ? L : u) + c.up_offset;
+  // torch.clamp passes the gradient where min <= x <= max, bounds included.
+  const bool gate_passes = c.clamp_after ? silu <= L : g <= L;
+  const bool up_passes = -L <= u && u <= L;
+  const double dsilu = sig * (1.0 + alpha * gc * (1.0 - sig));
+  return {f * uc, gate_passes ? dsilu * uc : 0.0, up_passes ? f : 0.0};
 }
 
 // Column of gate j / up j inside a GLU row of 2n values.
@@ -57,26 +79,28 @@ void check_shape(const Shape& s, const RoutingList& list, const Metadata& md) {
   if (static_cast<int64_t>(md.row_pair.size()) != list.size() ||
       static_cast<int64_t>(md.expert_offsets.size()) != s.E + 1)
     throw Error(ErrorCode::InvalidArgument, "experts: metadata does not match the routing list");
+  check_glu_clamp("experts", s.act, s.clamp);
 }
 
 }  // namespace
 
-void activation_forward(Activation act, GateUpLayout layout, int64_t n, const double* h, double* a) {
+void activation_forward(Activation act, GateUpLayout layout, int64_t n, const double* h, double* a,
+                        const GluClamp& clamp) {
   for (int64_t j = 0; j < n; ++j)
-    a[j] = is_glu(act) ? act_value(act, h[gate_col(layout, n, j)]) * h[up_col(layout, n, j)]
+    a[j] = is_glu(act) ? glu_point(act, clamp, h[gate_col(layout, n, j)], h[up_col(layout, n, j)]).a
                        : act_value(act, h[j]);
 }
 
 void activation_backward(Activation act, GateUpLayout layout, int64_t n, const double* h,
-                         const double* da, double* dh) {
+                         const double* da, double* dh, const GluClamp& clamp) {
   for (int64_t j = 0; j < n; ++j) {
     if (!is_glu(act)) {
       dh[j] = da[j] * act_derivative(act, h[j]);
       continue;
     }
-    const double g = h[gate_col(layout, n, j)], u = h[up_col(layout, n, j)];
-    dh[gate_col(layout, n, j)] = da[j] * act_derivative(act, g) * u;
-    dh[up_col(layout, n, j)] = da[j] * act_value(act, g);
+    const GluPoint pt = glu_point(act, clamp, h[gate_col(layout, n, j)], h[up_col(layout, n, j)]);
+    dh[gate_col(layout, n, j)] = da[j] * pt.da_dg;
+    dh[up_col(layout, n, j)] = da[j] * pt.da_du;
   }
 }
 
@@ -103,7 +127,7 @@ ExpertsForward experts_forward(const Shape& s, const double* x, const Weights& w
         for (int64_t k = 0; k < d; ++k) acc += xt[k] * w1[c * d + k];
         h[c] = acc;
       }
-      activation_forward(s.act, s.layout, n, h, a);
+      activation_forward(s.act, s.layout, n, h, a, s.clamp);
       for (int64_t i = 0; i < d; ++i) {
         double acc = s.bias ? w.b2[e * d + i] : 0.0;
         for (int64_t j = 0; j < n; ++j) acc += a[j] * w2[i * n + j];
@@ -145,14 +169,14 @@ ExpertsGrads experts_backward(const Shape& s, const double* x, const Weights& w,
         for (int64_t i = 0; i < d; ++i) acc += go[i] * w2[i * n + j];
         da[j] = acc;
       }
-      activation_forward(s.act, s.layout, n, h, a.data());
+      activation_forward(s.act, s.layout, n, h, a.data(), s.clamp);
       double ds = 0;
       for (int64_t j = 0; j < n; ++j) ds += da[j] * a[j];
       if (s.bias)
         for (int64_t i = 0; i < d; ++i) ds += go[i] * w.b2[e * d + i];
       g.d_score[p] = ds;
       for (int64_t j = 0; j < n; ++j) da[j] *= sc;  // s · dA'
-      activation_backward(s.act, s.layout, n, h, da.data(), dh.data());
+      activation_backward(s.act, s.layout, n, h, da.data(), dh.data(), s.clamp);
       for (int64_t i = 0; i < d; ++i) {
         for (int64_t j = 0; j < n; ++j) g.dw2[(e * d + i) * n + j] += sc * a[j] * go[i];
         if (s.bias) g.db2[e * d + i] += sc * go[i];

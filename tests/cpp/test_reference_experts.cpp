@@ -133,4 +133,93 @@ TEST(ActivationFn, ForwardBackwardAndReluAtZero) {
   }
 }
 
+// ================================================================ the clamped SwiGLU
+// The three variants (gpt-oss, DeepSeek-V4, the post-activation clamp) written out here from the
+// models' definitions, independently of the reference: gate g, up u, L = limit.
+double clamped_glu_formula(const GluClamp& c, double g, double u) {
+  const double L = c.limit;
+  const double uc = std::min(std::max(u, -L), L) + c.up_offset;
+  if (c.clamp_after) return std::min(g * sigm(c.alpha * g), L) * uc;
+  const double gc = std::min(g, L);
+  return gc * sigm(c.alpha * gc) * uc;
+}
+
+struct ClampVariant {
+  GluClamp c;
+  const char* name;
+};
+const ClampVariant kClampVariants[] = {{GluClamp{}, "gpt_oss"},
+                                       {GluClamp{1.f, 10.f, 0.f, false}, "deepseek_v4"},
+                                       {GluClamp{1.f, 3.f, 0.f, true}, "post_activation"}};
+
+// Values against the formula, derivatives against central differences, at points on both sides
+// of every clamp (at least 0.05 from a boundary, so that the difference step never crosses it),
+// in both layouts.
+TEST(ClampedSwiGLU, ValuesAndDerivativesOnBothSidesOfEachClamp) {
+  for (const auto& v : kClampVariants) {
+    for (GateUpLayout l : {GateUpLayout::Interleaved, GateUpLayout::Concatenated}) {
+      SCOPED_TRACE(std::string(v.name) + (l == GateUpLayout::Interleaved ? " interleaved" : " concatenated"));
+      const double L = v.c.limit;
+      // Gates: far below, below and above the gate clamp (or, clamp_after, where silu(g) is below
+      // and above L: silu(g) = L near g = L + small); ups: inside and outside [-L, L] on both sides.
+      const Vec gates = {-2.0 * L, -1.3, 0.7, L - 0.4, L - 0.05 * L, L + 0.3, 1.5 * L + 0.2, 3.0 * L};
+      const Vec ups = {-2.0 * L, -L - 0.2, -L + 0.2, -0.4, 0.9, L - 0.2, L + 0.2, 2.5 * L};
+      const int64_t n = static_cast<int64_t>(gates.size() * ups.size());
+      Vec h(2 * n);
+      for (size_t i = 0; i < gates.size(); ++i)
+        for (size_t k = 0; k < ups.size(); ++k) {
+          const int64_t j = static_cast<int64_t>(i * ups.size() + k);
+          h[gate_col(l, n, j)] = gates[i];
+          h[up_col(l, n, j)] = ups[k];
+        }
+      Vec a(n), dh(2 * n), da(n, 0.0);
+      ref::activation_forward(Activation::ClampedSwiGLU, l, n, h.data(), a.data(), v.c);
+      for (int64_t j = 0; j < n; ++j)
+        EXPECT_NEAR(a[j], clamped_glu_formula(v.c, h[gate_col(l, n, j)], h[up_col(l, n, j)]),
+                    1e-13 * (1 + std::fabs(a[j])))
+            << "column " << j;
+      // d A_j / d H by central differences, one column at a time (dA = e_j).
+      constexpr double eps = 1e-6;
+      for (int64_t j = 0; j < n; ++j) {
+        std::fill(da.begin(), da.end(), 0.0);
+        da[j] = 1.0;
+        ref::activation_backward(Activation::ClampedSwiGLU, l, n, h.data(), da.data(), dh.data(), v.c);
+        for (int64_t col : {gate_col(l, n, j), up_col(l, n, j)}) {
+          Vec hp = h, hm = h, ap(n), am(n);
+          hp[col] += eps;
+          hm[col] -= eps;
+          ref::activation_forward(Activation::ClampedSwiGLU, l, n, hp.data(), ap.data(), v.c);
+          ref::activation_forward(Activation::ClampedSwiGLU, l, n, hm.data(), am.data(), v.c);
+          const double fd = (ap[j] - am[j]) / (2 * eps);
+          EXPECT_NEAR(dh[col], fd, 1e-6 * (1 + std::fabs(fd))) << "column " << j << ", H column " << col;
+        }
+      }
+      // A clamp passes the gradient at its bound (torch.clamp: min <= x <= max): g = L (pre-clamp)
+      // and u = ±L give the derivative of the unclamped function there.
+      if (!v.c.clamp_after) {
+        const double g = L, sig = sigm(v.c.alpha * g);
+        const double dsilu = sig * (1 + v.c.alpha * g * (1 - sig));
+        for (double u : {-L, L}) {
+          Vec hb(2), ab(1), dhb(2), one = {1.0};
+          hb[gate_col(l, 1, 0)] = g;
+          hb[up_col(l, 1, 0)] = u;
+          ref::activation_backward(Activation::ClampedSwiGLU, l, 1, hb.data(), one.data(), dhb.data(), v.c);
+          EXPECT_NEAR(dhb[gate_col(l, 1, 0)], dsilu * (u + v.c.up_offset), 1e-13) << "u = " << u;
+          EXPECT_NEAR(dhb[up_col(l, 1, 0)], g * sig, 1e-13) << "u = " << u;
+        }
+      }
+    }
+  }
+}
+
+TEST(ClampedSwiGLU, ParametersAreChecked) {
+  EXPECT_NO_THROW(check_glu_clamp("t", Activation::ClampedSwiGLU, GluClamp{1.f, 10.f, 0.f, true}));
+  EXPECT_NO_THROW(check_glu_clamp("t", Activation::SwiGLU, GluClamp{}));
+  EXPECT_THROW(check_glu_clamp("t", Activation::SwiGLU, GluClamp{1.f, 7.f, 1.f, false}), Error);
+  EXPECT_THROW(check_glu_clamp("t", Activation::ClampedSwiGLU, GluClamp{0.f, 7.f, 1.f, false}), Error);
+  EXPECT_THROW(check_glu_clamp("t", Activation::ClampedSwiGLU, GluClamp{1.f, -1.f, 1.f, false}), Error);
+  EXPECT_THROW(check_glu_clamp("t", Activation::ClampedSwiGLU, GluClamp{1.f, NAN, 1.f, false}), Error);
+  EXPECT_THROW(check_glu_clamp("t", Activation::ClampedSwiGLU, GluClamp{1.f, 7.f, INFINITY, false}), Error);
+}
+
 }  // namespace

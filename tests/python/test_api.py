@@ -82,7 +82,7 @@ def test_enums_accept_values_and_names_in_any_case():
     assert parse_enum(RoutingMethod, "Sigmoid", "routing") is RoutingMethod.SIGMOID
     assert parse_enum(Backend, "TORCH", "backend") is Backend.TORCH
     assert str(ActivationType.GELU) == "gelu" and ActivationType.SILU == "silu"
-    assert [a.value for a in ActivationType if is_glu(a)] == ["swiglu", "geglu", "reglu"]
+    assert [a.value for a in ActivationType if is_glu(a)] == ["swiglu", "geglu", "reglu", "clamped_swiglu"]
 
 
 def test_enum_errors_name_the_argument_and_list_the_choices():

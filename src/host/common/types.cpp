@@ -3,6 +3,7 @@
 #include "machmoe/types.hpp"
 
 #include <array>
+#include <cmath>
 #include <string>
 #include <utility>
 
@@ -12,13 +13,14 @@ namespace {
 template <typename Enum, size_t N>
 using NameTable = std::array<std::pair<Enum, const char*>, N>;
 
-constexpr NameTable<Activation, 7> kActivations{{{Activation::SwiGLU, "swiglu"},
+constexpr NameTable<Activation, 8> kActivations{{{Activation::SwiGLU, "swiglu"},
                                                  {Activation::GeGLU, "geglu"},
                                                  {Activation::ReGLU, "reglu"},
                                                  {Activation::ReLU2, "relu2"},
                                                  {Activation::ReLU, "relu"},
                                                  {Activation::GELU, "gelu"},
-                                                 {Activation::SiLU, "silu"}}};
+                                                 {Activation::SiLU, "silu"},
+                                                 {Activation::ClampedSwiGLU, "clamped_swiglu"}}};
 constexpr NameTable<GateUpLayout, 2> kLayouts{
     {{GateUpLayout::Interleaved, "interleaved"}, {GateUpLayout::Concatenated, "concatenated"}}};
 constexpr NameTable<RoutingMethod, 3> kRoutings{{{RoutingMethod::SoftmaxTopK, "softmax_topk"},
@@ -64,6 +66,19 @@ GateUpLayout parse_layout(std::string_view s) { return parse(kLayouts, s, "layou
 RoutingMethod parse_routing(std::string_view s) { return parse(kRoutings, s, "routing"); }
 TokenRounding parse_token_rounding(std::string_view s) {
   return parse(kRoundings, s, "token_rounding");
+}
+
+void check_glu_clamp(const char* fn, Activation act, const GluClamp& c) {
+  const auto fail = [&](const std::string& rule) {
+    throw Error(ErrorCode::InvalidArgument, std::string(fn) + ": glu_clamp " + rule);
+  };
+  if (!std::isfinite(c.alpha) || !std::isfinite(c.limit) || !std::isfinite(c.up_offset))
+    fail("alpha, limit and up_offset must be finite");
+  if (!(c.alpha > 0.f)) fail("alpha must be > 0 (got " + std::to_string(c.alpha) + ")");
+  if (!(c.limit > 0.f)) fail("limit must be > 0 (got " + std::to_string(c.limit) + ")");
+  if (act != Activation::ClampedSwiGLU && c != GluClamp{})
+    fail(std::string("parameters are taken by activation clamped_swiglu only (activation is ") + to_string(act) +
+         "); leave them at their defaults");
 }
 
 }  // namespace machmoe

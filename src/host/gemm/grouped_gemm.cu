@@ -4,6 +4,7 @@
 #include <cuda.h>
 
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <type_traits>
 
@@ -138,6 +139,9 @@ void check_args(const GroupedGemmArgs& a) {
                 "needs an activation output with ldc2 >= " + std::to_string(c2_cols) +
                     " and a multiple of 8, 16-byte aligned (16-byte stores)");
   }
+  check_glu_clamp(fn, a.activation, a.glu_clamp);
+  require_arg(a.activation != Activation::ClampedSwiGLU || a.epilogue != GemmEpilogue::Activation, fn, "activation",
+              "clamped_swiglu is a GLU: it takes the GLU epilogue (or ActivationBackward)");
   if (a.epilogue == GemmEpilogue::GLU)
     require_arg(a.N % 16 == 0, fn, "N", "must be a multiple of 16 for a GLU (2n with n a multiple of 8)");
   const bool dact = a.epilogue == GemmEpilogue::ActivationBackward;
@@ -191,6 +195,13 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   p.K = static_cast<int>(a.K);
   p.n_tiles = static_cast<int>(cfg.n_tiles);
   p.act = static_cast<int>(a.activation);
+  // The clamped SwiGLU's variants as limits (+inf: not applied), so that its epilogue has no branch.
+  const float kNoLimit = std::numeric_limits<float>::infinity();
+  p.clamp_alpha = a.glu_clamp.alpha;
+  p.clamp_gate_limit = a.glu_clamp.clamp_after ? kNoLimit : a.glu_clamp.limit;
+  p.clamp_act_limit = a.glu_clamp.clamp_after ? a.glu_clamp.limit : kNoLimit;
+  p.clamp_up_limit = a.glu_clamp.limit;
+  p.clamp_up_offset = a.glu_clamp.up_offset;
   p.h = static_cast<const __nv_bfloat16*>(a.h);
   p.ldh = a.ldh;
   p.row_scores = a.row_scores;

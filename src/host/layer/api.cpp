@@ -35,6 +35,7 @@ ValidLayerProblem validate(const LayerProblem& p) {
               to_string(p.routing));
   require(p.dtype == DType::BF16 || p.dtype == DType::FP16 || p.dtype == DType::FP32, "dtype",
           "must be bfloat16, float16 or float32");
+  check_glu_clamp("LayerProblem", p.activation, p.glu_clamp);
   // Row indices are int32 on the device; element offsets are 64-bit.
   require(p.T <= std::numeric_limits<int32_t>::max() / p.K, "T",
           "T*K must fit in int32 (rows are indexed by int32), got T=" + std::to_string(p.T) +
@@ -76,6 +77,7 @@ ValidExpertsProblem validate(const ExpertsProblem& p) {
                       " (a list may not repeat a (token, expert) pair), got " + std::to_string(p.R));
   require_experts(p.dtype == DType::BF16 || p.dtype == DType::FP16 || p.dtype == DType::FP32, "dtype",
                   "must be bfloat16, float16 or float32");
+  check_glu_clamp("ExpertsProblem", p.activation, p.glu_clamp);
   return ValidExpertsProblem(p);
 }
 

@@ -63,6 +63,7 @@ void experts_forward_gemms(const ExpertsForwardRun& r, cudaStream_t stream) {
   up.ldc2 = s.n;
   up.epilogue = is_glu(s.activation) ? GemmEpilogue::GLU : GemmEpilogue::Activation;
   up.activation = s.activation;
+  up.glu_clamp = s.glu_clamp;
   up.layout = s.layout;
   up.tile_offsets = at<int32_t>(w, r.scratch.tile_offsets);
   grouped_gemm(up, stream);

@@ -150,6 +150,7 @@ void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream) {
   g.ldc2 = s.n;
   g.epilogue = GemmEpilogue::ActivationBackward;
   g.activation = s.activation;
+  g.glu_clamp = s.glu_clamp;
   g.layout = s.layout;
   g.h = r.h;
   g.ldh = n1;

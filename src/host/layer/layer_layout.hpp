@@ -42,6 +42,7 @@ const T* at(const void* base, size_t off) {
 struct ExpertsShape {
   int64_t T = 0, d = 0, n = 0, n1 = 0, E = 0;  // n1 = columns of H (2n for GLU activations)
   Activation activation = Activation::SwiGLU;
+  GluClamp glu_clamp;
   GateUpLayout layout = GateUpLayout::Interleaved;
   bool has_bias = false;
   size_t elem = 2;  // bytes per element of x, the weights, H, A, Y (bf16 on the GPU)
@@ -50,7 +51,7 @@ template <typename Problem>  // LayerProblem or ExpertsProblem
 ExpertsShape experts_shape(const Problem& p) {
   ExpertsShape s;
   s.T = p.T, s.d = p.d, s.n = p.n, s.n1 = is_glu(p.activation) ? 2 * p.n : p.n, s.E = p.E;
-  s.activation = p.activation, s.layout = p.layout, s.has_bias = p.has_bias;
+  s.activation = p.activation, s.glu_clamp = p.glu_clamp, s.layout = p.layout, s.has_bias = p.has_bias;
   s.elem = static_cast<size_t>(dtype_size(p.dtype));
   return s;
 }

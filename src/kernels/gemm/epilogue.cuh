@@ -41,8 +41,36 @@ __device__ __forceinline__ float gemm_act(float h) {
     return 0.5f * h * (1.f + tanhf(u));
   } else if constexpr (ACT == kActReGLU || ACT == kActReLU) {
     return fmaxf(h, 0.f);
-  } else {  // ReLU²
+  } else {
+    static_assert(ACT == kActReLU2, "the clamped SwiGLU is computed by gemm_glu");
     return h > 0.f ? h * h : 0.f;
+  }
+}
+
+// The clamped SwiGLU's parts for a gate g and an up u (GroupedGemmParams' clamp_* fields):
+// gc = min(g, gate_limit), sig = σ(alpha·gc), f = min(gc·sig, act_limit), uc = clamp(u, ±up_limit)
+// + up_offset; A = f·uc. The forward epilogues and the dH epilogue's recomputation share it, so
+// the backward's A is bitwise the forward's.
+struct ClampedSwiGLUParts {
+  float gc, sig, f, uc;
+};
+__device__ __forceinline__ ClampedSwiGLUParts clamped_swiglu_parts(const GroupedGemmParams& p, float g, float u) {
+  ClampedSwiGLUParts c;
+  c.gc = fminf(g, p.clamp_gate_limit);
+  c.sig = sigmoid_approx(p.clamp_alpha * c.gc);
+  c.f = fminf(c.gc * c.sig, p.clamp_act_limit);
+  c.uc = fminf(fmaxf(u, -p.clamp_up_limit), p.clamp_up_limit) + p.clamp_up_offset;
+  return c;
+}
+
+// One GLU output A = f(gate)·up; the clamped SwiGLU reads its parameters from p.
+template <int ACT>
+__device__ __forceinline__ float gemm_glu(const GroupedGemmParams& p, float g, float u) {
+  if constexpr (ACT == kActClampedSwiGLU) {
+    const ClampedSwiGLUParts c = clamped_swiglu_parts(p, g, u);
+    return c.f * c.uc;
+  } else {
+    return gemm_act<ACT>(g) * u;
   }
 }
 
@@ -59,6 +87,7 @@ __device__ __forceinline__ decltype(auto) gemm_act_dispatch(int act, F&& f) {
     switch (act) {
       case kActGeGLU: return f(GemmActTag<kActGeGLU>{});
       case kActReGLU: return f(GemmActTag<kActReGLU>{});
+      case kActClampedSwiGLU: return f(GemmActTag<kActClampedSwiGLU>{});
       default: return f(GemmActTag<kActSwiGLU>{});
     }
   } else {
@@ -189,7 +218,7 @@ __device__ __forceinline__ int gemm_write_out_act(const GroupedGemmParams& p, co
         const __nv_bfloat16* u = reinterpret_cast<const __nv_bfloat16*>(&uraw);
         float a[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) a[i] = gemm_act<ACT>(__bfloat162float(g[i])) * __bfloat162float(u[i]);
+        for (int i = 0; i < 8; ++i) a[i] = gemm_glu<ACT>(p, __bfloat162float(g[i]), __bfloat162float(u[i]));
         store_bf16(p.c2 + row * p.ldc2 + j, a);
       }
     } else {
@@ -240,8 +269,8 @@ __device__ __forceinline__ int gemm_write_a_glu_pairs(const GroupedGemmParams& p
     float a[8];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      a[i] = gemm_act<ACT>(__bfloat162float(h0[2 * i])) * __bfloat162float(h0[2 * i + 1]);
-      a[4 + i] = gemm_act<ACT>(__bfloat162float(h1[2 * i])) * __bfloat162float(h1[2 * i + 1]);
+      a[i] = gemm_glu<ACT>(p, __bfloat162float(h0[2 * i]), __bfloat162float(h0[2 * i + 1]));
+      a[4 + i] = gemm_glu<ACT>(p, __bfloat162float(h1[2 * i]), __bfloat162float(h1[2 * i + 1]));
     }
     store_bf16(p.c2 + static_cast<int64_t>(tile.row0 + r) * p.ldc2 + col / 2, a);
   }

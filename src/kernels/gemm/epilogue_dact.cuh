@@ -46,17 +46,34 @@ __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(_
 // One element of the dH epilogue: from H's gate g (the activation's input) and up (1 without a
 // GLU), the bf16-rounded dA' `da` and the row's score s: adds da·A to the row's dS, and gives
 // A' = s·A and the gradients of gate (or of the activation's input) and of up.
+// The clamped SwiGLU (p's clamp_* fields, epilogue.cuh) passes a gradient where its clamps do
+// not bind, as torch.clamp does (bounds included): d gate = dA·[g <= gate_limit]·[gc·sig <=
+// act_limit]·sig·(1 + alpha·gc·(1 - sig))·uc, d up = dA·[|u| <= up_limit]·f.
 template <int ACT, bool kGlu>
-__device__ __forceinline__ void dact_element(float g, float up, float da, float s, float& ds, float& a_scaled,
-                                             float& d_gate, float& d_up) {
-  float f;
-  const float df = gemm_act_grad<ACT>(g, f);
-  const float a = round_bf16(kGlu ? f * up : f);
-  ds += da * a;
-  const float dd = s * da;
-  a_scaled = s * a;
-  d_gate = kGlu ? dd * df * up : dd * df;
-  d_up = dd * f;
+__device__ __forceinline__ void dact_element(const GroupedGemmParams& p, float g, float up, float da, float s,
+                                             float& ds, float& a_scaled, float& d_gate, float& d_up) {
+  if constexpr (ACT == kActClampedSwiGLU) {
+    static_assert(kGlu, "a GLU activation");
+    const ClampedSwiGLUParts c = clamped_swiglu_parts(p, g, up);
+    const float a = round_bf16(c.f * c.uc);
+    ds += da * a;
+    const float dd = s * da;
+    a_scaled = s * a;
+    const bool gate_passes = g <= p.clamp_gate_limit && c.gc * c.sig <= p.clamp_act_limit;
+    const bool up_passes = fabsf(up) <= p.clamp_up_limit;
+    const float df = c.sig * (1.f + p.clamp_alpha * c.gc * (1.f - c.sig));
+    d_gate = gate_passes ? dd * df * c.uc : 0.f;
+    d_up = up_passes ? dd * c.f : 0.f;
+  } else {
+    float f;
+    const float df = gemm_act_grad<ACT>(g, f);
+    const float a = round_bf16(kGlu ? f * up : f);
+    ds += da * a;
+    const float dd = s * da;
+    a_scaled = s * a;
+    d_gate = kGlu ? dd * df * up : dd * df;
+    d_up = dd * f;
+  }
 }
 
 __device__ __forceinline__ void load_bf16x8(const __nv_bfloat16* src, float (&v)[8]) {
@@ -153,9 +170,9 @@ struct DactPipe {
       // (d1 is written without a GLU too, and not stored)
       if constexpr (EPI == kEpiDGluInter) {  // back to (gate, up) pairs
         float* dst = i < 4 ? d0 : d1;
-        dact_element<ACT, kGlu>(g, up, da[i], s, ds, a_scaled[i], dst[2 * (i % 4)], dst[2 * (i % 4) + 1]);
+        dact_element<ACT, kGlu>(p, g, up, da[i], s, ds, a_scaled[i], dst[2 * (i % 4)], dst[2 * (i % 4) + 1]);
       } else {
-        dact_element<ACT, kGlu>(g, up, da[i], s, ds, a_scaled[i], d0[i], d1[i]);
+        dact_element<ACT, kGlu>(p, g, up, da[i], s, ds, a_scaled[i], d0[i], d1[i]);
       }
     }
     const int jc = j + c * (BN / 2);

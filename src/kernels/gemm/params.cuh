@@ -27,7 +27,7 @@ enum GemmEpilogue : int {
 constexpr bool gemm_epi_is_dact(int epi) { return epi >= kEpiDGluInter; }
 
 enum GemmActivation : int { kActSwiGLU = 0, kActGeGLU = 1, kActReGLU = 2, kActReLU2 = 3, kActReLU = 4,
-                            kActGELU = 5, kActSiLU = 6 };
+                            kActGELU = 5, kActSiLU = 6, kActClampedSwiGLU = 7 };
 
 // Tiles: 128 rows (one expert's) x BN columns, in K blocks of 64 (one 128-byte swizzle row of bf16).
 constexpr int kGemmBM = 128;
@@ -60,6 +60,10 @@ struct GroupedGemmParams {
   const int32_t* row_pair;
   float* ds_partial;
   int ds_cols;                   // ds_partial's row stride: ceil(N / kDsCols)
+  // kActClampedSwiGLU only (machmoe::GluClamp, as the host resolves it, so that the epilogues
+  // need no branch): A = min(g'·σ(alpha·g'), act_limit)·(clamp(u, -up_limit, up_limit) + up_offset)
+  // with g' = min(g, gate_limit); the limit a variant does not apply is +inf.
+  float clamp_alpha, clamp_gate_limit, clamp_act_limit, clamp_up_limit, clamp_up_offset;
 };
 
 struct GemmTile {
