@@ -111,16 +111,24 @@ class _General(torch.autograd.Function):
     """The experts on a general routing list as one autograd node: forward =
     machmoe::experts_forward, backward = machmoe::experts_backward. Saves x, the weights, the list's
     int32 indices (which the caller holds anyway) and the `saved` block (H, the fp32 scores, the
-    routing metadata); nothing else. The indices get no gradient."""
+    routing metadata); nothing else. The indices get no gradient.
+
+    `repeats` m > 1 runs each expert as m kernel experts with the same weights (expert e's copies
+    are e·m .. e·m + m − 1 of the list): the weight-gradient GEMMs then split an expert's rows m
+    ways, which keeps the GPU busy when there are few experts with many rows each (shared
+    experts). The copies exist during each kernel call only; the m partial weight gradients are
+    summed (fp32 accumulation) into the expert's."""
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, scores, token, expert, opts):
+    def forward(ctx, x, w1, b1, w2, b2, scores, token, expert, opts, repeats=1):
         # scores [R] any float dtype -> fp32 for the kernels; token/expert [R] int32.
         # opts: (activation, layout, glu_clamp list)
-        out, saved = torch.ops.machmoe.experts_forward(x, w1, b1, w2, b2, scores.float().contiguous(), token,
+        w1r, b1r, w2r, b2r = (_repeat(t, repeats) for t in (w1, b1, w2, b2))
+        out, saved = torch.ops.machmoe.experts_forward(x, w1r, b1r, w2r, b2r, scores.float().contiguous(), token,
                                                        expert, *opts)
         ctx.save_for_backward(x, w1, b1, w2, b2, token, expert, saved)
         ctx.opts = opts
+        ctx.repeats = repeats
         ctx.scores_dtype = scores.dtype
         ctx.set_materialize_grads(False)
         return out
@@ -128,20 +136,35 @@ class _General(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         if dout is None:
-            return (None,) * 9
+            return (None,) * 10
         x, w1, b1, w2, b2, token, expert, saved = ctx.saved_tensors
+        m = ctx.repeats
         dout = dout.to(torch.bfloat16).contiguous()  # [T, d]
         dx, dw1, db1, dw2, db2, d_scores = torch.ops.machmoe.experts_backward(
-            x, w1, b1, w2, b2, token, expert, saved, dout, *ctx.opts)
-        return dx, dw1, db1, dw2, db2, d_scores.to(ctx.scores_dtype), None, None, None
+            x, *(_repeat(t, m) for t in (w1, b1, w2, b2)), token, expert, saved, dout, *ctx.opts)
+        dw1, db1, dw2, db2 = (_sum_repeats(g, m) for g in (dw1, db1, dw2, db2))
+        return dx, dw1, db1, dw2, db2, d_scores.to(ctx.scores_dtype), None, None, None, None
+
+
+def _repeat(t: Optional[torch.Tensor], m: int) -> Optional[torch.Tensor]:
+    """[E, ...] -> [E·m, ...], each expert's slice m times in a row."""
+    return t if t is None or m == 1 else t.repeat_interleave(m, dim=0)
+
+
+def _sum_repeats(g: Optional[torch.Tensor], m: int) -> Optional[torch.Tensor]:
+    """[E·m, ...] -> [E, ...]: the sum of each expert's m partial gradients (fp32 accumulation)."""
+    if g is None or m == 1:
+        return g
+    return g.unflatten(0, (-1, m)).sum(dim=1, dtype=torch.float32).to(g.dtype)
 
 
 def moe_general(x, w1, b1, w2, b2, scores, token_idx, expert_idx, activation: ActivationType,
-                layout: GateUpLayout, glu_clamp: Optional[GluClamp] = None):
+                layout: GateUpLayout, glu_clamp: Optional[GluClamp] = None, repeats: int = 1):
     """out [T, d] of the experts on the list (scores, token_idx, expert_idx) [R], differentiable in x,
     the weights, the biases and the scores. machmoe.functional has checked the list (ordered by
     token, in range, no repeated (token, expert) pair: the kernels' metadata would merge a repeat
-    into one row, whose backward is wrong)."""
+    into one row, whose backward is wrong). With repeats m, expert_idx counts kernel experts
+    (E·m of them, see _General)."""
     T, d = x.shape
     n = w2.shape[2]
     _check(x, d, n)
@@ -149,4 +172,4 @@ def moe_general(x, w1, b1, w2, b2, scores, token_idx, expert_idx, activation: Ac
     tok = token_idx.to(torch.int32).contiguous()
     exp = expert_idx.to(torch.int32).contiguous()
     return _General.apply(x, w1, b1, w2, b2, scores, tok, exp,
-                          (activation.value, layout.value, glu_clamp_list(glu_clamp)))
+                          (activation.value, layout.value, glu_clamp_list(glu_clamp)), repeats)

@@ -22,12 +22,32 @@ from . import functional, torch_backend
 from .enums import ActivationType, Backend, GateUpLayout, GluClamp, parse_enum, resolve_glu_clamp
 
 
-def shared_expert_routing(T: int, S: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The list that sends every token to every shared expert, ordered by token:
-    token_idx [T·S] = 0,0..,1,1.. and expert_idx [T·S] = 0..S-1, 0..S-1, .. (int32)."""
-    token = torch.arange(T, device=device, dtype=torch.int32).repeat_interleave(S)
-    expert = torch.arange(S, device=device, dtype=torch.int32).repeat(T)
+def shared_expert_routing(T: int, S: int, device: torch.device, chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The list that sends every token to every shared expert, ordered by token: token_idx [T·S]
+    = 0,0..,1,1.. and expert_idx [T·S] (int32). With `chunks` m, the tokens are cut into m
+    consecutive runs and token t of run j goes to kernel expert s·m + j of shared expert s (the
+    kernels' copies of it, see token_chunks); m = 1: expert_idx = 0..S-1, 0..S-1, ..."""
+    t = torch.arange(T, device=device, dtype=torch.int32)
+    run = (t.long() * chunks // max(T, 1)).to(torch.int32)  # [T] run of each token, in [0, m)
+    token = t.repeat_interleave(S)
+    expert = (torch.arange(S, device=device, dtype=torch.int32)[None, :] * chunks + run[:, None]).reshape(-1)
     return token, expert
+
+
+# Kernel tile (128 x 128) of the weight-gradient GEMMs, and the fewest rows a token run keeps, so
+# that each weight-gradient tile still loops over enough rows to pay for its epilogue.
+_WGRAD_TILE = 128
+_MIN_RUN_ROWS = 1024
+
+
+def token_chunks(T: int, N1: int, d: int, n: int, S: int, sms: int) -> int:
+    """How many runs m to cut the tokens into for the kernels (>= 1): the weight-gradient GEMMs of
+    S experts with T rows each have only S·(N1/128)(d/128) and S·(d/128)(n/128) output tiles; m
+    copies of each expert, one per run of T/m tokens, multiply both by m. Chosen so that the smaller
+    one covers two waves of the GPU's `sms` multiprocessors, with runs of at least 1024 rows."""
+    tiles = S * min(-(-N1 // _WGRAD_TILE) * -(-d // _WGRAD_TILE), -(-d // _WGRAD_TILE) * -(-n // _WGRAD_TILE))
+    want = -(-2 * sms // max(tiles, 1))
+    return max(1, min(want, T // _MIN_RUN_ROWS))
 
 
 def shared_experts(
@@ -70,7 +90,12 @@ def shared_experts(
     functional._same_dtype(tensors, "x")
     functional._same_device(tensors, "x")
 
-    token, expert = shared_expert_routing(T, S, x.device)  # [T·S] each
+    on_kernels = functional.resolve_backend(backend, x, d, n) == Backend.MACHMOE
+    chunks = 1
+    if on_kernels:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        chunks = token_chunks(T, w1.shape[1], d, n, S, sms)
+    token, expert = shared_expert_routing(T, S, x.device, chunks)  # [T·S] each
     score_dtype = torch_backend.routing_dtype(x.dtype)  # fp32 (fp64 for fp64 input), as routing
     if gate_weight is None:
         scores = torch.ones(T * S, device=x.device, dtype=score_dtype)
@@ -78,9 +103,9 @@ def shared_experts(
         # The gate in the routing dtype (the kernels weight the experts' rows in fp32 anyway).
         gate_logit = torch.nn.functional.linear(x, gate_weight).to(score_dtype).squeeze(1)  # [T]
         scores = torch.sigmoid(gate_logit).repeat_interleave(S)  # [T·S]
-    if functional.resolve_backend(backend, x, d, n) == Backend.MACHMOE:
+    if on_kernels:
         from . import machmoe_backend
 
         return machmoe_backend.moe_general(x, w1, b1, w2, b2, scores, token, expert, activation, layout,
-                                           glu_clamp)
+                                           glu_clamp, repeats=chunks)
     return torch_backend.experts(x, w1, b1, w2, b2, token, expert, scores, activation, layout, glu_clamp)

@@ -43,6 +43,8 @@ def run(t, g, backend, dtype, layout):
     (777, 256, 128, 2, True, False, "interleaved"),      # odd T, two shared experts, biases
     (1024, 512, 128, 1, False, True, "concatenated"),    # Qwen's gated shared expert
     (1, 128, 64, 1, False, True, "interleaved"),         # T = 1
+    (4096, 256, 128, 2, True, True, "interleaved"),      # token runs: each shared expert as 4 kernel experts
+    (8191, 512, 256, 1, False, False, "concatenated"),   # token runs, odd T
 ])
 def test_shared_experts_kernels_match_reference(T, d, n, S, bias, gate, layout):
     t = make_case(T, d, n, S, bias, gate)

@@ -69,6 +69,25 @@ def test_routing_list_visits_every_shared_expert_in_token_order():
     assert token.numel() == 0 and expert.numel() == 0
 
 
+def test_routing_list_in_token_runs():
+    token, expert = shared_expert_routing(6, 2, torch.device("cpu"), chunks=3)
+    assert token.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    assert expert.tolist() == [0, 3, 0, 3, 1, 4, 1, 4, 2, 5, 2, 5]  # shared expert s, run j -> s*3 + j
+
+
+@pytest.mark.parametrize("T, N1, d, n, S, sms, m", [
+    (24576, 512, 1536, 256, 1, 132, 11),   # 7B-a-sized shared expert: 24 dW2 tiles -> 11 runs
+    (32768, 1024, 4096, 512, 1, 132, 3),   # 30B-b-sized: 128 dW2 tiles
+    (32768, 4096, 7168, 2048, 1, 132, 1),  # DeepSeek-V3-sized: 896 tiles fill the GPU already
+    (3000, 512, 1536, 256, 1, 132, 2),     # few tokens: runs of at least 1024 rows
+    (1, 512, 1536, 256, 2, 132, 1),
+])
+def test_token_chunks(T, N1, d, n, S, sms, m):
+    from machmoe.shared_experts import token_chunks
+
+    assert token_chunks(T, N1, d, n, S, sms) == m
+
+
 def test_moe_with_shared_experts_adds_their_output():
     torch.manual_seed(0)
     layer = machmoe.MoE(num_experts=4, num_experts_per_tok=2, hidden_size=16, intermediate_size=8,
