@@ -42,12 +42,23 @@ def _bias(E: int):
     return torch.empty(E, device="cuda").uniform_(-0.05, 0.05, generator=g)  # [E] fp32
 
 
+def _glu_clamp(preset: str, limit: float):
+    from machmoe.enums import GluClamp
+
+    return getattr(GluClamp, preset)(limit)
+
+
 VARIANTS: tuple[Variant, ...] = (
     Variant("default: softmax over top-K, SwiGLU"),
     Variant("top-K over softmax, renormalised (Qwen3)", lambda E: {"routing": "topk_softmax"}),
     Variant("top-K over softmax, not renormalised", lambda E: {"routing": "topk_softmax", "renormalize": False}),
     Variant("sigmoid + selection bias, renormalised", lambda E: {"routing": "sigmoid", "selection_bias": _bias(E)}),
     Variant("concatenated gate/up (Hugging Face layout)", lambda E: {"layout": "concatenated"}),
+    Variant("clamped SwiGLU (gpt-oss: alpha 1.702, limit 7, up + 1)", lambda E: {"activation": "clamped_swiglu"}),
+    Variant("clamped SwiGLU (DeepSeek-V4: limit 10)",
+            lambda E: {"activation": "clamped_swiglu", "glu_clamp": _glu_clamp("deepseek_v4", 10.0)}),
+    Variant("post-activation clamp (limit 10)",
+            lambda E: {"activation": "clamped_swiglu", "glu_clamp": _glu_clamp("post_activation", 10.0)}),
     Variant("shared expert, n_s = n (DeepSeek)", shared=1),
     Variant("shared expert with sigmoid gate (Qwen)", shared=1, shared_gate=True),
 )
