@@ -1,0 +1,147 @@
+"""examples/train_moe_lm.py on the CPU: a few steps of the tiny presets, in fp32.
+
+The expert implementations compute the same function, so from the same seed and data their first
+loss (a forward pass of identical weights) agrees to fp32 rounding: the losses differ only by the
+order of the experts' sums, each term of d = 64 products rounded at 2^-24, so by well under
+1e-5 relative after two layers (observed: bit-identical for grouped_mm and eager). Training must
+also work: after a few AdamW steps the loss is well below its start (ln 256 = 5.55 for uniform
+bytes; these runs fall by more than 0.5 in six steps).
+"""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+train_moe_lm = pytest.importorskip("train_moe_lm")  # needs transformers
+import moe_lm_support  # noqa: E402
+
+# Small enough that a busy 2-core machine runs each case in seconds.
+SMALL = ["--device", "cpu", "--seq", "64", "--batch", "4", "--corpus-mib", "2", "--log-every", "1"]
+FIRST_LOSS_RTOL = 1e-5   # fp32 reassociation in the experts' sums (module docstring)
+MIN_DROP = 0.3           # nats per byte over the run; random weights start near ln 256
+
+
+def machmoe_integration_available() -> bool:
+    try:
+        return importlib.util.find_spec("machmoe.integrations.transformers") is not None
+    except ModuleNotFoundError:  # no machmoe.integrations package at all
+        return False
+
+
+def check_learns(run: dict):
+    losses = run["losses"]
+    assert all(math.isfinite(x) for x in losses), losses
+    assert abs(losses[0] - math.log(256)) < 0.5, f"first loss {losses[0]} is not near ln 256"
+    assert losses[-1] < losses[0] - MIN_DROP, f"loss did not fall: {losses}"
+
+
+def test_qwen3_tiny_implementations_agree_and_learn(seed, tmp_path):
+    impls = ["grouped_mm", "eager"] + (["machmoe"] if machmoe_integration_available() else [])
+    runs = train_moe_lm.main(["--preset", "tiny", "--steps", "6", "--seed", str(seed),
+                              "--compare", ",".join(impls), "--out", str(tmp_path)] + SMALL)
+    assert list(runs) == impls
+    for name in impls:
+        check_learns(runs[name])
+        first, ref = runs[name]["losses"][0], runs["eager"]["losses"][0]
+        assert abs(first - ref) <= FIRST_LOSS_RTOL * ref, f"{name} vs eager at step 1: {first} {ref}"
+        assert runs[name]["tokens_per_s"] > 0 and runs[name]["peak_memory_bytes"] > 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary["implementations"]) == set(impls)
+    assert summary["implementations"]["eager"]["final_loss"] == runs["eager"]["losses"][-1]
+    assert (tmp_path / "loss_curve.png").stat().st_size > 1000
+
+
+def test_same_seed_same_run_and_other_seed_other_run(seed):
+    """The data order and the initialisation depend only on the seed."""
+    args = ["--preset", "tiny", "--steps", "2", "--experts", "grouped_mm"] + SMALL
+    a = train_moe_lm.main(args + ["--seed", str(seed)])["grouped_mm"]["losses"]
+    b = train_moe_lm.main(args + ["--seed", str(seed)])["grouped_mm"]["losses"]
+    c = train_moe_lm.main(args + ["--seed", str(seed + 1)])["grouped_mm"]["losses"]
+    assert a == b
+    assert a != c
+
+
+def test_deepseek_v3_tiny_learns_and_profiles(seed, tmp_path):
+    runs = train_moe_lm.main(["--preset", "deepseek-v3-tiny", "--steps", "6", "--seed", str(seed),
+                              "--experts", "grouped_mm", "--profile", "--profile-steps", "1",
+                              "--out", str(tmp_path)] + SMALL)
+    run = runs["grouped_mm"]
+    check_learns(run)
+    share = run["profile"]
+    assert share["experts_forward_ms"] > 0 and share["experts_backward_ms"] > 0, share
+    assert 0 < share["experts_share"] < 1, share
+    assert (tmp_path / "profile_grouped_mm.txt").exists()
+
+
+def test_routing_bias_moves_against_the_load(seed):
+    """DeepSeek-V3's selection bias: overloaded experts down by the rate, underloaded ones up."""
+    args = train_moe_lm.parse_args(["--preset", "deepseek-v3-tiny", "--layers", "2",
+                                    "--seed", str(seed)])
+    model = train_moe_lm.build_model(args, "grouped_mm", train_moe_lm.Distributed("cpu"))
+    updater = moe_lm_support.RoutingBiasUpdater(model, rate=0.01)
+    assert len(updater.routers) == args.layers - args.first_dense
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 256, (2, 32)))
+    counts = {id(r): updater.counts[id(r)].float() for r in updater.routers}
+    updater.update()
+    for router in updater.routers:
+        load = counts[id(router)]
+        assert load.sum() == 2 * 32 * args.top_k
+        expected = 0.01 * torch.sign(load.mean() - load)
+        torch.testing.assert_close(router.e_score_correction_bias, expected)
+    assert not updater.counts  # consumed: the next step counts afresh
+
+
+def test_batches_split_the_global_batch_over_ranks():
+    corpus = torch.arange(10_000, dtype=torch.int64) % 256
+    whole = moe_lm_support.batch_for_step(corpus, 3, 8, 16, seed=7)
+    parts = [moe_lm_support.batch_for_step(corpus, 3, 8, 16, seed=7, rank=r, world=4)
+             for r in range(4)]
+    assert torch.equal(torch.cat(parts), whole)
+    assert not torch.equal(whole, moe_lm_support.batch_for_step(corpus, 4, 8, 16, seed=7))
+    with pytest.raises(ValueError, match="multiple of the world size"):
+        moe_lm_support.batch_for_step(corpus, 0, 6, 16, seed=7, world=4)
+
+
+def test_fsdp2_path_runs_in_a_single_process_gloo_group(seed, tmp_path):
+    """fully_shard per decoder layer over a one-rank gloo group: the same first loss as without."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}",
+                                         rank=0, world_size=1)
+    try:
+        args = ["--preset", "tiny", "--steps", "3", "--seed", str(seed),
+                "--experts", "grouped_mm"] + SMALL
+        sharded = train_moe_lm.main(args)["grouped_mm"]
+    finally:
+        torch.distributed.destroy_process_group()
+    args[args.index("--steps") + 1] = "1"
+    plain = train_moe_lm.main(args)["grouped_mm"]
+    assert all(math.isfinite(x) for x in sharded["losses"])
+    assert abs(sharded["losses"][0] - plain["losses"][0]) <= FIRST_LOSS_RTOL * plain["losses"][0]
+
+
+@pytest.mark.skipif(machmoe_integration_available(),
+                    reason="machmoe's transformers integration is importable here")
+def test_machmoe_without_its_integration_exits_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_moe_lm.main(["--preset", "tiny", "--experts", "machmoe"] + SMALL)
+    assert exit_info.value.code == 2
+    assert "machmoe.integrations.transformers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--compare", "grouped_mm,cutlass"], "--compare"),
+    (["--preset", "deepseek-v3-tiny", "--num-experts", "10"], "--n-group"),
+    (["--model", "mixtral"], "--model"),
+])
+def test_bad_arguments_are_named(argv, named, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_moe_lm.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
