@@ -95,6 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-timing", type=int, default=2,
                    help="first steps left out of tokens/s (allocator and kernel warm-up)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                   help="compute dtype; auto: bfloat16 on a GPU, float32 on the CPU")
     knobs = p.add_argument_group("model and training (default: the preset's value)")
     for name, kind, what in [
         ("model", str, "qwen3-moe | deepseek-v3"), ("layers", int, "decoder layers"),
@@ -208,14 +210,22 @@ class Distributed:
         return t.item()
 
 
+def compute_dtype_of(args, dist: Distributed) -> torch.dtype:
+    if args.dtype == "auto":
+        return torch.bfloat16 if dist.device.type == "cuda" else torch.float32
+    return getattr(torch, args.dtype)
+
+
 def build_model(args, implementation: str, dist: Distributed):
     """The model with the same random weights for every implementation (the seed is reset here).
 
-    One GPU: bf16 parameters. FSDP2 (a process group is active): fp32 parameters sharded per
-    decoder layer, gathered in bf16 for compute, gradients reduced in fp32. CPU: fp32."""
+    One device: parameters in the compute dtype (bf16 on a GPU; the routers' weights and
+    selection biases stay fp32, as transformers keeps them). FSDP2 (a process group is active):
+    fp32 parameters sharded per decoder layer, gathered in the compute dtype for the forward and
+    backward, gradients reduced in fp32."""
     from transformers import AutoModelForCausalLM
-    on_gpu = dist.device.type == "cuda"
-    dtype = torch.bfloat16 if on_gpu and not dist.active else torch.float32
+    compute_dtype = compute_dtype_of(args, dist)
+    dtype = torch.float32 if dist.active else compute_dtype
     torch.manual_seed(args.seed)
     with dist.device:
         model = AutoModelForCausalLM.from_config(build_config(args), dtype=dtype,
@@ -223,8 +233,7 @@ def build_model(args, implementation: str, dist: Distributed):
                                                  experts_implementation=implementation)
     if dist.active:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if on_gpu else MixedPrecisionPolicy()
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
@@ -311,7 +320,7 @@ def profile(args, implementation, model, step, dist: Distributed) -> dict:
     if on_gpu:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     ranges = ExpertsRanges(model)
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, acc_events=True) as prof:
         start = time.perf_counter()
         for index in range(args.steps, args.steps + args.profile_steps):
             step(index).item()

@@ -28,11 +28,75 @@ FIRST_LOSS_RTOL = 1e-5   # fp32 reassociation in the experts' sums (module docst
 MIN_DROP = 0.3           # nats per byte over the run; random weights start near ln 256
 
 
+@pytest.fixture(autouse=True)
+def one_cpu_thread():
+    """These tensors are far too small to gain from threads, and on a busy machine OpenMP's
+    waiting threads made a step 50x slower (seconds instead of ~0.1 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def machmoe_integration_available() -> bool:
     try:
         return importlib.util.find_spec("machmoe.integrations.transformers") is not None
     except ModuleNotFoundError:  # no machmoe.integrations package at all
         return False
+
+
+def first_losses(preset: str, impls: list[str], device: str, dtype: str, seed: int) -> dict:
+    """Step 1's loss (a forward pass, no update) of each implementation on one batch, the same
+    weights for all, and "reference": the eager model's same weights run in float64.
+
+    With bf16 compute, an implementation's loss error against the reference is held to at most
+    twice eager's own error (the tolerance rule of the project's tests: eager is the plain
+    PyTorch path), and never below 2^-9 · loss / sqrt(predicted tokens): the loss is a mean
+    over tokens of terms each off by about one bf16 rounding, with independent signs (observed
+    on the CPU: errors of 1e-5 to 2e-4 against a floor of 7e-4 for 252 tokens)."""
+    args = train_moe_lm.parse_args(["--preset", preset, "--seed", str(seed), "--device", device,
+                                    "--dtype", dtype, "--seq", "64", "--batch", "4"])
+    dist = train_moe_lm.Distributed(device)
+    corpus = moe_lm_support.load_stdlib_corpus(1 << 20)
+    input_ids = moe_lm_support.batch_for_step(corpus, 0, args.batch, args.seq, seed).to(dist.device)
+    losses = {}
+    with torch.no_grad():
+        for name in impls:
+            model = train_moe_lm.build_model(args, name, dist)
+            losses[name] = model(input_ids=input_ids, labels=input_ids).logits.double()
+            if name == "eager":
+                reference = model.double()
+                losses["reference"] = reference(input_ids=input_ids, labels=input_ids).logits
+            del model
+    # The language-model loss from the logits: the same for every model, in float64.
+    result = {name: torch.nn.functional.cross_entropy(
+                  logits[:, :-1].reshape(-1, 256), input_ids[:, 1:].reshape(-1)).item()
+              for name, logits in losses.items()}
+    result["predicted_tokens"] = input_ids[:, 1:].numel()
+    return result
+
+
+def check_first_losses(losses: dict, impls: list[str]):
+    ref = losses["reference"]
+    eager_err = abs(losses["eager"] - ref)
+    bound = max(2 * eager_err, 2**-9 * ref / math.sqrt(losses["predicted_tokens"]))
+    for name in impls:
+        assert abs(losses[name] - ref) <= bound, (
+            f"{name}: first loss {losses[name]} vs float64 reference {ref}: error "
+            f"{abs(losses[name] - ref):.3g} > {bound:.3g} (eager's error {eager_err:.3g})")
+
+
+@pytest.mark.parametrize("preset", ["tiny", "deepseek-v3-tiny"])
+def test_bf16_first_loss_matches_the_float64_model(preset, seed):
+    """The single-device bf16 path (a GPU's default) on the CPU."""
+    impls = ["grouped_mm", "eager"]
+    check_first_losses(first_losses(preset, impls, "cpu", "bfloat16", seed), impls)
+
+
+def test_first_loss_check_can_fail(seed):
+    losses = {"reference": 5.0, "eager": 5.0001, "grouped_mm": 5.002, "predicted_tokens": 252}
+    with pytest.raises(AssertionError, match="grouped_mm"):
+        check_first_losses(losses, ["grouped_mm", "eager"])
 
 
 def check_learns(run: dict):
