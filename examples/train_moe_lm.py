@@ -240,9 +240,12 @@ def build_model(args, implementation: str, dist: Distributed):
     return model.train()
 
 
-def peak_memory(dist: Distributed) -> tuple[int, str]:
+def peak_memory(dist: Distributed, all_ranks: bool = True) -> tuple[int, str]:
+    """The peak so far: the largest over the ranks (a collective: every rank must call it), or
+    with all_ranks=False this rank's."""
     if dist.device.type == "cuda":
-        return int(dist.max(torch.cuda.max_memory_allocated(dist.device))), "CUDA allocated"
+        peak = torch.cuda.max_memory_allocated(dist.device)
+        return int(dist.max(peak) if all_ranks else peak), "CUDA allocated"
     # Linux reports kilobytes; the process's peak, so it includes earlier runs of --compare.
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS"
 
@@ -296,14 +299,14 @@ def train(args, implementation: str, dist: Distributed, corpus: torch.Tensor) ->
         if dist.rank == 0 and ((index + 1) % args.log_every == 0 or index + 1 == args.steps):
             rate = tokens_per_step * (timed_steps / timed_s if timed_steps else 1 / elapsed)
             print(progress_line(implementation, index + 1, args.steps, loss, rate,
-                                peak_memory(dist)[0] if not dist.active else None), flush=True)
+                                peak_memory(dist, all_ranks=False)[0]), flush=True)
     peak, peak_kind = peak_memory(dist)
     result = {
         "losses": losses, "final_loss": losses[-1],
         "tokens_per_s": tokens_per_step * timed_steps / timed_s if timed_steps else float("nan"),
         "step_s": timed_s / timed_steps if timed_steps else float("nan"),
         "peak_memory_bytes": peak, "peak_memory_kind": peak_kind,
-        "parameters": sum(p.numel() for p in model.parameters()) * (dist.world if dist.active else 1),
+        "parameters": sum(p.numel() for p in model.parameters()),  # FSDP2's DTensors: global sizes
     }
     if args.profile:
         result["profile"] = profile(args, implementation, model, step, dist)
