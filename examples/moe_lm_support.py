@@ -153,11 +153,13 @@ def experts_share(prof, on_gpu: bool, wall_s: float) -> dict:
     The backward range opens when the module's output gradient is ready and closes when its
     input gradients are, so autograd nodes of other branches that run in between (rare: the
     engine follows reverse creation order) count as experts time."""
+    cpu = torch.autograd.DeviceType.CPU
     events = prof.events()
-    ranges = [e for e in events if e.name in (EXPERTS_FORWARD, EXPERTS_BACKWARD)]
+    # The host-side ranges (the GPU-side copies of the annotations would count twice).
+    ranges = [e for e in events if e.name in (EXPERTS_FORWARD, EXPERTS_BACKWARD)
+              and e.device_type == cpu]
     if on_gpu:
-        total_us = sum(e.self_device_time_total for e in events
-                       if e.device_type == torch.autograd.DeviceType.CPU)
+        total_us = sum(e.self_device_time_total for e in events if e.device_type == cpu)
         fwd_us = sum(e.device_time_total for e in ranges if e.name == EXPERTS_FORWARD)
         bwd_us = sum(e.device_time_total for e in ranges if e.name == EXPERTS_BACKWARD)
     else:
