@@ -195,11 +195,10 @@ class Distributed:
             self.device = torch.device("cpu")
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean over the ranks (each rank holds the same number of tokens)."""
         if self.active:
-            torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.AVG
-                                         if value.device.type == "cuda" else torch.distributed.ReduceOp.SUM)
-            if value.device.type != "cuda":   # gloo has no AVG
-                value /= self.world
+            torch.distributed.all_reduce(value)   # a sum: gloo has no average
+            value /= self.world
         return value
 
     def max(self, value: float) -> float:
@@ -258,8 +257,8 @@ def progress_line(implementation, step, steps, loss, tokens_per_s, peak) -> str:
 
 def train(args, implementation: str, dist: Distributed, corpus: torch.Tensor) -> dict:
     """Trains one model for args.steps steps; returns its losses, tokens/s and peak memory."""
-    on_gpu = dist.device.type == "cuda"
-    if on_gpu:
+    gc.collect()                  # the previous run's model (its hooks make reference cycles)
+    if dist.device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dist.device)
     model = build_model(args, implementation, dist)
@@ -276,7 +275,8 @@ def train(args, implementation: str, dist: Distributed, corpus: torch.Tensor) ->
                                    dist.rank, dist.world).to(dist.device, non_blocking=True)
         out = model(input_ids=input_ids, labels=input_ids)  # labels shifted inside the model
         # out.loss includes the load-balancing term; the curve shows the language-model loss.
-        lm_loss = out.loss if out.aux_loss is None else out.loss - args.aux_loss_coef * out.aux_loss
+        aux_loss = getattr(out, "aux_loss", None)         # Qwen3-MoE's, when enabled
+        lm_loss = out.loss if aux_loss is None else out.loss - args.aux_loss_coef * aux_loss
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -310,9 +310,6 @@ def train(args, implementation: str, dist: Distributed, corpus: torch.Tensor) ->
     }
     if args.profile:
         result["profile"] = profile(args, implementation, model, step, dist)
-
-    del model, optimizer
-    gc.collect()
     return result
 
 
