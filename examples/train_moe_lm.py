@@ -233,7 +233,13 @@ def build_model(args, implementation: str, dist: Distributed):
     if dist.active:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        # DeepSeek-V3's routers score in fp32 from fp32 weights (transformers keeps them fp32 in
+        # a bf16 model): their own FSDP unit gathers them in fp32.
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
         for layer in model.model.layers:
+            for module in layer.modules():
+                if hasattr(module, "e_score_correction_bias"):
+                    fully_shard(module, mp_policy=fp32)
             fully_shard(layer, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
     return model.train()

@@ -209,3 +209,25 @@ def test_bad_arguments_are_named(argv, named, capsys):
         train_moe_lm.parse_args(argv)
     assert exit_info.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def test_fsdp2_deepseek_routers_in_their_own_fp32_unit(seed, tmp_path):
+    """Under FSDP2 the routers are sharded apart from their layer and gathered in fp32."""
+    from torch.distributed.fsdp import FSDPModule
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}",
+                                         rank=0, world_size=1)
+    try:
+        args = train_moe_lm.parse_args(["--preset", "deepseek-v3-tiny", "--device", "cpu",
+                                        "--dtype", "bfloat16", "--seed", str(seed)])
+        model = train_moe_lm.build_model(args, "grouped_mm", train_moe_lm.Distributed("cpu"))
+        routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+        assert len(routers) == args.layers - args.first_dense
+        assert all(isinstance(r, FSDPModule) for r in routers)
+        assert all(isinstance(layer, FSDPModule) for layer in model.model.layers)
+        input_ids = torch.randint(0, 256, (2, 32))
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        assert math.isfinite(loss.item())
+        assert all(p.grad is not None for p in routers[0].parameters())
+    finally:
+        torch.distributed.destroy_process_group()

@@ -63,11 +63,11 @@ def test_gpu_profile_share_at_7b_a(impl, seed, tmp_path):
     assert (tmp_path / f"profile_{impl}.txt").stat().st_size > 0
 
 
-def torchrun(nproc: int, out_dir, seed: int) -> dict:
+def torchrun(nproc: int, preset: str, out_dir, seed: int) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO / "python")] + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", str(EXAMPLES / "train_moe_lm.py"), "--preset", "tiny",
+           f"--nproc_per_node={nproc}", str(EXAMPLES / "train_moe_lm.py"), "--preset", preset,
            "--steps", "10", "--batch", "8", "--seed", str(seed), "--experts", "grouped_mm",
            "--out", str(out_dir)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -75,14 +75,15 @@ def torchrun(nproc: int, out_dir, seed: int) -> dict:
     return json.loads((out_dir / "summary.json").read_text())
 
 
-def test_gpu_fsdp2_two_ranks_match_one(seed, tmp_path):
+@pytest.mark.parametrize("preset", ["tiny", "deepseek-v3-tiny"])
+def test_gpu_fsdp2_two_ranks_match_one(preset, seed, tmp_path):
     """The same global batch over one rank and over two: the first loss is the same function of
     the same bf16 weights (the batch split changes only GEMM shapes), so the two agree to the
     first-loss floor; both train."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    one = torchrun(1, tmp_path / "one", seed)
-    two = torchrun(2, tmp_path / "two", seed)
+    one = torchrun(1, preset, tmp_path / "one", seed)
+    two = torchrun(2, preset, tmp_path / "two", seed)
     assert two["meta"]["world_size"] == 2 and one["meta"]["world_size"] == 1
     a, b = one["implementations"]["grouped_mm"], two["implementations"]["grouped_mm"]
     check_learns(a)
