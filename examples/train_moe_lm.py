@@ -126,6 +126,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in args.implementations:
         if name not in IMPLEMENTATIONS:
             p.error(f"--compare: {name!r} is not one of {', '.join(IMPLEMENTATIONS)}")
+    if len(set(args.implementations)) != len(args.implementations):
+        p.error(f"--compare names an implementation twice: {args.compare}")
     if args.model == "deepseek-v3" and args.num_experts % args.n_group:
         p.error(f"--num-experts ({args.num_experts}) must be a multiple of --n-group ({args.n_group})")
     if args.log_every <= 0:
@@ -134,7 +136,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def require_experts_implementation(name: str) -> None:
-    """machmoe's implementation exists once its transformers integration is imported."""
+    """transformers is needed for every implementation; machmoe's exists once its transformers
+    integration is imported."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("train_moe_lm.py needs Hugging Face transformers 5.x (pip install 'transformers>=5.17').",
+              file=sys.stderr)
+        sys.exit(2)
     if name != "machmoe":
         return
     try:

@@ -19,8 +19,9 @@ import torch
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
-train_moe_lm = pytest.importorskip("train_moe_lm")  # needs transformers
+pytest.importorskip("transformers")
 import moe_lm_support  # noqa: E402
+import train_moe_lm  # noqa: E402
 
 # Small enough that a busy 2-core machine runs each case in seconds.
 SMALL = ["--device", "cpu", "--seq", "64", "--batch", "4", "--corpus-mib", "2", "--log-every", "1"]
@@ -203,6 +204,7 @@ def test_machmoe_without_its_integration_exits_2(capsys):
     (["--compare", "grouped_mm,cutlass"], "--compare"),
     (["--preset", "deepseek-v3-tiny", "--num-experts", "10"], "--n-group"),
     (["--model", "mixtral"], "--model"),
+    (["--compare", "eager,eager"], "--compare"),
 ])
 def test_bad_arguments_are_named(argv, named, capsys):
     with pytest.raises(SystemExit) as exit_info:
