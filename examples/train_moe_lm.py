@@ -49,7 +49,7 @@ IMPLEMENTATIONS = ("machmoe", "grouped_mm", "eager")
 # Shapes: hidden d, moe_intermediate n, num_experts E, top_k K; tokens per step = batch * seq.
 # Attention is kept small beside the experts (few heads, sdpa): the experts are what is compared.
 PRESETS = {
-    # A CPU runs this in well under a minute.
+    # A CPU runs this in about a minute (--cpu-threads 1 on a busy machine).
     "tiny": dict(model="qwen3-moe", layers=2, hidden=64, moe_intermediate=32, num_experts=8,
                  top_k=2, heads=4, kv_heads=2, head_dim=16, seq=128, batch=8, steps=40,
                  lr=3e-3, lr_warmup=0),
@@ -97,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                    help="compute dtype; auto: bfloat16 on a GPU, float32 on the CPU")
+    p.add_argument("--cpu-threads", type=int, default=0, help="torch's CPU threads (0: its "
+                   "default); 1 runs the tiny presets fastest on a CPU shared with other work")
     knobs = p.add_argument_group("model and training (default: the preset's value)")
     for name, kind, what in [
         ("model", str, "qwen3-moe | deepseek-v3"), ("layers", int, "decoder layers"),
@@ -361,6 +363,8 @@ def main(argv=None) -> dict:
         require_experts_implementation(name)
     device_kind = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" \
         else args.device
+    if args.cpu_threads > 0:
+        torch.set_num_threads(args.cpu_threads)
     dist = Distributed(device_kind)
     corpus = load_stdlib_corpus(int(args.corpus_mib * 2**20))
     if dist.rank == 0:
