@@ -174,6 +174,32 @@ def test_bfloat16_experts_match_torchtitan(kind):
     assert_close_all(got, want, 3 * U_BF16, f"{kind} bf16")
 
 
+def test_converter_reaches_nested_configs():
+    """MoE configs inside a list and in a field of a parent config (as in a model's layers)."""
+    from torchtitan.protocols.module import Module
+
+    class Stack(Module):
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(Module.Config):
+            layers: list
+            last: tt_moe.MoE.Config | None = None
+
+        def __init__(self, config):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([c.build() for c in config.layers])
+            self.last = config.last.build()
+
+    config = Stack.Config(layers=[moe_config("qwen3"), moe_config("deepseek_v3")],
+                          last=moe_config("deepseek_v3"))
+    plain = copy.deepcopy(config).build()
+    converter = mm_tt.MachMoEConverter.Config(backend="torch").build()
+    model = converter.convert(config).build()
+    moes = [name for name, m in model.named_modules() if isinstance(m, tt_moe.MoE)]
+    assert moes == ["layers.0", "layers.1", "last"]
+    assert all(isinstance(model.get_submodule(name), mm_tt.MachMoEMoE) for name in moes)
+    assert model.state_dict().keys() == plain.state_dict().keys()
+
+
 def test_parameters_are_shared_not_copied():
     module = build(moe_config("deepseek_v3"))
     before = dict(module.named_parameters())
