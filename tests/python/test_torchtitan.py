@@ -75,7 +75,8 @@ def build(config, dtype=torch.float32, device="cpu"):
 
 def _float_experts_forward(experts, x_RD, num_tokens_per_expert_E):
     """torchtitan's GroupedExperts.forward with its matmuls in x's dtype instead of bfloat16:
-    rows of x_RD [R, D] grouped by expert, (silu(x·w1ᵀ) * (x·w3ᵀ))·w2ᵀ per expert -> [R, D]."""
+    rows of x_RD [R, D] grouped by expert, (silu(x·w1ᵀ) * (x·w3ᵀ))·w2ᵀ per expert
+    -> [R, D]."""
     out = []
     for e, rows in enumerate(x_RD.split(num_tokens_per_expert_E.tolist())):
         h = F.silu(rows @ experts.w1_EFD[e].T) * (rows @ experts.w3_EFD[e].T)
@@ -117,7 +118,8 @@ def assert_close_all(got, want, tol, what):
     assert err <= tol, f"{what}: output rel err {err:.3g} > {tol:.3g}"
     assert grads_g.keys() == grads_w.keys()
     for name, want_grad in grads_w.items():
-        assert grads_g[name] is not None and want_grad is not None, f"{what}: no gradient for {name}"
+        assert grads_g[name] is not None and want_grad is not None, \
+            f"{what}: no gradient for {name}"
         err = rel_err(grads_g[name], want_grad)
         assert err <= tol, f"{what}: gradient of {name} rel err {err:.3g} > {tol:.3g}"
 

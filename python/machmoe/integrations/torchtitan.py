@@ -39,6 +39,12 @@ an EP mesh; machmoe.distributed has its own expert parallelism), expert weights 
 DTensors (tensor or expert parallel), and experts other than torchtitan's SwiGLU
 `GroupedExperts` (e.g. gpt-oss's experts with biases and a clamped activation).
 
+The routed experts always go through `moe_general`, never the fused `machmoe.functional.moe`
+(machmoe's own router): torchtitan's routing is the reference here, and the fused layer matches it
+only in a corner of its options (no expert bias with softmax scores, no node-limited groups,
+route_scale 1), picks its experts from logits of bf16 operands on the GPU (so near-ties may go
+elsewhere), and does not return the selection that `tokens_per_expert_E` counts.
+
 Every `moe_general` call checks its routing list on the host (index ranges, order, no repeated
 pair), which synchronises with the device a few times per layer and step.
 
@@ -54,6 +60,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from machmoe import functional
 
@@ -113,7 +120,8 @@ class MachMoEMoE(MoE):
         self.machmoe_expert_dtype = config.expert_dtype
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
-        """x_BLD [B, L, D] -> [B, L, D]: torchtitan's router and shared experts, machmoe's experts."""
+        """x_BLD [B, L, D] -> [B, L, D]: torchtitan's router and shared experts, machmoe's
+        routed experts."""
         # topk_scores_BLK float32 [B, L, K], topk_expert_ids_BLK int64 [B, L, K],
         # scores_BLE [B, L, E] (unused here: torchtitan needs it only for its routing map).
         topk_scores_BLK, topk_expert_ids_BLK, _ = self.router(x_BLD, self.expert_bias_E)
@@ -140,7 +148,7 @@ class MachMoEMoE(MoE):
                 "supported; run torchtitan without EP (machmoe.distributed has its own)")
         experts = self.routed_experts.inner_experts
         w1_EFD, w2_EDF, w3_EFD = experts.w1_EFD, experts.w2_EDF, experts.w3_EFD
-        if any(isinstance(w, torch.distributed.tensor.DTensor) for w in (w1_EFD, w2_EDF, w3_EFD)):
+        if any(isinstance(w, DTensor) for w in (w1_EFD, w2_EDF, w3_EFD)):
             raise RuntimeError(
                 "MachMoEMoE: expert weights sharded as DTensors (tensor or expert parallelism) are "
                 "not supported; the experts must be plain tensors in the forward (FSDP is fine)")
