@@ -13,6 +13,8 @@ same way, bit for bit; what differs is only the experts' arithmetic.
 - CPU, bfloat16 experts (the default) against the unmodified torchtitan MoE.
 - bf16 experts, CPU (torch backend) and GPU (machmoe's kernels): no less accurate than
   torchtitan's own bf16 path, both measured against the float32 reference.
+- bf16 parameters and tokens (FSDP's bf16 mixed precision), CPU and GPU: against torchtitan's
+  bf16 MoE directly.
 """
 
 import copy
@@ -283,3 +285,32 @@ def test_bf16_experts_vs_float_reference_cpu(kind):
 def test_gpu_kernels_vs_torchtitan(kind):
     """machmoe's kernels (backend="machmoe", bf16) against torchtitan's bf16 path on the GPU."""
     compare_bf16_experts_to_float(kind, "cuda", "machmoe")
+
+
+def compare_bf16_parameters(kind, device, backend):
+    """bf16 parameters and tokens throughout (as under FSDP's bf16 mixed precision): machmoe on
+    `backend` against the unmodified torchtitan MoE, which routes in bf16 here, the same for
+    both (one router, one input)."""
+    dim, hidden, E, K = 256, 128, 16, 4  # multiples of 8: the kernels' 16-byte rows
+    original = build(moe_config(kind, dim=dim, hidden=hidden, num_experts=E, top_k=K),
+                     dtype=torch.bfloat16, device=device)
+    converted = copy.deepcopy(original)
+    mm_tt.convert_moe_modules(converted, backend=backend)
+    x = torch.randn(4, 128, dim, device=device).bfloat16()
+    got, want = run(converted, x), run(original, x)
+    # The bf16 experts of test_bfloat16_experts_match_torchtitan (measured 1.2u apart), plus the
+    # rounding of every gradient to the bf16 parameters (u/2 each side): allow 4u.
+    assert_close_all(got, want, 4 * U_BF16, f"{kind} bf16 parameters")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_parameters_cpu(kind):
+    compare_bf16_parameters(kind, "cpu", "torch")
+
+
+@pytest.mark.gpu
+@pytest.mark.ops
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_kernels_bf16_parameters(kind):
+    """machmoe's kernels with bf16 parameters against torchtitan's bf16 path on the GPU."""
+    compare_bf16_parameters(kind, "cuda", "machmoe")
