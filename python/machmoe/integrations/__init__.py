@@ -1,0 +1,1 @@
+"""Optional integrations of machmoe with other training frameworks."""
