@@ -1,0 +1,6 @@
+"""Integrations of machmoe with other libraries, one submodule each, imported on request:
+
+    import machmoe.integrations.transformers   # registers experts_implementation="machmoe"
+
+Importing this package imports none of them (each needs its library installed).
+"""
