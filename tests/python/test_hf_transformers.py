@@ -138,7 +138,7 @@ def build(model_type: str, seed: int, implementation: str = "eager", **extra):
 def run(model, input_ids, readout):
     """(logits, aux_loss or None, {name: grad}) of loss = <logits, readout> (+ aux_loss)."""
     model.zero_grad(set_to_none=True)
-    out = model(input_ids)
+    out = model(input_ids, use_cache=False)
     loss = (out.logits * readout).sum()
     aux = getattr(out, "aux_loss", None)
     if aux is not None:
@@ -167,6 +167,24 @@ def assert_close_run(result, ref, tol, what):
     assert grads.keys() == ref_grads.keys()
     worst = max(((rel_err(grads[n], ref_grads[n]), n) for n in ref_grads), default=(0.0, ""))
     assert worst[0] <= tol, f"{what}: gradient of {worst[1]} has error {worst[0]:.2e}"
+
+
+def assert_within_eager_error(result, eager, exact, what):
+    """Each tensor of `result` (float32) within 2x the float32 eager model's own error to the
+    float64 eager model, + CPU_TOL. Some families have gradients that float32 itself computes
+    to only ~1e-2 (hy_v4's hyper-connection scalars sum terms that cancel): the eager float32
+    model and transformers' grouped_mm disagree that much there too."""
+    names = ["logits", "aux"] + sorted(exact[2])
+    values = [result[0], result[1]] + [result[2][n] for n in names[2:]]
+    eagers = [eager[0], eager[1]] + [eager[2][n] for n in names[2:]]
+    exacts = [exact[0], exact[1]] + [exact[2][n] for n in names[2:]]
+    for name, value, eager_value, exact_value in zip(names, values, eagers, exacts):
+        if exact_value is None:
+            assert value is None and eager_value is None, f"{what}: {name} present in one run only"
+            continue
+        err, err_eager = rel_err(value, exact_value), rel_err(eager_value, exact_value)
+        assert err <= 2 * err_eager + CPU_TOL, (f"{what}: {name} error {err:.2e} to float64 > 2 x "
+                                                f"eager float32's {err_eager:.2e} + {CPU_TOL}")
 
 
 @pytest.fixture
@@ -210,9 +228,16 @@ def test_family_machmoe_matches_eager(model_type, seed, count_machmoe_calls):
         if model_type in REQUIRED:
             raise
         pytest.skip(f"{model_type}: the tiny eager model does not run ({type(error).__name__}: {error})")
+    try:  # the float64 eager model: how well float32 can do on each tensor of this family
+        exact = run(copy.deepcopy(model).double(), input_ids, readout.double())
+    except Exception:  # noqa: BLE001 - a family without float64 support: plain comparison
+        exact = None
     model.set_experts_implementation("machmoe")
     result = run(model, input_ids, readout)
-    assert_close_run(result, eager, CPU_TOL, f"{model_type} machmoe vs eager")
+    if exact is None:
+        assert_close_run(result, eager, CPU_TOL, f"{model_type} machmoe vs eager")
+    else:
+        assert_within_eager_error(result, eager, exact, f"{model_type} machmoe")
     if supported:
         assert count_machmoe_calls, f"{model_type}: no experts call reached machmoe"
 
