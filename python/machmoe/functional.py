@@ -401,7 +401,7 @@ def experts_topk(
     K = topk_experts.shape[1]
     scores = topk_scores.reshape(-1)  # [T·K], pair (t, k) at t·K + k
     expert = topk_experts.reshape(-1)
-    token = torch.arange(T, device=x.device).repeat_interleave(K)  # [T·K], non-decreasing
+    token = torch.arange(T, device=x.device)[:, None].expand(T, K).reshape(-1)  # [T·K], non-decreasing
     if resolve_backend(backend, x, d, n) == Backend.MACHMOE:
         from . import machmoe_backend
 
