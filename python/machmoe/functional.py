@@ -362,6 +362,66 @@ def moe_general(
                                  layout, glu_clamp)
 
 
+def experts_topk(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_scores: torch.Tensor,
+    topk_experts: torch.Tensor,
+    *,
+    b1: Optional[torch.Tensor] = None,
+    b2: Optional[torch.Tensor] = None,
+    activation: Union[ActivationType, str] = ActivationType.SWIGLU,
+    layout: Union[GateUpLayout, str] = GateUpLayout.INTERLEAVED,
+    backend: Union[Backend, str] = Backend.AUTO,
+) -> torch.Tensor:
+    """The experts on a top-K routing result -> out [T, d] in x's dtype: moe_general on the list
+    of the T·K pairs (t, topk_experts[t, k], topk_scores[t, k]) in (t, k) order, with every pair
+    whose expert is outside [0, E) dropped (it adds nothing and its score's gradient is 0; expert
+    parallelism marks the experts another rank holds that way).
+
+    Such a list is ordered by token by construction, and a token's K experts are distinct where
+    they come from a top-K selection, so none of moe_general's checks of the list's values is
+    made: they would read the list on the host, a synchronisation per call. The caller
+    guarantees that a token's in-range experts are distinct (a repeat is not detected here).
+    On the machmoe kernels the list goes to the device as it is (their routing metadata gives an
+    out-of-range pair no row); the torch backend filters it (it synchronises anyway, for its
+    per-expert loop).
+
+    Args:
+        x, w1, w2, b1, b2, activation, layout, backend: as moe_general.
+        topk_scores: [T, K] pair weights, any float dtype; they receive gradients.
+        topk_experts: [T, K] integer experts; values outside [0, E) are dropped.
+    """
+    parse_enum(Backend, backend, "backend")
+    activation = parse_enum(ActivationType, activation, "activation")
+    layout = parse_enum(GateUpLayout, layout, "layout")
+    T, d, E, n = _validate_experts(x, w1, w2, b1, b2, activation, None)
+    topk_scores = _float_tensor(topk_scores, "topk_scores", 2)
+    topk_experts = _tensor(topk_experts, "topk_experts", 2)
+    if topk_experts.dtype not in _INT_DTYPES:
+        raise ValueError(f"topk_experts must have an integer dtype; got {topk_experts.dtype}")
+    if topk_experts.shape[0] != T:
+        raise ValueError(f"topk_experts must have shape [T, K] with T = x.shape[0] = {T}; "
+                         f"got {list(topk_experts.shape)}")
+    _shape(topk_scores, "topk_scores", topk_experts.shape, "[T, K], the shape of topk_experts")
+    _same_dtype({"x": x, "w1": w1, "w2": w2, "b1": b1, "b2": b2}, "x")
+    _same_device({"x": x, "w1": w1, "w2": w2, "b1": b1, "b2": b2, "topk_scores": topk_scores,
+                  "topk_experts": topk_experts}, "x")
+
+    K = topk_experts.shape[1]
+    scores = topk_scores.reshape(-1)  # [T·K], pair (t, k) at t·K + k
+    expert = topk_experts.reshape(-1)
+    token = torch.arange(T, device=x.device)[:, None].expand(T, K).reshape(-1)  # [T·K], non-decreasing
+    if resolve_backend(backend, x, d, n) == Backend.MACHMOE:
+        from . import machmoe_backend
+
+        return machmoe_backend.moe_general(x, w1, b1, w2, b2, scores, token, expert, activation, layout)
+    keep = (expert >= 0) & (expert < E)  # boolean indexing: the torch backend's host sync
+    return torch_backend.experts(x, w1, b1, w2, b2, token[keep], expert[keep], scores[keep],
+                                 activation, layout)
+
+
 def route(
     logits: torch.Tensor,
     num_experts_per_tok: int,

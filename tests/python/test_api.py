@@ -151,6 +151,41 @@ def test_moe_general_equals_moe_on_its_routing():
     torch.testing.assert_close(general, out)
 
 
+def test_experts_topk_drops_out_of_range_experts():
+    """experts_topk on a [T, K] list with ids >= E and < 0 equals moe_general on the list
+    without those pairs, and gives their scores a zero gradient."""
+    t = layer_tensors()
+    E = t["w1"].shape[0]
+    scores, experts = functional.route(t["x"] @ t["router_weight"].T, K)
+    experts = experts.clone()
+    experts[::3, 0] = E
+    experts[1, :] = E + 4
+    experts[2, -1] = -1
+    scores = scores.detach().requires_grad_(True)
+    out = functional.experts_topk(t["x"], t["w1"], t["w2"], scores, experts, b1=t["b1"],
+                                  b2=t["b2"], backend="torch")
+    keep = ((experts >= 0) & (experts < E)).reshape(-1)
+    general = functional.moe_general(
+        t["x"], t["w1"], t["w2"], scores.detach().reshape(-1)[keep],
+        torch.arange(T).repeat_interleave(K)[keep], experts.reshape(-1)[keep], b1=t["b1"],
+        b2=t["b2"], backend="torch")
+    torch.testing.assert_close(out, general)
+    out.sum().backward()
+    assert torch.equal(scores.grad.reshape(-1)[~keep], torch.zeros(int((~keep).sum())))
+    assert scores.grad.reshape(-1)[keep].abs().sum() > 0
+
+
+def test_experts_topk_errors_name_the_argument():
+    t = layer_tensors()
+    scores, experts = functional.route(t["x"] @ t["router_weight"].T, K)
+    with pytest.raises(ValueError, match="topk_experts must have shape"):
+        functional.experts_topk(t["x"], t["w1"], t["w2"], scores[1:], experts[1:], backend="torch")
+    with pytest.raises(ValueError, match="topk_scores must have shape"):
+        functional.experts_topk(t["x"], t["w1"], t["w2"], scores[:, :1], experts, backend="torch")
+    with pytest.raises(ValueError, match="topk_experts must have an integer dtype"):
+        functional.experts_topk(t["x"], t["w1"], t["w2"], scores, experts.float(), backend="torch")
+
+
 def test_functional_token_rounding_feeds_moe_general():
     t = layer_tensors()
     logits = t["x"] @ t["router_weight"].T

@@ -1,0 +1,346 @@
+"""machmoe as an experts implementation of Hugging Face transformers (>= 5.17, < 6).
+
+Importing this module registers "machmoe" in transformers' ExpertsInterface (register() does it
+again, under another name if wanted), so that
+
+    import machmoe.integrations.transformers
+    model = AutoModelForCausalLM.from_config(cfg, experts_implementation="machmoe")
+    # or AutoModelForCausalLM.from_pretrained(path, experts_implementation="machmoe"),
+    # or model.set_experts_implementation("machmoe")
+
+runs every experts module that transformers decorates with `use_experts_implementation` on
+machmoe's experts (`machmoe.functional.experts_topk`): the model's own router picks the experts,
+machmoe runs them. fuse_moe(model) goes further for the sparse MoE blocks whose routing machmoe
+computes itself (softmax top-K: Qwen2/3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral, OLMoE): router,
+routing and experts in one `machmoe.functional.moe` call.
+
+The experts contract (transformers.integrations.moe): fn(module, hidden_states [T, d],
+top_k_index [T, K], top_k_weights [T, K]) -> [T, d], reading from the module
+  gate_up_proj [E, 2n, d] (has_gate) or up_proj [E, n, d] (has_gate False), down_proj [E, d, n],
+  ([E, d, 2n], [E, d, n] and [E, n, d] when is_transposed), gate_up_proj_bias / up_proj_bias and
+  down_proj_bias when has_bias, is_concatenated ([gate; up] rows, else interleaved gate/up rows),
+  act_fn, and _apply_gate (the GLU: act_fn(gate) * up unless the class overrides it).
+Expert ids outside [0, E) are expert-parallel sentinels (another rank's experts): dropped.
+
+Backend "auto": the machmoe kernels for bfloat16 tensors on an sm_90 GPU, machmoe's torch backend
+everywhere else. A module machmoe cannot compute exactly (a custom _apply_gate such as gpt-oss's
+clamped SwiGLU, an activation machmoe does not have such as the erf GELU, a post-expert norm)
+runs on transformers' own "grouped_mm" implementation instead, after a one-time warning that
+names the module's class and the reason: never on an approximation.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import functional
+from ..enums import ActivationType, Backend, GateUpLayout, RoutingMethod, parse_enum
+
+try:
+    from transformers import activations as _hf_activations
+    from transformers.integrations import moe as _hf_moe
+except ImportError as error:  # pragma: no cover - the module is optional
+    raise ImportError("machmoe.integrations.transformers needs transformers >= 5.17, < 6 "
+                      "(pip install 'machmoe[hf]')") from error
+
+_LOG = logging.getLogger("machmoe")
+IMPLEMENTATION_NAME = "machmoe"
+
+# ---------------------------------------------------------------- what a module computes
+
+
+def _activation_kind(act) -> Optional[str]:
+    """'silu', 'gelu_tanh', 'relu' or 'relu2' for the activations machmoe computes exactly, else
+    None. By type: the module's act_fn is an instance of transformers' ACT2FN classes or of
+    torch.nn (the erf GELU, transformers' default "gelu", is not the tanh form machmoe has)."""
+    if isinstance(act, (_hf_activations.SiLUActivation, nn.SiLU)) or act is F.silu:
+        return "silu"
+    if isinstance(act, (_hf_activations.GELUTanh, _hf_activations.NewGELUActivation)):
+        return "gelu_tanh"
+    if isinstance(act, nn.GELU) and act.approximate == "tanh":
+        return "gelu_tanh"
+    if isinstance(act, nn.ReLU) or act is F.relu or act is torch.relu:
+        return "relu"
+    if isinstance(act, _hf_activations.ReLUSquaredActivation):
+        return "relu2"
+    return None
+
+
+_GLU_ACTIVATIONS = {"silu": ActivationType.SWIGLU, "gelu_tanh": ActivationType.GEGLU,
+                    "relu": ActivationType.REGLU}
+_PLAIN_ACTIVATIONS = {"silu": ActivationType.SILU, "gelu_tanh": ActivationType.GELU,
+                      "relu": ActivationType.RELU, "relu2": ActivationType.RELU_SQ}
+
+
+@dataclass(frozen=True)
+class ExpertsPlan:
+    """How machmoe computes one experts module: its weights as machmoe's w1 [E, N1, d],
+    b1 [E, N1], w2 [E, d, n], b2 [E, d] (views of the module's parameters; the transposed ones
+    are transposed views, which the kernels copy to contiguous tensors each call), its
+    activation and its gate/up layout."""
+
+    w1: torch.Tensor
+    w2: torch.Tensor
+    b1: Optional[torch.Tensor]
+    b2: Optional[torch.Tensor]
+    activation: ActivationType
+    layout: GateUpLayout
+
+
+def plan_experts(module: nn.Module) -> Union[ExpertsPlan, str]:
+    """The ExpertsPlan of a decorated experts module, or a sentence saying why machmoe cannot
+    compute it exactly."""
+    if getattr(module, "has_post_expert_norm", False):
+        return "it applies a norm after each expert (has_post_expert_norm), which machmoe has not"
+    has_gate = getattr(module, "has_gate", True)
+    if has_gate and getattr(type(module), "_apply_gate", None) is not _hf_moe._default_apply_gate:
+        return (f"it has its own gate function ({type(module).__name__}._apply_gate), which is not "
+                "one of machmoe's activations")
+    kind = _activation_kind(getattr(module, "act_fn", None))
+    if kind is None:
+        act = getattr(module, "act_fn", None)
+        return (f"its activation {type(act).__name__ if act is not None else 'None'} is not one "
+                "machmoe computes (SiLU, tanh GELU, ReLU, ReLU² without a gate)")
+    activation = (_GLU_ACTIVATIONS if has_gate else _PLAIN_ACTIVATIONS).get(kind)
+    if activation is None:
+        return f"machmoe has no gated form of its activation ({kind})"
+    w1 = getattr(module, "gate_up_proj" if has_gate else "up_proj", None)
+    w2 = getattr(module, "down_proj", None)
+    if not isinstance(w1, torch.Tensor) or not isinstance(w2, torch.Tensor) or w1.dim() != 3 or w2.dim() != 3:
+        return "it does not hold 3-D expert weights gate_up_proj (or up_proj) and down_proj"
+    b1 = b2 = None
+    if getattr(module, "has_bias", False):
+        b1 = getattr(module, "gate_up_proj_bias" if has_gate else "up_proj_bias", None)
+        b2 = getattr(module, "down_proj_bias", None)
+    if getattr(module, "is_transposed", False):
+        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)  # [E, d, N1] -> [E, N1, d], [E, n, d] -> [E, d, n]
+    # machmoe takes both biases or neither: a missing one is a zero one.
+    if b1 is not None and b2 is None:
+        b2 = b1.new_zeros(w2.shape[0], w2.shape[1])
+    if b2 is not None and b1 is None:
+        b1 = b2.new_zeros(w1.shape[0], w1.shape[1])
+    n1 = w1.shape[1]
+    if has_gate and n1 != 2 * w2.shape[2] or not has_gate and n1 != w2.shape[2]:
+        return (f"its weights' shapes do not match (up-projection {list(w1.shape)}, "
+                f"down-projection {list(w2.shape)})")
+    layout = GateUpLayout.CONCATENATED if getattr(module, "is_concatenated", True) else GateUpLayout.INTERLEAVED
+    return ExpertsPlan(w1, w2, b1, b2, activation, layout)
+
+
+# ---------------------------------------------------------------- the experts implementation
+
+_WARNED: set = set()  # (class name, reason) pairs already warned about, in this process
+
+
+def _warn_fallback(module: nn.Module, reason: str) -> None:
+    key = (type(module).__qualname__, reason)
+    if key not in _WARNED and not torch.compiler.is_compiling():
+        _WARNED.add(key)
+        _LOG.warning("machmoe: %s runs on transformers' grouped_mm experts instead of machmoe: %s "
+                     "(said once per class)", type(module).__name__, reason)
+
+
+def _fallback(module, hidden_states, top_k_index, top_k_weights):
+    """transformers' own grouped_mm experts (its batched_mm, then the eager forward, where a
+    release lacks it)."""
+    interface = _hf_moe.ALL_EXPERTS_FUNCTIONS
+    for name in ("grouped_mm", "batched_mm"):
+        if name in interface:
+            return interface[name](module, hidden_states, top_k_index, top_k_weights)
+    eager = type(module).forward.__wrapped__  # the class's own forward, under the decorator
+    return eager(module, hidden_states, top_k_index, top_k_weights)
+
+
+def make_experts_forward(backend: Union[Backend, str] = Backend.AUTO) -> Callable:
+    """An ExpertsInterface function running the experts on machmoe with `backend`."""
+    backend = parse_enum(Backend, backend, "backend")
+
+    def machmoe_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
+                                top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """out [T, d] = Σ_k top_k_weights[t, k] · expert_{top_k_index[t, k]}(hidden_states[t]),
+        ids outside [0, E) dropped; in hidden_states' dtype."""
+        plan = plan_experts(module)
+        if isinstance(plan, str):
+            _warn_fallback(module, plan)
+            return _fallback(module, hidden_states, top_k_index, top_k_weights)
+        # Under autocast the tokens may come in float32 while the weights are bfloat16.
+        x = hidden_states.to(plan.w1.dtype)
+        out = functional.experts_topk(x, plan.w1, plan.w2, top_k_weights, top_k_index, b1=plan.b1,
+                                      b2=plan.b2, activation=plan.activation, layout=plan.layout,
+                                      backend=backend)
+        return out.to(hidden_states.dtype)
+
+    return machmoe_experts_forward
+
+
+experts_forward = make_experts_forward(Backend.AUTO)
+
+
+def register(name: str = IMPLEMENTATION_NAME, backend: Union[Backend, str] = Backend.AUTO) -> None:
+    """Registers machmoe's experts under `name` in transformers' ExpertsInterface (for every
+    model, as transformers' own implementations are); importing this module has already
+    registered "machmoe" with backend "auto"."""
+    function = experts_forward if parse_enum(Backend, backend, "backend") == Backend.AUTO \
+        else make_experts_forward(backend)
+    _hf_moe.ExpertsInterface.register(name, function)
+
+
+register()
+
+# ---------------------------------------------------------------- fused sparse MoE blocks
+
+
+@dataclass(frozen=True)
+class _BlockRule:
+    """A sparse MoE block machmoe computes whole: its router's class, whether the router divides
+    the K selected probabilities by their sum (a function of the router), and whether the block
+    adds a sigmoid-gated shared expert (Qwen2-MoE style: shared_expert, shared_expert_gate)."""
+
+    router_class: str
+    renormalize: Callable[[nn.Module], bool]
+    shared_expert: bool = False
+
+
+def _norm_topk_prob(router: nn.Module) -> bool:
+    return bool(router.norm_topk_prob)
+
+
+# Block class -> rule. Every router here computes logits = x · Wᵀ (no bias), P = softmax over all
+# E in float32, the K largest P, optionally divided by their sum: machmoe's "topk_softmax".
+_BLOCK_RULES = {
+    "MixtralSparseMoeBlock": _BlockRule("MixtralTopKRouter", lambda router: True),
+    "Qwen3MoeSparseMoeBlock": _BlockRule("Qwen3MoeTopKRouter", _norm_topk_prob),
+    "OlmoeSparseMoeBlock": _BlockRule("OlmoeTopKRouter", _norm_topk_prob),
+    "Qwen2MoeSparseMoeBlock": _BlockRule("Qwen2MoeTopKRouter", _norm_topk_prob, shared_expert=True),
+    "Qwen3NextSparseMoeBlock": _BlockRule("Qwen3NextTopKRouter", _norm_topk_prob, shared_expert=True),
+    "Qwen3_5MoeSparseMoeBlock": _BlockRule("Qwen3_5MoeTopKRouter", lambda router: True, shared_expert=True),
+}
+
+
+def _router_logits_recorded(router: nn.Module) -> bool:
+    """Whether this forward records the router's logits (output_router_logits: transformers
+    hooks the router module and collects its first output, for the load-balancing loss)."""
+    if not router._forward_hooks:
+        return False  # the recording hooks are installed on the first forward that asks
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # another release: record whenever hooks are present
+        return True
+    collected = _active_collector.get()
+    return collected is not None and "router_logits" in collected
+
+
+class FusedSparseMoeBlock(nn.Module):
+    """A transformers sparse MoE block computed by `machmoe.functional.moe` (router, top-K
+    softmax routing, experts and weighted sum in one call) on the block's own parameters: it
+    holds the original `gate` (router), `experts` and, where present, `shared_expert` and
+    `shared_expert_gate` modules under the same names, so state_dict keys, checkpoints and
+    optimisers see the same tensors.
+
+    Forward: hidden_states [B, S, d] -> [B, S, d], as the original block. When the model records
+    router logits (output_router_logits, for its auxiliary loss), the router module is also
+    called, so that its hooks record them as before; the layer's own routing is machmoe's (the
+    same softmax top-K, with fp32 logits). machmoe's own aux loss is not used: the model
+    computes its own from the recorded logits."""
+
+    def __init__(self, block: nn.Module, rule: _BlockRule, backend: Backend):
+        super().__init__()
+        # Every child of the block, in its order (state_dict's key order follows it).
+        for child_name, child in block.named_children():
+            self.add_module(child_name, child)
+        self.has_shared_expert = rule.shared_expert
+        self.top_k = int(block.gate.top_k)
+        self.renormalize = rule.renormalize(block.gate)
+        self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
+        self.backend = backend
+        self.original_class = type(block).__name__
+
+    def extra_repr(self) -> str:
+        return (f"fused {self.original_class}: top_k={self.top_k}, routing=topk_softmax, "
+                f"renormalize={self.renormalize}, backend={self.backend.value}")
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        if self.training and self.jitter_noise > 0:  # Mixtral's multiplicative router jitter
+            hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
+                1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        tokens = hidden_states.reshape(-1, hidden_dim)  # [T, d]
+        if _router_logits_recorded(self.gate):
+            self.gate(tokens)
+        plan = plan_experts(self.experts)
+        if isinstance(plan, str):  # fuse_moe checked it; the module changed since
+            raise RuntimeError(f"machmoe: the fused {self.original_class} can no longer run on "
+                               f"machmoe: {plan}")
+        x = tokens.to(plan.w1.dtype)
+        out, _ = functional.moe(
+            x, self.gate.weight.to(x.dtype), plan.w1, plan.w2, num_experts_per_tok=self.top_k,
+            activation=plan.activation, b1=plan.b1, b2=plan.b2, layout=plan.layout,
+            routing=RoutingMethod.TOPK_SOFTMAX, renormalize=self.renormalize, backend=self.backend)
+        out = out.to(hidden_states.dtype)
+        if self.has_shared_expert:
+            shared = self.shared_expert(tokens)
+            out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * shared
+        return out.reshape(batch_size, sequence_length, hidden_dim)
+
+
+class FuseReport(NamedTuple):
+    """What fuse_moe did: the qualified names of the blocks it replaced, and for every MoE block
+    it left as it was, why."""
+
+    fused: list
+    unfused: dict
+
+
+def _is_experts_module(module: nn.Module) -> bool:
+    # What use_experts_implementation adds to every decorated experts class.
+    return hasattr(module, "has_gate") and hasattr(module, "is_concatenated")
+
+
+def fuse_moe(model: nn.Module, backend: Union[Backend, str] = Backend.AUTO) -> FuseReport:
+    """Replaces, in place, every sparse MoE block of `model` that machmoe computes whole (see
+    _BLOCK_RULES: Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, OLMoE) by a
+    FusedSparseMoeBlock on the same parameter tensors. Any other module that holds a decorated
+    experts module as `experts` (other routings: DeepSeek's grouped sigmoid, gpt-oss's biased
+    router, ...; or experts machmoe cannot compute) is left as it is and listed with the reason;
+    its experts still run on machmoe with experts_implementation="machmoe".
+
+    Returns FuseReport(fused=[names], unfused={name: reason}).
+    """
+    backend = parse_enum(Backend, backend, "backend")
+    fused, unfused = [], {}
+    for name, block in list(model.named_modules()):
+        experts = getattr(block, "experts", None)
+        if isinstance(block, FusedSparseMoeBlock) or not isinstance(experts, nn.Module) \
+                or not _is_experts_module(experts):
+            continue
+        rule = _BLOCK_RULES.get(type(block).__name__)
+        router = getattr(block, "gate", None)
+        if rule is None:
+            unfused[name] = f"machmoe has no fused form of {type(block).__name__} (its routing)"
+            continue
+        if type(router).__name__ != rule.router_class:
+            unfused[name] = (f"its router is a {type(router).__name__}, not the "
+                             f"{rule.router_class} whose routing machmoe computes")
+            continue
+        plan = plan_experts(experts)
+        if isinstance(plan, str):
+            unfused[name] = f"its experts ({type(experts).__name__}) cannot run on machmoe: {plan}"
+            continue
+        parent_name, _, child_name = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else None
+        if parent is None:
+            unfused[name] = "it is the model itself"
+            continue
+        setattr(parent, child_name, FusedSparseMoeBlock(block, rule, backend))
+        fused.append(name)
+    return FuseReport(fused, unfused)
+
+
+__all__ = ["ExpertsPlan", "FuseReport", "FusedSparseMoeBlock", "IMPLEMENTATION_NAME", "experts_forward",
+           "fuse_moe", "make_experts_forward", "plan_experts", "register"]
