@@ -374,6 +374,7 @@ def experts_topk(
     activation: Union[ActivationType, str] = ActivationType.SWIGLU,
     layout: Union[GateUpLayout, str] = GateUpLayout.INTERLEAVED,
     backend: Union[Backend, str] = Backend.AUTO,
+    glu_clamp: Optional[GluClamp] = None,
 ) -> torch.Tensor:
     """The experts on a top-K routing result -> out [T, d] in x's dtype: moe_general on the list
     of the T·K pairs (t, topk_experts[t, k], topk_scores[t, k]) in (t, k) order, with every pair
@@ -389,13 +390,14 @@ def experts_topk(
     per-expert loop).
 
     Args:
-        x, w1, w2, b1, b2, activation, layout, backend: as moe_general.
+        x, w1, w2, b1, b2, activation, layout, backend, glu_clamp: as moe_general.
         topk_scores: [T, K] pair weights, any float dtype; they receive gradients.
         topk_experts: [T, K] integer experts; values outside [0, E) are dropped.
     """
     parse_enum(Backend, backend, "backend")
     activation = parse_enum(ActivationType, activation, "activation")
     layout = parse_enum(GateUpLayout, layout, "layout")
+    glu_clamp = resolve_glu_clamp(activation, glu_clamp)
     T, d, E, n = _validate_experts(x, w1, w2, b1, b2, activation, None)
     topk_scores = _float_tensor(topk_scores, "topk_scores", 2)
     topk_experts = _tensor(topk_experts, "topk_experts", 2)
@@ -416,10 +418,11 @@ def experts_topk(
     if resolve_backend(backend, x, d, n) == Backend.MACHMOE:
         from . import machmoe_backend
 
-        return machmoe_backend.moe_general(x, w1, b1, w2, b2, scores, token, expert, activation, layout)
+        return machmoe_backend.moe_general(x, w1, b1, w2, b2, scores, token, expert, activation, layout,
+                                           glu_clamp)
     keep = (expert >= 0) & (expert < E)  # boolean indexing: the torch backend's host sync
     return torch_backend.experts(x, w1, b1, w2, b2, token[keep], expert[keep], scores[keep],
-                                 activation, layout)
+                                 activation, layout, glu_clamp)
 
 
 def route(

@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.integrations import moe as hf_moe  # noqa: E402
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
 
-from machmoe import functional  # noqa: E402
+from machmoe import ActivationType, functional  # noqa: E402
 from machmoe.integrations import transformers as hf_machmoe  # noqa: E402
 
 CPU_TOL = 1e-4
@@ -221,8 +221,18 @@ def test_fuse_moe_is_exported_from_the_module():
 # ---------------------------------------------------------------- every family: machmoe vs eager
 
 
+# Families whose tiny whole model is too ill-conditioned in float32 for the comparison with
+# eager: HY-V4's hyper-connection parameters' gradients carry a 1e-3 float32 error in eager
+# itself, and a last-bit change in an expert's output (machmoe sums in another order) moves them
+# by 1e-2 on some seeds. Their experts are checked exactly in float64 by
+# test_clamped_gate_experts_match_eager_exactly.
+_WHOLE_MODEL_ILL_CONDITIONED = {"hy_v4"}
+
+
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_family_machmoe_matches_eager(model_type, seed, count_machmoe_calls):
+    if model_type in _WHOLE_MODEL_ILL_CONDITIONED:
+        pytest.skip(f"{model_type}: the tiny model's float32 gradients are ill-conditioned (see above)")
     model = build(model_type, seed)
     supported = [n for n, m in _experts_modules(model) if not isinstance(hf_machmoe.plan_experts(m), str)]
     input_ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(seed))
@@ -379,21 +389,28 @@ def test_check_can_fail(seed, monkeypatch):
     assert rel_err(hf_machmoe.experts_forward(experts, x, index, weights), ref) > 0.1
 
 
+class _OddGateMixin:
+    def _apply_gate(self, gate_up):  # gate · up, no activation: not one of machmoe's
+        gate, up = gate_up.chunk(2, dim=-1)
+        return gate * up
+
+
 def test_unsupported_gate_falls_back_with_one_warning(seed, caplog, count_machmoe_calls):
-    model = build("gpt_oss", seed)  # clamped SwiGLU in GptOssExperts._apply_gate
-    experts = _experts_modules(model)[0][1]
+    experts = _qwen3_experts(seed)
+    experts.__class__ = type("OddGateExperts", (_OddGateMixin, type(experts)), {})
     assert "_apply_gate" in hf_machmoe.plan_experts(experts)
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(10, experts.hidden_size, generator=g)
+    x = torch.randn(10, experts.gate_up_proj.shape[2], generator=g)
     index, weights = _routing(10, experts.num_experts, 2, g)
     hf_machmoe._WARNED.clear()
     with caplog.at_level(logging.WARNING, logger="machmoe"):
         out = hf_machmoe.experts_forward(experts, x, index, weights)
         hf_machmoe.experts_forward(experts, x, index, weights)
-    warnings = [r for r in caplog.records if "GptOssExperts" in r.getMessage()]
+    warnings = [r for r in caplog.records if "OddGateExperts" in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
     assert not count_machmoe_calls
-    assert rel_err(out, _eager(experts, x, index, weights)) <= CPU_TOL
+    # (the class's eager forward would not call _apply_gate; transformers' grouped_mm does)
+    assert torch.equal(out, hf_moe.ALL_EXPERTS_FUNCTIONS["grouped_mm"](experts, x, index, weights))
 
 
 # A decorated experts class of our own for the flags no supported family combines:
@@ -446,3 +463,62 @@ def test_transposed_biased_experts_in_both_layouts(is_concatenated, seed, count_
         assert rel_err(value, expected) <= CPU_TOL
     for name in ref[3]:
         assert rel_err(got[3][name], ref[3][name]) <= CPU_TOL, name
+
+
+# ---------------------------------------------------------------- clamped SwiGLU gates
+
+CLAMPED_FAMILIES = ["gpt_oss", "hy_v4", "deepseek_v4", "glm5_next", "minimax_m3_vl", "step3p7",
+                    "openai_privacy_filter"]
+
+
+def _clamped_experts(model_type, seed):
+    if model_type not in FAMILIES:
+        pytest.skip(f"{model_type} is not in this transformers release")
+    model = build(model_type, seed)
+    experts = _experts_modules(model)[0][1]
+    if type(experts).__name__ not in hf_machmoe._CLAMPED_GATES:
+        pytest.skip(f"{model_type}: its experts class {type(experts).__name__} is not a known clamped gate")
+    return experts.double()
+
+
+@pytest.mark.parametrize("model_type", CLAMPED_FAMILIES)
+def test_clamped_gate_experts_match_eager_exactly(model_type, seed, count_machmoe_calls):
+    """The experts module alone in float64, weights large enough that most gate and up values pass
+    the clamp bounds: machmoe's clamped_swiglu equals the class's own _apply_gate, in the output and
+    every gradient."""
+    experts = _clamped_experts(model_type, seed)
+    plan = hf_machmoe.plan_experts(experts)
+    assert not isinstance(plan, str), plan
+    assert plan.activation == ActivationType.CLAMPED_SWIGLU
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * (3.0 if p.dim() == 3 else 0.5))
+    d = experts.gate_up_proj.shape[1] if experts.is_transposed else experts.gate_up_proj.shape[2]
+    x = torch.randn(40, d, generator=g, dtype=torch.float64)
+    index, weights = _routing(40, experts.num_experts, 2, g)
+    dout = torch.randn(40, d, generator=g, dtype=torch.float64)
+    ref = _experts_run(_eager, experts, x, index, weights.double(), dout)
+    got = _experts_run(hf_machmoe.experts_forward, experts, x, index, weights.double(), dout)
+    assert count_machmoe_calls
+    out, dx, dw, grads = got
+    ref_out, ref_dx, ref_dw, ref_grads = ref
+    for name, a, b in [("out", out, ref_out), ("dx", dx, ref_dx), ("d weights", dw, ref_dw),
+                       *((f"d {n}", grads[n], ref_grads[n]) for n in ref_grads)]:
+        assert rel_err(a, b) < 1e-12, f"{model_type} {name}: {rel_err(a, b):.2e}"
+
+
+def test_changed_clamped_gate_falls_back(seed, monkeypatch, count_machmoe_calls):
+    """A known class whose _apply_gate no longer computes what machmoe does (a release that changes
+    it) is not computed by machmoe: the numerical check sends it to the fallback."""
+    experts = _clamped_experts("gpt_oss", seed)
+
+    def other_gate(self, gate_up):
+        return torch.nn.functional.silu(gate_up[..., ::2]) * gate_up[..., 1::2]
+
+    monkeypatch.setattr(type(experts), "_apply_gate", other_gate)
+    hf_machmoe._GATE_CHECKED.clear()
+    try:
+        assert "does not compute machmoe's clamped SwiGLU" in hf_machmoe.plan_experts(experts)
+    finally:
+        hf_machmoe._GATE_CHECKED.clear()

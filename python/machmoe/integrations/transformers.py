@@ -23,10 +23,11 @@ top_k_index [T, K], top_k_weights [T, K]) -> [T, d], reading from the module
 Expert ids outside [0, E) are expert-parallel sentinels (another rank's experts): dropped.
 
 Backend "auto": the machmoe kernels for bfloat16 tensors on an sm_90 GPU, machmoe's torch backend
-everywhere else. A module machmoe cannot compute exactly (a custom _apply_gate such as gpt-oss's
-clamped SwiGLU, an activation machmoe does not have such as the erf GELU, a post-expert norm)
-runs on transformers' own "grouped_mm" implementation instead, after a one-time warning that
-names the module's class and the reason: never on an approximation.
+everywhere else. The clamped SwiGLU gates of gpt-oss, DeepSeek-V4 and their kin run as machmoe's
+"clamped_swiglu" (after a numerical check of the class's own gate). A module machmoe cannot
+compute exactly (another custom _apply_gate, an activation machmoe does not have such as the erf
+GELU, a post-expert norm) runs on transformers' own "grouped_mm" implementation instead, after a
+one-time warning that names the module's class and the reason: never on an approximation.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import functional
-from ..enums import ActivationType, Backend, GateUpLayout, RoutingMethod, parse_enum
+from .. import torch_backend
+from ..enums import ActivationType, Backend, GateUpLayout, GluClamp, RoutingMethod, parse_enum
 
 try:
     from transformers import activations as _hf_activations
@@ -91,6 +93,48 @@ class ExpertsPlan:
     b2: Optional[torch.Tensor]
     activation: ActivationType
     layout: GateUpLayout
+    glu_clamp: Optional[GluClamp] = None
+
+
+def _attrs(module, *names) -> list:
+    return [float(getattr(module, name)) for name in names]
+
+
+# The experts classes whose own _apply_gate is a clamped SwiGLU, by class name -> its GluClamp
+# (read from the module's attributes). plan_experts also checks the match numerically
+# (_gate_matches), so a release that changes one of these gates falls back instead of being
+# computed wrongly.
+_CLAMPED_GATES: dict[str, Callable[[nn.Module], GluClamp]] = {
+    # gpt-oss: min(g, L)·sigmoid(alpha·min(g, L))·(clamp(u, ±L) + 1), interleaved gate/up
+    "GptOssExperts": lambda m: GluClamp(*_attrs(m, "alpha", "limit"), up_offset=1.0),
+    "OpenAIPrivacyFilterExperts": lambda m: GluClamp(*_attrs(m, "alpha", "limit"), up_offset=1.0),
+    "MiniMaxM3VLExperts": lambda m: GluClamp(*_attrs(m, "swiglu_alpha", "swiglu_limit"), up_offset=1.0),
+    # DeepSeek-V4 and its kin: silu(min(g, L))·clamp(u, ±L)
+    "DeepseekV4Experts": lambda m: GluClamp.deepseek_v4(*_attrs(m, "limit")),
+    "HYV4Experts": lambda m: GluClamp.deepseek_v4(*_attrs(m, "swiglu_limit")),
+    "Glm5NextTextExperts": lambda m: GluClamp.deepseek_v4(*_attrs(m, "swiglu_limit")),
+    # Step 3.7: min(silu(g), L)·clamp(u, ±L)
+    "Step3p7Experts": lambda m: GluClamp.post_activation(*_attrs(m, "limit")),
+}
+_GATE_CHECKED: dict = {}  # (class, GluClamp, layout) -> whether _apply_gate matched, in this process
+
+
+def _gate_matches(module: nn.Module, clamp: GluClamp, layout: GateUpLayout, n: int) -> bool:
+    """Whether the module's own _apply_gate equals machmoe's clamped SwiGLU with `clamp` on a
+    float64 probe H [64, 2n] whose values cross every clamp bound (checked once per class and
+    parameters)."""
+    key = (type(module), clamp, layout)
+    if key not in _GATE_CHECKED:
+        gen = torch.Generator().manual_seed(0)
+        probe = torch.randn(64, 2 * n, generator=gen, dtype=torch.float64) * 2 * clamp.limit
+        try:
+            with torch.no_grad():
+                theirs = module._apply_gate(probe)
+            ours = torch_backend.apply_activation(probe, ActivationType.CLAMPED_SWIGLU, layout, clamp)
+            _GATE_CHECKED[key] = theirs.shape == ours.shape and torch.allclose(theirs, ours, rtol=1e-6, atol=1e-9)
+        except Exception:  # noqa: BLE001 - a gate that can't run on the probe is not one we know
+            _GATE_CHECKED[key] = False
+    return _GATE_CHECKED[key]
 
 
 def plan_experts(module: nn.Module) -> Union[ExpertsPlan, str]:
@@ -99,15 +143,26 @@ def plan_experts(module: nn.Module) -> Union[ExpertsPlan, str]:
     if getattr(module, "has_post_expert_norm", False):
         return "it applies a norm after each expert (has_post_expert_norm), which machmoe has not"
     has_gate = getattr(module, "has_gate", True)
+    glu_clamp = None
     if has_gate and getattr(type(module), "_apply_gate", None) is not _hf_moe._default_apply_gate:
-        return (f"it has its own gate function ({type(module).__name__}._apply_gate), which is not "
-                "one of machmoe's activations")
+        make_clamp = _CLAMPED_GATES.get(type(module).__name__)
+        if make_clamp is None:
+            return (f"it has its own gate function ({type(module).__name__}._apply_gate), which is "
+                    "not one of machmoe's activations")
+        try:
+            glu_clamp = make_clamp(module)
+        except (AttributeError, TypeError, ValueError) as error:
+            return f"its clamped gate's parameters could not be read ({error})"
     kind = _activation_kind(getattr(module, "act_fn", None))
+    if glu_clamp is not None:  # the clamped gates apply SiLU themselves (gpt-oss's has no act_fn)
+        kind = "silu"
     if kind is None:
         act = getattr(module, "act_fn", None)
         return (f"its activation {type(act).__name__ if act is not None else 'None'} is not one "
                 "machmoe computes (SiLU, tanh GELU, ReLU, ReLU² without a gate)")
     activation = (_GLU_ACTIVATIONS if has_gate else _PLAIN_ACTIVATIONS).get(kind)
+    if glu_clamp is not None:
+        activation = ActivationType.CLAMPED_SWIGLU
     if activation is None:
         return f"machmoe has no gated form of its activation ({kind})"
     w1 = getattr(module, "gate_up_proj" if has_gate else "up_proj", None)
@@ -130,7 +185,10 @@ def plan_experts(module: nn.Module) -> Union[ExpertsPlan, str]:
         return (f"its weights' shapes do not match (up-projection {list(w1.shape)}, "
                 f"down-projection {list(w2.shape)})")
     layout = GateUpLayout.CONCATENATED if getattr(module, "is_concatenated", True) else GateUpLayout.INTERLEAVED
-    return ExpertsPlan(w1, w2, b1, b2, activation, layout)
+    if glu_clamp is not None and not _gate_matches(module, glu_clamp, layout, w2.shape[2]):
+        return (f"its gate function ({type(module).__name__}._apply_gate) does not compute machmoe's "
+                f"clamped SwiGLU {glu_clamp} on a test input")
+    return ExpertsPlan(w1, w2, b1, b2, activation, layout, glu_clamp)
 
 
 # ---------------------------------------------------------------- the experts implementation
@@ -173,7 +231,7 @@ def make_experts_forward(backend: Union[Backend, str] = Backend.AUTO) -> Callabl
         x = hidden_states.to(plan.w1.dtype)
         out = functional.experts_topk(x, plan.w1, plan.w2, top_k_weights, top_k_index, b1=plan.b1,
                                       b2=plan.b2, activation=plan.activation, layout=plan.layout,
-                                      backend=backend)
+                                      backend=backend, glu_clamp=plan.glu_clamp)
         return out.to(hidden_states.dtype)
 
     return machmoe_experts_forward
