@@ -17,8 +17,8 @@ subclass with the same submodules, parameters, buffers and state-dict names, who
    bias for selection only, node-limited groups, route_norm and route_scale are torchtitan's);
 2. keeps torchtitan's bookkeeping: `tokens_per_expert_E` (the load-balancing hook's counts) is
    accumulated in training mode exactly as before;
-3. runs the routed experts with `machmoe.functional.moe_general` on the router's
-   (score, token, expert) list, T·K pairs ordered by token;
+3. runs the routed experts with `machmoe.functional.experts_topk` on the router's top-K
+   (scores, experts) [T, K];
 4. adds torchtitan's shared experts (`self.shared_experts`, unchanged).
 
 The expert weights are the module's own parameters, read at every call; no copy is kept.
@@ -39,14 +39,14 @@ an EP mesh; machmoe.distributed has its own expert parallelism), expert weights 
 DTensors (tensor or expert parallel), and experts other than torchtitan's SwiGLU
 `GroupedExperts` (e.g. gpt-oss's experts with biases and a clamped activation).
 
-The routed experts always go through `moe_general`, never the fused `machmoe.functional.moe`
+The routed experts always go through `experts_topk`, never the fused `machmoe.functional.moe`
 (machmoe's own router): torchtitan's routing is the reference here, and the fused layer matches it
 only in a corner of its options (no expert bias with softmax scores, no node-limited groups,
 route_scale 1), picks its experts from logits of bf16 operands on the GPU (so near-ties may go
 elsewhere), and does not return the selection that `tokens_per_expert_E` counts.
 
-Every `moe_general` call checks its routing list on the host (index ranges, order, no repeated
-pair), which synchronises with the device a few times per layer and step.
+`experts_topk` takes the top-K result as it is (ordered by token and free of repeated pairs by
+construction), so the kernels' path does not synchronise with the host.
 
 Tested with torchtitan 0.3.0 (its `models.common.moe` module; 0.3.0's model packages themselves
 need a PyTorch newer than 2.11 for their FSDP imports). torchtitan releases before 0.3 keep the
@@ -161,11 +161,10 @@ class MachMoEMoE(MoE):
         # machmoe's GLU weight, "concatenated" layout: rows [0, F) gate (w1, through SiLU),
         # rows [F, 2F) up (w3). [E, 2F, D], a per-call temporary (module docstring).
         w13_E2FD = torch.cat([w1_EFD.to(dtype), w3_EFD.to(dtype)], dim=1)
-        # The router's T·K pairs, row-major [T, K]: ordered by token, a token's K experts distinct.
-        token_idx_R = torch.arange(T, device=x_BLD.device).repeat_interleave(K)
-        out_TD = functional.moe_general(
-            x_TD, w13_E2FD, w2_EDF.to(dtype), topk_scores_BLK.reshape(T * K), token_idx_R,
-            topk_expert_ids_BLK.reshape(T * K), activation="swiglu", layout="concatenated",
+        # The router's top-K [T, K]: a token's K experts are distinct.
+        out_TD = functional.experts_topk(
+            x_TD, w13_E2FD, w2_EDF.to(dtype), topk_scores_BLK.reshape(T, K),
+            topk_expert_ids_BLK.reshape(T, K), activation="swiglu", layout="concatenated",
             backend=self.machmoe_backend)
         return out_TD.to(x_BLD.dtype).view(B, L, D)
 
