@@ -48,11 +48,24 @@ def _glu_clamp(preset: str, limit: float):
     return getattr(GluClamp, preset)(limit)
 
 
+def _router_bias(E: int):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    return torch.empty(E, device="cuda", dtype=torch.bfloat16).normal_(0, 0.1, generator=g).requires_grad_(True)
+
+
 VARIANTS: tuple[Variant, ...] = (
     Variant("default: softmax over top-K, SwiGLU"),
     Variant("top-K over softmax, renormalised (Qwen3)", lambda E: {"routing": "topk_softmax"}),
     Variant("top-K over softmax, not renormalised", lambda E: {"routing": "topk_softmax", "renormalize": False}),
     Variant("sigmoid + selection bias, renormalised", lambda E: {"routing": "sigmoid", "selection_bias": _bias(E)}),
+    Variant("sigmoid + bias, 8 groups keep 4, scaling 2.5 (DeepSeek-V3)",
+            lambda E: {"routing": "sigmoid", "selection_bias": _bias(E), "n_group": 8, "topk_group": 4,
+                       "routed_scaling_factor": 2.5}),
+    Variant("sqrt-softplus + bias, scaling 1.5 (DeepSeek-V4)",
+            lambda E: {"routing": "sqrt_softplus", "selection_bias": _bias(E), "routed_scaling_factor": 1.5}),
+    Variant("router bias (gpt-oss)", lambda E: {"router_bias": _router_bias(E)}),
     Variant("concatenated gate/up (Hugging Face layout)", lambda E: {"layout": "concatenated"}),
     Variant("clamped SwiGLU (gpt-oss: alpha 1.702, limit 7, up + 1)", lambda E: {"activation": "clamped_swiglu"}),
     Variant("clamped SwiGLU (DeepSeek-V4: limit 10)",
