@@ -308,10 +308,11 @@ def moe(
         router_bias: [E] bias of the router (gpt-oss), or None (default); receives a gradient.
         routed_scaling_factor: the scores are multiplied by it after renormalisation (DeepSeek-V3,
             Kimi, GLM-4.5; default 1.0; > 0).
-        n_group, topk_group: group-limited selection (DeepSeek-V3; sigmoid / sqrt_softplus only):
-            the E experts form n_group groups of E / n_group consecutive experts (>= 2 each), a
-            group scores the sum of its two largest selection values, and only the experts of
-            the topk_group best groups can be chosen. Defaults 1, 1: no grouping.
+        n_group: group-limited selection (DeepSeek-V3; sigmoid / sqrt_softplus only): the E
+            experts form n_group groups of E / n_group consecutive experts (>= 2 each), a group
+            scores the sum of its two largest selection values, and only the experts of the
+            topk_group best groups can be chosen (default 1: no grouping).
+        topk_group: the groups kept per token (1 <= topk_group <= n_group; default 1).
 
     Returns:
         out: [T, d] in x's dtype.
@@ -420,7 +421,9 @@ def route(
         routing: "softmax_topk" (default), "topk_softmax", "sigmoid" or "sqrt_softplus"; see moe().
         renormalize: divide a token's K scores by their sum (all but softmax_topk; default True).
         selection_bias: [E] sigmoid / sqrt_softplus only: added to the scores when choosing experts.
-        routed_scaling_factor, n_group, topk_group: see moe().
+        routed_scaling_factor: scores × this after renormalisation; see moe().
+        n_group: group-limited selection's groups (default 1: none); see moe().
+        topk_group: the groups kept (default 1); see moe().
     """
     logits = _float_tensor(logits, "logits", 2)
     E = logits.shape[1]

@@ -111,8 +111,9 @@ class MoE(nn.Module):
         tile_m: the token-rounding multiple (default 128, the kernels' tile height; >= 1).
         router_bias: give the router a bias, router.bias [E] (gpt-oss; default False; zeros).
         routed_scaling_factor: scores × this after renormalisation (default 1.0).
-        n_group, topk_group: group-limited selection (sigmoid / sqrt_softplus; default 1, 1:
-            none); see machmoe.functional.moe.
+        n_group: group-limited selection (sigmoid / sqrt_softplus): the experts form n_group
+            groups (default 1: none); see machmoe.functional.moe.
+        topk_group: the groups kept per token with n_group > 1 (default 1).
         backend: "auto" (default: the kernels for bfloat16 tensors on an sm_90 GPU, the torch
             backend otherwise), "machmoe" (the kernels, an error where they cannot run) or
             "torch" (pure PyTorch, any device and float dtype).
