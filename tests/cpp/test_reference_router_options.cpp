@@ -23,7 +23,7 @@ using mtest::Eval;
 using mtest::Rng;
 using Vec = std::vector<double>;
 
-double sqrt_softplus(double l) { return std::sqrt(l > 20 ? l : std::log(1 + std::exp(l))); }
+double sqrt_softplus(double l) { return std::sqrt(l > 20 ? l : std::log1p(std::exp(l))); }
 double sigm(double l) { return 1 / (1 + std::exp(-l)); }
 
 RouterOptions options(double scale, int64_t n_group = 1, int64_t topk_group = 1) {
