@@ -317,3 +317,40 @@ def test_restatement_matches_the_transformers_router(name):
     # float32 rounding there.
     float32_inside = name in ("deepseek_v3", "glm4_moe", "kimi_k2_like", "minimax_m2") or name.startswith("qwen3")
     assert rel(w_t, w_r) < (1e-6 if float32_inside else 1e-14)
+
+
+# ---------------------------------------------------------------- torch backend vs the C++ reference
+
+@pytest.mark.ops
+@pytest.mark.parametrize("routing,renorm,scale,n_group,topk_group", [
+    ("sqrt_softplus", True, 1.0, 1, 1), ("sqrt_softplus", False, 2.5, 1, 1), ("sigmoid", True, 2.5, 4, 2),
+    ("sqrt_softplus", True, 1.5, 4, 1), ("softmax_topk", True, 2.0, 1, 1), ("topk_softmax", False, 0.5, 1, 1),
+])
+def test_torch_backend_matches_cpp_reference_router_options(routing, renorm, scale, n_group, topk_group):
+    from machmoe import reference
+
+    T, d, n, E, K = 37, 16, 8, 16, 4
+    x = torch.randn(T, d, dtype=F64)
+    wr = torch.randn(E, d, dtype=F64) / d**0.5
+    br = torch.randn(E, dtype=F64) * 0.2
+    w1 = torch.randn(E, 2 * n, d, dtype=F64) / d**0.5
+    w2 = torch.randn(E, d, n, dtype=F64) / n**0.5
+    sel = torch.rand(E, dtype=F64) * 0.5 - 1.0 if routing in ("sigmoid", "sqrt_softplus") else None
+    dout = torch.randn(T, d, dtype=F64)
+    opts = dict(routing=routing, renormalize=renorm, selection_bias=sel, routed_scaling_factor=scale,
+                n_group=n_group, topk_group=topk_group)
+    logits = F.linear(x, wr, br)
+    s_ref, e_ref = reference.topk(logits, K, **opts)
+    s_got, e_got = functional.route(logits, K, **opts)
+    assert torch.equal(e_got.to(torch.int32), e_ref)
+    assert rel(s_got, s_ref) < 1e-14
+    ref = reference.layer(x, wr, w1, w2, dout, num_experts_per_tok=K, d_aux=0.3, router_bias=br, **opts)
+    leaves = [t.clone().requires_grad_() for t in (x, wr, br, w1, w2)]
+    out, aux = functional.moe(leaves[0], leaves[1], leaves[3], leaves[4], num_experts_per_tok=K,
+                              router_bias=leaves[2], backend="torch", **opts)
+    assert rel(out, ref.out) < 1e-13
+    assert abs(float(aux) - float(ref.aux)) < 1e-13
+    got = torch.autograd.grad([out, aux], leaves, [dout, torch.tensor(0.3, dtype=F64)])
+    for name, g, r in zip(("dx", "d_router_weight", "d_router_bias", "dw1", "dw2"), got,
+                          (ref.dx, ref.d_router_weight, ref.d_router_bias, ref.dw1, ref.dw2)):
+        assert rel(g, r) < 1e-12, name
