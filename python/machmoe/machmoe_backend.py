@@ -70,7 +70,7 @@ class _Layer(torch.autograd.Function):
     def forward(ctx, x, router_weight, w1, b1, w2, b2, selection_bias, router_bias, opts, router_opts):
         out, aux, saved = torch.ops.machmoe.layer_forward(x, router_weight, w1, b1, w2, b2, selection_bias, *opts,
                                                           True, router_bias, *router_opts)
-        ctx.save_for_backward(x, router_weight, w1, b1, w2, b2, saved, router_bias)
+        ctx.save_for_backward(x, router_weight, w1, b1, w2, b2, router_bias, saved)  # saved last
         ctx.opts = opts
         ctx.router_opts = router_opts
         # Unused outputs arrive as None (no zero tensors made): d_aux None means 0.
@@ -79,7 +79,7 @@ class _Layer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, d_aux):
-        x, router_weight, w1, b1, w2, b2, saved, router_bias = ctx.saved_tensors
+        x, router_weight, w1, b1, w2, b2, router_bias, saved = ctx.saved_tensors
         K, activation, layout, routing, renormalize, rounding, tile_m, _seed = ctx.opts
         dout = torch.zeros_like(x) if dout is None else dout.to(torch.bfloat16).contiguous()  # [T, d]
         # d_aux stays a device tensor: the backward reads it on the stream (no .item() sync).

@@ -354,3 +354,24 @@ def test_torch_backend_matches_cpp_reference_router_options(routing, renorm, sca
     for name, g, r in zip(("dx", "d_router_weight", "d_router_bias", "dw1", "dw2"), got,
                           (ref.dx, ref.d_router_weight, ref.d_router_bias, ref.dw1, ref.dw2)):
         assert rel(g, r) < 1e-12, name
+
+
+@pytest.mark.ops
+def test_layer_with_router_options_traces_on_fake_tensors():
+    # The machmoe backend's autograd node with a router bias and the router options, on fake
+    # tensors (torch.compile's tracing): the router bias gets a gradient of its shape and dtype.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    T, d, n, E, K = 77, 128, 64, 16, 4
+    with FakeTensorMode():
+        def param(*shape):
+            return torch.empty(*shape, device="cuda", dtype=torch.bfloat16).requires_grad_()
+
+        x, wr, br, w1, w2 = param(T, d), param(E, d), param(E), param(E, 2 * n, d), param(E, d, n)
+        sel = torch.empty(E, device="cuda")
+        out, aux = functional.moe(x, wr, w1, w2, num_experts_per_tok=K, routing="sqrt_softplus", selection_bias=sel,
+                                  router_bias=br, routed_scaling_factor=2.5, n_group=4, topk_group=2,
+                                  backend="machmoe")
+        assert out.shape == (T, d) and aux.shape == ()
+        grads = out.grad_fn.apply(torch.ones_like(out), torch.ones_like(aux))
+        assert grads[7] is not None and grads[7].shape == (E,) and grads[7].dtype == torch.bfloat16
