@@ -29,7 +29,17 @@ struct LayerProblem {
   TokenRounding rounding = TokenRounding::None;
   int64_t rounding_tile_m = 128;
   DType dtype = DType::BF16;  // x, weights, H and the output
+  // ---- router options of recent MoE models (docs/LAYER.md "Routing"); defaults: off.
+  double routed_scaling_factor = 1.0;  // > 0; scores × this after renormalisation
+  int64_t n_group = 1;                 // group-limited selection (gate routings): E % n_group == 0
+  int64_t topk_group = 1;              // groups kept, 1 <= topk_group <= n_group
+  bool has_router_bias = false;        // logits = x·Wrᵀ + b_r (router_bias [E] given)
 };
+
+// The router options of a layer problem as the routing calls take them.
+inline RouterOptions router_options(const LayerProblem& p) {
+  return RouterOptions{p.routed_scaling_factor, p.n_group, p.topk_group};
+}
 
 struct ExpertsProblem;
 
@@ -79,7 +89,8 @@ struct LayerForwardArgs {
   const void* b1 = nullptr;             // [E, n1]
   const void* w2 = nullptr;             // [E, d, n]
   const void* b2 = nullptr;             // [E, d]
-  const float* selection_bias = nullptr;  // [E], Sigmoid routing only
+  const float* selection_bias = nullptr;  // [E], gate routings (Sigmoid, SqrtSoftplus) only
+  const void* router_bias = nullptr;    // [E] bf16, exactly when has_router_bias
   void* out = nullptr;                  // [T, d]
   float* aux_loss = nullptr;            // [1]
   void* saved = nullptr;                // plan.saved_bytes (inference_saved_bytes with write_h = false), 256-byte aligned
@@ -112,6 +123,7 @@ struct LayerBackwardArgs {
   const float* d_aux_device = nullptr;
   void* dx = nullptr;           // [T, d]
   void* d_router_weight = nullptr;
+  void* d_router_bias = nullptr;  // [E] in weight_grad_dtype, exactly when has_router_bias
   void* dw1 = nullptr;
   void* db1 = nullptr;
   void* dw2 = nullptr;
@@ -212,6 +224,16 @@ void topk_router_backward(const float* logits, const float* scores, const int32_
                           const float* d_scores, int64_t T, int64_t E, int64_t K,
                           RoutingMethod method, bool renormalize, float* d_logits,
                           cudaStream_t stream);
+// The same with the router options (routed scaling factor, group-limited selection; see
+// RouterOptions). selection_bias with the gate routings (Sigmoid, SqrtSoftplus). Group-limited
+// selection runs a kernel that rescans the row per selection round (any E; slower).
+void topk_router(const float* logits, int64_t T, int64_t E, int64_t K, RoutingMethod method,
+                 bool renormalize, const RouterOptions& options, const float* selection_bias, float* scores,
+                 int32_t* experts, cudaStream_t stream);
+void topk_router_backward(const float* logits, const float* scores, const int32_t* experts,
+                          const float* d_scores, int64_t T, int64_t E, int64_t K,
+                          RoutingMethod method, bool renormalize, const RouterOptions& options,
+                          float* d_logits, cudaStream_t stream);
 
 // Routing metadata of R pairs, ordered by token: pair_expert [R], and pair_token [R] or null
 // for a top-K list (token of pair p = p / K). Outputs (int32, device): see RoutingMetadataOutputs.

@@ -21,12 +21,26 @@ struct TopK {
 };
 TopK topk_route(const double* logits, int64_t T, int64_t E, int64_t K, RoutingMethod method,
                 bool renormalize, const double* selection_bias);
+// The same with the router options: the routed scaling factor and group-limited selection
+// (gate routings only; selection_bias with the gate routings).
+TopK topk_route(const double* logits, int64_t T, int64_t E, int64_t K, RoutingMethod method,
+                bool renormalize, const RouterOptions& options, const double* selection_bias);
+// The kept groups of one token under group-limited selection: keep[g] for g < n_group, from the
+// selection values key [E] (gate + selection bias).
+std::vector<uint8_t> kept_groups(const double* key, int64_t E, const RouterOptions& options);
+// The gate of the gate routings: σ(l) (Sigmoid) or sqrt(softplus(l)) (SqrtSoftplus), and its
+// derivative; softplus(l) = l for l > 20, else log(1 + exp(l)) (as torch.nn.functional.softplus).
+double gate(RoutingMethod method, double logit);
+double gate_derivative(RoutingMethod method, double logit);
 
 // d_logits [T, E] from d_score [T*K] through the routing's score function (selection is
 // piecewise constant and not differentiated).
 std::vector<double> topk_route_backward(const double* logits, int64_t T, int64_t E,
                                         RoutingMethod method, bool renormalize, const TopK& topk,
                                         const double* d_score);
+std::vector<double> topk_route_backward(const double* logits, int64_t T, int64_t E,
+                                        RoutingMethod method, bool renormalize, const RouterOptions& options,
+                                        const TopK& topk, const double* d_score);
 
 // A general routing list of R pairs (token, expert, score), ordered by token (non-decreasing).
 // Top-K routing becomes one with pair p = t*K + k; token rounding produces one directly.
@@ -134,8 +148,9 @@ struct LayerConfig {
   Shape shape;
   int64_t K = 1;
   RoutingMethod routing = RoutingMethod::SoftmaxTopK;
-  bool renormalize = true;  // TopKSoftmax and Sigmoid only
+  bool renormalize = true;  // TopKSoftmax and the gate routings only
   TokenRoundingOptions rounding{TokenRounding::None, 128, 0};
+  RouterOptions router;     // routed scaling factor, group-limited selection
 };
 
 struct LayerForward {
@@ -150,9 +165,13 @@ struct LayerForward {
 // x [T, d], wr [E, d]; selection_bias [E] or null.
 LayerForward layer_forward(const LayerConfig& c, const double* x, const double* wr,
                            const Weights& w, const double* selection_bias);
+// With a router bias br [E] (null: none): logits = x·wrᵀ + br.
+LayerForward layer_forward(const LayerConfig& c, const double* x, const double* wr, const double* br,
+                           const Weights& w, const double* selection_bias);
 
 struct LayerGrads {
   std::vector<double> dx, dwr, dw1, db1, dw2, db2;  // shapes as the inputs
+  std::vector<double> dbr;                           // [E] = Σ_t d_logits (the router bias's gradient)
   std::vector<double> d_logits;                      // [T, E]
   std::vector<double> d_score;                       // [R] of fwd.list
 };

@@ -45,8 +45,25 @@ void check_glu_clamp(const char* fn, Activation act, const GluClamp& c);
 // Where gate and up live among the 2n rows of W1 (and columns of H): see docs/LAYER.md.
 enum class GateUpLayout : int32_t { Interleaved = 0, Concatenated = 1 };
 
-// How the router turns logits [T, E] into K (expert, score) pairs per token.
-enum class RoutingMethod : int32_t { SoftmaxTopK = 0, TopKSoftmax = 1, Sigmoid = 2 };
+// How the router turns logits [T, E] into K (expert, score) pairs per token. Sigmoid and
+// SqrtSoftplus score each expert on its own (a gate g(logit)); selection_bias and group-limited
+// selection apply to them.
+enum class RoutingMethod : int32_t { SoftmaxTopK = 0, TopKSoftmax = 1, Sigmoid = 2, SqrtSoftplus = 3 };
+
+constexpr bool is_gate_routing(RoutingMethod m) {
+  return m == RoutingMethod::Sigmoid || m == RoutingMethod::SqrtSoftplus;
+}
+
+// The router's options beyond the method (docs/LAYER.md "Routing"); the defaults leave them off.
+struct RouterOptions {
+  // Scores are multiplied by this after renormalisation (DeepSeek-V3, Kimi, GLM: 2.5, 2.827, ...).
+  double routed_scaling_factor = 1.0;
+  // Group-limited selection (gate routings only): the E experts form n_group groups of E/n_group
+  // consecutive experts; a group's score is the sum of its two largest selection values; only the
+  // experts of the topk_group best groups can be selected. n_group = 1: no grouping.
+  int64_t n_group = 1;
+  int64_t topk_group = 1;
+};
 
 // Tile-aware token rounding (training only). None = plain top-K.
 enum class TokenRounding : int32_t { None = 0, Nearest = 1, Up = 2, Down = 3, Stochastic = 4 };

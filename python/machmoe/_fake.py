@@ -94,12 +94,14 @@ def experts_saved_bytes(T, R, n, E, activation: str):
     return experts_saved_layout(int(n), int(E), activation).nbytes(R, T)
 
 
-def _topk_router(logits, K, routing, renormalize, selection_bias):
+def _topk_router(logits, K, routing, renormalize, selection_bias, routed_scaling_factor=1.0, n_group=1,
+                 topk_group=1):
     T = logits.shape[0]
     return logits.new_empty(T, K), logits.new_empty(T, K, dtype=torch.int32)
 
 
-def _topk_router_backward(logits, scores, experts, d_scores, routing, renormalize):
+def _topk_router_backward(logits, scores, experts, d_scores, routing, renormalize, routed_scaling_factor=1.0,
+                          n_group=1, topk_group=1):
     return logits.new_empty(logits.shape)
 
 
@@ -138,7 +140,8 @@ def _token_rounding_backward(logits, topk_scores, topk_experts, token_offsets, e
 
 
 def _layer_forward(x, router_weight, w1, b1, w2, b2, selection_bias, K, activation, layout, routing,
-                   renormalize, rounding, tile_m, seed, write_h=True, glu_clamp=()):
+                   renormalize, rounding, tile_m, seed, write_h=True, router_bias=None, routed_scaling_factor=1.0,
+                   n_group=1, topk_group=1, glu_clamp=()):
     T, d = x.shape
     E, n = w1.shape[0], w2.shape[2]
     saved = layer_saved_bytes(T, n, E, K, activation, rounding, tile_m, write_h)
@@ -154,9 +157,11 @@ def _weight_grads(x, w1, b1, w2):
 
 
 def _layer_backward(x, router_weight, w1, b1, w2, b2, saved, dout, d_aux, K, activation, layout, routing,
-                    renormalize, rounding, tile_m, glu_clamp=()):
+                    renormalize, rounding, tile_m, router_bias=None, routed_scaling_factor=1.0, n_group=1,
+                    topk_group=1, glu_clamp=()):
     dw1, db1, dw2, db2 = _weight_grads(x, w1, b1, w2)
-    return x.new_empty(x.shape), router_weight.new_empty(router_weight.shape), dw1, db1, dw2, db2
+    dbr = None if router_bias is None else router_bias.new_empty(router_bias.shape)
+    return x.new_empty(x.shape), router_weight.new_empty(router_weight.shape), dw1, db1, dw2, db2, dbr
 
 
 def _experts_forward(x, w1, b1, w2, b2, scores, token_idx, expert_idx, activation, layout, glu_clamp=()):

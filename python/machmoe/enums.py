@@ -45,6 +45,13 @@ class RoutingMethod(_StrEnum):
     SOFTMAX_TOPK = "softmax_topk"  # top-K of logits, softmax over the K selected
     TOPK_SOFTMAX = "topk_softmax"  # softmax over all E, top-K, optional renormalisation
     SIGMOID = "sigmoid"  # sigmoid scores, optional renormalisation and selection bias
+    SQRT_SOFTPLUS = "sqrt_softplus"  # sqrt(softplus(logit)) scores (DeepSeek-V4), as sigmoid's
+
+
+def is_gate_routing(method: "RoutingMethod") -> bool:
+    """The routings that score each expert by a gate of its own logit (sigmoid, sqrt_softplus):
+    the selection bias and group-limited selection apply to them."""
+    return method in (RoutingMethod.SIGMOID, RoutingMethod.SQRT_SOFTPLUS)
 
 
 class TokenRounding(_StrEnum):

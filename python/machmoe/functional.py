@@ -27,6 +27,7 @@ from .enums import (
     GluClamp,
     RoutingMethod,
     TokenRounding,
+    is_gate_routing,
     is_glu,
     parse_enum,
     resolve_glu_clamp,
@@ -138,14 +139,43 @@ def _validate_routing(E: int, num_experts_per_tok, routing, renormalize, selecti
     _int(tile_m, "tile_m", 1)
     _int(seed, "seed", 0, _SEED_LIMIT - 1)
     if selection_bias is not None:
-        if routing != RoutingMethod.SIGMOID:
-            raise ValueError(f"selection_bias is only used with routing='sigmoid'; "
+        if not is_gate_routing(routing):
+            raise ValueError(f"selection_bias is only used with routing='sigmoid' or 'sqrt_softplus'; "
                              f"got routing={routing.value!r}")
         _shape(_float_tensor(selection_bias, "selection_bias", 1), "selection_bias", (E,), "[E]")
     if rounding != TokenRounding.NONE and routing != RoutingMethod.SOFTMAX_TOPK:
         raise ValueError(f"token_rounding={rounding.value!r} needs routing='softmax_topk'; "
                          f"got routing={routing.value!r}")
     return K, routing, rounding
+
+
+def _validate_router_options(E: int, K: int, routing: RoutingMethod, rounding: TokenRounding,
+                             routed_scaling_factor, n_group, topk_group) -> torch_backend.RouterOptions:
+    """Checks the router options (LAYER.md "Routing") for E experts, K per token."""
+    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
+        raise TypeError(f"routed_scaling_factor must be a float; got {type(routed_scaling_factor).__name__}")
+    scale = float(routed_scaling_factor)
+    # finite in fp32 too: the kernels scale in fp32
+    if not (scale > 0 and abs(torch.tensor(scale, dtype=torch.float32).item()) < float("inf")):
+        raise ValueError(f"routed_scaling_factor must be finite (in float32) and > 0; got {routed_scaling_factor}")
+    n_group = _int(n_group, "n_group", 1, E)
+    if E % n_group != 0:
+        raise ValueError(f"n_group must divide E = {E}; got {n_group}")
+    topk_group = _int(topk_group, "topk_group", 1, n_group)
+    if n_group > 1:
+        if not is_gate_routing(routing):
+            raise ValueError(f"group-limited selection (n_group > 1) needs routing='sigmoid' or 'sqrt_softplus'; "
+                             f"got routing={routing.value!r}")
+        if E // n_group < 2:
+            raise ValueError(f"group-limited selection needs >= 2 experts per group (E / n_group); got E = {E}, "
+                             f"n_group = {n_group}")
+        if K > topk_group * (E // n_group):
+            raise ValueError(f"num_experts_per_tok must be <= topk_group * E / n_group = "
+                             f"{topk_group * (E // n_group)}; got {K}")
+    if rounding != TokenRounding.NONE and (scale != 1.0 or n_group != 1):
+        raise ValueError("token rounding takes no routed_scaling_factor (must be 1) and no group-limited "
+                         f"selection (n_group must be 1); got {scale} and {n_group}")
+    return torch_backend.RouterOptions(scale, n_group, topk_group)
 
 
 def _validate_routing_list(scores, token_idx, expert_idx, T: int, E: int) -> None:
@@ -239,6 +269,10 @@ def moe(
     tile_m: int = 128,
     seed: int = 0,
     backend: Union[Backend, str] = Backend.AUTO,
+    router_bias: Optional[torch.Tensor] = None,
+    routed_scaling_factor: float = 1.0,
+    n_group: int = 1,
+    topk_group: int = 1,
     glu_clamp: Optional[GluClamp] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE layer (router, top-K routing, experts, weighted sum) -> (out, aux_loss).
@@ -247,8 +281,8 @@ def moe(
 
     Args:
         x: [T, d] tokens, float16/bfloat16/float32/float64.
-        router_weight: [E, d] router weights (logits = x · router_weightᵀ, computed in fp32 or
-            fp64).
+        router_weight: [E, d] router weights (logits = x · router_weightᵀ (+ router_bias),
+            computed in fp32 or fp64).
         w1: [E, N1, d] up-projection (gate and up) weights; N1 = 2n for the GLU activations
             (swiglu, geglu, reglu), n for the others.
         w2: [E, d, n] down-projection weights.
@@ -261,11 +295,12 @@ def moe(
         layout: where gate and up rows sit in w1 for GLU activations: "interleaved" (default;
             row 2j gate j, row 2j+1 up j) or "concatenated" (gate rows [0, n), up rows [n, 2n)).
         routing: "softmax_topk" (default; top-K logits, softmax over those K), "topk_softmax"
-            (softmax over all E, then top-K) or "sigmoid" (sigmoid scores).
-        renormalize: for topk_softmax and sigmoid, divide a token's K scores by their sum
-            (default True); softmax_topk scores already sum to 1.
-        selection_bias: [E] added to the sigmoid scores when choosing experts, never to the
-            scores themselves (sigmoid routing only; default None).
+            (softmax over all E, then top-K), "sigmoid" (sigmoid scores) or "sqrt_softplus"
+            (sqrt(softplus(logit)) scores, DeepSeek-V4).
+        renormalize: for topk_softmax, sigmoid and sqrt_softplus, divide a token's K scores by
+            their sum (default True); softmax_topk scores already sum to 1.
+        selection_bias: [E] added to the sigmoid / sqrt_softplus scores when choosing experts,
+            never to the scores themselves (those routings only; default None).
         token_rounding: "none" (default), or "nr", "up", "down", "stochastic": round each
             expert's token count to a multiple of tile_m (softmax_topk routing only). A batch
             whose every expert rounds to zero tokens gives a zero output; the torch backend warns
@@ -274,6 +309,14 @@ def moe(
         tile_m: the rounding tile, rows per expert GEMM tile (default 128; >= 1).
         seed: the seed of stochastic token rounding, 0 <= seed < 2**63 (default 0).
         backend: "auto" (default), "machmoe" or "torch"; see resolve_backend.
+        router_bias: [E] bias of the router (gpt-oss), or None (default); receives a gradient.
+        routed_scaling_factor: the scores are multiplied by it after renormalisation (DeepSeek-V3,
+            Kimi, GLM-4.5; default 1.0; > 0).
+        n_group: group-limited selection (DeepSeek-V3; sigmoid / sqrt_softplus only): the E
+            experts form n_group groups of E / n_group consecutive experts (>= 2 each), a group
+            scores the sum of its two largest selection values, and only the experts of the
+            topk_group best groups can be chosen (default 1: no grouping).
+        topk_group: the groups kept per token (1 <= topk_group <= n_group; default 1).
         glu_clamp: the parameters of activation "clamped_swiglu" (a machmoe.GluClamp; None:
             gpt-oss's, GluClamp()); GluClamp.deepseek_v4(limit) and GluClamp.post_activation(limit)
             give the other variants. Other activations take none.
@@ -295,7 +338,11 @@ def moe(
     _shape(router_weight, "router_weight", (E, d), "[E, d] with d = x.shape[1]")
     K, routing, rounding = _validate_routing(E, num_experts_per_tok, routing, renormalize,
                                              selection_bias, token_rounding, tile_m, seed)
+    options = _validate_router_options(E, K, routing, rounding, routed_scaling_factor, n_group, topk_group)
     weights = {"x": x, "router_weight": router_weight, "w1": w1, "w2": w2, "b1": b1, "b2": b2}
+    if router_bias is not None:
+        weights["router_bias"] = _float_tensor(router_bias, "router_bias", 1)
+        _shape(router_bias, "router_bias", (E,), "[E]")
     _same_dtype(weights, "x")
     _same_device({**weights, "selection_bias": selection_bias}, "x")
 
@@ -303,9 +350,11 @@ def moe(
         from . import machmoe_backend
 
         return machmoe_backend.moe(x, router_weight, w1, b1, w2, b2, K, activation, layout, routing,
-                                   renormalize, selection_bias, rounding, tile_m, seed, glu_clamp)
+                                   renormalize, selection_bias, rounding, tile_m, seed, router_bias, options,
+                                   glu_clamp)
     return torch_backend.moe(x, router_weight, w1, b1, w2, b2, K, activation, layout, routing,
-                             renormalize, selection_bias, rounding, tile_m, seed, glu_clamp)
+                             renormalize, selection_bias, rounding, tile_m, seed, router_bias, options,
+                             glu_clamp)
 
 
 def moe_general(
@@ -432,6 +481,9 @@ def route(
     routing: Union[RoutingMethod, str] = RoutingMethod.SOFTMAX_TOPK,
     renormalize: bool = True,
     selection_bias: Optional[torch.Tensor] = None,
+    routed_scaling_factor: float = 1.0,
+    n_group: int = 1,
+    topk_group: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-K routing of logits -> (scores [T, K] float32/float64, experts [T, K] int64).
 
@@ -442,9 +494,12 @@ def route(
         logits: [T, E] router logits, any float dtype (routing runs in float32, or float64 for
             float64 logits).
         num_experts_per_tok: K, experts per token, 1 <= K <= E.
-        routing: "softmax_topk" (default), "topk_softmax" or "sigmoid"; see moe().
-        renormalize: divide a token's K scores by their sum (topk_softmax, sigmoid; default True).
-        selection_bias: [E] sigmoid routing only: added to the scores when choosing experts.
+        routing: "softmax_topk" (default), "topk_softmax", "sigmoid" or "sqrt_softplus"; see moe().
+        renormalize: divide a token's K scores by their sum (all but softmax_topk; default True).
+        selection_bias: [E] sigmoid / sqrt_softplus only: added to the scores when choosing experts.
+        routed_scaling_factor: scores × this after renormalisation; see moe().
+        n_group: group-limited selection's groups (default 1: none); see moe().
+        topk_group: the groups kept (default 1); see moe().
     """
     logits = _float_tensor(logits, "logits", 2)
     E = logits.shape[1]
@@ -452,8 +507,10 @@ def route(
         raise ValueError(f"logits must have shape [T, E] with E >= 1; got {list(logits.shape)}")
     K, routing, _ = _validate_routing(E, num_experts_per_tok, routing, renormalize,
                                       selection_bias, TokenRounding.NONE, 1, 0)
+    options = _validate_router_options(E, K, routing, TokenRounding.NONE, routed_scaling_factor, n_group,
+                                       topk_group)
     _same_device({"logits": logits, "selection_bias": selection_bias}, "logits")
-    return torch_backend.route_topk(logits, K, routing, renormalize, selection_bias)
+    return torch_backend.route_topk(logits, K, routing, renormalize, selection_bias, options)
 
 
 def token_rounding(

@@ -63,14 +63,16 @@ def _contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 class _Layer(torch.autograd.Function):
     """The layer as one autograd node: forward = machmoe::layer_forward, backward =
     machmoe::layer_backward. Saves x, the weights (which the caller holds anyway) and the `saved`
-    block; nothing else. selection_bias changes only which experts are selected: no gradient."""
+    block; nothing else. selection_bias changes only which experts are selected: no gradient.
+    router_opts: (routed_scaling_factor, n_group, topk_group)."""
 
     @staticmethod
-    def forward(ctx, x, router_weight, w1, b1, w2, b2, selection_bias, opts, glu_clamp):
+    def forward(ctx, x, router_weight, w1, b1, w2, b2, selection_bias, router_bias, opts, router_opts, glu_clamp):
         out, aux, saved = torch.ops.machmoe.layer_forward(x, router_weight, w1, b1, w2, b2, selection_bias, *opts,
-                                                          glu_clamp=glu_clamp)
-        ctx.save_for_backward(x, router_weight, w1, b1, w2, b2, saved)
+                                                          True, router_bias, *router_opts, glu_clamp=glu_clamp)
+        ctx.save_for_backward(x, router_weight, w1, b1, w2, b2, router_bias, saved)  # saved last
         ctx.opts = opts
+        ctx.router_opts = router_opts
         ctx.glu_clamp = glu_clamp
         # Unused outputs arrive as None (no zero tensors made): d_aux None means 0.
         ctx.set_materialize_grads(False)
@@ -78,33 +80,37 @@ class _Layer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, d_aux):
-        x, router_weight, w1, b1, w2, b2, saved = ctx.saved_tensors
+        x, router_weight, w1, b1, w2, b2, router_bias, saved = ctx.saved_tensors
         K, activation, layout, routing, renormalize, rounding, tile_m, _seed = ctx.opts
         dout = torch.zeros_like(x) if dout is None else dout.to(torch.bfloat16).contiguous()  # [T, d]
         # d_aux stays a device tensor: the backward reads it on the stream (no .item() sync).
-        dx, dwr, dw1, db1, dw2, db2 = torch.ops.machmoe.layer_backward(
+        dx, dwr, dw1, db1, dw2, db2, dbr = torch.ops.machmoe.layer_backward(
             x, router_weight, w1, b1, w2, b2, saved, dout, d_aux, K, activation, layout, routing, renormalize,
-            rounding, tile_m, glu_clamp=ctx.glu_clamp)
-        return dx, dwr, dw1, db1, dw2, db2, None, None, None
+            rounding, tile_m, router_bias, *ctx.router_opts, glu_clamp=ctx.glu_clamp)
+        return dx, dwr, dw1, db1, dw2, db2, None, dbr, None, None, None
 
 
 def moe(x, router_weight, w1, b1, w2, b2, K: int, activation: ActivationType, layout: GateUpLayout,
         routing: RoutingMethod, renormalize: bool, selection_bias, rounding: TokenRounding, tile_m: int,
-        seed: int, glu_clamp: Optional[GluClamp] = None):
+        seed: int, router_bias=None, router_options=None, glu_clamp: Optional[GluClamp] = None):
     T, d = x.shape
     E, n = w1.shape[0], w2.shape[2]
     _check(x, d, n)
-    x, router_weight, w1, w2, b1, b2 = (_contiguous(t) for t in (x, router_weight, w1, w2, b1, b2))
+    x, router_weight, w1, w2, b1, b2, router_bias = (_contiguous(t) for t in (x, router_weight, w1, w2, b1, b2,
+                                                                              router_bias))
     bias = None if selection_bias is None else selection_bias.detach().float().contiguous()
     opts = (K, activation.value, layout.value, routing.value, renormalize, rounding.value, tile_m, seed)
+    router_opts = (1.0, 1, 1) if router_options is None else (float(router_options.routed_scaling_factor),
+                                                              int(router_options.n_group),
+                                                              int(router_options.topk_group))
     glu = glu_clamp_list(glu_clamp)  # [] or [alpha, limit, up_offset, clamp_after]
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                            for t in (x, router_weight, w1, b1, w2, b2))):
+                                            for t in (x, router_weight, w1, b1, w2, b2, router_bias))):
         # Inference: no autograd node, and the up-projection does not write H (nothing will read it).
         out, aux, _ = torch.ops.machmoe.layer_forward(x, router_weight, w1, b1, w2, b2, bias, *opts, False,
-                                                      glu_clamp=glu)
+                                                      router_bias, *router_opts, glu_clamp=glu)
         return out, aux
-    return _Layer.apply(x, router_weight, w1, b1, w2, b2, bias, opts, glu)
+    return _Layer.apply(x, router_weight, w1, b1, w2, b2, bias, router_bias, opts, router_opts, glu)
 
 
 class _General(torch.autograd.Function):

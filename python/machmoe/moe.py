@@ -18,6 +18,7 @@ from .enums import (
     GluClamp,
     RoutingMethod,
     TokenRounding,
+    is_gate_routing,
     is_glu,
     resolve_glu_clamp,
     parse_enum,
@@ -99,10 +100,10 @@ class MoE(nn.Module):
             False; initialised to zeros).
         std: standard deviation of the normal initialisation of every weight (default 0.02).
         routing: "softmax_topk" (default; top-K logits, softmax over those K), "topk_softmax"
-            (softmax over all E, then top-K) or "sigmoid" (sigmoid scores; adds the
-            selection_bias buffer).
-        renormalize: for topk_softmax and sigmoid routing, divide a token's K scores by their
-            sum (default True).
+            (softmax over all E, then top-K), "sigmoid" (sigmoid scores) or "sqrt_softplus"
+            (sqrt(softplus(logit)) scores); the last two add the selection_bias buffer.
+        renormalize: for topk_softmax, sigmoid and sqrt_softplus routing, divide a token's K
+            scores by their sum (default True).
         gate_up_layout: where gate and up rows sit in c_fc.weight for GLU activations:
             "interleaved" (default; row 2j gate j, row 2j+1 up j) or "concatenated" (gate rows
             [0, n), up rows [n, 2n): the Hugging Face layout).
@@ -112,6 +113,11 @@ class MoE(nn.Module):
             which every expert rounds down to zero tokens gives a zero output; the torch backend
             warns then (the kernels keep the row counts on the GPU and do not check).
         tile_m: the token-rounding multiple (default 128, the kernels' tile height; >= 1).
+        router_bias: give the router a bias, router.bias [E] (gpt-oss; default False; zeros).
+        routed_scaling_factor: scores × this after renormalisation (default 1.0).
+        n_group: group-limited selection (sigmoid / sqrt_softplus): the experts form n_group
+            groups (default 1: none); see machmoe.functional.moe.
+        topk_group: the groups kept per token with n_group > 1 (default 1).
         backend: "auto" (default: the kernels for bfloat16 tensors on an sm_90 GPU, the torch
             backend otherwise), "machmoe" (the kernels, an error where they cannot run) or
             "torch" (pure PyTorch, any device and float dtype).
@@ -125,10 +131,11 @@ class MoE(nn.Module):
             activations take none.
 
     Parameters: router.weight [E, d]; c_fc.weight [E, N1, d] (N1 = 2n for GLU activations, n
-    otherwise), c_fc.bias [E, N1]; c_proj.weight [E, d, n], c_proj.bias [E, d]; with sigmoid
-    routing a buffer selection_bias [E] (zeros; it changes which experts are selected, never
-    the scores); with shared experts shared_c_fc.weight [S, N1s, d], shared_c_proj.weight
-    [S, d, n_s] (and their biases with add_bias) and, with the gate, shared_gate.weight [1, d].
+    otherwise), c_fc.bias [E, N1]; c_proj.weight [E, d, n], c_proj.bias [E, d]; router.bias [E]
+    with router_bias; with sigmoid or sqrt_softplus routing a buffer selection_bias [E] (zeros;
+    it changes which experts are selected, never the scores); with shared experts
+    shared_c_fc.weight [S, N1s, d], shared_c_proj.weight [S, d, n_s] (and their biases with
+    add_bias) and, with the gate, shared_gate.weight [1, d].
 
     forward(hidden_states, backend=None) -> (output, aux_loss):
         hidden_states: [..., d] tokens, any leading shape; bfloat16 on an H100/H200 runs the
@@ -153,6 +160,10 @@ class MoE(nn.Module):
         token_rounding: Union[TokenRounding, str] = TokenRounding.NONE,
         tile_m: int = 128,
         backend: Union[Backend, str] = Backend.AUTO,
+        router_bias: bool = False,
+        routed_scaling_factor: float = 1.0,
+        n_group: int = 1,
+        topk_group: int = 1,
         num_shared_experts: int = 0,
         shared_intermediate_size: Optional[int] = None,
         shared_expert_gate: bool = False,
@@ -174,14 +185,22 @@ class MoE(nn.Module):
         self.backend = parse_enum(Backend, backend, "backend")
         # activation_function "clamped_swiglu": its parameters (None: gpt-oss's); None otherwise
         self.glu_clamp = resolve_glu_clamp(self.activation_function, glu_clamp)
+        if not isinstance(router_bias, bool):
+            raise TypeError(f"router_bias must be a bool; got {type(router_bias).__name__}")
+        options = functional._validate_router_options(num_experts, num_experts_per_tok, self.routing,
+                                                      self.token_rounding, routed_scaling_factor, n_group,
+                                                      topk_group)
+        self.routed_scaling_factor, self.n_group, self.topk_group = options
 
         E, d, n = num_experts, hidden_size, intermediate_size
         n1 = 2 * n if is_glu(self.activation_function) else n
-        self.router = nn.Linear(d, E, bias=False)
+        self.router = nn.Linear(d, E, bias=router_bias)
         nn.init.normal_(self.router.weight, mean=0.0, std=std)
+        if router_bias:
+            nn.init.zeros_(self.router.bias)
         self.c_fc = ExpertLinear(E, d, n1, add_bias, std)
         self.c_proj = ExpertLinear(E, n, d, add_bias, std)
-        if self.routing == RoutingMethod.SIGMOID:
+        if is_gate_routing(self.routing):
             self.register_buffer("selection_bias", torch.zeros(E))
         else:
             self.selection_bias = None
@@ -243,7 +262,8 @@ class MoE(nn.Module):
             selection_bias=self.selection_bias,
             token_rounding=rounding, tile_m=self.tile_m, seed=seed,
             backend=self.backend if backend is None else backend,
-            glu_clamp=self.glu_clamp,
+            router_bias=self.router.bias, routed_scaling_factor=self.routed_scaling_factor,
+            n_group=self.n_group, topk_group=self.topk_group, glu_clamp=self.glu_clamp,
         )
         if self.num_shared_experts:
             out = out + shared_experts(

@@ -47,6 +47,7 @@ class LayerResult(NamedTuple):
     dw2: torch.Tensor  # [E, d, n]
     db2: torch.Tensor  # [E, d], or [0] without biases
     d_logits: torch.Tensor  # [T, E]
+    d_router_bias: torch.Tensor  # [E] = Σ_t d_logits (the router bias's gradient)
 
 
 class GeneralResult(NamedTuple):
@@ -66,11 +67,15 @@ def topk(
     routing: Union[RoutingMethod, str] = RoutingMethod.SOFTMAX_TOPK,
     renormalize: bool = True,
     selection_bias: Optional[torch.Tensor] = None,
+    routed_scaling_factor: float = 1.0,
+    n_group: int = 1,
+    topk_group: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-K routing of logits [T, E] -> (scores [T, K] float64, experts [T, K] int32)."""
     routing = parse_enum(RoutingMethod, routing, "routing")
     scores, experts = _ops_namespace().reference_topk(logits, num_experts_per_tok, routing.value,
-                                                      renormalize, selection_bias)
+                                                      renormalize, selection_bias, float(routed_scaling_factor),
+                                                      n_group, topk_group)
     return scores, experts
 
 
@@ -113,6 +118,10 @@ def layer(
     token_rounding: Union[TokenRounding, str] = TokenRounding.NONE,
     tile_m: int = 128,
     seed: int = 0,
+    router_bias: Optional[torch.Tensor] = None,
+    routed_scaling_factor: float = 1.0,
+    n_group: int = 1,
+    topk_group: int = 1,
     glu_clamp: Optional[GluClamp] = None,
 ) -> LayerResult:
     """Forward and backward of the whole layer in float64, for dout [T, d] and d_aux."""
@@ -125,7 +134,7 @@ def layer(
         parse_enum(RoutingMethod, routing, "routing").value,
         renormalize,
         parse_enum(TokenRounding, token_rounding, "token_rounding").value,
-        tile_m, seed, glu_clamp=clamp))
+        tile_m, seed, router_bias, float(routed_scaling_factor), n_group, topk_group, glu_clamp=clamp))
 
 
 def general(

@@ -26,6 +26,7 @@ from .enums import (
     GluClamp,
     RoutingMethod,
     TokenRounding,
+    is_gate_routing,
     is_glu,
     parse_enum,
     resolve_glu_clamp,
@@ -61,10 +62,41 @@ def _descending_order(keys: torch.Tensor, dim: int = -1) -> torch.Tensor:
 # ---------------------------------------------------------------- routing
 
 
-def router_logits(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
-    """logits [T, E] = x [T, d] · router_weight [E, d]ᵀ, in the routing dtype."""
+def router_logits(x: torch.Tensor, router_weight: torch.Tensor,
+                  router_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """logits [T, E] = x [T, d] · router_weight [E, d]ᵀ (+ router_bias [E]), in the routing dtype."""
     dtype = routing_dtype(x.dtype)
-    return F.linear(x.to(dtype), router_weight.to(dtype))
+    bias = None if router_bias is None else router_bias.to(dtype)
+    return F.linear(x.to(dtype), router_weight.to(dtype), bias)
+
+
+class RouterOptions(NamedTuple):
+    """The router's options beyond the method (LAYER.md "Routing"); the defaults leave them off."""
+
+    routed_scaling_factor: float = 1.0  # scores × this after renormalisation
+    n_group: int = 1  # group-limited selection: E experts in n_group groups (gate routings)
+    topk_group: int = 1  # groups kept
+
+
+def gate(logits: torch.Tensor, method: RoutingMethod) -> torch.Tensor:
+    """The gate routings' per-expert score: sigmoid(logit), or sqrt(softplus(logit)) with
+    torch's softplus (the identity above 20)."""
+    if method == RoutingMethod.SIGMOID:
+        return torch.sigmoid(logits)
+    return F.softplus(logits).sqrt()
+
+
+def _kept_group_experts(key: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """Group-limited selection: [T, E] bool, True for the experts of each token's topk_group best
+    groups. A group's score is the sum of its two largest selection keys (as LAYER.md orders
+    them), groups rank by score with ties to the lower group."""
+    T, E = key.shape
+    grouped = key.detach().reshape(T, n_group, E // n_group)  # [T, G, S]
+    top2 = grouped.gather(2, _descending_order(grouped, dim=2)[:, :, :2])  # [T, G, 2]
+    group_score = top2[:, :, 0] + top2[:, :, 1]  # [T, G]
+    kept = _descending_order(group_score, dim=1)[:, :topk_group]  # [T, topk_group]
+    keep = torch.zeros(T, n_group, dtype=torch.bool, device=key.device).scatter_(1, kept, True)
+    return keep[:, :, None].expand(T, n_group, E // n_group).reshape(T, E)
 
 
 def route_topk(
@@ -73,6 +105,7 @@ def route_topk(
     method: Union[RoutingMethod, str] = RoutingMethod.SOFTMAX_TOPK,
     renormalize: bool = True,
     selection_bias: Optional[torch.Tensor] = None,
+    options: RouterOptions = RouterOptions(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-K routing of logits [T, E] -> (scores [T, K] routing dtype, experts [T, K] int64).
 
@@ -81,21 +114,30 @@ def route_topk(
     """
     method = parse_enum(RoutingMethod, method, "routing")
     logits = logits.to(routing_dtype(logits.dtype))
-    if method == RoutingMethod.SIGMOID:
-        gates = torch.sigmoid(logits)  # [T, E]
+    if is_gate_routing(method):
+        gates = gate(logits, method)  # [T, E]
         key = gates if selection_bias is None else gates + selection_bias.to(logits.dtype)
     else:
         key = logits
-    experts = _descending_order(key, dim=1)[:, :K]  # [T, K]
+    order = _descending_order(key, dim=1)  # [T, E]
+    if options.n_group > 1:
+        # The experts of dropped groups go behind every kept one (a stable sort on "kept" keeps
+        # the order inside each part): transformers' -inf fill, also for -inf and NaN keys.
+        keep = _kept_group_experts(key, options.n_group, options.topk_group).gather(1, order)
+        order = order.gather(1, torch.sort(keep.to(torch.uint8), dim=1, descending=True, stable=True).indices)
+    experts = order[:, :K]  # [T, K]
 
     if method == RoutingMethod.SOFTMAX_TOPK:
-        return torch.softmax(logits.gather(1, experts), dim=1), experts
-    if method == RoutingMethod.TOPK_SOFTMAX:
-        scores = torch.softmax(logits, dim=1).gather(1, experts)
+        scores = torch.softmax(logits.gather(1, experts), dim=1)
     else:
-        scores = gates.gather(1, experts)
-    if renormalize:
-        scores = scores / scores.sum(dim=1, keepdim=True)
+        if method == RoutingMethod.TOPK_SOFTMAX:
+            scores = torch.softmax(logits, dim=1).gather(1, experts)
+        else:
+            scores = gates.gather(1, experts)
+        if renormalize:
+            scores = scores / scores.sum(dim=1, keepdim=True)
+    if options.routed_scaling_factor != 1.0:
+        scores = scores * options.routed_scaling_factor
     return scores, experts
 
 
@@ -250,6 +292,7 @@ def route_pairs(
     rounding: Union[TokenRounding, str] = TokenRounding.NONE,
     tile_m: int = 128,
     seed: int = 0,
+    options: RouterOptions = RouterOptions(),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The routing list (token [R], expert [R], score [R]) the experts run on: the T·K top-K
     pairs in (t, k) order, or the token-rounded list (then `routing` must be softmax_topk)."""
@@ -257,7 +300,7 @@ def route_pairs(
     if rounding != TokenRounding.NONE:
         token, expert, score, _ = token_rounding(logits, K, rounding, tile_m, seed)
         return token, expert, score
-    scores, experts = route_topk(logits, K, routing, renormalize, selection_bias)
+    scores, experts = route_topk(logits, K, routing, renormalize, selection_bias, options)
     tokens = torch.arange(logits.shape[0], device=logits.device).repeat_interleave(K)
     return tokens, experts.reshape(-1), scores.reshape(-1)
 
@@ -389,12 +432,14 @@ def moe_forward(
     rounding: Union[TokenRounding, str] = TokenRounding.NONE,
     tile_m: int = 128,
     seed: int = 0,
+    router_bias: Optional[torch.Tensor] = None,
+    router_options: RouterOptions = RouterOptions(),
     glu_clamp: Optional[GluClamp] = None,
 ) -> LayerForward:
     """The whole layer, with its intermediates (logits and the routing list) exposed."""
-    logits = router_logits(x, router_weight)
+    logits = router_logits(x, router_weight, router_bias)
     token, expert, score = route_pairs(logits, K, routing, renormalize, selection_bias,
-                                       rounding, tile_m, seed)
+                                       rounding, tile_m, seed, router_options)
     out = experts(x, w1, b1, w2, b2, token, expert, score, activation, layout, glu_clamp)
     return LayerForward(out, aux_loss(logits, expert), logits, token, expert, score)
 

@@ -15,11 +15,19 @@ namespace {
 
 using at::Tensor;
 
+// The router options of a layer call (docs/LAYER.md "Routing"): router bias, scaling, groups.
+struct RouterArgs {
+  bool has_router_bias = false;
+  double routed_scaling_factor = 1.0;
+  int64_t n_group = 1, topk_group = 1;
+};
+
 // The problem of a layer call from the tensors' shapes and the string options, validated: the one
 // validation of the call (plan_workspace and the C++ call take the validated problem as it is).
+
 ValidLayerProblem layer_problem(const Tensor& x, const Tensor& w1, const Tensor& w2, bool has_bias, int64_t K,
                                 const std::string& activation, const std::string& layout, const std::string& routing,
-                                bool renormalize, const std::string& rounding, int64_t tile_m,
+                                bool renormalize, const std::string& rounding, int64_t tile_m, const RouterArgs& r,
                                 at::ArrayRef<double> glu_clamp) {
   LayerProblem p = problem_from_tensors<LayerProblem>(x, w1, w2, has_bias, activation, layout, glu_clamp);
   p.K = K;
@@ -27,6 +35,10 @@ ValidLayerProblem layer_problem(const Tensor& x, const Tensor& w1, const Tensor&
   p.renormalize = renormalize;
   p.rounding = parse_token_rounding(rounding);
   p.rounding_tile_m = tile_m;
+  p.has_router_bias = r.has_router_bias;
+  p.routed_scaling_factor = r.routed_scaling_factor;
+  p.n_group = r.n_group;
+  p.topk_group = r.topk_group;
   return validate(p);
 }
 
@@ -54,15 +66,18 @@ std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tenso
                                                     const std::string& activation, const std::string& layout,
                                                     const std::string& routing, bool renormalize,
                                                     const std::string& rounding, int64_t tile_m, int64_t seed,
-                                                    bool write_h, at::ArrayRef<double> glu_clamp) {
+                                                    bool write_h, const std::optional<Tensor>& router_bias,
+                                                    double routed_scaling_factor, int64_t n_group,
+                                                    int64_t topk_group, at::ArrayRef<double> glu_clamp) {
   return translate_errors([&] {
     const ValidLayerProblem valid =
         layer_problem(x, w1, w2, b1.has_value(), K, activation, layout, routing, renormalize, rounding, tile_m,
-                      glu_clamp);
+                      {router_bias.has_value(), routed_scaling_factor, n_group, topk_group}, glu_clamp);
     const LayerProblem& p = *valid;
     check_layer_tensors(p, x, router_weight, w1, b1, w2, b2);
     const at::Device device = x.device();
     if (selection_bias) check_tensor(*selection_bias, "selection_bias", at::kFloat, {p.E}, &device);
+    if (router_bias) check_bf16(*router_bias, "router_bias", {p.E}, &device);
     const c10::cuda::CUDAGuard guard(x.device());
     const WorkspacePlan plan = plan_workspace(valid);
     const auto bytes = x.options().dtype(at::kByte);
@@ -79,6 +94,7 @@ std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tenso
     a.w2 = w2.data_ptr();
     a.b2 = b2 ? b2->data_ptr() : nullptr;
     a.selection_bias = selection_bias ? selection_bias->data_ptr<float>() : nullptr;
+    a.router_bias = router_bias ? router_bias->data_ptr() : nullptr;
     a.out = out.data_ptr();
     a.aux_loss = aux.data_ptr<float>();
     a.saved = saved.data_ptr();
@@ -90,7 +106,8 @@ std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tenso
   });
 }
 
-using Grads = std::tuple<Tensor, Tensor, Tensor, std::optional<Tensor>, Tensor, std::optional<Tensor>>;
+using Grads = std::tuple<Tensor, Tensor, Tensor, std::optional<Tensor>, Tensor, std::optional<Tensor>,
+                         std::optional<Tensor>>;
 
 // Gradients of the layer from layer_forward's `saved` block (same problem arguments as the forward
 // that wrote it), in the weights' dtype (bf16). d_aux: the aux loss's gradient as a one-element
@@ -99,11 +116,13 @@ Grads op_layer_backward(const Tensor& x, const Tensor& router_weight, const Tens
                         const Tensor& w2, const std::optional<Tensor>& b2, const Tensor& saved, const Tensor& dout,
                         const std::optional<Tensor>& d_aux, int64_t K, const std::string& activation,
                         const std::string& layout, const std::string& routing, bool renormalize,
-                        const std::string& rounding, int64_t tile_m, at::ArrayRef<double> glu_clamp) {
+                        const std::string& rounding, int64_t tile_m, const std::optional<Tensor>& router_bias,
+                        double routed_scaling_factor, int64_t n_group, int64_t topk_group,
+                        at::ArrayRef<double> glu_clamp) {
   return translate_errors([&] {
     const ValidLayerProblem valid =
         layer_problem(x, w1, w2, b1.has_value(), K, activation, layout, routing, renormalize, rounding, tile_m,
-                      glu_clamp);
+                      {router_bias.has_value(), routed_scaling_factor, n_group, topk_group}, glu_clamp);
     const LayerProblem& p = *valid;
     check_layer_tensors(p, x, router_weight, w1, b1, w2, b2);
     const at::Device device = x.device();
@@ -123,7 +142,8 @@ Grads op_layer_backward(const Tensor& x, const Tensor& router_weight, const Tens
     Tensor dwr = at::empty({p.E, p.d}, x.options());
     Tensor dw1 = at::empty({p.E, n1, p.d}, x.options());
     Tensor dw2 = at::empty({p.E, p.d, p.n}, x.options());
-    std::optional<Tensor> db1, db2;
+    std::optional<Tensor> db1, db2, dbr;
+    if (p.has_router_bias) dbr = at::empty({p.E}, x.options());
     if (p.has_bias) {
       db1 = at::empty({p.E, n1}, x.options());
       db2 = at::empty({p.E, p.d}, x.options());
@@ -141,6 +161,7 @@ Grads op_layer_backward(const Tensor& x, const Tensor& router_weight, const Tens
     a.d_aux_device = d_aux32 ? d_aux32->data_ptr<float>() : nullptr;
     a.dx = dx.data_ptr();
     a.d_router_weight = dwr.data_ptr();
+    a.d_router_bias = dbr ? dbr->data_ptr() : nullptr;
     a.dw1 = dw1.data_ptr();
     a.db1 = db1 ? db1->data_ptr() : nullptr;
     a.dw2 = dw2.data_ptr();
@@ -148,7 +169,7 @@ Grads op_layer_backward(const Tensor& x, const Tensor& router_weight, const Tens
     a.workspace = ws.data_ptr();
     a.weight_grad_dtype = DType::BF16;
     layer_backward(valid, a, at::cuda::getCurrentCUDAStream());
-    return Grads(dx, dwr, dw1, db1, dw2, db2);
+    return Grads(dx, dwr, dw1, db1, dw2, db2, dbr);
   });
 }
 
@@ -157,12 +178,15 @@ Grads op_layer_backward(const Tensor& x, const Tensor& router_weight, const Tens
 TORCH_LIBRARY_FRAGMENT(machmoe, m) {
   m.def("layer_forward(Tensor x, Tensor router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2,"
         " Tensor? selection_bias, int K, str activation, str layout, str routing, bool renormalize,"
-        " str rounding, int tile_m, int seed, bool write_h=True, float[] glu_clamp=[])"
+        " str rounding, int tile_m, int seed, bool write_h=True, Tensor? router_bias=None,"
+        " float routed_scaling_factor=1.0, int n_group=1, int topk_group=1, float[] glu_clamp=[])"
         " -> (Tensor, Tensor, Tensor)");
   m.def("layer_backward(Tensor x, Tensor router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2,"
         " Tensor saved, Tensor dout, Tensor? d_aux, int K, str activation, str layout, str routing,"
-        " bool renormalize, str rounding, int tile_m, float[] glu_clamp=[])"
-        " -> (Tensor dx, Tensor d_router_weight, Tensor dw1, Tensor? db1, Tensor dw2, Tensor? db2)");
+        " bool renormalize, str rounding, int tile_m, Tensor? router_bias=None, float routed_scaling_factor=1.0,"
+        " int n_group=1, int topk_group=1, float[] glu_clamp=[])"
+        " -> (Tensor dx, Tensor d_router_weight, Tensor dw1, Tensor? db1, Tensor dw2, Tensor? db2,"
+        " Tensor? d_router_bias)");
 }
 
 TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {

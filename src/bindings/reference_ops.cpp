@@ -93,7 +93,8 @@ ExpertInputs expert_inputs(const Tensor& x, const Tensor& w1, const std::optiona
 }
 
 std::tuple<Tensor, Tensor> reference_topk(const Tensor& logits, int64_t K, const std::string& routing,
-                                          bool renormalize, const std::optional<Tensor>& selection_bias) {
+                                          bool renormalize, const std::optional<Tensor>& selection_bias,
+                                          double routed_scaling_factor, int64_t n_group, int64_t topk_group) {
   return translate_errors([&] {
     check_dims(logits, "logits", 2);
     const int64_t T = logits.size(0), E = logits.size(1);
@@ -105,7 +106,7 @@ std::tuple<Tensor, Tensor> reference_topk(const Tensor& logits, int64_t K, const
       bias = as_f64(*selection_bias, "selection_bias");
     }
     const auto r = ref::topk_route(l.data_ptr<double>(), T, E, K, parse_routing(routing), renormalize,
-                                   opt_ptr(bias));
+                                   RouterOptions{routed_scaling_factor, n_group, topk_group}, opt_ptr(bias));
     return std::make_tuple(vec_to_tensor(r.score, {T, K}), vec_to_tensor(r.expert, {T, K}));
   });
 }
@@ -148,7 +149,7 @@ Tensor bias_grad(const std::vector<double>& g, int64_t rows, int64_t cols) {
 }
 
 using LayerResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                               Tensor, Tensor, Tensor>;
+                               Tensor, Tensor, Tensor, Tensor>;
 
 LayerResult reference_layer(const Tensor& x, const Tensor& router_weight, const Tensor& w1,
                             const std::optional<Tensor>& b1, const Tensor& w2,
@@ -156,7 +157,8 @@ LayerResult reference_layer(const Tensor& x, const Tensor& router_weight, const 
                             const Tensor& dout, double d_aux, int64_t K, const std::string& activation,
                             const std::string& layout, const std::string& routing, bool renormalize,
                             const std::string& rounding, int64_t tile_m, int64_t seed,
-                            at::ArrayRef<double> glu_clamp) {
+                            const std::optional<Tensor>& router_bias, double routed_scaling_factor, int64_t n_group,
+                            int64_t topk_group, at::ArrayRef<double> glu_clamp) {
   return translate_errors([&] {
     const ExpertInputs in = expert_inputs(x, w1, b1, w2, b2, activation, layout, glu_clamp);
     const auto& s = in.s;
@@ -169,15 +171,21 @@ LayerResult reference_layer(const Tensor& x, const Tensor& router_weight, const 
     c.routing = parse_routing(routing);
     c.renormalize = renormalize;
     c.rounding = {parse_token_rounding(rounding), tile_m, static_cast<uint64_t>(seed)};
-    std::optional<Tensor> bias;
+    c.router = RouterOptions{routed_scaling_factor, n_group, topk_group};
+    std::optional<Tensor> bias, rbias;
+    if (router_bias) {
+      check_shape(*router_bias, "router_bias", {s.E});
+      rbias = as_f64(*router_bias, "router_bias");
+    }
     if (selection_bias) {
-      MACHMOE_CHECK_VALUE(c.routing == RoutingMethod::Sigmoid, "selection_bias is only used with routing=sigmoid");
+      MACHMOE_CHECK_VALUE(is_gate_routing(c.routing),
+                          "selection_bias is only used with routing=sigmoid or sqrt_softplus");
       check_shape(*selection_bias, "selection_bias", {s.E});
       bias = as_f64(*selection_bias, "selection_bias");
     }
     const Tensor wr = as_f64(router_weight, "router_weight"), go = as_f64(dout, "dout");
     const double* xp = in.x.data_ptr<double>();
-    const auto f = ref::layer_forward(c, xp, wr.data_ptr<double>(), in.weights(), opt_ptr(bias));
+    const auto f = ref::layer_forward(c, xp, wr.data_ptr<double>(), opt_ptr(rbias), in.weights(), opt_ptr(bias));
     const auto g = ref::layer_backward(c, xp, wr.data_ptr<double>(), in.weights(), f,
                                        go.data_ptr<double>(), d_aux);
     const int64_t R = f.list.size();
@@ -186,7 +194,8 @@ LayerResult reference_layer(const Tensor& x, const Tensor& router_weight, const 
                        vec_to_tensor(f.list.score, {R}), vec_to_tensor(g.dx, {s.T, s.d}),
                        vec_to_tensor(g.dwr, {s.E, s.d}), vec_to_tensor(g.dw1, {s.E, s.n1(), s.d}),
                        bias_grad(g.db1, s.E, s.n1()), vec_to_tensor(g.dw2, {s.E, s.d, s.n}),
-                       bias_grad(g.db2, s.E, s.d), vec_to_tensor(g.d_logits, {s.T, s.E}));
+                       bias_grad(g.db2, s.E, s.d), vec_to_tensor(g.d_logits, {s.T, s.E}),
+                       vec_to_tensor(g.dbr, {s.E}));
   });
 }
 
@@ -221,7 +230,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> reference_gen
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(machmoe, m) {
-  m.def("reference_topk(Tensor logits, int K, str routing, bool renormalize, Tensor? selection_bias)"
+  m.def("reference_topk(Tensor logits, int K, str routing, bool renormalize, Tensor? selection_bias,"
+        " float routed_scaling_factor=1.0, int n_group=1, int topk_group=1)"
         " -> (Tensor, Tensor)", &reference_topk);
   m.def("reference_token_rounding(Tensor logits, int K, str mode, int tile_m, int seed)"
         " -> (Tensor, Tensor, Tensor, Tensor)", &reference_token_rounding);
@@ -229,8 +239,10 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
         " -> (Tensor, Tensor, Tensor, Tensor, Tensor)", &reference_metadata);
   m.def("reference_layer(Tensor x, Tensor router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2,"
         " Tensor? selection_bias, Tensor dout, float d_aux, int K, str activation, str layout,"
-        " str routing, bool renormalize, str rounding, int tile_m, int seed, float[] glu_clamp=[])"
-        " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        " str routing, bool renormalize, str rounding, int tile_m, int seed, Tensor? router_bias=None,"
+        " float routed_scaling_factor=1.0, int n_group=1, int topk_group=1, float[] glu_clamp=[])"
+        " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,"
+        " Tensor)",
         &reference_layer);
   m.def("reference_general(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, Tensor token,"
         " Tensor expert, Tensor score, Tensor dout, str activation, str layout, float[] glu_clamp=[])"

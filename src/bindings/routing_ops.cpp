@@ -24,7 +24,8 @@ DType to_dtype(at::ScalarType t, const char* name) {
 }
 
 std::tuple<Tensor, Tensor> op_topk_router(const Tensor& logits, int64_t K, const std::string& routing,
-                                          bool renormalize, const std::optional<Tensor>& selection_bias) {
+                                          bool renormalize, const std::optional<Tensor>& selection_bias,
+                                          double routed_scaling_factor, int64_t n_group, int64_t topk_group) {
   return translate_errors([&] {
     check_dims(logits, "logits", 2);
     check_tensor(logits, "logits", at::kFloat, logits.sizes());
@@ -36,6 +37,7 @@ std::tuple<Tensor, Tensor> op_topk_router(const Tensor& logits, int64_t K, const
     Tensor scores = at::empty({T, K}, logits.options());
     Tensor experts = at::empty({T, K}, logits.options().dtype(at::kInt));
     topk_router(logits.data_ptr<float>(), T, E, K, parse_routing(routing), renormalize,
+                RouterOptions{routed_scaling_factor, n_group, topk_group},
                 selection_bias ? selection_bias->data_ptr<float>() : nullptr, scores.data_ptr<float>(),
                 experts.data_ptr<int32_t>(), at::cuda::getCurrentCUDAStream());
     return std::make_tuple(scores, experts);
@@ -43,7 +45,8 @@ std::tuple<Tensor, Tensor> op_topk_router(const Tensor& logits, int64_t K, const
 }
 
 Tensor op_topk_router_backward(const Tensor& logits, const Tensor& scores, const Tensor& experts,
-                               const Tensor& d_scores, const std::string& routing, bool renormalize) {
+                               const Tensor& d_scores, const std::string& routing, bool renormalize,
+                               double routed_scaling_factor, int64_t n_group, int64_t topk_group) {
   return translate_errors([&] {
     check_dims(logits, "logits", 2);
     check_tensor(logits, "logits", at::kFloat, logits.sizes());
@@ -58,7 +61,7 @@ Tensor op_topk_router_backward(const Tensor& logits, const Tensor& scores, const
     Tensor d_logits = at::empty({T, E}, logits.options());
     topk_router_backward(logits.data_ptr<float>(), scores.data_ptr<float>(), experts.data_ptr<int32_t>(),
                          d_scores.data_ptr<float>(), T, E, K, parse_routing(routing), renormalize,
-                         d_logits.data_ptr<float>(), at::cuda::getCurrentCUDAStream());
+                         RouterOptions{routed_scaling_factor, n_group, topk_group}, d_logits.data_ptr<float>(), at::cuda::getCurrentCUDAStream());
     return d_logits;
   });
 }
@@ -227,10 +230,12 @@ Tensor op_token_rounding_backward(const Tensor& logits, const Tensor& topk_score
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(machmoe, m) {
-  m.def("topk_router(Tensor logits, int K, str routing, bool renormalize, Tensor? selection_bias)"
+  m.def("topk_router(Tensor logits, int K, str routing, bool renormalize, Tensor? selection_bias,"
+        " float routed_scaling_factor=1.0, int n_group=1, int topk_group=1)"
         " -> (Tensor, Tensor)");
   m.def("topk_router_backward(Tensor logits, Tensor scores, Tensor experts, Tensor d_scores,"
-        " str routing, bool renormalize) -> Tensor");
+        " str routing, bool renormalize, float routed_scaling_factor=1.0, int n_group=1, int topk_group=1)"
+        " -> Tensor");
   m.def("routing_metadata(Tensor pair_expert, Tensor? pair_token, int T, int E)"
         " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("exchange_plan(Tensor experts, Tensor scores, int E, int W, int rank)"

@@ -50,10 +50,75 @@ uint64_t splitmix64(uint64_t z) {
 
 }  // namespace
 
+double gate(RoutingMethod method, double logit) {
+  if (method == RoutingMethod::Sigmoid) return sigmoid(logit);
+  // softplus as torch.nn.functional.softplus computes it (threshold 20: the identity above it)
+  const double softplus = logit > 20.0 ? logit : std::log1p(std::exp(logit));
+  return std::sqrt(softplus);
+}
+
+double gate_derivative(RoutingMethod method, double logit) {
+  if (method == RoutingMethod::Sigmoid) {
+    const double s = sigmoid(logit);
+    return s * (1.0 - s);
+  }
+  // d sqrt(sp)/dl = sp'(l) / (2 sqrt(sp)), sp'(l) = σ(l) below the threshold, 1 above it
+  const double d_softplus = logit > 20.0 ? 1.0 : sigmoid(logit);
+  return d_softplus / (2.0 * gate(method, logit));
+}
+
+namespace {
+
+void check_router_options(RoutingMethod method, int64_t E, int64_t K, const RouterOptions& o,
+                          const double* selection_bias) {
+  require(o.routed_scaling_factor > 0.0 && std::isfinite(o.routed_scaling_factor),
+          "topk_route: routed_scaling_factor must be finite and > 0");
+  require(selection_bias == nullptr || is_gate_routing(method),
+          "topk_route: selection_bias is only used with routing=sigmoid or sqrt_softplus");
+  require(o.n_group >= 1 && E % o.n_group == 0, "topk_route: n_group must be >= 1 and divide E");
+  require(o.topk_group >= 1 && o.topk_group <= o.n_group, "topk_route: topk_group must be in [1, n_group]");
+  if (o.n_group > 1) {
+    require(is_gate_routing(method), "topk_route: group-limited selection (n_group > 1) needs a gate routing");
+    require(E / o.n_group >= 2, "topk_route: group-limited selection needs >= 2 experts per group");
+    require(K <= o.topk_group * (E / o.n_group), "topk_route: K must be <= topk_group * E / n_group");
+  }
+}
+
+}  // namespace
+
+std::vector<uint8_t> kept_groups(const double* key, int64_t E, const RouterOptions& o) {
+  const int64_t G = o.n_group, S = E / G;
+  std::vector<uint8_t> keep(G, 1);
+  if (G == 1) return keep;
+  // Group score: the sum of the group's two largest selection values (NaN ranks largest).
+  std::vector<double> score(G);
+  std::vector<int64_t> order(S);
+  for (int64_t g = 0; g < G; ++g) {
+    std::iota(order.begin(), order.end(), g * S);
+    std::partial_sort(order.begin(), order.begin() + 2, order.end(),
+                      [&](int64_t a, int64_t b) { return ranks_before(key[a], a, key[b], b); });
+    score[g] = key[order[0]] + key[order[1]];
+  }
+  std::vector<int64_t> groups(G);
+  std::iota(groups.begin(), groups.end(), 0);
+  std::partial_sort(groups.begin(), groups.begin() + o.topk_group, groups.end(),
+                    [&](int64_t a, int64_t b) { return ranks_before(score[a], a, score[b], b); });
+  std::fill(keep.begin(), keep.end(), 0);
+  for (int64_t i = 0; i < o.topk_group; ++i) keep[groups[i]] = 1;
+  return keep;
+}
+
 TopK topk_route(const double* logits, int64_t T, int64_t E, int64_t K, RoutingMethod method,
                 bool renormalize, const double* selection_bias) {
+  return topk_route(logits, T, E, K, method, renormalize, RouterOptions{}, selection_bias);
+}
+
+TopK topk_route(const double* logits, int64_t T, int64_t E, int64_t K, RoutingMethod method,
+                bool renormalize, const RouterOptions& options, const double* selection_bias) {
   require(T >= 0 && E >= 1, "topk_route: need T >= 0 and E >= 1");
   require(K >= 1 && K <= E, "topk_route: K must be in [1, E]");
+  check_router_options(method, E, K, options, selection_bias);
+  const int64_t S = E / options.n_group;
   TopK r;
   r.T = T;
   r.K = K;
@@ -65,9 +130,14 @@ TopK topk_route(const double* logits, int64_t T, int64_t E, int64_t K, RoutingMe
     const double* l = logits + t * E;
     for (int64_t e = 0; e < E; ++e) {
       key[e] = l[e];
-      if (method == RoutingMethod::Sigmoid) key[e] = sigmoid(l[e]) + (selection_bias ? selection_bias[e] : 0.0);
+      if (is_gate_routing(method)) key[e] = gate(method, l[e]) + (selection_bias ? selection_bias[e] : 0.0);
     }
-    std::iota(order.begin(), order.end(), 0);
+    // Group-limited selection: the experts of dropped groups are out of the selection (as a
+    // selection value of -inf would be; K <= topk_group * S leaves enough kept experts).
+    const auto keep = kept_groups(key.data(), E, options);
+    order.clear();
+    for (int64_t e = 0; e < E; ++e)
+      if (keep[e / S]) order.push_back(e);
     std::partial_sort(order.begin(), order.begin() + K, order.end(),
                       [&](int64_t a, int64_t b) { return ranks_before(key[a], a, key[b], b); });
     double* s = r.score.data() + t * K;
@@ -82,12 +152,13 @@ TopK topk_route(const double* logits, int64_t T, int64_t E, int64_t K, RoutingMe
     } else if (method == RoutingMethod::TopKSoftmax) {
       const auto p = softmax_row(l, E);
       for (int64_t k = 0; k < K; ++k) s[k] = p[order[k]];
-    } else {  // Sigmoid
+    } else {  // gate routings
       double sum = 0;
-      for (int64_t k = 0; k < K; ++k) sum += (s[k] = sigmoid(l[order[k]]));
+      for (int64_t k = 0; k < K; ++k) sum += (s[k] = gate(method, l[order[k]]));
       if (renormalize)
         for (int64_t k = 0; k < K; ++k) s[k] /= sum;
     }
+    for (int64_t k = 0; k < K; ++k) s[k] *= options.routed_scaling_factor;
   }
   return r;
 }
@@ -95,7 +166,14 @@ TopK topk_route(const double* logits, int64_t T, int64_t E, int64_t K, RoutingMe
 std::vector<double> topk_route_backward(const double* logits, int64_t T, int64_t E,
                                         RoutingMethod method, bool renormalize, const TopK& topk,
                                         const double* d_score) {
+  return topk_route_backward(logits, T, E, method, renormalize, RouterOptions{}, topk, d_score);
+}
+
+std::vector<double> topk_route_backward(const double* logits, int64_t T, int64_t E,
+                                        RoutingMethod method, bool renormalize, const RouterOptions& options,
+                                        const TopK& topk, const double* d_score) {
   const int64_t K = topk.K;
+  const double c = options.routed_scaling_factor;
   std::vector<double> dl(T * E, 0.0);
   std::vector<double> y(K), g(K), dz(K);
   for (int64_t t = 0; t < T; ++t) {
@@ -103,10 +181,11 @@ std::vector<double> topk_route_backward(const double* logits, int64_t T, int64_t
     const int32_t* ex = topk.expert.data() + t * K;
     const double* s = topk.score.data() + t * K;
     double* d = dl.data() + t * E;
-    for (int64_t k = 0; k < K; ++k) g[k] = d_score[t * K + k];
+    // s = c · s0: the gradient into the unscaled scores s0 is c · d_score
+    for (int64_t k = 0; k < K; ++k) g[k] = c * d_score[t * K + k];
+    for (int64_t k = 0; k < K; ++k) y[k] = s[k] / c;
     if (method == RoutingMethod::SoftmaxTopK ||
         (method == RoutingMethod::TopKSoftmax && renormalize)) {
-      y.assign(s, s + K);
       softmax_backward(y, g, dz.data());
       for (int64_t k = 0; k < K; ++k) d[ex[k]] += dz[k];
     } else if (method == RoutingMethod::TopKSoftmax) {
@@ -116,10 +195,10 @@ std::vector<double> topk_route_backward(const double* logits, int64_t T, int64_t
       for (int64_t k = 0; k < K; ++k) dot += g[k] * p[ex[k]];
       for (int64_t j = 0; j < E; ++j) d[j] -= p[j] * dot;
       for (int64_t k = 0; k < K; ++k) d[ex[k]] += g[k] * p[ex[k]];
-    } else {  // Sigmoid: s_k = σ_k (/ Σσ when renormalised)
+    } else {  // gate routings: s_k = g_k (/ Σ g when renormalised), g_k = gate(l_k)
       std::vector<double> sg(K), dsg(K);
       double sum = 0;
-      for (int64_t k = 0; k < K; ++k) sum += (sg[k] = sigmoid(l[ex[k]]));
+      for (int64_t k = 0; k < K; ++k) sum += (sg[k] = gate(method, l[ex[k]]));
       if (renormalize) {
         double dot = 0;
         for (int64_t k = 0; k < K; ++k) dot += g[k] * sg[k];
@@ -127,7 +206,7 @@ std::vector<double> topk_route_backward(const double* logits, int64_t T, int64_t
       } else {
         dsg = g;
       }
-      for (int64_t k = 0; k < K; ++k) d[ex[k]] += dsg[k] * sg[k] * (1.0 - sg[k]);
+      for (int64_t k = 0; k < K; ++k) d[ex[k]] += dsg[k] * gate_derivative(method, l[ex[k]]);
     }
   }
   return dl;

@@ -279,6 +279,15 @@ TEST(LayerBackward, RefusesWhatItDoesNotRun) {
   refuses(ErrorCode::InvalidArgument, p, a, "null dw1", "dw1 must not be null");
   a = ba, a.dout = nullptr;  // allowed only when T = 0 (an empty tensor)
   refuses(ErrorCode::InvalidArgument, p, a, "null dout", "dout must not be null when T > 0");
+  // The router bias's gradient exactly with has_router_bias; at most 32 groups on the GPU.
+  p = valid_problem(), p.has_router_bias = true;
+  refuses(ErrorCode::InvalidArgument, p, ba, "has_router_bias without d_router_bias",
+          "d_router_bias must be given when has_router_bias");
+  a = ba, a.d_router_bias = aligned;
+  refuses(ErrorCode::InvalidArgument, valid_problem(), a, "d_router_bias without has_router_bias",
+          "d_router_bias must be null unless has_router_bias");
+  p = valid_problem(), p.E = 128, p.routing = RoutingMethod::SqrtSoftplus, p.n_group = 64, p.topk_group = 2;
+  refuses(ErrorCode::InvalidArgument, p, ba, "64 groups", "n_group");
 }
 
 // The layer forward refuses, before touching memory, what it does not run: non-bf16 data and
@@ -303,6 +312,17 @@ TEST(LayerForward, RefusesWhatItDoesNotRun) {
   p = valid_problem();
   p.has_bias = true;  // biases announced but not given
   mtest::expect_error(ErrorCode::InvalidArgument, [&] { layer_forward(p, fa, nullptr); }, "bias");
+  p = valid_problem();
+  p.has_router_bias = true;  // router bias announced but not given
+  EXPECT_NE(mtest::expect_error(ErrorCode::InvalidArgument, [&] { layer_forward(p, fa, nullptr); }, "router bias")
+                .find("router_bias"),
+            std::string::npos);
+  LayerForwardArgs sb = fa;
+  sb.selection_bias = static_cast<float*>(ptr);  // only with the gate routings
+  mtest::expect_error(ErrorCode::InvalidArgument, [&] { layer_forward(valid_problem(), sb, nullptr); },
+                      "selection bias with softmax_topk");
+  p = valid_problem(), p.routing = RoutingMethod::SqrtSoftplus;
+  EXPECT_NO_THROW(validate(p));
 }
 
 // The gather loaders address rows in 32-bit offsets of 16 bytes: a gathered operand of 2^35

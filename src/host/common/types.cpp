@@ -23,9 +23,10 @@ constexpr NameTable<Activation, 8> kActivations{{{Activation::SwiGLU, "swiglu"},
                                                  {Activation::ClampedSwiGLU, "clamped_swiglu"}}};
 constexpr NameTable<GateUpLayout, 2> kLayouts{
     {{GateUpLayout::Interleaved, "interleaved"}, {GateUpLayout::Concatenated, "concatenated"}}};
-constexpr NameTable<RoutingMethod, 3> kRoutings{{{RoutingMethod::SoftmaxTopK, "softmax_topk"},
+constexpr NameTable<RoutingMethod, 4> kRoutings{{{RoutingMethod::SoftmaxTopK, "softmax_topk"},
                                                  {RoutingMethod::TopKSoftmax, "topk_softmax"},
-                                                 {RoutingMethod::Sigmoid, "sigmoid"}}};
+                                                 {RoutingMethod::Sigmoid, "sigmoid"},
+                                                 {RoutingMethod::SqrtSoftplus, "sqrt_softplus"}}};
 constexpr NameTable<TokenRounding, 5> kRoundings{{{TokenRounding::None, "none"},
                                                   {TokenRounding::Nearest, "nr"},
                                                   {TokenRounding::Up, "up"},

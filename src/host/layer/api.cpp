@@ -5,6 +5,7 @@
 // layer_backward.cu, their expert part (and experts_forward/backward) in experts.cpp and
 // experts_backward.cu, the kernel families in routing.cu, token_rounding.cu, grouped_gemm.cu and
 // grouped_wgrad.cu.
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -36,6 +37,26 @@ ValidLayerProblem validate(const LayerProblem& p) {
   require(p.dtype == DType::BF16 || p.dtype == DType::FP16 || p.dtype == DType::FP32, "dtype",
           "must be bfloat16, float16 or float32");
   check_glu_clamp("LayerProblem", p.activation, p.glu_clamp);
+  // The router options (docs/LAYER.md "Routing").
+  require(p.routed_scaling_factor > 0.0 && std::isfinite(static_cast<float>(p.routed_scaling_factor)),
+          "routed_scaling_factor", "must be finite (in fp32) and > 0, got " + std::to_string(p.routed_scaling_factor));
+  require(p.n_group >= 1 && p.E % p.n_group == 0, "n_group",
+          "must be >= 1 and divide E=" + std::to_string(p.E) + ", got " + std::to_string(p.n_group));
+  require(p.topk_group >= 1 && p.topk_group <= p.n_group, "topk_group",
+          "must be in [1, n_group=" + std::to_string(p.n_group) + "], got " + std::to_string(p.topk_group));
+  if (p.n_group > 1) {
+    require(is_gate_routing(p.routing), "n_group",
+            std::string("group-limited selection (n_group > 1) needs routing=sigmoid or sqrt_softplus, got routing=") +
+                to_string(p.routing));
+    require(p.E / p.n_group >= 2, "n_group",
+            "group-limited selection needs >= 2 experts per group (E / n_group), got E=" + std::to_string(p.E) +
+                ", n_group=" + std::to_string(p.n_group));
+    require(p.K <= p.topk_group * (p.E / p.n_group), "K",
+            "must be <= topk_group * E / n_group = " + std::to_string(p.topk_group * (p.E / p.n_group)) + ", got " +
+                std::to_string(p.K));
+  }
+  require(p.rounding == TokenRounding::None || (p.routed_scaling_factor == 1.0 && p.n_group == 1), "rounding",
+          "token rounding takes no routed_scaling_factor (must be 1) and no group-limited selection (n_group 1)");
   // Row indices are int32 on the device; element offsets are 64-bit.
   require(p.T <= std::numeric_limits<int32_t>::max() / p.K, "T",
           "T*K must fit in int32 (rows are indexed by int32), got T=" + std::to_string(p.T) +

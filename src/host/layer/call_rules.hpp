@@ -24,11 +24,13 @@ inline void require_gpu_data(DType dtype, int64_t d, int64_t n, const char* fn) 
                                             std::to_string(d) + ", n=" + std::to_string(n));
 }
 
-// The GPU layer's rules beyond validate(): the data rules, and at most 32 experts per token with
-// token rounding (the rounding kernels keep a token's choices in registers).
+// The GPU layer's rules beyond validate(): the data rules, at most 32 experts per token with
+// token rounding (the rounding kernels keep a token's choices in registers), at most 32 groups.
 inline void require_gpu_problem(const ValidLayerProblem& valid, const char* fn) {
   const LayerProblem& p = *valid;
   require_arg(p.rounding == TokenRounding::None || p.K <= 32, fn, "K", "must be <= 32 with token rounding");
+  require_arg(p.n_group <= 32, fn, "n_group",
+              "must be <= 32 on the GPU (the router scores one group per lane), got " + std::to_string(p.n_group));
   require_gpu_data(p.dtype, p.d, p.n, fn);
 }
 inline void require_gpu_problem(const ValidExpertsProblem& valid, const char* fn) {

@@ -26,12 +26,13 @@ using detail::require_arg;
 
 namespace {
 
-// logits [T, E] fp32 = x [T, d] bf16 · Wrᵀ (Wr [E, d] bf16), fp32 accumulation. Column-major
-// view: logitsᵀ [E, T] = Wr · xᵀ. The workspace is ours, so the call is graph-capturable.
-void router_gemm(const void* x, const void* wr, float* logits, int64_t T, int64_t E, int64_t d, void* ws,
-                 size_t ws_bytes, cudaStream_t stream) {
+// logits [T, E] fp32 = x [T, d] bf16 · Wrᵀ (Wr [E, d] bf16), fp32 accumulation, plus (accumulate:
+// beta = 1) what logits already hold (the broadcast router bias). Column-major view: logitsᵀ
+// [E, T] = Wr · xᵀ. The workspace is ours, so the call is graph-capturable.
+void router_gemm(const void* x, const void* wr, float* logits, int64_t T, int64_t E, int64_t d, bool accumulate,
+                 void* ws, size_t ws_bytes, cudaStream_t stream) {
   cublasHandle_t h = detail::cublas_on(stream, ws, ws_bytes, "layer_forward");
-  const float alpha = 1.f, beta = 0.f;
+  const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
   check_cublas(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(E), static_cast<int>(T),
                             static_cast<int>(d), &alpha, wr, CUDA_R_16BF, static_cast<int>(d), x, CUDA_R_16BF,
                             static_cast<int>(d), &beta, logits, CUDA_R_32F, static_cast<int>(E),
@@ -50,8 +51,9 @@ void layer_forward(const ValidLayerProblem& valid, const LayerForwardArgs& a, cu
   // x and out have T rows: empty (and so possibly null, as an empty framework tensor is) when T = 0.
   if (p.T > 0) detail::require_given(fn, {{"x", a.x}, {"out", a.out}}, "T > 0");
   detail::require_given_exactly_when(p.has_bias, "has_bias", fn, {{"b1", a.b1}, {"b2", a.b2}});
-  require_arg(a.selection_bias == nullptr || p.routing == RoutingMethod::Sigmoid, fn, "selection_bias",
-              "is only used with routing=sigmoid");
+  require_arg(a.selection_bias == nullptr || is_gate_routing(p.routing), fn, "selection_bias",
+              "is only used with routing=sigmoid or sqrt_softplus");
+  detail::require_given_exactly_when(p.has_router_bias, "has_router_bias", fn, {{"router_bias", a.router_bias}});
   detail::require_block_aligned(fn, {{"saved", a.saved}, {"workspace", a.workspace}});
   detail::require_row_aligned(fn, {{"x", a.x}, {"w1", a.w1}, {"w2", a.w2}, {"b2", a.b2}});
   const LayerLayout L(valid);
@@ -68,8 +70,9 @@ void layer_forward(const ValidLayerProblem& valid, const LayerForwardArgs& a, cu
   const bool rounded = p.rounding != TokenRounding::None;
   const int64_t R = L.R;  // T·K, or the rounded list's capacity (its length stays on the device)
 
-  router_gemm(a.x, a.router_weight, logits, p.T, p.E, p.d, at<void>(w, L.cublas), LayerLayout::kCublasWorkspace,
-              stream);
+  if (p.has_router_bias) detail::router_bias_broadcast(a.router_bias, p.T, p.E, logits, stream);
+  router_gemm(a.x, a.router_weight, logits, p.T, p.E, p.d, p.has_router_bias, at<void>(w, L.cublas),
+              LayerLayout::kCublasWorkspace, stream);
   // The expert part runs on the list the router made: top-K (token = pair / K) or the rounded list
   // (capacity rows, invalid past its length); `scores`/`experts` hold the list's scores and experts.
   detail::ExpertsForwardRun r;
@@ -84,7 +87,7 @@ void layer_forward(const ValidLayerProblem& valid, const LayerForwardArgs& a, cu
   bool have_aux_partials = false;
   if (!rounded) {
     have_aux_partials = detail::topk_router_with_aux(logits, p.T, p.E, p.K, p.routing, p.renormalize,
-                                                     a.selection_bias, scores, experts, aux_partials, stream);
+                                                     router_options(p), a.selection_bias, scores, experts, aux_partials, stream);
     r.list.K = p.K;
   } else {
     TokenRoundingOutputs tr;

@@ -16,6 +16,7 @@
 #include "host/layer/call_rules.hpp"
 #include "host/layer/experts_internal.hpp"
 #include "host/layer/layer_layout.hpp"
+#include "host/routing/routing_internal.hpp"
 #include "kernels/routing/aux_loss.cuh"
 #include "kernels/layer/layer_backward.cuh"
 #include "machmoe/machmoe.hpp"
@@ -47,6 +48,7 @@ void check_args(const ValidLayerProblem& valid, const LayerBackwardArgs& a) {
   if (p.T > 0) detail::require_given(fn, {{"x", a.x}, {"dout", a.dout}, {"dx", a.dx}}, "T > 0");
   detail::require_given_exactly_when(p.has_bias, "has_bias", fn,
                                      {{"b1", a.b1}, {"b2", a.b2}, {"db1", a.db1}, {"db2", a.db2}});
+  detail::require_given_exactly_when(p.has_router_bias, "has_router_bias", fn, {{"d_router_bias", a.d_router_bias}});
   detail::require_weight_grad_dtype(a.weight_grad_dtype, fn);
   detail::require_block_aligned(fn, {{"saved", a.saved}, {"workspace", a.workspace}});
   detail::require_row_aligned(fn, {{"x", a.x}, {"router_weight", a.router_weight}, {"w1", a.w1}, {"w2", a.w2},
@@ -65,6 +67,9 @@ void layer_backward(const ValidLayerProblem& valid, const LayerBackwardArgs& a, 
     check_cuda(cudaMemsetAsync(a.d_router_weight, 0, static_cast<size_t>(p.E * p.d * dtype_size(a.weight_grad_dtype)),
                                stream),
                "layer_backward: zero d_router_weight");
+    if (p.has_router_bias)
+      check_cuda(cudaMemsetAsync(a.d_router_bias, 0, static_cast<size_t>(p.E * dtype_size(a.weight_grad_dtype)), stream),
+                 "layer_backward: zero d_router_bias");
     detail::zero_expert_gradients(detail::experts_shape(p), a.dw1, a.db1, a.dw2, a.db2, a.weight_grad_dtype, fn,
                                   stream);
     return;
@@ -124,7 +129,7 @@ void layer_backward(const ValidLayerProblem& valid, const LayerBackwardArgs& a, 
     //    its bf16 copy in the same pass (the aux step below rewrites both where it adds).
     if (!rounded) {
       detail::topk_router_backward_bf16(logits, scores, experts, d_scores, p.T, p.E, p.K, p.routing, p.renormalize,
-                                        d_logits, d_logits_bf16, stream);
+                                        router_options(p), d_logits, d_logits_bf16, stream);
     } else {
       token_rounding_backward(logits, at<float>(s, L.topk_scores), at<int32_t>(s, L.topk_experts), r.token_offsets,
                               experts, at<uint8_t>(s, L.list_padded), d_scores, p.T, p.E, p.K, d_logits, stream);
@@ -150,6 +155,11 @@ void layer_backward(const ValidLayerProblem& valid, const LayerBackwardArgs& a, 
     } else if (rounded) {
       to_bf16();
     }
+    // 12a. The router bias's gradient Σ_t d_logits (fp32 d_logits, fixed order); the aux partials'
+    //      block is free again here and holds its partial sums.
+    if (p.has_router_bias)
+      detail::router_bias_grad(d_logits, p.T, p.E, at<float>(w, L.b_aux_partials), a.d_router_bias,
+                               a.weight_grad_dtype, stream);
     // 12. dWr (cuBLAS, bf16 operands, fp32 accumulation), column-major views of row-major arrays:
     //     dWrᵀ [d, E] = xᵀ [d, T] · d_logits [T, E].
     h = detail::cublas_on(stream, at<void>(w, L.b_cublas), LayerLayout::kCublasWorkspace, fn);

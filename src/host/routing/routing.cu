@@ -1,6 +1,7 @@
 // Launchers of the routing and data-movement kernels (top-K router, routing metadata, aggregation): argument
 // checks, the choice of kernel variant, and launches on the caller's stream. No host sync.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -8,6 +9,7 @@
 #include "host/common/check.hpp"
 #include "host/routing/routing_internal.hpp"
 #include "kernels/layer/aggregate.cuh"
+#include "kernels/routing/router_bias.cuh"
 #include "kernels/routing/routing_metadata.cuh"
 #include "kernels/routing/topk_router.cuh"
 #include "machmoe/machmoe.hpp"
@@ -23,12 +25,14 @@ namespace {
 constexpr int kRouterThreads = 256;  // 8 tokens (warps) per block
 constexpr int kMaxRegisterExperts = 4096;
 constexpr int kMaxRegisterK = 32;
+constexpr int64_t kMaxGroups = 32;  // group-limited selection: one group per lane
 
 int router_method(RoutingMethod m) {
   switch (m) {
     case RoutingMethod::SoftmaxTopK: return kernels::kSoftmaxTopK;
     case RoutingMethod::TopKSoftmax: return kernels::kTopKSoftmax;
     case RoutingMethod::Sigmoid: return kernels::kSigmoid;
+    case RoutingMethod::SqrtSoftplus: return kernels::kSqrtSoftplus;
   }
   throw Error(ErrorCode::InvalidArgument, "routing method out of range");
 }
@@ -41,6 +45,24 @@ void check_router_shape(const char* fn, int64_t T, int64_t E, int64_t K) {
               "must be in [1, E=" + std::to_string(E) + "], got " + std::to_string(K));
   require_arg(T <= std::numeric_limits<int32_t>::max() / K, fn, "T",
               "T*K must fit in int32, got T=" + std::to_string(T) + ", K=" + std::to_string(K));
+}
+
+// The router options' rules (the layer's validate() states the same for LayerProblem).
+void check_router_options(const char* fn, RoutingMethod method, int64_t E, int64_t K, const RouterOptions& o) {
+  require_arg(o.routed_scaling_factor > 0.0 && std::isfinite(static_cast<float>(o.routed_scaling_factor)), fn,
+              "routed_scaling_factor", "must be finite and > 0, got " + std::to_string(o.routed_scaling_factor));
+  require_arg(o.n_group >= 1 && o.n_group <= kMaxGroups && E % o.n_group == 0, fn, "n_group",
+              "must be in [1, " + std::to_string(kMaxGroups) + "] and divide E=" + std::to_string(E) + ", got " +
+                  std::to_string(o.n_group));
+  require_arg(o.topk_group >= 1 && o.topk_group <= o.n_group, fn, "topk_group",
+              "must be in [1, n_group=" + std::to_string(o.n_group) + "], got " + std::to_string(o.topk_group));
+  if (o.n_group == 1) return;
+  require_arg(is_gate_routing(method), fn, "n_group",
+              "group-limited selection (n_group > 1) needs routing=sigmoid or sqrt_softplus");
+  require_arg(E / o.n_group >= 2, fn, "n_group", "group-limited selection needs >= 2 experts per group (E / n_group)");
+  require_arg(K <= o.topk_group * (E / o.n_group), fn, "K",
+              "must be <= topk_group * E / n_group = " + std::to_string(o.topk_group * (E / o.n_group)) + ", got " +
+                  std::to_string(K));
 }
 
 template <int V>
@@ -103,18 +125,22 @@ namespace detail {
 static_assert(kernels::kRouterBlockTokens == kRouterAuxTokens, "aux partials: 64 tokens per block");
 
 bool topk_router_with_aux(const float* logits, int64_t T, int64_t E, int64_t K, RoutingMethod method,
-                          bool renormalize, const float* selection_bias, float* scores, int32_t* experts,
-                          float* aux_partials, cudaStream_t stream) {
+                          bool renormalize, const RouterOptions& options, const float* selection_bias, float* scores,
+                          int32_t* experts, float* aux_partials, cudaStream_t stream) {
   constexpr const char* fn = "topk_router";
   check_router_shape(fn, T, E, K);
-  require_arg(selection_bias == nullptr || method == RoutingMethod::Sigmoid, fn, "selection_bias",
-              "is only used with routing=sigmoid");
+  check_router_options(fn, method, E, K, options);
+  require_arg(selection_bias == nullptr || is_gate_routing(method), fn, "selection_bias",
+              "is only used with routing=sigmoid or sqrt_softplus");
   if (T == 0) return aux_partials != nullptr;  // no token: no partials to write
   require_arg(logits && scores && experts, fn, "logits/scores/experts", "must not be null");
   kernels::RouterParams p{logits, selection_bias, scores, experts, nullptr, T, static_cast<int>(E),
-                          static_cast<int>(K), router_method(method), renormalize};
+                          static_cast<int>(K), router_method(method), renormalize,
+                          static_cast<float>(options.routed_scaling_factor), static_cast<int>(options.n_group),
+                          static_cast<int>(options.topk_group)};
   const int64_t v = ceil_div(E, 32);
-  if (v <= kernels::kRouterSortedMaxV && K <= kMaxRegisterK) {
+  const bool grouped = options.n_group > 1;  // only the general kernel selects by groups
+  if (!grouped && v <= kernels::kRouterSortedMaxV && K <= kMaxRegisterK) {
     p.aux_partials = aux_partials;
     const auto blocks = static_cast<unsigned>(ceil_div(T, kernels::kRouterBlockTokens));
     constexpr unsigned threads = kernels::kRouterBlockWarps * kernels::kWarpSize;
@@ -126,7 +152,7 @@ bool topk_router_with_aux(const float* logits, int64_t T, int64_t E, int64_t K, 
     return aux_partials != nullptr;
   }
   const auto blocks = static_cast<unsigned>(ceil_div(T, kRouterThreads / 32));
-  if (E <= kMaxRegisterExperts && K <= kMaxRegisterK) {
+  if (!grouped && E <= kMaxRegisterExperts && K <= kMaxRegisterK) {
     if (v <= 16) launch_router_registers<16>(p, blocks, stream);
     else if (v <= 32) launch_router_registers<32>(p, blocks, stream);
     else if (v <= 64) launch_router_registers<64>(p, blocks, stream);
@@ -143,32 +169,80 @@ bool topk_router_with_aux(const float* logits, int64_t T, int64_t E, int64_t K, 
 void topk_router(const float* logits, int64_t T, int64_t E, int64_t K, RoutingMethod method,
                  bool renormalize, const float* selection_bias, float* scores, int32_t* experts,
                  cudaStream_t stream) {
-  detail::topk_router_with_aux(logits, T, E, K, method, renormalize, selection_bias, scores, experts, nullptr,
-                               stream);
+  topk_router(logits, T, E, K, method, renormalize, RouterOptions{}, selection_bias, scores, experts, stream);
+}
+
+void topk_router(const float* logits, int64_t T, int64_t E, int64_t K, RoutingMethod method,
+                 bool renormalize, const RouterOptions& options, const float* selection_bias, float* scores,
+                 int32_t* experts, cudaStream_t stream) {
+  detail::topk_router_with_aux(logits, T, E, K, method, renormalize, options, selection_bias, scores, experts,
+                               nullptr, stream);
 }
 
 void topk_router_backward(const float* logits, const float* scores, const int32_t* experts,
                           const float* d_scores, int64_t T, int64_t E, int64_t K,
                           RoutingMethod method, bool renormalize, float* d_logits,
                           cudaStream_t stream) {
-  detail::topk_router_backward_bf16(logits, scores, experts, d_scores, T, E, K, method, renormalize, d_logits,
-                                    nullptr, stream);
+  topk_router_backward(logits, scores, experts, d_scores, T, E, K, method, renormalize, RouterOptions{}, d_logits,
+                       stream);
+}
+
+void topk_router_backward(const float* logits, const float* scores, const int32_t* experts,
+                          const float* d_scores, int64_t T, int64_t E, int64_t K,
+                          RoutingMethod method, bool renormalize, const RouterOptions& options,
+                          float* d_logits, cudaStream_t stream) {
+  detail::topk_router_backward_bf16(logits, scores, experts, d_scores, T, E, K, method, renormalize, options,
+                                    d_logits, nullptr, stream);
 }
 
 namespace detail {
 void topk_router_backward_bf16(const float* logits, const float* scores, const int32_t* experts,
                                const float* d_scores, int64_t T, int64_t E, int64_t K, RoutingMethod method,
-                               bool renormalize, float* d_logits, __nv_bfloat16* d_logits_bf16, cudaStream_t stream) {
+                               bool renormalize, const RouterOptions& options, float* d_logits,
+                               __nv_bfloat16* d_logits_bf16, cudaStream_t stream) {
   constexpr const char* fn = "topk_router_backward";
   check_router_shape(fn, T, E, K);
+  check_router_options(fn, method, E, K, options);
   if (T == 0) return;
   require_arg(logits && scores && experts && d_scores && d_logits, fn, "pointers", "must not be null");
   kernels::RouterBackwardParams p{logits, scores, experts, d_scores, d_logits, d_logits_bf16, T,
                                   static_cast<int>(E), static_cast<int>(K), router_method(method),
-                                  renormalize};
+                                  renormalize, static_cast<float>(options.routed_scaling_factor)};
   kernels::topk_router_backward<<<static_cast<unsigned>(ceil_div(T, kRouterThreads / 32)),
                                   kRouterThreads, 0, stream>>>(p);
   check_launch(fn);
+}
+
+void router_bias_broadcast(const void* bias, int64_t T, int64_t E, float* logits, cudaStream_t stream) {
+  if (T == 0) return;
+  const int64_t total = T * E;
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(total, 256), 4096));
+  kernels::router_bias_broadcast<<<blocks, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(bias), T,
+                                                             static_cast<int>(E), logits);
+  check_launch("router bias: broadcast into logits");
+}
+
+int64_t router_bias_grad_chunks(int64_t T) {
+  return std::max<int64_t>(1, std::min<int64_t>(ceil_div(T, kRouterAuxTokens), kernels::kBiasGradMaxChunks));
+}
+
+void router_bias_grad(const float* d_logits, int64_t T, int64_t E, float* partials, void* d_bias, DType d_bias_dtype,
+                      cudaStream_t stream) {
+  const int64_t chunks = router_bias_grad_chunks(T);
+  const int64_t rows_per_chunk = std::max<int64_t>(1, ceil_div(T, chunks));
+  const dim3 grid(static_cast<unsigned>(ceil_div(E, kernels::kWarpSize)), static_cast<unsigned>(chunks));
+  kernels::router_bias_grad_partial<<<grid, kernels::kWarpSize * kernels::kBiasGradRowsPerThread, 0, stream>>>(
+      d_logits, T, static_cast<int>(E), rows_per_chunk, partials);
+  check_launch("router bias gradient: partial sums");
+  const auto blocks = static_cast<unsigned>(ceil_div(E, 256));
+  if (d_bias_dtype == DType::FP32)
+    kernels::router_bias_grad_finish<float><<<blocks, 256, 0, stream>>>(partials, static_cast<int>(chunks),
+                                                                         static_cast<int>(E),
+                                                                         static_cast<float*>(d_bias));
+  else
+    kernels::router_bias_grad_finish<__nv_bfloat16><<<blocks, 256, 0, stream>>>(
+        partials, static_cast<int>(chunks), static_cast<int>(E), static_cast<__nv_bfloat16*>(d_bias));
+  check_launch("router bias gradient: sums");
 }
 }  // namespace detail
 

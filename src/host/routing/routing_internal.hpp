@@ -41,13 +41,23 @@ struct MetadataWorkspace {
 // runs aux_colsum_partial.
 constexpr int kRouterAuxTokens = 64;  // tokens per block of aux_partials
 bool topk_router_with_aux(const float* logits, int64_t T, int64_t E, int64_t K, RoutingMethod method,
-                          bool renormalize, const float* selection_bias, float* scores, int32_t* experts,
-                          float* aux_partials, cudaStream_t stream);
+                          bool renormalize, const RouterOptions& options, const float* selection_bias, float* scores,
+                          int32_t* experts, float* aux_partials, cudaStream_t stream);
 
 // topk_router_backward that also writes the bf16 copy of d_logits (d_logits_bf16 [T, E]) in the
 // same pass: the layer backward's router GEMMs take it, without a separate conversion kernel.
 void topk_router_backward_bf16(const float* logits, const float* scores, const int32_t* experts,
                                const float* d_scores, int64_t T, int64_t E, int64_t K, RoutingMethod method,
-                               bool renormalize, float* d_logits, __nv_bfloat16* d_logits_bf16, cudaStream_t stream);
+                               bool renormalize, const RouterOptions& options, float* d_logits,
+                               __nv_bfloat16* d_logits_bf16, cudaStream_t stream);
+
+// The router bias b_r [E] bf16: logits [T, E] fp32 <- b_r on every row (the router GEMM then adds
+// x·Wrᵀ with beta = 1).
+void router_bias_broadcast(const void* bias, int64_t T, int64_t E, float* logits, cudaStream_t stream);
+// Its gradient d_bias [E] (fp32 or bf16) = Σ_t d_logits [T, E], in a fixed order through
+// partials [router_bias_grad_chunks(T), E] fp32 (<= ceil(T / 64) rows: the aux partials' block fits).
+int64_t router_bias_grad_chunks(int64_t T);
+void router_bias_grad(const float* d_logits, int64_t T, int64_t E, float* partials, void* d_bias, DType d_bias_dtype,
+                      cudaStream_t stream);
 
 }  // namespace machmoe::detail

@@ -1,6 +1,9 @@
 // The top-K router. logits [T, E] fp32 -> scores [T, K] fp32 and
 // experts [T, K] int32, for the routing variants of docs/LAYER.md, and its backward
 // d_scores [T, K] -> d_logits [T, E].
+// Gate routings (sigmoid, sqrt-softplus) score each expert by a gate g(logit); scores are
+// multiplied by the routed scaling factor last; group-limited selection (gate routings only) runs
+// in the general kernel.
 //
 // One warp per token. Selection is K rounds of a warp-wide max over 64-bit keys (value, then lower
 // index; see common.cuh); round k takes the best key strictly below round k-1's winner, so nothing
@@ -13,11 +16,12 @@
 
 namespace machmoe::kernels {
 
-enum RouterMethod : int { kSoftmaxTopK = 0, kTopKSoftmax = 1, kSigmoid = 2 };
+// Values >= kSigmoid are the gate routings.
+enum RouterMethod : int { kSoftmaxTopK = 0, kTopKSoftmax = 1, kSigmoid = 2, kSqrtSoftplus = 3 };
 
 struct RouterParams {
   const float* logits;          // [T, E]
-  const float* selection_bias;  // [E] or null (sigmoid only)
+  const float* selection_bias;  // [E] or null (gate routings only)
   float* scores;                // [T, K]
   int32_t* experts;             // [T, K]
   float* aux_partials;          // [ceil(T / 64), E] column sums of softmax(logits), or null
@@ -25,29 +29,48 @@ struct RouterParams {
   int E, K;
   int method;
   bool renormalize;
+  float scale;              // routed scaling factor (1: none)
+  int n_group, topk_group;  // group-limited selection (n_group = 1: none; general kernel only)
 };
 
 __device__ __forceinline__ float sigmoidf_(float v) { return 1.f / (1.f + __expf(-v)); }
 
+// sqrt(softplus(v)), softplus as torch's: the identity above 20, else log(1 + e^v).
+__device__ __forceinline__ float sqrt_softplusf_(float v) { return sqrtf(v > 20.f ? v : log1pf(__expf(v))); }
+
+__device__ __forceinline__ float router_gate(int method, float v) {
+  return method == kSigmoid ? sigmoidf_(v) : sqrt_softplusf_(v);
+}
+
+// d gate / d logit: σ(1 - σ), or softplus'(v) / (2 sqrt(softplus(v))) with softplus' = σ (1 above 20).
+__device__ __forceinline__ float router_gate_derivative(int method, float v) {
+  if (method == kSigmoid) {
+    const float sg = sigmoidf_(v);
+    return sg * (1.f - sg);
+  }
+  return (v > 20.f ? 1.f : sigmoidf_(v)) / (2.f * sqrt_softplusf_(v));
+}
+
 __device__ __forceinline__ float router_selection_value(const RouterParams& p, float logit, int e) {
-  return p.method == kSigmoid ? sigmoidf_(logit) + (p.selection_bias ? p.selection_bias[e] : 0.f) : logit;
+  return p.method >= kSigmoid ? router_gate(p.method, logit) + (p.selection_bias ? p.selection_bias[e] : 0.f)
+                              : logit;
 }
 
 // Turns the selected logits into scores. Lane k < K holds the k-th selected logit `l` (K <= 32);
 // `row_max` and `row_sum` describe the full softmax (used by top-K over softmax without
-// renormalisation only). Returns lane k's score.
+// renormalisation only). Returns lane k's score, times the routed scaling factor (× 1 is exact).
 __device__ __forceinline__ float router_score(const RouterParams& p, int lane, float l, float row_max,
                                               float row_sum) {
   const bool mine = lane < p.K;
-  if (p.method == kSigmoid) {
-    const float s = mine ? sigmoidf_(l) : 0.f;
-    return p.renormalize ? s / warp_sum(s) : s;
+  if (p.method >= kSigmoid) {
+    const float s = mine ? router_gate(p.method, l) : 0.f;
+    return (p.renormalize ? s / warp_sum(s) : s) * p.scale;
   }
-  if (p.method == kTopKSoftmax && !p.renormalize) return mine ? __expf(l - row_max) / row_sum : 0.f;
+  if (p.method == kTopKSoftmax && !p.renormalize) return (mine ? __expf(l - row_max) / row_sum : 0.f) * p.scale;
   // softmax over the K selected logits (= renormalised top-K of the full softmax)
   const float m = warp_max(mine ? l : -INFINITY);
   const float e = mine ? __expf(l - m) : 0.f;
-  return e / warp_sum(e);
+  return e / warp_sum(e) * p.scale;
 }
 
 // Fast path: the row lives in registers, V values per lane (E <= 32 * V), K <= 32.
@@ -203,8 +226,39 @@ __global__ void __launch_bounds__(kRouterBlockWarps * kWarpSize) topk_router_sor
   }
 }
 
-// General path: any E and K. Each round rescans the row from global memory (L1/L2 hits); the
-// selected logits are parked in `scores` and normalised in a final pass.
+// Group-limited selection of one token (n_group <= 32 groups of S = E / n_group consecutive
+// experts): lane g scores group g by the sum of its two largest selection values (larger key
+// first, as the selection compares), then topk_group rounds of a warp max pick the kept groups
+// (ties to the lower group). Returns the kept groups as a bit mask, the same in every lane.
+__device__ __forceinline__ uint32_t router_kept_groups(const RouterParams& p, const float* row, int lane) {
+  const int S = p.E / p.n_group;
+  uint64_t first = 0, second = 0;
+  float v1 = 0.f, v2 = 0.f;
+  if (lane < p.n_group) {
+    for (int e = lane * S; e < (lane + 1) * S; ++e) {
+      const float v = router_selection_value(p, row[e], e);
+      const uint64_t key = selection_key(v, e);
+      if (key > first) {
+        second = first, v2 = v1;
+        first = key, v1 = v;
+      } else if (key > second) {
+        second = key, v2 = v;
+      }
+    }
+  }
+  const uint64_t group_key = lane < p.n_group ? selection_key(v1 + v2, lane) : 0;
+  uint32_t kept = 0;
+  uint64_t prev = ~0ull;
+  for (int i = 0; i < p.topk_group; ++i) {
+    prev = warp_max_u64(group_key < prev ? group_key : 0);
+    kept |= 1u << key_index(prev);
+  }
+  return kept;
+}
+
+// General path: any E and K, and group-limited selection. Each round rescans the row from global
+// memory (L1/L2 hits); the selected logits are parked in `scores` and normalised in a final pass.
+// The experts of dropped groups are left out of every round (as transformers' -inf fill does).
 __global__ void __launch_bounds__(256) topk_router_general(RouterParams p) {
   const int lane = threadIdx.x % kWarpSize;
   const int64_t t = global_warp_index();
@@ -212,10 +266,14 @@ __global__ void __launch_bounds__(256) topk_router_general(RouterParams p) {
   const float* row = p.logits + t * p.E;
   float* out_s = p.scores + t * p.K;
   int32_t* out_e = p.experts + t * p.K;
+  const bool grouped = p.n_group > 1;
+  const uint32_t kept = grouped ? router_kept_groups(p, row, lane) : ~0u;
+  const int group_size = p.E / p.n_group;
   uint64_t prev = ~0ull;
   for (int k = 0; k < p.K; ++k) {
     uint64_t best = 0;
     for (int e = lane; e < p.E; e += kWarpSize) {
+      if (grouped && !((kept >> (e / group_size)) & 1u)) continue;
       const uint64_t key = selection_key(router_selection_value(p, row[e], e), e);
       if (key < prev && key > best) best = key;
     }
@@ -229,21 +287,21 @@ __global__ void __launch_bounds__(256) topk_router_general(RouterParams p) {
   // Normalisation constants over the K selected logits (or the full row), then the scores.
   float m = 0.f, sum = 0.f;
   const bool full_softmax = p.method == kTopKSoftmax && !p.renormalize;
-  if (p.method != kSigmoid) {
+  if (p.method < kSigmoid) {
     const SoftmaxStats st = full_softmax ? warp_softmax_stats(row, p.E, lane) : warp_softmax_stats(out_s, p.K, lane);
     m = st.max;
     sum = st.sum;
   } else {
-    for (int i = lane; i < p.K; i += kWarpSize) sum += sigmoidf_(out_s[i]);
+    for (int i = lane; i < p.K; i += kWarpSize) sum += router_gate(p.method, out_s[i]);
     sum = warp_sum(sum);
   }
   __syncwarp();
   for (int k = lane; k < p.K; k += kWarpSize) {
     const float l = out_s[k];
     float s;
-    if (p.method == kSigmoid) s = p.renormalize ? sigmoidf_(l) / sum : sigmoidf_(l);
+    if (p.method >= kSigmoid) s = p.renormalize ? router_gate(p.method, l) / sum : router_gate(p.method, l);
     else s = __expf(l - m) / sum;
-    out_s[k] = s;
+    out_s[k] = s * p.scale;
   }
 }
 
@@ -258,6 +316,7 @@ struct RouterBackwardParams {
   int E, K;
   int method;
   bool renormalize;
+  float scale;  // routed scaling factor: the saved scores carry it
 };
 
 // One warp per token: writes the whole d_logits row (zeros where the Jacobian is zero), then the
@@ -272,14 +331,17 @@ __global__ void __launch_bounds__(256) topk_router_backward(RouterBackwardParams
   const float* g = p.d_scores + t * p.K;
   const int32_t* ex = p.experts + t * p.K;
   const bool full_softmax = p.method == kTopKSoftmax && !p.renormalize;
-  // Σ_k s_k g_k (softmax kinds) or, for sigmoid, the pieces of the renormalisation.
+  // Σ_k s_k g_k (softmax kinds) or, for the gate routings, the pieces of the renormalisation.
+  // With the routed scaling factor c the saved scores are c·s, and the gate routings' gradient
+  // into the unscaled scores is c·g.
+  const bool gated = p.method >= kSigmoid;
   float dot = 0.f, sig_sum = 0.f, sig_dot = 0.f;
   for (int k = lane; k < p.K; k += kWarpSize) {
     dot += s[k] * g[k];
-    if (p.method == kSigmoid) {
-      const float sg = sigmoidf_(row[ex[k]]);
+    if (gated) {
+      const float sg = router_gate(p.method, row[ex[k]]);
       sig_sum += sg;
-      sig_dot += sg * g[k];
+      sig_dot += sg * (g[k] * p.scale);
     }
   }
   dot = warp_sum(dot);
@@ -300,14 +362,19 @@ __global__ void __launch_bounds__(256) topk_router_backward(RouterBackwardParams
   for (int k = lane; k < p.K; k += kWarpSize) {
     const int e = ex[k];
     float d;
-    if (p.method == kSigmoid) {
-      const float sg = sigmoidf_(row[e]);
-      const float dsg = p.renormalize ? g[k] / sig_sum - sig_dot / (sig_sum * sig_sum) : g[k];
-      d = dsg * sg * (1.f - sg);
+    if (gated) {
+      const float gk = g[k] * p.scale;
+      const float dsg = p.renormalize ? gk / sig_sum - sig_dot / (sig_sum * sig_sum) : gk;
+      if (p.method == kSigmoid) {
+        const float sg = sigmoidf_(row[e]);
+        d = dsg * sg * (1.f - sg);  // this order of products, as before the other gates came
+      } else {
+        d = dsg * router_gate_derivative(p.method, row[e]);
+      }
     } else if (full_softmax) {
-      d = g[k] * s[k];  // added to the -p_e·dot already written
+      d = g[k] * s[k];  // added to the -p_e·dot already written (both carry c already)
     } else {
-      d = s[k] * (g[k] - dot);
+      d = s[k] * (g[k] - dot / p.scale);  // c·s (g - Σ s g): s, dot carry c
     }
     const float v = drow[e] + d;
     drow[e] = v;
