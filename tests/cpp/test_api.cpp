@@ -2,9 +2,8 @@
 // problem validation, workspace planning, the refusals before any GPU work, and the name parsers.
 #include <gtest/gtest.h>
 
-#include <cmath>
-
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <string>
