@@ -21,7 +21,6 @@ struct LayerProblem {
   int64_t E = 0;  // experts
   int64_t K = 0;  // experts per token
   Activation activation = Activation::SwiGLU;
-  GluClamp glu_clamp;  // ClampedSwiGLU's parameters; the defaults for any other activation
   GateUpLayout layout = GateUpLayout::Interleaved;
   bool has_bias = false;
   RoutingMethod routing = RoutingMethod::SoftmaxTopK;
@@ -29,6 +28,7 @@ struct LayerProblem {
   TokenRounding rounding = TokenRounding::None;
   int64_t rounding_tile_m = 128;
   DType dtype = DType::BF16;  // x, weights, H and the output
+  GluClamp glu_clamp;  // ClampedSwiGLU's parameters; the defaults for any other activation
 };
 
 struct ExpertsProblem;
@@ -141,10 +141,10 @@ struct ExpertsProblem {
   int64_t E = 0;  // experts
   int64_t R = 0;  // pairs in the list (0 allowed; at most T·E, the most a list without repeats has)
   Activation activation = Activation::SwiGLU;
-  GluClamp glu_clamp;  // ClampedSwiGLU's parameters; the defaults for any other activation
   GateUpLayout layout = GateUpLayout::Interleaved;
   bool has_bias = false;
   DType dtype = DType::BF16;  // x, weights, H and the output
+  GluClamp glu_clamp;  // ClampedSwiGLU's parameters; the defaults for any other activation
 };
 
 // Throws Error(InvalidArgument) naming the first field that breaks a rule.
@@ -333,7 +333,6 @@ struct GroupedGemmArgs {
   int64_t ldc2 = 0;
   GemmEpilogue epilogue = GemmEpilogue::Store;
   Activation activation = Activation::SwiGLU;
-  GluClamp glu_clamp;                       // ClampedSwiGLU's parameters (GLU, ActivationBackward)
   GateUpLayout layout = GateUpLayout::Interleaved;
   int32_t* tile_offsets = nullptr;          // workspace [E+1] int32 (device; written only for E > 512, > 384 by the dH ping-pong)
   int max_ctas = 0;                         // 0: one persistent CTA per SM
@@ -345,6 +344,7 @@ struct GroupedGemmArgs {
   const int32_t* row_pair = nullptr;        // [R]
   float* ds_partial = nullptr;              // [R, grouped_gemm_column_tiles(N)]
   GemmKernel kernel = GemmKernel::Auto;
+  GluClamp glu_clamp;                       // ClampedSwiGLU's parameters (GLU, ActivationBackward)
 };
 void grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
 // The row stride of ActivationBackward's ds_partial for N output columns: one partial dS per

@@ -84,9 +84,10 @@ Metadata build_metadata(const RoutingList& list, int64_t T, int64_t E);
 struct Shape {
   int64_t T = 0, d = 0, n = 0, E = 0;
   Activation act = Activation::SwiGLU;
-  GluClamp clamp;  // Activation::ClampedSwiGLU's parameters (the defaults for any other)
   GateUpLayout layout = GateUpLayout::Interleaved;
   bool bias = false;
+  GluClamp clamp;  // Activation::ClampedSwiGLU's parameters (the defaults for any other; last, so
+                   // that positional initialisers of the fields above keep working)
   int64_t n1() const { return is_glu(act) ? 2 * n : n; }  // rows of W1 per expert
 };
 
