@@ -21,7 +21,6 @@ struct LayerProblem {
   int64_t E = 0;  // experts
   int64_t K = 0;  // experts per token
   Activation activation = Activation::SwiGLU;
-  GluClamp glu_clamp;  // ClampedSwiGLU's parameters; the defaults for any other activation
   GateUpLayout layout = GateUpLayout::Interleaved;
   bool has_bias = false;
   RoutingMethod routing = RoutingMethod::SoftmaxTopK;
@@ -34,6 +33,7 @@ struct LayerProblem {
   int64_t n_group = 1;                 // group-limited selection (gate routings): E % n_group == 0
   int64_t topk_group = 1;              // groups kept, 1 <= topk_group <= n_group
   bool has_router_bias = false;        // logits = x·Wrᵀ + b_r (router_bias [E] given)
+  GluClamp glu_clamp;  // ClampedSwiGLU's parameters; the defaults for any other activation
 };
 
 // The router options of a layer problem as the routing calls take them.
@@ -153,10 +153,10 @@ struct ExpertsProblem {
   int64_t E = 0;  // experts
   int64_t R = 0;  // pairs in the list (0 allowed; at most T·E, the most a list without repeats has)
   Activation activation = Activation::SwiGLU;
-  GluClamp glu_clamp;  // ClampedSwiGLU's parameters; the defaults for any other activation
   GateUpLayout layout = GateUpLayout::Interleaved;
   bool has_bias = false;
   DType dtype = DType::BF16;  // x, weights, H and the output
+  GluClamp glu_clamp;  // ClampedSwiGLU's parameters; the defaults for any other activation
 };
 
 // Throws Error(InvalidArgument) naming the first field that breaks a rule.
@@ -355,7 +355,6 @@ struct GroupedGemmArgs {
   int64_t ldc2 = 0;
   GemmEpilogue epilogue = GemmEpilogue::Store;
   Activation activation = Activation::SwiGLU;
-  GluClamp glu_clamp;                       // ClampedSwiGLU's parameters (GLU, ActivationBackward)
   GateUpLayout layout = GateUpLayout::Interleaved;
   int32_t* tile_offsets = nullptr;          // workspace [E+1] int32 (device; written only for E > 512, > 384 by the dH ping-pong)
   int max_ctas = 0;                         // 0: one persistent CTA per SM
@@ -367,6 +366,7 @@ struct GroupedGemmArgs {
   const int32_t* row_pair = nullptr;        // [R]
   float* ds_partial = nullptr;              // [R, grouped_gemm_column_tiles(N)]
   GemmKernel kernel = GemmKernel::Auto;
+  GluClamp glu_clamp;                       // ClampedSwiGLU's parameters (GLU, ActivationBackward)
 };
 void grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
 // The row stride of ActivationBackward's ds_partial for N output columns: one partial dS per

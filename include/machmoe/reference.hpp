@@ -100,8 +100,8 @@ struct Shape {
   Activation act = Activation::SwiGLU;
   GateUpLayout layout = GateUpLayout::Interleaved;
   bool bias = false;
-  GluClamp clamp;  // Activation::ClampedSwiGLU's parameters (the defaults for any other); last, so
-                   // that {T, d, n, E, act, layout, bias} still initialises the others
+  GluClamp clamp;  // Activation::ClampedSwiGLU's parameters (the defaults for any other; last, so
+                   // that positional initialisers of the fields above keep working)
   int64_t n1() const { return is_glu(act) ? 2 * n : n; }  // rows of W1 per expert
 };
 

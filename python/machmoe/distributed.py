@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from . import functional, torch_backend
-from .enums import (ActivationType, Backend, GateUpLayout, RoutingMethod, TokenRounding, is_glu,
-                    parse_enum)
+from .enums import (ActivationType, Backend, GateUpLayout, GluClamp, RoutingMethod, TokenRounding, is_glu,
+                    parse_enum, resolve_glu_clamp)
 from .moe import ExpertLinear, MoE, layer_settings
 
 
@@ -285,14 +285,14 @@ def _route(x, router_weight, K, routing, renormalize, selection_bias, kernels):
     return logits, scores, experts
 
 
-def _local_experts(x, w1, b1, w2, b2, scores, row, expert, activation, layout, backend):
+def _local_experts(x, w1, b1, w2, b2, scores, row, expert, activation, layout, backend, glu_clamp=None):
     """The experts this rank holds on the rows it received -> [S, d]. The list was built here:
     ordered by row, no repeated (row, expert) pair, in range, so no checks (and no syncs)."""
     if backend == Backend.MACHMOE:
         from . import machmoe_backend
 
-        return machmoe_backend.moe_general(x, w1, b1, w2, b2, scores, row, expert, activation, layout)
-    return torch_backend.experts(x, w1, b1, w2, b2, row, expert, scores, activation, layout)
+        return machmoe_backend.moe_general(x, w1, b1, w2, b2, scores, row, expert, activation, layout, glu_clamp)
+    return torch_backend.experts(x, w1, b1, w2, b2, row, expert, scores, activation, layout, glu_clamp)
 
 
 def expert_parallel_moe(
@@ -311,6 +311,7 @@ def expert_parallel_moe(
     selection_bias: Optional[torch.Tensor] = None,
     group=None,
     backend: Union[Backend, str] = Backend.AUTO,
+    glu_clamp: Optional[GluClamp] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [T, d], aux []) of the layer on this rank's tokens x [T, d], with the experts sharded.
 
@@ -334,9 +335,11 @@ def expert_parallel_moe(
         group: the torch.distributed process group whose ranks share the experts (None: the
             default group).
         backend: "auto" (default), "machmoe" or "torch"; see machmoe.functional.resolve_backend.
+        glu_clamp: the parameters of activation "clamped_swiglu"; see machmoe.functional.moe.
     """
     backend = parse_enum(Backend, backend, "backend")
     activation = parse_enum(ActivationType, activation, "activation")
+    glu_clamp = resolve_glu_clamp(activation, glu_clamp)
     layout = parse_enum(GateUpLayout, layout, "layout")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("expert_parallel_moe needs torch.distributed initialised "
@@ -395,7 +398,7 @@ def expert_parallel_moe(
     # 3. This rank's experts on what it received.
     with phase("ep.experts"):
         y_recv = _local_experts(x_recv, w1, b1, w2, b2, score_recv, row, meta_recv[:, 1],
-                                activation, layout, backend)  # [S_recv, d]
+                                activation, layout, backend, glu_clamp)  # [S_recv, d]
 
     # 4. Back to the senders, added per token in rank order.
     with phase("ep.combine"):
@@ -422,8 +425,8 @@ class ExpertParallelMoE(nn.Module):
     parameters out of DDP and call it, or call it alone.
 
     Args: num_experts, num_experts_per_tok, hidden_size, intermediate_size,
-    activation_function, add_bias, std, routing, renormalize, gate_up_layout and backend as for
-    `MoE` (num_experts must be a multiple of the group's size W); and
+    activation_function, add_bias, std, routing, renormalize, gate_up_layout, backend and glu_clamp
+    as for `MoE` (num_experts must be a multiple of the group's size W); and
         process_group: the group whose ranks share the experts (None: the default group).
         seed: the initialisation seed, an int >= 0 (default 0), the same on every rank.
     Token rounding is not offered: it needs every expert's global row count.
@@ -445,6 +448,7 @@ class ExpertParallelMoE(nn.Module):
         backend: Union[Backend, str] = Backend.AUTO,
         process_group=None,
         seed: int = 0,
+        glu_clamp: Optional[GluClamp] = None,
     ):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
@@ -463,6 +467,7 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"seed must be an int >= 0; got {seed!r}")
         self.world_size, self.rank = W, rank
         self.backend = parse_enum(Backend, backend, "backend")
+        self.glu_clamp = resolve_glu_clamp(self.activation_function, glu_clamp)
 
         E_local, d, n = E // W, hidden_size, intermediate_size
         n1 = 2 * n if is_glu(self.activation_function) else n
@@ -492,7 +497,7 @@ class ExpertParallelMoE(nn.Module):
                     moe.intermediate_size, moe.activation_function, moe.c_fc.bias is not None,
                     moe.c_fc.std, routing=moe.routing, renormalize=moe.renormalize,
                     gate_up_layout=moe.gate_up_layout, backend=moe.backend,
-                    process_group=process_group)
+                    process_group=process_group, glu_clamp=moe.glu_clamp)
         layer = layer.to(device=moe.router.weight.device, dtype=moe.router.weight.dtype)
         part = slice(layer.rank * (moe.num_experts // layer.world_size),
                      (layer.rank + 1) * (moe.num_experts // layer.world_size))
@@ -520,7 +525,8 @@ class ExpertParallelMoE(nn.Module):
             num_experts_per_tok=self.num_experts_per_tok, b1=self.c_fc.bias, b2=self.c_proj.bias,
             activation=self.activation_function, layout=self.gate_up_layout,
             routing=self.routing, renormalize=self.renormalize,
-            selection_bias=self.selection_bias, group=self.process_group, backend=self.backend)
+            selection_bias=self.selection_bias, group=self.process_group, backend=self.backend,
+            glu_clamp=self.glu_clamp)
         return out.reshape(hidden_states.shape), aux
 
     def expert_parameters(self) -> list[nn.Parameter]:

@@ -8,6 +8,7 @@ raises ValueError naming the argument and listing the accepted values.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from enum import Enum
 from typing import Optional, TypeVar, Union
@@ -105,7 +106,7 @@ class GluClamp:
     clamp_after=True:  A = min(g·sigmoid(alpha·g), L)·(clamp(u, -L, L) + up_offset)
 
     The defaults are gpt-oss's (GluClamp.gpt_oss()); DeepSeek-V4's is GluClamp.deepseek_v4(L).
-    The kernels take the values as float32 (they are converted once).
+    Every backend uses the values rounded to float32 (resolve_glu_clamp rounds them).
     """
 
     alpha: float = 1.702
@@ -152,7 +153,14 @@ def resolve_glu_clamp(activation: Union[ActivationType, str], glu_clamp: Optiona
         raise ValueError(f"glu_clamp.alpha must be > 0, got {c.alpha!r}")
     if not c.limit > 0:
         raise ValueError(f"glu_clamp.limit must be > 0, got {c.limit!r}")
-    return c
+    # Every implementation uses the parameters as float32 (the kernels' arguments), as a model
+    # running in float32 or bfloat16 does with its Python-float constants.
+    return GluClamp(alpha=_to_float32(c.alpha), limit=_to_float32(c.limit), up_offset=_to_float32(c.up_offset),
+                    clamp_after=bool(c.clamp_after))
+
+
+def _to_float32(v: float) -> float:
+    return struct.unpack("f", struct.pack("f", float(v)))[0]
 
 
 def glu_clamp_list(glu_clamp: Optional[GluClamp]) -> list[float]:

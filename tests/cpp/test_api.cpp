@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -126,6 +127,16 @@ TEST(Validate, RejectsEachBadField) {
       expect_invalid(p, {"rounding", "routing"},
                      std::string("token rounding with ") + to_string(m));
     }
+  p = valid_problem(), p.glu_clamp.limit = 3.f;  // swiglu takes no clamp parameters
+  expect_invalid(p, {"glu_clamp"}, "glu_clamp with swiglu");
+  p = valid_problem(), p.activation = Activation::ClampedSwiGLU, p.glu_clamp.limit = 0.f;
+  expect_invalid(p, {"glu_clamp"}, "glu_clamp.limit = 0");
+  p = valid_problem(), p.activation = Activation::ClampedSwiGLU, p.glu_clamp.alpha = -1.f;
+  expect_invalid(p, {"glu_clamp"}, "glu_clamp.alpha < 0");
+  p = valid_problem(), p.activation = Activation::ClampedSwiGLU, p.glu_clamp.up_offset = NAN;
+  expect_invalid(p, {"glu_clamp"}, "glu_clamp.up_offset NaN");
+  p = valid_problem(), p.activation = Activation::ClampedSwiGLU, p.glu_clamp = GluClamp{1.f, 10.f, 0.f, true};
+  EXPECT_NO_THROW(validate(p));
 }
 
 // ---------------------------------------------------------------- workspace planning

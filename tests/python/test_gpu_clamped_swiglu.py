@@ -87,7 +87,7 @@ def test_layer_forward_and_backward(variant, bias, layout):
 def test_layer_inference_matches_training_forward(variant, layout):
     """The inference path (no H written) computes the same output as the training forward."""
     c = VARIANTS[variant]
-    t = clamped_layer(200, 256, 128, 16, c, True)
+    t = clamped_layer(200, 256, 128, 16, c, True)  # (no near-tie redraw needed: both runs route alike)
     with torch.no_grad():
         inf, _ = functional.moe(t["x"], t["router_weight"], t["w1"], t["w2"], num_experts_per_tok=4, b1=t["b1"],
                                 b2=t["b2"], activation=ACT, layout=layout, glu_clamp=c, backend="machmoe")
@@ -142,7 +142,7 @@ def test_the_parameters_reach_the_kernels():
     """Another limit changes the GPU output (the parameters are not compile-time constants), and
     each variant agrees with the float64 reference of its own parameters only."""
     c1, c2 = GluClamp.gpt_oss(7.0), GluClamp.gpt_oss(3.0)
-    t = clamped_layer(128, 128, 64, 8, c1, False)
+    t = redraw_near_ties(clamped_layer(128, 128, 64, 8, c1, False), 2)
     with torch.no_grad():
         o1, _ = functional.moe(t["x"], t["router_weight"], t["w1"], t["w2"], num_experts_per_tok=2,
                                activation=ACT, glu_clamp=c1, backend="machmoe")
@@ -152,3 +152,79 @@ def test_the_parameters_reach_the_kernels():
                                activation=ACT, glu_clamp=c2, backend="torch")
     assert rel_err(o1, r2) > 0.05
     assert rel_err(o2, r2) < 2 ** -6
+
+
+# ---------------------------------------------------------------- the GEMM kernels' epilogues
+# The layer tests above run the kernels the shape rule picks; these run the GLU epilogue (at 128-
+# and 256-wide tiles, partial ones included) and both dH kernels (ping-pong at d <= 2048, the
+# cooperative one at d = 2112) through the GEMM ops, with H past the limit.
+
+
+def glu_of(h, layout, c):
+    """A of H [R, 2n] by the torch backend's formula, in h's dtype."""
+    from machmoe import torch_backend
+
+    return torch_backend.apply_activation(h, ACT, layout, c)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("layout", ["interleaved", "concatenated"])
+@pytest.mark.parametrize("n", [64, 72, 136])
+def test_glu_epilogue(variant, layout, n):
+    from gpu_test_helpers import ops, offsets
+
+    c = VARIANTS[variant]
+    counts = [0, 129, 300, 1, 64]
+    E, R, d = len(counts), sum(counts), 192
+    x = torch.randn(R // 2, d, device="cuda").bfloat16()
+    idx = torch.randint(0, R // 2, (R,), device="cuda", dtype=torch.int32)
+    w = (torch.randn(E, 2 * n, d, device="cuda") * (c.limit / d ** 0.5)).bfloat16()  # std(H) ~ limit
+    H, A = ops().grouped_gemm(x, idx, offsets(counts), w, None, R, "glu", ACT, layout, "auto", c.as_list())
+    # A from the kernel's own bf16 H, in float64: the epilogue's math on its own scale.
+    want = glu_of(H.double(), layout, c)
+    assert rel_err(A, want) < 2 ** -8
+    gate = H.double()[:, 0::2] if layout == "interleaved" else H.double()[:, :n]
+    assert (gate > c.limit).double().mean() > 0.1  # the clamp binds for many entries
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("layout", ["interleaved", "concatenated"])
+@pytest.mark.parametrize("n,d", [(256, 192), (136, 200), (256, 2112)])
+def test_dact_epilogue(variant, layout, n, d):
+    from gpu_test_helpers import ops, offsets
+
+    c = VARIANTS[variant]
+    counts = [0, 129, 300, 1, 64]
+    E, R = len(counts), sum(counts)
+    dout = torch.randn(R // 2 + 1, d, device="cuda").bfloat16()
+    idx = torch.randint(0, R // 2 + 1, (R,), device="cuda", dtype=torch.int32)
+    rows = dout[idx.long()]
+    w2 = (torch.randn(E, d, n, device="cuda") / d ** 0.5).bfloat16()
+    h = (torch.randn(R, 2 * n, device="cuda") * c.limit).bfloat16()  # about a third past a clamp
+    pair_scores = torch.rand(R, device="cuda") + 0.1
+    row_pair = torch.randperm(R, device="cuda").to(torch.int32)
+    off = offsets(counts)
+    dh, ap, ds = ops().grouped_gemm_nmajor(dout, idx, off, w2, R, h, pair_scores, row_pair, ACT, layout, "auto",
+                                           c.as_list())
+    s = pair_scores[row_pair.long()]
+    o = off.tolist()
+
+    def reference(da, hh, s):
+        with torch.enable_grad():
+            hh = hh.detach().clone().requires_grad_(True)
+            a = glu_of(hh, layout, c)
+            (g,) = torch.autograd.grad(a, hh, grad_outputs=s[:, None] * da)
+        a = a.detach()
+        return g, s[:, None] * a, (da * a).sum(1)
+
+    da64 = torch.cat([rows[o[e]:o[e + 1]].double() @ w2[e].double() for e in range(E)])
+    ref = reference(da64, h.double(), s.double())
+    da16 = torch.cat([rows[o[e]:o[e + 1]] @ w2[e] for e in range(E)])
+    base = [t.bfloat16() for t in reference(da16.float(), h.float(), s)]
+    for got, want, b, name in zip((dh, ap, ds.sum(1)), ref, (base[0], base[1], base[2].float()), ("dH", "A'", "dS")):
+        err, err_base = rel_err(got, want), rel_err(b, want)
+        assert err <= max(2 * err_base, 2 ** -8) + 1e-7, f"{name}: error {err:.3e} > 2x torch bf16's {err_base:.3e}"
+    # Past a clamp the gradient is exactly zero (the bf16 H is the one both sides see).
+    up = h[:, 1::2] if layout == "interleaved" else h[:, n:]
+    d_up = dh[:, 1::2] if layout == "interleaved" else dh[:, n:]
+    assert (d_up[up.float().abs() > c.limit] == 0).all()

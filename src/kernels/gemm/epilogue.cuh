@@ -63,14 +63,16 @@ __device__ __forceinline__ ClampedSwiGLUParts clamped_swiglu_parts(const Grouped
   return c;
 }
 
-// One GLU output A = f(gate)·up; the clamped SwiGLU reads its parameters from p.
+// One GLU output A = f(gate)·up from H's bf16 gate and up; the clamped SwiGLU reads its
+// parameters from p. (The bf16 values are converted inside, gate first, so that the other
+// activations' SASS is what it was before this function existed.)
 template <int ACT>
-__device__ __forceinline__ float gemm_glu(const GroupedGemmParams& p, float g, float u) {
+__device__ __forceinline__ float gemm_glu(const GroupedGemmParams& p, __nv_bfloat16 g, __nv_bfloat16 u) {
   if constexpr (ACT == kActClampedSwiGLU) {
-    const ClampedSwiGLUParts c = clamped_swiglu_parts(p, g, u);
+    const ClampedSwiGLUParts c = clamped_swiglu_parts(p, __bfloat162float(g), __bfloat162float(u));
     return c.f * c.uc;
   } else {
-    return gemm_act<ACT>(g) * u;
+    return gemm_act<ACT>(__bfloat162float(g)) * __bfloat162float(u);
   }
 }
 
@@ -218,7 +220,7 @@ __device__ __forceinline__ int gemm_write_out_act(const GroupedGemmParams& p, co
         const __nv_bfloat16* u = reinterpret_cast<const __nv_bfloat16*>(&uraw);
         float a[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) a[i] = gemm_glu<ACT>(p, __bfloat162float(g[i]), __bfloat162float(u[i]));
+        for (int i = 0; i < 8; ++i) a[i] = gemm_glu<ACT>(p, g[i], u[i]);
         store_bf16(p.c2 + row * p.ldc2 + j, a);
       }
     } else {
@@ -269,8 +271,8 @@ __device__ __forceinline__ int gemm_write_a_glu_pairs(const GroupedGemmParams& p
     float a[8];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      a[i] = gemm_glu<ACT>(p, __bfloat162float(h0[2 * i]), __bfloat162float(h0[2 * i + 1]));
-      a[4 + i] = gemm_glu<ACT>(p, __bfloat162float(h1[2 * i]), __bfloat162float(h1[2 * i + 1]));
+      a[i] = gemm_glu<ACT>(p, h0[2 * i], h0[2 * i + 1]);
+      a[4 + i] = gemm_glu<ACT>(p, h1[2 * i], h1[2 * i + 1]);
     }
     store_bf16(p.c2 + static_cast<int64_t>(tile.row0 + r) * p.ldc2 + col / 2, a);
   }
