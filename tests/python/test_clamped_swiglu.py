@@ -129,6 +129,10 @@ def test_transformers_gate_functions():
     if not checks:
         pytest.skip("this transformers has none of the clamped models")
     for module, layout, c in checks:
+        # Releases whose gpt-oss keeps alpha = 1.702 itself (not from the config) use the value
+        # machmoe rounds to float32: the outputs then differ by that rounding (~3e-8 relative).
+        own_alpha = getattr(module, "alpha", alpha)
+        tol = 1e-13 if float(torch.tensor(own_alpha, dtype=torch.float32)) == own_alpha else 1e-7
         h = h_over_the_limit(8, 8, c.limit, layout).requires_grad_()
         a = tb.apply_activation(h, "clamped_swiglu", layout, c)
         g = torch.randn_like(a)
@@ -136,8 +140,8 @@ def test_transformers_gate_functions():
         h_ref = h.detach().clone().requires_grad_()
         a_ref = module._apply_gate(h_ref)
         (dh_ref,) = torch.autograd.grad(a_ref, h_ref, g)
-        torch.testing.assert_close(a, a_ref, rtol=1e-13, atol=1e-13, msg=type(module).__name__)
-        torch.testing.assert_close(dh, dh_ref, rtol=1e-13, atol=1e-13, msg=type(module).__name__)
+        torch.testing.assert_close(a, a_ref, rtol=tol, atol=tol, msg=type(module).__name__)
+        torch.testing.assert_close(dh, dh_ref, rtol=tol, atol=tol, msg=type(module).__name__)
 
 
 def test_a_wrong_clamp_fails_the_comparison():

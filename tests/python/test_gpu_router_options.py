@@ -135,7 +135,12 @@ def test_topk_router_backward_options(E, K, routing, renorm, scale, n_group, top
     l64 = logits.double().cpu().requires_grad_()
     s64 = expected_scores(l64, experts.cpu().long(), routing, renorm, scale)
     (ref,) = torch.autograd.grad((s64 * d_scores.double().cpu()).sum(), l64)
-    assert rel_err(d_logits.cpu(), ref) < 1e-5
+    # Measured on the scale of d_scores: with K = 1 and renormalisation the score is the constant
+    # routed_scaling_factor, so the true gradient is 0 and the kernel's is fp32 rounding.
+    if K == 1 and renorm and routing in GATES:
+        assert (d_logits.cpu().double() - ref).norm().item() < 1e-5 * d_scores.double().norm().item()
+    else:
+        assert rel_err(d_logits.cpu(), ref) < 1e-5
 
 
 def test_small_router_options_refused_with_the_field_named():
