@@ -53,7 +53,8 @@ FAMILIES = _decorated_families()
 # Families every supported transformers release has: a failure to build one is a failure here.
 REQUIRED = {"qwen3_moe", "qwen3_next", "qwen3_5_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v2",
             "deepseek_v3", "glm4_moe", "minimax_m2", "gpt_oss"}
-FUSED_FAMILIES = ["mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe"]
+FUSED_FAMILIES = ["mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3",
+                  "glm4_moe", "minimax_m2"]
 
 # Set on a family's config where it has the attribute: hidden 64, expert intermediate 32,
 # 8 experts, K = 2, 2 layers, a small vocabulary, every layer sparse.
@@ -281,11 +282,35 @@ def test_fuse_moe_matches_eager(model_type, seed):
     assert_close_run(run(fused, input_ids, readout), eager, CPU_TOL, f"{model_type} fused vs eager")
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe"])
+def test_fuse_moe_grouped_sigmoid_routing_matches_eager(model_type, seed):
+    """DeepSeek-V3 / GLM-4.5 blocks with group-limited selection (4 groups of 2 experts, keep 2),
+    a non-zero selection bias and routed scaling: the fused block picks and weighs as the model's
+    router does."""
+    if model_type not in FAMILIES:
+        pytest.skip(f"{model_type} is not in this transformers release")
+    model = build(model_type, seed, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=g) * 0.1)
+    input_ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(seed))
+    readout = torch.randn(2, 12, model.config.get_text_config().vocab_size)
+    eager = run(model, input_ids, readout)
+    fused = copy.deepcopy(model)
+    report = hf_machmoe.fuse_moe(fused)
+    assert report.fused and not report.unfused, report
+    block = fused.get_submodule(report.fused[0])
+    assert block.rule.router_options(block)["n_group"] == 4
+    assert_close_run(run(fused, input_ids, readout), eager, CPU_TOL, f"{model_type} grouped fused vs eager")
+
+
 def test_fuse_moe_leaves_other_blocks_and_says_why(seed):
-    model = build("deepseek_v3", seed)
+    model = build("gpt_oss", seed)  # a router with a bias: no fused form
     report = hf_machmoe.fuse_moe(model)
     assert not report.fused and report.unfused
-    assert all("DeepseekV3MoE" in why for why in report.unfused.values()), report.unfused
+    assert all("GptOssMLP" in why for why in report.unfused.values()), report.unfused
 
 
 def test_fuse_moe_refuses_experts_machmoe_cannot_compute(seed):

@@ -256,28 +256,48 @@ register()
 
 @dataclass(frozen=True)
 class _BlockRule:
-    """A sparse MoE block machmoe computes whole: its router's class, whether the router divides
-    the K selected probabilities by their sum (a function of the router), and whether the block
-    adds a sigmoid-gated shared expert (Qwen2-MoE style: shared_expert, shared_expert_gate)."""
+    """A sparse MoE block machmoe computes whole: its router's class, machmoe's routing for it,
+    whether the router divides the K selected scores by their sum (a function of the router), the
+    router's other options as machmoe.functional.moe arguments (a function of the block), and its
+    shared expert: "gated" (Qwen2-MoE style: shared_expert, shared_expert_gate), "plain"
+    (DeepSeek style: shared_experts) or None."""
 
     router_class: str
     renormalize: Callable[[nn.Module], bool]
-    shared_expert: bool = False
+    shared: Optional[str] = None
+    routing: RoutingMethod = RoutingMethod.TOPK_SOFTMAX
+    router_options: Callable[[nn.Module], dict] = lambda block: {}
 
 
 def _norm_topk_prob(router: nn.Module) -> bool:
     return bool(router.norm_topk_prob)
 
 
-# Block class -> rule. Every router here computes logits = x · Wᵀ (no bias), P = softmax over all
-# E in float32, the K largest P, optionally divided by their sum: machmoe's "topk_softmax".
+def _grouped_sigmoid_options(block: nn.Module) -> dict:
+    """DeepSeek-V3 / GLM-4.5's router: sigmoid scores, e_score_correction_bias for the choice only,
+    group-limited top-K, renormalisation, routed scaling."""
+    gate = block.gate
+    return {"selection_bias": gate.e_score_correction_bias, "routed_scaling_factor": float(gate.routed_scaling_factor),
+            "n_group": int(gate.num_group), "topk_group": int(gate.topk_group)}
+
+
+# Block class -> rule. The softmax routers compute logits = x · Wᵀ (no bias), P = softmax over all
+# E in float32, the K largest P, optionally divided by their sum: machmoe's "topk_softmax". The
+# sigmoid routers: machmoe's "sigmoid" with the selection bias (and groups and scaling).
 _BLOCK_RULES = {
     "MixtralSparseMoeBlock": _BlockRule("MixtralTopKRouter", lambda router: True),
     "Qwen3MoeSparseMoeBlock": _BlockRule("Qwen3MoeTopKRouter", _norm_topk_prob),
     "OlmoeSparseMoeBlock": _BlockRule("OlmoeTopKRouter", _norm_topk_prob),
-    "Qwen2MoeSparseMoeBlock": _BlockRule("Qwen2MoeTopKRouter", _norm_topk_prob, shared_expert=True),
-    "Qwen3NextSparseMoeBlock": _BlockRule("Qwen3NextTopKRouter", _norm_topk_prob, shared_expert=True),
-    "Qwen3_5MoeSparseMoeBlock": _BlockRule("Qwen3_5MoeTopKRouter", lambda router: True, shared_expert=True),
+    "Qwen2MoeSparseMoeBlock": _BlockRule("Qwen2MoeTopKRouter", _norm_topk_prob, shared="gated"),
+    "Qwen3NextSparseMoeBlock": _BlockRule("Qwen3NextTopKRouter", _norm_topk_prob, shared="gated"),
+    "Qwen3_5MoeSparseMoeBlock": _BlockRule("Qwen3_5MoeTopKRouter", lambda router: True, shared="gated"),
+    "DeepseekV3MoE": _BlockRule("DeepseekV3TopkRouter", _norm_topk_prob, shared="plain",
+                                routing=RoutingMethod.SIGMOID, router_options=_grouped_sigmoid_options),
+    "Glm4MoeMoE": _BlockRule("Glm4MoeTopkRouter", _norm_topk_prob, shared="plain",
+                             routing=RoutingMethod.SIGMOID, router_options=_grouped_sigmoid_options),
+    "MiniMaxM2SparseMoeBlock": _BlockRule(
+        "MiniMaxM2TopKRouter", lambda router: True, routing=RoutingMethod.SIGMOID,
+        router_options=lambda block: {"selection_bias": block.e_score_correction_bias}),
 }
 
 
@@ -312,15 +332,22 @@ class FusedSparseMoeBlock(nn.Module):
         # Every child of the block, in its order (state_dict's key order follows it).
         for child_name, child in block.named_children():
             self.add_module(child_name, child)
-        self.has_shared_expert = rule.shared_expert
-        self.top_k = int(block.gate.top_k)
+        # ... and the block's own tensors (MiniMax-M2 keeps its selection bias on the block).
+        for name, param in block.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        for name, buffer in block.named_buffers(recurse=False):
+            self.register_buffer(name, buffer, persistent=name not in block._non_persistent_buffers_set)
+        self.shared = rule.shared
+        self.rule = rule
+        self.top_k = int(getattr(block, "top_k", None) or block.gate.top_k)
+        self.routing = rule.routing
         self.renormalize = rule.renormalize(block.gate)
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
         self.backend = backend
         self.original_class = type(block).__name__
 
     def extra_repr(self) -> str:
-        return (f"fused {self.original_class}: top_k={self.top_k}, routing=topk_softmax, "
+        return (f"fused {self.original_class}: top_k={self.top_k}, routing={self.routing.value}, "
                 f"renormalize={self.renormalize}, backend={self.backend.value}")
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -330,7 +357,8 @@ class FusedSparseMoeBlock(nn.Module):
                 1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         tokens = hidden_states.reshape(-1, hidden_dim)  # [T, d]
         if _router_logits_recorded(self.gate):
-            self.gate(tokens)
+            bias = getattr(self, "e_score_correction_bias", None)  # MiniMax-M2's router takes it
+            self.gate(tokens) if bias is None else self.gate(tokens, bias)
         plan = plan_experts(self.experts)
         if isinstance(plan, str):  # fuse_moe checked it; the module changed since
             raise RuntimeError(f"machmoe: the fused {self.original_class} can no longer run on "
@@ -339,11 +367,14 @@ class FusedSparseMoeBlock(nn.Module):
         out, _ = functional.moe(
             x, self.gate.weight.to(x.dtype), plan.w1, plan.w2, num_experts_per_tok=self.top_k,
             activation=plan.activation, b1=plan.b1, b2=plan.b2, layout=plan.layout,
-            routing=RoutingMethod.TOPK_SOFTMAX, renormalize=self.renormalize, backend=self.backend)
+            routing=self.routing, renormalize=self.renormalize, backend=self.backend,
+            glu_clamp=plan.glu_clamp, **self.rule.router_options(self))
         out = out.to(hidden_states.dtype)
-        if self.has_shared_expert:
+        if self.shared == "gated":
             shared = self.shared_expert(tokens)
             out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * shared
+        elif self.shared == "plain":
+            out = out + self.shared_experts(tokens)
         return out.reshape(batch_size, sequence_length, hidden_dim)
 
 
@@ -362,10 +393,10 @@ def _is_experts_module(module: nn.Module) -> bool:
 
 def fuse_moe(model: nn.Module, backend: Union[Backend, str] = Backend.AUTO) -> FuseReport:
     """Replaces, in place, every sparse MoE block of `model` that machmoe computes whole (see
-    _BLOCK_RULES: Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, OLMoE) by a
-    FusedSparseMoeBlock on the same parameter tensors. Any other module that holds a decorated
-    experts module as `experts` (other routings: DeepSeek's grouped sigmoid, gpt-oss's biased
-    router, ...; or experts machmoe cannot compute) is left as it is and listed with the reason;
+    _BLOCK_RULES: Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, OLMoE, DeepSeek-V3,
+    GLM-4.5, MiniMax-M2) by a FusedSparseMoeBlock on the same parameter tensors. Any other module
+    that holds a decorated experts module as `experts` (other routings: gpt-oss's biased router,
+    ...; or experts machmoe cannot compute) is left as it is and listed with the reason;
     its experts still run on machmoe with experts_implementation="machmoe".
 
     Returns FuseReport(fused=[names], unfused={name: reason}).
