@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.ops]
 FLOOR = 2.0 ** -8
 EXPERTS_FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "qwen3_next", "deepseek_v3", "glm4_moe",
                     "minimax_m2", "nemotron_h"]
-FUSED_FAMILIES = ["mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
+FUSED_FAMILIES = ["mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2"]
 
 
 def _require_kernels(x, d, n):
