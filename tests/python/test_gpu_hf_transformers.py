@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.ops]
 FLOOR = 2.0 ** -8
 EXPERTS_FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "qwen3_next", "deepseek_v3", "glm4_moe",
                     "minimax_m2", "nemotron_h"]
-FUSED_FAMILIES = ["mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2"]
+FUSED_FAMILIES = ["mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2", "gpt_oss"]
 
 
 def _require_kernels(x, d, n):
@@ -130,6 +130,8 @@ def _block_grads(block, x, dout):
     x = x.detach().clone().requires_grad_(True)
     params = dict(block.named_parameters())
     out = block(x)
+    if isinstance(out, tuple):  # gpt-oss's block: (output, router scores)
+        out = out[0]
     got = torch.autograd.grad([out], [x, *params.values()], [dout.to(out.dtype)], allow_unused=True)
     leaves = [x, *params.values()]
     return out.detach(), {n: (g if g is not None else torch.zeros_like(leaf))
@@ -148,8 +150,11 @@ def test_gpu_fused_block_bf16_vs_fp32_eager(model_type, seed):
     x = torch.randn(1, T, d, generator=g).cuda()
     dout = torch.randn(1, T, d, generator=g).cuda()
     # Near ties of the fp32 logits: left out (see the module docstring).
-    logits = x[0] @ block.gate.weight.detach().cuda().float().T  # [T, E]
-    top = logits.topk(block.gate.top_k + 1, dim=1).values
+    router = getattr(block, rule.router_attr)
+    logits = x[0] @ router.weight.detach().cuda().float().T  # [T, E]
+    if getattr(router, "bias", None) is not None:
+        logits = logits + router.bias.detach().cuda().float()
+    top = logits.topk(router.top_k + 1, dim=1).values
     near_tie = (top[:, -2] - top[:, -1]) < 0.05  # [T]
     assert int(near_tie.sum()) < T // 4, "too many near ties for a meaningful comparison"
     dout[0, near_tie] = 0

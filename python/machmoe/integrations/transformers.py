@@ -11,8 +11,9 @@ again, under another name if wanted), so that
 runs every experts module that transformers decorates with `use_experts_implementation` on
 machmoe's experts (`machmoe.functional.experts_topk`): the model's own router picks the experts,
 machmoe runs them. fuse_moe(model) goes further for the sparse MoE blocks whose routing machmoe
-computes itself (softmax top-K: Qwen2/3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral, OLMoE): router,
-routing and experts in one `machmoe.functional.moe` call.
+computes itself (softmax top-K: Qwen2/3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral, OLMoE; gpt-oss's
+biased router; the sigmoid routers of DeepSeek-V3, GLM-4.5, MiniMax-M2): router, routing and
+experts in one `machmoe.functional.moe` call.
 
 The experts contract (transformers.integrations.moe): fn(module, hidden_states [T, d],
 top_k_index [T, K], top_k_weights [T, K]) -> [T, d], reading from the module
@@ -260,13 +261,16 @@ class _BlockRule:
     whether the router divides the K selected scores by their sum (a function of the router), the
     router's other options as machmoe.functional.moe arguments (a function of the block), and its
     shared expert: "gated" (Qwen2-MoE style: shared_expert, shared_expert_gate), "plain"
-    (DeepSeek style: shared_experts) or None."""
+    (DeepSeek style: shared_experts) or None; the router's attribute name in the block, and
+    whether the block returns (output, router scores) rather than the output alone."""
 
     router_class: str
     renormalize: Callable[[nn.Module], bool]
     shared: Optional[str] = None
     routing: RoutingMethod = RoutingMethod.TOPK_SOFTMAX
     router_options: Callable[[nn.Module], dict] = lambda block: {}
+    router_attr: str = "gate"
+    returns_pair: bool = False
 
 
 def _norm_topk_prob(router: nn.Module) -> bool:
@@ -298,6 +302,11 @@ _BLOCK_RULES = {
     "MiniMaxM2SparseMoeBlock": _BlockRule(
         "MiniMaxM2TopKRouter", lambda router: True, routing=RoutingMethod.SIGMOID,
         router_options=lambda block: {"selection_bias": block.e_score_correction_bias}),
+    # gpt-oss: logits = x·Wᵀ + b, the K largest, softmax over them: "softmax_topk" with a router
+    # bias. The block returns (output, router scores); its decoder layer discards the scores.
+    "GptOssMLP": _BlockRule(
+        "GptOssTopKRouter", lambda router: True, routing=RoutingMethod.SOFTMAX_TOPK, router_attr="router",
+        returns_pair=True, router_options=lambda block: {"router_bias": block.router.bias}),
 }
 
 
@@ -339,9 +348,10 @@ class FusedSparseMoeBlock(nn.Module):
             self.register_buffer(name, buffer, persistent=name not in block._non_persistent_buffers_set)
         self.shared = rule.shared
         self.rule = rule
-        self.top_k = int(getattr(block, "top_k", None) or block.gate.top_k)
+        router = getattr(block, rule.router_attr)
+        self.top_k = int(getattr(block, "top_k", None) or router.top_k)
         self.routing = rule.routing
-        self.renormalize = rule.renormalize(block.gate)
+        self.renormalize = rule.renormalize(router)
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
         self.backend = backend
         self.original_class = type(block).__name__
@@ -356,16 +366,17 @@ class FusedSparseMoeBlock(nn.Module):
             hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
                 1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         tokens = hidden_states.reshape(-1, hidden_dim)  # [T, d]
-        if _router_logits_recorded(self.gate):
+        router = getattr(self, self.rule.router_attr)
+        if _router_logits_recorded(router):
             bias = getattr(self, "e_score_correction_bias", None)  # MiniMax-M2's router takes it
-            self.gate(tokens) if bias is None else self.gate(tokens, bias)
+            router(tokens) if bias is None else router(tokens, bias)
         plan = plan_experts(self.experts)
         if isinstance(plan, str):  # fuse_moe checked it; the module changed since
             raise RuntimeError(f"machmoe: the fused {self.original_class} can no longer run on "
                                f"machmoe: {plan}")
         x = tokens.to(plan.w1.dtype)
         out, _ = functional.moe(
-            x, self.gate.weight.to(x.dtype), plan.w1, plan.w2, num_experts_per_tok=self.top_k,
+            x, router.weight.to(x.dtype), plan.w1, plan.w2, num_experts_per_tok=self.top_k,
             activation=plan.activation, b1=plan.b1, b2=plan.b2, layout=plan.layout,
             routing=self.routing, renormalize=self.renormalize, backend=self.backend,
             glu_clamp=plan.glu_clamp, **self.rule.router_options(self))
@@ -375,7 +386,10 @@ class FusedSparseMoeBlock(nn.Module):
             out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * shared
         elif self.shared == "plain":
             out = out + self.shared_experts(tokens)
-        return out.reshape(batch_size, sequence_length, hidden_dim)
+        out = out.reshape(batch_size, sequence_length, hidden_dim)
+        # gpt-oss's block also returns its router scores, which its decoder layer discards: not
+        # computed here (None).
+        return (out, None) if self.rule.returns_pair else out
 
 
 class FuseReport(NamedTuple):
@@ -394,9 +408,9 @@ def _is_experts_module(module: nn.Module) -> bool:
 def fuse_moe(model: nn.Module, backend: Union[Backend, str] = Backend.AUTO) -> FuseReport:
     """Replaces, in place, every sparse MoE block of `model` that machmoe computes whole (see
     _BLOCK_RULES: Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, OLMoE, DeepSeek-V3,
-    GLM-4.5, MiniMax-M2) by a FusedSparseMoeBlock on the same parameter tensors. Any other module
-    that holds a decorated experts module as `experts` (other routings: gpt-oss's biased router,
-    ...; or experts machmoe cannot compute) is left as it is and listed with the reason;
+    GLM-4.5, MiniMax-M2, gpt-oss) by a FusedSparseMoeBlock on the same parameter tensors. Any
+    other module that holds a decorated experts module as `experts` (other routings, or experts
+    machmoe cannot compute) is left as it is and listed with the reason;
     its experts still run on machmoe with experts_implementation="machmoe".
 
     Returns FuseReport(fused=[names], unfused={name: reason}).
@@ -409,7 +423,7 @@ def fuse_moe(model: nn.Module, backend: Union[Backend, str] = Backend.AUTO) -> F
                 or not _is_experts_module(experts):
             continue
         rule = _BLOCK_RULES.get(type(block).__name__)
-        router = getattr(block, "gate", None)
+        router = getattr(block, rule.router_attr if rule is not None else "gate", None)
         if rule is None:
             unfused[name] = f"machmoe has no fused form of {type(block).__name__} (its routing)"
             continue
