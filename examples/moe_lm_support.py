@@ -111,9 +111,12 @@ EXPERTS_BACKWARD = "moe_experts.backward"
 
 
 def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The routed-experts modules (the ones transformers dispatches through experts_implementation)."""
+    """The routed-experts modules (the ones transformers dispatches through experts_implementation),
+    and machmoe's fused blocks (fuse_moe), whose range then covers the whole block: router and
+    shared experts included."""
     return [m for m in model.modules()
-            if type(m).__name__.endswith("Experts") and hasattr(m, "gate_up_proj")]
+            if type(m).__name__ == "FusedSparseMoeBlock"
+            or (type(m).__name__.endswith("Experts") and hasattr(m, "gate_up_proj"))]
 
 
 class ExpertsRanges:

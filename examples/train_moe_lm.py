@@ -9,6 +9,8 @@ routed experts run through transformers' `experts_implementation`:
     eager       transformers' loop over experts (one small GEMM pair per expert)
     grouped_mm  transformers' grouped GEMMs (torch.nn.functional.grouped_mm)
     machmoe     machmoe's fused Hopper kernels, registered by `import machmoe.integrations.transformers`
+    machmoe-fused  machmoe's whole MoE block (router, routing, experts in one call) through
+                `machmoe.integrations.transformers.fuse_moe`, on the same parameters
 
 The text is the Python standard library's source on this machine, read as bytes (vocabulary 256):
 nothing is downloaded, the seed is fixed and the batches depend only on (seed, step).
@@ -44,7 +46,7 @@ from moe_lm_support import (  # noqa: E402  (the module beside this file)
     ExpertsRanges, RoutingBiasUpdater, batch_for_step, experts_share, format_bytes,
     load_stdlib_corpus, write_report)
 
-IMPLEMENTATIONS = ("machmoe", "grouped_mm", "eager")
+IMPLEMENTATIONS = ("machmoe", "machmoe-fused", "grouped_mm", "eager")
 
 # Shapes: hidden d, moe_intermediate n, num_experts E, top_k K; tokens per step = batch * seq.
 # Attention is kept small beside the experts (few heads, sdpa): the experts are what is compared.
@@ -146,7 +148,7 @@ def require_experts_implementation(name: str) -> None:
         print("train_moe_lm.py needs Hugging Face transformers 5.x (pip install 'transformers>=5.17').",
               file=sys.stderr)
         sys.exit(2)
-    if name != "machmoe":
+    if not name.startswith("machmoe"):
         return
     try:
         import machmoe.integrations.transformers as integration
@@ -240,7 +242,13 @@ def build_model(args, implementation: str, dist: Distributed):
     with dist.device:
         model = AutoModelForCausalLM.from_config(build_config(args), dtype=dtype,
                                                  attn_implementation="sdpa",
-                                                 experts_implementation=implementation)
+                                                 experts_implementation=implementation.removesuffix("-fused"))
+    if implementation == "machmoe-fused":
+        from machmoe.integrations.transformers import fuse_moe
+        report = fuse_moe(model)  # in place, same parameters; unfused blocks keep machmoe's experts
+        if dist.rank == 0 and report.unfused:
+            print(f"machmoe-fused: {len(report.unfused)} block(s) not fused: "
+                  f"{next(iter(report.unfused.values()))}", file=sys.stderr)
     if dist.active:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)

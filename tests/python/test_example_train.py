@@ -108,7 +108,7 @@ def check_learns(run: dict):
 
 
 def test_qwen3_tiny_implementations_agree_and_learn(seed, tmp_path):
-    impls = ["grouped_mm", "eager"] + (["machmoe"] if machmoe_integration_available() else [])
+    impls = ["grouped_mm", "eager"] + (["machmoe", "machmoe-fused"] if machmoe_integration_available() else [])
     runs = train_moe_lm.main(["--preset", "tiny", "--steps", "6", "--seed", str(seed),
                               "--compare", ",".join(impls), "--out", str(tmp_path)] + SMALL)
     assert list(runs) == impls
@@ -143,6 +143,17 @@ def test_deepseek_v3_tiny_learns_and_profiles(seed, tmp_path):
     assert share["experts_forward_ms"] > 0 and share["experts_backward_ms"] > 0, share
     assert 0 < share["experts_share"] < 1, share
     assert (tmp_path / "profile_grouped_mm.txt").exists()
+
+
+@pytest.mark.skipif(not machmoe_integration_available(), reason="machmoe's transformers integration is missing")
+def test_deepseek_v3_tiny_fused_block_agrees_with_eager(seed, tmp_path):
+    """machmoe-fused: DeepSeek-V3's blocks (sigmoid + selection bias, groups, routed scaling,
+    shared expert) as fuse_moe's blocks; the same first loss as eager, and it learns."""
+    runs = train_moe_lm.main(["--preset", "deepseek-v3-tiny", "--steps", "6", "--seed", str(seed),
+                              "--compare", "eager,machmoe-fused", "--out", str(tmp_path)] + SMALL)
+    check_learns(runs["machmoe-fused"])
+    first, ref = runs["machmoe-fused"]["losses"][0], runs["eager"]["losses"][0]
+    assert abs(first - ref) <= FIRST_LOSS_RTOL * ref, f"machmoe-fused vs eager at step 1: {first} {ref}"
 
 
 def test_routing_bias_moves_against_the_load(seed):
