@@ -103,7 +103,7 @@ class RoutingBiasUpdater:
 # ---------------------------------------------------------------------------------------------
 # Profiling: what share of a training step the routed experts take.
 # Each experts module's forward and backward run inside a named profiler range, opened and closed
-# by module hooks; the range's device time is the sum of the kernels launched inside it.
+# by module hooks; the range's GPU time is the sum of the kernels launched inside it.
 # ---------------------------------------------------------------------------------------------
 
 EXPERTS_FORWARD = "moe_experts.forward"

@@ -129,6 +129,36 @@ def _validate_experts(x, w1, w2, b1, b2, activation, num_experts: Optional[int])
     return T, d, E, n
 
 
+def _parse_experts_call(x, w1, w2, b1, b2, activation, layout, backend, glu_clamp) -> tuple:
+    """The checks every experts entry point makes (moe_general, experts_topk, shared_experts):
+    backend, activation, layout and clamp parsed, the tensors' shapes checked. Returns
+    (activation, layout, glu_clamp, T, d, E, n)."""
+    parse_enum(Backend, backend, "backend")
+    activation = parse_enum(ActivationType, activation, "activation")
+    layout = parse_enum(GateUpLayout, layout, "layout")
+    glu_clamp = resolve_glu_clamp(activation, glu_clamp)
+    return (activation, layout, glu_clamp, *_validate_experts(x, w1, w2, b1, b2, activation, None))
+
+
+def _same_dtype_and_device(same_dtype: dict, same_device: dict) -> None:
+    """The tensors of `same_dtype` (x first) share x's dtype; those and `same_device`'s share its
+    device."""
+    _same_dtype(same_dtype, "x")
+    _same_device({**same_dtype, **same_device}, "x")
+
+
+def _run_experts(x, w1, b1, w2, b2, scores, token, expert, activation, layout, glu_clamp, on_kernels: bool,
+                 repeats: int = 1) -> torch.Tensor:
+    """The experts on a checked list (scores, token, expert) [R] on the kernels or the torch
+    backend (repeats: machmoe_backend._General's copies per expert, kernels only)."""
+    if on_kernels:
+        from . import machmoe_backend
+
+        return machmoe_backend.moe_general(x, w1, b1, w2, b2, scores, token, expert, activation, layout,
+                                           glu_clamp, repeats=repeats)
+    return torch_backend.experts(x, w1, b1, w2, b2, token, expert, scores, activation, layout, glu_clamp)
+
+
 def _validate_routing(E: int, num_experts_per_tok, routing, renormalize, selection_bias,
                       token_rounding, tile_m, seed):
     """Checks the routing options for E experts; returns (K, routing, rounding)."""
@@ -392,23 +422,13 @@ def moe_general(
         backend: "auto" (default), "machmoe" or "torch"; see resolve_backend.
         glu_clamp: the parameters of activation "clamped_swiglu"; see moe().
     """
-    parse_enum(Backend, backend, "backend")
-    activation = parse_enum(ActivationType, activation, "activation")
-    glu_clamp = resolve_glu_clamp(activation, glu_clamp)
-    layout = parse_enum(GateUpLayout, layout, "layout")
-    T, d, E, n = _validate_experts(x, w1, w2, b1, b2, activation, None)
+    activation, layout, glu_clamp, T, d, E, n = _parse_experts_call(x, w1, w2, b1, b2, activation, layout,
+                                                                   backend, glu_clamp)
     _validate_routing_list(scores, token_idx, expert_idx, T, E)
-    _same_dtype({"x": x, "w1": w1, "w2": w2, "b1": b1, "b2": b2}, "x")
-    _same_device({"x": x, "w1": w1, "w2": w2, "b1": b1, "b2": b2, "scores": scores,
-                  "token_idx": token_idx, "expert_idx": expert_idx}, "x")
-
-    if resolve_backend(backend, x, d, n) == Backend.MACHMOE:
-        from . import machmoe_backend
-
-        return machmoe_backend.moe_general(x, w1, b1, w2, b2, scores, token_idx, expert_idx, activation,
-                                           layout, glu_clamp)
-    return torch_backend.experts(x, w1, b1, w2, b2, token_idx, expert_idx, scores, activation,
-                                 layout, glu_clamp)
+    _same_dtype_and_device({"x": x, "w1": w1, "w2": w2, "b1": b1, "b2": b2},
+                           {"scores": scores, "token_idx": token_idx, "expert_idx": expert_idx})
+    return _run_experts(x, w1, b1, w2, b2, scores, token_idx, expert_idx, activation, layout, glu_clamp,
+                        resolve_backend(backend, x, d, n) == Backend.MACHMOE)
 
 
 def experts_topk(
@@ -443,11 +463,8 @@ def experts_topk(
         topk_scores: [T, K] pair weights, any float dtype; they receive gradients.
         topk_experts: [T, K] integer experts; values outside [0, E) are dropped.
     """
-    parse_enum(Backend, backend, "backend")
-    activation = parse_enum(ActivationType, activation, "activation")
-    layout = parse_enum(GateUpLayout, layout, "layout")
-    glu_clamp = resolve_glu_clamp(activation, glu_clamp)
-    T, d, E, n = _validate_experts(x, w1, w2, b1, b2, activation, None)
+    activation, layout, glu_clamp, T, d, E, n = _parse_experts_call(x, w1, w2, b1, b2, activation, layout,
+                                                                   backend, glu_clamp)
     topk_scores = _float_tensor(topk_scores, "topk_scores", 2)
     topk_experts = _tensor(topk_experts, "topk_experts", 2)
     if topk_experts.dtype not in _INT_DTYPES:
@@ -456,22 +473,18 @@ def experts_topk(
         raise ValueError(f"topk_experts must have shape [T, K] with T = x.shape[0] = {T}; "
                          f"got {list(topk_experts.shape)}")
     _shape(topk_scores, "topk_scores", topk_experts.shape, "[T, K], the shape of topk_experts")
-    _same_dtype({"x": x, "w1": w1, "w2": w2, "b1": b1, "b2": b2}, "x")
-    _same_device({"x": x, "w1": w1, "w2": w2, "b1": b1, "b2": b2, "topk_scores": topk_scores,
-                  "topk_experts": topk_experts}, "x")
+    _same_dtype_and_device({"x": x, "w1": w1, "w2": w2, "b1": b1, "b2": b2},
+                           {"topk_scores": topk_scores, "topk_experts": topk_experts})
 
     K = topk_experts.shape[1]
     scores = topk_scores.reshape(-1)  # [T·K], pair (t, k) at t·K + k
     expert = topk_experts.reshape(-1)
     token = torch.arange(T, device=x.device)[:, None].expand(T, K).reshape(-1)  # [T·K], non-decreasing
     if resolve_backend(backend, x, d, n) == Backend.MACHMOE:
-        from . import machmoe_backend
-
-        return machmoe_backend.moe_general(x, w1, b1, w2, b2, scores, token, expert, activation, layout,
-                                           glu_clamp)
+        return _run_experts(x, w1, b1, w2, b2, scores, token, expert, activation, layout, glu_clamp, True)
     keep = (expert >= 0) & (expert < E)  # boolean indexing: the torch backend's host sync
-    return torch_backend.experts(x, w1, b1, w2, b2, token[keep], expert[keep], scores[keep],
-                                 activation, layout, glu_clamp)
+    return _run_experts(x, w1, b1, w2, b2, scores[keep], token[keep], expert[keep], activation, layout,
+                        glu_clamp, False)
 
 
 def route(

@@ -14,12 +14,13 @@ n_s = m · n.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Union
 
 import torch
 
 from . import functional, torch_backend
-from .enums import ActivationType, Backend, GateUpLayout, GluClamp, parse_enum, resolve_glu_clamp
+from .enums import ActivationType, Backend, GateUpLayout, GluClamp
 
 
 def shared_expert_routing(T: int, S: int, device: torch.device, chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,6 +39,12 @@ def shared_expert_routing(T: int, S: int, device: torch.device, chunks: int = 1)
 # that each weight-gradient tile still loops over enough rows to pay for its epilogue.
 _WGRAD_TILE = 128
 _MIN_RUN_ROWS = 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (asked once per device)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def token_chunks(T: int, N1: int, d: int, n: int, S: int, sms: int) -> int:
@@ -78,23 +85,16 @@ def shared_experts(
         activation, layout, backend, glu_clamp: as machmoe.functional.moe.
     Every input that is a floating tensor receives its gradient.
     """
-    parse_enum(Backend, backend, "backend")
-    activation = parse_enum(ActivationType, activation, "activation")
-    layout = parse_enum(GateUpLayout, layout, "layout")
-    glu_clamp = resolve_glu_clamp(activation, glu_clamp)
-    T, d, S, n = functional._validate_experts(x, w1, w2, b1, b2, activation, None)
+    activation, layout, glu_clamp, T, d, S, n = functional._parse_experts_call(
+        x, w1, w2, b1, b2, activation, layout, backend, glu_clamp)
     if gate_weight is not None:
         gate_weight = functional._float_tensor(gate_weight, "gate_weight", 2)
         functional._shape(gate_weight, "gate_weight", (1, d), "[1, d] with d = x.shape[1]")
-    tensors = {"x": x, "w1": w1, "w2": w2, "b1": b1, "b2": b2, "gate_weight": gate_weight}
-    functional._same_dtype(tensors, "x")
-    functional._same_device(tensors, "x")
+    functional._same_dtype_and_device(
+        {"x": x, "w1": w1, "w2": w2, "b1": b1, "b2": b2, "gate_weight": gate_weight}, {})
 
     on_kernels = functional.resolve_backend(backend, x, d, n) == Backend.MACHMOE
-    chunks = 1
-    if on_kernels:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        chunks = token_chunks(T, w1.shape[1], d, n, S, sms)
+    chunks = token_chunks(T, w1.shape[1], d, n, S, _sm_count(x.device)) if on_kernels else 1
     token, expert = shared_expert_routing(T, S, x.device, chunks)  # [T·S] each
     score_dtype = torch_backend.routing_dtype(x.dtype)  # fp32 (fp64 for fp64 input), as routing
     if gate_weight is None:
@@ -103,9 +103,5 @@ def shared_experts(
         # The gate in the routing dtype (the kernels weight the experts' rows in fp32 anyway).
         gate_logit = torch.nn.functional.linear(x, gate_weight).to(score_dtype).squeeze(1)  # [T]
         scores = torch.sigmoid(gate_logit).repeat_interleave(S)  # [T·S]
-    if on_kernels:
-        from . import machmoe_backend
-
-        return machmoe_backend.moe_general(x, w1, b1, w2, b2, scores, token, expert, activation, layout,
-                                           glu_clamp, repeats=chunks)
-    return torch_backend.experts(x, w1, b1, w2, b2, token, expert, scores, activation, layout, glu_clamp)
+    return functional._run_experts(x, w1, b1, w2, b2, scores, token, expert, activation, layout, glu_clamp,
+                                   on_kernels, repeats=chunks)

@@ -271,6 +271,8 @@ class _BlockRule:
     router_options: Callable[[nn.Module], dict] = lambda block: {}
     router_attr: str = "gate"
     returns_pair: bool = False
+    # How the block calls its router on tokens [T, d] (only to let transformers record the logits).
+    call_router: Callable[[nn.Module, torch.Tensor], object] = lambda block, tokens: block.gate(tokens)
 
 
 def _norm_topk_prob(router: nn.Module) -> bool:
@@ -301,12 +303,14 @@ _BLOCK_RULES = {
                              routing=RoutingMethod.SIGMOID, router_options=_grouped_sigmoid_options),
     "MiniMaxM2SparseMoeBlock": _BlockRule(
         "MiniMaxM2TopKRouter", lambda router: True, routing=RoutingMethod.SIGMOID,
-        router_options=lambda block: {"selection_bias": block.e_score_correction_bias}),
+        router_options=lambda block: {"selection_bias": block.e_score_correction_bias},
+        call_router=lambda block, tokens: block.gate(tokens, block.e_score_correction_bias)),
     # gpt-oss: logits = x·Wᵀ + b, the K largest, softmax over them: "softmax_topk" with a router
     # bias. The block returns (output, router scores); its decoder layer discards the scores.
     "GptOssMLP": _BlockRule(
         "GptOssTopKRouter", lambda router: True, routing=RoutingMethod.SOFTMAX_TOPK, router_attr="router",
-        returns_pair=True, router_options=lambda block: {"router_bias": block.router.bias}),
+        returns_pair=True, router_options=lambda block: {"router_bias": block.router.bias},
+        call_router=lambda block, tokens: block.router(tokens)),
 }
 
 
@@ -368,8 +372,7 @@ class FusedSparseMoeBlock(nn.Module):
         tokens = hidden_states.reshape(-1, hidden_dim)  # [T, d]
         router = getattr(self, self.rule.router_attr)
         if _router_logits_recorded(router):
-            bias = getattr(self, "e_score_correction_bias", None)  # MiniMax-M2's router takes it
-            router(tokens) if bias is None else router(tokens, bias)
+            self.rule.call_router(self, tokens)
         plan = plan_experts(self.experts)
         if isinstance(plan, str):  # fuse_moe checked it; the module changed since
             raise RuntimeError(f"machmoe: the fused {self.original_class} can no longer run on "
