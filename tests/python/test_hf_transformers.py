@@ -279,7 +279,10 @@ def test_fuse_moe_matches_eager(model_type, seed):
     after = dict(fused.named_parameters())
     assert after.keys() == before.keys() and all(after[n] is before[n] for n in before)
     assert list(fused.state_dict().keys()) == keys_before
-    assert_close_run(run(fused, input_ids, readout), eager, CPU_TOL, f"{model_type} fused vs eager")
+    # As the family test: within 2x eager float32's own error against the float64 model (some
+    # families' gradients, e.g. Qwen3-Next's linear-attention dt_bias, are ill-conditioned in fp32).
+    exact = run(copy.deepcopy(model).double(), input_ids, readout.double())
+    assert_within_eager_error(run(fused, input_ids, readout), eager, exact, f"{model_type} fused")
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe"])
