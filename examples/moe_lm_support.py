@@ -150,9 +150,10 @@ class ExpertsRanges:
 def experts_share(prof, on_gpu: bool, wall_s: float) -> dict:
     """From a finished torch.profiler run: the experts' time, the step's time and their ratio.
 
-    On a GPU the step's time is the sum of all kernels' durations (each kernel counted once, under
-    the op that launched it) and the experts' time that of the kernels inside the experts ranges.
-    On the CPU the ranges' CPU time is compared with the wall time of the profiled steps.
+    The step's time is the wall time of the profiled steps (each ends in a host sync on its loss,
+    so the GPU's queue is drained). On a GPU the experts' time is that of the kernels launched
+    inside the experts ranges, on the CPU the ranges' CPU time. (Summing every op's own kernel
+    time for the step's total over-counted it several times over with torch 2.11's profiler.)
     The backward range opens when the module's output gradient is ready and closes when its
     input gradients are, so autograd nodes of other branches that run in between (rare: the
     engine follows reverse creation order) count as experts time."""
@@ -161,16 +162,15 @@ def experts_share(prof, on_gpu: bool, wall_s: float) -> dict:
     # The host-side ranges (the GPU-side copies of the annotations would count twice).
     ranges = [e for e in events if e.name in (EXPERTS_FORWARD, EXPERTS_BACKWARD)
               and e.device_type == cpu]
+    total_us = wall_s * 1e6
     if on_gpu:
-        total_us = sum(e.self_device_time_total for e in events if e.device_type == cpu)
         fwd_us = sum(e.device_time_total for e in ranges if e.name == EXPERTS_FORWARD)
         bwd_us = sum(e.device_time_total for e in ranges if e.name == EXPERTS_BACKWARD)
     else:
-        total_us = wall_s * 1e6
         fwd_us = sum(e.cpu_time_total for e in ranges if e.name == EXPERTS_FORWARD)
         bwd_us = sum(e.cpu_time_total for e in ranges if e.name == EXPERTS_BACKWARD)
     return {
-        "basis": "GPU kernel time" if on_gpu else "CPU wall time",
+        "basis": "the steps' wall time",
         "experts_forward_ms": fwd_us / 1e3,
         "experts_backward_ms": bwd_us / 1e3,
         "step_total_ms": total_us / 1e3,

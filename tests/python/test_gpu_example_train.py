@@ -57,9 +57,13 @@ def test_gpu_profile_share_at_7b_a(impl, seed, tmp_path):
                               "--steps", "4", "--seed", str(seed), "--experts", impl, "--profile",
                               "--profile-steps", "2", "--out", str(tmp_path)])
     share = runs[impl]["profile"]
-    assert share["basis"] == "GPU kernel time"
+    assert share["basis"] == "the steps' wall time"
+    # The profiled steps' time is the training steps' time (plus the profiler's overhead), not a
+    # sum that counts kernels more than once.
+    per_step_s = share["step_total_ms"] / 2 / 1e3
+    assert 0.7 * runs[impl]["step_s"] < per_step_s < 3 * runs[impl]["step_s"], (share, runs[impl]["step_s"])
     assert share["experts_forward_ms"] > 0 and share["experts_backward_ms"] > 0, share
-    assert 0.05 < share["experts_share"] < 1, share
+    assert 0 < share["experts_share"] < 1, share
     assert (tmp_path / f"profile_{impl}.txt").stat().st_size > 0
 
 

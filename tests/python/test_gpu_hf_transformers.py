@@ -155,7 +155,11 @@ def test_gpu_fused_block_bf16_vs_fp32_eager(model_type, seed):
     if getattr(router, "bias", None) is not None:
         logits = logits + router.bias.detach().cuda().float()
     top = logits.topk(router.top_k + 1, dim=1).values
-    near_tie = (top[:, -2] - top[:, -1]) < 0.05  # [T]
+    # A bound on the bf16 logits' error: x and the weight each rounded (2^-9 relative), the
+    # products summed in fp32, so |error| <= 2^-8 * Σ|x||w| (doubled for the margin). A gap
+    # between the K-th and (K+1)-th logit below it may choose other experts in bf16.
+    bound = 2.0 ** -7 * (x[0].abs() @ router.weight.detach().cuda().float().abs().T).amax(dim=1)
+    near_tie = (top[:, -2] - top[:, -1]) < bound  # [T]
     assert int(near_tie.sum()) < T // 4, "too many near ties for a meaningful comparison"
     dout[0, near_tie] = 0
     _require_kernels(x[0].bfloat16(), d, hf_machmoe.plan_experts(block.experts).w2.shape[2])
