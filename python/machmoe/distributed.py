@@ -1,7 +1,17 @@
-"""Expert parallelism: the experts of one MoE layer sharded over the ranks of a process group,
-tokens exchanged all-to-all (docs/LAYER.md, "Expert parallelism").
+"""Expert parallelism: the experts of one MoE layer sharded over the ranks of a process group
+(docs/LAYER.md, "Expert parallelism"; docs/SCALING.md).
 
-Rank q of W holds experts [q·E/W, (q+1)·E/W) and a replica of the router. One forward:
+Rank q of W holds experts [q·E/W, (q+1)·E/W) and a replica of the router. Two exchanges:
+
+- "all_gather" (the default; machmoe.expert_exchange): every rank's tokens gathered to every
+  rank, each rank's experts run on all of them, the partial sums reduce-scattered back. No host
+  synchronisation (with max_tokens given), CUDA-graph capturable, the exchange pipelined with the
+  experts in token chunks. It sends each token to every other rank, which is what a filtered
+  exchange sends too when W is small against K (W = 2 and 4 at K = 8).
+- "all_to_all", described below: a token goes only to the ranks that hold one of its experts,
+  with one host synchronisation per forward.
+
+The all-to-all forward:
 
 1. route the rank's own tokens (logits, top-K, aux loss: as `MoE` on those tokens);
 2. dispatch: each token goes once to every rank that holds one of its experts, with its
@@ -32,6 +42,7 @@ from torch import nn
 from . import functional, torch_backend
 from .enums import (ActivationType, Backend, GateUpLayout, GluClamp, RoutingMethod, TokenRounding, is_glu,
                     parse_enum, resolve_glu_clamp)
+from .expert_exchange import gathered_experts
 from .moe import ExpertLinear, MoE, layer_settings
 
 
@@ -285,6 +296,30 @@ def _route(x, router_weight, K, routing, renormalize, selection_bias, kernels):
     return logits, scores, experts
 
 
+EXCHANGES = ("all_gather", "all_to_all")
+# Token chunks of the all-gather exchange by default (measured on two H200s: bench.expert_parallel).
+DEFAULT_CHUNKS = 2
+
+
+def _group_name(group) -> str:
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+def _exchange_rows(T: int, max_tokens: Optional[int], device: torch.device, group) -> int:
+    """Rows per rank of the all-gather exchange: max_tokens (checked against T on the host, no
+    wait), or the group's largest T of this call (an all-reduce the host waits for)."""
+    if max_tokens is None:
+        largest = torch.tensor([T], dtype=torch.int64, device=device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+        return int(largest.item())
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be an int >= 1 or None; got {max_tokens!r}")
+    if T > max_tokens:
+        raise ValueError(f"x has T = {T} tokens, more than max_tokens = {max_tokens}, the rows each "
+                         f"rank's exchange buffers were sized for; raise max_tokens or pass fewer tokens")
+    return max_tokens
+
+
 def _local_experts(x, w1, b1, w2, b2, scores, row, expert, activation, layout, backend, glu_clamp=None):
     """The experts this rank holds on the rows it received -> [S, d]. The list was built here:
     ordered by row, no repeated (row, expert) pair, in range, so no checks (and no syncs)."""
@@ -312,6 +347,9 @@ def expert_parallel_moe(
     group=None,
     backend: Union[Backend, str] = Backend.AUTO,
     glu_clamp: Optional[GluClamp] = None,
+    exchange: str = "all_gather",
+    max_tokens: Optional[int] = None,
+    chunks: int = DEFAULT_CHUNKS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [T, d], aux []) of the layer on this rank's tokens x [T, d], with the experts sharded.
 
@@ -336,6 +374,17 @@ def expert_parallel_moe(
             default group).
         backend: "auto" (default), "machmoe" or "torch"; see machmoe.functional.resolve_backend.
         glu_clamp: the parameters of activation "clamped_swiglu"; see machmoe.functional.moe.
+        exchange: how tokens travel. "all_gather" (default): every rank's tokens to every rank,
+            the partial sums reduce-scattered back (machmoe.expert_exchange); no host
+            synchronisation, CUDA-graph capturable, the exchange overlapped with the experts by
+            `chunks`. "all_to_all": a token only to the ranks holding one of its experts (fewer
+            bytes when W is large), with one host synchronisation per forward for the row counts.
+        max_tokens: "all_gather" only: the most tokens any rank of the group passes (the
+            exchange buffers hold W·max_tokens rows); T above it is refused, T below is padded.
+            None: the group's largest T of this call, found with a small all-reduce that waits
+            for the host (pass it to avoid that wait).
+        chunks: "all_gather" only: token chunks pipelined through exchange and experts (1: no
+            overlap), an int >= 1.
     """
     backend = parse_enum(Backend, backend, "backend")
     activation = parse_enum(ActivationType, activation, "activation")
@@ -366,7 +415,30 @@ def expert_parallel_moe(
     # 1. Route this rank's tokens: pairs (token, expert, score) [R = T·K] in (t, k) order.
     # (ep.* ranges name the phases in torch.profiler traces: bench.expert_parallel --profile.)
     phase = torch.profiler.record_function
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}; got {exchange!r}")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be an int >= 1; got {chunks!r}")
     kernels = _on_kernels(x)
+    if exchange == "all_gather":
+        rows = _exchange_rows(T, max_tokens, x.device, group)
+        with phase("ep.route"):
+            logits, scores, experts = _route(x, router_weight, K, routing, renormalize, selection_bias, kernels)
+            aux = torch_backend.aux_loss(logits, experts)
+        if rows == 0:  # no rank has a token
+            return x * 0, aux
+        with phase("ep.exchange_and_experts"):
+            pad = rows - T  # rows of no token: every expert out of range, so nothing computed
+            xs, ss, es = x, scores, experts
+            if pad:
+                xs = torch.cat([x, x.new_zeros(pad, d)])
+                ss = torch.cat([scores, scores.new_zeros(pad, K)])
+                es = torch.cat([experts, experts.new_full((pad, K), E)])
+            out = gathered_experts(xs, ss, es, w1, w2, b1, b2, world=W, rank=dist.get_rank(group),
+                                   group_name=_group_name(group), num_experts=E, chunks=chunks,
+                                   activation=activation, layout=layout, backend=backend,
+                                   glu_clamp=glu_clamp)
+        return (out[:T] if pad else out), aux
     with phase("ep.route"):
         logits, scores, experts = _route(x, router_weight, K, routing, renormalize, selection_bias, kernels)
     with phase("ep.plan"):
@@ -429,6 +501,9 @@ class ExpertParallelMoE(nn.Module):
     as for `MoE` (num_experts must be a multiple of the group's size W); and
         process_group: the group whose ranks share the experts (None: the default group).
         seed: the initialisation seed, an int >= 0 (default 0), the same on every rank.
+        exchange, max_tokens, chunks: as for `expert_parallel_moe`. Give max_tokens (the most
+            tokens a rank passes in one call, the same on every rank) for a forward and backward
+            without host synchronisation.
     Token rounding is not offered: it needs every expert's global row count.
     """
 
@@ -449,6 +524,9 @@ class ExpertParallelMoE(nn.Module):
         process_group=None,
         seed: int = 0,
         glu_clamp: Optional[GluClamp] = None,
+        exchange: str = "all_gather",
+        max_tokens: Optional[int] = None,
+        chunks: int = DEFAULT_CHUNKS,
     ):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
@@ -466,6 +544,14 @@ class ExpertParallelMoE(nn.Module):
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be an int >= 0; got {seed!r}")
         self.world_size, self.rank = W, rank
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}; got {exchange!r}")
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                       or max_tokens < 1):
+            raise ValueError(f"max_tokens must be an int >= 1 or None; got {max_tokens!r}")
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks must be an int >= 1; got {chunks!r}")
+        self.exchange, self.max_tokens, self.chunks = exchange, max_tokens, chunks
         self.backend = parse_enum(Backend, backend, "backend")
         self.glu_clamp = resolve_glu_clamp(self.activation_function, glu_clamp)
 
@@ -488,16 +574,16 @@ class ExpertParallelMoE(nn.Module):
             self.selection_bias = None
 
     @classmethod
-    def from_moe(cls, moe: MoE, process_group=None) -> "ExpertParallelMoE":
+    def from_moe(cls, moe: MoE, process_group=None, **exchange) -> "ExpertParallelMoE":
         """This rank's shard of `moe` (same dtype and device; token rounding is not carried
-        over: expert parallelism does not offer it)."""
+        over: expert parallelism does not offer it). `exchange`: exchange, max_tokens, chunks."""
         if not isinstance(moe, MoE):
             raise TypeError(f"moe must be a machmoe.MoE; got {type(moe).__name__}")
         layer = cls(moe.num_experts, moe.num_experts_per_tok, moe.hidden_size,
                     moe.intermediate_size, moe.activation_function, moe.c_fc.bias is not None,
                     moe.c_fc.std, routing=moe.routing, renormalize=moe.renormalize,
                     gate_up_layout=moe.gate_up_layout, backend=moe.backend,
-                    process_group=process_group, glu_clamp=moe.glu_clamp)
+                    process_group=process_group, glu_clamp=moe.glu_clamp, **exchange)
         layer = layer.to(device=moe.router.weight.device, dtype=moe.router.weight.dtype)
         part = slice(layer.rank * (moe.num_experts // layer.world_size),
                      (layer.rank + 1) * (moe.num_experts // layer.world_size))
@@ -526,7 +612,8 @@ class ExpertParallelMoE(nn.Module):
             activation=self.activation_function, layout=self.gate_up_layout,
             routing=self.routing, renormalize=self.renormalize,
             selection_bias=self.selection_bias, group=self.process_group, backend=self.backend,
-            glu_clamp=self.glu_clamp)
+            glu_clamp=self.glu_clamp, exchange=self.exchange, max_tokens=self.max_tokens,
+            chunks=self.chunks)
         return out.reshape(hidden_states.shape), aux
 
     def expert_parameters(self) -> list[nn.Parameter]:

@@ -51,7 +51,15 @@ def _reference(full, xs, gs, aux_weight):
     return outs, auxs, dxs, grads
 
 
-def _check_case(rank, world, seed, case):
+# The exchanges and their settings each case runs with: the all-gather one with the group's
+# largest T found by the layer and in one chunk, with max_tokens and more chunks than some ranks
+# have tokens, and the all-to-all one.
+EXCHANGES = [dict(exchange="all_gather", chunks=1),
+             dict(exchange="all_gather", max_tokens=12, chunks=5),
+             dict(exchange="all_to_all")]
+
+
+def _check_case(rank, world, seed, case, exchange):
     from machmoe import MoE
     from machmoe.distributed import ExpertParallelMoE
 
@@ -65,10 +73,10 @@ def _check_case(rank, world, seed, case):
     xs, gs = _case_inputs(seed + 1, world, 9, d, torch.float64, case["empty_rank"])
     outs, auxs, dxs, grads = _reference(full, xs, gs, 0.1)
 
-    layer = ExpertParallelMoE.from_moe(full)
+    layer = ExpertParallelMoE.from_moe(full, **exchange)
     x = xs[rank].clone().requires_grad_(True)
     out, aux = layer(x)
-    name = case["name"]
+    name = f"{case['name']}, {exchange}"
     if out.numel():
         assert _rel(out, outs[rank]) <= TOL, f"{name}: out off by {_rel(out, outs[rank]):.2e}"
     assert out.shape == outs[rank].shape
@@ -107,7 +115,9 @@ def _worker(rank, world, init_file, seed, errors):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         for i, case in enumerate(CASES):
-            _check_case(rank, world, seed + 7 * i, case)
+            for exchange in EXCHANGES:
+                _check_case(rank, world, seed + 7 * i, case, exchange)
+        _check_deterministic(rank, world, seed)
         _check_init_independent_of_world(rank, world)
         _check_errors(world)
     except BaseException:
@@ -131,6 +141,23 @@ def _check_init_independent_of_world(rank, world):
     assert not torch.equal(sharded.c_fc.weight[0], sharded.c_fc.weight[-1]) or world == 8
 
 
+def _check_deterministic(rank, world, seed):
+    """Two calls on the same inputs: bitwise the same output and gradients."""
+    from machmoe.distributed import ExpertParallelMoE
+
+    layer = ExpertParallelMoE(8, 3, 16, 8, seed=seed % 1000, backend="torch", max_tokens=16, chunks=3)
+    x = torch.randn(13, 16, generator=torch.Generator().manual_seed(seed + rank))
+    runs = []
+    for _ in range(2):
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        out, aux = layer(xi)
+        (out.square().sum() + aux).backward()
+        runs.append([out, xi.grad] + [p.grad for p in layer.parameters()])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b), "two runs differ"
+
+
 def _check_errors(world):
     from machmoe.distributed import ExpertParallelMoE, expert_parallel_moe
 
@@ -138,7 +165,16 @@ def _check_errors(world):
         ExpertParallelMoE(world * 2 + 1, 1, 16, 8, backend="torch")
     with pytest.raises(ValueError, match="num_experts_per_tok must be <= num_experts"):
         ExpertParallelMoE(world, world + 1, 16, 8, backend="torch")
+    with pytest.raises(ValueError, match="exchange must be one of all_gather, all_to_all"):
+        ExpertParallelMoE(world, 1, 16, 8, backend="torch", exchange="ring")
+    with pytest.raises(ValueError, match="chunks must be an int >= 1"):
+        ExpertParallelMoE(world, 1, 16, 8, backend="torch", chunks=0)
+    with pytest.raises(ValueError, match="max_tokens must be an int >= 1 or None"):
+        ExpertParallelMoE(world, 1, 16, 8, backend="torch", max_tokens=0)
     x = torch.randn(4, 16)
+    # Refused on the host before any collective: T above the buffers' rows.
+    with pytest.raises(ValueError, match="x has T = 4 tokens, more than max_tokens = 3"):
+        ExpertParallelMoE(world, 1, 16, 8, backend="torch", max_tokens=3)(x)
     with pytest.raises(ValueError, match="w1 must hold E / W experts"):
         expert_parallel_moe(x, torch.randn(2 * world, 16), torch.randn(1, 16, 16),
                             torch.randn(1, 16, 8), num_experts_per_tok=1, backend="torch")

@@ -118,6 +118,49 @@ def _mean_grads(model, xs, gs, backend):
     return outs, dxs, {k: v / len(xs) for k, v in total.items()}
 
 
+def EP_EXCHANGES(world):
+    """The exchanges each GPU case runs: all-gather with max_tokens in three chunks, all-gather
+    finding the largest T itself in one chunk, all-to-all."""
+    return [dict(exchange="all_gather", max_tokens=T + 3 * (world - 1), chunks=3),
+            dict(exchange="all_gather", chunks=1), dict(exchange="all_to_all")]
+
+
+def _check_no_sync_and_graph(model, x, g, max_tokens):
+    """The all-gather exchange with max_tokens: forward + backward without a host sync, and the
+    same call captured in a CUDA graph replays to bitwise the eager results."""
+    from machmoe.distributed import ExpertParallelMoE
+
+    layer = ExpertParallelMoE.from_moe(model, max_tokens=max_tokens, chunks=2)
+    params = [p for p in layer.parameters()]
+    x_static, g_static = x.clone().requires_grad_(True), g.bfloat16()
+
+    def step():
+        out, _ = layer(x_static)
+        return [out] + list(torch.autograd.grad([out], [x_static] + params, [g_static]))
+
+    eager = step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for t in captured:
+        t.fill_(float("nan"))  # poisoned: the replay must write every element
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, captured):
+        assert torch.equal(a, b), "expert parallel: the graph's replay differs from the eager call"
+
+
 def _ep_worker(rank, world, init_file, seed):
     import copy
 
@@ -133,29 +176,31 @@ def _ep_worker(rank, world, init_file, seed):
                                                  [x.double() for x in xs], gs, "torch")
         one_out, one_dx, one_grads = _mean_grads(model, xs, gs, "machmoe")
 
-        layer = ExpertParallelMoE.from_moe(model)
         part = slice(rank * (E // world), (rank + 1) * (E // world))
-        runs = []
-        for _ in range(2):  # twice: bitwise the same
-            layer.zero_grad(set_to_none=True)
-            x = xs[rank].clone().requires_grad_(True)
-            out, _ = layer(x)
-            (out.float() * gs[rank]).sum().backward()
-            layer.reduce_gradients()
-            runs.append([out.detach(), x.grad] + [p.grad.clone() for _, p in layer.named_parameters()])
-        for a, b in zip(*runs):
-            assert torch.equal(a, b), "expert parallel: two runs differ"
+        for exchange in EP_EXCHANGES(world):
+            layer = ExpertParallelMoE.from_moe(model, **exchange)
+            runs = []
+            for _ in range(2):  # twice: bitwise the same
+                layer.zero_grad(set_to_none=True)
+                x = xs[rank].clone().requires_grad_(True)
+                out, _ = layer(x)
+                (out.float() * gs[rank]).sum().backward()
+                layer.reduce_gradients()
+                runs.append([out.detach(), x.grad] + [p.grad.clone() for _, p in layer.named_parameters()])
+            for a, b in zip(*runs):
+                assert torch.equal(a, b), f"expert parallel {exchange}: two runs differ"
 
-        checks = [("out", runs[0][0], one_out[rank], ref_out[rank]),
-                  ("dx", runs[0][1], one_dx[rank], ref_dx[rank])]
-        for (name, p), got in zip(layer.named_parameters(), runs[0][2:]):
-            sl = part if name.startswith("c_") else slice(None)
-            checks.append((f"d{name}", got, one_grads[name][sl], ref_grads[name][sl]))
-        for name, got, single, ref in checks:
-            err, bound = rel_err(got, ref), 2 * rel_err(single, ref) + 2 ** -8
-            print(f"expert parallel W={world} rank {rank}: {name} error {err:.2e} "
-                  f"(single GPU {rel_err(single, ref):.2e}, bound {bound:.2e})")
-            assert err <= bound, f"expert parallel W={world} rank {rank}: {name} {err:.2e} > {bound:.2e}"
+            checks = [("out", runs[0][0], one_out[rank], ref_out[rank]),
+                      ("dx", runs[0][1], one_dx[rank], ref_dx[rank])]
+            for (name, p), got in zip(layer.named_parameters(), runs[0][2:]):
+                sl = part if name.startswith("c_") else slice(None)
+                checks.append((f"d{name}", got, one_grads[name][sl], ref_grads[name][sl]))
+            for name, got, single, ref in checks:
+                err, bound = rel_err(got, ref), 2 * rel_err(single, ref) + 2 ** -8
+                print(f"expert parallel W={world} rank {rank} {exchange}: {name} error {err:.2e} "
+                      f"(single GPU {rel_err(single, ref):.2e}, bound {bound:.2e})")
+                assert err <= bound, f"expert parallel W={world} rank {rank} {exchange}: {name} {err:.2e} > {bound:.2e}"
+        _check_no_sync_and_graph(model, xs[rank], gs[rank], T + 3 * (world - 1))
     finally:
         dist.destroy_process_group()
 

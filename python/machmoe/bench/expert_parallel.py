@@ -1,10 +1,11 @@
 """Expert parallelism on the GPUs of one host (a measurement, not the main job):
 
   python -m machmoe.bench.expert_parallel [--configs 7B-a,30B-b] [--world W] [--reps 20] [--profile]
-                                          [--out DIR]
+                                          [--exchange all_gather,all_to_all] [--chunks 1,2,4] [--out DIR]
 
 Each of W ranks (NCCL, one GPU each) holds a whole config's batch of T tokens and E / W experts;
-`machmoe.distributed.ExpertParallelMoE` trains the layer with tokens exchanged all-to-all. Beside
+`machmoe.distributed.ExpertParallelMoE` trains the layer with tokens exchanged (each --exchange, the
+all-gather one with max_tokens = T and each --chunks count). Beside
 it, in the same processes, the single-GPU layer (all E experts on every GPU, no exchange) on the
 same batch: the bound an exchange can only add to. Forward + backward per call; TFLOPS per rank
 on the benchmark's convention (6·T·K·n·d forward, the work of T tokens), so the two columns compare directly. Also the
@@ -131,8 +132,20 @@ def _profile(name: str, step, rank: int, calls: int = 5) -> None:
         print(f"  phase host {e.cpu_time_total / calls / 1e3:7.3f}  x{e.count // calls:<3} {e.key[:90]}")
 
 
+def _variants(exchanges: list[str], chunks: list[int]) -> list[tuple[str, dict]]:
+    """(label, ExpertParallelMoE settings) per exchange to time: all-gather once per chunk count."""
+    out = []
+    for exchange in exchanges:
+        if exchange == "all_gather":
+            out += [(f"all_gather x{c}", dict(exchange=exchange, chunks=c)) for c in chunks]
+        else:
+            out.append((exchange, dict(exchange=exchange)))
+    return out
+
+
 def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup: int,
-         profile_calls: bool = False, out_dir: str | None = None) -> None:
+         profile_calls: bool = False, out_dir: str | None = None,
+         variants: list | None = None) -> None:
     from machmoe import MoE
     from machmoe.distributed import ExpertParallelMoE
 
@@ -150,13 +163,12 @@ def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup
             say(f"expert parallelism over {world} x {torch.cuda.get_device_name()} (NCCL); "
                 f"forward + backward, {reps} calls after {warmup}, slowest rank")
             say("")
-            say("| config | T per rank | E per rank | single GPU ms (TFLOPS) | expert parallel ms "
+            say("| config | exchange | T per rank | E per rank | single GPU ms (TFLOPS) | expert parallel ms "
                 "(TFLOPS) | ratio | MB sent per rank per forward | peak GiB (single / EP) |")
-            say("|---|--:|--:|--:|--:|--:|--:|--:|")
+            say("|---|---|--:|--:|--:|--:|--:|--:|--:|")
         for cfg in configs:
             torch.manual_seed(0)
             full = MoE(cfg.E, cfg.K, cfg.d, cfg.n).cuda().bfloat16()
-            layer = ExpertParallelMoE.from_moe(full)
             gen = torch.Generator(device="cuda").manual_seed(1 + rank)
             x = torch.randn(cfg.T, cfg.d, device="cuda", generator=gen).bfloat16().requires_grad_(True)
             dout = torch.randn(cfg.T, cfg.d, device="cuda", generator=gen).bfloat16()
@@ -168,35 +180,42 @@ def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup
             torch.cuda.reset_peak_memory_stats()
             single_ms = _loop_ms(lambda: step(full), reps, warmup)
             single_peak = torch.cuda.max_memory_allocated()
-            del full
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            ep_ms = _loop_ms(lambda: step(layer), reps, warmup)
-            ep_peak = torch.cuda.max_memory_allocated()
-
-            # Rows this rank sends: one per (token, owning rank), there and back, d bf16 each.
-            with torch.no_grad():
-                logits = x.float() @ layer.router.weight.float().T
-                top = logits.topk(cfg.K, dim=1).indices // (cfg.E // world)  # [T, K] owning rank
-                owners = torch.zeros(cfg.T, world, dtype=torch.bool, device="cuda")
-                owners.scatter_(1, top, True)
-                own = owners[:, rank].sum()
-                sent = torch.tensor([float((owners.sum() - own) * cfg.d * 2 * 2)], device="cuda")
-            dist.all_reduce(sent, op=dist.ReduceOp.MAX)
+            full.zero_grad(set_to_none=True)
             flop = sum(layer_flops(cfg.T, cfg.K, cfg.n, cfg.d))
-            if rank == 0:
-                say(f"| {cfg.name} | {cfg.T} | {cfg.E // world} | {single_ms:.3f} "
-                    f"({tflops(flop, single_ms):.0f}) | {ep_ms:.3f} ({tflops(flop, ep_ms):.0f}) | "
-                    f"{single_ms / ep_ms:.2f} | {float(sent) / 1e6:.0f} | "
-                    f"{single_peak / 2**30:.2f} / {ep_peak / 2**30:.2f} |")
-            if profile_calls:
+            for label, settings in variants:
+                layer = ExpertParallelMoE.from_moe(full, max_tokens=cfg.T, **settings) \
+                    if settings["exchange"] == "all_gather" else ExpertParallelMoE.from_moe(full, **settings)
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                ep_ms = _loop_ms(lambda: step(layer), reps, warmup)
+                ep_peak = torch.cuda.max_memory_allocated()
+                # Rows this rank sends, there and back, d bf16 each: all-to-all one per (token,
+                # owning rank); all-gather every token to every other rank.
+                with torch.no_grad():
+                    logits = x.float() @ layer.router.weight.float().T
+                    top = logits.topk(cfg.K, dim=1).indices // (cfg.E // world)  # [T, K] owning rank
+                    owners = torch.zeros(cfg.T, world, dtype=torch.bool, device="cuda")
+                    owners.scatter_(1, top, True)
+                    rows = owners.sum() - owners[:, rank].sum() if settings["exchange"] == "all_to_all" \
+                        else torch.tensor(cfg.T * (world - 1), device="cuda")
+                    sent = torch.tensor([float(rows * cfg.d * 2 * 2)], device="cuda")
+                dist.all_reduce(sent, op=dist.ReduceOp.MAX)
+                if rank == 0:
+                    say(f"| {cfg.name} | {label} | {cfg.T} | {cfg.E // world} | {single_ms:.3f} "
+                        f"({tflops(flop, single_ms):.0f}) | {ep_ms:.3f} ({tflops(flop, ep_ms):.0f}) | "
+                        f"{single_ms / ep_ms:.2f} | {float(sent) / 1e6:.0f} | "
+                        f"{single_peak / 2**30:.2f} / {ep_peak / 2**30:.2f} |")
                 del layer
+            del full
+            if profile_calls:
                 full = MoE(cfg.E, cfg.K, cfg.d, cfg.n).cuda().bfloat16()
-                layer = ExpertParallelMoE.from_moe(full)
+                label, settings = variants[0]
+                layer = ExpertParallelMoE.from_moe(full, max_tokens=cfg.T, **settings) \
+                    if settings["exchange"] == "all_gather" else ExpertParallelMoE.from_moe(full, **settings)
                 _profile(f"{cfg.name} single GPU", lambda: step(full), rank)
-                _profile(f"{cfg.name} expert parallel, W = {world}", lambda: step(layer), rank)
-                del full
-            del layer, x, dout
+                _profile(f"{cfg.name} expert parallel ({label}), W = {world}", lambda: step(layer), rank)
+                del full, layer
+            del x, dout
             torch.cuda.empty_cache()
         if rank == 0 and out_dir:
             os.makedirs(out_dir, exist_ok=True)
@@ -217,12 +236,26 @@ def main(argv=None) -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="also print rank 0's kernels and ops per call")
+    parser.add_argument("--exchange", default="all_gather",
+                        help="comma-separated exchanges to time: all_gather, all_to_all")
+    parser.add_argument("--chunks", default="2", help="comma-separated token chunk counts of all_gather")
     parser.add_argument("--out", default=None, metavar="DIR", help="also write the table to DIR/expert_parallel.md")
     args = parser.parse_args(argv)
     try:
         configs = select_configs(args.configs, args.T_scale)
     except ValueError as err:
         parser.error(f"--configs: {err}")
+    exchanges = args.exchange.split(",")
+    for exchange in exchanges:
+        if exchange not in ("all_gather", "all_to_all"):
+            parser.error(f"--exchange: {exchange!r} is not all_gather or all_to_all")
+    try:
+        chunks = [int(c) for c in args.chunks.split(",")]
+    except ValueError:
+        parser.error(f"--chunks must be comma-separated ints; got {args.chunks!r}")
+    if any(c < 1 for c in chunks):
+        parser.error(f"--chunks must be >= 1; got {args.chunks!r}")
+    variants = _variants(exchanges, chunks)
     if not torch.cuda.is_available():
         print("expert_parallel: no CUDA GPU; nothing to measure")
         return
@@ -234,7 +267,7 @@ def main(argv=None) -> None:
             raise SystemExit(f"{cfg.name}: E = {cfg.E} is not a multiple of --world {world}")
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_run, args=(world, os.path.join(tmp, "init"), configs, args.reps, args.warmup, args.profile,
-                             args.out), nprocs=world, join=True)
+                             args.out, variants), nprocs=world, join=True)
 
 
 if __name__ == "__main__":
