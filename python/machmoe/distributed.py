@@ -5,8 +5,8 @@ Rank q of W holds experts [q·E/W, (q+1)·E/W) and a replica of the router. Two 
 
 - "all_gather" (the default; machmoe.expert_exchange): every rank's tokens gathered to every
   rank, each rank's experts run on all of them, the partial sums reduce-scattered back. No host
-  synchronisation (with max_tokens given), CUDA-graph capturable, the exchange pipelined with the
-  experts in token chunks. It sends each token to every other rank, which is what a filtered
+  synchronisation (with max_tokens given), CUDA-graph capturable; the exchange is not yet
+  overlapped with the experts. It sends each token to every other rank, which is what a filtered
   exchange sends too when W is small against K (W = 2 and 4 at K = 8).
 - "all_to_all", described below: a token goes only to the ranks that hold one of its experts,
   with one host synchronisation per forward.
@@ -297,8 +297,6 @@ def _route(x, router_weight, K, routing, renormalize, selection_bias, kernels):
 
 
 EXCHANGES = ("all_gather", "all_to_all")
-# Token chunks of the all-gather exchange by default (measured on two H200s: bench.expert_parallel).
-DEFAULT_CHUNKS = 2
 
 
 def _group_name(group) -> str:
@@ -349,7 +347,6 @@ def expert_parallel_moe(
     glu_clamp: Optional[GluClamp] = None,
     exchange: str = "all_gather",
     max_tokens: Optional[int] = None,
-    chunks: int = DEFAULT_CHUNKS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [T, d], aux []) of the layer on this rank's tokens x [T, d], with the experts sharded.
 
@@ -376,15 +373,12 @@ def expert_parallel_moe(
         glu_clamp: the parameters of activation "clamped_swiglu"; see machmoe.functional.moe.
         exchange: how tokens travel. "all_gather" (default): every rank's tokens to every rank,
             the partial sums reduce-scattered back (machmoe.expert_exchange); no host
-            synchronisation, CUDA-graph capturable, the exchange overlapped with the experts by
-            `chunks`. "all_to_all": a token only to the ranks holding one of its experts (fewer
+            synchronisation, CUDA-graph capturable. "all_to_all": a token only to the ranks holding one of its experts (fewer
             bytes when W is large), with one host synchronisation per forward for the row counts.
         max_tokens: "all_gather" only: the most tokens any rank of the group passes (the
             exchange buffers hold W·max_tokens rows); T above it is refused, T below is padded.
             None: the group's largest T of this call, found with a small all-reduce that waits
             for the host (pass it to avoid that wait).
-        chunks: "all_gather" only: token chunks pipelined through exchange and experts (1: no
-            overlap), an int >= 1.
     """
     backend = parse_enum(Backend, backend, "backend")
     activation = parse_enum(ActivationType, activation, "activation")
@@ -417,8 +411,6 @@ def expert_parallel_moe(
     phase = torch.profiler.record_function
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}; got {exchange!r}")
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks must be an int >= 1; got {chunks!r}")
     kernels = _on_kernels(x)
     if exchange == "all_gather":
         rows = _exchange_rows(T, max_tokens, x.device, group)
@@ -435,7 +427,7 @@ def expert_parallel_moe(
                 ss = torch.cat([scores, scores.new_zeros(pad, K)])
                 es = torch.cat([experts, experts.new_full((pad, K), E)])
             out = gathered_experts(xs, ss, es, w1, w2, b1, b2, world=W, rank=dist.get_rank(group),
-                                   group_name=_group_name(group), num_experts=E, chunks=chunks,
+                                   group_name=_group_name(group), num_experts=E,
                                    activation=activation, layout=layout, backend=backend,
                                    glu_clamp=glu_clamp)
         return (out[:T] if pad else out), aux
@@ -501,7 +493,7 @@ class ExpertParallelMoE(nn.Module):
     as for `MoE` (num_experts must be a multiple of the group's size W); and
         process_group: the group whose ranks share the experts (None: the default group).
         seed: the initialisation seed, an int >= 0 (default 0), the same on every rank.
-        exchange, max_tokens, chunks: as for `expert_parallel_moe`. Give max_tokens (the most
+        exchange, max_tokens: as for `expert_parallel_moe`. Give max_tokens (the most
             tokens a rank passes in one call, the same on every rank) for a forward and backward
             without host synchronisation.
     Token rounding is not offered: it needs every expert's global row count.
@@ -526,7 +518,6 @@ class ExpertParallelMoE(nn.Module):
         glu_clamp: Optional[GluClamp] = None,
         exchange: str = "all_gather",
         max_tokens: Optional[int] = None,
-        chunks: int = DEFAULT_CHUNKS,
     ):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
@@ -549,9 +540,7 @@ class ExpertParallelMoE(nn.Module):
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                        or max_tokens < 1):
             raise ValueError(f"max_tokens must be an int >= 1 or None; got {max_tokens!r}")
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"chunks must be an int >= 1; got {chunks!r}")
-        self.exchange, self.max_tokens, self.chunks = exchange, max_tokens, chunks
+        self.exchange, self.max_tokens = exchange, max_tokens
         self.backend = parse_enum(Backend, backend, "backend")
         self.glu_clamp = resolve_glu_clamp(self.activation_function, glu_clamp)
 
@@ -576,7 +565,7 @@ class ExpertParallelMoE(nn.Module):
     @classmethod
     def from_moe(cls, moe: MoE, process_group=None, **exchange) -> "ExpertParallelMoE":
         """This rank's shard of `moe` (same dtype and device; token rounding is not carried
-        over: expert parallelism does not offer it). `exchange`: exchange, max_tokens, chunks."""
+        over: expert parallelism does not offer it). `exchange`: exchange, max_tokens."""
         if not isinstance(moe, MoE):
             raise TypeError(f"moe must be a machmoe.MoE; got {type(moe).__name__}")
         layer = cls(moe.num_experts, moe.num_experts_per_tok, moe.hidden_size,
@@ -612,8 +601,7 @@ class ExpertParallelMoE(nn.Module):
             activation=self.activation_function, layout=self.gate_up_layout,
             routing=self.routing, renormalize=self.renormalize,
             selection_bias=self.selection_bias, group=self.process_group, backend=self.backend,
-            glu_clamp=self.glu_clamp, exchange=self.exchange, max_tokens=self.max_tokens,
-            chunks=self.chunks)
+            glu_clamp=self.glu_clamp, exchange=self.exchange, max_tokens=self.max_tokens)
         return out.reshape(hidden_states.shape), aux
 
     def expert_parameters(self) -> list[nn.Parameter]:

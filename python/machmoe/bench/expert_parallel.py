@@ -1,11 +1,11 @@
 """Expert parallelism on the GPUs of one host (a measurement, not the main job):
 
   python -m machmoe.bench.expert_parallel [--configs 7B-a,30B-b] [--world W] [--reps 20] [--profile]
-                                          [--exchange all_gather,all_to_all] [--chunks 1,2,4] [--out DIR]
+                                          [--exchange all_gather,all_to_all] [--out DIR]
 
 Each of W ranks (NCCL, one GPU each) holds a whole config's batch of T tokens and E / W experts;
 `machmoe.distributed.ExpertParallelMoE` trains the layer with tokens exchanged (each --exchange, the
-all-gather one with max_tokens = T and each --chunks count). Beside
+all-gather one with max_tokens = T). Beside
 it, in the same processes, the single-GPU layer (all E experts on every GPU, no exchange) on the
 same batch: the bound an exchange can only add to. Forward + backward per call; TFLOPS per rank
 on the benchmark's convention (6·T·K·n·d forward, the work of T tokens), so the two columns compare directly. Also the
@@ -132,15 +132,9 @@ def _profile(name: str, step, rank: int, calls: int = 5) -> None:
         print(f"  phase host {e.cpu_time_total / calls / 1e3:7.3f}  x{e.count // calls:<3} {e.key[:90]}")
 
 
-def _variants(exchanges: list[str], chunks: list[int]) -> list[tuple[str, dict]]:
-    """(label, ExpertParallelMoE settings) per exchange to time: all-gather once per chunk count."""
-    out = []
-    for exchange in exchanges:
-        if exchange == "all_gather":
-            out += [(f"all_gather x{c}", dict(exchange=exchange, chunks=c)) for c in chunks]
-        else:
-            out.append((exchange, dict(exchange=exchange)))
-    return out
+def _variants(exchanges: list[str]) -> list[tuple[str, dict]]:
+    """(label, ExpertParallelMoE settings) per exchange to time."""
+    return [(exchange, dict(exchange=exchange)) for exchange in exchanges]
 
 
 def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup: int,
@@ -238,7 +232,6 @@ def main(argv=None) -> None:
     parser.add_argument("--profile", action="store_true", help="also print rank 0's kernels and ops per call")
     parser.add_argument("--exchange", default="all_gather",
                         help="comma-separated exchanges to time: all_gather, all_to_all")
-    parser.add_argument("--chunks", default="2", help="comma-separated token chunk counts of all_gather")
     parser.add_argument("--out", default=None, metavar="DIR", help="also write the table to DIR/expert_parallel.md")
     args = parser.parse_args(argv)
     try:
@@ -249,13 +242,7 @@ def main(argv=None) -> None:
     for exchange in exchanges:
         if exchange not in ("all_gather", "all_to_all"):
             parser.error(f"--exchange: {exchange!r} is not all_gather or all_to_all")
-    try:
-        chunks = [int(c) for c in args.chunks.split(",")]
-    except ValueError:
-        parser.error(f"--chunks must be comma-separated ints; got {args.chunks!r}")
-    if any(c < 1 for c in chunks):
-        parser.error(f"--chunks must be >= 1; got {args.chunks!r}")
-    variants = _variants(exchanges, chunks)
+    variants = _variants(exchanges)
     if not torch.cuda.is_available():
         print("expert_parallel: no CUDA GPU; nothing to measure")
         return
