@@ -9,7 +9,8 @@ all-gather one with max_tokens = T). Beside
 it, in the same processes, the single-GPU layer (all E experts on every GPU, no exchange) on the
 same batch: the bound an exchange can only add to. Forward + backward per call; TFLOPS per rank
 on the benchmark's convention (6·T·K·n·d forward, the work of T tokens), so the two columns compare directly. Also the
-bytes each rank sends per forward (rows of x out, partial sums back) and the peak memory.
+bytes each rank sends per forward (rows of x out, partial sums back), the host's time to issue
+one call (above the device's time per call, the host bounds the loop) and the peak memory.
 
 --profile adds, per config, rank 0's device time per call by kernel and by autograd op
 (torch.profiler over 5 calls), for the single-GPU layer and the expert-parallel one.
@@ -24,12 +25,30 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .configs import layer_flops, select_configs, tflops
+
+
+def _host_ms(step, calls: int = 5) -> float:
+    """The host's time to issue one call from an idle GPU (median of `calls`), slowest rank: when
+    it is above the device's time per call, the host bounds the loop. A call that waits for the
+    device (the all-to-all exchange's row counts) includes that wait."""
+    times = []
+    for _ in range(calls):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    ms = torch.tensor([sorted(times)[len(times) // 2]], device="cuda")
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    return float(ms)
 
 
 def _loop_ms(step, reps: int, warmup: int) -> float:
@@ -158,8 +177,9 @@ def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup
                 f"forward + backward, {reps} calls after {warmup}, slowest rank")
             say("")
             say("| config | exchange | T per rank | E per rank | single GPU ms (TFLOPS) | expert parallel ms "
-                "(TFLOPS) | ratio | MB sent per rank per forward | peak GiB (single / EP) |")
-            say("|---|---|--:|--:|--:|--:|--:|--:|--:|")
+                "(TFLOPS) | ratio | host ms per call (single / EP) | MB sent per rank per forward | "
+                "peak GiB (single / EP) |")
+            say("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|")
         for cfg in configs:
             torch.manual_seed(0)
             full = MoE(cfg.E, cfg.K, cfg.d, cfg.n).cuda().bfloat16()
@@ -174,6 +194,7 @@ def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup
             torch.cuda.reset_peak_memory_stats()
             single_ms = _loop_ms(lambda: step(full), reps, warmup)
             single_peak = torch.cuda.max_memory_allocated()
+            single_host = _host_ms(lambda: step(full))
             full.zero_grad(set_to_none=True)
             flop = sum(layer_flops(cfg.T, cfg.K, cfg.n, cfg.d))
             for label, settings in variants:
@@ -183,6 +204,7 @@ def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup
                 torch.cuda.reset_peak_memory_stats()
                 ep_ms = _loop_ms(lambda: step(layer), reps, warmup)
                 ep_peak = torch.cuda.max_memory_allocated()
+                ep_host = _host_ms(lambda: step(layer))
                 # Rows this rank sends, there and back, d bf16 each: all-to-all one per (token,
                 # owning rank); all-gather every token to every other rank.
                 with torch.no_grad():
@@ -197,7 +219,7 @@ def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup
                 if rank == 0:
                     say(f"| {cfg.name} | {label} | {cfg.T} | {cfg.E // world} | {single_ms:.3f} "
                         f"({tflops(flop, single_ms):.0f}) | {ep_ms:.3f} ({tflops(flop, ep_ms):.0f}) | "
-                        f"{single_ms / ep_ms:.2f} | {float(sent) / 1e6:.0f} | "
+                        f"{single_ms / ep_ms:.2f} | {single_host:.2f} / {ep_host:.2f} | {float(sent) / 1e6:.0f} | "
                         f"{single_peak / 2**30:.2f} / {ep_peak / 2**30:.2f} |")
                 del layer
             del full
