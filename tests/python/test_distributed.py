@@ -253,7 +253,7 @@ def test_exchange_plan_on_the_kernels_matches_its_definition(T, K, E, W):
     from torch ops both equal the exchange written out by hand: rows = the distinct (rank, token)
     pairs in rank-major order, pairs grouped by rank stably, each pair's metadata and score
     packed at its grouped position, each token's partial sums added."""
-    from machmoe.distributed import _ExchangePlan
+    from machmoe.expert_all_to_all import _ExchangePlan
 
     gen = torch.Generator().manual_seed(T * 1000 + K * 100 + E + W)
     experts = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])  # [T, K]

@@ -227,7 +227,7 @@ def test_exchange_plan_on_the_kernels_equals_the_torch_plan(T, K, E, W):
     counts and the row sum. W = 96 and 128 take the kernels' path for more than 64 ranks;
     E = 16384 counts experts in global memory instead of shared memory; K = E = W = 128 puts every
     pair on its own rank."""
-    from machmoe.distributed import _ExchangePlan
+    from machmoe.expert_all_to_all import _ExchangePlan
 
     experts = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)]).int()  # [T, K]
     scores = torch.rand(T, K, device="cuda")
