@@ -14,8 +14,9 @@ Rank q of W holds experts [q·E/W, (q+1)·E/W) and a replica of the router. Two 
 
 This module holds the public layer (`ExpertParallelMoE`, `expert_parallel_moe`): argument checks,
 the routing of the rank's own tokens (logits, top-K, aux loss: as `MoE` on those tokens, on
-machmoe's kernels or torch ops), shared by both exchanges, and the choice of exchange. Token rounding is not
-offered: it needs every expert's global row count.
+machmoe's kernels or torch ops), shared by both exchanges, and the choice of exchange. Token
+rounding runs over the group's whole batch with the all-gather exchange
+(machmoe.expert_exchange.rounded_gathered_experts).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from . import functional, torch_backend
 from .enums import (ActivationType, Backend, GateUpLayout, GluClamp, RoutingMethod, TokenRounding, is_glu,
                     parse_enum, resolve_glu_clamp)
 from .expert_all_to_all import all_to_all_experts
-from .expert_exchange import gathered_experts
+from .expert_exchange import gathered_experts, rounded_gathered_experts
 from .moe import ExpertLinear, MoE, layer_settings
 
 
@@ -134,6 +135,9 @@ def expert_parallel_moe(
     glu_clamp: Optional[GluClamp] = None,
     exchange: str = "all_gather",
     max_tokens: Optional[int] = None,
+    token_rounding: Union[TokenRounding, str] = TokenRounding.NONE,
+    tile_m: int = 128,
+    seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [T, d], aux []) of the layer on this rank's tokens x [T, d], with the experts sharded.
 
@@ -166,6 +170,11 @@ def expert_parallel_moe(
             exchange buffers hold W·max_tokens rows); T above it is refused, T below is padded.
             None: the group's largest T of this call, found with a small all-reduce that waits
             for the host (pass it to avoid that wait).
+        token_rounding, tile_m, seed: "all_gather" only, routing "softmax_topk" only: round each
+            expert's row count over the whole group's batch (the ranks' batches end to end) to a
+            multiple of tile_m, as machmoe.functional.moe does for one batch
+            (machmoe.expert_exchange.rounded_gathered_experts). The aux loss still counts this
+            rank's top-K pairs, before rounding.
     """
     backend = parse_enum(Backend, backend, "backend")
     activation = parse_enum(ActivationType, activation, "activation")
@@ -184,8 +193,8 @@ def expert_parallel_moe(
         raise ValueError(f"w1 must hold E / W experts: E = router_weight.shape[0] = {E} over W = {W} "
                          f"ranks needs w1.shape[0] = {E // W if E % W == 0 else 'E / W'} "
                          f"(E must be a multiple of W); got {E_local}")
-    K, routing, _ = functional._validate_routing(E, num_experts_per_tok, routing, renormalize,
-                                                 selection_bias, TokenRounding.NONE, 1, 0)
+    K, routing, rounding = functional._validate_routing(E, num_experts_per_tok, routing, renormalize,
+                                                        selection_bias, token_rounding, tile_m, seed)
     weights = {"x": x, "router_weight": router_weight, "w1": w1, "w2": w2, "b1": b1, "b2": b2}
     functional._same_dtype(weights, "x")
     functional._same_device({**weights, "selection_bias": selection_bias}, "x")
@@ -198,6 +207,9 @@ def expert_parallel_moe(
     phase = torch.profiler.record_function
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}; got {exchange!r}")
+    if rounding != TokenRounding.NONE and exchange != "all_gather":
+        raise ValueError(f"token_rounding={rounding.value!r} needs exchange='all_gather' (the "
+                         f"experts' owners see the whole batch's scores there); got {exchange!r}")
     kernels = _on_kernels(x)
     if exchange == "all_gather":
         rows = _exchange_rows(T, max_tokens, x.device, group)
@@ -208,15 +220,20 @@ def expert_parallel_moe(
             return x * 0, aux
         with phase("ep.exchange_and_experts"):
             pad = rows - T  # rows of no token: every expert out of range, so nothing computed
-            xs, ss, es = x, scores, experts
+            xs, ls, ss, es = x, logits, scores, experts
             if pad:
                 xs = torch.cat([x, x.new_zeros(pad, d)])
+                ls = torch.cat([logits, logits.new_full((pad, E), float("-inf"))])
                 ss = torch.cat([scores, scores.new_zeros(pad, K)])
                 es = torch.cat([experts, experts.new_full((pad, K), E)])
-            out = gathered_experts(xs, ss, es, w1, w2, b1, b2, world=W, rank=dist.get_rank(group),
-                                   group_name=_group_name(group), num_experts=E,
-                                   activation=activation, layout=layout, backend=backend,
-                                   glu_clamp=glu_clamp)
+            common = dict(world=W, rank=dist.get_rank(group), group_name=_group_name(group),
+                          num_experts=E, activation=activation, layout=layout, backend=backend,
+                          glu_clamp=glu_clamp)
+            if rounding == TokenRounding.NONE:
+                out = gathered_experts(xs, ss, es, w1, w2, b1, b2, **common)
+            else:
+                out = rounded_gathered_experts(xs, ls, ss, es, w1, w2, b1, b2, mode=rounding,
+                                               tile_m=tile_m, seed=seed, **common)
         return (out[:T] if pad else out), aux
     with phase("ep.route"):
         logits, scores, experts = _route(x, router_weight, K, routing, renormalize, selection_bias, kernels)
@@ -251,7 +268,9 @@ class ExpertParallelMoE(nn.Module):
         exchange, max_tokens: as for `expert_parallel_moe`. Give max_tokens (the most
             tokens a rank passes in one call, the same on every rank) for a forward and backward
             without host synchronisation.
-    Token rounding is not offered: it needs every expert's global row count.
+        token_rounding, tile_m: as for `MoE` (in training mode only), over the whole group's
+            batch; exchange "all_gather" and routing "softmax_topk" only. Stochastic rounding
+            draws its seed from torch's generator on every rank: seed them alike.
     """
 
     def __init__(
@@ -273,6 +292,8 @@ class ExpertParallelMoE(nn.Module):
         glu_clamp: Optional[GluClamp] = None,
         exchange: str = "all_gather",
         max_tokens: Optional[int] = None,
+        token_rounding: Union[TokenRounding, str] = TokenRounding.NONE,
+        tile_m: int = 128,
     ):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
@@ -296,6 +317,17 @@ class ExpertParallelMoE(nn.Module):
                                        or max_tokens < 1):
             raise ValueError(f"max_tokens must be an int >= 1 or None; got {max_tokens!r}")
         self.exchange, self.max_tokens = exchange, max_tokens
+        self.token_rounding = parse_enum(TokenRounding, token_rounding, "token_rounding")
+        if isinstance(tile_m, bool) or not isinstance(tile_m, int) or tile_m < 1:
+            raise ValueError(f"tile_m must be an int >= 1; got {tile_m!r}")
+        self.tile_m = tile_m
+        if self.token_rounding != TokenRounding.NONE:
+            if exchange != "all_gather":
+                raise ValueError(f"token_rounding={self.token_rounding.value!r} needs "
+                                 f"exchange='all_gather'; got {exchange!r}")
+            if self.routing != RoutingMethod.SOFTMAX_TOPK:
+                raise ValueError(f"token_rounding={self.token_rounding.value!r} needs "
+                                 f"routing='softmax_topk'; got {self.routing.value!r}")
         self.backend = parse_enum(Backend, backend, "backend")
         self.glu_clamp = resolve_glu_clamp(self.activation_function, glu_clamp)
 
@@ -319,15 +351,16 @@ class ExpertParallelMoE(nn.Module):
 
     @classmethod
     def from_moe(cls, moe: MoE, process_group=None, **exchange) -> "ExpertParallelMoE":
-        """This rank's shard of `moe` (same dtype and device; token rounding is not carried
-        over: expert parallelism does not offer it). `exchange`: exchange, max_tokens."""
+        """This rank's shard of `moe` (same dtype and device, token rounding included, over the
+        group's whole batch). `exchange`: exchange, max_tokens."""
         if not isinstance(moe, MoE):
             raise TypeError(f"moe must be a machmoe.MoE; got {type(moe).__name__}")
         layer = cls(moe.num_experts, moe.num_experts_per_tok, moe.hidden_size,
                     moe.intermediate_size, moe.activation_function, moe.c_fc.bias is not None,
                     moe.c_fc.std, routing=moe.routing, renormalize=moe.renormalize,
                     gate_up_layout=moe.gate_up_layout, backend=moe.backend,
-                    process_group=process_group, glu_clamp=moe.glu_clamp, **exchange)
+                    process_group=process_group, glu_clamp=moe.glu_clamp,
+                    token_rounding=moe.token_rounding, tile_m=moe.tile_m, **exchange)
         layer = layer.to(device=moe.router.weight.device, dtype=moe.router.weight.dtype)
         part = slice(layer.rank * (moe.num_experts // layer.world_size),
                      (layer.rank + 1) * (moe.num_experts // layer.world_size))
@@ -349,6 +382,8 @@ class ExpertParallelMoE(nn.Module):
         if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states must have shape [..., hidden_size] with hidden_size "
                              f"= {self.hidden_size}; got {list(hidden_states.shape)}")
+        rounding = self.token_rounding if self.training else TokenRounding.NONE
+        seed = int(torch.randint(0, 2**62, ()).item()) if rounding == TokenRounding.STOCHASTIC else 0
         x = hidden_states.reshape(-1, self.hidden_size)
         out, aux = expert_parallel_moe(
             x, self.router.weight, self.c_fc.weight, self.c_proj.weight,
@@ -356,7 +391,8 @@ class ExpertParallelMoE(nn.Module):
             activation=self.activation_function, layout=self.gate_up_layout,
             routing=self.routing, renormalize=self.renormalize,
             selection_bias=self.selection_bias, group=self.process_group, backend=self.backend,
-            glu_clamp=self.glu_clamp, exchange=self.exchange, max_tokens=self.max_tokens)
+            glu_clamp=self.glu_clamp, exchange=self.exchange, max_tokens=self.max_tokens,
+            token_rounding=rounding, tile_m=self.tile_m, seed=seed)
         return out.reshape(hidden_states.shape), aux
 
     def expert_parameters(self) -> list[nn.Parameter]:

@@ -104,3 +104,74 @@ def gathered_experts(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tenso
     local = torch.where((local >= 0) & (local < E_local), local, E_local)
     y = functional.experts_topk(xg, w1, w2, sg, local, b1=b1, b2=b2, **experts_kwargs)  # [W·T, d]
     return _ReduceScatterRows.apply(y, world, group_name)
+
+
+class _SwapBlocks(torch.autograd.Function):
+    """[W·R, ...] -> [W·R, ...]: block q goes to rank q, and block q of the result came from rank
+    q (an all-to-all of equal blocks). It is its own adjoint, so the backward is the same
+    exchange of the gradient."""
+
+    @staticmethod
+    def forward(ctx, t, W, group_name):
+        ctx.W, ctx.group_name = W, group_name
+        return _swap_blocks(t, W, group_name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _swap_blocks(grad, ctx.W, ctx.group_name), None, None
+
+
+def _swap_blocks(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
+    rows = [t.shape[0] // W] * W
+    return _wait(_c10d.all_to_all_single(t.contiguous(), rows, rows, group_name))
+
+
+def rounded_gathered_experts(x: torch.Tensor, logits: torch.Tensor, scores: torch.Tensor,
+                             experts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                             b1: Optional[torch.Tensor], b2: Optional[torch.Tensor], *, world: int,
+                             rank: int, group_name: str, num_experts: int, mode, tile_m: int,
+                             seed: int, **experts_kwargs) -> torch.Tensor:
+    """gathered_experts with tile-aware token rounding over the group's whole batch: out [T, d].
+
+    Token rounding (LAYER.md) rounds each expert's row count to a multiple of tile_m by dropping
+    its lowest-scored top-K pairs or adding the best-scored other tokens. Each expert's decision
+    reads one column of the batch: the pair scores of every token for that expert and whether the
+    token chose it. So each rank sends its tokens' columns [T, E/W] of rank q's experts to rank q
+    (an all-to-all of equal blocks, T·E·4 bytes a rank), and rank q rounds its experts over the
+    whole batch of the group, as the whole layer would on the ranks' batches put end to end. The
+    rounded list goes to the experts as a dense [W·T, E/W] routing, a dropped pair marked out of
+    range, so nothing here waits for the host.
+
+    logits [T, E], scores and experts [T, K]: this rank's softmax_topk routing; rows of no token
+    (padding up to the group's T) have logits and scores of -inf and 0 and no expert in range."""
+    from . import torch_backend
+
+    T, E = logits.shape
+    E_local = num_experts // world
+    probs = torch.softmax(logits, dim=1)  # [T, E]
+    in_range = experts < E
+    index = torch.where(in_range, experts, 0).long()
+    selected = torch.zeros(T, E, dtype=torch.bool, device=logits.device)
+    selected.scatter_(1, index, in_range)
+    selected_score = torch.zeros_like(probs).scatter(1, index, torch.where(in_range, scores, 0))
+    real = torch.isfinite(logits[:, :1])  # [T, 1]: rows of padding have -inf logits
+    pair_score = torch.where(selected, selected_score,
+                             torch.where(real, probs, torch.full_like(probs, float("-inf"))))
+
+    def columns_of_each_rank(t):  # [T, E] -> [W·T, E/W]: block q = rank q's experts' columns
+        return t.reshape(T, world, E_local).transpose(0, 1).reshape(world * T, E_local)
+
+    # Every rank's tokens' columns of this rank's experts [W·T, E/W], in rank order.
+    column_scores = _SwapBlocks.apply(columns_of_each_rank(pair_score), world, group_name)
+    column_selected = _swap_blocks(columns_of_each_rank(selected.to(torch.uint8)), world,
+                                   group_name).bool()
+    tokens = torch.isfinite(column_scores[:, 0]).sum()  # the group's tokens, on the device
+    rounded = torch_backend._rounded_counts(column_selected.sum(0), tokens, mode, tile_m, seed,
+                                            first_expert=rank * E_local)  # [E/W]
+    keep = torch_backend.rounding_keep(column_scores, column_selected, rounded)  # [W·T, E/W]
+    local = torch.arange(E_local, device=x.device, dtype=torch.int32).expand_as(keep)
+    local = torch.where(keep, local, E_local)  # out of range: dropped
+    kept_scores = torch.where(keep, column_scores, torch.zeros_like(column_scores))
+    xg = _GatherRows.apply(x, world, group_name)  # [W·T, d]
+    y = functional.experts_topk(xg, w1, w2, kept_scores, local, b1=b1, b2=b2, **experts_kwargs)
+    return _ReduceScatterRows.apply(y, world, group_name)

@@ -155,9 +155,11 @@ def stochastic_uniform(seed: int, expert: int) -> float:
     return (z >> 11) / float(1 << 53)
 
 
-def _rounded_counts(counts: torch.Tensor, T: int, mode: TokenRounding, tile_m: int,
-                    seed: int) -> torch.Tensor:
-    """r_e [E] int64 from f_e [E] int64 per LAYER.md step 2, clamped to [0, T]."""
+def _rounded_counts(counts: torch.Tensor, T, mode: TokenRounding, tile_m: int,
+                    seed: int, first_expert: int = 0) -> torch.Tensor:
+    """r_e [E] int64 from f_e [E] int64 per LAYER.md step 2, clamped to [0, T] (T an int or a
+    0-d tensor). Expert j of `counts` is global expert first_expert + j (stochastic mode draws
+    u_e from the global id)."""
     floor = counts // tile_m * tile_m
     ceil = (counts + tile_m - 1) // tile_m * tile_m
     if mode == TokenRounding.NEAREST:
@@ -167,11 +169,26 @@ def _rounded_counts(counts: torch.Tensor, T: int, mode: TokenRounding, tile_m: i
     elif mode == TokenRounding.DOWN:
         rounded = floor
     else:  # STOCHASTIC
-        uniforms = torch.tensor([stochastic_uniform(seed, e) for e in range(counts.numel())],
+        uniforms = torch.tensor([stochastic_uniform(seed, first_expert + e) for e in range(counts.numel())],
                                 dtype=torch.float64, device=counts.device)
         fraction = (counts % tile_m).to(torch.float64) / tile_m
         rounded = torch.where(uniforms < fraction, ceil, floor)
-    return rounded.clamp(0, T)
+    return torch.minimum(rounded.clamp_min(0), torch.as_tensor(T, device=rounded.device))
+
+
+def rounding_keep(pair_score: torch.Tensor, selected: torch.Tensor,
+                  rounded: torch.Tensor) -> torch.Tensor:
+    """keep [T, E] bool: per expert e, the first rounded[e] of the T tokens in LAYER.md's order
+    (selected before non-selected, each group by pair_score [T, E] descending, ties to the lower
+    token). selected [T, E] bool: the top-K pairs; rounded [E] int64: the rounded counts."""
+    T, E = pair_score.shape
+    # Stable sorts keep the previous order on ties.
+    order = _descending_order(pair_score.T, dim=1)  # [E, T] token ids
+    group = selected.T.gather(1, order).to(torch.uint8)  # [E, T] 1 = selected
+    order = order.gather(1, torch.sort(group, dim=1, descending=True, stable=True).indices)
+    rank = torch.empty_like(order).scatter_(
+        1, order, torch.arange(T, device=pair_score.device).expand(E, T))  # rank[e, t]
+    return (rank < rounded[:, None]).T
 
 
 class RoundedRouting(NamedTuple):
@@ -204,15 +221,7 @@ def token_rounding(
     pair_score = torch.where(selected, selected_score, probs)  # [T, E]
 
     rounded = _rounded_counts(selected.sum(dim=0), T, mode, tile_m, seed)  # [E]
-
-    # Per expert, order all T tokens: selected before non-selected, each group by pair_score
-    # descending, ties to the lower token (stable sorts keep the previous order on ties).
-    order = _descending_order(pair_score.T, dim=1)  # [E, T] token ids
-    group = selected.T.gather(1, order).to(torch.uint8)  # [E, T] 1 = selected
-    order = order.gather(1, torch.sort(group, dim=1, descending=True, stable=True).indices)
-    rank = torch.empty_like(order).scatter_(
-        1, order, torch.arange(T, device=logits.device).expand(E, T))  # rank[e, t]
-    keep = (rank < rounded[:, None]).T  # [T, E]
+    keep = rounding_keep(pair_score, selected, rounded)  # [T, E]
 
     token, expert = keep.nonzero(as_tuple=True)  # row-major: by token, then by expert
     # nonzero() has already brought the row count to the host, so this check is free here.

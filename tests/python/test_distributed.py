@@ -116,6 +116,8 @@ def _worker(rank, world, init_file, seed, errors):
             for exchange in EXCHANGES:
                 _check_case(rank, world, seed + 7 * i, case, exchange)
         _check_deterministic(rank, world, seed)
+        for mode in ("nr", "up", "down", "stochastic"):
+            _check_rounding(rank, world, seed, mode)
         _check_init_independent_of_world(rank, world)
         _check_errors(world)
     except BaseException:
@@ -137,6 +139,45 @@ def _check_init_independent_of_world(rank, world):
     assert torch.equal(sharded.c_fc.weight, alone.c_fc.weight[part])
     assert torch.equal(sharded.c_proj.weight, alone.c_proj.weight[part])
     assert not torch.equal(sharded.c_fc.weight[0], sharded.c_fc.weight[-1]) or world == 8
+
+
+def _check_rounding(rank, world, seed, mode):
+    """Token rounding over the group: the whole layer with the same rounding on the ranks'
+    batches put end to end gives every rank's output, dx and (summed) gradients; the aux loss is
+    the rank's own top-K one."""
+    from machmoe import MoE, torch_backend
+    from machmoe.distributed import ExpertParallelMoE
+
+    E, K, d, n = 8, 2, 16, 8
+    torch.manual_seed(seed)
+    full = MoE(E, K, d, n, "swiglu", True, 0.3, token_rounding=mode, tile_m=4, backend="torch").double()
+    xs, gs = _case_inputs(seed + 1, world, 9, d, torch.float64, None)
+    x_all = torch.cat(xs).requires_grad_(True)
+    torch.manual_seed(seed + 2)  # the stochastic mode's seed, drawn alike below
+    out_all, _ = full(x_all)
+    (out_all * torch.cat(gs)).sum().backward()
+    start = sum(x.shape[0] for x in xs[:rank])
+    rows = slice(start, start + xs[rank].shape[0])
+
+    layer = ExpertParallelMoE.from_moe(full, max_tokens=16)
+    x = xs[rank].clone().requires_grad_(True)
+    torch.manual_seed(seed + 2)
+    out, aux = layer(x)
+    (out * gs[rank]).sum().backward()
+    layer.reduce_gradients(average=False)
+    name = f"token rounding {mode!r}"
+    assert _rel(out, out_all[rows]) <= TOL, f"{name}: out off by {_rel(out, out_all[rows]):.2e}"
+    assert _rel(x.grad, x_all.grad[rows]) <= TOL, f"{name}: dx off by {_rel(x.grad, x_all.grad[rows]):.2e}"
+    part = slice(rank * (E // world), (rank + 1) * (E // world))
+    checks = [("router.weight", layer.router.weight.grad, full.router.weight.grad)]
+    for local, whole in ((layer.c_fc, full.c_fc), (layer.c_proj, full.c_proj)):
+        checks += [("weight", local.weight.grad, whole.weight.grad[part]),
+                   ("bias", local.bias.grad, whole.bias.grad[part])]
+    for what, got, want in checks:
+        assert _rel(got, want) <= TOL, f"{name}: d{what} off by {_rel(got, want):.2e}"
+    logits = x.detach() @ full.router.weight.detach().T
+    _, top = torch_backend.route_topk(logits, K, "softmax_topk")
+    assert abs(aux.item() - torch_backend.aux_loss(logits, top).item()) <= TOL, name
 
 
 def _check_deterministic(rank, world, seed):
@@ -165,6 +206,8 @@ def _check_errors(world):
         ExpertParallelMoE(world, world + 1, 16, 8, backend="torch")
     with pytest.raises(ValueError, match="exchange must be one of all_gather, all_to_all"):
         ExpertParallelMoE(world, 1, 16, 8, backend="torch", exchange="ring")
+    with pytest.raises(ValueError, match="token_rounding='up' needs exchange='all_gather'"):
+        ExpertParallelMoE(world, 1, 16, 8, backend="torch", exchange="all_to_all", token_rounding="up")
     with pytest.raises(ValueError, match="max_tokens must be an int >= 1 or None"):
         ExpertParallelMoE(world, 1, 16, 8, backend="torch", max_tokens=0)
     x = torch.randn(4, 16)
