@@ -164,6 +164,42 @@ def _check_no_sync_and_graph(model, x, g, max_tokens):
         assert torch.equal(a, b), "expert parallel: the graph's replay differs from the eager call"
 
 
+def _check_rounding_on_kernels(model, x, g, max_tokens, rank, world):
+    """Token rounding over the group on the kernels: the rounded [W·T, E/W] routing through the
+    experts' kernels against the same layer on the torch backend. Both take their routing from
+    the same router kernels (bf16 x), so only the experts differ; they may differ by what the
+    two differ by without rounding (measured here too), doubled, plus bf16's half ulp. The
+    rounding must change the output."""
+    from machmoe import MoE
+    from machmoe.distributed import ExpertParallelMoE
+
+    rounded = MoE(E, K, D, N, add_bias=True, token_rounding="up", tile_m=16).cuda().bfloat16()
+    rounded.load_state_dict(model.state_dict())
+    runs = {}
+    for name, moe in (("rounded", rounded), ("plain", model)):
+        for backend in ("machmoe", "torch"):
+            layer = ExpertParallelMoE.from_moe(moe, max_tokens=max_tokens)
+            layer.backend = functional_backend(backend)
+            xi = x.clone().requires_grad_(True)
+            out, _ = layer(xi)
+            (out.double() * g.double()).sum().backward()
+            runs[name, backend] = (out.detach().double(), xi.grad.double())
+    assert rel_err(runs["rounded", "machmoe"][0], runs["plain", "machmoe"][0]) > 1e-2, \
+        "token rounding changed nothing"
+    for i, what in enumerate(("out", "dx")):
+        err = rel_err(runs["rounded", "machmoe"][i], runs["rounded", "torch"][i])
+        bound = 2 * rel_err(runs["plain", "machmoe"][i], runs["plain", "torch"][i]) + 2 ** -8
+        print(f"expert parallel W={world} rank {rank} token rounding: {what} kernels vs torch "
+              f"{err:.2e} (bound {bound:.2e})")
+        assert err <= bound, f"token rounding on the kernels: {what} {err:.2e} > {bound:.2e}"
+
+
+def functional_backend(name):
+    from machmoe.enums import Backend
+
+    return Backend(name)
+
+
 def _ep_worker(rank, world, init_file, seed):
     import copy
 
@@ -204,6 +240,7 @@ def _ep_worker(rank, world, init_file, seed):
                       f"(single GPU {rel_err(single, ref):.2e}, bound {bound:.2e})")
                 assert err <= bound, f"expert parallel W={world} rank {rank} {exchange}: {name} {err:.2e} > {bound:.2e}"
         _check_no_sync_and_graph(model, xs[rank], gs[rank], T + 3 * (world - 1))
+        _check_rounding_on_kernels(model, xs[rank], gs[rank], T + 3 * (world - 1), rank, world)
     finally:
         dist.destroy_process_group()
 
