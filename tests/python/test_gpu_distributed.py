@@ -173,7 +173,7 @@ def _check_rounding_on_kernels(model, x, g, max_tokens, rank, world):
     from machmoe import MoE
     from machmoe.distributed import ExpertParallelMoE
 
-    rounded = MoE(E, K, D, N, add_bias=True, token_rounding="up", tile_m=16).cuda().bfloat16()
+    rounded = MoE(E, K, D, N, add_bias=True, token_rounding="up", tile_m=64).cuda().bfloat16()
     rounded.load_state_dict(model.state_dict())
     runs = {}
     for name, moe in (("rounded", rounded), ("plain", model)):
