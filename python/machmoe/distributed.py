@@ -8,9 +8,11 @@ Rank q of W holds experts [q·E/W, (q+1)·E/W) and a replica of the router. Two 
   synchronisation (with max_tokens given), CUDA-graph capturable; the exchange is not yet
   overlapped with the experts. It sends each token to every other rank, which is what a filtered
   exchange sends too when W is small against K (W = 2 and 4 at K = 8).
-- "all_to_all" (machmoe.expert_all_to_all): a token goes only to the ranks that hold one of its
-  experts (at most min(K, W) times, not K), with one host synchronisation per forward for the
-  row counts.
+- "all_to_all": a token goes only to the ranks that hold one of its experts (at most min(K, W)
+  times, not K). With max_tokens given, in blocks of a fixed capacity and without host
+  synchronisation (machmoe.expert_capacity_exchange; an overflow poisons the output and is
+  raised by the next call or by check_capacity()); without, exactly the rows needed, with one
+  host synchronisation per forward for the row counts (machmoe.expert_all_to_all).
 
 This module holds the public layer (`ExpertParallelMoE`, `expert_parallel_moe`): argument checks,
 the routing of the rank's own tokens (logits, top-K, aux loss: as `MoE` on those tokens, on
@@ -31,6 +33,8 @@ from . import functional, torch_backend
 from .enums import (ActivationType, Backend, GateUpLayout, GluClamp, RoutingMethod, TokenRounding, is_glu,
                     parse_enum, resolve_glu_clamp)
 from .expert_all_to_all import all_to_all_experts
+from .expert_capacity_exchange import capacity_all_to_all_experts, capacity_rows
+from .expert_capacity_exchange import check_capacity  # noqa: F401 (public: machmoe.distributed.check_capacity)
 from .expert_exchange import gathered_experts, rounded_gathered_experts
 from .moe import ExpertLinear, MoE, layer_settings
 
@@ -108,12 +112,22 @@ def _exchange_rows(T: int, max_tokens: Optional[int], device: torch.device, grou
         largest = torch.tensor([T], dtype=torch.int64, device=device)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
         return int(largest.item())
+    _check_max_tokens(T, max_tokens)
+    return max_tokens
+
+
+def _check_max_tokens(T: int, max_tokens: int) -> None:
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be an int >= 1 or None; got {max_tokens!r}")
     if T > max_tokens:
         raise ValueError(f"x has T = {T} tokens, more than max_tokens = {max_tokens}, the rows each "
                          f"rank's exchange buffers were sized for; raise max_tokens or pass fewer tokens")
-    return max_tokens
+
+
+def _check_capacity_factor(capacity_factor) -> None:
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or \
+            not 0 < capacity_factor <= 1:
+        raise ValueError(f"capacity_factor must be a number in (0, 1]; got {capacity_factor!r}")
 
 
 def expert_parallel_moe(
@@ -138,6 +152,7 @@ def expert_parallel_moe(
     token_rounding: Union[TokenRounding, str] = TokenRounding.NONE,
     tile_m: int = 128,
     seed: int = 0,
+    capacity_factor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [T, d], aux []) of the layer on this rank's tokens x [T, d], with the experts sharded.
 
@@ -166,10 +181,17 @@ def expert_parallel_moe(
             the partial sums reduce-scattered back (machmoe.expert_exchange); no host
             synchronisation, CUDA-graph capturable. "all_to_all": a token only to the ranks holding one of its experts (fewer
             bytes when W is large), with one host synchronisation per forward for the row counts.
-        max_tokens: "all_gather" only: the most tokens any rank of the group passes (the
-            exchange buffers hold W·max_tokens rows); T above it is refused, T below is padded.
-            None: the group's largest T of this call, found with a small all-reduce that waits
-            for the host (pass it to avoid that wait).
+        max_tokens: the most tokens any rank of the group passes, the same on every rank; T
+            above it is refused on the host, before any exchange. Given, neither exchange waits
+            for the host: "all_gather" pads T up to it; "all_to_all" exchanges blocks of
+            ceil(capacity_factor · max_tokens) rows per pair of ranks
+            (machmoe.expert_capacity_exchange). None: "all_gather" finds the group's largest T
+            with an all-reduce the host waits for; "all_to_all" sends exactly the rows needed,
+            with one host synchronisation per forward for their counts.
+        capacity_factor: "all_to_all" with max_tokens: rows per block over max_tokens, in
+            (0, 1] (default 1: no batch can overflow). Smaller sends fewer bytes; a batch that
+            needs more rows poisons the call's output with NaN and the next call raises (see
+            machmoe.expert_capacity_exchange).
         token_rounding, tile_m, seed: "all_gather" only, routing "softmax_topk" only: round each
             expert's row count over the whole group's batch (the ranks' batches end to end) to a
             multiple of tile_m, as machmoe.functional.moe does for one batch
@@ -207,6 +229,7 @@ def expert_parallel_moe(
     phase = torch.profiler.record_function
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}; got {exchange!r}")
+    _check_capacity_factor(capacity_factor)
     if rounding != TokenRounding.NONE and exchange != "all_gather":
         raise ValueError(f"token_rounding={rounding.value!r} needs exchange='all_gather' (the "
                          f"experts' owners see the whole batch's scores there); got {exchange!r}")
@@ -237,6 +260,12 @@ def expert_parallel_moe(
         return (out[:T] if pad else out), aux
     with phase("ep.route"):
         logits, scores, experts = _route(x, router_weight, K, routing, renormalize, selection_bias, kernels)
+    if max_tokens is not None:  # fixed blocks, no host synchronisation
+        _check_max_tokens(T, max_tokens)
+        return capacity_all_to_all_experts(
+            x, logits, scores, experts, w1, w2, b1, b2, num_experts=E, group=group,
+            group_name=_group_name(group), capacity=capacity_rows(max_tokens, capacity_factor),
+            activation=activation, layout=layout, backend=backend, glu_clamp=glu_clamp)
     # 2-4. Dispatch, this rank's experts, combine (machmoe.expert_all_to_all); aux from the plan's counts.
     return all_to_all_experts(x, logits, scores, experts, w1, w2, b1, b2, num_experts=E, group=group,
                               kernels=kernels, activation=activation, layout=layout, backend=backend,
@@ -265,9 +294,9 @@ class ExpertParallelMoE(nn.Module):
     as for `MoE` (num_experts must be a multiple of the group's size W); and
         process_group: the group whose ranks share the experts (None: the default group).
         seed: the initialisation seed, an int >= 0 (default 0), the same on every rank.
-        exchange, max_tokens: as for `expert_parallel_moe`. Give max_tokens (the most
-            tokens a rank passes in one call, the same on every rank) for a forward and backward
-            without host synchronisation.
+        exchange, max_tokens, capacity_factor: as for `expert_parallel_moe`. Give max_tokens
+            (the most tokens a rank passes in one call, the same on every rank) for a forward and
+            backward without host synchronisation.
         token_rounding, tile_m: as for `MoE` (in training mode only), over the whole group's
             batch; exchange "all_gather" and routing "softmax_topk" only. Stochastic rounding
             draws its seed from torch's generator on every rank: seed them alike.
@@ -294,6 +323,7 @@ class ExpertParallelMoE(nn.Module):
         max_tokens: Optional[int] = None,
         token_rounding: Union[TokenRounding, str] = TokenRounding.NONE,
         tile_m: int = 128,
+        capacity_factor: float = 1.0,
     ):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
@@ -316,7 +346,8 @@ class ExpertParallelMoE(nn.Module):
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                        or max_tokens < 1):
             raise ValueError(f"max_tokens must be an int >= 1 or None; got {max_tokens!r}")
-        self.exchange, self.max_tokens = exchange, max_tokens
+        _check_capacity_factor(capacity_factor)
+        self.exchange, self.max_tokens, self.capacity_factor = exchange, max_tokens, capacity_factor
         self.token_rounding = parse_enum(TokenRounding, token_rounding, "token_rounding")
         if isinstance(tile_m, bool) or not isinstance(tile_m, int) or tile_m < 1:
             raise ValueError(f"tile_m must be an int >= 1; got {tile_m!r}")
@@ -352,7 +383,7 @@ class ExpertParallelMoE(nn.Module):
     @classmethod
     def from_moe(cls, moe: MoE, process_group=None, **exchange) -> "ExpertParallelMoE":
         """This rank's shard of `moe` (same dtype and device, token rounding included, over the
-        group's whole batch). `exchange`: exchange, max_tokens."""
+        group's whole batch). `exchange`: exchange, max_tokens, capacity_factor."""
         if not isinstance(moe, MoE):
             raise TypeError(f"moe must be a machmoe.MoE; got {type(moe).__name__}")
         layer = cls(moe.num_experts, moe.num_experts_per_tok, moe.hidden_size,
@@ -392,7 +423,8 @@ class ExpertParallelMoE(nn.Module):
             routing=self.routing, renormalize=self.renormalize,
             selection_bias=self.selection_bias, group=self.process_group, backend=self.backend,
             glu_clamp=self.glu_clamp, exchange=self.exchange, max_tokens=self.max_tokens,
-            token_rounding=rounding, tile_m=self.tile_m, seed=seed)
+            token_rounding=rounding, tile_m=self.tile_m, seed=seed,
+            capacity_factor=self.capacity_factor)
         return out.reshape(hidden_states.shape), aux
 
     def expert_parameters(self) -> list[nn.Parameter]:

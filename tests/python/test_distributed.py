@@ -54,7 +54,8 @@ def _reference(full, xs, gs, aux_weight):
 # The exchanges and their settings each case runs with: the all-gather one with the group's
 # largest T found by the layer and with max_tokens above it, and the all-to-all one.
 EXCHANGES = [dict(exchange="all_gather"), dict(exchange="all_gather", max_tokens=14),
-             dict(exchange="all_to_all")]
+             dict(exchange="all_to_all"), dict(exchange="all_to_all", max_tokens=14),
+             dict(exchange="all_to_all", max_tokens=13, capacity_factor=0.9)]
 
 
 def _check_case(rank, world, seed, case, exchange):
@@ -116,6 +117,7 @@ def _worker(rank, world, init_file, seed, errors):
             for exchange in EXCHANGES:
                 _check_case(rank, world, seed + 7 * i, case, exchange)
         _check_deterministic(rank, world, seed)
+        _check_overflow(rank, world)
         for mode in ("nr", "up", "down", "stochastic"):
             _check_rounding(rank, world, seed, mode)
         _check_init_independent_of_world(rank, world)
@@ -197,6 +199,21 @@ def _check_deterministic(rank, world, seed):
         assert torch.equal(a, b), "two runs differ"
 
 
+def _check_overflow(rank, world):
+    """A capacity-bounded all-to-all whose blocks are too small: every rank raises (on the CPU
+    before exchanging), and a call that fits afterwards works."""
+    from machmoe.distributed import ExpertParallelMoE
+
+    layer = ExpertParallelMoE(8, 8, 16, 8, backend="torch", exchange="all_to_all", max_tokens=10,
+                              capacity_factor=0.5)  # K = E: every token needs every rank
+    x = torch.randn(10, 16, dtype=layer.router.weight.dtype)
+    with pytest.raises(RuntimeError, match="had to send 10 rows to one peer, more than its "
+                                           "capacity of 5 rows"):
+        layer(x)
+    out, _ = layer(x[:5])
+    assert torch.isfinite(out).all()
+
+
 def _check_errors(world):
     from machmoe.distributed import ExpertParallelMoE, expert_parallel_moe
 
@@ -208,6 +225,8 @@ def _check_errors(world):
         ExpertParallelMoE(world, 1, 16, 8, backend="torch", exchange="ring")
     with pytest.raises(ValueError, match="token_rounding='up' needs exchange='all_gather'"):
         ExpertParallelMoE(world, 1, 16, 8, backend="torch", exchange="all_to_all", token_rounding="up")
+    with pytest.raises(ValueError, match=r"capacity_factor must be a number in \(0, 1\]"):
+        ExpertParallelMoE(world, 1, 16, 8, backend="torch", capacity_factor=0)
     with pytest.raises(ValueError, match="max_tokens must be an int >= 1 or None"):
         ExpertParallelMoE(world, 1, 16, 8, backend="torch", max_tokens=0)
     x = torch.randn(4, 16)

@@ -120,9 +120,11 @@ def _mean_grads(model, xs, gs, backend):
 
 def EP_EXCHANGES(world):
     """The exchanges each GPU case runs: all-gather with max_tokens (the largest rank's T plus
-    5 rows of padding), all-gather finding the largest T itself, all-to-all."""
+    5 rows of padding), all-gather finding the largest T itself, all-to-all with exact rows and
+    with fixed blocks."""
     return [dict(exchange="all_gather", max_tokens=T + 3 * (world - 1) + 5),
-            dict(exchange="all_gather"), dict(exchange="all_to_all")]
+            dict(exchange="all_gather"), dict(exchange="all_to_all"),
+            dict(exchange="all_to_all", max_tokens=T + 3 * (world - 1) + 5)]
 
 
 def _check_no_sync_and_graph(model, x, g, max_tokens):

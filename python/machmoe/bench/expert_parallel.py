@@ -1,7 +1,7 @@
 """Expert parallelism on the GPUs of one host (a measurement, not the main job):
 
   python -m machmoe.bench.expert_parallel [--configs 7B-a,30B-b] [--world W] [--reps 20] [--profile]
-                                          [--exchange all_gather,all_to_all] [--out DIR]
+                                          [--exchange all_gather,all_to_all,all_to_all_capacity] [--out DIR]
 
 Each of W ranks (NCCL, one GPU each) holds a whole config's batch of T tokens and E / W experts;
 `machmoe.distributed.ExpertParallelMoE` trains the layer with tokens exchanged (each --exchange, the
@@ -151,9 +151,17 @@ def _profile(name: str, step, rank: int, calls: int = 5) -> None:
         print(f"  phase host {e.cpu_time_total / calls / 1e3:7.3f}  x{e.count // calls:<3} {e.key[:90]}")
 
 
-def _variants(exchanges: list[str]) -> list[tuple[str, dict]]:
-    """(label, ExpertParallelMoE settings) per exchange to time."""
-    return [(exchange, dict(exchange=exchange)) for exchange in exchanges]
+# --exchange names -> ExpertParallelMoE settings (max_tokens = the config's T where it is True).
+EXCHANGE_SETTINGS = {
+    "all_gather": (dict(exchange="all_gather"), True),
+    "all_to_all": (dict(exchange="all_to_all"), False),  # exact rows, one host sync a forward
+    "all_to_all_capacity": (dict(exchange="all_to_all"), True),  # fixed blocks, no host sync
+}
+
+
+def _variants(exchanges: list[str]) -> list[tuple[str, dict, bool]]:
+    """(label, ExpertParallelMoE settings, whether max_tokens = T is given) per exchange."""
+    return [(name,) + EXCHANGE_SETTINGS[name] for name in exchanges]
 
 
 def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup: int,
@@ -197,9 +205,8 @@ def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup
             single_host = _host_ms(lambda: step(full))
             full.zero_grad(set_to_none=True)
             flop = sum(layer_flops(cfg.T, cfg.K, cfg.n, cfg.d))
-            for label, settings in variants:
-                layer = ExpertParallelMoE.from_moe(full, max_tokens=cfg.T, **settings) \
-                    if settings["exchange"] == "all_gather" else ExpertParallelMoE.from_moe(full, **settings)
+            for label, settings, bounded in variants:
+                layer = ExpertParallelMoE.from_moe(full, max_tokens=cfg.T if bounded else None, **settings)
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
                 ep_ms = _loop_ms(lambda: step(layer), reps, warmup)
@@ -212,7 +219,8 @@ def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup
                     top = logits.topk(cfg.K, dim=1).indices // (cfg.E // world)  # [T, K] owning rank
                     owners = torch.zeros(cfg.T, world, dtype=torch.bool, device="cuda")
                     owners.scatter_(1, top, True)
-                    rows = owners.sum() - owners[:, rank].sum() if settings["exchange"] == "all_to_all" \
+                    # all-to-all with max_tokens sends whole blocks of T rows, filled or not.
+                    rows = owners.sum() - owners[:, rank].sum() if label == "all_to_all" \
                         else torch.tensor(cfg.T * (world - 1), device="cuda")
                     sent = torch.tensor([float(rows * cfg.d * 2 * 2)], device="cuda")
                 dist.all_reduce(sent, op=dist.ReduceOp.MAX)
@@ -225,9 +233,8 @@ def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup
             del full
             if profile_calls:
                 full = MoE(cfg.E, cfg.K, cfg.d, cfg.n).cuda().bfloat16()
-                label, settings = variants[0]
-                layer = ExpertParallelMoE.from_moe(full, max_tokens=cfg.T, **settings) \
-                    if settings["exchange"] == "all_gather" else ExpertParallelMoE.from_moe(full, **settings)
+                label, settings, bounded = variants[0]
+                layer = ExpertParallelMoE.from_moe(full, max_tokens=cfg.T if bounded else None, **settings)
                 _profile(f"{cfg.name} single GPU", lambda: step(full), rank)
                 _profile(f"{cfg.name} expert parallel ({label}), W = {world}", lambda: step(layer), rank)
                 del full, layer
@@ -252,8 +259,9 @@ def main(argv=None) -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="also print rank 0's kernels and ops per call")
-    parser.add_argument("--exchange", default="all_gather",
-                        help="comma-separated exchanges to time: all_gather, all_to_all")
+    parser.add_argument("--exchange", default="all_gather,all_to_all_capacity",
+                        help="comma-separated exchanges to time: all_gather and all_to_all_capacity "
+                             "(max_tokens = T: no host sync), all_to_all (exact rows, a host sync)")
     parser.add_argument("--out", default=None, metavar="DIR", help="also write the table to DIR/expert_parallel.md")
     args = parser.parse_args(argv)
     try:
@@ -262,8 +270,8 @@ def main(argv=None) -> None:
         parser.error(f"--configs: {err}")
     exchanges = args.exchange.split(",")
     for exchange in exchanges:
-        if exchange not in ("all_gather", "all_to_all"):
-            parser.error(f"--exchange: {exchange!r} is not all_gather or all_to_all")
+        if exchange not in EXCHANGE_SETTINGS:
+            parser.error(f"--exchange: {exchange!r} is not one of {', '.join(EXCHANGE_SETTINGS)}")
     variants = _variants(exchanges)
     if not torch.cuda.is_available():
         print("expert_parallel: no CUDA GPU; nothing to measure")
