@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from . import functional, torch_backend
-from .enums import (ActivationType, Backend, GateUpLayout, GluClamp, RoutingMethod, TokenRounding, is_glu,
-                    parse_enum, resolve_glu_clamp)
+from .enums import (ActivationType, Backend, GateUpLayout, GluClamp, RoutingMethod, TokenRounding,
+                    is_gate_routing, is_glu, parse_enum, resolve_glu_clamp)
 from .expert_all_to_all import all_to_all_experts
 from .expert_capacity_exchange import capacity_all_to_all_experts, capacity_rows
 from .expert_capacity_exchange import check_capacity  # noqa: F401 (public: machmoe.distributed.check_capacity)
@@ -375,7 +375,7 @@ class ExpertParallelMoE(nn.Module):
                 gen.manual_seed(torch_backend.splitmix64(seed * 2**32 + rank * E_local + i) % 2**63)
                 self.c_fc.weight[i].normal_(0.0, std, generator=gen)
                 self.c_proj.weight[i].normal_(0.0, std, generator=gen)
-        if self.routing == RoutingMethod.SIGMOID:
+        if is_gate_routing(self.routing):  # sigmoid, sqrt_softplus: as MoE
             self.register_buffer("selection_bias", torch.zeros(E))
         else:
             self.selection_bias = None
@@ -386,6 +386,14 @@ class ExpertParallelMoE(nn.Module):
         group's whole batch). `exchange`: exchange, max_tokens, capacity_factor."""
         if not isinstance(moe, MoE):
             raise TypeError(f"moe must be a machmoe.MoE; got {type(moe).__name__}")
+        unsupported = [name for name, used in (
+            ("a router bias", moe.router.bias is not None),
+            ("routed_scaling_factor != 1", moe.routed_scaling_factor != 1.0),
+            ("group-limited selection (n_group > 1)", moe.n_group != 1),
+            ("shared experts", moe.num_shared_experts > 0)) if used]
+        if unsupported:
+            raise ValueError(f"ExpertParallelMoE does not offer {', '.join(unsupported)}; this MoE "
+                             f"uses them, so its shard would compute another layer")
         layer = cls(moe.num_experts, moe.num_experts_per_tok, moe.hidden_size,
                     moe.intermediate_size, moe.activation_function, moe.c_fc.bias is not None,
                     moe.c_fc.std, routing=moe.routing, renormalize=moe.renormalize,
@@ -435,12 +443,19 @@ class ExpertParallelMoE(nn.Module):
     def reduce_gradients(self, average: bool = True) -> None:
         """Turn the local gradients into those of the ranks' mean loss (average=True, as DDP) or
         of their sum: all-reduce the router's, and scale the experts' by 1/W for the mean. A
-        collective: every rank calls it after its backward."""
+        collective: every rank calls it after its backward.
+
+        Under FSDP2 (the whole layer sharded over a data-parallel mesh dimension, see
+        docs/EXPERT_PARALLEL.md) the gradients are DTensors: the router's local shard is
+        all-reduced, which is right because every rank of this layer's group holds the same
+        shard of it."""
+        from torch.distributed.tensor import DTensor
+
         grad = self.router.weight.grad
         if grad is None:
             grad = torch.zeros_like(self.router.weight)
             self.router.weight.grad = grad
-        dist.all_reduce(grad, group=self.process_group)
+        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.process_group)
         if average:
             grad.div_(self.world_size)
             for p in self.expert_parameters():

@@ -225,6 +225,11 @@ def _check_errors(world):
         ExpertParallelMoE(world, 1, 16, 8, backend="torch", exchange="ring")
     with pytest.raises(ValueError, match="token_rounding='up' needs exchange='all_gather'"):
         ExpertParallelMoE(world, 1, 16, 8, backend="torch", exchange="all_to_all", token_rounding="up")
+    from machmoe import MoE
+
+    with pytest.raises(ValueError, match="ExpertParallelMoE does not offer a router bias, shared experts"):
+        ExpertParallelMoE.from_moe(MoE(2 * world, 2, 16, 8, router_bias=True, num_shared_experts=1,
+                                       backend="torch"))
     with pytest.raises(ValueError, match=r"capacity_factor must be a number in \(0, 1\]"):
         ExpertParallelMoE(world, 1, 16, 8, backend="torch", capacity_factor=0)
     with pytest.raises(ValueError, match="max_tokens must be an int >= 1 or None"):

@@ -77,25 +77,6 @@ class _Tiny(nn.Module):
         return self.out(h), aux
 
 
-def reduce_expert_parallel_gradients(layer, average=True):
-    """`ExpertParallelMoE.reduce_gradients` for gradients that FSDP2 has made DTensors: all-reduce
-    the router's gradient over the layer's group (its local shard: every rank of an "ep" group
-    holds the same "dp" shard) and, for the ranks' mean loss, divide it and the experts' by the
-    group's size W. (reduce_gradients itself calls dist.all_reduce on the DTensor, which DTensor
-    refuses: "Operator c10d.allreduce_.default does not have a sharding strategy registered".)"""
-    from torch.distributed.tensor import DTensor
-
-    with torch.no_grad():
-        grad = layer.router.weight.grad
-        if grad is None:
-            grad = layer.router.weight.grad = torch.zeros_like(layer.router.weight)
-        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=layer.process_group)
-        if average:
-            for p in [layer.router.weight] + layer.expert_parameters():
-                if p.grad is not None:
-                    p.grad.div_(layer.world_size)
-
-
 def _check_fsdp2_dp_ep(rank, world, seed):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -139,7 +120,7 @@ def _check_fsdp2_dp_ep(rank, world, seed):
     mine = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
     assert _rel(y, y_all[mine]) <= TOL, f"output off by {_rel(y, y_all[mine]):.2e}"
     loss_of(y, aux, gs[rank]).backward()
-    reduce_expert_parallel_gradients(model.moe)  # router: mean over ep; experts: / W_ep
+    model.moe.reduce_gradients()  # router: mean over ep (DTensor shards); experts: / W_ep
 
     part = slice(ep_rank * (E // W_ep), (ep_rank + 1) * (E // W_ep))  # this rank's experts
     ref_params = dict(ref.named_parameters())
