@@ -79,6 +79,25 @@ class _GatherRows(torch.autograd.Function):
         return _wait(_reduce_scatter(grad, ctx.W, ctx.group_name)), None, None
 
 
+class _GatherRouting(torch.autograd.Function):
+    """scores [R, K] and experts [R, K] -> both gathered [W·R, K], in one collective: the scores'
+    bits and the experts (as integers of the scores' width) side by side. Backward: the
+    reduce-scatter (sum) of the scores' gradient."""
+
+    @staticmethod
+    def forward(ctx, scores, experts, W, group_name):
+        ctx.W, ctx.group_name = W, group_name
+        twin = {4: torch.int32, 8: torch.int64}[scores.element_size()]
+        K = scores.shape[1]
+        packed = torch.cat([scores.contiguous().view(twin), experts.to(twin)], 1)  # [R, 2K]
+        got = _wait(_gather(packed, W, group_name))  # [W·R, 2K]
+        return got[:, :K].contiguous().view(scores.dtype), got[:, K:].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad_scores, _):
+        return _wait(_reduce_scatter(grad_scores, ctx.W, ctx.group_name)), None, None, None
+
+
 class _ReduceScatterRows(torch.autograd.Function):
     """[W·R, ...] -> [R, ...], this rank's block summed over the ranks; backward: the all-gather
     of the gradient."""
@@ -103,8 +122,8 @@ def gathered_experts(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tenso
     experts_kwargs go to functional.experts_topk (activation, layout, backend, glu_clamp)."""
     E_local = num_experts // world
     xg = _GatherRows.apply(x, world, group_name)                    # [W·T, d]
-    sg = _GatherRows.apply(scores, world, group_name)               # [W·T, K]
-    local = _wait(_gather(experts, world, group_name)) - rank * E_local  # [W·T, K]
+    sg, eg = _GatherRouting.apply(scores, experts, world, group_name)  # [W·T, K] each
+    local = eg - rank * E_local
     # Experts another rank holds: out of [0, E_local), so dropped (no host check).
     local = torch.where((local >= 0) & (local < E_local), local, E_local)
     y = functional.experts_topk(xg, w1, w2, sg, local, b1=b1, b2=b2, **experts_kwargs)  # [W·T, d]
