@@ -21,7 +21,9 @@ top_k_index [T, K], top_k_weights [T, K]) -> [T, d], reading from the module
   ([E, d, 2n], [E, d, n] and [E, n, d] when is_transposed), gate_up_proj_bias / up_proj_bias and
   down_proj_bias when has_bias, is_concatenated ([gate; up] rows, else interleaved gate/up rows),
   act_fn, and _apply_gate (the GLU: act_fn(gate) * up unless the class overrides it).
-Expert ids outside [0, E) are expert-parallel sentinels (another rank's experts): dropped.
+Expert ids outside [0, E) are expert-parallel sentinels (another rank's experts): dropped. Under
+transformers' own expert parallelism (DistributedConfig(ep_size=W)) the module holds this rank's
+E / W experts and gets local ids: E is read from the weights it holds during the call.
 
 Backend "auto": the machmoe kernels for bfloat16 tensors on an sm_90 GPU, machmoe's torch backend
 everywhere else. The clamped SwiGLU gates of gpt-oss, DeepSeek-V4 and their kin run as machmoe's
@@ -374,9 +376,10 @@ class FusedSparseMoeBlock(nn.Module):
         if _router_logits_recorded(router):
             self.rule.call_router(self, tokens)
         plan = plan_experts(self.experts)
-        if isinstance(plan, str):  # fuse_moe checked it; the module changed since
+        reason = plan if isinstance(plan, str) else _sharded(self.experts)
+        if reason is not None:  # fuse_moe checked it; the module changed since
             raise RuntimeError(f"machmoe: the fused {self.original_class} can no longer run on "
-                               f"machmoe: {plan}")
+                               f"machmoe: {reason}")
         x = tokens.to(plan.w1.dtype)
         out, _ = functional.moe(
             x, router.weight.to(x.dtype), plan.w1, plan.w2, num_experts_per_tok=self.top_k,
@@ -408,13 +411,26 @@ def _is_experts_module(module: nn.Module) -> bool:
     return hasattr(module, "has_gate") and hasattr(module, "is_concatenated")
 
 
+def _sharded(experts: nn.Module) -> Optional[str]:
+    """Why a fused block cannot compute these experts when transformers has sharded them (its
+    expert parallelism, or DTensor weights from its tensor parallelism), else None: a fused block
+    reads the weights whole and routes over all E experts, while only transformers' own experts
+    forward exchanges the tokens. Their experts_implementation="machmoe" runs under it instead."""
+    if getattr(experts, "_is_expert_parallel", False):
+        return "its experts are sharded by transformers' expert parallelism"
+    if any(hasattr(p, "device_mesh") and hasattr(p, "placements") for p in experts.parameters(recurse=False)):
+        return "its experts' weights are sharded (DTensor) by transformers' parallelism"
+    return None
+
+
 def fuse_moe(model: nn.Module, backend: Union[Backend, str] = Backend.AUTO) -> FuseReport:
     """Replaces, in place, every sparse MoE block of `model` that machmoe computes whole (see
     _BLOCK_RULES: Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, OLMoE, DeepSeek-V3,
     GLM-4.5, MiniMax-M2, gpt-oss) by a FusedSparseMoeBlock on the same parameter tensors. Any
-    other module that holds a decorated experts module as `experts` (other routings, or experts
-    machmoe cannot compute) is left as it is and listed with the reason;
-    its experts still run on machmoe with experts_implementation="machmoe".
+    other module that holds a decorated experts module as `experts` (other routings, experts
+    machmoe cannot compute, or experts sharded by transformers' expert or tensor parallelism) is
+    left as it is and listed with the reason; its experts still run on machmoe with
+    experts_implementation="machmoe".
 
     Returns FuseReport(fused=[names], unfused={name: reason}).
     """
@@ -437,6 +453,10 @@ def fuse_moe(model: nn.Module, backend: Union[Backend, str] = Backend.AUTO) -> F
         plan = plan_experts(experts)
         if isinstance(plan, str):
             unfused[name] = f"its experts ({type(experts).__name__}) cannot run on machmoe: {plan}"
+            continue
+        sharded = _sharded(experts)
+        if sharded is not None:
+            unfused[name] = sharded + ' (experts_implementation="machmoe" runs them under it)'
             continue
         parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else None
