@@ -85,16 +85,22 @@ def _on_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and _ops.kernels_unavailable_reason(x.device) is None
 
 
-def _route(x, router_weight, K, routing, renormalize, selection_bias, kernels):
-    """-> logits [T, E] (routing dtype), scores [T, K], experts [T, K] (int32 from the kernels,
-    else int64): the layer's routing."""
+def _route(x, router_weight, K, routing, renormalize, selection_bias, kernels, router_bias=None,
+           options: torch_backend.RouterOptions = torch_backend.RouterOptions()):
+    """-> logits [T, E] (routing dtype), scores [T, K], experts [T, K] (int32 from the top-K
+    kernel, else int64): the layer's routing. With router options (scaling, groups) the
+    selection runs in torch ops on the fp32 logits, also on the GPU (the top-K kernel takes none)."""
     if kernels:
         logits = _RouterLogits.apply(x, router_weight.to(x.dtype))
-        bias = None if selection_bias is None else selection_bias.float().contiguous()
-        scores, experts = _TopK.apply(logits, K, routing.value, renormalize, bias)
-        return logits, scores, experts  # int32
-    logits = torch_backend.router_logits(x, router_weight)
-    scores, experts = torch_backend.route_topk(logits, K, routing, renormalize, selection_bias)
+        if router_bias is not None:
+            logits = logits + router_bias.float()  # [E] broadcast; its gradient: a column sum
+        if options == torch_backend.RouterOptions():
+            bias = None if selection_bias is None else selection_bias.float().contiguous()
+            scores, experts = _TopK.apply(logits, K, routing.value, renormalize, bias)
+            return logits, scores, experts  # int32
+    else:
+        logits = torch_backend.router_logits(x, router_weight, router_bias)
+    scores, experts = torch_backend.route_topk(logits, K, routing, renormalize, selection_bias, options)
     return logits, scores, experts
 
 
@@ -153,6 +159,10 @@ def expert_parallel_moe(
     tile_m: int = 128,
     seed: int = 0,
     capacity_factor: float = 1.0,
+    router_bias: Optional[torch.Tensor] = None,
+    routed_scaling_factor: float = 1.0,
+    n_group: int = 1,
+    topk_group: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [T, d], aux []) of the layer on this rank's tokens x [T, d], with the experts sharded.
 
@@ -188,6 +198,8 @@ def expert_parallel_moe(
             (machmoe.expert_capacity_exchange). None: "all_gather" finds the group's largest T
             with an all-reduce the host waits for; "all_to_all" sends exactly the rows needed,
             with one host synchronisation per forward for their counts.
+        router_bias, routed_scaling_factor, n_group, topk_group: the router's options, as for
+            machmoe.functional.moe (router_bias [E] is a replica, like router_weight).
         capacity_factor: "all_to_all" with max_tokens: rows per block over max_tokens, in
             (0, 1] (default 1: no batch can overflow). Smaller sends fewer bytes; a batch that
             needs more rows poisons the call's output with NaN and the next call raises (see
@@ -217,7 +229,12 @@ def expert_parallel_moe(
                          f"(E must be a multiple of W); got {E_local}")
     K, routing, rounding = functional._validate_routing(E, num_experts_per_tok, routing, renormalize,
                                                         selection_bias, token_rounding, tile_m, seed)
+    options = functional._validate_router_options(E, K, routing, rounding, routed_scaling_factor,
+                                                  n_group, topk_group)
     weights = {"x": x, "router_weight": router_weight, "w1": w1, "w2": w2, "b1": b1, "b2": b2}
+    if router_bias is not None:
+        weights["router_bias"] = functional._float_tensor(router_bias, "router_bias", 1)
+        functional._shape(router_bias, "router_bias", (E,), "[E]")
     functional._same_dtype(weights, "x")
     functional._same_device({**weights, "selection_bias": selection_bias}, "x")
     backend = functional.resolve_backend(backend, x, d, n)
@@ -237,7 +254,8 @@ def expert_parallel_moe(
     if exchange == "all_gather":
         rows = _exchange_rows(T, max_tokens, x.device, group)
         with phase("ep.route"):
-            logits, scores, experts = _route(x, router_weight, K, routing, renormalize, selection_bias, kernels)
+            logits, scores, experts = _route(x, router_weight, K, routing, renormalize, selection_bias, kernels,
+                                             router_bias, options)
             aux = torch_backend.aux_loss(logits, experts)
         if rows == 0:  # no rank has a token
             return x * 0, aux
@@ -259,7 +277,8 @@ def expert_parallel_moe(
                                                tile_m=tile_m, seed=seed, **common)
         return (out[:T] if pad else out), aux
     with phase("ep.route"):
-        logits, scores, experts = _route(x, router_weight, K, routing, renormalize, selection_bias, kernels)
+        logits, scores, experts = _route(x, router_weight, K, routing, renormalize, selection_bias, kernels,
+                                             router_bias, options)
     if max_tokens is not None:  # fixed blocks, no host synchronisation
         _check_max_tokens(T, max_tokens)
         return capacity_all_to_all_experts(
@@ -275,10 +294,10 @@ def expert_parallel_moe(
 class ExpertParallelMoE(nn.Module):
     """`MoE` with its experts sharded over the ranks of a process group (module docstring).
 
-    Parameters: router.weight [E, hidden] (a replica: the same on every rank); c_fc.weight
-    [E/W, N1, hidden], c_fc.bias, c_proj.weight [E/W, hidden, intermediate], c_proj.bias: this
-    rank's experts, rank q holding experts q·E/W ...; with sigmoid routing a buffer selection_bias
-    [E] (a replica).
+    Parameters: router.weight [E, hidden] and router.bias [E] with router_bias (replicas: the same
+    on every rank); c_fc.weight [E/W, N1, hidden], c_fc.bias, c_proj.weight [E/W, hidden,
+    intermediate], c_proj.bias: this rank's experts, rank q holding experts q·E/W ...; with
+    sigmoid or sqrt_softplus routing a buffer selection_bias [E] (a replica).
 
     Initialisation draws the router from `seed` and global expert e from (seed, e), so every rank
     agrees on the router and the layer is the same function for any W. `from_moe` shards an
@@ -290,8 +309,10 @@ class ExpertParallelMoE(nn.Module):
     parameters out of DDP and call it, or call it alone.
 
     Args: num_experts, num_experts_per_tok, hidden_size, intermediate_size,
-    activation_function, add_bias, std, routing, renormalize, gate_up_layout, backend and glu_clamp
-    as for `MoE` (num_experts must be a multiple of the group's size W); and
+    activation_function, add_bias, std, routing, renormalize, gate_up_layout, backend, glu_clamp,
+    router_bias, routed_scaling_factor, n_group and topk_group as for `MoE` (num_experts must be a
+    multiple of the group's size W; with routed_scaling_factor or n_group the top-K selection runs
+    in torch ops on the fp32 logits); and
         process_group: the group whose ranks share the experts (None: the default group).
         seed: the initialisation seed, an int >= 0 (default 0), the same on every rank.
         exchange, max_tokens, capacity_factor: as for `expert_parallel_moe`. Give max_tokens
@@ -324,6 +345,10 @@ class ExpertParallelMoE(nn.Module):
         token_rounding: Union[TokenRounding, str] = TokenRounding.NONE,
         tile_m: int = 128,
         capacity_factor: float = 1.0,
+        router_bias: bool = False,
+        routed_scaling_factor: float = 1.0,
+        n_group: int = 1,
+        topk_group: int = 1,
     ):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
@@ -364,7 +389,13 @@ class ExpertParallelMoE(nn.Module):
 
         E_local, d, n = E // W, hidden_size, intermediate_size
         n1 = 2 * n if is_glu(self.activation_function) else n
-        self.router = nn.Linear(d, E, bias=False)
+        options = functional._validate_router_options(E, self.num_experts_per_tok, self.routing,
+                                                      self.token_rounding, routed_scaling_factor,
+                                                      n_group, topk_group)
+        self.routed_scaling_factor, self.n_group, self.topk_group = options
+        self.router = nn.Linear(d, E, bias=router_bias)
+        if router_bias:
+            nn.init.zeros_(self.router.bias)
         self.c_fc = ExpertLinear(E_local, d, n1, add_bias, std)
         self.c_proj = ExpertLinear(E_local, n, d, add_bias, std)
         with torch.no_grad():
@@ -386,25 +417,26 @@ class ExpertParallelMoE(nn.Module):
         group's whole batch). `exchange`: exchange, max_tokens, capacity_factor."""
         if not isinstance(moe, MoE):
             raise TypeError(f"moe must be a machmoe.MoE; got {type(moe).__name__}")
-        unsupported = [name for name, used in (
-            ("a router bias", moe.router.bias is not None),
-            ("routed_scaling_factor != 1", moe.routed_scaling_factor != 1.0),
-            ("group-limited selection (n_group > 1)", moe.n_group != 1),
-            ("shared experts", moe.num_shared_experts > 0)) if used]
-        if unsupported:
-            raise ValueError(f"ExpertParallelMoE does not offer {', '.join(unsupported)}; this MoE "
-                             f"uses them, so its shard would compute another layer")
+        if moe.num_shared_experts > 0:
+            raise ValueError("ExpertParallelMoE does not offer shared experts; this MoE has "
+                             f"{moe.num_shared_experts}, so its shard would compute another layer "
+                             "(run them beside it: machmoe.shared_experts)")
         layer = cls(moe.num_experts, moe.num_experts_per_tok, moe.hidden_size,
                     moe.intermediate_size, moe.activation_function, moe.c_fc.bias is not None,
                     moe.c_fc.std, routing=moe.routing, renormalize=moe.renormalize,
                     gate_up_layout=moe.gate_up_layout, backend=moe.backend,
                     process_group=process_group, glu_clamp=moe.glu_clamp,
-                    token_rounding=moe.token_rounding, tile_m=moe.tile_m, **exchange)
+                    token_rounding=moe.token_rounding, tile_m=moe.tile_m,
+                    router_bias=moe.router.bias is not None,
+                    routed_scaling_factor=moe.routed_scaling_factor, n_group=moe.n_group,
+                    topk_group=moe.topk_group, **exchange)
         layer = layer.to(device=moe.router.weight.device, dtype=moe.router.weight.dtype)
         part = slice(layer.rank * (moe.num_experts // layer.world_size),
                      (layer.rank + 1) * (moe.num_experts // layer.world_size))
         with torch.no_grad():
             layer.router.weight.copy_(moe.router.weight)
+            if moe.router.bias is not None:
+                layer.router.bias.copy_(moe.router.bias)
             for mine, full in ((layer.c_fc, moe.c_fc), (layer.c_proj, moe.c_proj)):
                 mine.weight.copy_(full.weight[part])
                 if full.bias is not None:
@@ -432,7 +464,9 @@ class ExpertParallelMoE(nn.Module):
             selection_bias=self.selection_bias, group=self.process_group, backend=self.backend,
             glu_clamp=self.glu_clamp, exchange=self.exchange, max_tokens=self.max_tokens,
             token_rounding=rounding, tile_m=self.tile_m, seed=seed,
-            capacity_factor=self.capacity_factor)
+            capacity_factor=self.capacity_factor, router_bias=self.router.bias,
+            routed_scaling_factor=self.routed_scaling_factor, n_group=self.n_group,
+            topk_group=self.topk_group)
         return out.reshape(hidden_states.shape), aux
 
     def expert_parameters(self) -> list[nn.Parameter]:
@@ -451,14 +485,14 @@ class ExpertParallelMoE(nn.Module):
         shard of it."""
         from torch.distributed.tensor import DTensor
 
-        grad = self.router.weight.grad
-        if grad is None:
-            grad = torch.zeros_like(self.router.weight)
-            self.router.weight.grad = grad
-        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.process_group)
+        router = [p for p in (self.router.weight, self.router.bias) if p is not None]
+        for p in router:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad,
+                            group=self.process_group)
         if average:
-            grad.div_(self.world_size)
-            for p in self.expert_parameters():
+            for p in router + self.expert_parameters():
                 if p.grad is not None:
                     p.grad.div_(self.world_size)
 

@@ -65,7 +65,10 @@ def _check_case(rank, world, seed, case, exchange):
     E, K, d, n = case["E"], case["K"], 16, 8
     torch.manual_seed(seed)
     full = MoE(E, K, d, n, case["act"], case["bias"], 0.3, routing=case["routing"],
-               gate_up_layout=case["layout"], backend="torch").double()
+               gate_up_layout=case["layout"], backend="torch", **case.get("router", {})).double()
+    if full.router.bias is not None:
+        with torch.no_grad():
+            full.router.bias.normal_(0.0, 0.5)
     if full.selection_bias is not None:
         # Experts of the last rank are never selected: that rank receives no rows at all.
         full.selection_bias[(world - 1) * (E // world):] = -10.0
@@ -86,6 +89,8 @@ def _check_case(rank, world, seed, case, exchange):
         assert _rel(x.grad, dxs[rank]) <= TOL, f"{name}: dx off by {_rel(x.grad, dxs[rank]):.2e}"
     part = slice(rank * (E // world), (rank + 1) * (E // world))
     checks = [("router.weight", layer.router.weight.grad, grads["router.weight"])]
+    if layer.router.bias is not None:
+        checks.append(("router.bias", layer.router.bias.grad, grads["router.bias"]))
     for local, whole in ((layer.c_fc, "c_fc"), (layer.c_proj, "c_proj")):
         checks.append((f"{whole}.weight", local.weight.grad, grads[f"{whole}.weight"][part]))
         if local.bias is not None:
@@ -107,6 +112,9 @@ CASES = [
          empty_rank=0, expect_idle=True),
     dict(name="topk_softmax relu bias, every expert per token", E=8, K=8, act="relu", bias=True,
          routing="topk_softmax", layout="interleaved", empty_rank=None),
+    dict(name="DeepSeek-V3's router: sigmoid + selection bias, 4 groups keep 2, scaling 2.5, a "
+         "router bias", E=8, K=3, act="swiglu", bias=False, routing="sigmoid", layout="concatenated",
+         empty_rank=None, router=dict(router_bias=True, routed_scaling_factor=2.5, n_group=4, topk_group=2)),
 ]
 
 
@@ -227,9 +235,10 @@ def _check_errors(world):
         ExpertParallelMoE(world, 1, 16, 8, backend="torch", exchange="all_to_all", token_rounding="up")
     from machmoe import MoE
 
-    with pytest.raises(ValueError, match="ExpertParallelMoE does not offer a router bias, shared experts"):
-        ExpertParallelMoE.from_moe(MoE(2 * world, 2, 16, 8, router_bias=True, num_shared_experts=1,
-                                       backend="torch"))
+    with pytest.raises(ValueError, match="ExpertParallelMoE does not offer shared experts"):
+        ExpertParallelMoE.from_moe(MoE(2 * world, 2, 16, 8, num_shared_experts=1, backend="torch"))
+    with pytest.raises(ValueError, match="group-limited selection .n_group > 1. needs routing='sigmoid'"):
+        ExpertParallelMoE(2 * world, 2, 16, 8, backend="torch", n_group=2, topk_group=1)
     with pytest.raises(ValueError, match=r"capacity_factor must be a number in \(0, 1\]"):
         ExpertParallelMoE(world, 1, 16, 8, backend="torch", capacity_factor=0)
     with pytest.raises(ValueError, match="max_tokens must be an int >= 1 or None"):
