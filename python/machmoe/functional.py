@@ -15,6 +15,7 @@ accumulation, the torch backend in the input dtype with fp32 (or fp64) routing.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Optional, Sequence, Union
 
 import torch
@@ -179,14 +180,25 @@ def _validate_routing(E: int, num_experts_per_tok, routing, renormalize, selecti
     return K, routing, rounding
 
 
+# float32's largest value plus half its last ulp (2^103): a cast rounds anything at or above it
+# (ties to even: the largest value's mantissa is odd) to infinity.
+_FLOAT32_OVERFLOW = 3.4028234663852886e38 + 2.0 ** 103
+
+
+def _finite_in_float32(value: float) -> bool:
+    """Whether value rounds to a finite float32."""
+    return math.isfinite(value) and abs(value) < _FLOAT32_OVERFLOW
+
+
 def _validate_router_options(E: int, K: int, routing: RoutingMethod, rounding: TokenRounding,
                              routed_scaling_factor, n_group, topk_group) -> torch_backend.RouterOptions:
     """Checks the router options (LAYER.md "Routing") for E experts, K per token."""
     if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
         raise TypeError(f"routed_scaling_factor must be a float; got {type(routed_scaling_factor).__name__}")
     scale = float(routed_scaling_factor)
-    # finite in fp32 too: the kernels scale in fp32
-    if not (scale > 0 and abs(torch.tensor(scale, dtype=torch.float32).item()) < float("inf")):
+    # finite in fp32 too: the kernels scale in fp32 (checked without a tensor, which would be an
+    # .item() inside torch.compile)
+    if not (scale > 0 and _finite_in_float32(scale)):
         raise ValueError(f"routed_scaling_factor must be finite (in float32) and > 0; got {routed_scaling_factor}")
     n_group = _int(n_group, "n_group", 1, E)
     if E % n_group != 0:

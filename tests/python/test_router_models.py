@@ -234,11 +234,15 @@ def test_route_and_moe_reject_bad_router_options():
         (dict(routing="sigmoid", n_group=16, topk_group=8), "experts per group"),
         (dict(routing="sigmoid", routed_scaling_factor=0.0), "routed_scaling_factor"),
         (dict(routing="sigmoid", routed_scaling_factor=1e300), "routed_scaling_factor"),
+        # finite as a double, infinite once cast to float32 (the kernels' type)
+        (dict(routing="sigmoid", routed_scaling_factor=3.4028236e38), "routed_scaling_factor"),
+        (dict(routing="sigmoid", routed_scaling_factor=float("nan")), "routed_scaling_factor"),
         (dict(routing="softmax_topk", selection_bias=torch.zeros(16)), "selection_bias"),
     ]
     for kwargs, word in bad:
         with pytest.raises(ValueError, match=word):
             functional.route(logits, 5, **kwargs)
+    functional.route(logits, 5, routing="sigmoid", routed_scaling_factor=3.4028235e38)  # float32's max
     x, wr = torch.randn(4, 8), torch.randn(16, 8)
     w1, w2 = torch.randn(16, 8, 8), torch.randn(16, 8, 4)
     with pytest.raises(ValueError, match="router_bias"):
