@@ -11,7 +11,7 @@ Rank q of W holds experts [q·E/W, (q+1)·E/W) and a replica of the router. Two 
 - "all_to_all": a token goes only to the ranks that hold one of its experts (at most min(K, W)
   times, not K). With max_tokens given, in blocks of a fixed capacity and without host
   synchronisation (machmoe.expert_capacity_exchange; an overflow poisons the output and is
-  raised by the next call or by check_capacity()); without, exactly the rows needed, with one
+  raised by check_capacity()); without, exactly the rows needed, with one
   host synchronisation per forward for the row counts (machmoe.expert_all_to_all).
 
 This module holds the public layer (`ExpertParallelMoE`, `expert_parallel_moe`): argument checks,
@@ -202,7 +202,7 @@ def expert_parallel_moe(
             machmoe.functional.moe (router_bias [E] is a replica, like router_weight).
         capacity_factor: "all_to_all" with max_tokens: rows per block over max_tokens, in
             (0, 1] (default 1: no batch can overflow). Smaller sends fewer bytes; a batch that
-            needs more rows poisons the call's output with NaN and the next call raises (see
+            needs more rows poisons the call's output with NaN, and check_capacity() raises (see
             machmoe.expert_capacity_exchange).
         token_rounding, tile_m, seed: "all_gather" only, routing "softmax_topk" only: round each
             expert's row count over the whole group's batch (the ranks' batches end to end) to a

@@ -22,10 +22,11 @@ The backward is the same exchange reversed. Every sum has a fixed order and no s
 an index: two runs give bitwise the same results.
 
 Overflow: when a rank would send more than C rows to a peer, the rows past C are not sent (no
-buffer is overrun), every rank's output of that call is NaN (the ranks agree through a one-int
-all-reduce on the device), and the next call on any rank of the group raises a RuntimeError
-naming the count and the capacity (`check_capacity()` raises at once, waiting for the device).
-On the CPU the count is known without waiting, and the call itself raises before any exchange.
+buffer is overrun) and every rank's output of that call is NaN (the ranks agree through a
+one-int all-reduce on the device), so a loss computed from it is NaN. `check_capacity()` then
+raises a RuntimeError naming the count and the capacity, on every rank (it waits for the device;
+call it where the host waits anyway). On the CPU the count is known without waiting, and the
+call itself raises, on every rank, before any exchange.
 
 Memory: the received rows [W·C, d] and the experts' buffers for W·C·K pairs (H [W·C·K, N1]):
 W·C/T times the single layer's H; with capacity_factor f·b, where f is the fraction of tokens a
@@ -55,21 +56,26 @@ def _overflow_error(count: int, capacity: int) -> RuntimeError:
         f"output was NaN. Raise capacity_factor (1.0 never overflows) or max_tokens.")
 
 
-def check_capacity(wait: bool = True) -> None:
-    """Raises the overflow error of an earlier capacity-bounded all-to-all call, if one
-    overflowed. wait=True waits for those calls to finish on the device; wait=False only looks at
-    the ones that have (what every call does first, without waiting)."""
-    still = []
-    for event, flag in _pending:
-        if event is not None and not event.query():
-            if not wait:
-                still.append((event, flag))
-                continue
+def check_capacity() -> None:
+    """Raises the overflow error of an earlier capacity-bounded all-to-all call of this process,
+    if one overflowed, after waiting for those calls to finish on the device. Call it where the
+    host waits anyway (reading the loss, the end of a step); every rank of a group sees the same
+    overflows, so all of them raise together."""
+    pending, _pending[:] = list(_pending), []
+    for event, flag in pending:
+        if event is not None:
             event.synchronize()
         if int(flag[0]) > int(flag[1]):
-            _pending.clear()
             raise _overflow_error(int(flag[0]), int(flag[1]))
-    _pending[:] = still
+
+
+def _forget_finished() -> None:
+    """Drops the reports of calls that finished without overflowing (a non-blocking look), so
+    that the list does not grow when check_capacity is not called. Raises nothing: ranks may see
+    their calls finish at different times, and a rank raising alone before a collective would
+    leave the others waiting in it."""
+    _pending[:] = [(event, flag) for event, flag in _pending
+                   if event is not None and (not event.query() or int(flag[0]) > int(flag[1]))]
 
 
 def _slot_sum(rows: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
@@ -157,7 +163,7 @@ def capacity_all_to_all_experts(x: torch.Tensor, logits: torch.Tensor, scores: t
     routed by the caller (logits [T, E], scores [T, K], experts [T, K] global ids), this rank
     holding w1 [E/W, N1, d], w2 [E/W, d, n] (and b1, b2); capacity: C. experts_kwargs go to
     functional.experts_topk. Every rank of `group` calls this together with the same C."""
-    check_capacity(wait=False)
+    _forget_finished()
     T, K = experts.shape
     W, rank = dist.get_world_size(group), dist.get_rank(group)
     E_local, C, dev = num_experts // W, capacity, x.device
