@@ -174,22 +174,27 @@ def assert_close_run(result, ref, tol, what):
     assert worst[0] <= tol, f"{what}: gradient of {worst[1]} has error {worst[0]:.2e}"
 
 
-def assert_within_eager_error(result, eager, exact, what):
+def assert_within_eager_error(result, eager, exact, what, others=()):
     """Each tensor of `result` (float32) within 2x the float32 eager model's own error to the
     float64 eager model, + CPU_TOL. Some families have gradients that float32 itself computes
     to only ~1e-2 (hy_v4's hyper-connection scalars sum terms that cancel): the eager float32
-    model and transformers' grouped_mm disagree that much there too."""
+    model and transformers' grouped_mm disagree that much there too. `others`: more float32 runs
+    of transformers' own (grouped_mm): one run's error is a single sample of float32's, which a
+    lucky seed makes small on an ill-conditioned tensor (a linear attention's A_log), so the
+    largest of the samples sets the bound."""
+    def tensors(run):
+        return [run[0], run[1]] + [run[2][n] for n in names[2:]]
+
     names = ["logits", "aux"] + sorted(exact[2])
-    values = [result[0], result[1]] + [result[2][n] for n in names[2:]]
-    eagers = [eager[0], eager[1]] + [eager[2][n] for n in names[2:]]
-    exacts = [exact[0], exact[1]] + [exact[2][n] for n in names[2:]]
-    for name, value, eager_value, exact_value in zip(names, values, eagers, exacts):
+    samples = [tensors(r) for r in (eager,) + tuple(others)]
+    for i, (name, value, exact_value) in enumerate(zip(names, tensors(result), tensors(exact))):
         if exact_value is None:
-            assert value is None and eager_value is None, f"{what}: {name} present in one run only"
+            assert value is None and all(s[i] is None for s in samples), f"{what}: {name} present in one run only"
             continue
-        err, err_eager = rel_err(value, exact_value), rel_err(eager_value, exact_value)
-        assert err <= 2 * err_eager + CPU_TOL, (f"{what}: {name} error {err:.2e} to float64 > 2 x "
-                                                f"eager float32's {err_eager:.2e} + {CPU_TOL}")
+        err = rel_err(value, exact_value)
+        err_fp32 = max(rel_err(s[i], exact_value) for s in samples)
+        assert err <= 2 * err_fp32 + CPU_TOL, (f"{what}: {name} error {err:.2e} to float64 > 2 x "
+                                               f"float32's {err_fp32:.2e} (eager, grouped_mm) + {CPU_TOL}")
 
 
 @pytest.fixture
@@ -247,12 +252,19 @@ def test_family_machmoe_matches_eager(model_type, seed, count_machmoe_calls):
         exact = run(copy.deepcopy(model).double(), input_ids, readout.double())
     except Exception:  # noqa: BLE001 - a family without float64 support: plain comparison
         exact = None
+    others = []
+    if exact is not None:
+        try:  # transformers' other float32 experts: a second sample of float32's error
+            model.set_experts_implementation("grouped_mm")
+            others.append(run(model, input_ids, readout))
+        except Exception:  # noqa: BLE001 - not every family or release has it on the CPU
+            pass
     model.set_experts_implementation("machmoe")
     result = run(model, input_ids, readout)
     if exact is None:
         assert_close_run(result, eager, CPU_TOL, f"{model_type} machmoe vs eager")
     else:
-        assert_within_eager_error(result, eager, exact, f"{model_type} machmoe")
+        assert_within_eager_error(result, eager, exact, f"{model_type} machmoe", others)
     if supported:
         assert count_machmoe_calls, f"{model_type}: no experts call reached machmoe"
 
