@@ -197,6 +197,17 @@ def assert_within_eager_error(result, eager, exact, what, others=()):
                                                f"float32's {err_fp32:.2e} (eager, grouped_mm) + {CPU_TOL}")
 
 
+def _grouped_mm_runs(model, input_ids, readout) -> list:
+    """[run of a copy of `model` with transformers' grouped_mm experts], a second sample of
+    float32's error for assert_within_eager_error; [] where the family or release has none."""
+    try:
+        twin = copy.deepcopy(model)
+        twin.set_experts_implementation("grouped_mm")
+        return [run(twin, input_ids, readout)]
+    except Exception:  # noqa: BLE001 - not every family or release has it on the CPU
+        return []
+
+
 @pytest.fixture
 def count_machmoe_calls(monkeypatch):
     """Counts the calls that reach machmoe's experts (not the grouped_mm fallback)."""
@@ -252,13 +263,7 @@ def test_family_machmoe_matches_eager(model_type, seed, count_machmoe_calls):
         exact = run(copy.deepcopy(model).double(), input_ids, readout.double())
     except Exception:  # noqa: BLE001 - a family without float64 support: plain comparison
         exact = None
-    others = []
-    if exact is not None:
-        try:  # transformers' other float32 experts: a second sample of float32's error
-            model.set_experts_implementation("grouped_mm")
-            others.append(run(model, input_ids, readout))
-        except Exception:  # noqa: BLE001 - not every family or release has it on the CPU
-            pass
+    others = _grouped_mm_runs(model, input_ids, readout) if exact is not None else []
     model.set_experts_implementation("machmoe")
     result = run(model, input_ids, readout)
     if exact is None:
@@ -294,7 +299,8 @@ def test_fuse_moe_matches_eager(model_type, seed):
     # As the family test: within 2x eager float32's own error against the float64 model (some
     # families' gradients, e.g. Qwen3-Next's linear-attention dt_bias, are ill-conditioned in fp32).
     exact = run(copy.deepcopy(model).double(), input_ids, readout.double())
-    assert_within_eager_error(run(fused, input_ids, readout), eager, exact, f"{model_type} fused")
+    assert_within_eager_error(run(fused, input_ids, readout), eager, exact, f"{model_type} fused",
+                              _grouped_mm_runs(model, input_ids, readout))
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe"])
