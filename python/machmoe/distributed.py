@@ -36,7 +36,7 @@ from .expert_all_to_all import all_to_all_experts
 from .expert_capacity_exchange import capacity_all_to_all_experts, capacity_rows
 from .expert_capacity_exchange import check_capacity  # noqa: F401 (public: machmoe.distributed.check_capacity)
 from .expert_exchange import gathered_experts, rounded_gathered_experts
-from .moe import ExpertLinear, MoE, layer_settings
+from .moe import ExpertLinear, MoE, _positive_int, layer_settings, rounding_for_call
 
 
 class _RouterLogits(torch.autograd.Function):
@@ -111,29 +111,35 @@ def _group_name(group) -> str:
     return (group if group is not None else dist.group.WORLD).group_name
 
 
-def _exchange_rows(T: int, max_tokens: Optional[int], device: torch.device, group) -> int:
-    """Rows per rank of the all-gather exchange: max_tokens (checked against T on the host, no
-    wait), or the group's largest T of this call (an all-reduce the host waits for)."""
-    if max_tokens is None:
-        largest = torch.tensor([T], dtype=torch.int64, device=device)
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
-        return int(largest.item())
-    _check_max_tokens(T, max_tokens)
-    return max_tokens
+def _largest_T(T: int, device: torch.device, group) -> int:
+    """The group's largest T of this call: an all-reduce the host waits for (the all-gather
+    exchange's rows per rank when no max_tokens is given)."""
+    largest = torch.tensor([T], dtype=torch.int64, device=device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+    return int(largest.item())
 
 
 def _check_max_tokens(T: int, max_tokens: int) -> None:
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be an int >= 1 or None; got {max_tokens!r}")
+    """T against max_tokens (already checked by _check_exchange), on the host."""
     if T > max_tokens:
         raise ValueError(f"x has T = {T} tokens, more than max_tokens = {max_tokens}, the rows each "
                          f"rank's exchange buffers were sized for; raise max_tokens or pass fewer tokens")
 
 
-def _check_capacity_factor(capacity_factor) -> None:
+def _check_exchange(exchange: str, max_tokens: Optional[int], capacity_factor,
+                    rounding: TokenRounding) -> None:
+    """The exchange's settings, checked alike by the function and the module."""
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}; got {exchange!r}")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                   or max_tokens < 1):
+        raise ValueError(f"max_tokens must be an int >= 1 or None; got {max_tokens!r}")
     if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or \
             not 0 < capacity_factor <= 1:
         raise ValueError(f"capacity_factor must be a number in (0, 1]; got {capacity_factor!r}")
+    if rounding != TokenRounding.NONE and exchange != "all_gather":
+        raise ValueError(f"token_rounding={rounding.value!r} needs exchange='all_gather' (the "
+                         f"experts' owners see the whole batch's scores there); got {exchange!r}")
 
 
 def expert_parallel_moe(
@@ -241,54 +247,50 @@ def expert_parallel_moe(
     if backend == Backend.MACHMOE and x.dtype != torch.bfloat16:
         raise NotImplementedError(f"the machmoe backend takes bfloat16 x; got {x.dtype}")
 
+    _check_exchange(exchange, max_tokens, capacity_factor, rounding)
+    if max_tokens is not None:
+        _check_max_tokens(T, max_tokens)
+    if exchange == "all_gather":  # rows per rank of the exchange
+        rows = max_tokens if max_tokens is not None else _largest_T(T, x.device, group)
+
     # 1. Route this rank's tokens: pairs (token, expert, score) [R = T·K] in (t, k) order.
     # (ep.* ranges name the phases in torch.profiler traces: bench.expert_parallel --profile.)
     phase = torch.profiler.record_function
-    if exchange not in EXCHANGES:
-        raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}; got {exchange!r}")
-    _check_capacity_factor(capacity_factor)
-    if rounding != TokenRounding.NONE and exchange != "all_gather":
-        raise ValueError(f"token_rounding={rounding.value!r} needs exchange='all_gather' (the "
-                         f"experts' owners see the whole batch's scores there); got {exchange!r}")
     kernels = _on_kernels(x)
-    if exchange == "all_gather":
-        rows = _exchange_rows(T, max_tokens, x.device, group)
-        with phase("ep.route"):
-            logits, scores, experts = _route(x, router_weight, K, routing, renormalize, selection_bias, kernels,
-                                             router_bias, options)
-            aux = torch_backend.aux_loss(logits, experts)
-        if rows == 0:  # no rank has a token
-            return x * 0, aux
-        with phase("ep.exchange_and_experts"):
-            pad = rows - T  # rows of no token: every expert out of range, so nothing computed
-            xs, ls, ss, es = x, logits, scores, experts
-            if pad:
-                xs = torch.cat([x, x.new_zeros(pad, d)])
-                ls = torch.cat([logits, logits.new_full((pad, E), float("-inf"))])
-                ss = torch.cat([scores, scores.new_zeros(pad, K)])
-                es = torch.cat([experts, experts.new_full((pad, K), E)])
-            common = dict(world=W, rank=dist.get_rank(group), group_name=_group_name(group),
-                          num_experts=E, activation=activation, layout=layout, backend=backend,
-                          glu_clamp=glu_clamp)
-            if rounding == TokenRounding.NONE:
-                out = gathered_experts(xs, ss, es, w1, w2, b1, b2, **common)
-            else:
-                out = rounded_gathered_experts(xs, ls, ss, es, w1, w2, b1, b2, mode=rounding,
-                                               tile_m=tile_m, seed=seed, **common)
-        return (out[:T] if pad else out), aux
     with phase("ep.route"):
         logits, scores, experts = _route(x, router_weight, K, routing, renormalize, selection_bias, kernels,
-                                             router_bias, options)
-    if max_tokens is not None:  # fixed blocks, no host synchronisation
-        _check_max_tokens(T, max_tokens)
-        return capacity_all_to_all_experts(
-            x, logits, scores, experts, w1, w2, b1, b2, num_experts=E, group=group,
+                                         router_bias, options)
+    if max_tokens is None and exchange == "all_to_all":
+        # 2-4. Exact rows after one host sync (machmoe.expert_all_to_all); aux from its plan's counts.
+        return all_to_all_experts(x, logits, scores, experts, w1, w2, b1, b2, num_experts=E, group=group,
+                                  kernels=kernels, activation=activation, layout=layout, backend=backend,
+                                  glu_clamp=glu_clamp)
+    aux = torch_backend.aux_loss(logits, experts)
+    if exchange == "all_to_all":  # fixed blocks, no host synchronisation
+        out = capacity_all_to_all_experts(
+            x, scores, experts, w1, w2, b1, b2, num_experts=E, group=group,
             group_name=_group_name(group), capacity=capacity_rows(max_tokens, capacity_factor),
             activation=activation, layout=layout, backend=backend, glu_clamp=glu_clamp)
-    # 2-4. Dispatch, this rank's experts, combine (machmoe.expert_all_to_all); aux from the plan's counts.
-    return all_to_all_experts(x, logits, scores, experts, w1, w2, b1, b2, num_experts=E, group=group,
-                              kernels=kernels, activation=activation, layout=layout, backend=backend,
-                              glu_clamp=glu_clamp)
+        return out, aux
+    if rows == 0:  # no rank has a token
+        return x * 0, aux
+    with phase("ep.exchange_and_experts"):
+        pad = rows - T  # rows of no token: every expert out of range, so nothing computed
+        xs, ls, ss, es = x, logits, scores, experts
+        if pad:
+            xs = torch.cat([x, x.new_zeros(pad, d)])
+            ls = torch.cat([logits, logits.new_full((pad, E), float("-inf"))])
+            ss = torch.cat([scores, scores.new_zeros(pad, K)])
+            es = torch.cat([experts, experts.new_full((pad, K), E)])
+        common = dict(world=W, rank=dist.get_rank(group), group_name=_group_name(group),
+                      num_experts=E, activation=activation, layout=layout, backend=backend,
+                      glu_clamp=glu_clamp)
+        if rounding == TokenRounding.NONE:
+            out = gathered_experts(xs, ss, es, w1, w2, b1, b2, **common)
+        else:
+            out = rounded_gathered_experts(xs, ls, ss, es, w1, w2, b1, b2, mode=rounding,
+                                           tile_m=tile_m, seed=seed, **common)
+    return (out[:T] if pad else out), aux
 
 
 class ExpertParallelMoE(nn.Module):
@@ -366,21 +368,11 @@ class ExpertParallelMoE(nn.Module):
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be an int >= 0; got {seed!r}")
         self.world_size, self.rank = W, rank
-        if exchange not in EXCHANGES:
-            raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}; got {exchange!r}")
-        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
-                                       or max_tokens < 1):
-            raise ValueError(f"max_tokens must be an int >= 1 or None; got {max_tokens!r}")
-        _check_capacity_factor(capacity_factor)
-        self.exchange, self.max_tokens, self.capacity_factor = exchange, max_tokens, capacity_factor
         self.token_rounding = parse_enum(TokenRounding, token_rounding, "token_rounding")
-        if isinstance(tile_m, bool) or not isinstance(tile_m, int) or tile_m < 1:
-            raise ValueError(f"tile_m must be an int >= 1; got {tile_m!r}")
-        self.tile_m = tile_m
+        _check_exchange(exchange, max_tokens, capacity_factor, self.token_rounding)
+        self.exchange, self.max_tokens, self.capacity_factor = exchange, max_tokens, capacity_factor
+        self.tile_m = _positive_int(tile_m, "tile_m")
         if self.token_rounding != TokenRounding.NONE:
-            if exchange != "all_gather":
-                raise ValueError(f"token_rounding={self.token_rounding.value!r} needs "
-                                 f"exchange='all_gather'; got {exchange!r}")
             if self.routing != RoutingMethod.SOFTMAX_TOPK:
                 raise ValueError(f"token_rounding={self.token_rounding.value!r} needs "
                                  f"routing='softmax_topk'; got {self.routing.value!r}")
@@ -453,8 +445,7 @@ class ExpertParallelMoE(nn.Module):
         if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states must have shape [..., hidden_size] with hidden_size "
                              f"= {self.hidden_size}; got {list(hidden_states.shape)}")
-        rounding = self.token_rounding if self.training else TokenRounding.NONE
-        seed = int(torch.randint(0, 2**62, ()).item()) if rounding == TokenRounding.STOCHASTIC else 0
+        rounding, seed = rounding_for_call(self.token_rounding, self.training)
         x = hidden_states.reshape(-1, self.hidden_size)
         out, aux = expert_parallel_moe(
             x, self.router.weight, self.c_fc.weight, self.c_proj.weight,

@@ -154,18 +154,17 @@ def capacity_rows(max_tokens: int, capacity_factor: float) -> int:
     return max(1, math.ceil(capacity_factor * max_tokens))
 
 
-def capacity_all_to_all_experts(x: torch.Tensor, logits: torch.Tensor, scores: torch.Tensor,
-                                experts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                                b1: Optional[torch.Tensor], b2: Optional[torch.Tensor], *,
-                                num_experts: int, group, group_name: str, capacity: int,
-                                **experts_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [T, d], aux []): steps 1-5 of the module docstring on this rank's tokens x [T, d],
-    routed by the caller (logits [T, E], scores [T, K], experts [T, K] global ids), this rank
+def capacity_all_to_all_experts(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor,
+                                w1: torch.Tensor, w2: torch.Tensor, b1: Optional[torch.Tensor],
+                                b2: Optional[torch.Tensor], *, num_experts: int, group,
+                                group_name: str, capacity: int, **experts_kwargs) -> torch.Tensor:
+    """out [T, d]: steps 1-5 of the module docstring on this rank's tokens x [T, d], routed by
+    the caller (scores [T, K], experts [T, K] global ids), this rank
     holding w1 [E/W, N1, d], w2 [E/W, d, n] (and b1, b2); capacity: C. experts_kwargs go to
     functional.experts_topk. Every rank of `group` calls this together with the same C."""
     _forget_finished()
     T, K = experts.shape
-    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    W = dist.get_world_size(group)
     E_local, C, dev = num_experts // W, capacity, x.device
     phase = torch.profiler.record_function
     with phase("ep.slots"):
@@ -183,8 +182,7 @@ def capacity_all_to_all_experts(x: torch.Tensor, logits: torch.Tensor, scores: t
         source = torch.full((W * C + 1,), -1, dtype=torch.int64, device=dev).scatter_(
             0, spill, token)[:W * C]
         # The worst count, the same on every rank: an overflow on any rank poisons every output.
-        worst = owners.sum(0).max() if T else torch.zeros((), dtype=torch.int32, device=dev)
-        worst = worst.to(torch.int64).reshape(1)
+        worst = owners.sum(0).max().to(torch.int64).reshape(1)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
         overflow = worst[0] > C
         if not x.is_cuda and bool(overflow):  # known without waiting: refuse before exchanging
@@ -215,5 +213,4 @@ def capacity_all_to_all_experts(x: torch.Tensor, logits: torch.Tensor, scores: t
         event = torch.cuda.Event()
         event.record()
         _pending.append((event, flag))
-    aux = torch_backend.aux_loss(logits, experts)
-    return out, aux
+    return out

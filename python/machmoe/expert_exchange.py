@@ -44,7 +44,7 @@ from typing import Optional
 
 import torch
 
-from . import functional
+from . import functional, torch_backend
 
 _c10d = torch.ops._c10d_functional
 
@@ -168,8 +168,6 @@ def rounded_gathered_experts(x: torch.Tensor, logits: torch.Tensor, scores: torc
 
     logits [T, E], scores and experts [T, K]: this rank's softmax_topk routing; rows of no token
     (padding up to the group's T) have logits and scores of -inf and 0 and no expert in range."""
-    from . import torch_backend
-
     T, E = logits.shape
     E_local = num_experts // world
     probs = torch.softmax(logits, dim=1)  # [T, E]

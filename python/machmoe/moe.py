@@ -33,6 +33,15 @@ def _positive_int(value, arg: str) -> int:
     return value
 
 
+def rounding_for_call(token_rounding: TokenRounding, training: bool) -> tuple[TokenRounding, int]:
+    """(rounding, seed) of one call of a layer: token rounding in training mode only; stochastic
+    rounding draws a fresh seed per call from torch's generator, so that torch.manual_seed makes
+    a training run reproducible."""
+    rounding = token_rounding if training else TokenRounding.NONE
+    seed = int(torch.randint(0, 2**62, ()).item()) if rounding == TokenRounding.STOCHASTIC else 0
+    return rounding, seed
+
+
 def layer_settings(num_experts, num_experts_per_tok, hidden_size, intermediate_size,
                    activation_function, add_bias, std, routing, renormalize,
                    gate_up_layout) -> dict:
@@ -245,12 +254,7 @@ class MoE(nn.Module):
         if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states must have shape [..., hidden_size] with hidden_size "
                              f"= {self.hidden_size}; got {list(hidden_states.shape)}")
-        rounding = self.token_rounding if self.training else TokenRounding.NONE
-        # Stochastic rounding draws a fresh seed per call from torch's generator, so that
-        # torch.manual_seed makes a training run reproducible.
-        seed = 0
-        if rounding == TokenRounding.STOCHASTIC:
-            seed = int(torch.randint(0, 2**62, ()).item())
+        rounding, seed = rounding_for_call(self.token_rounding, self.training)
         x = hidden_states.reshape(-1, self.hidden_size)  # [T, hidden]
         out, aux = functional.moe(
             x, self.router.weight, self.c_fc.weight, self.c_proj.weight,

@@ -12,7 +12,7 @@ on the benchmark's convention (6·T·K·n·d forward, the work of T tokens), so 
 bytes each rank sends per forward (rows of x out, partial sums back), the host's time to issue
 one call (above the device's time per call, the host bounds the loop) and the peak memory.
 
---profile adds, per config, rank 0's device time per call by kernel and by autograd op
+--profile adds, per config, rank 0's GPU time per call by kernel and by autograd op
 (torch.profiler over 5 calls), for the single-GPU layer and the expert-parallel one.
 
 Every rank runs a fixed number of calls in lockstep (the layer runs collectives), timed by CUDA
@@ -113,7 +113,7 @@ def _print_idle(prof, calls: int, top: int = 8) -> None:
 
 
 def _profile(name: str, step, rank: int, calls: int = 5) -> None:
-    """rank 0 prints the device time per call of the kernels and of the ops that launched them."""
+    """rank 0 prints the GPU time per call of the kernels and of the ops that launched them."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

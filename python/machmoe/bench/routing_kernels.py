@@ -25,7 +25,7 @@ def _ops():
 
 
 def graph_time(fn, arg_sets) -> float:
-    """Median ms of replaying fn(*args) captured in a CUDA graph per argument set: device time
+    """Median ms of replaying fn(*args) captured in a CUDA graph per argument set: GPU time
     without the host's launch overhead (the eager figures include it)."""
     graphs = []
     for args in arg_sets:

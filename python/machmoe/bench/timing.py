@@ -84,7 +84,7 @@ def cuda_time(
     rounds: int = 2,
     warmup_s: float = 0.1,
 ) -> Timing:
-    """Median device time of fn(*arg_sets[i % len(arg_sets)]) in milliseconds.
+    """Median GPU time of fn(*arg_sets[i % len(arg_sets)]) in milliseconds.
 
     The number of timed calls per round is chosen from the warm-up so that all rounds together
     take about `target_s` seconds, clamped to [min_reps, max_reps]. The median is over the calls
