@@ -300,3 +300,42 @@ def test_exchange_plan_flags_experts_out_of_range_and_refuses_bad_arguments():
         torch.ops.machmoe.exchange_plan(experts, scores, 8, 2, 2)
     with pytest.raises(ValueError, match="scores"):
         torch.ops.machmoe.exchange_plan(experts, scores[:2], 8, 2, 0)
+
+
+def _symmetric_worker(rank, world, init_file, seed):
+    from machmoe import symmetric_exchange
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    try:
+        name = dist.group.WORLD.group_name
+        gen = torch.Generator(device="cuda").manual_seed(seed + rank)
+        # Growing sizes (the staging buffer is re-made), odd rows, three dtypes.
+        for rows, cols, dtype in ((3, 5, torch.int64), (1001, 257, torch.bfloat16), (4099, 96, torch.float32),
+                                  (7, 1, torch.bfloat16)):
+            t = torch.randn(rows * world, cols, device="cuda", generator=gen).mul(100).to(dtype)
+            want = torch.empty(world * t.shape[0], cols, device="cuda", dtype=dtype)
+            dist.all_gather_into_tensor(want, t)  # NCCL's, every rank's t in rank order
+            got = symmetric_exchange.all_gather_op(t, world, name)
+            assert torch.equal(got, want), f"symmetric all-gather of {dtype} [{rows * world}, {cols}] differs"
+            if dtype == torch.int64:
+                continue
+            blocks = want.view(world, world, rows, cols)[:, rank]  # every rank's block `rank`
+            acc = blocks[0].float()
+            for b in blocks[1:]:
+                acc += b.float()
+            scattered = symmetric_exchange.reduce_scatter_op(t, world, name)
+            assert torch.equal(scattered, acc.to(dtype)), \
+                f"symmetric reduce-scatter of {dtype}: not the float32 sum in rank order, rounded once"
+            assert not torch.equal(scattered, blocks[rank]), "reduce-scatter returned this rank's own block"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.ops
+def test_symmetric_memory_collectives_equal_nccls(seed):
+    if torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} GPUs (NCCL)")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_symmetric_worker, args=(WORLD, os.path.join(tmp, "init"), seed), nprocs=WORLD, join=True)

@@ -1,0 +1,136 @@
+"""All-gather and reduce-scatter over the GPUs of one host by their copy engines, through torch's
+symmetric memory: the collectives of the all-gather exchange (machmoe.expert_exchange) on CUDA.
+
+Why not NCCL's: on two H200s over NVLink, NCCL's all-gather of a 75 MiB block (7B-a's x) runs at
+223 GB/s received and its reduce-scatter at 211, while copy engines pulling the same block from
+a peer run at 335 GB/s (350 at 134 MiB); `python -m machmoe.bench.exchange_transports` measures
+both. Copy engines use no SMs, so the copies also leave the expert kernels their SMs.
+
+How: each rank owns one staging buffer in symmetric memory (every rank can address every rank's).
+A collective copies what this rank sends into its own staging buffer, waits at a barrier until
+every rank has done so, pulls what it receives from the peers' buffers with cudaMemcpyAsync
+(device-to-device over NVLink, the copy engines), and waits at a second barrier so that nobody
+overwrites its buffer while a peer still reads it. Everything is queued on the current stream:
+no host synchronisation, and the sequence is CUDA-graph capturable once the buffer exists.
+
+The staging buffer is allocated (a collective rendezvous, with a host wait) the first time a
+group needs it and again only when a call needs more bytes than it has: with `max_tokens` fixed
+that is once. Its size is the largest collective's input, W·T·d·b bytes for the reduce-scatter
+of the experts' partial sums (b = bytes per element).
+
+Sums: rank r's block of the reduce-scatter is the sum over the ranks q = 0, 1, …, W-1 in that
+order, accumulated in float32 and rounded once, so two runs are bitwise equal.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+_STAGING: dict[str, tuple[torch.Tensor, object]] = {}  # group name -> (buffer [bytes] uint8, handle)
+
+
+def available(t: torch.Tensor, W: int) -> bool:
+    """Whether t's collectives over W ranks run here: a CUDA tensor, W > 1, and torch built with
+    symmetric memory."""
+    if not t.is_cuda or W < 2:
+        return False
+    return importlib.util.find_spec("torch.distributed._symmetric_memory") is not None
+
+
+def _staging(group_name: str, nbytes: int):
+    """This group's staging handle, grown (a collective: every rank asks for the same bytes at the
+    same call, as T and d are the same on every rank) when nbytes is more than it holds."""
+    import torch.distributed._symmetric_memory as symm
+
+    held = _STAGING.get(group_name)
+    if held is not None and held[0].numel() >= nbytes:
+        return held[1]
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"expert parallelism: the exchange's staging buffer must grow to {nbytes} bytes inside a "
+            "CUDA-graph capture; run one call of the largest size before capturing")
+    # Peers may still read the old buffer: wait for this rank's queued work; the rendezvous then
+    # waits for every rank, so all reads of the old buffers have finished before it is freed.
+    torch.cuda.current_stream().synchronize()
+    size = max(nbytes, 2 * held[0].numel() if held is not None else 0)
+    buffer = symm.empty(size, dtype=torch.uint8, device=torch.cuda.current_device())
+    handle = symm.rendezvous(buffer, group_name)
+    _STAGING[group_name] = (buffer, handle)
+    return handle
+
+
+def _view(handle, rank: int, like: torch.Tensor, offset_elems: int = 0) -> torch.Tensor:
+    """Rank `rank`'s staging buffer seen as a tensor of like's shape and dtype."""
+    return handle.get_buffer(rank, tuple(like.shape), like.dtype, offset_elems)
+
+
+def all_gather(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
+    """t [R, ...] on every rank -> [W·R, ...], rank q's rows at [q·R, (q+1)·R)."""
+    t = t.contiguous()
+    handle = _staging(group_name, t.numel() * t.element_size())
+    rank = handle.rank
+    out = t.new_empty((W * t.shape[0],) + tuple(t.shape[1:]))
+    blocks = out.chunk(W)
+    _view(handle, rank, t).copy_(t)
+    handle.barrier(channel=0)
+    for step in range(1, W):
+        q = (rank + step) % W
+        blocks[q].copy_(_view(handle, q, t))  # pulled from rank q by a copy engine
+    blocks[rank].copy_(t)
+    handle.barrier(channel=1)
+    return out
+
+
+def reduce_scatter(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
+    """t [W·R, ...] on every rank -> [R, ...]: rank r gets the sum over q = 0..W-1 (in that order,
+    float32, rounded once) of rank q's block r."""
+    t = t.contiguous()
+    if t.shape[0] % W:
+        raise ValueError(f"reduce_scatter: t has {t.shape[0]} rows, not a multiple of W = {W}")
+    handle = _staging(group_name, t.numel() * t.element_size())
+    rank = handle.rank
+    R = t.shape[0] // W
+    block = t[:R]
+    block_elems = block.numel()
+    mine = t.chunk(W)
+    for q in range(W):  # the blocks the other ranks will pull, each at its place
+        if q != rank:
+            _view(handle, rank, block, q * block_elems).copy_(mine[q])
+    handle.barrier(channel=0)
+    pulled = {}
+    for step in range(1, W):
+        q = (rank + step) % W
+        pulled[q] = torch.empty_like(block)
+        pulled[q].copy_(_view(handle, q, block, rank * block_elems))
+    handle.barrier(channel=1)
+    parts = [mine[rank] if q == rank else pulled[q] for q in range(W)]
+    if W == 2:
+        return torch.add(parts[0], parts[1])  # computed in float32 and rounded once
+    acc = parts[0].float()
+    for p in parts[1:]:
+        acc += p
+    return acc.to(t.dtype)
+
+
+# As custom ops, so that torch.compile keeps each collective as one opaque node of the graph
+# (the staging handle and the barriers are not traceable).
+@torch.library.custom_op("machmoe::symmetric_all_gather", mutates_args=())
+def all_gather_op(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
+    return all_gather(t, W, group_name)
+
+
+@all_gather_op.register_fake
+def _(t, W, group_name):
+    return t.new_empty((W * t.shape[0],) + tuple(t.shape[1:]))
+
+
+@torch.library.custom_op("machmoe::symmetric_reduce_scatter", mutates_args=())
+def reduce_scatter_op(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
+    return reduce_scatter(t, W, group_name)
+
+
+@reduce_scatter_op.register_fake
+def _(t, W, group_name):
+    return t.new_empty((t.shape[0] // W,) + tuple(t.shape[1:]))
