@@ -189,6 +189,14 @@ void experts_forward(const ExpertsProblem& p, const ExpertsForwardArgs& a, cudaS
 // pair order; dw1 [E, n1, d], db1 [E, n1], dw2 [E, d, n], db2 [E, d] written (not accumulated) in
 // weight_grad_dtype (BF16 or FP32). Experts without rows get exact zeros. Deterministic (bitwise),
 // no host synchronisation, no float atomics.
+//
+// `part` splits the call in two, for a caller that wants to start on dx (e.g. send it to other
+// GPUs) while the weight gradients are computed: DataGradients writes dx and d_scores and leaves
+// in `workspace` what the weight gradients read; WeightGradients then writes dw1, db1, dw2, db2
+// from that workspace (same problem, list, saved, x, dout; the workspace untouched in between).
+// Each gradient is bitwise what a whole call writes. weights_max_ctas bounds the persistent CTAs of
+// the weight-gradient GEMMs (0: one per SM), leaving SMs to work queued on other streams.
+enum class ExpertsBackwardPart { All, DataGradients, WeightGradients };
 struct ExpertsBackwardArgs {
   const void* x = nullptr;
   const void* w1 = nullptr;
@@ -207,6 +215,8 @@ struct ExpertsBackwardArgs {
   float* d_scores = nullptr;             // [R]
   void* workspace = nullptr;             // plan.backward_workspace_bytes, 256-byte aligned
   DType weight_grad_dtype = DType::BF16;
+  ExpertsBackwardPart part = ExpertsBackwardPart::All;
+  int weights_max_ctas = 0;
 };
 void experts_backward(const ValidExpertsProblem& p, const ExpertsBackwardArgs& a, cudaStream_t stream);
 void experts_backward(const ExpertsProblem& p, const ExpertsBackwardArgs& a, cudaStream_t stream);  // validates p

@@ -176,6 +176,22 @@ def _experts_backward(x, w1, b1, w2, b2, token_idx, expert_idx, saved, dout, act
     return x.new_empty(x.shape), dw1, db1, dw2, db2, x.new_empty(token_idx.numel(), dtype=torch.float32)
 
 
+def _experts_backward_data(x, w1, b1, w2, b2, token_idx, expert_idx, saved, dout, activation, layout,
+                           glu_clamp=()):
+    T, d = x.shape
+    E, n, R = w1.shape[0], w2.shape[2], token_idx.numel()
+    if all(isinstance(v, int) for v in (T, R)):
+        ws = torch.ops.machmoe.experts_workspace_bytes(T, d, n, E, R, activation, b1 is not None)[2]
+    else:  # symbolic T or R: the workspace's size is the C++ plan's, unknown here
+        ws = torch.library.get_ctx().new_dynamic_size()
+    return (x.new_empty(x.shape), x.new_empty(R, dtype=torch.float32), x.new_empty(ws, dtype=torch.uint8))
+
+
+def _experts_backward_weights(x, w1, b1, w2, b2, token_idx, expert_idx, saved, dout, workspace, activation,
+                              layout, glu_clamp=(), max_ctas=0):
+    return _weight_grads(x, w1, b1, w2)
+
+
 def _grouped_gemm(a, gather, expert_offsets, w, bias, num_rows, epilogue, activation, layout, kernel="auto",
                   glu_clamp=()):
     N = w.shape[1]
@@ -212,6 +228,8 @@ FAKES = {
     "layer_backward": _layer_backward,
     "experts_forward": _experts_forward,
     "experts_backward": _experts_backward,
+    "experts_backward_data": _experts_backward_data,
+    "experts_backward_weights": _experts_backward_weights,
     "grouped_gemm": _grouped_gemm,
     "grouped_gemm_nmajor": _grouped_gemm_nmajor,
     "grouped_gemm_wgrad": _grouped_gemm_wgrad,

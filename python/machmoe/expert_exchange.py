@@ -46,6 +46,7 @@ from typing import Optional
 import torch
 
 from . import functional, symmetric_exchange, torch_backend
+from .enums import ActivationType, Backend, GateUpLayout, glu_clamp_list
 
 _c10d = torch.ops._c10d_functional
 
@@ -124,13 +125,120 @@ def gathered_experts(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tenso
     w2 [E/W, d, n] (and b1, b2). T must be the same on every rank of the group (the caller pads);
     experts_kwargs go to functional.experts_topk (activation, layout, backend, glu_clamp)."""
     E_local = num_experts // world
-    xg = _GatherRows.apply(x, world, group_name)                    # [W·T, d]
     sg, eg = _GatherRouting.apply(scores, experts, world, group_name)  # [W·T, K] each
     local = eg - rank * E_local
     # Experts another rank holds: out of [0, E_local), so dropped (no host check).
     local = torch.where((local >= 0) & (local < E_local), local, E_local)
-    y = functional.experts_topk(xg, w1, w2, sg, local, b1=b1, b2=b2, **experts_kwargs)  # [W·T, d]
+    return _experts_on_gathered_rows(x, sg, local, w1, w2, b1, b2, world, group_name, experts_kwargs)
+
+
+def _experts_on_gathered_rows(x, scores_g, experts_g, w1, w2, b1, b2, world, group_name, experts_kwargs):
+    """out [T, d]: x [T, d] gathered, the experts on the gathered rows with routing
+    (scores_g, experts_g) [W·T, K'] (experts out of [0, E/W) dropped), the partial sums
+    reduce-scattered. On the kernels over symmetric memory as one node whose backward overlaps the
+    reduce-scatter of dx with the weight gradients (_ExchangedExperts); elsewhere as three."""
+    if symmetric_exchange.available(x, world):
+        activation, layout, glu_clamp, T, d, E, n = functional._parse_experts_call(
+            x, w1, w2, b1, b2, experts_kwargs.get("activation", ActivationType.SWIGLU),
+            experts_kwargs.get("layout", GateUpLayout.INTERLEAVED), experts_kwargs.get("backend", Backend.AUTO),
+            experts_kwargs.get("glu_clamp"))
+        if functional.resolve_backend(experts_kwargs.get("backend", Backend.AUTO), x, d, n) == Backend.MACHMOE:
+            rows, K = experts_g.shape
+            token = torch.arange(rows, device=x.device, dtype=torch.int32)[:, None].expand(rows, K).reshape(-1)
+            opts = (activation.value, layout.value, glu_clamp_list(glu_clamp))
+            return _ExchangedExperts.apply(x.contiguous(), scores_g, token,
+                                           experts_g.to(torch.int32).reshape(-1).contiguous(), w1.contiguous(),
+                                           _contiguous(b1), w2.contiguous(), _contiguous(b2), opts, world,
+                                           group_name)
+    xg = _GatherRows.apply(x, world, group_name)  # [W·T, d]
+    y = functional.experts_topk(xg, w1, w2, scores_g, experts_g, b1=b1, b2=b2, **experts_kwargs)  # [W·T, d]
     return _ReduceScatterRows.apply(y, world, group_name)
+
+
+def _contiguous(t):
+    return None if t is None else t.contiguous()
+
+
+class _ExchangedExperts(torch.autograd.Function):
+    """x [T, d] -> out [T, d] on the kernels: gather, experts_forward on the [W·T, d] rows,
+    reduce-scatter. Its backward is one op (exchanged_experts_backward) that overlaps dx's
+    reduce-scatter with the weight gradients. Saves what _General saves, for the gathered rows."""
+
+    @staticmethod
+    def forward(ctx, x, scores_g, token, expert, w1, b1, w2, b2, opts, W, group_name):
+        xg = symmetric_exchange.all_gather_op(x, W, group_name)  # [W·T, d]
+        y, saved = torch.ops.machmoe.experts_forward(xg, w1, b1, w2, b2, scores_g.float().reshape(-1).contiguous(),
+                                                     token, expert, *opts)
+        ctx.save_for_backward(xg, w1, b1, w2, b2, token, expert, saved)
+        ctx.opts, ctx.W, ctx.group_name = opts, W, group_name
+        ctx.scores_shape, ctx.scores_dtype = scores_g.shape, scores_g.dtype
+        ctx.set_materialize_grads(False)
+        return symmetric_exchange.reduce_scatter_op(y, W, group_name)
+
+    @staticmethod
+    def backward(ctx, dout):
+        if dout is None:
+            return (None,) * 11
+        xg, w1, b1, w2, b2, token, expert, saved = ctx.saved_tensors
+        dx, d_scores, dw1, db1, dw2, db2 = torch.ops.machmoe.exchanged_experts_backward(
+            xg, w1, b1, w2, b2, token, expert, saved, dout.to(torch.bfloat16).contiguous(), *ctx.opts, ctx.W,
+            ctx.group_name)
+        d_scores = d_scores.reshape(ctx.scores_shape).to(ctx.scores_dtype)
+        return (dx, d_scores, None, None, dw1, db1 if b1 is not None else None, dw2,
+                db2 if b2 is not None else None, None, None, None)
+
+
+# SMs the weight-gradient GEMMs leave free while dx is reduce-scattered beside them: the exchange
+# is copy-engine copies and two barriers, each barrier one small kernel that needs an SM to start.
+_SMS_LEFT_TO_THE_EXCHANGE = 2
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+@torch.library.custom_op("machmoe::exchanged_experts_backward", mutates_args=())
+def _exchanged_experts_backward(xg: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
+                                b2: Optional[torch.Tensor], token: torch.Tensor, expert: torch.Tensor,
+                                saved: torch.Tensor, dout: torch.Tensor, activation: str, layout: str,
+                                glu_clamp: list[float], W: int, group_name: str
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                           torch.Tensor]:
+    """(dx [T, d], d_scores [W·T·K'], dw1, db1, dw2, db2; a bias's gradient is empty without it).
+
+    dout [T, d] gathered; the data gradients of the gathered rows (dX [W·T, d], d_scores); then,
+    while the weight gradients run on this stream with _SMS_LEFT_TO_THE_EXCHANGE SMs left free,
+    dX's blocks go to their ranks on a side stream (copy engines); dx = their sum, after both."""
+    dg = symmetric_exchange.all_gather(dout, W, group_name)  # [W·T, d]
+    dxg, d_scores, workspace = torch.ops.machmoe.experts_backward_data(xg, w1, b1, w2, b2, token, expert, saved,
+                                                                       dg, activation, layout, glu_clamp)
+    here, side = torch.cuda.current_stream(), _side_stream(xg.device)
+    side.wait_stream(here)
+    with torch.cuda.stream(side):
+        parts = symmetric_exchange.pull_blocks(dxg, W, group_name)  # W blocks [T, d]
+    dxg.record_stream(side)
+    sms = torch.cuda.get_device_properties(xg.device).multi_processor_count
+    dw1, db1, dw2, db2 = torch.ops.machmoe.experts_backward_weights(
+        xg, w1, b1, w2, b2, token, expert, saved, dg, workspace, activation, layout, glu_clamp,
+        max(1, sms - _SMS_LEFT_TO_THE_EXCHANGE))
+    here.wait_stream(side)
+    for p in parts:
+        p.record_stream(here)
+    dx = symmetric_exchange.sum_blocks(parts)
+    empty = xg.new_empty(0)
+    return dx, d_scores, dw1, empty if db1 is None else db1, dw2, empty if db2 is None else db2
+
+
+@_exchanged_experts_backward.register_fake
+def _(xg, w1, b1, w2, b2, token, expert, saved, dout, activation, layout, glu_clamp, W, group_name):
+    E, n1, d = w1.shape
+    return (dout.new_empty(dout.shape), dout.new_empty(token.shape[0], dtype=torch.float32), w1.new_empty(w1.shape),
+            w1.new_empty(E, n1) if b1 is not None else w1.new_empty(0), w2.new_empty(w2.shape),
+            w2.new_empty(E, d) if b2 is not None else w2.new_empty(0))
 
 
 class _SwapBlocks(torch.autograd.Function):
@@ -197,6 +305,4 @@ def rounded_gathered_experts(x: torch.Tensor, logits: torch.Tensor, scores: torc
     local = torch.arange(E_local, device=x.device, dtype=torch.int32).expand_as(keep)
     local = torch.where(keep, local, E_local)  # out of range: dropped
     kept_scores = torch.where(keep, column_scores, torch.zeros_like(column_scores))
-    xg = _GatherRows.apply(x, world, group_name)  # [W·T, d]
-    y = functional.experts_topk(xg, w1, w2, kept_scores, local, b1=b1, b2=b2, **experts_kwargs)
-    return _ReduceScatterRows.apply(y, world, group_name)
+    return _experts_on_gathered_rows(x, kept_scores, local, w1, w2, b1, b2, world, group_name, experts_kwargs)

@@ -29,6 +29,9 @@ import importlib.util
 import torch
 
 _STAGING: dict[str, tuple[torch.Tensor, object]] = {}  # group name -> (buffer [bytes] uint8, handle)
+# The smallest staging buffer: small collectives (the routing's) then never make it grow between
+# large ones; memory is mapped in 2 MiB pages anyway.
+_MIN_STAGING_BYTES = 16 << 20
 
 
 def available(t: torch.Tensor, W: int) -> bool:
@@ -51,11 +54,14 @@ def _staging(group_name: str, nbytes: int):
         raise RuntimeError(
             f"expert parallelism: the exchange's staging buffer must grow to {nbytes} bytes inside a "
             "CUDA-graph capture; run one call of the largest size before capturing")
-    # Peers may still read the old buffer: wait for this rank's queued work; the rendezvous then
-    # waits for every rank, so all reads of the old buffers have finished before it is freed.
-    torch.cuda.current_stream().synchronize()
-    size = max(nbytes, 2 * held[0].numel() if held is not None else 0)
+    # Peers may still read the old buffer: wait for all of this rank's queued work (every stream);
+    # the rendezvous then waits for every rank, so all reads of the old buffers have finished
+    # before they are freed. The new buffer's signal pads are zeroed when it is allocated: that
+    # must be done before a peer's first barrier signals into them, hence the second wait.
+    torch.cuda.synchronize()
+    size = max(nbytes, _MIN_STAGING_BYTES, 2 * held[0].numel() if held is not None else 0)
     buffer = symm.empty(size, dtype=torch.uint8, device=torch.cuda.current_device())
+    torch.cuda.synchronize()
     handle = symm.rendezvous(buffer, group_name)
     _STAGING[group_name] = (buffer, handle)
     return handle
@@ -86,32 +92,44 @@ def all_gather(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
 def reduce_scatter(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
     """t [W·R, ...] on every rank -> [R, ...]: rank r gets the sum over q = 0..W-1 (in that order,
     float32, rounded once) of rank q's block r."""
+    return sum_blocks(pull_blocks(t, W, group_name))
+
+
+def pull_blocks(t: torch.Tensor, W: int, group_name: str) -> list:
+    """The transfer half of reduce_scatter: t [W·R, ...] -> the W blocks [R, ...] that rank r sums,
+    rank q's block r at q (this rank's own a view of t, the others pulled). Only copies and
+    barriers: it can run on a side stream beside kernels that leave an SM free."""
     t = t.contiguous()
     if t.shape[0] % W:
         raise ValueError(f"reduce_scatter: t has {t.shape[0]} rows, not a multiple of W = {W}")
     handle = _staging(group_name, t.numel() * t.element_size())
     rank = handle.rank
-    R = t.shape[0] // W
-    block = t[:R]
-    block_elems = block.numel()
     mine = t.chunk(W)
+    block_elems = mine[0].numel()
     for q in range(W):  # the blocks the other ranks will pull, each at its place
         if q != rank:
-            _view(handle, rank, block, q * block_elems).copy_(mine[q])
+            _view(handle, rank, mine[q], q * block_elems).copy_(mine[q])
     handle.barrier(channel=0)
-    pulled = {}
-    for step in range(1, W):
-        q = (rank + step) % W
-        pulled[q] = torch.empty_like(block)
-        pulled[q].copy_(_view(handle, q, block, rank * block_elems))
+    parts = []
+    for q in range(W):
+        if q == rank:
+            parts.append(mine[q])
+        else:
+            pulled = torch.empty_like(mine[q])
+            pulled.copy_(_view(handle, q, mine[q], rank * block_elems))  # by a copy engine
+            parts.append(pulled)
     handle.barrier(channel=1)
-    parts = [mine[rank] if q == rank else pulled[q] for q in range(W)]
-    if W == 2:
+    return parts
+
+
+def sum_blocks(parts: list) -> torch.Tensor:
+    """Σ parts in list order, accumulated in float32 and rounded once to their dtype."""
+    if len(parts) == 2:
         return torch.add(parts[0], parts[1])  # computed in float32 and rounded once
     acc = parts[0].float()
     for p in parts[1:]:
         acc += p
-    return acc.to(t.dtype)
+    return acc.to(parts[0].dtype)
 
 
 # As custom ops, so that torch.compile keeps each collective as one opaque node of the graph

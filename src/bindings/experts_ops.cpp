@@ -84,6 +84,80 @@ std::tuple<Tensor, Tensor> op_experts_forward(const Tensor& x, const Tensor& w1,
 
 using Grads = std::tuple<Tensor, Tensor, std::optional<Tensor>, Tensor, std::optional<Tensor>, Tensor>;
 
+// The tensors of one experts_backward call (or part of one); those of a part not computed stay
+// undefined. `workspace` is given to the weight part (the data part's), allocated otherwise.
+struct BackwardTensors {
+  Tensor dx, dw1, dw2, d_scores, workspace;
+  std::optional<Tensor> db1, db2;
+};
+
+BackwardTensors run_experts_backward(const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1,
+                                     const Tensor& w2, const std::optional<Tensor>& b2, const Tensor& token_idx,
+                                     const Tensor& expert_idx, const Tensor& saved, const Tensor& dout,
+                                     const std::string& activation, const std::string& layout,
+                                     at::ArrayRef<double> glu_clamp, ExpertsBackwardPart part,
+                                     const Tensor* workspace, int64_t weights_max_ctas) {
+  check_dims(token_idx, "token_idx", 1);
+  const ValidExpertsProblem valid =
+      experts_problem(x, w1, w2, b1.has_value(), token_idx.numel(), activation, layout, glu_clamp);
+  const ExpertsProblem& p = *valid;
+  check_expert_tensors(p, x, w1, b1, w2, b2);
+  const at::Device device = x.device();
+  check_tensor(token_idx, "token_idx", at::kInt, {p.R}, &device);
+  check_tensor(expert_idx, "expert_idx", at::kInt, {p.R}, &device);
+  check_bf16(dout, "dout", {p.T, p.d}, &device);
+  const WorkspacePlan plan = plan_workspace(valid);
+  check_saved(saved, plan.saved_bytes, x.device(), "experts_forward");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t n1 = is_glu(p.activation) ? 2 * p.n : p.n;
+  const bool data = part != ExpertsBackwardPart::WeightGradients;
+  const bool weights = part != ExpertsBackwardPart::DataGradients;
+  BackwardTensors t;
+  if (data) {
+    t.dx = at::empty({p.T, p.d}, x.options());
+    t.d_scores = at::empty({p.R}, x.options().dtype(at::kFloat));
+  }
+  if (weights) {
+    t.dw1 = at::empty({p.E, n1, p.d}, x.options());
+    t.dw2 = at::empty({p.E, p.d, p.n}, x.options());
+    if (p.has_bias) {
+      t.db1 = at::empty({p.E, n1}, x.options());
+      t.db2 = at::empty({p.E, p.d}, x.options());
+    }
+  }
+  const auto ws_bytes = static_cast<int64_t>(plan.backward_workspace_bytes);
+  if (workspace) {
+    check_tensor(*workspace, "workspace", at::kByte, {ws_bytes}, &device);
+    t.workspace = *workspace;
+  } else {
+    t.workspace = at::empty({ws_bytes}, x.options().dtype(at::kByte));
+  }
+  ExpertsBackwardArgs a;
+  a.x = x.data_ptr();
+  a.w1 = w1.data_ptr();
+  a.b1 = b1 ? b1->data_ptr() : nullptr;
+  a.w2 = w2.data_ptr();
+  a.b2 = b2 ? b2->data_ptr() : nullptr;
+  a.pair_token = token_idx.data_ptr<int32_t>();
+  a.pair_expert = expert_idx.data_ptr<int32_t>();
+  a.saved = saved.data_ptr();
+  a.dout = dout.data_ptr();
+  a.dx = data ? t.dx.data_ptr() : nullptr;
+  a.d_scores = data ? t.d_scores.data_ptr<float>() : nullptr;
+  a.dw1 = weights ? t.dw1.data_ptr() : nullptr;
+  a.dw2 = weights ? t.dw2.data_ptr() : nullptr;
+  a.db1 = t.db1 ? t.db1->data_ptr() : nullptr;
+  a.db2 = t.db2 ? t.db2->data_ptr() : nullptr;
+  a.workspace = t.workspace.data_ptr();
+  a.weight_grad_dtype = DType::BF16;
+  a.part = part;
+  TORCH_CHECK(weights_max_ctas >= 0 && weights_max_ctas <= (int64_t{1} << 30),
+              "experts_backward_weights: max_ctas must be in [0, 2^30] (0: one CTA per SM); got ", weights_max_ctas);
+  a.weights_max_ctas = static_cast<int>(weights_max_ctas);
+  experts_backward(valid, a, at::cuda::getCurrentCUDAStream());
+  return t;
+}
+
 // Gradients of experts_forward from its `saved` block and the same list and options; weight and
 // bias gradients in the weights' dtype (bf16), d_scores fp32 [R] in the list's pair order.
 Grads op_experts_backward(const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1, const Tensor& w2,
@@ -91,49 +165,37 @@ Grads op_experts_backward(const Tensor& x, const Tensor& w1, const std::optional
                           const Tensor& saved, const Tensor& dout, const std::string& activation,
                           const std::string& layout, at::ArrayRef<double> glu_clamp) {
   return translate_errors([&] {
-    check_dims(token_idx, "token_idx", 1);
-    const ValidExpertsProblem valid =
-        experts_problem(x, w1, w2, b1.has_value(), token_idx.numel(), activation, layout, glu_clamp);
-    const ExpertsProblem& p = *valid;
-    check_expert_tensors(p, x, w1, b1, w2, b2);
-    const at::Device device = x.device();
-    check_tensor(token_idx, "token_idx", at::kInt, {p.R}, &device);
-    check_tensor(expert_idx, "expert_idx", at::kInt, {p.R}, &device);
-    check_bf16(dout, "dout", {p.T, p.d}, &device);
-    const WorkspacePlan plan = plan_workspace(valid);
-    check_saved(saved, plan.saved_bytes, x.device(), "experts_forward");
-    const c10::cuda::CUDAGuard guard(x.device());
-    const int64_t n1 = is_glu(p.activation) ? 2 * p.n : p.n;
-    Tensor dx = at::empty({p.T, p.d}, x.options());
-    Tensor dw1 = at::empty({p.E, n1, p.d}, x.options());
-    Tensor dw2 = at::empty({p.E, p.d, p.n}, x.options());
-    Tensor d_scores = at::empty({p.R}, x.options().dtype(at::kFloat));
-    std::optional<Tensor> db1, db2;
-    if (p.has_bias) {
-      db1 = at::empty({p.E, n1}, x.options());
-      db2 = at::empty({p.E, p.d}, x.options());
-    }
-    Tensor ws = at::empty({static_cast<int64_t>(plan.backward_workspace_bytes)}, x.options().dtype(at::kByte));
-    ExpertsBackwardArgs a;
-    a.x = x.data_ptr();
-    a.w1 = w1.data_ptr();
-    a.b1 = b1 ? b1->data_ptr() : nullptr;
-    a.w2 = w2.data_ptr();
-    a.b2 = b2 ? b2->data_ptr() : nullptr;
-    a.pair_token = token_idx.data_ptr<int32_t>();
-    a.pair_expert = expert_idx.data_ptr<int32_t>();
-    a.saved = saved.data_ptr();
-    a.dout = dout.data_ptr();
-    a.dx = dx.data_ptr();
-    a.dw1 = dw1.data_ptr();
-    a.db1 = db1 ? db1->data_ptr() : nullptr;
-    a.dw2 = dw2.data_ptr();
-    a.db2 = db2 ? db2->data_ptr() : nullptr;
-    a.d_scores = d_scores.data_ptr<float>();
-    a.workspace = ws.data_ptr();
-    a.weight_grad_dtype = DType::BF16;
-    experts_backward(valid, a, at::cuda::getCurrentCUDAStream());
-    return Grads(dx, dw1, db1, dw2, db2, d_scores);
+    BackwardTensors t = run_experts_backward(x, w1, b1, w2, b2, token_idx, expert_idx, saved, dout, activation,
+                                             layout, glu_clamp, ExpertsBackwardPart::All, nullptr, 0);
+    return Grads(t.dx, t.dw1, t.db1, t.dw2, t.db2, t.d_scores);
+  });
+}
+
+// The backward in two calls: the data gradients first (dx, d_scores and the workspace the weight
+// gradients read), then the weight gradients from that workspace, with the persistent weight
+// GEMMs bounded to max_ctas CTAs (0: one per SM). Between them the caller may queue work on dx
+// on another stream. Each gradient is bitwise experts_backward's.
+std::tuple<Tensor, Tensor, Tensor> op_experts_backward_data(
+    const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1, const Tensor& w2,
+    const std::optional<Tensor>& b2, const Tensor& token_idx, const Tensor& expert_idx, const Tensor& saved,
+    const Tensor& dout, const std::string& activation, const std::string& layout, at::ArrayRef<double> glu_clamp) {
+  return translate_errors([&] {
+    BackwardTensors t = run_experts_backward(x, w1, b1, w2, b2, token_idx, expert_idx, saved, dout, activation,
+                                             layout, glu_clamp, ExpertsBackwardPart::DataGradients, nullptr, 0);
+    return std::make_tuple(t.dx, t.d_scores, t.workspace);
+  });
+}
+
+std::tuple<Tensor, std::optional<Tensor>, Tensor, std::optional<Tensor>> op_experts_backward_weights(
+    const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1, const Tensor& w2,
+    const std::optional<Tensor>& b2, const Tensor& token_idx, const Tensor& expert_idx, const Tensor& saved,
+    const Tensor& dout, const Tensor& workspace, const std::string& activation, const std::string& layout,
+    at::ArrayRef<double> glu_clamp, int64_t max_ctas) {
+  return translate_errors([&] {
+    BackwardTensors t =
+        run_experts_backward(x, w1, b1, w2, b2, token_idx, expert_idx, saved, dout, activation, layout, glu_clamp,
+                             ExpertsBackwardPart::WeightGradients, &workspace, max_ctas);
+    return std::make_tuple(t.dw1, t.db1, t.dw2, t.db2);
   });
 }
 
@@ -170,6 +232,12 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
   m.def("experts_backward(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, Tensor token_idx,"
         " Tensor expert_idx, Tensor saved, Tensor dout, str activation, str layout, float[] glu_clamp=[])"
         " -> (Tensor dx, Tensor dw1, Tensor? db1, Tensor dw2, Tensor? db2, Tensor d_scores)");
+  m.def("experts_backward_data(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, Tensor token_idx,"
+        " Tensor expert_idx, Tensor saved, Tensor dout, str activation, str layout, float[] glu_clamp=[])"
+        " -> (Tensor dx, Tensor d_scores, Tensor workspace)");
+  m.def("experts_backward_weights(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, Tensor token_idx,"
+        " Tensor expert_idx, Tensor saved, Tensor dout, Tensor workspace, str activation, str layout,"
+        " float[] glu_clamp=[], int max_ctas=0) -> (Tensor dw1, Tensor? db1, Tensor dw2, Tensor? db2)");
   m.def("experts_workspace_bytes(int T, int d, int n, int E, int R, str activation, bool bias) -> int[]",
         &op_experts_workspace_bytes);
   m.def("experts_saved_layout(int n, int E, str activation) -> int[]", &op_experts_saved_layout);
@@ -178,6 +246,8 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
 TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {
   m.impl("experts_forward", &op_experts_forward);
   m.impl("experts_backward", &op_experts_backward);
+  m.impl("experts_backward_data", &op_experts_backward_data);
+  m.impl("experts_backward_weights", &op_experts_backward_weights);
 }
 
 }  // namespace machmoe::bindings

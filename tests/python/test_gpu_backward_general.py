@@ -237,3 +237,36 @@ def test_small_general_training_step_moves_the_weights():
     for k, v in params.items():
         assert v.grad is not None and v.grad.isfinite().all(), k
         assert not torch.equal(before[k], v.detach()), f"{k} did not move"
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_backward_in_two_parts_is_bitwise_the_whole_call(bias):
+    # experts_backward_data then experts_backward_weights (from the data part's workspace, the weight
+    # GEMMs bounded to a few CTAs) write bitwise what one experts_backward call writes; an expert with
+    # no rows and odd T included.
+    T, d, n, E = 777, 256, 128, 16
+    t = make_experts(T, d, n, E, "swiglu", bias)
+    token, expert, scores = routing_list(T, E, max_per_token=4)
+    keep = expert != 3  # expert 3 gets no rows
+    token, expert, scores = token[keep].int(), expert[keep].int(), scores[keep].contiguous()
+    ops = torch.ops.machmoe
+    w = (t["w1"], t["b1"] if bias else None, t["w2"], t["b2"] if bias else None)
+    opts = ("swiglu", "interleaved")
+    _, saved = ops.experts_forward(t["x"], *w, scores, token, expert, *opts)
+    dout = torch.randn(T, d, device="cuda").bfloat16()
+    dx, dw1, db1, dw2, db2, d_scores = ops.experts_backward(t["x"], *w, token, expert, saved, dout, *opts)
+    dx2, d_scores2, workspace = ops.experts_backward_data(t["x"], *w, token, expert, saved, dout, *opts)
+    dw1b, db1b, dw2b, db2b = ops.experts_backward_weights(t["x"], *w, token, expert, saved, dout, workspace, *opts,
+                                                          [], 7)
+    pairs = [("dx", dx, dx2), ("d_scores", d_scores, d_scores2), ("dw1", dw1, dw1b), ("dw2", dw2, dw2b)]
+    if bias:
+        pairs += [("db1", db1, db1b), ("db2", db2, db2b)]
+    else:
+        assert db1b is None and db2b is None
+    for name, whole, part in pairs:
+        assert whole.abs().max() > 0, f"{name} is all zeros"
+        assert torch.equal(whole, part), f"{name}: the two-part backward differs from the whole call"
+    with pytest.raises(RuntimeError, match="max_ctas"):
+        ops.experts_backward_weights(t["x"], *w, token, expert, saved, dout, workspace, *opts, [], -1)
+    with pytest.raises(RuntimeError, match="workspace"):
+        ops.experts_backward_weights(t["x"], *w, token, expert, saved, dout, workspace[:-256], *opts, [], 0)

@@ -39,6 +39,7 @@ def _op_cases():
     pair_scores = scores.flatten().contiguous()
     general = (t["x"], t["w1"], t["b1"], t["w2"], t["b2"])
     _, g_saved = m.experts_forward(*general, pair_scores, tok, exp, "swiglu", "interleaved")
+    g_workspace = m.experts_backward_data(*general, tok, exp, g_saved, dout, "swiglu", "interleaved")[2]
     rounded = m.token_rounding(logits, K, "nr", 16, 0)
     return [
         ("topk_router", (logits, K, "softmax_topk", True, None)),
@@ -54,6 +55,9 @@ def _op_cases():
         ("layer_backward", layer[:6] + (saved, dout, torch.ones((), device="cuda")) + layer[7:14]),
         ("experts_forward", general + (pair_scores, tok, exp, "swiglu", "interleaved")),
         ("experts_backward", general + (tok, exp, g_saved, dout, "swiglu", "interleaved")),
+        ("experts_backward_data", general + (tok, exp, g_saved, dout, "swiglu", "interleaved")),
+        ("experts_backward_weights", general + (tok, exp, g_saved, dout, g_workspace, "swiglu", "interleaved", [],
+                                                100)),
         ("grouped_gemm", (t["x"], row_token, offs, t["w1"], t["b1"], R, "glu", "swiglu", "interleaved")),
         ("grouped_gemm", (h[:, :n].contiguous(), None, offs, t["w2"], t["b2"], R, "store", "swiglu", "interleaved")),
         ("grouped_gemm_nmajor", (dout, row_token, offs, t["w2"], R, h, row_scores, row_pair, "swiglu",

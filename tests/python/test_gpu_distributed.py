@@ -303,17 +303,20 @@ def test_exchange_plan_flags_experts_out_of_range_and_refuses_bad_arguments():
 
 
 def _symmetric_worker(rank, world, init_file, seed):
+    import faulthandler
+
     from machmoe import symmetric_exchange
 
+    faulthandler.dump_traceback_later(100, exit=True)  # a rank stuck in a collective shows where
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
     try:
         name = dist.group.WORLD.group_name
         gen = torch.Generator(device="cuda").manual_seed(seed + rank)
-        # Growing sizes (the staging buffer is re-made), odd rows, three dtypes.
+        # Odd rows, three dtypes; the last past the smallest staging buffer (it grows).
         for rows, cols, dtype in ((3, 5, torch.int64), (1001, 257, torch.bfloat16), (4099, 96, torch.float32),
-                                  (7, 1, torch.bfloat16)):
+                                  (7, 1, torch.bfloat16), (4501, 1000, torch.bfloat16)):
             t = torch.randn(rows * world, cols, device="cuda", generator=gen).mul(100).to(dtype)
             want = torch.empty(world * t.shape[0], cols, device="cuda", dtype=dtype)
             dist.all_gather_into_tensor(want, t)  # NCCL's, every rank's t in rank order
@@ -329,6 +332,7 @@ def _symmetric_worker(rank, world, init_file, seed):
             assert torch.equal(scattered, acc.to(dtype)), \
                 f"symmetric reduce-scatter of {dtype}: not the float32 sum in rank order, rounded once"
             assert not torch.equal(scattered, blocks[rank]), "reduce-scatter returned this rank's own block"
+        faulthandler.cancel_dump_traceback_later()
     finally:
         dist.destroy_process_group()
 

@@ -110,7 +110,10 @@ bool router_dx_fusable(int64_t R, int64_t d, int64_t E) {
          R * d / 8 < (int64_t{1} << 32) && device_info().smem_per_block_optin >= kernels::agg_router_smem_max();
 }
 
-void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream) {
+namespace {
+
+// Steps 1-3: row_token (and top-K token offsets), the dH kernel (dH, A', dS partials), d_scores.
+void data_gradients_first(const ExpertsBackwardRun& r, cudaStream_t stream) {
   const ExpertsShape& s = r.shape;
   const PairList& l = r.list;
   const ExpertsBackwardScratch& S = r.scratch;
@@ -123,7 +126,6 @@ void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream) {
   int32_t* tile_offsets = at<int32_t>(w, S.tile_offsets);
   // Pairs of token t: [t·K, (t+1)·K) for a top-K list (rebuilt here), the list's own offsets else.
   int32_t* rebuilt_offsets = l.token ? nullptr : r.topk_token_offsets;
-  const int32_t* token_offsets = l.token ? r.token_offsets : r.topk_token_offsets;
 
   // 1. The gather index row -> token [R] (and t·K offsets for top-K): not saved (derivable).
   kernels::bwd_rebuild_index<kThreads><<<blocks_for(std::max(R, s.T + 1), kThreads), kThreads, 0, stream>>>(
@@ -179,6 +181,18 @@ void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream) {
     kernels::bwd_pair_scores<kThreads><<<blocks_for(R, kThreads), kThreads, 0, stream>>>(ps);
   check_launch("experts backward: d scores");
   if (r.after_scores) r.after_scores();
+}
+
+// Steps 7-9: dW2, dW1 and the bias gradients from row_token, dH and A' in the workspace.
+void weight_gradients(const ExpertsBackwardRun& r, cudaStream_t stream) {
+  const ExpertsShape& s = r.shape;
+  const PairList& l = r.list;
+  const ExpertsBackwardScratch& S = r.scratch;
+  void* w = r.workspace;
+  const int64_t n1 = s.n1, R = l.pairs;
+  const int32_t* row_token = at<int32_t>(w, S.row_token);
+  const auto* dh = at<__nv_bfloat16>(w, S.dh);
+  const auto* a_prime = at<__nv_bfloat16>(w, S.a_prime);
 
   // 7. dW2 [E, d, n] = Σ_r dout[row_token[r]]ᵀ ⊗ A'_r (varlen K over the expert's rows).
   GroupedWgradArgs w2g;
@@ -196,6 +210,7 @@ void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream) {
   w2g.c = r.dw2;
   w2g.c_dtype = r.grad_dtype;
   w2g.transpose_c = false;
+  w2g.max_ctas = r.weights_max_ctas;
   grouped_gemm_wgrad(w2g, stream);
 
   // 8. dW1 [E, n1, d] = (Σ_r x[row_token[r]]ᵀ ⊗ dH_r)ᵀ: [E, M = d, N = n1] stored transposed.
@@ -214,6 +229,7 @@ void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream) {
   w1g.c = r.dw1;
   w1g.c_dtype = r.grad_dtype;
   w1g.transpose_c = true;
+  w1g.max_ctas = r.weights_max_ctas;
   grouped_gemm_wgrad(w1g, stream);
 
   // 9. Bias gradients: db2[e] = Σ_r s_r · dout[row_token[r]], db1[e] = Σ_r dH_r.
@@ -225,6 +241,18 @@ void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream) {
                   r.expert_offsets, s.d, r.db2, r.grad_dtype, stream);
     bias_gradient(S, s.E, w, dh, nullptr, nullptr, nullptr, r.expert_offsets, n1, r.db1, r.grad_dtype, stream);
   }
+}
+
+// Steps 10-11: dX~ = dH·W1 and dx, the sum of a token's rows (+ the router's part).
+void input_gradient(const ExpertsBackwardRun& r, cudaStream_t stream) {
+  const ExpertsShape& s = r.shape;
+  const PairList& l = r.list;
+  const ExpertsBackwardScratch& S = r.scratch;
+  void* w = r.workspace;
+  const int64_t n1 = s.n1, R = l.pairs;
+  auto* dh = at<__nv_bfloat16>(w, S.dh);
+  int32_t* tile_offsets = at<int32_t>(w, S.tile_offsets);
+  const int32_t* token_offsets = l.token ? r.token_offsets : r.topk_token_offsets;
 
   // 10. dX~ [R, d] = dH · W1_e (W1 [E, n1, d] read as [E, K = n1, N = d]), contiguous rows.
   GroupedGemmArgs gx;
@@ -251,29 +279,47 @@ void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream) {
   aggregate(gx.c, DType::BF16, r.pair_row, token_offsets, nullptr, s.T, s.d, r.dx, DType::BF16, stream);
 }
 
+}  // namespace
+
+void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream) {
+  const bool data = r.part != ExpertsBackwardPart::WeightGradients;
+  const bool weights = r.part != ExpertsBackwardPart::DataGradients;
+  if (data) data_gradients_first(r, stream);
+  if (weights) weight_gradients(r, stream);
+  if (data) input_gradient(r, stream);
+}
+
 }  // namespace detail
 
 void experts_backward(const ValidExpertsProblem& valid, const ExpertsBackwardArgs& a, cudaStream_t stream) {
   constexpr const char* fn = "experts_backward";
   const ExpertsProblem& p = *valid;
   detail::require_gpu_problem(valid, fn);
-  detail::require_given(fn, {{"w1", a.w1}, {"w2", a.w2}, {"saved", a.saved}, {"dw1", a.dw1}, {"dw2", a.dw2},
-                             {"workspace", a.workspace}});
+  const bool data = a.part != ExpertsBackwardPart::WeightGradients;
+  const bool weights = a.part != ExpertsBackwardPart::DataGradients;
+  detail::require_arg(a.part == ExpertsBackwardPart::All || a.part == ExpertsBackwardPart::DataGradients ||
+                          a.part == ExpertsBackwardPart::WeightGradients,
+                      fn, "part", "must be All, DataGradients or WeightGradients");
+  detail::require_arg(a.weights_max_ctas >= 0, fn, "weights_max_ctas",
+                      "must be >= 0 (0: one CTA per SM); got " + std::to_string(a.weights_max_ctas));
+  detail::require_given(fn, {{"w1", a.w1}, {"w2", a.w2}, {"saved", a.saved}, {"workspace", a.workspace}});
+  if (weights) detail::require_given(fn, {{"dw1", a.dw1}, {"dw2", a.dw2}}, "the weight gradients are computed");
   // x, dout and dx have T rows, the list and d_scores R: empty (possibly null) when 0.
-  if (p.T > 0) detail::require_given(fn, {{"x", a.x}, {"dout", a.dout}, {"dx", a.dx}}, "T > 0");
-  if (p.R > 0)
-    detail::require_given(fn, {{"pair_token", a.pair_token}, {"pair_expert", a.pair_expert}, {"d_scores", a.d_scores}},
-                          "R > 0");
-  detail::require_given_exactly_when(p.has_bias, "has_bias", fn,
-                                     {{"b1", a.b1}, {"b2", a.b2}, {"db1", a.db1}, {"db2", a.db2}});
+  if (p.T > 0) detail::require_given(fn, {{"x", a.x}, {"dout", a.dout}}, "T > 0");
+  if (p.T > 0 && data) detail::require_given(fn, {{"dx", a.dx}}, "T > 0 and the data gradients are computed");
+  if (p.R > 0) detail::require_given(fn, {{"pair_token", a.pair_token}, {"pair_expert", a.pair_expert}}, "R > 0");
+  if (p.R > 0 && data)
+    detail::require_given(fn, {{"d_scores", a.d_scores}}, "R > 0 and the data gradients are computed");
+  detail::require_given_exactly_when(p.has_bias, "has_bias", fn, {{"b1", a.b1}, {"b2", a.b2}});
+  if (weights) detail::require_given_exactly_when(p.has_bias, "has_bias", fn, {{"db1", a.db1}, {"db2", a.db2}});
   detail::require_weight_grad_dtype(a.weight_grad_dtype, fn);
   detail::require_block_aligned(fn, {{"saved", a.saved}, {"workspace", a.workspace}});
   detail::require_row_aligned(fn,
                               {{"x", a.x}, {"w1", a.w1}, {"w2", a.w2}, {"dout", a.dout}, {"dx", a.dx}, {"b2", a.b2}});
   const detail::ExpertsShape shape = detail::experts_shape(p);
   if (p.T == 0 || p.R == 0) {  // no rows: every gradient is zero (d_scores is empty)
-    detail::zero_expert_gradients(shape, a.dw1, a.db1, a.dw2, a.db2, a.weight_grad_dtype, fn, stream);
-    if (p.T > 0)
+    if (weights) detail::zero_expert_gradients(shape, a.dw1, a.db1, a.dw2, a.db2, a.weight_grad_dtype, fn, stream);
+    if (p.T > 0 && data)
       check_cuda(cudaMemsetAsync(a.dx, 0, static_cast<size_t>(p.T * p.d) * 2, stream), "experts_backward: zero dx");
     return;
   }
@@ -296,6 +342,8 @@ void experts_backward(const ValidExpertsProblem& valid, const ExpertsBackwardArg
   r.d_scores = a.d_scores;
   r.dx = a.dx, r.dw1 = a.dw1, r.db1 = a.db1, r.dw2 = a.dw2, r.db2 = a.db2;
   r.grad_dtype = a.weight_grad_dtype;
+  r.part = a.part;
+  r.weights_max_ctas = a.weights_max_ctas;
   detail::experts_backward_run(r, stream);
 }
 

@@ -75,6 +75,8 @@ struct ExpertsBackwardRun {
   float* d_scores = nullptr;
   void *dx = nullptr, *dw1 = nullptr, *db1 = nullptr, *dw2 = nullptr, *db2 = nullptr;
   DType grad_dtype = DType::BF16;
+  ExpertsBackwardPart part = ExpertsBackwardPart::All;  // what to compute (machmoe.hpp)
+  int weights_max_ctas = 0;                             // bound on the wgrad GEMMs' CTAs (0: none)
   // The layer backward's router part, optional. after_scores runs on the stream once d_scores is
   // written (the router backward: d_logits from d_scores); with router_d_logits set, the dx
   // aggregation also adds the router's part d_logits [T, E] · router_weight [E, d] (bf16, fp32
@@ -92,6 +94,8 @@ bool router_dx_fusable(int64_t R, int64_t d, int64_t E);
 
 // Backward, T > 0 and pairs > 0 (docs/BACKWARD.md steps 1-3 and 7-11): rebuild row_token, the
 // dH kernel (dH, A', dS partials), d_scores, dW2, dW1, db2/db1, dX~ = dH·W1, dx = Σ dX~ per token.
+// r.part DataGradients runs all but dW2, dW1, db2/db1; WeightGradients only those (from the
+// workspace a DataGradients run filled).
 void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream);
 
 // Zeros for the expert weight and bias gradients (no rows: T = 0 or an empty list).
