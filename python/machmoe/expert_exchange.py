@@ -229,8 +229,9 @@ def _exchanged_experts_backward(xg: torch.Tensor, w1: torch.Tensor, b1: Optional
     for p in parts:
         p.record_stream(here)
     dx = symmetric_exchange.sum_blocks(parts)
-    empty = xg.new_empty(0)
-    return dx, d_scores, dw1, empty if db1 is None else db1, dw2, empty if db2 is None else db2
+    # (an op's outputs may not alias one another: a fresh empty tensor for each missing bias)
+    return (dx, d_scores, dw1, xg.new_empty(0) if db1 is None else db1, dw2,
+            xg.new_empty(0) if db2 is None else db2)
 
 
 @_exchanged_experts_backward.register_fake

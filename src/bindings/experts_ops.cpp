@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <vector>
@@ -151,9 +152,8 @@ BackwardTensors run_experts_backward(const Tensor& x, const Tensor& w1, const st
   a.workspace = t.workspace.data_ptr();
   a.weight_grad_dtype = DType::BF16;
   a.part = part;
-  TORCH_CHECK(weights_max_ctas >= 0 && weights_max_ctas <= (int64_t{1} << 30),
-              "experts_backward_weights: max_ctas must be in [0, 2^30] (0: one CTA per SM); got ", weights_max_ctas);
-  a.weights_max_ctas = static_cast<int>(weights_max_ctas);
+  // (experts_backward refuses a negative bound by name; past an int, the bound is no bound)
+  a.weights_max_ctas = static_cast<int>(std::clamp<int64_t>(weights_max_ctas, -1, int64_t{1} << 30));
   experts_backward(valid, a, at::cuda::getCurrentCUDAStream());
   return t;
 }
