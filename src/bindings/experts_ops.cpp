@@ -174,7 +174,8 @@ Grads op_experts_backward(const Tensor& x, const Tensor& w1, const std::optional
 // The backward in two calls: the data gradients first (dx, d_scores and the workspace the weight
 // gradients read), then the weight gradients from that workspace, with the persistent weight
 // GEMMs bounded to max_ctas CTAs (0: one per SM). Between them the caller may queue work on dx
-// on another stream. Each gradient is bitwise experts_backward's.
+// on another stream. Each gradient is bitwise experts_backward's. The weight part writes into the
+// workspace (the bias gradients' partial sums), hence its schema marks it mutable.
 std::tuple<Tensor, Tensor, Tensor> op_experts_backward_data(
     const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1, const Tensor& w2,
     const std::optional<Tensor>& b2, const Tensor& token_idx, const Tensor& expert_idx, const Tensor& saved,
@@ -236,7 +237,7 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
         " Tensor expert_idx, Tensor saved, Tensor dout, str activation, str layout, float[] glu_clamp=[])"
         " -> (Tensor dx, Tensor d_scores, Tensor workspace)");
   m.def("experts_backward_weights(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, Tensor token_idx,"
-        " Tensor expert_idx, Tensor saved, Tensor dout, Tensor workspace, str activation, str layout,"
+        " Tensor expert_idx, Tensor saved, Tensor dout, Tensor(a!) workspace, str activation, str layout,"
         " float[] glu_clamp=[], int max_ctas=0) -> (Tensor dw1, Tensor? db1, Tensor dw2, Tensor? db2)");
   m.def("experts_workspace_bytes(int T, int d, int n, int E, int R, str activation, bool bias) -> int[]",
         &op_experts_workspace_bytes);
