@@ -135,9 +135,10 @@ def gathered_experts(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tenso
 def _experts_on_gathered_rows(x, scores_g, experts_g, w1, w2, b1, b2, world, group_name, experts_kwargs):
     """out [T, d]: x [T, d] gathered, the experts on the gathered rows with routing
     (scores_g, experts_g) [W·T, K'] (experts out of [0, E/W) dropped), the partial sums
-    reduce-scattered. On the kernels over symmetric memory as one node whose backward overlaps the
-    reduce-scatter of dx with the weight gradients (_ExchangedExperts); elsewhere as three."""
-    if symmetric_exchange.available(x, world):
+    reduce-scattered. On the kernels over symmetric memory, where overlaps_dx_exchange says it
+    pays, as one node whose backward overlaps the reduce-scatter of dx with the weight gradients
+    (_ExchangedExperts); otherwise as three nodes (gather, experts, reduce-scatter)."""
+    if symmetric_exchange.available(x, world) and overlaps_dx_exchange(x.shape[0], x.shape[1], x.element_size()):
         activation, layout, glu_clamp, T, d, E, n = functional._parse_experts_call(
             x, w1, w2, b1, b2, experts_kwargs.get("activation", ActivationType.SWIGLU),
             experts_kwargs.get("layout", GateUpLayout.INTERLEAVED), experts_kwargs.get("backend", Backend.AUTO),
@@ -153,6 +154,23 @@ def _experts_on_gathered_rows(x, scores_g, experts_g, w1, w2, b1, b2, world, gro
     xg = _GatherRows.apply(x, world, group_name)  # [W·T, d]
     y = functional.experts_topk(xg, w1, w2, scores_g, experts_g, b1=b1, b2=b2, **experts_kwargs)  # [W·T, d]
     return _ReduceScatterRows.apply(y, world, group_name)
+
+
+# Below this many bytes in one rank's block of dx, the overlapped backward was measured slower
+# than the plain one; at and above it, faster. Two H200s over NVLink, forward + backward:
+# 7B-a (a 72 MiB block) 4.72 ms plain against 5.06 overlapped; 30B-b and 120B-b (256 MiB blocks)
+# 22.10 -> 21.52 and 38.97 -> 38.15 ms. The crossover lies somewhere between; 128 MiB splits
+# the measured points, it is not itself measured.
+OVERLAP_MIN_BLOCK_BYTES = 128 << 20
+
+
+def overlaps_dx_exchange(T: int, d: int, element_bytes: int) -> bool:
+    """Whether the backward overlaps the reduce-scatter of dx [W·T, d] with the weight gradients:
+    when one rank's block of it, T·d elements, holds at least OVERLAP_MIN_BLOCK_BYTES. The
+    overlap hides one block's transfer (about 0.8 ms at 256 MiB) behind the weight-gradient GEMMs
+    but costs a fixed part of a millisecond per call (a side stream, two ops for one, memory held
+    longer), which a small block does not repay."""
+    return T * d * element_bytes >= OVERLAP_MIN_BLOCK_BYTES
 
 
 def _contiguous(t):
@@ -194,6 +212,16 @@ _SMS_LEFT_TO_THE_EXCHANGE = 2
 _SIDE_STREAMS: dict = {}
 
 
+_SM_COUNTS: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SIDE_STREAMS:
@@ -221,7 +249,7 @@ def _exchanged_experts_backward(xg: torch.Tensor, w1: torch.Tensor, b1: Optional
     with torch.cuda.stream(side):
         parts = symmetric_exchange.pull_blocks(dxg, W, group_name)  # W blocks [T, d]
     dxg.record_stream(side)
-    sms = torch.cuda.get_device_properties(xg.device).multi_processor_count
+    sms = _sm_count(xg.device)
     dw1, db1, dw2, db2 = torch.ops.machmoe.experts_backward_weights(
         xg, w1, b1, w2, b2, token, expert, saved, dg, workspace, activation, layout, glu_clamp,
         max(1, sms - _SMS_LEFT_TO_THE_EXCHANGE))

@@ -202,6 +202,13 @@ def functional_backend(name):
     return Backend(name)
 
 
+def _force_overlap(on: bool) -> None:
+    """The all-gather exchange's backward overlapped (on) or plain, whatever the block size."""
+    from machmoe import expert_exchange
+
+    expert_exchange.OVERLAP_MIN_BLOCK_BYTES = 0 if on else 1 << 62
+
+
 def _ep_worker(rank, world, init_file, seed):
     import copy
 
@@ -219,6 +226,9 @@ def _ep_worker(rank, world, init_file, seed):
 
         part = slice(rank * (E // world), (rank + 1) * (E // world))
         for exchange in EP_EXCHANGES(world):
+            # The all-gather exchange with max_tokens takes the overlapped backward (forced: these
+            # blocks are far below the size where it is chosen), without max_tokens the plain one.
+            _force_overlap(exchange["exchange"] == "all_gather" and "max_tokens" in exchange)
             layer = ExpertParallelMoE.from_moe(model, **exchange)
             runs = []
             for _ in range(2):  # twice: bitwise the same
@@ -241,7 +251,10 @@ def _ep_worker(rank, world, init_file, seed):
                 print(f"expert parallel W={world} rank {rank} {exchange}: {name} error {err:.2e} "
                       f"(single GPU {rel_err(single, ref):.2e}, bound {bound:.2e})")
                 assert err <= bound, f"expert parallel W={world} rank {rank} {exchange}: {name} {err:.2e} > {bound:.2e}"
-        _check_no_sync_and_graph(model, xs[rank], gs[rank], T + 3 * (world - 1))
+        for overlap in (True, False):
+            _force_overlap(overlap)
+            _check_no_sync_and_graph(model, xs[rank], gs[rank], T + 3 * (world - 1))
+        _force_overlap(False)
         _check_rounding_on_kernels(model, xs[rank], gs[rank], T + 3 * (world - 1), rank, world)
     finally:
         dist.destroy_process_group()
