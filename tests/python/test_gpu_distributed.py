@@ -333,7 +333,10 @@ def _symmetric_worker(rank, world, init_file, seed):
             t = torch.randn(rows * world, cols, device="cuda", generator=gen).mul(100).to(dtype)
             want = torch.empty(world * t.shape[0], cols, device="cuda", dtype=dtype)
             dist.all_gather_into_tensor(want, t)  # NCCL's, every rank's t in rank order
+            print(f"rank {rank}: {dtype} [{rows * world}, {cols}] gathered by NCCL", flush=True)
             got = symmetric_exchange.all_gather_op(t, world, name)
+            torch.cuda.synchronize()
+            print(f"rank {rank}: {dtype} [{rows * world}, {cols}] gathered from symmetric memory", flush=True)
             assert torch.equal(got, want), f"symmetric all-gather of {dtype} [{rows * world}, {cols}] differs"
             if dtype == torch.int64:
                 continue
