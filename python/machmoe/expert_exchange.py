@@ -17,12 +17,17 @@ backward ahead of the GPU, and the sequence is CUDA-graph capturable. On CUDA th
 reduce-scatters are copy-engine pulls through symmetric memory on the current stream
 (machmoe.symmetric_exchange); elsewhere (gloo on the CPU) torch's functional collectives.
 
-The exchange is not overlapped with the experts. Splitting the tokens into chunks pipelined
-through gather, experts and reduce-scatter was measured slower even before any traffic (one
-H200, one rank: 7B-a forward + backward 4.4 ms in one chunk, 5.3 in two, 8.2 in four), because
-each chunk's experts are a call of their own: the weight-gradient GEMMs see a fraction of the
-rows, and the chunks' weight gradients have to be summed. Overlap needs the exchange inside
-the experts' kernels, or a backward that splits only the data gradients (docs/SCALING.md).
+Overlap. Only the backward's last transfer is overlapped, and only for large blocks
+(overlaps_dx_exchange): the experts' backward runs as its data part (dx of the gathered rows,
+the scores' gradient), then its weight part (experts_backward_weights, its persistent GEMMs
+leaving two SMs free), while dx's blocks travel to their ranks on a side stream; the blocks are
+summed once both are done. That hides one block's transfer, about 0.8 ms at 30B-b's 256 MiB; at
+7B-a's 72 MiB the split cost more than it hid. The forward's transfers and the backward's
+gather of the output gradient stay exposed. Splitting the tokens into chunks pipelined through
+gather, experts and reduce-scatter was measured slower even before any traffic (one H200, one
+rank: 7B-a forward + backward 4.4 ms in one chunk, 5.3 in two, 8.2 in four): each chunk's
+weight-gradient GEMMs see a fraction of the rows, and the chunks' weight gradients have to be
+summed. Hiding the rest needs the transfers inside the experts' kernels (docs/SCALING.md).
 
 Bytes each rank sends per forward: (W-1)·T·d·b for the gather and as many for the
 reduce-scatter (b bytes per element), the same again in the backward. A filtered all-to-all sends
@@ -35,8 +40,9 @@ sync their buffers are sized for the whole list: the saved H is [W·T·K, N1], W
 layer's (7B-a on two H200s: 3.57 GiB peak against 2.27). Sizing them for the pairs a rank
 actually gets needs a bound on the imbalance and a capacity in the experts' routing metadata.
 
-Numerics: each rank's partial sum is rounded to x's dtype before the reduction, which adds in that
-dtype; the reduction order is fixed, so two runs are bitwise equal.
+Numerics: each rank's partial sum is rounded to x's dtype before the reduction, which adds the
+ranks' blocks in rank order in float32 and rounds once (on the CPU, gloo's reduce-scatter adds); the
+order is fixed, so two runs are bitwise equal.
 """
 
 from __future__ import annotations
