@@ -224,6 +224,22 @@ TEST(ExpertsBackward, RefusesWhatItDoesNotRun) {
           "workspace must be 256-byte aligned");
   a = ba, a.dout = static_cast<char*>(m) + 2;
   refuses(ErrorCode::InvalidArgument, valid_experts(), a, "dout 2-byte aligned", "dout must be 16-byte aligned");
+  // The two parts: each needs its own outputs, and says which part needs them.
+  a = ba, a.part = ExpertsBackwardPart::DataGradients, a.dx = nullptr;
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "data part without dx",
+          "dx must not be null when T > 0 and the data gradients are computed");
+  a = ba, a.part = ExpertsBackwardPart::DataGradients, a.d_scores = nullptr;
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "data part without d_scores", "d_scores must not be null");
+  a = ba, a.part = ExpertsBackwardPart::WeightGradients, a.dw2 = nullptr;
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "weight part without dw2",
+          "dw2 must not be null when the weight gradients are computed");
+  p = valid_experts(), p.has_bias = true;
+  a = ba, a.part = ExpertsBackwardPart::WeightGradients, a.b1 = a.b2 = a.db1 = m;  // db2 missing
+  refuses(ErrorCode::InvalidArgument, p, a, "weight part without db2", "db2 must be given when has_bias");
+  a = ba, a.weights_max_ctas = -1;
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "negative weights_max_ctas", "weights_max_ctas must be >= 0");
+  a = ba, a.part = static_cast<ExpertsBackwardPart>(7);
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "an unknown part", "part must be All, DataGradients");
 }
 
 // All-null arguments are refused on the host, before any CUDA call, for the empty cases too.
