@@ -139,8 +139,8 @@ bool topk_router_with_aux(const float* logits, int64_t T, int64_t E, int64_t K, 
                           static_cast<float>(options.routed_scaling_factor), static_cast<int>(options.n_group),
                           static_cast<int>(options.topk_group)};
   const int64_t v = ceil_div(E, 32);
-  const bool grouped = options.n_group > 1;  // only the general kernel selects by groups
-  if (!grouped && v <= kernels::kRouterSortedMaxV && K <= kMaxRegisterK) {
+  const bool grouped = options.n_group > 1;  // the register kernel does not select by groups
+  if (v <= kernels::kRouterSortedMaxV && K <= kMaxRegisterK) {
     p.aux_partials = aux_partials;
     const auto blocks = static_cast<unsigned>(ceil_div(T, kernels::kRouterBlockTokens));
     constexpr unsigned threads = kernels::kRouterBlockWarps * kernels::kWarpSize;

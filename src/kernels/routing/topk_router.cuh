@@ -3,7 +3,7 @@
 // d_scores [T, K] -> d_logits [T, E].
 // Gate routings (sigmoid, sqrt-softplus) score each expert by a gate g(logit); scores are
 // multiplied by the routed scaling factor last; group-limited selection (gate routings only) runs
-// in the general kernel.
+// in both kernels.
 //
 // One warp per token. Selection is K rounds of a warp-wide max over 64-bit keys (value, then lower
 // index; see common.cuh); round k takes the best key strictly below round k-1's winner, so nothing
@@ -30,7 +30,7 @@ struct RouterParams {
   int method;
   bool renormalize;
   float scale;              // routed scaling factor (1: none)
-  int n_group, topk_group;  // group-limited selection (n_group = 1: none; general kernel only)
+  int n_group, topk_group;  // group-limited selection (n_group = 1: none)
 };
 
 __device__ __forceinline__ float sigmoidf_(float v) { return 1.f / (1.f + __expf(-v)); }
@@ -121,6 +121,36 @@ __global__ void __launch_bounds__(256) topk_router_registers(RouterParams p) {
   }
 }
 
+// Group-limited selection of one token (n_group <= 32 groups of S = E / n_group consecutive
+// experts): lane g scores group g by the sum of its two largest selection values (larger key
+// first, as the selection compares), then topk_group rounds of a warp max pick the kept groups
+// (ties to the lower group). Returns the kept groups as a bit mask, the same in every lane.
+__device__ __forceinline__ uint32_t router_kept_groups(const RouterParams& p, const float* row, int lane) {
+  const int S = p.E / p.n_group;
+  uint64_t first = 0, second = 0;
+  float v1 = 0.f, v2 = 0.f;
+  if (lane < p.n_group) {
+    for (int e = lane * S; e < (lane + 1) * S; ++e) {
+      const float v = router_selection_value(p, row[e], e);
+      const uint64_t key = selection_key(v, e);
+      if (key > first) {
+        second = first, v2 = v1;
+        first = key, v1 = v;
+      } else if (key > second) {
+        second = key, v2 = v;
+      }
+    }
+  }
+  const uint64_t group_key = lane < p.n_group ? selection_key(v1 + v2, lane) : 0;
+  uint32_t kept = 0;
+  uint64_t prev = ~0ull;
+  for (int i = 0; i < p.topk_group; ++i) {
+    prev = warp_max_u64(group_key < prev ? group_key : 0);
+    kept |= 1u << key_index(prev);
+  }
+  return kept;
+}
+
 // Fast path for E <= 32 * kRouterSortedMaxV: each lane sorts its V candidate keys once, so that a
 // selection round is two warp reductions (REDUX) over the lanes' heads and a shift in the winning
 // lane, instead of a rescan of V keys plus a 64-bit shuffle tree per round (which leaves the
@@ -157,11 +187,26 @@ __global__ void __launch_bounds__(kRouterBlockWarps * kWarpSize) topk_router_sor
     float nxt[V];
     const bool more = i + 1 < kTokensPerWarp && t + 1 < p.T;
     if (more) load(t + 1, nxt);
+    // Group-limited selection: the row goes through this warp's shared-memory row (the group
+    // scores read a group's S consecutive experts, which live in other lanes' registers); the
+    // experts of dropped groups get key 0, as padding, which no round selects while
+    // K <= topk_group·S (checked on the host).
+    const bool grouped = p.n_group > 1;  // uniform over the grid
+    uint32_t kept = ~0u;
+    if (grouped) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) red[warp][lane + kWarpSize * j] = cur[j];
+      __syncwarp();
+      kept = router_kept_groups(p, red[warp], lane);
+      __syncwarp();  // the row is rewritten for the next token
+    }
+    const int group_size = p.E / p.n_group;
     uint64_t key[V];  // descending after the sort; 0 (below every real key) pads
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const int e = lane + kWarpSize * j;
-      key[j] = e < p.E ? selection_key(router_selection_value(p, cur[j], e), e) : 0;
+      const bool selectable = e < p.E && (!grouped || ((kept >> (e / group_size)) & 1u));
+      key[j] = selectable ? selection_key(router_selection_value(p, cur[j], e), e) : 0;
     }
 #pragma unroll
     for (int pass = 0; pass < V; ++pass)  // odd-even transposition sort
@@ -224,36 +269,6 @@ __global__ void __launch_bounds__(kRouterBlockWarps * kWarpSize) topk_router_sor
     for (int w = 0; w < kRouterBlockWarps; ++w) s += red[w][e];
     p.aux_partials[static_cast<int64_t>(blockIdx.x) * p.E + e] = s;
   }
-}
-
-// Group-limited selection of one token (n_group <= 32 groups of S = E / n_group consecutive
-// experts): lane g scores group g by the sum of its two largest selection values (larger key
-// first, as the selection compares), then topk_group rounds of a warp max pick the kept groups
-// (ties to the lower group). Returns the kept groups as a bit mask, the same in every lane.
-__device__ __forceinline__ uint32_t router_kept_groups(const RouterParams& p, const float* row, int lane) {
-  const int S = p.E / p.n_group;
-  uint64_t first = 0, second = 0;
-  float v1 = 0.f, v2 = 0.f;
-  if (lane < p.n_group) {
-    for (int e = lane * S; e < (lane + 1) * S; ++e) {
-      const float v = router_selection_value(p, row[e], e);
-      const uint64_t key = selection_key(v, e);
-      if (key > first) {
-        second = first, v2 = v1;
-        first = key, v1 = v;
-      } else if (key > second) {
-        second = key, v2 = v;
-      }
-    }
-  }
-  const uint64_t group_key = lane < p.n_group ? selection_key(v1 + v2, lane) : 0;
-  uint32_t kept = 0;
-  uint64_t prev = ~0ull;
-  for (int i = 0; i < p.topk_group; ++i) {
-    prev = warp_max_u64(group_key < prev ? group_key : 0);
-    kept |= 1u << key_index(prev);
-  }
-  return kept;
 }
 
 // General path: any E and K, and group-limited selection. Each round rescans the row from global
