@@ -202,6 +202,23 @@ def functional_backend(name):
     return Backend(name)
 
 
+def _check_overflow_on_the_gpu(model, x, rank):
+    """The fixed-block all-to-all with too small a capacity: nothing is overrun, every rank's output
+    of that call is NaN, check_capacity() raises on every rank naming the count and the capacity,
+    and the next call with enough capacity is right again (finite, and no error left behind)."""
+    from machmoe.distributed import ExpertParallelMoE, check_capacity
+
+    tight = ExpertParallelMoE.from_moe(model, exchange="all_to_all", max_tokens=T + 3, capacity_factor=0.05)
+    out, _ = tight(x)
+    assert torch.isnan(out).all(), f"rank {rank}: an overflowing call's output is not all NaN"
+    with pytest.raises(RuntimeError, match="capacity of"):
+        check_capacity()
+    roomy = ExpertParallelMoE.from_moe(model, exchange="all_to_all", max_tokens=T + 3)
+    out, _ = roomy(x)
+    check_capacity()
+    assert torch.isfinite(out).all(), f"rank {rank}: the call after an overflow is not finite"
+
+
 def _force_overlap(on: bool) -> None:
     """The all-gather exchange's backward overlapped (on) or plain, whatever the block size."""
     from machmoe import expert_exchange
@@ -251,6 +268,8 @@ def _ep_worker(rank, world, init_file, seed):
                 print(f"expert parallel W={world} rank {rank} {exchange}: {name} error {err:.2e} "
                       f"(single GPU {rel_err(single, ref):.2e}, bound {bound:.2e})")
                 assert err <= bound, f"expert parallel W={world} rank {rank} {exchange}: {name} {err:.2e} > {bound:.2e}"
+        if world > 1:
+            _check_overflow_on_the_gpu(model, xs[rank], rank)
         for overlap in (True, False):
             _force_overlap(overlap)
             _check_no_sync_and_graph(model, xs[rank], gs[rank], T + 3 * (world - 1))
