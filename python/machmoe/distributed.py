@@ -23,6 +23,7 @@ rounding runs over the group's whole batch with the all-gather exchange
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Union
 
 import torch
@@ -34,7 +35,7 @@ from .enums import (ActivationType, Backend, GateUpLayout, GluClamp, RoutingMeth
                     is_gate_routing, is_glu, parse_enum, resolve_glu_clamp)
 from .expert_all_to_all import all_to_all_experts
 from .expert_capacity_exchange import capacity_all_to_all_experts, capacity_rows
-from .expert_capacity_exchange import check_capacity  # noqa: F401 (public: machmoe.distributed.check_capacity)
+from .exchange_overflow import check_capacity  # noqa: F401 (public: machmoe.distributed.check_capacity)
 from .expert_exchange import gathered_experts, rounded_gathered_experts
 from .moe import ExpertLinear, MoE, _positive_int, layer_settings, rounding_for_call
 
@@ -126,6 +127,16 @@ def _check_max_tokens(T: int, max_tokens: int) -> None:
                          f"rank's exchange buffers were sized for; raise max_tokens or pass fewer tokens")
 
 
+def pair_capacity(capacity_factor: float, W: int, rows: int, K: int) -> Optional[int]:
+    """The all-gather exchange's (token, expert) pairs per rank: None (all W·rows·K gathered
+    pairs, which never overflows) for capacity_factor 1, else ceil(capacity_factor · W·rows·K),
+    at least 1. A balanced batch gives each rank rows·K of them: a factor of b/W leaves room for
+    b times that."""
+    if capacity_factor >= 1:
+        return None
+    return max(1, math.ceil(capacity_factor * W * rows * K))
+
+
 def _check_exchange(exchange: str, max_tokens: Optional[int], capacity_factor,
                     rounding: TokenRounding) -> None:
     """The exchange's settings, checked alike by the function and the module."""
@@ -140,6 +151,9 @@ def _check_exchange(exchange: str, max_tokens: Optional[int], capacity_factor,
     if rounding != TokenRounding.NONE and exchange != "all_gather":
         raise ValueError(f"token_rounding={rounding.value!r} needs exchange='all_gather' (the "
                          f"experts' owners see the whole batch's scores there); got {exchange!r}")
+    if rounding != TokenRounding.NONE and capacity_factor < 1:
+        raise ValueError(f"token_rounding={rounding.value!r} needs capacity_factor=1 (a rounded "
+                         f"batch's pairs are not bounded by a capacity); got {capacity_factor!r}")
 
 
 def expert_parallel_moe(
@@ -206,10 +220,13 @@ def expert_parallel_moe(
             with one host synchronisation per forward for their counts.
         router_bias, routed_scaling_factor, n_group, topk_group: the router's options, as for
             machmoe.functional.moe (router_bias [E] is a replica, like router_weight).
-        capacity_factor: "all_to_all" with max_tokens: rows per block over max_tokens, in
-            (0, 1] (default 1: no batch can overflow). Smaller sends fewer bytes; a batch that
-            needs more rows poisons the call's output with NaN, and check_capacity() raises (see
-            machmoe.expert_capacity_exchange).
+        capacity_factor: in (0, 1] (default 1: no batch can overflow). "all_to_all" with
+            max_tokens: rows per block over max_tokens; smaller sends fewer bytes.
+            "all_gather": the (token, expert) pairs each rank's experts are sized for, over all
+            W·rows·K gathered pairs (rows: max_tokens, or the group's largest T); smaller holds
+            less memory (a balanced batch needs 1/W; the saved H shrinks with it). For both, a
+            batch that needs more poisons the call's output with NaN on every rank, and
+            check_capacity() raises (machmoe.exchange_overflow); on the CPU the call raises.
         token_rounding, tile_m, seed: "all_gather" only, routing "softmax_topk" only: round each
             expert's row count over the whole group's batch (the ranks' batches end to end) to a
             multiple of tile_m, as machmoe.functional.moe does for one batch
@@ -286,7 +303,8 @@ def expert_parallel_moe(
                       num_experts=E, activation=activation, layout=layout, backend=backend,
                       glu_clamp=glu_clamp)
         if rounding == TokenRounding.NONE:
-            out = gathered_experts(xs, ss, es, w1, w2, b1, b2, **common)
+            out = gathered_experts(xs, ss, es, w1, w2, b1, b2, group=group,
+                                   pair_capacity=pair_capacity(capacity_factor, W, rows, K), **common)
         else:
             out = rounded_gathered_experts(xs, ls, ss, es, w1, w2, b1, b2, mode=rounding,
                                            tile_m=tile_m, seed=seed, **common)

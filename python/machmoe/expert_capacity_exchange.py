@@ -42,40 +42,8 @@ import torch
 import torch.distributed as dist
 
 from . import functional, torch_backend
+from .exchange_overflow import ROWS_PER_PEER, agreed_overflow, forget_finished, poison
 from .expert_exchange import _SwapBlocks, _swap_blocks
-
-# Overflow reports of calls whose flag may not have reached the host yet: (event or None,
-# pinned [2] int64 host tensor (worst count, capacity)).
-_pending: list[tuple[Optional[torch.cuda.Event], torch.Tensor]] = []
-
-
-def _overflow_error(count: int, capacity: int) -> RuntimeError:
-    return RuntimeError(
-        f"expert-parallel exchange overflow: a rank had to send {count} rows to one peer, more "
-        f"than its capacity of {capacity} rows (ceil(capacity_factor · max_tokens)); that call's "
-        f"output was NaN. Raise capacity_factor (1.0 never overflows) or max_tokens.")
-
-
-def check_capacity() -> None:
-    """Raises the overflow error of an earlier capacity-bounded all-to-all call of this process,
-    if one overflowed, after waiting for those calls to finish on the device. Call it where the
-    host waits anyway (reading the loss, the end of a step); every rank of a group sees the same
-    overflows, so all of them raise together."""
-    pending, _pending[:] = list(_pending), []
-    for event, flag in pending:
-        if event is not None:
-            event.synchronize()
-        if int(flag[0]) > int(flag[1]):
-            raise _overflow_error(int(flag[0]), int(flag[1]))
-
-
-def _forget_finished() -> None:
-    """Drops the reports of calls that finished without overflowing (a non-blocking look), so
-    that the list does not grow when check_capacity is not called. Raises nothing: ranks may see
-    their calls finish at different times, and a rank raising alone before a collective would
-    leave the others waiting in it."""
-    _pending[:] = [(event, flag) for event, flag in _pending
-                   if event is not None and (not event.query() or int(flag[0]) > int(flag[1]))]
 
 
 def _slot_sum(rows: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
@@ -162,7 +130,7 @@ def capacity_all_to_all_experts(x: torch.Tensor, scores: torch.Tensor, experts: 
     the caller (scores [T, K], experts [T, K] global ids), this rank
     holding w1 [E/W, N1, d], w2 [E/W, d, n] (and b1, b2); capacity: C. experts_kwargs go to
     functional.experts_topk. Every rank of `group` calls this together with the same C."""
-    _forget_finished()
+    forget_finished()
     T, K = experts.shape
     W = dist.get_world_size(group)
     E_local, C, dev = num_experts // W, capacity, x.device
@@ -182,11 +150,7 @@ def capacity_all_to_all_experts(x: torch.Tensor, scores: torch.Tensor, experts: 
         source = torch.full((W * C + 1,), -1, dtype=torch.int64, device=dev).scatter_(
             0, spill, token)[:W * C]
         # The worst count, the same on every rank: an overflow on any rank poisons every output.
-        worst = owners.sum(0).max().to(torch.int64).reshape(1)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-        overflow = worst[0] > C
-        if not x.is_cuda and bool(overflow):  # known without waiting: refuse before exchanging
-            raise _overflow_error(int(worst[0]), C)
+        overflow = agreed_overflow(owners.sum(0).max(), C, group, ROWS_PER_PEER)
         # Each send row's K pairs for its block's rank: local expert (E/W: none) and score.
         row_rank = block.repeat_interleave(C)  # [W·C]
         row_experts = _slot_rows(experts.long(), source)  # [W·C, K]
@@ -206,11 +170,5 @@ def capacity_all_to_all_experts(x: torch.Tensor, scores: torch.Tensor, experts: 
     with phase("ep.combine"):
         y_send = _SwapBlocks.apply(y_recv, W, group_name)
         out = _FromSlots.apply(y_send, slot, source)
-        out = torch.where(overflow, torch.full((), float("nan"), dtype=out.dtype, device=dev), out)
-    if x.is_cuda:  # the overflow report, read by a later call without waiting
-        flag = torch.empty(2, dtype=torch.int64, pin_memory=True)
-        flag.copy_(torch.stack([worst[0], worst[0].new_full((), C)]), non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        _pending.append((event, flag))
+        out = poison(out, overflow)
     return out

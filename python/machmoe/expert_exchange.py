@@ -35,10 +35,13 @@ a token only to the ranks that hold one of its experts: the fraction 1 - C(E-E/W
 these bytes, which is 0.996 at W = 2 and 0.90 at W = 4 with E = 128, K = 8, but 0.66 at W = 8
 (docs/SCALING.md).
 
-Memory: the experts run on a list of W·T·K pairs, most of them dropped, and without a host
-sync their buffers are sized for the whole list: the saved H is [W·T·K, N1], W times the single
-layer's (7B-a on two H200s: 3.57 GiB peak against 2.27). Sizing them for the pairs a rank
-actually gets needs a bound on the imbalance and a capacity in the experts' routing metadata.
+Memory: without a host sync the experts' buffers are sized before the pairs are counted. By
+default they hold all W·T·K gathered pairs, most of them other ranks': the saved H is
+[W·T·K, N1], W times the single layer's (7B-a on two H200s: 3.57 GiB peak against 2.27). With a
+pair capacity (capacity_factor < 1), this rank's pairs are first moved to the front of the list,
+in order (compact_pairs: a prefix sum, no sort), and the list is cut to the capacity, so H is
+[capacity, N1]; a batch that needs more poisons every rank's output with NaN and check_capacity()
+raises (machmoe.exchange_overflow).
 
 Numerics: each rank's partial sum is rounded to x's dtype before the reduction, which adds the
 ranks' blocks in rank order in float32 and rounds once (on the CPU, gloo's reduce-scatter adds); the
@@ -51,7 +54,7 @@ from typing import Optional
 
 import torch
 
-from . import functional, symmetric_exchange, torch_backend
+from . import exchange_overflow, functional, symmetric_exchange, torch_backend
 from .enums import ActivationType, Backend, GateUpLayout, glu_clamp_list
 
 _c10d = torch.ops._c10d_functional
@@ -125,40 +128,78 @@ class _ReduceScatterRows(torch.autograd.Function):
 def gathered_experts(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor,
                      w1: torch.Tensor, w2: torch.Tensor, b1: Optional[torch.Tensor],
                      b2: Optional[torch.Tensor], *, world: int, rank: int, group_name: str,
-                     num_experts: int, **experts_kwargs) -> torch.Tensor:
+                     num_experts: int, group=None, pair_capacity: Optional[int] = None,
+                     **experts_kwargs) -> torch.Tensor:
     """out [T, d]: the experts of the whole group on this rank's tokens x [T, d] with their
     routing (scores [T, K] float, experts [T, K] global ids), this rank holding w1 [E/W, N1, d],
     w2 [E/W, d, n] (and b1, b2). T must be the same on every rank of the group (the caller pads);
-    experts_kwargs go to functional.experts_topk (activation, layout, backend, glu_clamp)."""
+    experts_kwargs: activation, layout, backend, glu_clamp.
+
+    pair_capacity: None, or the (token, expert) pairs this rank's experts are sized for, fewer
+    than the W·T·K gathered ones (compact_pairs); a batch that gives some rank more makes every
+    rank's output NaN, and check_capacity() raise (machmoe.exchange_overflow)."""
     E_local = num_experts // world
     sg, eg = _GatherRouting.apply(scores, experts, world, group_name)  # [W·T, K] each
     local = eg - rank * E_local
     # Experts another rank holds: out of [0, E_local), so dropped (no host check).
     local = torch.where((local >= 0) & (local < E_local), local, E_local)
-    return _experts_on_gathered_rows(x, sg, local, w1, w2, b1, b2, world, group_name, experts_kwargs)
+    rows, K = local.shape
+    score, expert = sg.reshape(-1), local.to(torch.int32).reshape(-1)  # [W·T·K], (t, k) order
+    token = torch.arange(rows, device=x.device, dtype=torch.int32).repeat_interleave(K)
+    if pair_capacity is None or pair_capacity >= rows * K:
+        return _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, group_name,
+                                         experts_kwargs)
+    score, token, expert, count = compact_pairs(score, token, expert, E_local, pair_capacity)
+    overflow = exchange_overflow.agreed_overflow(count, pair_capacity, group, exchange_overflow.PAIRS_PER_RANK)
+    out = _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, group_name,
+                                    experts_kwargs)
+    return exchange_overflow.poison(out, overflow)
 
 
-def _experts_on_gathered_rows(x, scores_g, experts_g, w1, w2, b1, b2, world, group_name, experts_kwargs):
-    """out [T, d]: x [T, d] gathered, the experts on the gathered rows with routing
-    (scores_g, experts_g) [W·T, K'] (experts out of [0, E/W) dropped), the partial sums
-    reduce-scattered. On the kernels over symmetric memory, where overlaps_dx_exchange says it
-    pays, as one node whose backward overlaps the reduce-scatter of dx with the weight gradients
-    (_ExchangedExperts); otherwise as three nodes (gather, experts, reduce-scatter)."""
-    if symmetric_exchange.available(x, world) and overlaps_dx_exchange(x.shape[0], x.shape[1], x.element_size()):
-        activation, layout, glu_clamp, T, d, E, n = functional._parse_experts_call(
-            x, w1, w2, b1, b2, experts_kwargs.get("activation", ActivationType.SWIGLU),
-            experts_kwargs.get("layout", GateUpLayout.INTERLEAVED), experts_kwargs.get("backend", Backend.AUTO),
-            experts_kwargs.get("glu_clamp"))
-        if functional.resolve_backend(experts_kwargs.get("backend", Backend.AUTO), x, d, n) == Backend.MACHMOE:
-            rows, K = experts_g.shape
-            token = torch.arange(rows, device=x.device, dtype=torch.int32)[:, None].expand(rows, K).reshape(-1)
-            opts = (activation.value, layout.value, glu_clamp_list(glu_clamp))
-            return _ExchangedExperts.apply(x.contiguous(), scores_g, token,
-                                           experts_g.to(torch.int32).reshape(-1).contiguous(), w1.contiguous(),
-                                           _contiguous(b1), w2.contiguous(), _contiguous(b2), opts, world,
-                                           group_name)
+def compact_pairs(score: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, E_local: int,
+                  capacity: int) -> tuple:
+    """A routing list [R] (ordered by token; experts out of [0, E_local) are other ranks') ->
+    the first `capacity` of its in-range pairs in the same order, then pairs of no expert
+    (E_local) on the last token, which keep the list ordered: (score, token, expert) [capacity],
+    and the number of in-range pairs (a 0-d device tensor; those past the capacity are left
+    out). The experts' buffers are then sized for `capacity` pairs instead of R. No host sync;
+    the scores' gradient flows back to the kept pairs (the others get 0)."""
+    mine = expert < E_local
+    position = torch.cumsum(mine.to(torch.int64), 0) - 1  # [R] place among the in-range pairs
+    count = mine.sum()
+    keep = mine & (position < capacity)
+    index = torch.where(keep, position, capacity)  # the rest into a spare slot, dropped
+    last = token[-1:] if token.numel() else token.new_zeros(1)
+    fill = lambda value, like: torch.full((capacity + 1,), value, dtype=like.dtype, device=like.device)  # noqa: E731
+    out_token = last.expand(capacity + 1).clone().scatter(0, index, token)[:capacity]
+    out_expert = fill(E_local, expert).scatter(0, index, expert)[:capacity]
+    out_score = fill(0, score).scatter(0, index, score)[:capacity]  # differentiable in score
+    return out_score, out_token, out_expert, count
+
+
+def _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, group_name, experts_kwargs):
+    """out [T, d]: x [T, d] gathered, the experts on the gathered rows [W·T, d] with the routing
+    list (score, token, expert) [R'] (ordered by token; experts out of [0, E/W) dropped), the
+    partial sums reduce-scattered. On the kernels over symmetric memory, where
+    overlaps_dx_exchange says it pays, as one node whose backward overlaps the reduce-scatter of
+    dx with the weight gradients (_ExchangedExperts); otherwise as three nodes (gather, experts,
+    reduce-scatter)."""
+    activation, layout, glu_clamp, T, d, E, n = functional._parse_experts_call(
+        x, w1, w2, b1, b2, experts_kwargs.get("activation", ActivationType.SWIGLU),
+        experts_kwargs.get("layout", GateUpLayout.INTERLEAVED), experts_kwargs.get("backend", Backend.AUTO),
+        experts_kwargs.get("glu_clamp"))
+    on_kernels = functional.resolve_backend(experts_kwargs.get("backend", Backend.AUTO), x, d, n) == Backend.MACHMOE
+    if on_kernels and symmetric_exchange.available(x, world) and overlaps_dx_exchange(T, d, x.element_size()):
+        return _ExchangedExperts.apply(x.contiguous(), score, token, expert, w1.contiguous(), _contiguous(b1),
+                                       w2.contiguous(), _contiguous(b2),
+                                       (activation.value, layout.value, glu_clamp_list(glu_clamp)), world,
+                                       group_name)
     xg = _GatherRows.apply(x, world, group_name)  # [W·T, d]
-    y = functional.experts_topk(xg, w1, w2, scores_g, experts_g, b1=b1, b2=b2, **experts_kwargs)  # [W·T, d]
+    if not on_kernels:  # the torch backend takes in-range pairs only (it synchronises anyway)
+        keep = expert < E
+        score, token, expert = score[keep], token[keep], expert[keep]
+    y = functional._run_experts(xg, w1, b1, w2, b2, score, token, expert, activation, layout, glu_clamp,
+                                on_kernels)  # [W·T, d]
     return _ReduceScatterRows.apply(y, world, group_name)
 
 
@@ -191,7 +232,7 @@ class _ExchangedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, scores_g, token, expert, w1, b1, w2, b2, opts, W, group_name):
         xg = symmetric_exchange.all_gather_op(x, W, group_name)  # [W·T, d]
-        y, saved = torch.ops.machmoe.experts_forward(xg, w1, b1, w2, b2, scores_g.float().reshape(-1).contiguous(),
+        y, saved = torch.ops.machmoe.experts_forward(xg, w1, b1, w2, b2, scores_g.float().contiguous(),
                                                      token, expert, *opts)
         ctx.save_for_backward(xg, w1, b1, w2, b2, token, expert, saved)
         ctx.opts, ctx.W, ctx.group_name = opts, W, group_name
@@ -340,4 +381,7 @@ def rounded_gathered_experts(x: torch.Tensor, logits: torch.Tensor, scores: torc
     local = torch.arange(E_local, device=x.device, dtype=torch.int32).expand_as(keep)
     local = torch.where(keep, local, E_local)  # out of range: dropped
     kept_scores = torch.where(keep, column_scores, torch.zeros_like(column_scores))
-    return _experts_on_gathered_rows(x, kept_scores, local, w1, w2, b1, b2, world, group_name, experts_kwargs)
+    rows = local.shape[0]
+    token = torch.arange(rows, device=x.device, dtype=torch.int32).repeat_interleave(E_local)
+    return _experts_on_gathered_rows(x, kept_scores.reshape(-1), token, local.to(torch.int32).reshape(-1), w1, w2,
+                                     b1, b2, world, group_name, experts_kwargs)

@@ -126,6 +126,7 @@ def _worker(rank, world, init_file, seed, errors):
                 _check_case(rank, world, seed + 7 * i, case, exchange)
         _check_deterministic(rank, world, seed)
         _check_overflow(rank, world)
+        _check_pair_capacity(rank, world, seed)
         for mode in ("nr", "up", "down", "stochastic"):
             _check_rounding(rank, world, seed, mode)
         _check_init_independent_of_world(rank, world)
@@ -207,6 +208,51 @@ def _check_deterministic(rank, world, seed):
         assert torch.equal(a, b), "two runs differ"
 
 
+def _check_pair_capacity(rank, world, seed):
+    """The all-gather exchange with its experts sized for fewer pairs than the gathered ones: with
+    room enough, bitwise the layer without a capacity (output, input and parameter gradients);
+    with too little, every rank raises on the CPU, and a call with room works afterwards."""
+    from machmoe.distributed import ExpertParallelMoE, pair_capacity
+
+    assert pair_capacity(0.9, world, 16, 2) < world * 16 * 2  # the pairs really are compacted
+    x = torch.randn(13, 16, generator=torch.Generator().manual_seed(seed + rank))
+    runs = []
+    for factor in (1.0, 0.9):
+        layer = ExpertParallelMoE(8, 2, 16, 8, seed=seed % 1000, backend="torch", max_tokens=16,
+                                  capacity_factor=factor)
+        xi = x.clone().requires_grad_(True)
+        out, aux = layer(xi)
+        (out.square().sum() + aux).backward()
+        runs.append([out, xi.grad] + [p.grad for p in layer.parameters()])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b), "a pair capacity with room changed the result"
+    tight = ExpertParallelMoE(8, 2, 16, 8, backend="torch", max_tokens=16, capacity_factor=0.01)
+    cap = pair_capacity(0.01, world, 16, 2)
+    with pytest.raises(RuntimeError, match=rf"\(token, expert\) pairs for its experts, more than its capacity of {cap} "):
+        tight(x)
+    out, _ = ExpertParallelMoE(8, 2, 16, 8, backend="torch", max_tokens=16)(x)
+    assert torch.isfinite(out).all()
+
+
+def test_compact_pairs_keeps_this_ranks_pairs_in_order():
+    from machmoe.expert_exchange import compact_pairs
+
+    E_local = 3
+    token = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3], dtype=torch.int32)
+    expert = torch.tensor([0, 3, 3, 2, 1, 0, 3, 3], dtype=torch.int32)  # 3: another rank's
+    score = torch.arange(8, dtype=torch.float64).add(1).requires_grad_(True)
+    s, t, e, count = compact_pairs(score, token, expert, E_local, capacity=6)
+    assert int(count) == 4
+    assert t.tolist() == [0, 1, 2, 2, 3, 3] and e.tolist() == [0, 2, 1, 0, 3, 3]
+    assert s.tolist() == [1, 4, 5, 6, 0, 0]
+    s.sum().backward()
+    assert score.grad.tolist() == [1, 0, 0, 1, 1, 1, 0, 0]
+    s, t, e, count = compact_pairs(score.detach(), token, expert, E_local, capacity=2)  # too few
+    assert int(count) == 4 and t.tolist() == [0, 1] and e.tolist() == [0, 2] and s.tolist() == [1, 4]
+    s, t, e, count = compact_pairs(score.detach()[:0], token[:0], expert[:0], E_local, capacity=2)
+    assert int(count) == 0 and e.tolist() == [3, 3]
+
+
 def _check_overflow(rank, world):
     """A capacity-bounded all-to-all whose blocks are too small: every rank raises (on the CPU
     before exchanging), and a call that fits afterwards works."""
@@ -215,8 +261,8 @@ def _check_overflow(rank, world):
     layer = ExpertParallelMoE(8, 8, 16, 8, backend="torch", exchange="all_to_all", max_tokens=10,
                               capacity_factor=0.5)  # K = E: every token needs every rank
     x = torch.randn(10, 16, dtype=layer.router.weight.dtype)
-    with pytest.raises(RuntimeError, match="had to send 10 rows to one peer, more than its "
-                                           "capacity of 5 rows"):
+    with pytest.raises(RuntimeError, match="had 10 rows to send to one peer, more than its "
+                                           "capacity of 5 "):
         layer(x)
     out, _ = layer(x[:5])
     assert torch.isfinite(out).all()
