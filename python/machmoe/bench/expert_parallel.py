@@ -156,7 +156,16 @@ EXCHANGE_SETTINGS = {
     "all_gather": (dict(exchange="all_gather"), True),
     "all_to_all": (dict(exchange="all_to_all"), False),  # exact rows, one host sync a forward
     "all_to_all_capacity": (dict(exchange="all_to_all"), True),  # fixed blocks, no host sync
+    # the experts sized for 1.25x a balanced rank's pairs (capacity_factor 1.25 / W, set per run)
+    "all_gather_capacity": (dict(exchange="all_gather", capacity_factor=None), True),
 }
+
+
+def _settings_for(settings: dict, world: int) -> dict:
+    """The settings with a capacity_factor of None made 1.25 / W (at most 1)."""
+    if settings.get("capacity_factor", 1.0) is None:
+        return {**settings, "capacity_factor": min(1.0, 1.25 / world)}
+    return settings
 
 
 def _variants(exchanges: list[str]) -> list[tuple[str, dict, bool]]:
@@ -206,7 +215,8 @@ def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup
             full.zero_grad(set_to_none=True)
             flop = sum(layer_flops(cfg.T, cfg.K, cfg.n, cfg.d))
             for label, settings, bounded in variants:
-                layer = ExpertParallelMoE.from_moe(full, max_tokens=cfg.T if bounded else None, **settings)
+                layer = ExpertParallelMoE.from_moe(full, max_tokens=cfg.T if bounded else None,
+                                                   **_settings_for(settings, world))
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
                 ep_ms = _loop_ms(lambda: step(layer), reps, warmup)
@@ -234,7 +244,8 @@ def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup
             if profile_calls:
                 full = MoE(cfg.E, cfg.K, cfg.d, cfg.n).cuda().bfloat16()
                 label, settings, bounded = variants[0]
-                layer = ExpertParallelMoE.from_moe(full, max_tokens=cfg.T if bounded else None, **settings)
+                layer = ExpertParallelMoE.from_moe(full, max_tokens=cfg.T if bounded else None,
+                                                   **_settings_for(settings, world))
                 _profile(f"{cfg.name} single GPU", lambda: step(full), rank)
                 _profile(f"{cfg.name} expert parallel ({label}), W = {world}", lambda: step(layer), rank)
                 del full, layer
