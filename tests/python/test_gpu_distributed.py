@@ -280,7 +280,7 @@ def _ep_worker(rank, world, init_file, seed):
 
 
 @pytest.mark.ops
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_expert_parallel_on_the_kernels(world, seed):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs (NCCL)")
