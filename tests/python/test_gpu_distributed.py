@@ -120,9 +120,10 @@ def _mean_grads(model, xs, gs, backend):
 
 def EP_EXCHANGES(world):
     """The exchanges each GPU case runs: all-gather with max_tokens (the largest rank's T plus
-    5 rows of padding), all-gather finding the largest T itself, all-to-all with exact rows and
-    with fixed blocks."""
+    5 rows of padding), with a pair capacity, and finding the largest T itself; all-to-all with
+    exact rows and with fixed blocks."""
     return [dict(exchange="all_gather", max_tokens=T + 3 * (world - 1) + 5),
+            dict(exchange="all_gather", max_tokens=T + 3 * (world - 1), capacity_factor=0.9),
             dict(exchange="all_gather"), dict(exchange="all_to_all"),
             dict(exchange="all_to_all", max_tokens=T + 3 * (world - 1) + 5)]
 
@@ -202,18 +203,18 @@ def functional_backend(name):
     return Backend(name)
 
 
-def _check_overflow_on_the_gpu(model, x, rank):
+def _check_overflow_on_the_gpu(model, x, rank, max_tokens):
     """The fixed-block all-to-all with too small a capacity: nothing is overrun, every rank's output
     of that call is NaN, check_capacity() raises on every rank naming the count and the capacity,
     and the next call with enough capacity is right again (finite, and no error left behind)."""
     from machmoe.distributed import ExpertParallelMoE, check_capacity
 
-    tight = ExpertParallelMoE.from_moe(model, exchange="all_to_all", max_tokens=T + 3, capacity_factor=0.05)
+    tight = ExpertParallelMoE.from_moe(model, exchange="all_to_all", max_tokens=max_tokens, capacity_factor=0.05)
     out, _ = tight(x)
     assert torch.isnan(out).all(), f"rank {rank}: an overflowing call's output is not all NaN"
     with pytest.raises(RuntimeError, match="capacity of"):
         check_capacity()
-    roomy = ExpertParallelMoE.from_moe(model, exchange="all_to_all", max_tokens=T + 3)
+    roomy = ExpertParallelMoE.from_moe(model, exchange="all_to_all", max_tokens=max_tokens)
     out, _ = roomy(x)
     check_capacity()
     assert torch.isfinite(out).all(), f"rank {rank}: the call after an overflow is not finite"
@@ -269,7 +270,7 @@ def _ep_worker(rank, world, init_file, seed):
                       f"(single GPU {rel_err(single, ref):.2e}, bound {bound:.2e})")
                 assert err <= bound, f"expert parallel W={world} rank {rank} {exchange}: {name} {err:.2e} > {bound:.2e}"
         if world > 1:
-            _check_overflow_on_the_gpu(model, xs[rank], rank)
+            _check_overflow_on_the_gpu(model, xs[rank], rank, T + 3 * (world - 1))
         for overlap in (True, False):
             _force_overlap(overlap)
             _check_no_sync_and_graph(model, xs[rank], gs[rank], T + 3 * (world - 1))
