@@ -324,11 +324,11 @@ void check_columns(int64_t T, int64_t d, const std::vector<int32_t>& offsets, bo
 
 TEST(GpuFp8, ColumnsMatchReference) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU visible";
-  check_columns(300, 32, {0, 130, 130, 300}, false);                 // an expert with no rows
+  check_columns(300, 32, {0, 130, 130, 300}, false);                 // an expert with no rows, partial slab
   check_columns(1, 16, {0, 1}, false);                                // T = 1
-  check_columns(700, 2880, {0, 1, 2, 3, 200, 600, 601}, true);        // one-row experts, partial slab
+  check_columns(700, 2880, {0, 1, 2, 3, 200, 600, 601}, true);        // one-row experts, d = 2880
   check_columns(512, 7168 / 4, {0, 128, 256, 384, 512}, false);      // whole chunks only
-  check_columns(40, 48, {0, 0, 0, 0}, true);                          // every expert empty
+  check_columns(40, 48, {0, 0, 0, 0}, true);                          // every expert empty, d < 64
   std::vector<int32_t> many(65, 0);                                    // 64 experts, uneven
   for (size_t e = 1; e < many.size(); ++e) many[e] = many[e - 1] + static_cast<int32_t>((e * 37) % 300);
   check_columns(5000, 256, many, true);
