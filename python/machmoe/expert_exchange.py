@@ -145,7 +145,7 @@ def gathered_experts(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tenso
     local = torch.where((local >= 0) & (local < E_local), local, E_local)
     rows, K = local.shape
     score, expert = sg.reshape(-1), local.to(torch.int32).reshape(-1)  # [W·T·K], (t, k) order
-    token = torch.arange(rows, device=x.device, dtype=torch.int32).repeat_interleave(K)
+    token = _row_of_each_pair(rows, K, x.device)
     if pair_capacity is None or pair_capacity >= rows * K:
         return _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, group_name,
                                          experts_kwargs)
@@ -154,6 +154,12 @@ def gathered_experts(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tenso
     out = _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, group_name,
                                     experts_kwargs)
     return exchange_overflow.poison(out, overflow)
+
+
+def _row_of_each_pair(rows: int, K: int, device) -> torch.Tensor:
+    """[rows·K] int32: 0, ..., 0, 1, ..., 1, ... (K each), the row of each pair of a [rows, K]
+    routing in (row, k) order (a broadcast: nothing is read back to the host)."""
+    return torch.arange(rows, device=device, dtype=torch.int32)[:, None].expand(rows, K).reshape(-1)
 
 
 def compact_pairs(score: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, E_local: int,
@@ -170,10 +176,13 @@ def compact_pairs(score: torch.Tensor, token: torch.Tensor, expert: torch.Tensor
     keep = mine & (position < capacity)
     index = torch.where(keep, position, capacity)  # the rest into a spare slot, dropped
     last = token[-1:] if token.numel() else token.new_zeros(1)
-    fill = lambda value, like: torch.full((capacity + 1,), value, dtype=like.dtype, device=like.device)  # noqa: E731
+
+    def filled(value, like):  # [capacity + 1] of value, the last entry the spare slot
+        return torch.full((capacity + 1,), value, dtype=like.dtype, device=like.device)
+
     out_token = last.expand(capacity + 1).clone().scatter(0, index, token)[:capacity]
-    out_expert = fill(E_local, expert).scatter(0, index, expert)[:capacity]
-    out_score = fill(0, score).scatter(0, index, score)[:capacity]  # differentiable in score
+    out_expert = filled(E_local, expert).scatter(0, index, expert)[:capacity]
+    out_score = filled(0, score).scatter(0, index, score)[:capacity]  # differentiable in score
     return out_score, out_token, out_expert, count
 
 
@@ -382,6 +391,6 @@ def rounded_gathered_experts(x: torch.Tensor, logits: torch.Tensor, scores: torc
     local = torch.where(keep, local, E_local)  # out of range: dropped
     kept_scores = torch.where(keep, column_scores, torch.zeros_like(column_scores))
     rows = local.shape[0]
-    token = torch.arange(rows, device=x.device, dtype=torch.int32).repeat_interleave(E_local)
+    token = _row_of_each_pair(rows, E_local, x.device)
     return _experts_on_gathered_rows(x, kept_scores.reshape(-1), token, local.to(torch.int32).reshape(-1), w1, w2,
                                      b1, b2, world, group_name, experts_kwargs)
