@@ -220,6 +220,26 @@ def _check_overflow_on_the_gpu(model, x, rank, max_tokens):
     assert torch.isfinite(out).all(), f"rank {rank}: the call after an overflow is not finite"
 
 
+def _check_compiled(model, x, g, max_tokens):
+    """torch.compile (aot_eager) of the all-gather exchange on the kernels, plain and overlapped
+    backward: bitwise the eager output and gradients."""
+    from machmoe.distributed import ExpertParallelMoE
+
+    for overlap in (False, True):
+        _force_overlap(overlap)
+        layer = ExpertParallelMoE.from_moe(model, max_tokens=max_tokens)
+        runs = []
+        for fn in (layer, torch.compile(layer, backend="aot_eager")):
+            layer.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_(True)
+            out, aux = fn(xi)
+            ((out.float() * g).sum() + aux).backward()
+            runs.append([out.detach(), xi.grad] + [p.grad.clone() for p in layer.parameters()])
+        for a, b in zip(*runs):
+            assert torch.equal(a, b), f"compiled expert parallel (overlap={overlap}) differs from eager"
+    _force_overlap(False)
+
+
 def _force_overlap(on: bool) -> None:
     """The all-gather exchange's backward overlapped (on) or plain, whatever the block size."""
     from machmoe import expert_exchange
@@ -271,6 +291,7 @@ def _ep_worker(rank, world, init_file, seed):
                 assert err <= bound, f"expert parallel W={world} rank {rank} {exchange}: {name} {err:.2e} > {bound:.2e}"
         if world > 1:
             _check_overflow_on_the_gpu(model, xs[rank], rank, T + 3 * (world - 1))
+            _check_compiled(model, xs[rank], gs[rank], T + 3 * (world - 1))
         for overlap in (True, False):
             _force_overlap(overlap)
             _check_no_sync_and_graph(model, xs[rank], gs[rank], T + 3 * (world - 1))
