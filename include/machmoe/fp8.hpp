@@ -126,6 +126,38 @@ struct QuantizeWeightsArgs {
 };
 void quantize_weights_fp8(const QuantizeWeightsArgs& args, cudaStream_t stream);
 
+// ---------------------------------------------------------------- grouped GEMM (FP8 operands)
+// The forward up-projection's shape without a gather, on row-quantised activations and block-
+// quantised weights (DeepSeek-V3's recipe):
+//   C[r, n] = Σ_kb sa[r, kb] · sb[e, n / 128, kb] · Σ_{k in [128kb, 128kb + 128)} Aq[r, k] · Wq[e, n, k]
+// for the rows r of expert e, [expert_offsets[e], expert_offsets[e+1]); KB = fp8_tiles(K).
+//   a_q [R, K] e4m3, a_scales [R, KB] fp32 (what quantize_rows_fp8 writes with d = K);
+//   w_q [E, N, K] e4m3, w_scales [E, fp8_tiles(N), KB] fp32 (what quantize_weights_fp8 writes);
+//   c [R, ldc] bf16: columns [0, N) of the experts' rows are written, nothing else.
+// Accumulation in fp32: each 128-deep K block in the tensor cores, then promoted with its two
+// scales (acc += sa·sb·block). expert_offsets [E+1] (device) must be nondecreasing within [0, R];
+// an expert with no rows is skipped. tile_offsets: workspace [E+1] int32 (device), written only
+// when E > 512 (may be null otherwise). max_ctas: 0 for one persistent CTA per SM, else at most
+// that many. Needs an sm_90 GPU (wgmma).
+// Rules (checked before any CUDA call, Error InvalidArgument naming the argument): 1 <= E <= 2^24;
+// N >= 8 and a multiple of 8; K >= 16 and a multiple of 16 (16-byte rows of codes for the TMA);
+// 0 <= R < 2^31; E·N + 256 < 2^31; ldc >= N and a multiple of 8; a_q, w_q, c 16-byte aligned,
+// the scales 4-byte aligned; no pointer null (with R = 0 the call does nothing).
+struct GroupedGemmFp8Args {
+  const uint8_t* a_q = nullptr;             // [R, K] e4m3
+  const float* a_scales = nullptr;          // [R, fp8_tiles(K)]
+  int64_t R = 0;
+  const uint8_t* w_q = nullptr;             // [E, N, K] e4m3
+  const float* w_scales = nullptr;          // [E, fp8_tiles(N), fp8_tiles(K)]
+  const int32_t* expert_offsets = nullptr;  // [E+1] device
+  int64_t E = 0, N = 0, K = 0;
+  void* c = nullptr;                        // [R, ldc] bf16
+  int64_t ldc = 0;
+  int32_t* tile_offsets = nullptr;          // workspace [E+1] (E > 512 only)
+  int max_ctas = 0;
+};
+void grouped_gemm_fp8(const GroupedGemmFp8Args& args, cudaStream_t stream);
+
 // ---------------------------------------------------------------- the conversion itself
 // q[i] = E4M3(x[i]) with the device's conversion (round to nearest even, satfinite; the rounding
 // every quantiser above uses), for tests that hold a host conversion against the hardware.

@@ -1,0 +1,124 @@
+// Launcher of the FP8 grouped GEMM (kernels/gemm/fp8_cooperative.cuh): argument rules, the TMA
+// descriptors of the e4m3 operands, and the persistent launch (one CTA per SM). The rules and
+// the formula: machmoe/fp8.hpp, grouped_gemm_fp8.
+#include <cuda.h>
+
+#include <algorithm>
+#include <limits>
+#include <string>
+
+#include "host/common/check.hpp"
+#include "host/common/tensor_map.hpp"
+#include "kernels/gemm/fp8_cooperative.cuh"
+#include "machmoe/fp8.hpp"
+#include "machmoe/machmoe.hpp"
+
+namespace machmoe {
+using detail::ceil_div;
+using detail::check_launch;
+using detail::require_arg;
+
+namespace {
+
+constexpr const char* kFn = "grouped_gemm_fp8";
+// The tile's width: two 128-column waves per consumer warpgroup, 64 x 256 fp32 accumulators
+// (128 registers) beside one wave's temporary (64).
+constexpr int kTileN = 256;
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+
+bool aligned4(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 3u) == 0; }
+
+// An e4m3 matrix [rows, K] (rows K bytes apart) in boxes of 128 K x 128 rows with the 128-byte
+// swizzle (one box row = one swizzle row = one scale group); zeros out of bounds, which the
+// partial last K block and the rows past the end rely on.
+CUtensorMap e4m3_tile_map(const void* ptr, int64_t rows, int64_t K) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(K)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kernels::kFp8BK), 128};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = detail::encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(ptr), dims,
+                                            strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw Error(ErrorCode::CudaError,
+                std::string(kFn) + ": cuTensorMapEncodeTiled failed with CUresult " + std::to_string(static_cast<int>(r)));
+  return map;
+}
+
+// Every rule the kernel relies on, before any CUDA call (so that they hold without a GPU).
+void check_args(const GroupedGemmFp8Args& a) {
+  require_arg(a.E >= 1 && a.E <= (1 << 24), kFn, "E", "must be in [1, 2^24], got " + std::to_string(a.E));
+  require_arg(a.N >= 8 && a.N % 8 == 0, kFn, "N",
+              "must be a positive multiple of 8 (16-byte rows of C), got " + std::to_string(a.N));
+  require_arg(a.K >= 16 && a.K % 16 == 0, kFn, "K",
+              "must be a positive multiple of 16 (16-byte rows of e4m3 codes for the TMA), got " + std::to_string(a.K));
+  require_arg(a.R >= 0 && a.R <= kInt32Max, kFn, "R", "must be in [0, 2^31 - 1], got " + std::to_string(a.R));
+  // (W[e] rows e·N + n0 + 128h, h < 2, are int32 TMA coordinates)
+  require_arg(a.N <= kInt32Max / a.E && a.E * a.N + kTileN <= kInt32Max, kFn, "E*N",
+              "must be below 2^31 - 256 (int32 row coordinates of W [E*N, K]), got E=" + std::to_string(a.E) +
+                  ", N=" + std::to_string(a.N));
+  require_arg(a.K <= kInt32Max, kFn, "K", "must be below 2^31");
+  require_arg(a.ldc >= a.N && a.ldc % 8 == 0, kFn, "ldc",
+              "must be >= N and a multiple of 8, got ldc=" + std::to_string(a.ldc) + ", N=" + std::to_string(a.N));
+  require_arg(a.a_q && a.a_scales && a.w_q && a.w_scales && a.expert_offsets && a.c, kFn,
+              "a_q/a_scales/w_q/w_scales/expert_offsets/c", "must not be null");
+  require_arg(a.E <= kernels::kGemmSmemTileE || a.tile_offsets != nullptr, kFn, "tile_offsets",
+              "must not be null when E > " + std::to_string(kernels::kGemmSmemTileE) + " (the kernel's table is global)");
+  require_arg(detail::aligned16(a.a_q), kFn, "a_q", "must be 16-byte aligned (TMA)");
+  require_arg(detail::aligned16(a.w_q), kFn, "w_q", "must be 16-byte aligned (TMA)");
+  require_arg(detail::aligned16(a.c), kFn, "c", "must be 16-byte aligned");
+  require_arg(aligned4(a.a_scales), kFn, "a_scales", "must be 4-byte aligned");
+  require_arg(aligned4(a.w_scales), kFn, "w_scales", "must be 4-byte aligned");
+  require_arg(aligned4(a.expert_offsets) && aligned4(a.tile_offsets), kFn, "expert_offsets/tile_offsets",
+              "must be 4-byte aligned");
+  require_arg(a.max_ctas >= 0, kFn, "max_ctas", "must be >= 0 (0: one CTA per SM), got " + std::to_string(a.max_ctas));
+}
+
+}  // namespace
+
+void grouped_gemm_fp8(const GroupedGemmFp8Args& a, cudaStream_t stream) {
+  check_args(a);
+  if (a.R == 0) return;  // no rows: every expert is empty, nothing to write
+
+  const DeviceInfo info = device_info();
+  if (info.cc_major != 9)
+    throw Error(ErrorCode::Unsupported, std::string(kFn) + ": needs an sm_90 GPU (wgmma), the device is sm_" +
+                                            std::to_string(info.cc_major) + std::to_string(info.cc_minor));
+  constexpr int smem = kernels::Fp8GemmSmem<kTileN>::kBytes;
+  require_arg(info.smem_per_block_optin >= static_cast<size_t>(smem), kFn, "device",
+              "needs " + std::to_string(smem) + " bytes of shared memory per block, the device allows " +
+                  std::to_string(info.smem_per_block_optin));
+
+  kernels::Fp8GemmParams p{};
+  p.g.expert_offsets = a.expert_offsets;
+  p.g.tile_offsets = a.tile_offsets;
+  p.g.c = static_cast<__nv_bfloat16*>(a.c);
+  p.g.ldc = a.ldc;
+  p.g.E = static_cast<int>(a.E);
+  p.g.N = static_cast<int>(a.N);
+  p.g.K = static_cast<int>(a.K);
+  p.g.n_tiles = static_cast<int>(ceil_div(a.N, kTileN));
+  p.sa = a.a_scales;
+  p.sb = a.w_scales;
+  p.a_rows = static_cast<int>(a.R);
+  p.k_blocks = static_cast<int>(fp8_tiles(a.K));
+  p.n_blocks = static_cast<int>(fp8_tiles(a.N));
+
+  // Above the kernel's shared-memory table the tile-offset table comes from the scan kernel.
+  if (a.E > kernels::kGemmSmemTileE) {
+    kernels::fp8_grouped_gemm_tile_offsets<<<1, 1024, 0, stream>>>(a.expert_offsets, p.g.E, p.g.n_tiles,
+                                                                    a.tile_offsets);
+    check_launch("grouped_gemm_fp8: tile offsets");
+  }
+  const CUtensorMap map_a = e4m3_tile_map(a.a_q, a.R, a.K);
+  const CUtensorMap map_b = e4m3_tile_map(a.w_q, a.E * a.N, a.K);
+  const int ctas = a.max_ctas > 0 ? std::min(a.max_ctas, info.sm_count) : info.sm_count;
+  auto* kernel = kernels::sm90_grouped_gemm_fp8<kTileN>;
+  detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, "grouped_gemm_fp8: cudaFuncSetAttribute");
+  kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, p);
+  check_launch(kFn);
+}
+
+}  // namespace machmoe

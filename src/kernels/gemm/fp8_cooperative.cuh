@@ -1,0 +1,270 @@
+// The sm_90a FP8 (E4M3) grouped GEMM, DeepSeek-V3's recipe, contiguous A, plain bf16 store:
+//
+//   for every expert e with rows [off[e], off[e+1]):
+//     C[r, n] = Σ_kb sa[r, kb] · sb[e, n / 128, kb] · Σ_{k in block kb} Aq[r, k] · Wq[e, n, k]
+//   Aq e4m3 [R, K] with row scales sa fp32 [R, KB] (1x128 tiles along K, quantize_rows_fp8),
+//   Wq e4m3 [E, N, K] with block scales sb fp32 [E, NB, KB] (128x128 blocks, quantize_weights_fp8),
+//   KB = ceil(K / 128), NB = ceil(N / 128); C bf16 [R, ldc].
+//
+// Promotion. Each 128-deep K block (one scale group of both operands) is accumulated by four
+// wgmma m64n128k32 into a temporary fp32 fragment `tmp`, then added into the main accumulator
+// with its two scales in fp32 (acc += sa·sb·tmp): the tensor core's FP8 accumulation (~14 bits,
+// DeepSeek-V3 §3.3) never spans more than one block.
+//
+// Persistent and warp-specialised like gemm/cooperative.cuh (same tile schedule, stage ring and
+// tile ring), 3 warpgroups per CTA, one CTA per SM:
+//   warpgroup 0 (40 registers): warp 0 loads. Lane 0 publishes each tile (gemm/scheduler.cuh) and
+//     issues the TMA loads of a stage: A [128 rows x 128 K] and B [BN rows x 128 K], both
+//     K-major with the 128-byte swizzle (one swizzle row = 128 e4m3 = exactly one scale group).
+//     All 32 lanes copy the stage's scales by 4-byte cp.async: sa of the tile's 128 rows (4 rows
+//     a lane) and sb of its BN/128 weight blocks, completing on the stage's full barrier (1 TMA
+//     arrival + 32 cp.async arrivals). Warps 1-3 have nothing to do and leave.
+//   warpgroups 1-2, consumers (232 registers): each owns 64 rows of the 128-row tile and runs its
+//     64 x BN as BN/128 "waves" of 128 columns per K block, one weight block each (so one scalar
+//     sb per wave and no column select): tmp[64] (64 x 128 fp32) + acc[BN/2] (64 x BN fp32).
+//     Each wave: fence, 4 wgmma, commit, wait<0>, promote. The other warpgroup's wgmmas keep the
+//     tensor cores busy while one promotes. The stage is released (one arrival per warp, 8 in
+//     all) after the last wave's wgmmas have retired; the scales were read before the first wave.
+//     At the tile's end each consumer stores its rows straight from registers as bf16 pairs,
+//     bounded by the expert's rows and by N (a first version: no staging, no TMA store).
+// Partial tiles: an expert's last row block reads the next rows of Aq (another expert's, computed
+// and not stored; past R the TMA reads zeros and the scale copy writes 0); a partial last K block
+// (K % 128 != 0) is zero-filled by the TMA in both operands; column blocks past N read the next
+// expert's weight rows (not stored) and a zero sb where the block index passes NB.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "kernels/common.cuh"
+#include "kernels/gemm/params.cuh"
+#include "kernels/gemm/pipeline.cuh"
+#include "kernels/ptx/sm90_ptx_fp8.cuh"
+// scheduler.cuh defines the non-template kernel grouped_gemm_tile_offsets, which grouped_gemm.cu's
+// translation unit defines as well: compiled here under its own name, so that the two do not
+// clash at link time (the launcher uses it for E > kGemmSmemTileE).
+#define grouped_gemm_tile_offsets fp8_grouped_gemm_tile_offsets
+#include "kernels/gemm/scheduler.cuh"
+#undef grouped_gemm_tile_offsets
+
+namespace machmoe::kernels {
+
+constexpr int kFp8BK = 128;  // K per stage: one scale group, one 128-byte swizzle row of e4m3
+
+struct Fp8GemmParams {
+  // The schedule's fields (expert_offsets, tile_offsets, E, N, K, n_tiles) and the output
+  // (c bf16 [R, ldc]); a, gather, bias, c2 and the epilogue fields are unused.
+  GroupedGemmParams g;
+  const float* sa;  // [a_rows, k_blocks]
+  const float* sb;  // [E, n_blocks, k_blocks]
+  int a_rows;       // R: rows of Aq and sa
+  int k_blocks;     // ceil(K / 128)
+  int n_blocks;     // ceil(N / 128)
+};
+
+// Register split of the 64K-register file: (40 + 2 x 232) x 128 threads = 64512. The loader warp
+// holds only its tile and loop counters.
+constexpr int kFp8ProducerRegs = 40;
+constexpr int kFp8ConsumerRegs = 232;
+
+// Shared memory: S stages of [A 16 KB | B BN·128 B], then S scale slots (in the layout's
+// "epilogue" area: this kernel stages no output), then the barriers, the tile ring and the
+// tile-offset table (GroupedGemmSmemLayout without the epilogue handoff).
+template <int BN>
+struct Fp8GemmSmem {
+  static constexpr int kWaves = BN / 128;
+  static constexpr int kABytes = kGemmBM * kFp8BK;  // 16 KB
+  static constexpr int kBBytes = BN * kFp8BK;       // 32 KB for BN = 256
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  // sa [128] of the tile's rows, then sb [kWaves] of its column blocks, padded to 16 bytes.
+  static constexpr int kScaleFloats = 128 + 4;
+  static constexpr int kScaleBytes = kScaleFloats * 4;
+  static constexpr int kBudget = 227 * 1024;
+  static constexpr int kFixed = 4096;  // 1 KB alignment slack + barriers, ring, tile table
+  static constexpr int kFit = (kBudget - kFixed) / (kStageBytes + kScaleBytes);
+  static constexpr int kStages = kFit < kTileRing - 1 ? kFit : kTileRing - 1;
+  static constexpr int kEpiBytes = kStages * kScaleBytes;
+  static constexpr int kBytes = kStages * kStageBytes + kEpiBytes + kFixed;
+  static_assert(BN % 128 == 0 && kWaves >= 1 && kWaves <= 4, "BN: whole 128-column waves, at most 4");
+  static_assert(kStages >= 2, "at least two pipeline stages");
+  static_assert(kEpiBytes % 16 == 0, "the barriers after the scale slots stay 8-byte aligned");
+  static_assert((2 * kStages + 2 * kTileRing) * 8 + kTileRing * 16 + (kGemmSmemTileE + 1) * 4 <= kFixed - 1024,
+                "fixed shared-memory area too small");
+};
+
+template <int BN>
+struct Fp8GemmCooperative {
+  using Smem = Fp8GemmSmem<BN>;
+  using Layout = GroupedGemmSmemLayout<Smem, false>;
+  static constexpr int S = Smem::kStages;
+  static constexpr int kWaves = Smem::kWaves;
+  using Stages = StageRing<S>;
+
+  static __device__ __forceinline__ void init_barriers(const Layout& sm) {
+    // full: the TMA thread's expect_tx arrival + the loader warp's 32 cp.async arrivals; empty:
+    // one arrival per consumer warp.
+    sm.stages().init(1 + 32, 8);
+    for (int r = 0; r < kTileRing; ++r) {
+      sm90::mbar_init(&sm.tile_full[r], 1);     // the publishing lane
+      sm90::mbar_init(&sm.tile_empty[r], 256);  // every consumer thread, once it has read the slot
+    }
+  }
+
+  static __device__ __forceinline__ float* scale_slot(const Layout& sm, int stage) {
+    return reinterpret_cast<float*>(sm.epi) + stage * Smem::kScaleFloats;
+  }
+
+  // Loader warp 0: decode and publish each tile, fill the stages (TMA operands, cp.async scales).
+  static __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorMap* tmap_a,
+                                                  const CUtensorMap* tmap_b, const Layout& sm, int lane,
+                                                  int total_tiles) {
+    const Stages stages = sm.stages();
+    const int KB = p.k_blocks;
+    int it = 0;
+    for (int t = blockIdx.x, n = 0;; t += gridDim.x, ++n) {
+      const bool done = t >= total_tiles;
+      const GemmTile tile =
+          done ? GemmTile{-1, 0, 0, 0} : gemm_decode_tile<kGemmGroupM>(p.g, gemm_tile_table(p.g, sm.tile_table), t, BN);
+      if (lane == 0) sm.tile_ring().publish(n, tile);  // (e = -1 tells the consumers to stop)
+      if (done) break;
+      const int nb0 = tile.n0 / 128;
+      for (int kb = 0; kb < KB; ++kb, ++it) {
+        const typename Stages::Slot slot = Stages::slot(sm90::warp_uniform(it));
+        const int s = slot.stage;
+        stages.acquire(slot);
+        if (lane == 0) {
+          stages.commit_tx(s, Smem::kStageBytes);
+          uint8_t* b_stage = sm.smem_b + s * Smem::kBBytes;
+#pragma unroll
+          for (int h = 0; h < kWaves; ++h)  // W[e] rows n0 + 128h in the [E·N, K] view
+            sm90::tma_load_2d(b_stage + h * 128 * kFp8BK, tmap_b, stages.full_barrier(s), kb * kFp8BK,
+                              tile.e * p.g.N + tile.n0 + 128 * h);
+          sm90::tma_load_2d(sm.smem_a + s * Smem::kABytes, tmap_a, stages.full_barrier(s), kb * kFp8BK, tile.row0);
+        }
+        float* sc = scale_slot(sm, s);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {  // sa of rows row0 + lane + 32i; rows past R read nothing (0)
+          const int r = lane + 32 * i;
+          const bool ok = tile.row0 + r < p.a_rows;
+          const int64_t at = ok ? static_cast<int64_t>(tile.row0 + r) * KB + kb : 0;
+          sm90::cp_async_4(sm90::smem_addr(sc + r), p.sa + at, ok ? 4 : 0);
+        }
+        if (lane < kWaves) {  // sb of the wave's weight block; past NB (a tile wider than N) 0
+          const bool ok = nb0 + lane < p.n_blocks;
+          const int64_t at = ok ? (static_cast<int64_t>(tile.e) * p.n_blocks + nb0 + lane) * KB + kb : 0;
+          sm90::cp_async_4(sm90::smem_addr(sc + 128 + lane), p.sb + at, ok ? 4 : 0);
+        }
+        stages.commit_cp_async(s);
+      }
+    }
+  }
+
+  // The consumer's finished rows to C as bf16 pairs. Fragment of m64nNk32 (per thread t of the
+  // warpgroup, warp w = t / 32, lane l): register i holds row 16w + l/4 + 8·((i >> 1) & 1),
+  // column 8·(i >> 2) + 2·(l % 4) + (i & 1).
+  static __device__ __forceinline__ void store(const Fp8GemmParams& p, const GemmTile& tile, int row_local,
+                                               int lane, const float (&acc)[kWaves * 64]) {
+    const int col_base = tile.n0 + 2 * (lane % 4);
+    __nv_bfloat16* c = p.g.c;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = row_local + 8 * h;
+      if (r >= tile.rows) continue;
+      __nv_bfloat16* crow = c + static_cast<int64_t>(tile.row0 + r) * p.g.ldc;
+#pragma unroll
+      for (int w = 0; w < kWaves; ++w) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const int col = col_base + 128 * w + 8 * j;
+          if (col < p.g.N) {  // N is even: the pair's second column is inside too
+            const int i = w * 64 + 4 * j + 2 * h;
+            *reinterpret_cast<__nv_bfloat162*>(crow + col) = __floats2bfloat162_rn(acc[i], acc[i + 1]);
+          }
+        }
+      }
+    }
+  }
+
+  // Consumer warpgroup cw (0 or 1): its 64 rows of every tile, until the stop signal.
+  static __device__ __forceinline__ void consumer(const Fp8GemmParams& p, const Layout& sm, int cw, int tid) {
+    const Stages stages = sm.stages();
+    const int warp = tid / 32, lane = tid % 32;
+    const int row_local = cw * 64 + warp * 16 + lane / 4;  // this thread's first row in the tile (+8: second)
+    const uint64_t desc_a0 = sm90::smem_desc_kmajor_sw128(sm90::smem_addr(sm.smem_a + cw * 64 * kFp8BK));
+    const uint64_t desc_b0 = sm90::smem_desc_kmajor_sw128(sm90::smem_addr(sm.smem_b));
+    float tmp[64];  // one wave's 64 x 128 block product (overwritten by each wave's first wgmma)
+#pragma unroll
+    for (int i = 0; i < 64; ++i) tmp[i] = 0.f;
+    int it = 0;
+    for (int n = 0;; ++n) {
+      const GemmTile tile = sm.tile_ring().take(n);
+      if (tile.e < 0) break;
+      float acc[kWaves * 64];
+#pragma unroll
+      for (int i = 0; i < kWaves * 64; ++i) acc[i] = 0.f;
+      for (int kb = 0; kb < p.k_blocks; ++kb, ++it) {
+        const typename Stages::Slot slot = Stages::slot(it);
+        const int s = slot.stage;
+        stages.wait(slot);
+        // The scales first (their slot is released with the operands), combined per wave:
+        // f0 for row row_local, f1 for row_local + 8.
+        const float* sc = scale_slot(sm, s);
+        const float sa0 = sc[row_local], sa1 = sc[row_local + 8];
+        float f0[kWaves], f1[kWaves];
+#pragma unroll
+        for (int w = 0; w < kWaves; ++w) {
+          const float sb = sc[128 + w];
+          f0[w] = sa0 * sb;
+          f1[w] = sa1 * sb;
+        }
+#pragma unroll
+        for (int w = 0; w < kWaves; ++w) {
+          sm90::wgmma_fence();
+#pragma unroll
+          for (int ks = 0; ks < kFp8BK / 32; ++ks) {  // +32 bytes = +32 K along the swizzled row
+            const uint64_t desc_a = sm90::smem_desc_advance(desc_a0, s * Smem::kABytes + ks * 32);
+            const uint64_t desc_b = sm90::smem_desc_advance(desc_b0, s * Smem::kBBytes + w * 128 * kFp8BK + ks * 32);
+            sm90::wgmma_e4m3<128>(tmp, desc_a, desc_b, ks > 0 ? 1 : 0);
+          }
+          sm90::wgmma_commit();
+          sm90::wgmma_wait<0>();
+          sm90::fence_accumulators(tmp);
+          if (w == kWaves - 1) {  // every wgmma of the stage has retired, the scales were read
+            __syncwarp();
+            if (lane == 0) stages.release(s);
+          }
+#pragma unroll
+          for (int i = 0; i < 64; ++i) acc[w * 64 + i] = fmaf((i & 2) ? f1[w] : f0[w], tmp[i], acc[w * 64 + i]);
+        }
+      }
+      store(p, tile, row_local, lane, acc);
+    }
+  }
+};
+
+template <int BN>
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    sm90_grouped_gemm_fp8(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
+                          const Fp8GemmParams p) {
+  using Gemm = Fp8GemmCooperative<BN>;
+  extern __shared__ uint8_t fp8_gemm_smem_raw[];
+  const typename Gemm::Layout sm(fp8_gemm_smem_raw);
+  const int wg = sm90::warpgroup_index(), tid = threadIdx.x % 128;
+  if (threadIdx.x == 0) {
+    Gemm::init_barriers(sm);
+    sm90::mbar_fence_init();
+    sm90::tma_prefetch_descriptor(&tmap_a);
+    sm90::tma_prefetch_descriptor(&tmap_b);
+  }
+  if (p.g.E <= kGemmSmemTileE && threadIdx.x >= 32 && threadIdx.x < 64) gemm_tile_offsets_warp(p.g, sm.tile_table);
+  __syncthreads();
+  const int total_tiles = gemm_tile_table(p.g, sm.tile_table)[p.g.E];
+  if (wg == 0) {
+    sm90::setmaxnreg_dec<kFp8ProducerRegs>();
+    if (tid < 32) Gemm::producer(p, &tmap_a, &tmap_b, sm, tid, total_tiles);
+  } else {
+    sm90::setmaxnreg_inc<kFp8ConsumerRegs>();
+    Gemm::consumer(p, sm, wg - 1, tid);
+  }
+}
+
+}  // namespace machmoe::kernels
