@@ -71,4 +71,21 @@ struct Fp8Weights {
 };
 Fp8Weights quantize_weights_fp8(const uint16_t* w, int64_t E, int64_t N, int64_t K, bool transposed);
 
+// ---------------------------------------------------------------- the FP8 grouped GEMM
+// grouped_gemm_fp8 (machmoe/fp8.hpp) in float64 on the dequantised operands (each product
+// code·scale is exact in float64; the sums round in float64):
+//   c[r, n]   = Σ_k (Aq[r, k]·sa[r, k/128]) · (Wq[e, n, k]·sb[e, n/128, k/128])
+//   abs[r, n] = Σ_k |Aq[r, k]·sa[r, k/128]| · |Wq[e, n, k]·sb[e, n/128, k/128]|
+// for the rows r of expert e, [offsets[e], offsets[e+1]); abs bounds what any summation order
+// can lose (the GPU test's tolerance scales with it). Rows outside every expert are NaN in both
+// (the GPU leaves them unwritten). a_q [R, K], a_scales [R, ceil(K/128)], w_q [E, N, K],
+// w_scales [E, ceil(N/128), ceil(K/128)]; offsets [E+1] nondecreasing within [0, R] (else Error
+// InvalidArgument), E, N, K >= 1, R >= 0.
+struct Fp8GemmResult {
+  int64_t R = 0, N = 0;
+  std::vector<double> c, abs;  // [R, N] each
+};
+Fp8GemmResult grouped_gemm_fp8(const uint8_t* a_q, const float* a_scales, int64_t R, const uint8_t* w_q,
+                               const float* w_scales, const int32_t* offsets, int64_t E, int64_t N, int64_t K);
+
 }  // namespace machmoe::ref

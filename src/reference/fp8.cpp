@@ -215,4 +215,42 @@ Fp8Weights quantize_weights_fp8(const uint16_t* w, int64_t E, int64_t N, int64_t
   return out;
 }
 
+Fp8GemmResult grouped_gemm_fp8(const uint8_t* a_q, const float* a_scales, int64_t R, const uint8_t* w_q,
+                               const float* w_scales, const int32_t* offsets, int64_t E, int64_t N, int64_t K) {
+  constexpr const char* fn = "ref::grouped_gemm_fp8";
+  require(E >= 1 && N >= 1 && K >= 1, fn, "E/N/K", "must be >= 1");
+  require(R >= 0, fn, "R", "must be >= 0");
+  for (int64_t e = 0; e < E; ++e)
+    require(offsets[e] >= 0 && offsets[e] <= offsets[e + 1] && offsets[e + 1] <= R, fn, "offsets",
+            "must be nondecreasing within [0, R]");
+  const int64_t kb_n = (K + kTile - 1) / kTile, nb_n = (N + kTile - 1) / kTile;
+  Fp8GemmResult out;
+  out.R = R, out.N = N;
+  out.c.assign(static_cast<size_t>(R * N), static_cast<double>(kNan));
+  out.abs = out.c;
+  std::vector<double> w(static_cast<size_t>(N * K)), a(static_cast<size_t>(K));
+  for (int64_t e = 0; e < E; ++e) {
+    if (offsets[e] == offsets[e + 1]) continue;
+    for (int64_t n = 0; n < N; ++n)  // W[e] dequantised, [N, K]
+      for (int64_t k = 0; k < K; ++k)
+        w[n * K + k] = static_cast<double>(e4m3_to_float(w_q[(e * N + n) * K + k])) *
+                       static_cast<double>(w_scales[(e * nb_n + n / kTile) * kb_n + k / kTile]);
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r) {
+      for (int64_t k = 0; k < K; ++k)
+        a[k] = static_cast<double>(e4m3_to_float(a_q[r * K + k])) * static_cast<double>(a_scales[r * kb_n + k / kTile]);
+      for (int64_t n = 0; n < N; ++n) {
+        const double* wr = w.data() + n * K;
+        double sum = 0, abs_sum = 0;
+        for (int64_t k = 0; k < K; ++k) {
+          sum += a[k] * wr[k];
+          abs_sum += std::fabs(a[k] * wr[k]);
+        }
+        out.c[r * N + n] = sum;
+        out.abs[r * N + n] = abs_sum;
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace machmoe::ref

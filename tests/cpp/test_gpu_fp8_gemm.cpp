@@ -1,0 +1,359 @@
+// The FP8 grouped GEMM (machmoe/fp8.hpp, grouped_gemm_fp8) on the GPU against the float64 GEMM on
+// the dequantised operands (machmoe/reference_fp8.hpp). The operands are quantised on the CPU by
+// the reference quantisers (bitwise what quantize_rows_fp8 / quantize_weights_fp8 write), so the
+// only differences are the GPU's accumulation and its bf16 output rounding.
+//
+// Tolerance, derived. Per element, with abs = Σ_k |a_k·b_k| (float64, from the reference):
+//   - the bf16 output rounding: <= 2^-9·|c| (round to nearest, 8 significant bits);
+//   - the accumulation: each 128-deep block summed by the tensor cores, whose FP8 accumulation keeps
+//     ~14 bits (DeepSeek-V3 §3.3): a few 2^-14 of the block's Σ|a·b| per block (four k32 steps),
+//     <= 2^-12·abs_block; the fp32 promotion adds ~2^-24 per block. Summed: <= 2^-12·abs.
+//   |got - c| <= 2·(2^-9·|c| + 2^-12·abs), a factor 2 of margin over that bound. Normwise the same
+//   bound with the norms: ‖got - c‖ <= 2·(2^-9·‖c‖ + 2^-12·‖abs‖).
+// A misapplied scale (another row's, K block's, column block's or expert's) changes a 128-block's
+// contribution by a factor >= 2 in the structured cases, where every (row, K block) of A and
+// every weight block has its own power-of-two magnitude: an O(1) error, far outside that bound;
+// ScaleMistakesAreCaught feeds such scales and expects the comparison to fail.
+// Outputs are poisoned (0xff: NaN in bf16): rows outside every expert and the columns [N, ldc)
+// must stay poisoned, every other element must be written and finite.
+// The GPU tests skip without a GPU; the argument rules (GemmFp8Api.*) run everywhere.
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "gpu_util.hpp"
+#include "machmoe/fp8.hpp"
+#include "machmoe/reference_fp8.hpp"
+
+namespace {
+
+using namespace machmoe;
+using mtest::DeviceBuffer;
+using mtest::have_gpu;
+
+constexpr uint16_t kPoison = 0xffff;  // bf16 NaN: a cudaMemset(0xff) output
+
+// A problem: experts' row counts, then `tail` rows after the last expert that no expert covers.
+struct GemmCase {
+  std::vector<int32_t> rows;  // [E]
+  int64_t N = 0, K = 0, ldc = 0;  // ldc 0: N
+  int64_t tail = 0;
+  bool structured = false;  // power-of-two magnitudes per (row, K block) of A and per weight block
+  int max_ctas = 0;
+};
+
+struct GemmData {
+  int64_t E = 0, R = 0, N = 0, K = 0, ldc = 0;
+  std::vector<int32_t> offsets;  // [E+1]
+  ref::Fp8Rows a;                // q [R, K], scales [R, KB]
+  ref::Fp8Weights w;             // q [E, N, K], scales [E, NB, KB]
+};
+
+// Magnitude 2^(m mod 9 - 4) for a block index m: nine distinct scales, neighbours a factor 2 apart.
+double magnitude(int64_t m) { return std::ldexp(1.0, static_cast<int>(m % 9) - 4); }
+
+GemmData make_data(const GemmCase& k, mtest::Rng& rng) {
+  GemmData d;
+  d.E = static_cast<int64_t>(k.rows.size());
+  d.N = k.N, d.K = k.K, d.ldc = k.ldc ? k.ldc : k.N;
+  d.offsets.assign(static_cast<size_t>(d.E + 1), 0);
+  for (int64_t e = 0; e < d.E; ++e) d.offsets[e + 1] = d.offsets[e] + k.rows[e];
+  d.R = d.offsets[d.E] + k.tail;
+  std::uniform_real_distribution<double> u(-1, 1);
+  std::vector<uint16_t> x(static_cast<size_t>(d.R * d.K)), w(static_cast<size_t>(d.E * d.N * d.K));
+  for (int64_t r = 0; r < d.R; ++r)
+    for (int64_t c = 0; c < d.K; ++c)
+      x[r * d.K + c] = ref::float_to_bf16(static_cast<float>(u(rng) * (k.structured ? magnitude(5 * r + c / 128) : 1.0)));
+  for (int64_t e = 0; e < d.E; ++e)
+    for (int64_t n = 0; n < d.N; ++n)
+      for (int64_t c = 0; c < d.K; ++c) {
+        const double m = k.structured ? magnitude(7 * e + 3 * (n / 128) + c / 128 + 1) : 0.05;
+        w[(e * d.N + n) * d.K + c] = ref::float_to_bf16(static_cast<float>(u(rng) * m));
+      }
+  d.a = ref::quantize_rows_fp8(x.data(), d.R, d.K, d.K, nullptr, d.R);
+  d.w = ref::quantize_weights_fp8(w.data(), d.E, d.N, d.K, false);
+  return d;
+}
+
+// The comparison (host only, so that a test can feed it a corrupted result): c [R, ldc] bf16 bits.
+::testing::AssertionResult matches(const ref::Fp8GemmResult& want, const std::vector<uint16_t>& c, int64_t ldc) {
+  const int64_t R = want.R, N = want.N;
+  double err2 = 0, ref2 = 0, abs2 = 0, worst = 0;
+  int64_t bad = 0;
+  std::string first;
+  for (int64_t r = 0; r < R; ++r) {
+    const bool covered = !std::isnan(want.c[r * N]);
+    for (int64_t n = 0; n < ldc; ++n) {
+      const uint16_t bits = c[r * ldc + n];
+      if (!covered || n >= N) {  // never written
+        if (bits != kPoison) {
+          if (bad++ == 0) first = "row " + std::to_string(r) + " col " + std::to_string(n) + " written but outside the result";
+        }
+        continue;
+      }
+      const double got = ref::bf16_to_float(bits), ref_c = want.c[r * N + n], ref_abs = want.abs[r * N + n];
+      const double err = std::fabs(got - ref_c), tol = 2 * (std::ldexp(std::fabs(ref_c), -9) + std::ldexp(ref_abs, -12));
+      if (!std::isfinite(got) || !(err <= tol)) {
+        if (bad++ == 0) {
+          first = "row " + std::to_string(r) + " col " + std::to_string(n) + ": got " + std::to_string(got) + ", want " +
+                  std::to_string(ref_c) + " (abs " + std::to_string(ref_abs) + ", tol " + std::to_string(tol) + ")";
+        }
+        continue;
+      }
+      if (ref_abs > 0) worst = std::max(worst, err / ref_abs);
+      err2 += err * err, ref2 += ref_c * ref_c, abs2 += ref_abs * ref_abs;
+    }
+  }
+  if (bad) return ::testing::AssertionFailure() << bad << " elements wrong; first: " << first;
+  const double rel = ref2 > 0 ? std::sqrt(err2 / ref2) : 0;
+  const double tol = ref2 > 0 ? 2 * (std::ldexp(1.0, -9) + std::ldexp(std::sqrt(abs2 / ref2), -12)) : 0;
+  if (!(rel <= tol) && ref2 > 0)
+    return ::testing::AssertionFailure() << "normwise error " << rel << " above " << tol;
+  return ::testing::AssertionSuccess() << "normwise error " << rel << " (tolerance " << tol
+                                       << "), worst |err|/abs " << worst;
+}
+
+template <typename T>
+void upload(const std::vector<T>& h, DeviceBuffer& dst) {
+  if (!h.empty()) ASSERT_EQ(cudaMemcpy(dst.ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+}
+
+// One call on the GPU with the given scales (the data's own unless the caller corrupts them);
+// returns C [R, ldc] as bf16 bits, poisoned before the call.
+std::vector<uint16_t> run_gpu(const GemmData& d, const std::vector<float>& sa, const std::vector<float>& sb,
+                              int max_ctas) {
+  DeviceBuffer aq(d.a.q.size()), das(sa.size() * 4), wq(d.w.q.size()), dsb(sb.size() * 4),
+      off(d.offsets.size() * 4), tiles(d.offsets.size() * 4), c(static_cast<size_t>(d.R * d.ldc) * 2);
+  upload(d.a.q, aq);
+  upload(sa, das);
+  upload(d.w.q, wq);
+  upload(sb, dsb);
+  upload(d.offsets, off);
+  EXPECT_EQ(cudaMemset(c.ptr, 0xff, static_cast<size_t>(d.R * d.ldc) * 2), cudaSuccess);
+  EXPECT_EQ(cudaMemset(tiles.ptr, 0xff, d.offsets.size() * 4), cudaSuccess);
+  GroupedGemmFp8Args a;
+  a.a_q = static_cast<const uint8_t*>(aq.ptr), a.a_scales = static_cast<const float*>(das.ptr), a.R = d.R;
+  a.w_q = static_cast<const uint8_t*>(wq.ptr), a.w_scales = static_cast<const float*>(dsb.ptr);
+  a.expert_offsets = static_cast<const int32_t*>(off.ptr);
+  a.E = d.E, a.N = d.N, a.K = d.K;
+  a.c = c.ptr, a.ldc = d.ldc;
+  a.tile_offsets = static_cast<int32_t*>(tiles.ptr);
+  a.max_ctas = max_ctas;
+  cudaStream_t stream;
+  EXPECT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  grouped_gemm_fp8(a, stream);
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  std::vector<uint16_t> out(static_cast<size_t>(d.R * d.ldc));
+  if (!out.empty())
+    EXPECT_EQ(cudaMemcpy(out.data(), c.ptr, out.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  return out;
+}
+
+std::string describe(const GemmCase& k) {
+  std::string s = "rows {";
+  for (size_t e = 0; e < k.rows.size() && e < 8; ++e) s += (e ? "," : "") + std::to_string(k.rows[e]);
+  if (k.rows.size() > 8) s += ",... (E=" + std::to_string(k.rows.size()) + ")";
+  return s + "} tail=" + std::to_string(k.tail) + " N=" + std::to_string(k.N) + " K=" + std::to_string(k.K) +
+         " ldc=" + std::to_string(k.ldc) + " max_ctas=" + std::to_string(k.max_ctas) +
+         (k.structured ? " structured" : "");
+}
+
+void check_case(const GemmCase& k, uint64_t salt) {
+  SCOPED_TRACE(describe(k));
+  const uint64_t seed = mtest::test_seed(salt);
+  SCOPED_TRACE(mtest::seed_msg(seed));
+  mtest::Rng rng(seed);
+  const GemmData d = make_data(k, rng);
+  const ref::Fp8GemmResult want = ref::grouped_gemm_fp8(d.a.q.data(), d.a.scales.data(), d.R, d.w.q.data(),
+                                                         d.w.scales.data(), d.offsets.data(), d.E, d.N, d.K);
+  const std::vector<uint16_t> got = run_gpu(d, d.a.scales, d.w.scales, k.max_ctas);
+  const ::testing::AssertionResult ok = matches(want, got, d.ldc);
+  EXPECT_TRUE(ok);
+  if (ok) std::printf("  %s: %s\n", describe(k).c_str(), ok.message());
+  // Deterministic: a second call gives the same bits.
+  EXPECT_TRUE(run_gpu(d, d.a.scales, d.w.scales, k.max_ctas) == got) << "two calls differ";
+}
+
+// ---------------------------------------------------------------- GPU
+TEST(GpuFp8Gemm, PartialTilesAndAnEmptyExpert) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU visible";
+  // R not a multiple of 128, an expert with 0 rows, one of exactly 128, padding columns in ldc,
+  // rows after the last expert.
+  check_case({{200, 0, 128, 77}, 512, 512, 520, 5}, 1);
+}
+
+TEST(GpuFp8Gemm, GptOssWidths) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU visible";
+  // N = K = 2880: a half column block (the last 256-wide tile has one 64-column wave and one past
+  // N) and a half K block (64 of 128 valid).
+  check_case({{130, 70}, 2880, 2880}, 2);
+}
+
+TEST(GpuFp8Gemm, KNotAMultipleOf128) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU visible";
+  check_case({{1, 300, 0, 129}, 384, 400}, 3);  // K = 3·128 + 16
+  check_case({{0, 3, 0, 17}, 72, 16}, 4);        // one K block of 16, N below one wave
+  check_case({{64, 0}, 136, 144, 144}, 5);       // N = 128 + 8
+}
+
+TEST(GpuFp8Gemm, ManyExpertsGlobalTileTable) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU visible";
+  GemmCase k;
+  mtest::Rng rng(mtest::test_seed(6));
+  for (int e = 0; e < 600; ++e) k.rows.push_back(static_cast<int32_t>(rng() % 5));
+  k.rows[599] = 130;
+  k.N = 136, k.K = 144;
+  check_case(k, 7);
+}
+
+TEST(GpuFp8Gemm, FewCtasWalkManyTiles) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU visible";
+  // 2 CTAs for 3·3 + 2·3 + 1·3 = 18 tiles: each CTA runs several, the stage and tile rings wrap.
+  check_case({{300, 260, 129}, 520, 256, 0, 0, false, 2}, 8);
+  check_case({{300, 260, 129}, 520, 256, 0, 0, false, 1}, 9);
+}
+
+TEST(GpuFp8Gemm, NoRowsWritesNothing) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU visible";
+  check_case({{0, 0, 0}, 256, 128, 0, 40}, 10);  // R = 40 rows, none in an expert
+  check_case({{0, 0}, 256, 128}, 11);             // R = 0: the call returns at once
+}
+
+TEST(GpuFp8Gemm, StructuredMagnitudes) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU visible";
+  check_case({{150, 0, 90}, 384, 640, 0, 0, true}, 12);
+  check_case({{130, 70}, 2880, 2880, 0, 0, true}, 13);
+}
+
+// Each way of misapplying a scale gives a result the comparison refuses (and the right scales one
+// it accepts): the check can fail, and would catch a kernel reading the wrong scale.
+TEST(GpuFp8Gemm, ScaleMistakesAreCaught) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU visible";
+  const GemmCase k{{150, 0, 90}, 384, 640, 0, 0, true};
+  const uint64_t seed = mtest::test_seed(14);
+  SCOPED_TRACE(mtest::seed_msg(seed));
+  mtest::Rng rng(seed);
+  const GemmData d = make_data(k, rng);
+  const ref::Fp8GemmResult want = ref::grouped_gemm_fp8(d.a.q.data(), d.a.scales.data(), d.R, d.w.q.data(),
+                                                         d.w.scales.data(), d.offsets.data(), d.E, d.N, d.K);
+  EXPECT_TRUE(matches(want, run_gpu(d, d.a.scales, d.w.scales, 0), d.ldc));
+  const int64_t KB = d.a.tiles, NB = d.w.nb_n;
+  auto expect_caught = [&](const std::vector<float>& sa, const std::vector<float>& sb, const char* what) {
+    EXPECT_FALSE(matches(want, run_gpu(d, sa, sb, 0), d.ldc)) << what << " was not caught";
+  };
+  std::vector<float> sa = d.a.scales;  // each row's scales of the next K block
+  for (int64_t r = 0; r < d.R; ++r)
+    for (int64_t kb = 0; kb < KB; ++kb) sa[r * KB + kb] = d.a.scales[r * KB + (kb + 1) % KB];
+  expect_caught(sa, d.w.scales, "A's scales of the next K block");
+  sa = d.a.scales;  // the next row's
+  for (int64_t r = 0; r + 1 < d.R; ++r)
+    for (int64_t kb = 0; kb < KB; ++kb) sa[r * KB + kb] = d.a.scales[(r + 1) * KB + kb];
+  expect_caught(sa, d.w.scales, "A's scales of the next row");
+  std::vector<float> sb = d.w.scales;  // the next expert's
+  for (int64_t e = 0; e < d.E; ++e)
+    for (int64_t i = 0; i < NB * KB; ++i) sb[e * NB * KB + i] = d.w.scales[((e + 1) % d.E) * NB * KB + i];
+  expect_caught(d.a.scales, sb, "W's scales of the next expert");
+  sb = d.w.scales;  // the next column block's
+  for (int64_t e = 0; e < d.E; ++e)
+    for (int64_t nb = 0; nb < NB; ++nb)
+      for (int64_t kb = 0; kb < KB; ++kb)
+        sb[(e * NB + nb) * KB + kb] = d.w.scales[(e * NB + (nb + 1) % NB) * KB + kb];
+  expect_caught(d.a.scales, sb, "W's scales of the next column block");
+}
+
+// ---------------------------------------------------------------- CPU: the check and the reference
+TEST(GemmFp8Check, CatchesWrongUnwrittenAndStrayElements) {
+  const GemmCase k{{3, 0, 2}, 16, 32, 24, 1};
+  mtest::Rng rng(mtest::test_seed(20));
+  const GemmData d = make_data(k, rng);
+  const ref::Fp8GemmResult want = ref::grouped_gemm_fp8(d.a.q.data(), d.a.scales.data(), d.R, d.w.q.data(),
+                                                         d.w.scales.data(), d.offsets.data(), d.E, d.N, d.K);
+  std::vector<uint16_t> c(static_cast<size_t>(d.R * d.ldc), kPoison);
+  for (int64_t r = 0; r < 5; ++r)
+    for (int64_t n = 0; n < d.N; ++n) c[r * d.ldc + n] = ref::float_to_bf16(static_cast<float>(want.c[r * d.N + n]));
+  EXPECT_TRUE(matches(want, c, d.ldc));
+  auto off = c;
+  // 5% of Σ|a·b|: above the tolerance's (2^-8 + 2^-11)·Σ|a·b| at most
+  off[2 * d.ldc + 3] = ref::float_to_bf16(static_cast<float>(want.c[2 * d.N + 3] + 0.05 * want.abs[2 * d.N + 3]));
+  EXPECT_FALSE(matches(want, off, d.ldc)) << "an error of 5% of the element's scale";
+  auto unwritten = c;
+  unwritten[4 * d.ldc + 15] = kPoison;
+  EXPECT_FALSE(matches(want, unwritten, d.ldc)) << "an unwritten element";
+  auto stray = c;
+  stray[5 * d.ldc] = 0;  // the row after the last expert
+  EXPECT_FALSE(matches(want, stray, d.ldc)) << "a write outside the experts' rows";
+  stray = c;
+  stray[d.ldc + d.N] = 0;  // a padding column
+  EXPECT_FALSE(matches(want, stray, d.ldc)) << "a write into the padding columns";
+}
+
+TEST(GemmFp8Reference, SmallCaseByHand) {
+  // Aq codes 0x38 (1.0) with row scales 2 (K block 0) and 3 (K block 1); Wq codes 0x40 (2.0)
+  // with scale 0.5 for expert 0 and 0x30 (0.5) with scale 4 for expert 1; K = 160 (128 + 32).
+  const int64_t R = 3, N = 8, K = 160, E = 2;
+  std::vector<uint8_t> aq(R * K, 0x38), wq(E * N * K, 0x40);
+  std::fill(wq.begin() + N * K, wq.end(), 0x30);
+  std::vector<float> sa = {2, 3, 2, 3, 2, 3}, sb = {0.5f, 0.5f, 4, 4};
+  const std::vector<int32_t> off = {0, 1, 3};
+  const auto got = ref::grouped_gemm_fp8(aq.data(), sa.data(), R, wq.data(), sb.data(), off.data(), E, N, K);
+  // expert 0: 128·2·1 + 32·3·1 = 352; expert 1: (128·2 + 32·3)·2 = 704
+  EXPECT_EQ(got.c[0], 352.0);
+  EXPECT_EQ(got.c[1 * N + 5], 704.0);
+  EXPECT_EQ(got.abs[2 * N + 7], 704.0);
+  EXPECT_THROW(ref::grouped_gemm_fp8(aq.data(), sa.data(), R, wq.data(), sb.data(), std::vector<int32_t>{0, 2, 1}.data(),
+                                     E, N, K),
+               Error);
+}
+
+// ---------------------------------------------------------------- argument rules (no GPU needed)
+TEST(GemmFp8Api, RefusesBadArguments) {
+  // Fake device addresses: every call below is refused before it touches one.
+  auto* p16 = reinterpret_cast<uint8_t*>(uintptr_t{1} << 20);
+  auto* f16 = reinterpret_cast<float*>(p16 + 4096);
+  auto* i16 = reinterpret_cast<int32_t*>(p16 + 8192);
+  GroupedGemmFp8Args base;
+  base.a_q = p16, base.a_scales = f16, base.R = 256, base.w_q = p16, base.w_scales = f16;
+  base.expert_offsets = i16, base.E = 4, base.N = 256, base.K = 256, base.c = p16, base.ldc = 256;
+  auto refused = [&](auto change, const char* arg, const char* what) {
+    GroupedGemmFp8Args a = base;
+    change(a);
+    const std::string msg = mtest::expect_error(ErrorCode::InvalidArgument, [&] { grouped_gemm_fp8(a, nullptr); }, what);
+    EXPECT_TRUE(mtest::contains_word(msg, arg)) << what << ": message does not name " << arg << ": " << msg;
+  };
+  using A = GroupedGemmFp8Args;
+  refused([](A& a) { a.E = 0; }, "E", "E = 0");
+  refused([](A& a) { a.E = (1 << 24) + 1; }, "E", "E > 2^24");
+  refused([](A& a) { a.N = 12; }, "N", "N not a multiple of 8");
+  refused([](A& a) { a.N = 0; }, "N", "N = 0");
+  refused([](A& a) { a.K = 24; }, "K", "K not a multiple of 16");
+  refused([](A& a) { a.K = 0; }, "K", "K = 0");
+  refused([](A& a) { a.R = -1; }, "R", "R < 0");
+  refused([](A& a) { a.R = int64_t{1} << 31; }, "R", "R >= 2^31");
+  refused([](A& a) { a.E = 1 << 20, a.N = 4096, a.tile_offsets = reinterpret_cast<int32_t*>(uintptr_t{1} << 24); },
+          "E*N", "E*N >= 2^31");
+  refused([](A& a) { a.ldc = 248; }, "ldc", "ldc < N");
+  refused([](A& a) { a.ldc = 260; }, "ldc", "ldc not a multiple of 8");
+  refused([](A& a) { a.a_q = nullptr; }, "a_q/a_scales/w_q/w_scales/expert_offsets/c", "a_q null");
+  refused([](A& a) { a.c = nullptr; }, "a_q/a_scales/w_q/w_scales/expert_offsets/c", "c null");
+  refused([](A& a) { a.E = 513; }, "tile_offsets", "E > 512 without tile_offsets");
+  refused([&](A& a) { a.a_q = p16 + 8; }, "a_q", "a_q misaligned");
+  refused([&](A& a) { a.w_q = p16 + 4; }, "w_q", "w_q misaligned");
+  refused([&](A& a) { a.c = p16 + 4; }, "c", "c misaligned");
+  refused([&](A& a) { a.a_scales = reinterpret_cast<float*>(p16 + 2); }, "a_scales", "a_scales misaligned");
+  refused([&](A& a) { a.w_scales = reinterpret_cast<float*>(p16 + 1); }, "w_scales", "w_scales misaligned");
+  refused([](A& a) { a.max_ctas = -1; }, "max_ctas", "max_ctas < 0");
+  // R = 0 is valid and does nothing, without touching the device.
+  GroupedGemmFp8Args empty = base;
+  empty.R = 0;
+  EXPECT_NO_THROW(grouped_gemm_fp8(empty, nullptr));
+}
+
+}  // namespace
