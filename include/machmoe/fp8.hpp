@@ -141,8 +141,9 @@ void quantize_weights_fp8(const QuantizeWeightsArgs& args, cudaStream_t stream);
 // that many. Needs an sm_90 GPU (wgmma).
 // Rules (checked before any CUDA call, Error InvalidArgument naming the argument): 1 <= E <= 2^24;
 // N >= 8 and a multiple of 8; K >= 16 and a multiple of 16 (16-byte rows of codes for the TMA);
-// 0 <= R < 2^31; E·N + 256 < 2^31; ldc >= N and a multiple of 8; a_q, w_q, c 16-byte aligned,
-// the scales 4-byte aligned; no pointer null (with R = 0 the call does nothing).
+// 0 <= R < 2^31; E·N + 256 < 2^31; (ceil(R/128) + E)·ceil(N/256) < 2^31 (the tiles); ldc >= N
+// and a multiple of 8; a_q, w_q, c 16-byte aligned, the scales 4-byte aligned; no pointer null
+// (with R = 0 the call does nothing). Not yet: a gather of A's rows, a bias, the GLU epilogue.
 struct GroupedGemmFp8Args {
   const uint8_t* a_q = nullptr;             // [R, K] e4m3
   const float* a_scales = nullptr;          // [R, fp8_tiles(K)]

@@ -60,6 +60,9 @@ void check_args(const GroupedGemmFp8Args& a) {
               "must be below 2^31 - 256 (int32 row coordinates of W [E*N, K]), got E=" + std::to_string(a.E) +
                   ", N=" + std::to_string(a.N));
   require_arg(a.K <= kInt32Max, kFn, "K", "must be below 2^31");
+  // The schedule counts tiles in int32: at most (ceil(R/128) + E) row blocks x ceil(N/256) column tiles.
+  require_arg((ceil_div(a.R, kernels::kGemmBM) + a.E) * ceil_div(a.N, kTileN) <= kInt32Max, kFn, "R*N",
+              "give too many tiles: (ceil(R/128) + E)·ceil(N/256) must be below 2^31");
   require_arg(a.ldc >= a.N && a.ldc % 8 == 0, kFn, "ldc",
               "must be >= N and a multiple of 8, got ldc=" + std::to_string(a.ldc) + ", N=" + std::to_string(a.N));
   require_arg(a.a_q && a.a_scales && a.w_q && a.w_scales && a.expert_offsets && a.c, kFn,

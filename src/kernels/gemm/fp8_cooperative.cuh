@@ -144,8 +144,9 @@ struct Fp8GemmCooperative {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {  // sa of rows row0 + lane + 32i; rows past R read nothing (0)
           const int r = lane + 32 * i;
-          const bool ok = tile.row0 + r < p.a_rows;
-          const int64_t at = ok ? static_cast<int64_t>(tile.row0 + r) * KB + kb : 0;
+          const int64_t row = static_cast<int64_t>(tile.row0) + r;  // (row0 + 127 may pass 2^31 - 1)
+          const bool ok = row < p.a_rows;
+          const int64_t at = ok ? row * KB + kb : 0;
           sm90::cp_async_4(sm90::smem_addr(sc + r), p.sa + at, ok ? 4 : 0);
         }
         if (lane < kWaves) {  // sb of the wave's weight block; past NB (a tile wider than N) 0
@@ -156,6 +157,7 @@ struct Fp8GemmCooperative {
         stages.commit_cp_async(s);
       }
     }
+    sm90::cp_async_wait_all();
   }
 
   // The consumer's finished rows to C as bf16 pairs. Fragment of m64nNk32 (per thread t of the
@@ -168,7 +170,8 @@ struct Fp8GemmCooperative {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = row_local + 8 * h;
-      if (r >= tile.rows) continue;
+      // (offsets past R break the documented rule; the second test keeps C's writes inside [R, ldc])
+      if (r >= tile.rows || tile.row0 + r >= p.a_rows) continue;
       __nv_bfloat16* crow = c + static_cast<int64_t>(tile.row0 + r) * p.g.ldc;
 #pragma unroll
       for (int w = 0; w < kWaves; ++w) {
