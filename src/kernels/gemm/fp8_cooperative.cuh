@@ -27,6 +27,8 @@
 //     all) after the last wave's wgmmas have retired; the scales were read before the first wave.
 //     At the tile's end each consumer stores its rows straight from registers as bf16 pairs,
 //     bounded by the expert's rows and by N (a first version: no staging, no TMA store).
+//     Registers (ptxas of CUDA 13.0, sm_90a, 2026-11): the consumers' code uses R0-R202 of their
+//     232 with BN = 256 (138 with BN = 128), the loader's fits its 40; no spill, no stack frame.
 // Partial tiles: an expert's last row block reads the next rows of Aq (another expert's, computed
 // and not stored; past R the TMA reads zeros and the scale copy writes 0); a partial last K block
 // (K % 128 != 0) is zero-filled by the TMA in both operands; column blocks past N read the next
