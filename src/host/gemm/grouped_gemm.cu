@@ -11,8 +11,10 @@
 #include "host/common/check.hpp"
 #include "host/common/tensor_map.hpp"
 #include "host/gemm/config.hpp"
+#include "host/gemm/tile_offsets.hpp"
 #include "kernels/gemm/cooperative.cuh"
 #include "kernels/gemm/dact_pingpong.cuh"
+#include "kernels/gemm/tile_offsets.cuh"
 #include "kernels/gemm/pingpong.cuh"
 #include "machmoe/machmoe.hpp"
 
@@ -211,8 +213,8 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
 
   // Above the kernel's shared-memory capacity the tile-offset table comes from a scan kernel.
   if (cfg.global_tile_offsets) {
-    kernels::grouped_gemm_tile_offsets<<<1, 1024, 0, stream>>>(a.expert_offsets, p.E, p.n_tiles, a.tile_offsets);
-    check_launch("grouped_gemm: tile offsets");
+    detail::launch_gemm_tile_offsets(a.expert_offsets, p.E, p.n_tiles, a.tile_offsets, "grouped_gemm: tile offsets",
+                                     stream);
   }
   const int sms = device_info().sm_count;
   const int ctas = a.max_ctas > 0 ? std::min(a.max_ctas, sms) : sms;
@@ -268,5 +270,15 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   }
   check_launch(fn);
 }
+
+namespace detail {
+
+void launch_gemm_tile_offsets(const int32_t* expert_offsets, int E, int n_tiles, int32_t* tile_offsets,
+                              const char* what, cudaStream_t stream) {
+  kernels::grouped_gemm_tile_offsets<<<1, 1024, 0, stream>>>(expert_offsets, E, n_tiles, tile_offsets);
+  check_launch(what);
+}
+
+}  // namespace detail
 
 }  // namespace machmoe

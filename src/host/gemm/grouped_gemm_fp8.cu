@@ -9,6 +9,7 @@
 
 #include "host/common/check.hpp"
 #include "host/common/tensor_map.hpp"
+#include "host/gemm/tile_offsets.hpp"
 #include "kernels/gemm/fp8_cooperative.cuh"
 #include "machmoe/fp8.hpp"
 #include "machmoe/machmoe.hpp"
@@ -111,9 +112,8 @@ void grouped_gemm_fp8(const GroupedGemmFp8Args& a, cudaStream_t stream) {
 
   // Above the kernel's shared-memory table the tile-offset table comes from the scan kernel.
   if (a.E > kernels::kGemmSmemTileE) {
-    kernels::fp8_grouped_gemm_tile_offsets<<<1, 1024, 0, stream>>>(a.expert_offsets, p.g.E, p.g.n_tiles,
-                                                                    a.tile_offsets);
-    check_launch("grouped_gemm_fp8: tile offsets");
+    detail::launch_gemm_tile_offsets(a.expert_offsets, p.g.E, p.g.n_tiles, a.tile_offsets,
+                                     "grouped_gemm_fp8: tile offsets", stream);
   }
   const CUtensorMap map_a = e4m3_tile_map(a.a_q, a.R, a.K);
   const CUtensorMap map_b = e4m3_tile_map(a.w_q, a.E * a.N, a.K);

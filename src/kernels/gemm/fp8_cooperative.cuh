@@ -40,13 +40,8 @@
 #include "kernels/common.cuh"
 #include "kernels/gemm/params.cuh"
 #include "kernels/gemm/pipeline.cuh"
-#include "kernels/ptx/sm90_ptx_fp8.cuh"
-// scheduler.cuh defines the non-template kernel grouped_gemm_tile_offsets, which grouped_gemm.cu's
-// translation unit defines as well: compiled here under its own name, so that the two do not
-// clash at link time (the launcher uses it for E > kGemmSmemTileE).
-#define grouped_gemm_tile_offsets fp8_grouped_gemm_tile_offsets
 #include "kernels/gemm/scheduler.cuh"
-#undef grouped_gemm_tile_offsets
+#include "kernels/ptx/sm90_ptx_fp8.cuh"
 
 namespace machmoe::kernels {
 
