@@ -56,7 +56,7 @@ struct Wgmma<{n}> {{
 
 def main() -> None:
     out = HEADER + "".join(wrapper(n) for n in SHAPES) + FOOTER
-    path = Path(__file__).resolve().parents[1] / "src" / "kernels" / "sm90_wgmma.cuh"
+    path = Path(__file__).resolve().parents[1] / "src" / "kernels" / "ptx" / "sm90_wgmma.cuh"
     path.write_text(out)
     print(f"wrote {path}")
 
