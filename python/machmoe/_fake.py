@@ -215,6 +215,51 @@ def _grouped_gemm_wgrad(a, a_gather, b, expert_offsets, transpose_c, fp32, kerne
     return a.new_empty(shape, dtype=torch.float32 if fp32 else torch.bfloat16)
 
 
+
+# ---- FP8 (src/bindings/fp8_ops.cpp; machmoe/fp8.hpp): E4M3 codes as float8_e4m3fn, scales float32.
+FP8_TILE = 128  # elements per scale along a dimension (kFp8Tile)
+
+
+def fp8_tiles(n):
+    """Scales along a dimension of n elements (fp8_tiles): ceil(n / 128)."""
+    return (n + FP8_TILE - 1) // FP8_TILE
+
+
+def fp8_max_chunks(R, E):
+    """fp8_columns_layout's max_chunks: the most 128-row chunks any expert offsets within R give
+    (each nonempty expert adds at most one partial chunk). R may be symbolic."""
+    m = torch.sym_min(E, R)
+    return m + (R - m) // FP8_TILE
+
+
+def _fp8_quantize_rows(x, gather):
+    d = x.shape[1]
+    R = x.shape[0] if gather is None else gather.shape[0]
+    return x.new_empty(R, d, dtype=torch.float8_e4m3fn), x.new_empty(R, fp8_tiles(d), dtype=torch.float32)
+
+
+def _fp8_quantize_weights(w, transposed):
+    E, N, K = w.shape
+    q = w.new_empty(E, N, K, dtype=torch.float8_e4m3fn)
+    scales = w.new_empty(E, fp8_tiles(N), fp8_tiles(K), dtype=torch.float32)
+    if not transposed:
+        return q, scales, None, None
+    return (q, scales, w.new_empty(E, K, N, dtype=torch.float8_e4m3fn),
+            w.new_empty(E, fp8_tiles(K), fp8_tiles(N), dtype=torch.float32))
+
+
+def _fp8_quantize_columns(x, gather, expert_offsets):
+    d = x.shape[1]
+    R = x.shape[0] if gather is None else gather.shape[0]
+    E = expert_offsets.shape[0] - 1
+    chunks = fp8_max_chunks(R, E)
+    return (x.new_empty(d, FP8_TILE * chunks, dtype=torch.float8_e4m3fn),
+            x.new_empty(d, chunks, dtype=torch.float32), x.new_empty(E + 1, dtype=torch.int32))
+
+
+def _grouped_gemm_fp8(a_q, a_scales, w_q, w_scales, expert_offsets, max_ctas=0):
+    return a_q.new_empty(a_q.shape[0], w_q.shape[1], dtype=torch.bfloat16)
+
 # Every op with a CUDA kernel (the tensor-free ops and the CPU reference ops need no fake).
 FAKES = {
     "topk_router": _topk_router,
@@ -233,6 +278,10 @@ FAKES = {
     "grouped_gemm": _grouped_gemm,
     "grouped_gemm_nmajor": _grouped_gemm_nmajor,
     "grouped_gemm_wgrad": _grouped_gemm_wgrad,
+    "fp8_quantize_rows": _fp8_quantize_rows,
+    "fp8_quantize_weights": _fp8_quantize_weights,
+    "fp8_quantize_columns": _fp8_quantize_columns,
+    "grouped_gemm_fp8": _grouped_gemm_fp8,
 }
 
 

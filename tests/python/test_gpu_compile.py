@@ -41,6 +41,9 @@ def _op_cases():
     _, g_saved = m.experts_forward(*general, pair_scores, tok, exp, "swiglu", "interleaved")
     g_workspace = m.experts_backward_data(*general, tok, exp, g_saved, dout, "swiglu", "interleaved")[2]
     rounded = m.token_rounding(logits, K, "nr", 16, 0)
+    # FP8: x's rows gathered and quantised, w1 [E, 2n, d] in 128x128 blocks (N = 384: a partial block)
+    a_q, a_scales = m.fp8_quantize_rows(t["x"], row_token)
+    w_q, w_scales, _, _ = m.fp8_quantize_weights(t["w1"], False)
     return [
         ("topk_router", (logits, K, "softmax_topk", True, None)),
         ("topk_router_backward", (logits, scores, experts, torch.randn(T, K, device="cuda"), "softmax_topk", True)),
@@ -65,6 +68,14 @@ def _op_cases():
         ("grouped_gemm_nmajor", (h, None, offs, t["w1"], R, None, None, None, "swiglu", "interleaved")),
         ("grouped_gemm_wgrad", (t["x"], row_token, h, offs, True, False)),
         ("grouped_gemm_wgrad", (dout, row_token, h[:, :n].contiguous(), offs, False, True)),
+        ("fp8_quantize_rows", (t["x"], row_token)),
+        ("fp8_quantize_rows", (h, None)),
+        ("fp8_quantize_weights", (t["w1"], False)),
+        ("fp8_quantize_weights", (t["w2"], True)),
+        ("fp8_quantize_columns", (t["x"], row_token, offs)),
+        ("fp8_quantize_columns", (h, None, offs)),
+        ("grouped_gemm_fp8", (a_q, a_scales, w_q, w_scales, offs)),
+        ("grouped_gemm_fp8", (a_q, a_scales, w_q, w_scales, offs, 2)),
     ]
 
 

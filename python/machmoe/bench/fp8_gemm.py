@@ -1,0 +1,195 @@
+"""The FP8 grouped GEMM beside the bf16 grouped GEMMs, at benchmark configs' expert shapes (GPU only):
+
+    python -m machmoe.bench.fp8_gemm [--configs 7B-a,30B-b,120B-b] [--out DIR]
+
+For each config (T, d, n, E, K; machmoe.bench.configs) the two forward expert GEMMs without a
+gather: the up-projection (N = 2n, K = d) and the down-projection (N = d, K = n), on R = T·K rows
+spread uniformly over the E experts (what balanced top-K routing gives). Each row of the table
+times, on the same shape:
+
+* machmoe fp8:  torch.ops.machmoe.grouped_gemm_fp8 on pre-quantised operands (1x128 activation
+                tiles, 128x128 weight blocks, DeepSeek-V3's recipe; quantisation not timed);
+* machmoe bf16: torch.ops.machmoe.grouped_gemm with a plain store (the down-projection's kernel);
+* torch bf16:   torch._grouped_mm;
+* torch fp8:    torch._scaled_grouped_mm with rowwise scales (one per row of A, one per output
+                column of each expert's W), "not available" where this PyTorch or GPU refuses it.
+
+TFLOPS = 2·R·N·K / time; times are medians of CUDA-event times over rotated argument sets after a
+warm-up (machmoe.bench.timing.cuda_time). The "fp8 err" column is ‖C_fp8 − C_bf16‖ / ‖C_bf16‖ of
+machmoe's two kernels on the same inputs: a sanity check that the timed kernel computes the
+product (about 2^-5 for E4M3's 3 mantissa bits on random data), not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import TYPE_CHECKING, Optional
+
+from .configs import select_configs
+
+if TYPE_CHECKING:  # torch is imported late: --help answers without it
+    import torch
+
+IMPLS = ("machmoe fp8", "machmoe bf16", "torch bf16", "torch fp8")
+SETS = 2  # rotated argument sets: the next call's inputs are not in L2
+
+
+def uniform_offsets(R: int, E: int, device) -> "torch.Tensor":
+    """expert_offsets [E+1] int32: R rows over E experts, the first R mod E experts one more."""
+    import torch
+
+    counts = torch.full((E,), R // E, dtype=torch.int32)
+    counts[: R % E] += 1
+    return torch.cat([torch.zeros(1, dtype=torch.int32), counts.cumsum(0).int()]).to(device)
+
+
+def rowwise_fp8(x: "torch.Tensor"):
+    """x [..., K] bf16 -> (codes [..., K] float8_e4m3fn, scales [...] float32): one scale per row,
+    amax / 448, saturated (torch's cast does not saturate)."""
+    import torch
+
+    xf = x.float()
+    s = xf.abs().amax(-1).clamp_min(1e-12) / 448.0
+    return (xf / s.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), s
+
+
+def make_set(R: int, N: int, K: int, E: int, offs, ops):
+    """One argument set: A [R, K] and W [E, N, K] in bf16, block-quantised (machmoe's ops) and
+    rowwise-quantised (torch's layout: W as [E, K, N] column-major)."""
+    import torch
+
+    a = torch.randn(R, K, device="cuda").bfloat16()
+    w = (torch.randn(E, N, K, device="cuda") * 0.02).bfloat16()
+    a_q, a_s = ops.fp8_quantize_rows(a, None)
+    w_q, w_s, _, _ = ops.fp8_quantize_weights(w, False)
+    a_rw, a_rs = rowwise_fp8(a)
+    w_rw, w_rs = rowwise_fp8(w)  # scales [E, N]
+    return dict(a=a, w=w, w_kn=w.transpose(1, 2), a_q=a_q, a_s=a_s, w_q=w_q, w_s=w_s, a_rw=a_rw, a_rs=a_rs,
+                w_rw_kn=w_rw.transpose(1, 2), w_rs=w_rs, offs=offs, ends=offs[1:].contiguous(), R=R)
+
+
+def impl_fn(name: str, ops, max_ctas: int):
+    import torch
+
+    if name == "machmoe fp8":
+        return lambda s: ops.grouped_gemm_fp8(s["a_q"], s["a_s"], s["w_q"], s["w_s"], s["offs"], max_ctas)
+    if name == "machmoe bf16":
+        return lambda s: ops.grouped_gemm(s["a"], None, s["offs"], s["w"], None, s["R"], "store", "swiglu",
+                                          "interleaved")[0]
+    if name == "torch bf16":
+        return lambda s: torch._grouped_mm(s["a"], s["w_kn"], offs=s["ends"])
+    if name == "torch fp8":
+        return lambda s: torch._scaled_grouped_mm(s["a_rw"], s["w_rw_kn"], s["a_rs"], s["w_rs"], offs=s["ends"],
+                                                  out_dtype=torch.bfloat16)
+    raise ValueError(name)
+
+
+def rel_err(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def run_shape(label: str, R: int, N: int, K: int, E: int, min_reps: int, max_ctas: int) -> dict:
+    import torch
+
+    from machmoe import _ops
+
+    from .timing import cuda_time
+
+    _ops.require_ops()
+    ops = torch.ops.machmoe
+    offs = uniform_offsets(R, E, "cuda")
+    sets = [(make_set(R, N, K, E, offs, ops),) for _ in range(SETS)]
+    flops = 2.0 * R * N * K
+    row = {"shape": label, "R": R, "N": N, "K": K, "E": E}
+    outs = {}
+    for name in IMPLS:
+        fn = impl_fn(name, ops, max_ctas)
+        try:
+            outs[name] = fn(*sets[0])
+            torch.cuda.synchronize()
+        except Exception as err:  # an op this PyTorch or GPU does not have: reported, not fatal
+            row[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
+            continue
+        t = cuda_time(fn, sets, min_reps=min_reps).median_ms
+        row[name] = {"ms": t, "tflops": flops / t / 1e9}
+    if "machmoe fp8" in outs and "machmoe bf16" in outs:
+        row["fp8_rel_err"] = rel_err(outs["machmoe fp8"], outs["machmoe bf16"])
+    del sets, outs
+    torch.cuda.empty_cache()
+    return row
+
+
+def config_shapes(cfg) -> list:
+    """(label, R, N, K, E): the config's up- and down-projection."""
+    R = cfg.T * cfg.K
+    return [(f"{cfg.name} up (N=2n, K=d)", R, 2 * cfg.n, cfg.d, cfg.E),
+            (f"{cfg.name} down (N=d, K=n)", R, cfg.d, cfg.n, cfg.E)]
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "-"
+    if "error" in v:
+        return "not available"
+    return f"{v['tflops']:.0f} ({v['ms']:.3f} ms)"
+
+
+def table(rows: list) -> str:
+    head = "| shape | R x N x K, E | " + " | ".join(f"{n} TFLOPS" for n in IMPLS) + " | fp8 err |"
+    lines = [head, "|" + "---|" * (len(IMPLS) + 3)]
+    for r in rows:
+        err = f"{r['fp8_rel_err']:.1e}" if "fp8_rel_err" in r else "-"
+        lines.append(f"| {r['shape']} | {r['R']} x {r['N']} x {r['K']}, {r['E']} | "
+                     + " | ".join(_cell(r.get(n)) for n in IMPLS) + f" | {err} |")
+    notes = sorted({f"{n}: {r[n]['error']}" for r in rows for n in IMPLS if isinstance(r.get(n), dict)
+                    and "error" in r[n]})
+    return "\n".join(lines + [""] + [f"- {n}" for n in notes])
+
+
+def main(argv: Optional[list] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m machmoe.bench.fp8_gemm", description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default="7B-a,30B-b,120B-b", help="comma-separated config names")
+    p.add_argument("--out", default=None, metavar="DIR", help="write fp8_gemm.md and fp8_gemm.json there")
+    p.add_argument("--min-reps", type=int, default=20)
+    p.add_argument("--max-ctas", type=int, default=0, help="grouped_gemm_fp8's max_ctas (0: one per SM)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    try:
+        configs = select_configs(args.configs)
+    except ValueError as err:
+        p.error(str(err))
+
+    import torch
+
+    from machmoe import _ops
+
+    why = _ops.kernels_unavailable_reason()
+    if why is not None:
+        print(f"machmoe.bench.fp8_gemm: nothing to measure: {why}")
+        return 0
+    torch.manual_seed(args.seed)
+    from .timing import describe_protocol
+
+    print(f"# FP8 grouped GEMM, {torch.cuda.get_device_name()}, torch {torch.__version__}; {describe_protocol()}")
+    rows = []
+    for cfg in configs:
+        for shape in config_shapes(cfg):
+            rows.append(run_shape(*shape, args.min_reps, args.max_ctas))
+            print(table(rows[-1:]).splitlines()[2], flush=True)
+    text = table(rows)
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "fp8_gemm.md"), "w") as f:
+            f.write(text + "\n")
+        with open(os.path.join(args.out, "fp8_gemm.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

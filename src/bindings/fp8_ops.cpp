@@ -1,0 +1,201 @@
+// PyTorch ops over the FP8 (E4M3) quantisers and the FP8 grouped GEMM (machmoe/fp8.hpp; schemas
+// and layouts in docs/OPS.md): CUDA tensors, the current stream, no host synchronisation. E4M3
+// codes travel as torch.float8_e4m3fn tensors (the same bytes as the C++ API's uint8 codes), scales
+// as float32. Every output size comes from the inputs' shapes alone (the columns layout from
+// fp8_columns_layout(R, E, d)), so the fakes (python/machmoe/_fake.py) size them without data.
+// The argument rules the C++ API states (d, K multiples of 16, alignment, ranges) are checked
+// there and raised as ValueError naming the argument; the checks here are the tensors' own
+// (device, dtype, contiguity, shapes agreeing with one another).
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <limits>
+#include <optional>
+#include <tuple>
+
+#include "bindings/common.hpp"
+#include "machmoe/fp8.hpp"
+
+namespace machmoe::bindings {
+namespace {
+
+using at::Tensor;
+
+constexpr at::ScalarType kE4M3 = at::kFloat8_e4m3fn;
+
+uint8_t* codes(Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
+const uint8_t* codes(const Tensor& t) { return static_cast<const uint8_t*>(t.data_ptr()); }
+
+// The op's first tensor: `dims`-D, CUDA, of `dtype`, contiguous (any sizes); its device is the op's.
+void check_first(const Tensor& t, const char* name, at::ScalarType dtype, int64_t dims) {
+  check_dims(t, name, dims);
+  check_tensor(t, name, dtype, t.sizes());
+}
+
+// A row index [R] (the gathers): 1-D int32, contiguous, on `device`; returns R.
+int64_t check_index(const Tensor& t, const char* name, const at::Device& device) {
+  check_dims(t, name, 1);
+  check_tensor(t, name, at::kInt, t.sizes(), &device);
+  return t.size(0);
+}
+
+// expert_offsets [E+1] int32 with E >= 1; returns E.
+int64_t check_offsets(const Tensor& t, const at::Device& device) {
+  check_dims(t, "expert_offsets", 1);
+  MACHMOE_CHECK_VALUE(t.size(0) >= 2, "expert_offsets must have E+1 >= 2 elements, got ", t.size(0));
+  check_tensor(t, "expert_offsets", at::kInt, t.sizes(), &device);
+  return t.size(0) - 1;
+}
+
+// x [T, d] bf16, its rows gathered by gather [R] int32 (None: x itself, R = T) ->
+// q [R, d] e4m3, scales [R, ceil(d/128)] f32.
+std::tuple<Tensor, Tensor> op_fp8_quantize_rows(const Tensor& x, const std::optional<Tensor>& gather) {
+  return translate_errors([&] {
+    check_first(x, "x", at::kBFloat16, 2);
+    const at::Device device = x.device();
+    const int64_t T = x.size(0), d = x.size(1);
+    const int64_t R = gather ? check_index(*gather, "gather", device) : T;
+    const c10::cuda::CUDAGuard guard(device);
+    Tensor q = at::empty({R, d}, x.options().dtype(kE4M3));
+    Tensor scales = at::empty({R, fp8_tiles(d)}, x.options().dtype(at::kFloat));
+    QuantizeRowsArgs a;
+    a.x = x.data_ptr();
+    a.T = T;
+    a.d = d;
+    a.ld = d;
+    a.gather = gather ? gather->data_ptr<int32_t>() : nullptr;
+    a.R = R;
+    a.q = codes(q);
+    a.scales = scales.data_ptr<float>();
+    quantize_rows_fp8(a, at::cuda::getCurrentCUDAStream());
+    return std::make_tuple(q, scales);
+  });
+}
+
+// w [E, N, K] bf16 -> q [E, N, K] e4m3, scales [E, ceil(N/128), ceil(K/128)] f32 and, with
+// `transposed`, qt [E, K, N] e4m3, qt_scales [E, ceil(K/128), ceil(N/128)] f32 (else None).
+std::tuple<Tensor, Tensor, std::optional<Tensor>, std::optional<Tensor>> op_fp8_quantize_weights(const Tensor& w,
+                                                                                                 bool transposed) {
+  return translate_errors([&] {
+    check_first(w, "w", at::kBFloat16, 3);
+    const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
+    const c10::cuda::CUDAGuard guard(w.device());
+    const auto f32 = w.options().dtype(at::kFloat);
+    Tensor q = at::empty({E, N, K}, w.options().dtype(kE4M3));
+    Tensor scales = at::empty({E, fp8_tiles(N), fp8_tiles(K)}, f32);
+    std::optional<Tensor> qt, qt_scales;
+    if (transposed) {
+      qt = at::empty({E, K, N}, w.options().dtype(kE4M3));
+      qt_scales = at::empty({E, fp8_tiles(K), fp8_tiles(N)}, f32);
+    }
+    QuantizeWeightsArgs a;
+    a.w = w.data_ptr();
+    a.E = E;
+    a.N = N;
+    a.K = K;
+    a.q = codes(q);
+    a.scales = scales.data_ptr<float>();
+    a.transposed = transposed;
+    a.qt = transposed ? codes(*qt) : nullptr;
+    a.scales_t = transposed ? qt_scales->data_ptr<float>() : nullptr;
+    quantize_weights_fp8(a, at::cuda::getCurrentCUDAStream());
+    return std::make_tuple(q, scales, qt, qt_scales);
+  });
+}
+
+// x [T, d] bf16, gather [R] int32 (None: x itself, R = T), expert_offsets [E+1] int32 ->
+// qt [d, r_pad] e4m3, scales [d, max_chunks] f32, chunk_offsets [E+1] int32, with
+// (max_chunks, r_pad) = fp8_columns_layout(R, E, d): the most chunks any offsets within R give.
+// The chunks past chunk_offsets[E] (and their qt columns) are left unwritten.
+std::tuple<Tensor, Tensor, Tensor> op_fp8_quantize_columns(const Tensor& x, const std::optional<Tensor>& gather,
+                                                           const Tensor& expert_offsets) {
+  return translate_errors([&] {
+    check_first(x, "x", at::kBFloat16, 2);
+    const at::Device device = x.device();
+    const int64_t T = x.size(0), d = x.size(1);
+    const int64_t R = gather ? check_index(*gather, "gather", device) : T;
+    const int64_t E = check_offsets(expert_offsets, device);
+    const Fp8ColumnsLayout layout = fp8_columns_layout(R, E, d);  // host arithmetic: no sync
+    const c10::cuda::CUDAGuard guard(device);
+    Tensor qt = at::empty({d, layout.r_pad}, x.options().dtype(kE4M3));
+    Tensor scales = at::empty({d, layout.max_chunks}, x.options().dtype(at::kFloat));
+    Tensor chunk_offsets = at::empty({E + 1}, x.options().dtype(at::kInt));
+    QuantizeColumnsArgs a;
+    a.x = x.data_ptr();
+    a.T = T;
+    a.d = d;
+    a.ld = d;
+    a.gather = gather ? gather->data_ptr<int32_t>() : nullptr;
+    a.R = R;
+    a.expert_offsets = expert_offsets.data_ptr<int32_t>();
+    a.E = E;
+    a.chunk_offsets = chunk_offsets.data_ptr<int32_t>();
+    a.qt = codes(qt);
+    a.scales = scales.data_ptr<float>();
+    quantize_columns_fp8(a, at::cuda::getCurrentCUDAStream());
+    return std::make_tuple(qt, scales, chunk_offsets);
+  });
+}
+
+// C [R, N] bf16 = the FP8 grouped GEMM of a_q [R, K] (a_scales [R, ceil(K/128)]) with w_q [E, N, K]
+// (w_scales [E, ceil(N/128), ceil(K/128)]) per expert's rows [off[e], off[e+1]). Rows outside every
+// expert are not written (C is allocated uninitialised, as grouped_gemm's).
+Tensor op_grouped_gemm_fp8(const Tensor& a_q, const Tensor& a_scales, const Tensor& w_q, const Tensor& w_scales,
+                           const Tensor& expert_offsets, int64_t max_ctas) {
+  return translate_errors([&] {
+    check_first(a_q, "a_q", kE4M3, 2);
+    const at::Device device = a_q.device();
+    const int64_t R = a_q.size(0), K = a_q.size(1);
+    check_dims(w_q, "w_q", 3);
+    check_tensor(w_q, "w_q", kE4M3, w_q.sizes(), &device);
+    const int64_t E = w_q.size(0), N = w_q.size(1);
+    MACHMOE_CHECK_VALUE(w_q.size(2) == K, "w_q must be [E, N, K] with K = ", K, " (a_q's columns), got shape ",
+                        w_q.sizes());
+    check_tensor(a_scales, "a_scales", at::kFloat, {R, fp8_tiles(K)}, &device);
+    check_tensor(w_scales, "w_scales", at::kFloat, {E, fp8_tiles(N), fp8_tiles(K)}, &device);
+    check_dims(expert_offsets, "expert_offsets", 1);
+    check_tensor(expert_offsets, "expert_offsets", at::kInt, {E + 1}, &device);
+    MACHMOE_CHECK_VALUE(max_ctas >= 0 && max_ctas <= std::numeric_limits<int>::max(),
+                        "max_ctas must be in [0, 2^31 - 1] (0: one CTA per SM), got ", max_ctas);
+    const c10::cuda::CUDAGuard guard(device);
+    Tensor c = at::empty({R, N}, a_q.options().dtype(at::kBFloat16));
+    // The tile-offset table's workspace: the launcher writes it only for E > 512.
+    Tensor tiles = E > 512 ? at::empty({E + 1}, expert_offsets.options()) : Tensor();
+    GroupedGemmFp8Args g;
+    g.a_q = codes(a_q);
+    g.a_scales = a_scales.data_ptr<float>();
+    g.R = R;
+    g.w_q = codes(w_q);
+    g.w_scales = w_scales.data_ptr<float>();
+    g.expert_offsets = expert_offsets.data_ptr<int32_t>();
+    g.E = E;
+    g.N = N;
+    g.K = K;
+    g.c = c.data_ptr();
+    g.ldc = N;
+    g.tile_offsets = tiles.defined() ? tiles.data_ptr<int32_t>() : nullptr;
+    g.max_ctas = static_cast<int>(max_ctas);
+    grouped_gemm_fp8(g, at::cuda::getCurrentCUDAStream());
+    return c;
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(machmoe, m) {
+  m.def("fp8_quantize_rows(Tensor x, Tensor? gather) -> (Tensor, Tensor)");
+  m.def("fp8_quantize_weights(Tensor w, bool transposed) -> (Tensor, Tensor, Tensor?, Tensor?)");
+  m.def("fp8_quantize_columns(Tensor x, Tensor? gather, Tensor expert_offsets) -> (Tensor, Tensor, Tensor)");
+  m.def("grouped_gemm_fp8(Tensor a_q, Tensor a_scales, Tensor w_q, Tensor w_scales, Tensor expert_offsets,"
+        " int max_ctas=0) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {
+  m.impl("fp8_quantize_rows", &op_fp8_quantize_rows);
+  m.impl("fp8_quantize_weights", &op_fp8_quantize_weights);
+  m.impl("fp8_quantize_columns", &op_fp8_quantize_columns);
+  m.impl("grouped_gemm_fp8", &op_grouped_gemm_fp8);
+}
+
+}  // namespace machmoe::bindings

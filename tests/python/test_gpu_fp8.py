@@ -1,0 +1,387 @@
+"""The FP8 ops (src/bindings/fp8_ops.cpp over machmoe/fp8.hpp) against a pure-PyTorch statement of
+the recipe, at real model shapes: 30B-b (d = 4096, n = 512, the up-projection's N = 2n = 1024),
+7B-a (d = 1536, n = 256) and gpt-oss (d = n = 2880: partial 128-tiles everywhere).
+
+The quantisers are compared bitwise: the recipe (fp8.hpp) is exact arithmetic, s = amax / 448 by
+an IEEE fp32 division, q = E4M3(x / s) rounded to nearest even with saturation to ±448. PyTorch's
+cast to float8_e4m3fn rounds to nearest even but does not saturate (|v| >= 464 become NaN), so the
+reference clamps to ±448 first, which is the same thing for every finite v. The reference runs on
+the CPU. The GEMM is compared with a float64 matmul of the dequantised operands (the op's own
+quantised inputs), per element, with the C++ test's derived tolerance (tests/cpp/
+test_gpu_fp8_gemm.cpp): |got - c| <= 2·(2^-9·|c| + 2^-11·Σ|a·b|).
+
+Without a GPU, the reference itself (hand-checked codes), the GEMM check's ability to fail, and
+the fakes' shapes (on fake CUDA tensors) still run."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from gpu_test_helpers import offsets, ops
+from machmoe import _fake
+
+E4M3_MAX = 448.0
+TILE = 128
+NAN_SCALE_BITS = 0x7fc00000
+NAN_CODE = 0x7f
+
+
+def on_gpu(test):
+    """A test that needs a GPU and the op library (skipped without them; conftest.py)."""
+    return pytest.mark.ops(pytest.mark.gpu(test))
+
+# (name, d, n): the layer shapes; the up-projection is N = 2n, K = d, the down-projection N = d, K = n.
+SHAPES = (("7B-a", 1536, 256), ("30B-b", 4096, 512), ("gpt-oss", 2880, 2880))
+COUNTS = (300, 0, 129, 1, 517, 64)  # rows per expert: an empty expert, one row, partial 128-row tiles
+
+
+# ---------------------------------------------------------------- the recipe in PyTorch (CPU)
+def nan_scale() -> torch.Tensor:
+    return torch.tensor(NAN_SCALE_BITS, dtype=torch.int32).view(torch.float32)
+
+
+def ref_scales(amax: torch.Tensor) -> torch.Tensor:
+    """fp8_scale: amax / 448 (fp32, IEEE division); 1 for amax = 0; NaN (0x7fc00000) if not finite."""
+    amax = amax.float()
+    s = amax / torch.tensor(E4M3_MAX, dtype=torch.float32)
+    s = torch.where(amax == 0, torch.ones_like(s), s)
+    return torch.where(torch.isfinite(amax), s, nan_scale().expand_as(s))
+
+
+def ref_codes(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes (uint8) of x / s, s broadcast to x: RNE, saturating; a NaN scale gives 0x7f."""
+    v = (x.float() / s).clamp(-E4M3_MAX, E4M3_MAX)
+    q = v.to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.where(torch.isfinite(s), q, torch.full_like(q, NAN_CODE))
+
+
+def tile_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| over 128-wide tiles of the last dimension (a partial last tile: its real elements)."""
+    n = x.shape[-1]
+    a = torch.nn.functional.pad(x.float().abs(), (0, (-n) % TILE))
+    return a.reshape(*x.shape[:-1], -1, TILE).amax(-1)
+
+
+def expand(s: torch.Tensor, n: int, dim: int = -1) -> torch.Tensor:
+    return s.repeat_interleave(TILE, dim=dim).narrow(dim, 0, n)
+
+
+def gathered(x: torch.Tensor, gather) -> torch.Tensor:
+    """x's rows through gather (None: x), fp32; an index outside [0, T) gives a NaN row."""
+    xf = x.float()
+    if gather is None:
+        return xf
+    g = gather.long()
+    rows = xf[g.clamp(0, xf.shape[0] - 1)]
+    rows[(g < 0) | (g >= xf.shape[0])] = float("nan")
+    return rows
+
+
+def ref_quantize_rows(x, gather):
+    rows = gathered(x, gather)
+    s = ref_scales(tile_amax(rows))
+    return ref_codes(rows, expand(s, rows.shape[1])), s
+
+
+def ref_quantize_weights(w):
+    E, N, K = w.shape
+    wf = w.float()
+    padded = torch.nn.functional.pad(wf.abs(), (0, (-K) % TILE, 0, (-N) % TILE))
+    amax = padded.reshape(E, padded.shape[1] // TILE, TILE, padded.shape[2] // TILE, TILE).amax((2, 4))
+    s = ref_scales(amax)  # [E, nb_n, nb_k]
+    return ref_codes(wf, expand(expand(s, N, 1), K, 2)), s
+
+
+def ref_quantize_columns(x, gather, counts):
+    """(qt [d, r_pad] uint8, scales [d, max_chunks], chunk_offsets [E+1]) with zero codes past an
+    expert's last row in its last chunk; chunks past chunk_offsets[E] are zero (the op's are unset)."""
+    rows = gathered(x, gather)
+    R, d = rows.shape
+    E = len(counts)
+    max_chunks = _fake.fp8_max_chunks(R, E)
+    qt = torch.zeros(d, TILE * max_chunks, dtype=torch.uint8)
+    scales = torch.zeros(d, max_chunks)
+    chunk_offsets, c, start = [0], 0, 0
+    for rows_e in counts:
+        for j in range(0, rows_e, TILE):
+            blk = rows[start + j:start + min(j + TILE, rows_e)]  # [m, d]
+            s = ref_scales(blk.abs().amax(0))  # [d]
+            qt[:, TILE * c:TILE * c + blk.shape[0]] = ref_codes(blk, s[None, :]).T
+            scales[:, c] = s
+            c += 1
+        start += rows_e
+        chunk_offsets.append(c)
+    return qt, scales, torch.tensor(chunk_offsets, dtype=torch.int32)
+
+
+def assert_codes_equal(got, want, label):
+    got = got.cpu().view(torch.uint8)
+    bad = (got != want).nonzero()
+    assert bad.numel() == 0, f"{label}: {bad.shape[0]} codes differ, first at {bad[0].tolist()}: " \
+        f"{got[tuple(bad[0])].item():#04x} vs {want[tuple(bad[0])].item():#04x}"
+
+
+def assert_scales_equal(got, want, label):
+    got, want = got.cpu().view(torch.int32), want.view(torch.int32)  # bitwise: NaN's bits too
+    bad = (got != want).nonzero()
+    assert bad.numel() == 0, f"{label}: {bad.shape[0]} scales differ, first at {bad[0].tolist()}: " \
+        f"{got.view(torch.float32)[tuple(bad[0])].item()} vs {want.view(torch.float32)[tuple(bad[0])].item()}"
+
+
+def structured(*shape, device="cuda"):
+    """bf16 data with a power-of-two magnitude per row and per column (2^-8 .. 2^7 overall), so
+    that a scale applied to the wrong tile shows, and an all-zero 128-tile (scale 1) at [0, :128]."""
+    rows = 2.0 ** torch.randint(-5, 5, (*shape[:-1], 1), device=device)
+    cols = 2.0 ** torch.randint(-3, 3, (shape[-1],), device=device)
+    x = (torch.randn(*shape, device=device) * rows * cols).bfloat16()
+    x.view(-1, shape[-1])[0, :TILE] = 0
+    return x
+
+
+# ---------------------------------------------------------------- the GEMM's check
+def dequantise_rows(q, s, K):
+    return q.double() * expand(s.double(), K)
+
+
+def dequantise_weights(q, s, N, K):
+    return q.double() * expand(expand(s.double(), N, 1), K, 2)
+
+
+def gemm_reference(a, w, counts):
+    """float64 C [R, N] and Σ|a·b| [R, N] per expert (a [R, K], w [E, N, K] dequantised)."""
+    c = torch.zeros(a.shape[0], w.shape[1], dtype=torch.float64, device=a.device)
+    absum = torch.zeros_like(c)
+    start = 0
+    for e, rows_e in enumerate(counts):
+        rows = slice(start, start + rows_e)
+        c[rows] = a[rows] @ w[e].T
+        absum[rows] = a[rows].abs() @ w[e].abs().T
+        start += rows_e
+    return c, absum
+
+
+def gemm_failures(got, c, absum, label):
+    """The C++ test's tolerance, per element and normwise; returns the failures' descriptions."""
+    got = got.double()
+    err = (got - c).abs()
+    tol = 2 * (2.0 ** -9 * c.abs() + 2.0 ** -11 * absum)
+    bad = ~(err <= tol)  # NaN fails too
+    failures = []
+    if bad.any():
+        i = tuple(bad.nonzero()[0].tolist())
+        failures.append(f"{label}: {int(bad.sum())} elements outside the tolerance, first {list(i)}: got "
+                        f"{got[i].item()}, want {c[i].item()} (Σ|a·b| {absum[i].item()}, tol {tol[i].item()})")
+    cn = c.norm().item()
+    if cn > 0:
+        rel = err.norm().item() / cn
+        rel_tol = 2 * (2.0 ** -9 + 2.0 ** -11 * absum.norm().item() / cn)
+        if not rel <= rel_tol:
+            failures.append(f"{label}: normwise error {rel:.3e} above {rel_tol:.3e}")
+        print(f"{label}: normwise error {rel:.3e} (tolerance {rel_tol:.3e}), worst |err|/Σ|a·b| "
+              f"{(err / absum.clamp_min(1e-300)).max().item():.3e}")
+    return failures
+
+
+# ---------------------------------------------------------------- CPU: the reference and the check
+def test_reference_codes_by_hand():
+    s = torch.ones(1)
+    x = torch.tensor([448., 449., 470., 1e6, -1e6, 1.0, 1.0625, 1.1875, 2.0 ** -10, 3 * 2.0 ** -10, -1e-9, 0.])
+    want = [0x7e, 0x7e, 0x7e, 0x7e, 0xfe, 0x38, 0x38, 0x3a, 0x00, 0x02, 0x80, 0x00]
+    assert ref_codes(x, s.expand_as(x)).tolist() == want
+    # scales: amax / 448, 1 for an all-zero tile, NaN bits for Inf / NaN
+    amax = torch.tensor([448., 0., float("inf"), float("nan"), 1.0])
+    got = ref_scales(amax).view(torch.int32).tolist()
+    assert got[:4] == [torch.tensor(1.0).view(torch.int32).item(), torch.tensor(1.0).view(torch.int32).item(),
+                       NAN_SCALE_BITS, NAN_SCALE_BITS]
+    # a non-finite tile: every code 0x7f; a partial last tile uses its real elements only
+    x = torch.zeros(1, 130)
+    x[0, 5], x[0, 129] = float("inf"), -3.0
+    q, sc = ref_quantize_rows(x, None)
+    assert (q[0, :128] == NAN_CODE).all() and q[0, 129].item() == 0xfe and sc[0, 1] == torch.tensor(3.0) / E4M3_MAX
+
+
+def test_reference_columns_layout_by_hand():
+    x = torch.arange(1, 17, dtype=torch.float32).repeat(300, 1).bfloat16()  # [300, 16]
+    qt, scales, chunks = ref_quantize_columns(x, None, [130, 0, 1, 169])
+    assert chunks.tolist() == [0, 2, 2, 3, 5]
+    assert qt.shape == (16, TILE * _fake.fp8_max_chunks(300, 4)) and scales.shape[1] == _fake.fp8_max_chunks(300, 4)
+    assert (qt[:, 130:256] == 0).all() and (qt[:, 256:257] == 0x7e).all() and (qt[:, 257:384] == 0).all()
+    assert (qt[:, :130] == 0x7e).all()  # every column constant: each element is its chunk's amax
+
+
+def test_gemm_check_catches_a_wrong_element():
+    a = torch.randn(40, 256, dtype=torch.float64)
+    w = torch.randn(2, 24, 256, dtype=torch.float64)
+    c, absum = gemm_reference(a, w, [25, 15])
+    assert not gemm_failures(c.bfloat16(), c, absum, "bf16 of the reference")
+    off = c.clone()
+    off[3, 7] += 0.05 * absum[3, 7]  # above 2·(2^-9 + 2^-11)·Σ|a·b| at most
+    assert gemm_failures(off, c, absum, "one element off")
+    off = c.clone()
+    off[30, 0] = float("nan")
+    assert gemm_failures(off, c, absum, "a NaN")
+    # a misapplied weight scale (expert 1's for expert 0): far outside
+    assert gemm_failures(torch.cat([a[:25] @ (2 * w[0]).T, c[25:]]), c, absum, "scale")
+
+
+def _brute_max_chunks(R, E):
+    """The most 128-row chunks E experts with at most R rows in all can have (dynamic programming)."""
+    best = [0] * (R + 1)  # best[r]: with at most r rows, over the experts so far
+    for _ in range(E):
+        best = [max(best[r - c] + (c + TILE - 1) // TILE for c in range(r + 1)) for r in range(R + 1)]
+    return best[R]
+
+
+def test_columns_layout_bound_is_tight():
+    for E in (1, 2, 3):
+        for R in (0, 1, 2, 3, 127, 128, 129, 255, 256, 257, 300, 385):
+            assert _fake.fp8_max_chunks(R, E) == _brute_max_chunks(R, E), (R, E)
+
+
+@pytest.mark.ops
+def test_fp8_fakes_follow_the_op_docs():
+    T, R, E, d, N, K = 50, 333, 5, 2880, 5760, 2880
+    i32 = dict(device="cuda", dtype=torch.int32)
+    with FakeTensorMode():
+        x = torch.empty(T, d, device="cuda", dtype=torch.bfloat16)
+        q, s = torch.ops.machmoe.fp8_quantize_rows(x, torch.empty(R, **i32))
+        assert (q.shape, q.dtype, s.shape, s.dtype) == ((R, d), torch.float8_e4m3fn, (R, 23), torch.float32)
+        assert torch.ops.machmoe.fp8_quantize_rows(x, None)[1].shape == (T, 23)
+        w = torch.empty(E, N, K, device="cuda", dtype=torch.bfloat16)
+        wq, ws, wqt, wst = torch.ops.machmoe.fp8_quantize_weights(w, True)
+        assert (wq.shape, ws.shape, wqt.shape, wst.shape) == ((E, N, K), (E, 45, 23), (E, K, N), (E, 23, 45))
+        assert wq.dtype == wqt.dtype == torch.float8_e4m3fn
+        assert torch.ops.machmoe.fp8_quantize_weights(w, False)[2:] == (None, None)
+        qt, cs, co = torch.ops.machmoe.fp8_quantize_columns(x, torch.empty(R, **i32), torch.empty(E + 1, **i32))
+        chunks = 5 + (R - 5) // 128
+        assert (qt.shape, cs.shape, co.shape, co.dtype) == ((d, 128 * chunks), (d, chunks), (E + 1,), torch.int32)
+        c = torch.ops.machmoe.grouped_gemm_fp8(q, s, wq, ws, torch.empty(E + 1, **i32))
+        assert (c.shape, c.dtype) == ((R, N), torch.bfloat16)
+
+
+# ---------------------------------------------------------------- GPU: the quantisers
+@on_gpu
+@pytest.mark.parametrize("name,d,n", SHAPES)
+@pytest.mark.parametrize("gathered_rows", [True, False])
+def test_quantize_rows_bitwise(name, d, n, gathered_rows):
+    T = 300
+    x = structured(T, d)
+    gather = torch.randint(0, T, (517,), device="cuda", dtype=torch.int32) if gathered_rows else None
+    q, s = ops().fp8_quantize_rows(x, gather)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+    want_q, want_s = ref_quantize_rows(x.cpu(), None if gather is None else gather.cpu())
+    assert_scales_equal(s, want_s, f"{name} rows scales")
+    assert_codes_equal(q, want_q, f"{name} rows codes")
+
+
+@on_gpu
+def test_quantize_rows_non_finite_and_bad_indices():
+    T, d = 40, 2880
+    x = structured(T, d)
+    x[3, 200], x[7, 2879], x[9, 0] = float("nan"), float("inf"), -float("inf")
+    gather = torch.randint(0, T, (64,), dtype=torch.int32)
+    gather[:4] = torch.tensor([3, 7, 9, 3], dtype=torch.int32)
+    gather[10], gather[11] = -1, T  # outside [0, T): NaN rows, no out-of-bounds read
+    q, s = ops().fp8_quantize_rows(x, gather.cuda())
+    want_q, want_s = ref_quantize_rows(x.cpu(), gather)
+    assert_scales_equal(s, want_s, "non-finite rows scales")
+    assert_codes_equal(q, want_q, "non-finite rows codes")
+    assert (s[10:12].cpu().view(torch.int32) == NAN_SCALE_BITS).all()
+
+
+@on_gpu
+@pytest.mark.parametrize("name,d,n", SHAPES)
+@pytest.mark.parametrize("up", [True, False])
+def test_quantize_weights_bitwise(name, d, n, up):
+    E = 2
+    N, K = (2 * n, d) if up else (d, n)
+    w = structured(E, N, K) * 0.02
+    q, s, qt, st = ops().fp8_quantize_weights(w, up)  # the transposed copy on the up-projection's cases
+    want_q, want_s = ref_quantize_weights(w.cpu())
+    assert (q.shape, s.shape) == (want_q.shape, want_s.shape)
+    assert_scales_equal(s, want_s, f"{name} weights scales")
+    assert_codes_equal(q, want_q, f"{name} weights codes")
+    if up:
+        assert_scales_equal(st, want_s.transpose(1, 2).contiguous(), f"{name} transposed scales")
+        assert_codes_equal(qt, want_q.transpose(1, 2).contiguous(), f"{name} transposed codes")
+    else:
+        assert qt is None and st is None
+
+
+@on_gpu
+@pytest.mark.parametrize("name,d,n", SHAPES)
+@pytest.mark.parametrize("gathered_rows", [True, False])
+def test_quantize_columns_bitwise(name, d, n, gathered_rows):
+    R = sum(COUNTS)
+    T = 700 if gathered_rows else R
+    x = structured(T, d)
+    gather = torch.randint(0, T, (R,), dtype=torch.int32) if gathered_rows else None
+    qt, s, chunk_offsets = ops().fp8_quantize_columns(x, None if gather is None else gather.cuda(), offsets(COUNTS))
+    want_qt, want_s, want_chunks = ref_quantize_columns(x.cpu(), gather, COUNTS)
+    assert (qt.shape, s.shape) == (want_qt.shape, want_s.shape)
+    assert torch.equal(chunk_offsets.cpu(), want_chunks)
+    c = int(want_chunks[-1])  # the chunks past chunk_offsets[E] are not written
+    assert_scales_equal(s[:, :c], want_s[:, :c], f"{name} columns scales")
+    assert_codes_equal(qt[:, :TILE * c], want_qt[:, :TILE * c], f"{name} columns codes")
+
+
+# ---------------------------------------------------------------- GPU: the grouped GEMM
+GEMM_CASES = [(f"{name} {'up' if up else 'down'}", *((2 * n, d) if up else (d, n)))
+              for name, d, n in SHAPES for up in (True, False)]
+
+
+@on_gpu
+@pytest.mark.parametrize("label,N,K", GEMM_CASES)
+def test_grouped_gemm_fp8_against_float64(label, N, K):
+    m = ops()
+    E, R, T = len(COUNTS), sum(COUNTS), 600
+    x = structured(T, K)
+    gather = torch.randint(0, T, (R,), device="cuda", dtype=torch.int32)
+    a_q, a_s = m.fp8_quantize_rows(x, gather)
+    w_q, w_s, _, _ = m.fp8_quantize_weights(structured(E, N, K) * 0.02, False)
+    c = m.grouped_gemm_fp8(a_q, a_s, w_q, w_s, offsets(COUNTS))
+    assert (c.shape, c.dtype) == ((R, N), torch.bfloat16)
+    want, absum = gemm_reference(dequantise_rows(a_q, a_s, K), dequantise_weights(w_q, w_s, N, K), COUNTS)
+    failures = gemm_failures(c, want, absum, label)
+    assert not failures, "\n".join(failures)
+
+
+@on_gpu
+def test_grouped_gemm_fp8_few_ctas_many_experts_and_rerun():
+    # E = 600 > 512 (the op allocates the tile table), 3 CTAs, zero-row experts; bitwise on a rerun.
+    m = ops()
+    N, K, E = 256, 384, 600
+    counts = [int(v) for v in torch.randint(0, 4, (E,))]
+    counts[0], counts[-1] = 0, 130
+    R = sum(counts)
+    a_q, a_s = m.fp8_quantize_rows(structured(R, K), None)
+    w_q, w_s, _, _ = m.fp8_quantize_weights(structured(E, N, K) * 0.02, False)
+    off = offsets(counts)
+    c = m.grouped_gemm_fp8(a_q, a_s, w_q, w_s, off, 3)
+    want, absum = gemm_reference(dequantise_rows(a_q, a_s, K), dequantise_weights(w_q, w_s, N, K), counts)
+    failures = gemm_failures(c, want, absum, "E = 600, 3 CTAs")
+    assert not failures, "\n".join(failures)
+    assert torch.equal(m.grouped_gemm_fp8(a_q, a_s, w_q, w_s, off, 3), c)
+
+
+@on_gpu
+def test_fp8_ops_name_the_bad_argument():
+    m = ops()
+    x = structured(8, 256)
+    a_q, a_s = m.fp8_quantize_rows(x, None)
+    w_q, w_s, _, _ = m.fp8_quantize_weights(structured(2, 64, 256), False)
+    off = offsets([5, 3])
+    with pytest.raises(ValueError, match="a_q must have dtype"):
+        m.grouped_gemm_fp8(x, a_s, w_q, w_s, off)
+    with pytest.raises(ValueError, match="w_scales must have shape"):
+        m.grouped_gemm_fp8(a_q, a_s, w_q, w_s[:, :, :1].contiguous(), off)
+    with pytest.raises(ValueError, match="expert_offsets must have shape"):
+        m.grouped_gemm_fp8(a_q, a_s, w_q, w_s, offsets([5, 3, 0]))
+    with pytest.raises(ValueError, match="gather must have dtype"):
+        m.fp8_quantize_rows(x, torch.zeros(4, device="cuda", dtype=torch.int64))
+    with pytest.raises(ValueError, match="x must have dtype"):
+        m.fp8_quantize_rows(x.float(), None)
+    with pytest.raises(ValueError, match="d must be a positive multiple of 16"):  # the C++ rule
+        m.fp8_quantize_columns(structured(8, 40), None, off)
+    with pytest.raises(ValueError, match="w must be 3-D"):
+        m.fp8_quantize_weights(structured(64, 256), False)
