@@ -15,6 +15,10 @@ Modules:
   token_rounding_bench  the layer forward with and without token rounding
   variants          the routing, activation and shared-expert variants beside the default layer
                     (python -m machmoe.bench.variants)
+  exchange_transports  NCCL against copy-engine pulls between the GPUs of one host
+                    (python -m machmoe.bench.exchange_transports)
+  fp8_gemm          the FP8 grouped GEMM beside the bf16 ones and torch's scaled grouped GEMM
+                    (python -m machmoe.bench.fp8_gemm)
 """
 
 from __future__ import annotations
