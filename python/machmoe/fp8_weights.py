@@ -1,0 +1,85 @@
+"""FP8 copies of the expert weights, made once per change of the weights.
+
+FP8 training quantises each weight [E, N, K] into E4M3 codes with one fp32 scale per 128×128
+block (and, for the GEMMs that read a weight transposed, a transposed copy with the same codes).
+Doing that in every forward and backward would cost a pass over every weight per GEMM; the
+weights change only at an optimizer step, so the copies are kept and made again only when their
+weight has changed. A stale copy would be a silent wrong answer, so a copy is reused only while
+all of these still hold for its weight:
+
+- the same tensor object (held weakly: the copy dies with its weight);
+- the same version counter: every in-place write through the tensor itself or a view of it bumps
+  it (optimizer steps, `copy_` / `load_state_dict` under `no_grad`, FSDP2's unsharding writes);
+- the same storage pointer, shape, strides, dtype and device (`param.data = other` changes these).
+
+Not seen: in-place writes through `param.data` (a tensor with a version counter of its own),
+which bypass the version counter by design. Call `invalidate()` after such writes. Inference
+tensors have no version counter: they are quantised on every call, never cached.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Optional
+
+import torch
+
+Quantized = tuple  # (q [E, N, K] e4m3, scales [E, ceil(N/128), ceil(K/128)] f32, qt or None, qt_scales or None)
+
+
+def _quantize_on_kernels(w: torch.Tensor, transposed: bool) -> Quantized:
+    return tuple(torch.ops.machmoe.fp8_quantize_weights(w.contiguous(), transposed))
+
+
+class FP8WeightCache:
+    """weight -> its FP8 copies, remade when the weight changes (module docstring).
+
+    quantize(w, transposed) -> (q, scales, qt, qt_scales): the quantiser, by default the
+    machmoe::fp8_quantize_weights kernels (CUDA bfloat16 weights)."""
+
+    def __init__(self, quantize: Optional[Callable[[torch.Tensor, bool], Quantized]] = None):
+        self._quantize = quantize or _quantize_on_kernels
+        # id(weight) -> (weakref to it, what it looked like, transposed -> copies)
+        self._entries: dict[int, tuple] = {}
+
+    @staticmethod
+    def _signature(w: torch.Tensor) -> tuple:
+        return (w._version, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device)
+
+    def get(self, w: torch.Tensor, transposed: bool = False) -> Quantized:
+        """The FP8 copies of w (with the transposed copy when `transposed`), made now if w has
+        changed since they were made (or never was)."""
+        if w.is_inference():  # no version counter to tell a change by
+            return self._quantize(w.detach(), transposed)
+        key = id(w)
+        entry = self._entries.get(key)
+        signature = self._signature(w)
+        if entry is None or entry[0]() is not w or entry[1] != signature:
+            entry = (weakref.ref(w, self._forget(key)), signature, {})
+            self._entries[key] = entry
+        copies = entry[2]
+        if transposed not in copies:
+            copies[transposed] = self._quantize(w.detach(), transposed)
+        return copies[transposed]
+
+    def _forget(self, key: int):
+        """A weakref callback that drops key's entry once its weight is gone (if the entry is
+        still that weight's: the id may have been reused)."""
+        cache = weakref.ref(self)
+
+        def drop(ref):
+            owner = cache()
+            if owner is not None and key in owner._entries and owner._entries[key][0] is ref:
+                del owner._entries[key]
+
+        return drop
+
+    def invalidate(self, w: Optional[torch.Tensor] = None) -> None:
+        """Forgets w's copies (every weight's with None): after writes the cache cannot see."""
+        if w is None:
+            self._entries.clear()
+        else:
+            self._entries.pop(id(w), None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
