@@ -63,7 +63,13 @@ _LIBRARY_PATH, _LOAD_ERROR = _load()
 if _LIBRARY_PATH is not None:
     from . import _fake
 
-    _fake.register()  # fake kernels of the CUDA ops: torch.compile and FakeTensorMode trace them
+    # Fake kernels of the CUDA ops: torch.compile and FakeTensorMode trace them. A library older
+    # than this package lacks some of its ops: say which, and that the build is stale.
+    missing = [name for name in _fake.FAKES if not hasattr(torch.ops.machmoe, name)]
+    if missing:
+        raise ImportError(f"{_LIBRARY_PATH} has no op {', '.join(missing)}: it was built from an older "
+                          f"machmoe than this package; rebuild it (scripts/build.sh)")
+    _fake.register()
 # Asked once: a plain bool that torch.compile can trace through (the op call itself it cannot).
 _KERNELS_COMPILED = _LIBRARY_PATH is not None and bool(torch.ops.machmoe.layer_kernels_available())
 
