@@ -32,6 +32,11 @@ _STAGING: dict[str, tuple[torch.Tensor, object]] = {}  # group name -> (buffer [
 # The smallest staging buffer: small collectives (the routing's) then never make it grow between
 # large ones; memory is mapped in 2 MiB pages anyway.
 _MIN_STAGING_BYTES = 16 << 20
+# How long a barrier waits for the other ranks before it stops the program with a message naming
+# the rank it did not hear from (torch's symmetric-memory barrier traps on the device): a rank that
+# never arrives then ends the job, as NCCL's watchdog does after its default ten minutes, instead
+# of hanging it.
+BARRIER_TIMEOUT_MS = 600_000
 
 
 def available(t: torch.Tensor, W: int) -> bool:
@@ -80,12 +85,12 @@ def all_gather(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
     out = t.new_empty((W * t.shape[0],) + tuple(t.shape[1:]))
     blocks = out.chunk(W)
     _view(handle, rank, t).copy_(t)
-    handle.barrier(channel=0)
+    handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
     for step in range(1, W):
         q = (rank + step) % W
         blocks[q].copy_(_view(handle, q, t))  # pulled from rank q by a copy engine
     blocks[rank].copy_(t)
-    handle.barrier(channel=1)
+    handle.barrier(channel=1, timeout_ms=BARRIER_TIMEOUT_MS)
     return out
 
 
@@ -109,7 +114,7 @@ def pull_blocks(t: torch.Tensor, W: int, group_name: str) -> list:
     for q in range(W):  # the blocks the other ranks will pull, each at its place
         if q != rank:
             _view(handle, rank, mine[q], q * block_elems).copy_(mine[q])
-    handle.barrier(channel=0)
+    handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
     parts = []
     for q in range(W):
         if q == rank:
@@ -118,7 +123,7 @@ def pull_blocks(t: torch.Tensor, W: int, group_name: str) -> list:
             pulled = torch.empty_like(mine[q])
             pulled.copy_(_view(handle, q, mine[q], rank * block_elems))  # by a copy engine
             parts.append(pulled)
-    handle.barrier(channel=1)
+    handle.barrier(channel=1, timeout_ms=BARRIER_TIMEOUT_MS)
     return parts
 
 

@@ -362,6 +362,7 @@ def _symmetric_worker(rank, world, init_file, seed):
     from machmoe import symmetric_exchange
 
     faulthandler.dump_traceback_later(100, exit=True)  # a rank stuck in a collective shows where
+    symmetric_exchange.BARRIER_TIMEOUT_MS = 30_000  # a barrier that never completes says which rank
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
