@@ -15,46 +15,22 @@
 #include <string>
 #include <vector>
 
+#include "fp8_test_util.hpp"
 #include "gpu_util.hpp"
 #include "machmoe/fp8.hpp"
 #include "machmoe/reference_fp8.hpp"
 
 namespace {
 
+using mtest::bits_of;
+using mtest::from_bits;
+using mtest::random_bf16;
+
 using namespace machmoe;
 using mtest::DeviceBuffer;
 using mtest::have_gpu;
 
 constexpr size_t kGuard = 256;  // poisoned bytes after every output
-
-uint32_t bits_of(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
-  return b;
-}
-float from_bits(uint32_t b) {
-  float x;
-  std::memcpy(&x, &b, 4);
-  return x;
-}
-
-// Random bf16 patterns, magnitudes 2^[-30, 30] per 128 elements, with zeros and bf16 subnormals.
-std::vector<uint16_t> random_bf16(mtest::Rng& rng, size_t count) {
-  std::vector<uint16_t> h(count);
-  std::uniform_real_distribution<double> u(-1, 1);
-  std::uniform_int_distribution<int> ex(-30, 30), pick(0, 999);
-  int e = 0;
-  for (size_t i = 0; i < count; ++i) {
-    if (i % 128 == 0) e = ex(rng);
-    const int p = pick(rng);
-    float v = static_cast<float>(std::ldexp(u(rng), e));
-    if (p == 0) v = 0.f;
-    if (p == 1) v = -0.f;
-    if (p == 2) v = from_bits(0x00010000u * static_cast<uint32_t>(1 + pick(rng) % 100));
-    h[i] = ref::float_to_bf16(v);
-  }
-  return h;
-}
 
 template <typename T>
 void upload(const std::vector<T>& h, DeviceBuffer& dst) {

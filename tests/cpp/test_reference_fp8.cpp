@@ -13,22 +13,16 @@
 
 #include "machmoe/fp8.hpp"
 #include "machmoe/reference_fp8.hpp"
+#include "fp8_test_util.hpp"
 #include "test_util.hpp"
 
 namespace {
 
-using namespace machmoe;
+using mtest::bits_of;
+using mtest::from_bits;
+using mtest::random_bf16;
 
-uint32_t bits_of(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
-  return b;
-}
-float from_bits(uint32_t b) {
-  float x;
-  std::memcpy(&x, &b, 4);
-  return x;
-}
+using namespace machmoe;
 
 // The 127 nonnegative finite E4M3 values by code (0x00 .. 0x7e), from the definition: code =
 // eeee mmm, e = 0: m/8 · 2^-6, else (1 + m/8) · 2^(e-7).
@@ -39,25 +33,6 @@ std::vector<double> e4m3_table() {
       if (!(e == 15 && m == 7))
         v.push_back(e == 0 ? m / 8.0 * std::pow(2.0, -6) : (1 + m / 8.0) * std::pow(2.0, e - 7));
   return v;
-}
-
-// Random bf16 patterns: per-128 tile magnitudes 2^[-30, 30], a few exact zeros and bf16
-// subnormals, so that every exponent range of the codes is used.
-std::vector<uint16_t> random_bf16(mtest::Rng& rng, size_t count) {
-  std::vector<uint16_t> h(count);
-  std::uniform_real_distribution<double> u(-1, 1);
-  std::uniform_int_distribution<int> ex(-30, 30), pick(0, 999);
-  int e = 0;
-  for (size_t i = 0; i < count; ++i) {
-    if (i % 128 == 0) e = ex(rng);
-    const int p = pick(rng);
-    float v = static_cast<float>(std::ldexp(u(rng), e));
-    if (p == 0) v = 0.f;
-    if (p == 1) v = -0.f;
-    if (p == 2) v = from_bits(0x00010000u * static_cast<uint32_t>(1 + pick(rng) % 100));  // bf16 subnormal
-    h[i] = ref::float_to_bf16(v);
-  }
-  return h;
 }
 
 TEST(Fp8Reference, DecodesEveryCode) {
