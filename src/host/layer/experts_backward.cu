@@ -112,18 +112,29 @@ bool router_dx_fusable(int64_t R, int64_t d, int64_t E) {
 
 namespace {
 
+// The backward's scratch in the workspace (ExpertsBackwardScratch's offsets), as pointers: the
+// phases below pass row_token, dH and A' from one to the next through these.
+struct ScratchPointers {
+  int32_t* row_token;          // [R]
+  __nv_bfloat16* dh;           // [R, n1]
+  __nv_bfloat16* a_prime;      // [R, n]
+  float* ds_partial;           // [R, tiles]
+  int32_t* tile_offsets;       // [E + 1]
+};
+
+ScratchPointers scratch_pointers(const ExpertsBackwardRun& r) {
+  const ExpertsBackwardScratch& S = r.scratch;
+  void* w = r.workspace;
+  return {at<int32_t>(w, S.row_token), at<__nv_bfloat16>(w, S.dh), at<__nv_bfloat16>(w, S.a_prime),
+          at<float>(w, S.ds_partial), at<int32_t>(w, S.tile_offsets)};
+}
+
 // Steps 1-3: row_token (and top-K token offsets), the dH kernel (dH, A', dS partials), d_scores.
 void data_gradients_first(const ExpertsBackwardRun& r, cudaStream_t stream) {
   const ExpertsShape& s = r.shape;
   const PairList& l = r.list;
-  const ExpertsBackwardScratch& S = r.scratch;
-  void* w = r.workspace;
   const int64_t n1 = s.n1, R = l.pairs;
-  int32_t* row_token = at<int32_t>(w, S.row_token);
-  auto* dh = at<__nv_bfloat16>(w, S.dh);
-  auto* a_prime = at<__nv_bfloat16>(w, S.a_prime);
-  float* ds_partial = at<float>(w, S.ds_partial);
-  int32_t* tile_offsets = at<int32_t>(w, S.tile_offsets);
+  const auto [row_token, dh, a_prime, ds_partial, tile_offsets] = scratch_pointers(r);
   // Pairs of token t: [t·K, (t+1)·K) for a top-K list (rebuilt here), the list's own offsets else.
   int32_t* rebuilt_offsets = l.token ? nullptr : r.topk_token_offsets;
 
@@ -172,7 +183,7 @@ void data_gradients_first(const ExpertsBackwardRun& r, cudaStream_t stream) {
   ps.list_token = l.token;
   ps.d_score = r.d_scores;
   ps.pairs = R;
-  ps.tiles = static_cast<int>(S.ds_tiles);
+  ps.tiles = static_cast<int>(r.scratch.ds_tiles);
   ps.K = static_cast<int>(l.K);
   ps.d = static_cast<int>(s.d);
   if (s.has_bias)
@@ -186,13 +197,12 @@ void data_gradients_first(const ExpertsBackwardRun& r, cudaStream_t stream) {
 // Steps 7-9: dW2, dW1 and the bias gradients from row_token, dH and A' in the workspace.
 void weight_gradients(const ExpertsBackwardRun& r, cudaStream_t stream) {
   const ExpertsShape& s = r.shape;
-  const PairList& l = r.list;
+  const int64_t n1 = s.n1, R = r.list.pairs;
   const ExpertsBackwardScratch& S = r.scratch;
   void* w = r.workspace;
-  const int64_t n1 = s.n1, R = l.pairs;
-  const int32_t* row_token = at<int32_t>(w, S.row_token);
-  const auto* dh = at<__nv_bfloat16>(w, S.dh);
-  const auto* a_prime = at<__nv_bfloat16>(w, S.a_prime);
+  const ScratchPointers p = scratch_pointers(r);
+  const int32_t* row_token = p.row_token;
+  const __nv_bfloat16 *dh = p.dh, *a_prime = p.a_prime;
 
   // 7. dW2 [E, d, n] = Σ_r dout[row_token[r]]ᵀ ⊗ A'_r (varlen K over the expert's rows).
   GroupedWgradArgs w2g;
@@ -237,7 +247,7 @@ void weight_gradients(const ExpertsBackwardRun& r, cudaStream_t stream) {
     kernels::bwd_bias_chunk_prefix<1024, ExpertsBackwardScratch::kBiasChunkRows><<<1, 1024, 0, stream>>>(
         r.expert_offsets, static_cast<int>(s.E), at<int32_t>(w, S.bias_chunk_prefix));
     check_launch("experts backward: bias chunk offsets");
-    bias_gradient(S, s.E, w, static_cast<const __nv_bfloat16*>(r.dout), row_token, l.scores, r.row_pair,
+    bias_gradient(S, s.E, w, static_cast<const __nv_bfloat16*>(r.dout), row_token, r.list.scores, r.row_pair,
                   r.expert_offsets, s.d, r.db2, r.grad_dtype, stream);
     bias_gradient(S, s.E, w, dh, nullptr, nullptr, nullptr, r.expert_offsets, n1, r.db1, r.grad_dtype, stream);
   }
@@ -247,16 +257,13 @@ void weight_gradients(const ExpertsBackwardRun& r, cudaStream_t stream) {
 void input_gradient(const ExpertsBackwardRun& r, cudaStream_t stream) {
   const ExpertsShape& s = r.shape;
   const PairList& l = r.list;
-  const ExpertsBackwardScratch& S = r.scratch;
-  void* w = r.workspace;
   const int64_t n1 = s.n1, R = l.pairs;
-  auto* dh = at<__nv_bfloat16>(w, S.dh);
-  int32_t* tile_offsets = at<int32_t>(w, S.tile_offsets);
+  const ScratchPointers p = scratch_pointers(r);
   const int32_t* token_offsets = l.token ? r.token_offsets : r.topk_token_offsets;
 
   // 10. dX~ [R, d] = dH · W1_e (W1 [E, n1, d] read as [E, K = n1, N = d]), contiguous rows.
   GroupedGemmArgs gx;
-  gx.a = dh;
+  gx.a = p.dh;
   gx.lda = n1;
   gx.a_rows = R;
   gx.expert_offsets = r.expert_offsets;
@@ -265,10 +272,10 @@ void input_gradient(const ExpertsBackwardRun& r, cudaStream_t stream) {
   gx.K = n1;
   gx.w = r.w1;
   gx.w_n_major = true;
-  gx.c = at<__nv_bfloat16>(w, S.dx_rows);
+  gx.c = at<__nv_bfloat16>(r.workspace, r.scratch.dx_rows);
   gx.ldc = s.d;
   gx.epilogue = GemmEpilogue::Store;
-  gx.tile_offsets = tile_offsets;  // stream order: the dH kernel is done with it
+  gx.tile_offsets = p.tile_offsets;  // stream order: the dH kernel is done with it
   grouped_gemm(gx, stream);
 
   // 11. dx [T, d] = Σ_{pairs of t} dX~[pair_row] (no scores) (+ d_logits·Wr, the router's part).
