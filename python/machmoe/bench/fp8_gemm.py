@@ -23,8 +23,6 @@ product (about 2^-5 for E4M3's 3 mantissa bits on random data), not a test.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from typing import TYPE_CHECKING, Optional
 
@@ -183,11 +181,9 @@ def main(argv: Optional[list] = None) -> int:
     text = table(rows)
     print(text)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "fp8_gemm.md"), "w") as f:
-            f.write(text + "\n")
-        with open(os.path.join(args.out, "fp8_gemm.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+        from .report import write_table
+
+        write_table(args.out, "fp8_gemm", text, rows)
     return 0
 
 

@@ -14,6 +14,16 @@ import torch
 from . import timing
 
 
+def write_table(out_dir: str, name: str, text: str, rows: list) -> None:
+    """out_dir/name.md (the Markdown table) and out_dir/name.json (its rows), the directory made
+    if needed: what the small benchmarks (variants, fp8_gemm) write with --out."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
 def git_commit() -> str:
     """Short commit of the repository this package lives in, or "unknown". The GPU machine gets a
     copy of the tree without .git: there scripts/gpu_check.sh passes it in $MACHMOE_COMMIT."""

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import sys
 from typing import Callable, Optional
 
@@ -173,11 +171,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     text = table(rows)
     print(text)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "variants.md"), "w") as f:
-            f.write(text + "\n")
-        with open(os.path.join(args.out, "variants.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+        from .report import write_table
+
+        write_table(args.out, "variants", text, rows)
     return 0
 
 
