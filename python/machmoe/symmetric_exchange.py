@@ -24,6 +24,7 @@ order, accumulated in float32 and rounded once, so two runs are bitwise equal.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -39,12 +40,15 @@ _MIN_STAGING_BYTES = 16 << 20
 BARRIER_TIMEOUT_MS = 600_000
 
 
+@functools.lru_cache(maxsize=None)
+def _torch_has_symmetric_memory() -> bool:
+    return importlib.util.find_spec("torch.distributed._symmetric_memory") is not None
+
+
 def available(t: torch.Tensor, W: int) -> bool:
     """Whether t's collectives over W ranks run here: a CUDA tensor, W > 1, and torch built with
-    symmetric memory."""
-    if not t.is_cuda or W < 2:
-        return False
-    return importlib.util.find_spec("torch.distributed._symmetric_memory") is not None
+    symmetric memory (looked up once per process)."""
+    return t.is_cuda and W >= 2 and _torch_has_symmetric_memory()
 
 
 def _staging(group_name: str, nbytes: int):
