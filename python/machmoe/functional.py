@@ -15,7 +15,6 @@ accumulation, the torch backend in the input dtype with fp32 (or fp64) routing.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Optional, Sequence, Union
 
 import torch
@@ -186,8 +185,9 @@ _FLOAT32_OVERFLOW = 3.4028234663852886e38 + 2.0 ** 103
 
 
 def _finite_in_float32(value: float) -> bool:
-    """Whether value rounds to a finite float32."""
-    return math.isfinite(value) and abs(value) < _FLOAT32_OVERFLOW
+    """Whether value rounds to a finite float32 (NaN compares false). No math.isfinite: under
+    torch.compile(dynamic=True) value may be a symbolic float, which math.isfinite cannot take."""
+    return abs(value) < _FLOAT32_OVERFLOW
 
 
 def _validate_router_options(E: int, K: int, routing: RoutingMethod, rounding: TokenRounding,

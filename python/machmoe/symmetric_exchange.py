@@ -135,7 +135,9 @@ def sum_blocks(parts: list) -> torch.Tensor:
     """Σ parts in list order, accumulated in float32 and rounded once to their dtype."""
     if len(parts) == 2:
         return torch.add(parts[0], parts[1])  # computed in float32 and rounded once
-    acc = parts[0].float()
+    # A copy even when parts[0] is already float32: it can be a view of the caller's input (this
+    # rank's own block), which must be neither summed into nor returned.
+    acc = parts[0].to(torch.float32, copy=True)
     for p in parts[1:]:
         acc += p
     return acc.to(parts[0].dtype)

@@ -424,3 +424,21 @@ def test_the_overlapped_backward_is_chosen_by_the_block_size():
     assert overlaps_dx_exchange(OVERLAP_MIN_BLOCK_BYTES // 2, 1, 2)
     assert not overlaps_dx_exchange(OVERLAP_MIN_BLOCK_BYTES // 2 - 1, 1, 2)
     assert not overlaps_dx_exchange(0, 4096, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("W", [2, 3, 4])
+def test_sum_blocks_adds_in_rank_order_into_a_fresh_tensor(W, dtype):
+    # The reduce-scatter's sum: rank order, float32, one rounding; parts[0] can be a view of the
+    # caller's input (the rank's own block), which must stay untouched and unaliased.
+    from machmoe.symmetric_exchange import sum_blocks
+
+    own = torch.randn(W * 6, 5).mul(1e3).to(dtype)
+    parts = [own.chunk(W)[0]] + [torch.randn(6, 5).mul(10.0 ** q).to(dtype) for q in range(1, W)]
+    before = own.clone()
+    got = sum_blocks(parts)
+    want = parts[0].double()
+    want = [want := (want + p.double()).float().double() for p in parts[1:]][-1]  # float32 steps
+    assert got.dtype == dtype and torch.equal(got, want.to(dtype))
+    assert torch.equal(own, before), "sum_blocks wrote into its first part"
+    assert got.untyped_storage().data_ptr() != own.untyped_storage().data_ptr()

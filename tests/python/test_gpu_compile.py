@@ -87,7 +87,10 @@ def test_every_fake_agrees_with_its_kernel():
     failures = []
     for name, args in cases:
         try:
-            torch.library.opcheck(getattr(ops(), name).default, args, test_utils=CHECKS)
+            # opcheck's schema test does arithmetic on the inputs, which float8 tensors lack.
+            fp8_inputs = any(isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn for a in args)
+            checks = tuple(c for c in CHECKS if c != "test_schema") if fp8_inputs else CHECKS
+            torch.library.opcheck(getattr(ops(), name).default, args, test_utils=checks)
         except Exception as err:  # collect them all: one failing op should not hide the others
             failures.append(f"{name}: {type(err).__name__}: {str(err)[:400]}")
     assert not failures, "\n".join(failures)

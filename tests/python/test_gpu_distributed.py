@@ -121,11 +121,12 @@ def _mean_grads(model, xs, gs, backend):
 def EP_EXCHANGES(world):
     """The exchanges each GPU case runs: all-gather with max_tokens (the largest rank's T plus
     5 rows of padding), with a pair capacity, and finding the largest T itself; all-to-all with
-    exact rows and with fixed blocks."""
-    return [dict(exchange="all_gather", max_tokens=T + 3 * (world - 1) + 5),
-            dict(exchange="all_gather", max_tokens=T + 3 * (world - 1), capacity_factor=0.9),
-            dict(exchange="all_gather"), dict(exchange="all_to_all"),
-            dict(exchange="all_to_all", max_tokens=T + 3 * (world - 1) + 5)]
+    exact rows and with fixed blocks. The pair capacity only from W = 2: on one rank every pair is
+    the rank's own, so any factor below 1 overflows."""
+    capacity = [dict(exchange="all_gather", max_tokens=T + 3 * (world - 1), capacity_factor=0.9)]
+    return ([dict(exchange="all_gather", max_tokens=T + 3 * (world - 1) + 5)] + (capacity if world > 1 else [])
+            + [dict(exchange="all_gather"), dict(exchange="all_to_all"),
+               dict(exchange="all_to_all", max_tokens=T + 3 * (world - 1) + 5)])
 
 
 def _check_no_sync_and_graph(model, x, g, max_tokens):
