@@ -38,10 +38,10 @@ these bytes, which is 0.996 at W = 2 and 0.90 at W = 4 with E = 128, K = 8, but 
 Memory: without a host sync the experts' buffers are sized before the pairs are counted. By
 default they hold all W·T·K gathered pairs, most of them other ranks': the saved H is
 [W·T·K, N1], W times the single layer's (7B-a on two H200s: 3.57 GiB peak against 2.27). With a
-pair capacity (capacity_factor < 1), this rank's pairs are first moved to the front of the list,
-in order (compact_pairs: a prefix sum, no sort), and the list is cut to the capacity, so H is
-[capacity, N1]; a batch that needs more poisons every rank's output with NaN and check_capacity()
-raises (machmoe.exchange_overflow).
+pair capacity (capacity_factor < 1), this rank's pairs are kept in order and the list is cut
+to the capacity, its padding spread over the tokens (compact_pairs: prefix sums and a search, no
+sort), so H is [capacity, N1]; a batch that needs more poisons every rank's output with NaN and
+check_capacity() raises (machmoe.exchange_overflow).
 
 Numerics: each rank's partial sum is rounded to x's dtype before the reduction, which adds the
 ranks' blocks in rank order in float32 and rounds once (on the CPU, gloo's reduce-scatter adds); the
@@ -149,7 +149,7 @@ def gathered_experts(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tenso
     if pair_capacity is None or pair_capacity >= rows * K:
         return _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, group_name,
                                          experts_kwargs)
-    score, token, expert, count = compact_pairs(score, token, expert, E_local, pair_capacity)
+    score, token, expert, count = compact_pairs(score, token, expert, E_local, pair_capacity, rows)
     overflow = exchange_overflow.agreed_overflow(count, pair_capacity, group, exchange_overflow.PAIRS_PER_RANK)
     out = _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, group_name,
                                     experts_kwargs)
@@ -163,27 +163,43 @@ def _row_of_each_pair(rows: int, K: int, device) -> torch.Tensor:
 
 
 def compact_pairs(score: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, E_local: int,
-                  capacity: int) -> tuple:
-    """A routing list [R] (ordered by token; experts out of [0, E_local) are other ranks') ->
-    the first `capacity` of its in-range pairs in the same order, then pairs of no expert
-    (E_local) on the last token, which keep the list ordered: (score, token, expert) [capacity],
-    and the number of in-range pairs (a 0-d device tensor; those past the capacity are left
-    out). The experts' buffers are then sized for `capacity` pairs instead of R. No host sync;
-    the scores' gradient flows back to the kept pairs (the others get 0)."""
+                  capacity: int, tokens: int) -> tuple:
+    """A routing list [R] (ordered by token, tokens in [0, tokens); experts out of [0, E_local)
+    are other ranks') -> `capacity` pairs: the first `capacity` in-range pairs in their order,
+    merged with padding pairs of no expert (E_local, score 0) spread evenly over the tokens, the
+    whole still ordered by token: (score, token, expert) [capacity], and the number of in-range
+    pairs (a 0-d device tensor; those past the capacity are left out). The experts' buffers are
+    then sized for `capacity` pairs instead of R. No host sync; the scores' gradient flows back
+    to the kept pairs (the others get 0).
+
+    Why spread: the kernels loop over each token's pairs, so P padding pairs on one token would
+    make that token's loop P long (tens of thousands at 4 ranks) while the rest wait for it.
+    Padding pair j of P sits on token j·tokens/P (at most ceil(P/tokens) per token)."""
+    C, tokens = capacity, max(tokens, 1)
     mine = expert < E_local
     position = torch.cumsum(mine.to(torch.int64), 0) - 1  # [R] place among the in-range pairs
     count = mine.sum()
-    keep = mine & (position < capacity)
-    index = torch.where(keep, position, capacity)  # the rest into a spare slot, dropped
-    last = token[-1:] if token.numel() else token.new_zeros(1)
+    keep = mine & (position < C)
+    pads = C - torch.clamp(count, max=C)  # P, on the device
+    # Merge by token (a kept pair before the padding of its own token): kept pair i of token t
+    # moves up by the pads on tokens < t, ceil(t·P / tokens); pad j by the kept pairs on tokens
+    # <= its own (a search in the kept tokens, which are ordered). Together a permutation of [0, C).
+    kept_index = position + (token.to(torch.int64) * pads + tokens - 1) // tokens
+    j = torch.arange(C, device=token.device, dtype=torch.int64)
+    pad_token = j * tokens // torch.clamp(pads, min=1)  # [C]; valid for j < P
+    kept_tokens = torch.full((C + 1,), tokens, dtype=torch.int64, device=token.device)
+    kept_tokens = kept_tokens.scatter(0, torch.where(keep, position, C), token.to(torch.int64))[:C]
+    pad_index = j + torch.searchsorted(kept_tokens, pad_token, right=True)
+    spare = torch.full_like(j, C)  # entries past C (dropped pairs, j >= P) land in a spare slot
+    index = torch.cat([torch.where(keep, kept_index, C), torch.where(j < pads, pad_index, spare)])
+    all_token = torch.cat([token, pad_token.to(token.dtype)])
+    all_expert = torch.cat([expert, torch.full((C,), E_local, dtype=expert.dtype, device=expert.device)])
+    all_score = torch.cat([score, score.new_zeros(C)])  # differentiable in score
 
-    def filled(value, like):  # [capacity + 1] of value, the last entry the spare slot
-        return torch.full((capacity + 1,), value, dtype=like.dtype, device=like.device)
+    def placed(values):  # [C] at their merged places (the spare slot C cut off)
+        return values.new_zeros(C + 1).scatter(0, index, values)[:C]
 
-    out_token = last.expand(capacity + 1).clone().scatter(0, index, token)[:capacity]
-    out_expert = filled(E_local, expert).scatter(0, index, expert)[:capacity]
-    out_score = filled(0, score).scatter(0, index, score)[:capacity]  # differentiable in score
-    return out_score, out_token, out_expert, count
+    return placed(all_score), placed(all_token), placed(all_expert), count
 
 
 def _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, group_name, experts_kwargs):

@@ -241,16 +241,40 @@ def test_compact_pairs_keeps_this_ranks_pairs_in_order():
     token = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3], dtype=torch.int32)
     expert = torch.tensor([0, 3, 3, 2, 1, 0, 3, 3], dtype=torch.int32)  # 3: another rank's
     score = torch.arange(8, dtype=torch.float64).add(1).requires_grad_(True)
-    s, t, e, count = compact_pairs(score, token, expert, E_local, capacity=6)
+    s, t, e, count = compact_pairs(score, token, expert, E_local, capacity=6, tokens=4)
     assert int(count) == 4
-    assert t.tolist() == [0, 1, 2, 2, 3, 3] and e.tolist() == [0, 2, 1, 0, 3, 3]
-    assert s.tolist() == [1, 4, 5, 6, 0, 0]
+    # kept (token, expert): (0, 0) (1, 2) (2, 1) (2, 0); two padding pairs on tokens 0 and 2
+    assert t.tolist() == [0, 0, 1, 2, 2, 2] and e.tolist() == [0, 3, 2, 1, 0, 3]
+    assert s.tolist() == [1, 0, 4, 5, 6, 0]
     s.sum().backward()
     assert score.grad.tolist() == [1, 0, 0, 1, 1, 1, 0, 0]
-    s, t, e, count = compact_pairs(score.detach(), token, expert, E_local, capacity=2)  # too few
+    s, t, e, count = compact_pairs(score.detach(), token, expert, E_local, capacity=2, tokens=4)  # too few
     assert int(count) == 4 and t.tolist() == [0, 1] and e.tolist() == [0, 2] and s.tolist() == [1, 4]
-    s, t, e, count = compact_pairs(score.detach()[:0], token[:0], expert[:0], E_local, capacity=2)
-    assert int(count) == 0 and e.tolist() == [3, 3]
+    s, t, e, count = compact_pairs(score.detach()[:0], token[:0], expert[:0], E_local, capacity=2, tokens=0)
+    assert int(count) == 0 and e.tolist() == [3, 3] and t.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_compact_pairs_spreads_its_padding_over_the_tokens(seed):
+    # Random routings at realistic fill: the kept pairs are the in-range ones in order, the list
+    # stays ordered by token, and no token carries more than ceil(P / tokens) padding pairs.
+    from machmoe.expert_exchange import compact_pairs
+
+    gen = torch.Generator().manual_seed(seed)
+    tokens, K, E_local = 97, 4, 5
+    token = torch.arange(tokens, dtype=torch.int32).repeat_interleave(K)
+    expert = torch.randint(0, 4 * E_local, (tokens * K,), generator=gen, dtype=torch.int32)
+    score = torch.rand(tokens * K, generator=gen, dtype=torch.float64)
+    mine = expert < E_local
+    capacity = int(mine.sum()) + int(torch.randint(0, 300, (1,), generator=gen))
+    s, t, e, count = compact_pairs(score, token, expert, E_local, capacity, tokens)
+    assert int(count) == int(mine.sum()) and len(t) == capacity
+    assert bool((t[1:] >= t[:-1]).all()), "not ordered by token"
+    real = e < E_local
+    assert torch.equal(t[real], token[mine]) and torch.equal(e[real], expert[mine]) and torch.equal(s[real], score[mine])
+    assert bool((s[~real] == 0).all()) and bool((e[~real] == E_local).all())
+    pads = capacity - int(mine.sum())
+    assert torch.bincount(t[~real].long(), minlength=tokens).max() <= -(-pads // tokens)
 
 
 def _check_overflow(rank, world):
