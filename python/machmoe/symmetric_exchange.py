@@ -132,15 +132,19 @@ def pull_blocks(t: torch.Tensor, W: int, group_name: str) -> list:
 
 
 def sum_blocks(parts: list) -> torch.Tensor:
-    """Σ parts in list order, accumulated in float32 and rounded once to their dtype."""
+    """Σ parts in list order, accumulated in float32 and rounded once to their dtype, into a fresh
+    tensor (parts[0] can be a view of the caller's input, this rank's own block).
+
+    One pass per part: the first copied into a float32 buffer, the middle ones added to it in
+    place, the last added while rounding to the parts' dtype (float32 + bf16 computes in float32;
+    bf16 + bf16 into a float32 output would round the sum to bf16 first). At W = 4 and bf16 this
+    moves 17 block-sizes of memory, against 21 for a float32 copy, three in-place adds and a cast."""
     if len(parts) == 2:
         return torch.add(parts[0], parts[1])  # computed in float32 and rounded once
-    # A copy even when parts[0] is already float32: it can be a view of the caller's input (this
-    # rank's own block), which must be neither summed into nor returned.
     acc = parts[0].to(torch.float32, copy=True)
-    for p in parts[1:]:
+    for p in parts[1:-1]:
         acc += p
-    return acc.to(parts[0].dtype)
+    return torch.add(acc, parts[-1], out=torch.empty_like(parts[0]))
 
 
 # As custom ops, so that torch.compile keeps each collective as one opaque node of the graph
