@@ -1,0 +1,126 @@
+// Launcher of the FP8 weight-gradient grouped GEMM (kernels/gemm/fp8_wgrad.cuh): argument rules,
+// the TMA descriptors of the two e4m3 operands, and the persistent launch (at most one CTA per
+// SM, none idle: never more CTAs than tiles). The rules and the formula: machmoe/fp8_wgrad.hpp.
+#include <cuda.h>
+
+#include <algorithm>
+#include <limits>
+#include <string>
+
+#include "host/common/check.hpp"
+#include "host/common/tensor_map.hpp"
+#include "kernels/gemm/fp8_wgrad.cuh"
+#include "machmoe/fp8_wgrad.hpp"
+#include "machmoe/machmoe.hpp"
+
+namespace machmoe {
+using detail::ceil_div;
+using detail::check_cuda;
+using detail::check_launch;
+using detail::require_arg;
+
+namespace {
+
+constexpr const char* kFn = "grouped_wgrad_fp8";
+// The tile: 128 M x 256 N, two 128-column waves per consumer warpgroup (64 x 256 fp32
+// accumulators, 128 registers, beside one wave's temporary, 64), as the forward FP8 GEMM.
+constexpr int kTileN = 256;
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+// The kernel's tile counter steps past the last tile by at most the grid (<= the SM count).
+constexpr int64_t kTileSlack = int64_t{1} << 16;
+
+bool aligned4(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 3u) == 0; }
+
+// Aqt or Bqt, e4m3 [rows, r_pad] (rows r_pad bytes apart), in boxes of 128 K x 128 rows with the
+// 128-byte swizzle: one box row = one swizzle row = one chunk. Rows past the end read as zeros.
+CUtensorMap chunk_map(const void* ptr, int64_t rows, int64_t r_pad) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(r_pad), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(r_pad)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kernels::kFp8WgradBK), 128};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = detail::encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(ptr), dims,
+                                            strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw Error(ErrorCode::CudaError,
+                std::string(kFn) + ": cuTensorMapEncodeTiled failed with CUresult " + std::to_string(static_cast<int>(r)));
+  return map;
+}
+
+// Every rule the kernel relies on, before any CUDA call (so that they hold without a GPU).
+void check_args(const GroupedWgradFp8Args& a) {
+  require_arg(a.E >= 1 && a.E <= (1 << 24), kFn, "E", "must be in [1, 2^24], got " + std::to_string(a.E));
+  require_arg(a.M >= 16 && a.M % 16 == 0 && a.M <= (1 << 24), kFn, "M",
+              "must be a multiple of 16 in [16, 2^24] (quantize_columns_fp8's d), got " + std::to_string(a.M));
+  require_arg(a.N >= 16 && a.N % 16 == 0 && a.N <= (1 << 24), kFn, "N",
+              "must be a multiple of 16 in [16, 2^24] (quantize_columns_fp8's d), got " + std::to_string(a.N));
+  require_arg(a.max_chunks >= 0 && a.max_chunks <= kInt32Max / kernels::kFp8WgradBK, kFn, "max_chunks",
+              "must be >= 0 with 128·max_chunks < 2^31 (int32 TMA coordinates along r_pad), got " +
+                  std::to_string(a.max_chunks));
+  // (at most 2^24 · 2^17 · 2^16: no overflow in int64)
+  const int64_t tiles = a.E * ceil_div(a.M, kernels::kFp8WgradBM) * ceil_div(a.N, kTileN);
+  require_arg(tiles <= kInt32Max - kTileSlack, kFn, "E*M*N",
+              "give too many tiles: E·ceil(M/128)·ceil(N/256) must be below 2^31 - 2^16, got " + std::to_string(tiles));
+  require_arg(a.c_dtype == DType::FP32 || a.c_dtype == DType::BF16, kFn, "c_dtype", "must be FP32 or BF16");
+  require_arg(a.c && a.chunk_offsets, kFn, "c/chunk_offsets", "must not be null");
+  require_arg(a.max_chunks == 0 || (a.a_qt && a.a_scales && a.b_qt && a.b_scales), kFn,
+              "a_qt/a_scales/b_qt/b_scales", "must not be null (max_chunks > 0)");
+  require_arg(detail::aligned16(a.a_qt), kFn, "a_qt", "must be 16-byte aligned (TMA)");
+  require_arg(detail::aligned16(a.b_qt), kFn, "b_qt", "must be 16-byte aligned (TMA)");
+  require_arg(detail::aligned16(a.c), kFn, "c", "must be 16-byte aligned");
+  require_arg(aligned4(a.a_scales), kFn, "a_scales", "must be 4-byte aligned");
+  require_arg(aligned4(a.b_scales), kFn, "b_scales", "must be 4-byte aligned");
+  require_arg(aligned4(a.chunk_offsets), kFn, "chunk_offsets", "must be 4-byte aligned");
+  require_arg(a.max_ctas >= 0, kFn, "max_ctas", "must be >= 0 (0: one CTA per SM), got " + std::to_string(a.max_ctas));
+}
+
+}  // namespace
+
+void grouped_wgrad_fp8(const GroupedWgradFp8Args& a, cudaStream_t stream) {
+  check_args(a);
+  const int64_t c_bytes = a.E * a.M * a.N * dtype_size(a.c_dtype);
+  if (a.max_chunks == 0) {  // R = 0: no expert has a chunk, every C[e] is 0 (and no TMA map of width 0)
+    check_cuda(cudaMemsetAsync(a.c, 0, static_cast<size_t>(c_bytes), stream), "grouped_wgrad_fp8: cudaMemsetAsync");
+    return;
+  }
+
+  const DeviceInfo info = device_info();
+  if (info.cc_major != 9)
+    throw Error(ErrorCode::Unsupported, std::string(kFn) + ": needs an sm_90 GPU (wgmma), the device is sm_" +
+                                            std::to_string(info.cc_major) + std::to_string(info.cc_minor));
+  constexpr int smem = kernels::Fp8WgradSmem<kTileN>::kBytes;
+  require_arg(info.smem_per_block_optin >= static_cast<size_t>(smem), kFn, "device",
+              "needs " + std::to_string(smem) + " bytes of shared memory per block, the device allows " +
+                  std::to_string(info.smem_per_block_optin));
+
+  kernels::Fp8WgradParams p{};
+  p.sa = a.a_scales;
+  p.sb = a.b_scales;
+  p.chunk_offsets = a.chunk_offsets;
+  p.E = static_cast<int>(a.E);
+  p.M = static_cast<int>(a.M);
+  p.N = static_cast<int>(a.N);
+  p.max_chunks = static_cast<int>(a.max_chunks);
+  p.m_tiles = static_cast<int>(ceil_div(a.M, kernels::kFp8WgradBM));
+  p.n_tiles = static_cast<int>(ceil_div(a.N, kTileN));
+  p.c = a.c;
+
+  const int64_t r_pad = kernels::kFp8WgradBK * a.max_chunks;
+  const CUtensorMap map_a = chunk_map(a.a_qt, a.M, r_pad);
+  const CUtensorMap map_b = chunk_map(a.b_qt, a.N, r_pad);
+  const int64_t tiles = a.E * p.m_tiles * p.n_tiles;
+  const int64_t cap = a.max_ctas > 0 ? std::min(a.max_ctas, info.sm_count) : info.sm_count;
+  const int ctas = static_cast<int>(std::min(cap, tiles));
+  const bool fp32 = a.c_dtype == DType::FP32;
+  auto* kernel = fp32 ? (a.transpose_c ? kernels::sm90_grouped_wgrad_fp8<kTileN, float, true>
+                                       : kernels::sm90_grouped_wgrad_fp8<kTileN, float, false>)
+                      : (a.transpose_c ? kernels::sm90_grouped_wgrad_fp8<kTileN, __nv_bfloat16, true>
+                                       : kernels::sm90_grouped_wgrad_fp8<kTileN, __nv_bfloat16, false>);
+  detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, "grouped_wgrad_fp8: cudaFuncSetAttribute");
+  kernel<<<ctas, kernels::kFp8WgradThreads, smem, stream>>>(map_a, map_b, p);
+  check_launch(kFn);
+}
+
+}  // namespace machmoe

@@ -1,0 +1,318 @@
+// The sm_90a FP8 (E4M3) weight-gradient grouped GEMM, DeepSeek-V3's recipe for wgrad: both
+// operands quantised in 1x128 tiles ALONG THE REDUCTION DIMENSION, which is each expert's rows
+// (varlen K), by quantize_columns_fp8 (machmoe/fp8.hpp, "along each expert's rows"):
+//
+//   for every expert e, its K blocks are its chunks c in [chunk_offsets[e], chunk_offsets[e+1]):
+//     C[e][m, n] = Σ_c sa[m, c] · sb[n, c] · Σ_{k < 128} Aqt[m, 128c + k] · Bqt[n, 128c + k]
+//   Aqt e4m3 [M, r_pad], sa fp32 [M, max_chunks]; Bqt e4m3 [N, r_pad], sb fp32 [N, max_chunks]
+//   (r_pad = 128·max_chunks; both from the same expert_offsets, so they share chunk_offsets);
+//   C fp32 or bf16 [E, M, N], or with transpose_c C[e]ᵀ into [E, N, M].
+// dW1ᵀ = xᵀ·dH: A = x's columns (M = d), B = dH's (N = n1); dW2 = doutᵀ·A': A = dout's (M = d),
+// B = A''s (N = n). An expert without chunks gets C[e] = 0.
+//
+// Both operands are K-major (each row of Aqt / Bqt is contiguous along the expert's rows), as the
+// FP8 wgmma requires, so a stage is a plain TMA box: one chunk = 128 e4m3 = one 128-byte swizzle
+// row. The quantiser zero-pads every chunk past its expert's last row, so no masking along K.
+//
+// Promotion. A chunk's product is accumulated by four wgmma m64n128k32 per 128-column wave into a
+// temporary fp32 fragment `tmp`, then added into the main accumulator with both scales in fp32:
+//   acc[m, n] += (sa[m, c]·sb[n, c]) · tmp[m, n]
+// Unlike the forward (gemm/fp8_cooperative.cuh: one weight-block scale per wave), sb varies per
+// COLUMN here, so each thread reads the sb of the columns its fragment holds from the stage's
+// shared scales (two adjacent columns per 8-column group: one 8-byte load per group).
+//
+// Persistent and warp-specialised, 3 warpgroups per CTA, one CTA per SM. Tiles (e, m_blk, n_blk),
+// 128 x BN, are walked statically and expert-major (as gemm/wgrad.cuh): CTA b takes tiles b,
+// b + gridDim.x, ...; loader and consumers decode the same tile from its index and read the same
+// chunk range, so no tile ring is needed.
+//   warpgroup 0 (40 registers): warp 0 loads. Per chunk, lane 0 issues the TMA loads of a stage,
+//     A [128 M x 128 K] and B [BN N x 128 K] (BN/128 boxes of 128 rows), 128-byte swizzle; the 32
+//     lanes copy the stage's scales by 4-byte cp.async (sa of the tile's 128 m: 4 a lane; sb of
+//     its BN n: BN/32 a lane; rows past M or N are written as 0), completing on the stage's full
+//     barrier (1 expect_tx arrival + 32 cp.async arrivals). The scale columns are max_chunks
+//     floats apart, so no TMA box fits them (its strides must be multiples of 16 bytes).
+//   warpgroups 1-2, consumers (232 registers): each owns 64 rows of M and runs its 64 x BN as BN/128
+//     waves per chunk: fence, 4 wgmma, commit, wait<0>, promote. tmp[64] + acc[BN/2] (64 + 128 at
+//     BN = 256). The stage is released (one arrival per warp, 8 in all) after the last wave's
+//     promotion, which still reads the stage's sb. At the tile's end each consumer stores its rows
+//     straight from registers (fp32 pairs or bf16 pairs, or single elements transposed), bounded
+//     by M and N: a first version, no staging and no TMA store. C's format (fp32 / bf16,
+//     transposed or not) is a template argument: one kernel each.
+//     Registers (ptxas of CUDA 13.0, sm_90a, 2026-11, BN = 256): the consumers use R0-R217 of
+//     their 232 (fp32 C; R0-R209 for the other three formats), the loader R0-R37 of its 40; no
+//     spill, no stack frame. SASS: 19-20 KB per kernel, 37-39 KB with the transposed store.
+// Edges: tile rows past M and columns past N read zeros (TMA out of bounds, zero scales) and are
+// not stored. Fixed K order (the expert's chunks in order): deterministic.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "kernels/common.cuh"
+#include "kernels/gemm/pipeline.cuh"
+#include "kernels/ptx/sm90_ptx_fp8.cuh"
+
+namespace machmoe::kernels {
+
+constexpr int kFp8WgradBM = 128;       // M rows per tile: two consumer warpgroups of 64
+constexpr int kFp8WgradBK = 128;       // K per stage: one chunk, one 128-byte swizzle row of e4m3
+constexpr int kFp8WgradThreads = 384;  // loader warpgroup + two consumer warpgroups
+// Register split of the 64K-register file, as the forward's: (40 + 2 x 232) x 128 = 64512.
+constexpr int kFp8WgradProducerRegs = 40;
+constexpr int kFp8WgradConsumerRegs = 232;
+
+struct Fp8WgradParams {
+  const float* sa;                // [M, max_chunks]
+  const float* sb;                // [N, max_chunks]
+  const int32_t* chunk_offsets;   // [E+1]: expert e's chunks [chunk_offsets[e], chunk_offsets[e+1])
+  int E, M, N;
+  int max_chunks;
+  int m_tiles, n_tiles;           // ceil(M / 128), ceil(N / BN)
+  void* c;                        // [E, M, N], or [E, N, M] transposed (the kernel's template arguments)
+};
+
+// Shared memory: S stages of A [128][128] e4m3, then S of B [BN][128], then S scale slots
+// (sa [128] | sb [BN] fp32), then the barriers (full [S], empty [S]). Declared 1024-byte aligned
+// (fp8_wgrad_smem), so the stages start on a swizzle atom without slack.
+template <int BN>
+struct Fp8WgradSmem {
+  static constexpr int kWaves = BN / 128;
+  static constexpr int kABytes = kFp8WgradBM * kFp8WgradBK;  // 16 KB
+  static constexpr int kBBytes = BN * kFp8WgradBK;           // 32 KB at BN = 256
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kScaleFloats = kFp8WgradBM + BN;      // sa of the tile's m, sb of its n
+  static constexpr int kScaleBytes = kScaleFloats * 4;
+  static constexpr int kBudget = 227 * 1024;
+  static constexpr int kFixed = 1024;  // the barriers
+  static constexpr int kStages = (kBudget - kFixed) / (kStageBytes + kScaleBytes);
+  static constexpr int kBOffset = kStages * kABytes;
+  static constexpr int kScaleOffset = kStages * kStageBytes;
+  static constexpr int kBarOffset = kScaleOffset + kStages * kScaleBytes;
+  static constexpr int kBytes = kBarOffset + kFixed;
+  static_assert(BN % 128 == 0 && kWaves >= 1 && kWaves <= 2, "BN: one or two 128-column waves");
+  static_assert(kStages >= 2, "at least two pipeline stages");
+  static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "stages on 1024-byte swizzle atoms");
+  static_assert(kScaleBytes % 16 == 0, "scale slots keep the barriers 8-byte aligned");
+  static_assert(2 * kStages * 8 <= kFixed, "fixed shared-memory area too small");
+};
+
+// Its own name: the alignment of a shared extern array reaches every kernel that declares it.
+extern __shared__ __align__(1024) uint8_t fp8_wgrad_smem[];
+
+struct Fp8WgradTile {
+  int e, m0, n0;
+  int c_begin, c_end;  // the expert's chunks, clamped into [0, max_chunks]
+};
+
+// Tile t of the expert-major walk: e = t / (m_tiles·n_tiles); within the expert m varies
+// fastest. The chunk range is clamped, so that offsets breaking the quantiser's contract cannot
+// send a load outside the operands (the result is then meaningless, nothing more).
+template <int BN>
+__device__ __forceinline__ Fp8WgradTile fp8_wgrad_tile(const Fp8WgradParams& p, int t) {
+  Fp8WgradTile w;
+  const int per_expert = p.m_tiles * p.n_tiles;
+  w.e = t / per_expert;
+  const int local = t - w.e * per_expert;
+  w.m0 = (local % p.m_tiles) * kFp8WgradBM;
+  w.n0 = (local / p.m_tiles) * BN;
+  const int b = __ldg(p.chunk_offsets + w.e), e = __ldg(p.chunk_offsets + w.e + 1);
+  w.c_begin = min(max(b, 0), p.max_chunks);
+  w.c_end = min(max(e, w.c_begin), p.max_chunks);
+  return w;
+}
+
+// One output element, fp32 or rounded to bf16 (round to nearest even).
+__device__ __forceinline__ void fp8_wgrad_put(float* at, float v) { *at = v; }
+__device__ __forceinline__ void fp8_wgrad_put(__nv_bfloat16* at, float v) { *at = __float2bfloat16_rn(v); }
+
+template <int BN>
+struct Fp8Wgrad {
+  using Smem = Fp8WgradSmem<BN>;
+  static constexpr int S = Smem::kStages;
+  static constexpr int kWaves = Smem::kWaves;
+  using Stages = StageRing<S>;
+
+  static __device__ __forceinline__ Stages stages() {
+    uint64_t* full = reinterpret_cast<uint64_t*>(fp8_wgrad_smem + Smem::kBarOffset);
+    return {full, full + S};
+  }
+  static __device__ __forceinline__ float* scale_slot(int stage) {
+    return reinterpret_cast<float*>(fp8_wgrad_smem + Smem::kScaleOffset) + stage * Smem::kScaleFloats;
+  }
+
+  // By thread 0 before the CTA's first barrier. full: lane 0's expect_tx arrival + the loader
+  // warp's 32 cp.async arrivals; empty: one arrival per consumer warp.
+  static __device__ __forceinline__ void init_barriers() { stages().init(1 + 32, 8); }
+
+  // Loader warp 0: per chunk of every tile, the operands by TMA and the scales by cp.async.
+  static __device__ __forceinline__ void loader(const Fp8WgradParams& p, const CUtensorMap* tmap_a,
+                                                const CUtensorMap* tmap_b, int lane, int units) {
+    const Stages ring = stages();
+    const int64_t step = 32 * static_cast<int64_t>(p.max_chunks);  // 32 rows of the scales
+    int it = 0;
+    for (int t = blockIdx.x; t < units; t += gridDim.x) {
+      const Fp8WgradTile tile = fp8_wgrad_tile<BN>(p, t);
+      const int c_end = sm90::warp_uniform(tile.c_end);
+      // This lane's first scale row of each operand and how many rows it has left before M / N.
+      // (A lane past the end keeps a row inside the tensor: a skipped copy still gets an address
+      // within the buffer.)
+      const int a_left = p.M - tile.m0 - lane, b_left = p.N - tile.n0 - lane;
+      const float* sa_lane = p.sa + static_cast<int64_t>(min(tile.m0 + lane, p.M - 1)) * p.max_chunks;
+      const float* sb_lane = p.sb + static_cast<int64_t>(min(tile.n0 + lane, p.N - 1)) * p.max_chunks;
+      for (int c = sm90::warp_uniform(tile.c_begin); c < c_end; ++c, ++it) {
+        const typename Stages::Slot slot = Stages::slot(it);
+        const int s = slot.stage;
+        ring.acquire(slot);
+        if (lane == 0) {
+          ring.commit_tx(s, Smem::kStageBytes);
+          sm90::tma_load_2d(fp8_wgrad_smem + s * Smem::kABytes, tmap_a, ring.full_barrier(s), c * kFp8WgradBK,
+                            tile.m0);
+          uint8_t* b_stage = fp8_wgrad_smem + Smem::kBOffset + s * Smem::kBBytes;
+#pragma unroll
+          for (int h = 0; h < kWaves; ++h)  // Bqt rows n0 + 128h .. (past N: zeros)
+            sm90::tma_load_2d(b_stage + h * 128 * kFp8WgradBK, tmap_b, ring.full_barrier(s), c * kFp8WgradBK,
+                              tile.n0 + 128 * h);
+        }
+        // sa[m0 + lane + 32i, c] (rows past M: 0), then sb[n0 + lane + 32i, c] (columns past N: 0),
+        // from one row pointer per operand stepped by 32 rows (the 40 registers hold no more).
+        float* sc = scale_slot(s);
+#pragma unroll
+        for (int i = 0; i < kFp8WgradBM / 32; ++i) {
+          const bool ok = 32 * i < a_left;
+          sm90::cp_async_4(sm90::smem_addr(sc + lane + 32 * i), sa_lane + (ok ? i * step + c : 0), ok ? 4 : 0);
+        }
+#pragma unroll
+        for (int i = 0; i < BN / 32; ++i) {
+          const bool ok = 32 * i < b_left;
+          sm90::cp_async_4(sm90::smem_addr(sc + kFp8WgradBM + lane + 32 * i), sb_lane + (ok ? i * step + c : 0),
+                           ok ? 4 : 0);
+        }
+        ring.commit_cp_async(s);
+      }
+    }
+    sm90::cp_async_wait_all();  // no copy of the last stages still owned by a finished warp
+  }
+
+  // acc of wave w += (sa·sb)·tmp. Fragment of m64nNk32 (thread t of the warpgroup, warp w = t / 32,
+  // lane l): register 4j + 2h + i holds row 16w + l/4 + 8h, column 8j + 2·(l % 4) + i of the wave;
+  // sbw points at the wave's sb of column 2·(l % 4).
+  static __device__ __forceinline__ void promote(float (&acc)[kWaves * 64], const float (&tmp)[64], int w, float sa0,
+                                                 float sa1, const float* sbw) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float2 sb = *reinterpret_cast<const float2*>(sbw + 8 * j);
+      float* a = acc + w * 64 + 4 * j;
+      a[0] = fmaf(sa0 * sb.x, tmp[4 * j + 0], a[0]);
+      a[1] = fmaf(sa0 * sb.y, tmp[4 * j + 1], a[1]);
+      a[2] = fmaf(sa1 * sb.x, tmp[4 * j + 2], a[2]);
+      a[3] = fmaf(sa1 * sb.y, tmp[4 * j + 3], a[3]);
+    }
+  }
+
+  // This consumer's 64 x BN part of tile (e, m0, n0) to C, straight from the accumulators, bounded
+  // by M and N (N is even: a pair's second column is inside too). T: float or __nv_bfloat16;
+  // kTranspose: C[e]ᵀ [N, M].
+  template <typename T, bool kTranspose>
+  static __device__ __forceinline__ void store(const Fp8WgradParams& p, const Fp8WgradTile& tile, int row_local,
+                                               int lane, const float (&acc)[kWaves * 64]) {
+    T* c = static_cast<T*>(p.c) + static_cast<int64_t>(tile.e) * p.M * p.N;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = tile.m0 + row_local + 8 * h;
+      if (m >= p.M) continue;
+#pragma unroll
+      for (int w = 0; w < kWaves; ++w) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const int n = tile.n0 + 128 * w + 8 * j + 2 * (lane % 4);
+          if (n >= p.N) continue;
+          const float v0 = acc[w * 64 + 4 * j + 2 * h], v1 = acc[w * 64 + 4 * j + 2 * h + 1];
+          if constexpr (kTranspose) {  // C[e]ᵀ [N, M]: the 8 rows of a lane quad are 8 adjacent m
+            T* at = c + static_cast<int64_t>(n) * p.M + m;
+            fp8_wgrad_put(at, v0);
+            fp8_wgrad_put(at + p.M, v1);
+          } else if constexpr (sizeof(T) == 4) {
+            *reinterpret_cast<float2*>(c + static_cast<int64_t>(m) * p.N + n) = make_float2(v0, v1);
+          } else {
+            *reinterpret_cast<__nv_bfloat162*>(c + static_cast<int64_t>(m) * p.N + n) = __floats2bfloat162_rn(v0, v1);
+          }
+        }
+      }
+    }
+  }
+
+  // Consumer warpgroup cw (0 or 1): rows [64cw, 64cw + 64) of every tile's M.
+  template <typename T, bool kTranspose>
+  static __device__ __forceinline__ void consumer(const Fp8WgradParams& p, int cw, int tid, int units) {
+    const Stages ring = stages();
+    const int warp = tid / 32, lane = tid % 32;
+    const int row_local = cw * 64 + warp * 16 + lane / 4;  // this thread's first row in the tile (+8: second)
+    const uint64_t desc_a0 = sm90::smem_desc_kmajor_sw128(sm90::smem_addr(fp8_wgrad_smem + cw * 64 * kFp8WgradBK));
+    const uint64_t desc_b0 = sm90::smem_desc_kmajor_sw128(sm90::smem_addr(fp8_wgrad_smem + Smem::kBOffset));
+    float tmp[64];  // one wave's 64 x 128 chunk product (overwritten by each wave's first wgmma)
+#pragma unroll
+    for (int i = 0; i < 64; ++i) tmp[i] = 0.f;
+    int it = 0;
+    for (int t = blockIdx.x; t < units; t += gridDim.x) {
+      const Fp8WgradTile tile = fp8_wgrad_tile<BN>(p, t);
+      float acc[kWaves * 64];  // an expert without chunks stores these zeros
+#pragma unroll
+      for (int i = 0; i < kWaves * 64; ++i) acc[i] = 0.f;
+      const int c_end = sm90::warp_uniform(tile.c_end);
+      for (int c = sm90::warp_uniform(tile.c_begin); c < c_end; ++c, ++it) {
+        const typename Stages::Slot slot = Stages::slot(it);
+        const int s = slot.stage;
+        ring.wait(slot);
+        const float* sc = scale_slot(s);
+        const float sa0 = sc[row_local], sa1 = sc[row_local + 8];
+        const float* sb = sc + kFp8WgradBM + 2 * (lane % 4);
+#pragma unroll
+        for (int w = 0; w < kWaves; ++w) {
+          sm90::wgmma_fence();
+#pragma unroll
+          for (int ks = 0; ks < kFp8WgradBK / 32; ++ks) {  // +32 bytes = +32 K along the swizzled row
+            const uint64_t desc_a = sm90::smem_desc_advance(desc_a0, s * Smem::kABytes + ks * 32);
+            const uint64_t desc_b =
+                sm90::smem_desc_advance(desc_b0, s * Smem::kBBytes + w * 128 * kFp8WgradBK + ks * 32);
+            sm90::wgmma_e4m3<128>(tmp, desc_a, desc_b, ks > 0 ? 1 : 0);
+          }
+          sm90::wgmma_commit();
+          sm90::wgmma_wait<0>();
+          sm90::fence_accumulators(tmp);
+          promote(acc, tmp, w, sa0, sa1, sb + 128 * w);
+        }
+        // Every read of the stage has retired: the wgmmas (waited) and the scales (consumed above).
+        __syncwarp();
+        if (lane == 0) ring.release(s);
+      }
+      store<T, kTranspose>(p, tile, row_local, lane, acc);
+    }
+  }
+};
+
+// T (float or __nv_bfloat16) and kTranspose pick C's format: one kernel each, so that each holds
+// only its own store (the four stores in one kernel made it 68 KB of SASS, against 24 KB for the
+// forward FP8 GEMM).
+template <int BN, typename T, bool kTranspose>
+__global__ void __launch_bounds__(kFp8WgradThreads, 1)
+    sm90_grouped_wgrad_fp8(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
+                           const Fp8WgradParams p) {
+  using Wgrad = Fp8Wgrad<BN>;
+  const int wg = sm90::warpgroup_index(), tid = threadIdx.x % 128;
+  if (threadIdx.x == 0) {
+    Wgrad::init_barriers();
+    sm90::mbar_fence_init();
+    sm90::tma_prefetch_descriptor(&tmap_a);
+    sm90::tma_prefetch_descriptor(&tmap_b);
+  }
+  __syncthreads();
+  const int units = p.E * p.m_tiles * p.n_tiles;  // below 2^31 - 2^16 (the launcher's rule)
+  if (wg == 0) {
+    sm90::setmaxnreg_dec<kFp8WgradProducerRegs>();
+    if (tid < 32) Wgrad::loader(p, &tmap_a, &tmap_b, tid, units);
+  } else {
+    sm90::setmaxnreg_inc<kFp8WgradConsumerRegs>();
+    Wgrad::template consumer<T, kTranspose>(p, wg - 1, tid, units);
+  }
+}
+
+}  // namespace machmoe::kernels
