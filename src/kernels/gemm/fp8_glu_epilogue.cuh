@@ -1,0 +1,142 @@
+// The FP8 up-projection's epilogue (gemm/fp8_cooperative.cuh, BN = 256): from the consumer's
+// fp32 accumulators straight to what the FP8 layer keeps and feeds on, with no bf16 H in between:
+//
+//   H  = acc (+ b1)                      [R, N]   N = n1 = 2n, gate/up interleaved (col 2j gate j)
+//   Hq = E4M3(H / sH), sH per 1x128      [R, N] e4m3 + [R, ceil(N/128)] fp32  (kept for the backward)
+//   A  = glu(Hq·sH)                      from the dequantised H, so that the backward's
+//                                        recomputation of A from Hq is this A bitwise
+//   Aq = E4M3(A / sA), sA per 1x128      [R, n] e4m3 + [R, ceil(n/128)] fp32  (the down-projection's A)
+//
+// The scale recipe is the quantisers' (kernels/quant/fp8_common.cuh): s = amax/448 (fp32 division,
+// round to nearest), amax 0 gives 1, a NaN or Inf in a tile gives the NaN scale and 0x7f codes.
+// Why BN = 256: a 256-column tile of H is two H scale groups (one per 128-column wave) and, after
+// the GLU halves it, exactly one 128-column group of A, so every amax is a reduction inside the
+// tile. In the m64nNk32 fragment a row's columns of one wave sit in the 4 lanes of a quad (lane
+// l holds row 16w + l/4 (+8) and columns 8j + 2(l%4) + {0,1}, j < 16): each amax is the thread's
+// own max and two quad shuffles, and each thread's column pair is one (gate, up) pair.
+// Columns at or past N (a partial last tile reads the next expert's weight rows) are left out of
+// every amax and never stored; rows past the expert or past R are computed but not stored.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "kernels/gemm/epilogue.cuh"
+#include "kernels/gemm/params.cuh"
+#include "kernels/gemm/scheduler.cuh"
+#include "kernels/quant/fp8_common.cuh"
+
+namespace machmoe::kernels {
+
+// Where the epilogue writes (all row-major, rows R of the grouped problem).
+struct Fp8GluOutputs {
+  uint8_t* hq = nullptr;        // [R, N] e4m3
+  float* h_scales = nullptr;    // [R, ceil(N / 128)]
+  uint8_t* aq = nullptr;        // [R, N / 2] e4m3
+  float* a_scales = nullptr;    // [R, ceil(N / 256)]
+};
+
+namespace fp8_glu {
+
+// The scale of a tile whose amax is given as fp32 |bits| (unsigned order: finite < Inf < NaN).
+__device__ __forceinline__ fp8::TileScale scale_of(uint32_t amax_bits) {
+  if (amax_bits >= 0x7f800000u) return {__uint_as_float(fp8::kNanScaleBits), true};
+  if (amax_bits == 0) return {1.f, false};
+  return {__fdiv_rn(__uint_as_float(amax_bits), fp8::kE4M3Max), false};
+}
+
+__device__ __forceinline__ uint32_t abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+
+// v / s as an E4M3 code (round to nearest even, saturating); a bad tile's codes are NaN (0x7f).
+__device__ __forceinline__ uint32_t code_of(float v, const fp8::TileScale& t) {
+  if (t.bad) return 0x7fu;
+  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(__fdiv_rn(v, t.s), __NV_SATFINITE, __NV_E4M3));
+}
+
+// code · s in fp32 (the E4M3 value is exact in half precision).
+__device__ __forceinline__ float value_of(uint32_t code, float s) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code), __NV_E4M3);
+  return __half2float(__half(h)) * s;
+}
+
+// A = f(gate)·up in fp32 for the activation ACT (a GLU kind), the clamped SwiGLU's parameters in g.
+template <int ACT>
+__device__ __forceinline__ float glu(const GroupedGemmParams& g, float gate, float up) {
+  if constexpr (ACT == kActClampedSwiGLU) {
+    const ClampedSwiGLUParts c = clamped_swiglu_parts(g, gate, up);
+    return c.f * c.uc;
+  } else {
+    return gemm_act<ACT>(gate) * up;
+  }
+}
+
+}  // namespace fp8_glu
+
+// One consumer thread's two rows (row_local, row_local + 8) of a finished 128 x 256 tile.
+// acc: the thread's fragment of its warpgroup's 64 x 256 (two 128-column waves, 64 each).
+// rows_total: R (rows at or past it are not stored).
+template <int ACT>
+__device__ __forceinline__ void fp8_glu_epilogue(const GroupedGemmParams& g, const Fp8GluOutputs& o,
+                                                 const GemmTile& tile, int row_local, int lane,
+                                                 const float (&acc)[128], int64_t rows_total) {
+  const int q = lane % 4;
+  const int N = g.N, n = N / 2;
+  const int h_tiles = (N + 127) / 128, a_tiles = (n + 127) / 128;
+  const __nv_bfloat16* bias = g.bias ? g.bias + static_cast<int64_t>(tile.e) * N : nullptr;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = row_local + 8 * h;
+    const int64_t row = static_cast<int64_t>(tile.row0) + r;
+    // The quad's four lanes share the row, so this is uniform over every shuffle group below.
+    const bool store_row = r < tile.rows && row < rows_total;
+    float a[32];  // this thread's A columns of the row: wave w, pair j at 16w + j
+    uint32_t a_amax = 0;
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      // Phase 1: H of the wave (+ bias) and its amax over the quad.
+      float hv[32];
+      uint32_t h_amax = 0;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int col = tile.n0 + 128 * w + 8 * j + 2 * q;  // the gate's column; col + 1 the up's
+        const bool in = col < N;                            // N is even: both or neither
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          float v = acc[64 * w + 4 * j + 2 * h + k];
+          if (bias != nullptr && in) v += __bfloat162float(bias[col + k]);
+          hv[2 * j + k] = v;
+          if (in) h_amax = max(h_amax, fp8_glu::abs_bits(v));
+        }
+      }
+      const fp8::TileScale sh = fp8_glu::scale_of(fp8::group_max_bits<4>(h_amax));
+      // Phase 2: Hq out, and A from the dequantised pair.
+      uint8_t* hrow = o.hq + row * N;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int col = tile.n0 + 128 * w + 8 * j + 2 * q;
+        const uint32_t cg = fp8_glu::code_of(hv[2 * j], sh), cu = fp8_glu::code_of(hv[2 * j + 1], sh);
+        if (store_row && col < N) *reinterpret_cast<uint16_t*>(hrow + col) = static_cast<uint16_t>(cg | (cu << 8));
+        const float av = fp8_glu::glu<ACT>(g, fp8_glu::value_of(cg, sh.s), fp8_glu::value_of(cu, sh.s));
+        a[16 * w + j] = av;
+        if (col < N) a_amax = max(a_amax, fp8_glu::abs_bits(av));
+      }
+      if (store_row && q == 0 && tile.n0 + 128 * w < N) o.h_scales[row * h_tiles + tile.n0 / 128 + w] = sh.s;
+    }
+    // Phase 3: A's one scale group of the tile, Aq out (A column of pair j of wave w: n0/2 + 64w + 4j + q).
+    const fp8::TileScale sa = fp8_glu::scale_of(fp8::group_max_bits<4>(a_amax));
+    uint8_t* arow = o.aq + row * n;
+#pragma unroll
+    for (int w = 0; w < 2; ++w)
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int acol = tile.n0 / 2 + 64 * w + 4 * j + q;
+        if (store_row && acol < n) arow[acol] = static_cast<uint8_t>(fp8_glu::code_of(a[16 * w + j], sa));
+      }
+    if (store_row && q == 0) o.a_scales[row * a_tiles + tile.n0 / 256] = sa.s;
+  }
+}
+
+}  // namespace machmoe::kernels
