@@ -122,17 +122,23 @@ WgradRef reference(const WgradData& d, const std::vector<float>& sa, const std::
   const std::vector<double> A = dequantise(d.a, sa, co[d.E]), B = dequantise(d.b, sb, co[d.E]);
   for (int64_t e = 0; e < d.E; ++e) {
     const int64_t k0 = 128 * int64_t{co[e]}, k1 = 128 * int64_t{co[e + 1]};
+    // Four columns n at a time (N is a multiple of 16): eight independent sums, about ten times
+    // faster than one dot product at a time (seconds at d = 2880).
     for (int64_t m = 0; m < d.M; ++m)
-      for (int64_t n = 0; n < d.N; ++n) {
+      for (int64_t n = 0; n < d.N; n += 4) {
         const double* a = A.data() + m * r_pad;
         const double* b = B.data() + n * r_pad;
-        double s = 0, t = 0;
-        for (int64_t k = k0; k < k1; ++k) {
-          s += a[k] * b[k];
-          t += std::fabs(a[k] * b[k]);
+        double s[4] = {0, 0, 0, 0}, t[4] = {0, 0, 0, 0};
+        for (int64_t k = k0; k < k1; ++k)
+          for (int j = 0; j < 4; ++j) {
+            const double p = a[k] * b[j * r_pad + k];
+            s[j] += p;
+            t[j] += std::fabs(p);
+          }
+        for (int j = 0; j < 4; ++j) {
+          out.c[(e * d.M + m) * d.N + n + j] = s[j];
+          out.abs[(e * d.M + m) * d.N + n + j] = t[j];
         }
-        out.c[(e * d.M + m) * d.N + n] = s;
-        out.abs[(e * d.M + m) * d.N + n] = t;
       }
   }
   return out;
