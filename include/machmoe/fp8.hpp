@@ -127,11 +127,14 @@ struct QuantizeWeightsArgs {
 void quantize_weights_fp8(const QuantizeWeightsArgs& args, cudaStream_t stream);
 
 // ---------------------------------------------------------------- grouped GEMM (FP8 operands)
-// The forward up-projection's shape without a gather, on row-quantised activations and block-
-// quantised weights (DeepSeek-V3's recipe):
-//   C[r, n] = Σ_kb sa[r, kb] · sb[e, n / 128, kb] · Σ_{k in [128kb, 128kb + 128)} Aq[r, k] · Wq[e, n, k]
-// for the rows r of expert e, [expert_offsets[e], expert_offsets[e+1]); KB = fp8_tiles(K).
-//   a_q [R, K] e4m3, a_scales [R, KB] fp32 (what quantize_rows_fp8 writes with d = K);
+// The forward expert GEMMs on row-quantised activations and block-quantised weights
+// (DeepSeek-V3's recipe), A's rows optionally gathered (the up-projection on x quantised once):
+//   C[r, n] = Σ_kb sa[a(r), kb] · sb[e, n / 128, kb] · Σ_{k in [128kb, 128kb + 128)} Aq[a(r), k] · Wq[e, n, k]
+// for the rows r of expert e, [expert_offsets[e], expert_offsets[e+1]); KB = fp8_tiles(K);
+// a(r) = gather[r] (gather [R] int32, device) or r (gather null: A contiguous, loaded by TMA).
+//   a_q [T, K] e4m3, a_scales [T, KB] fp32 (what quantize_rows_fp8 writes with d = K, without a
+//   gather), T = R without a gather; a gathered row whose index lies outside [0, T) reads nothing
+//   and gives NaN outputs (as quantize_rows_fp8 makes such a row);
 //   w_q [E, N, K] e4m3, w_scales [E, fp8_tiles(N), KB] fp32 (what quantize_weights_fp8 writes);
 //   c [R, ldc] bf16: columns [0, N) of the experts' rows are written, nothing else.
 // Accumulation in fp32: each 128-deep K block in the tensor cores, then promoted with its two
@@ -140,14 +143,18 @@ void quantize_weights_fp8(const QuantizeWeightsArgs& args, cudaStream_t stream);
 // when E > 512 (may be null otherwise). max_ctas: 0 for one persistent CTA per SM, else at most
 // that many. Needs an sm_90 GPU (wgmma).
 // Rules (checked before any CUDA call, Error InvalidArgument naming the argument): 1 <= E <= 2^24;
-// N >= 8 and a multiple of 8; K >= 16 and a multiple of 16 (16-byte rows of codes for the TMA);
-// 0 <= R < 2^31; E·N + 256 < 2^31; (ceil(R/128) + E)·ceil(N/256) < 2^31 (the tiles); ldc >= N
-// and a multiple of 8; a_q, w_q, c 16-byte aligned, the scales 4-byte aligned; no pointer null
-// (with R = 0 the call does nothing). Not yet: a gather of A's rows, a bias, the GLU epilogue.
+// N >= 8 and a multiple of 8; K >= 16 and a multiple of 16 (16-byte rows of codes for the TMA and
+// the gather's copies); 0 <= R < 2^31; E·N + 256 < 2^31; (ceil(R/128) + E)·ceil(N/256) < 2^31
+// (the tiles); ldc >= N and a multiple of 8; a_q, w_q, c 16-byte aligned, the scales 4-byte
+// aligned; no pointer null (with R = 0 the call does nothing). With a gather: 0 <= T < 2^31,
+// T·K < 2^36 (a_q addressed in 16-byte units held in 32 bits), gather 4-byte aligned. Not yet: a
+// bias, the GLU epilogue.
 struct GroupedGemmFp8Args {
-  const uint8_t* a_q = nullptr;             // [R, K] e4m3
-  const float* a_scales = nullptr;          // [R, fp8_tiles(K)]
-  int64_t R = 0;
+  const uint8_t* a_q = nullptr;             // [T, K] e4m3 (T = R without a gather)
+  const float* a_scales = nullptr;          // [T, fp8_tiles(K)]
+  int64_t R = 0;                            // rows of C
+  const int32_t* gather = nullptr;          // [R] device: row r reads a_q[gather[r]]; null: a_q[r]
+  int64_t T = 0;                            // rows of a_q with a gather (unused without one)
   const uint8_t* w_q = nullptr;             // [E, N, K] e4m3
   const float* w_scales = nullptr;          // [E, fp8_tiles(N), fp8_tiles(K)]
   const int32_t* expert_offsets = nullptr;  // [E+1] device

@@ -56,6 +56,15 @@ void check_args(const GroupedGemmFp8Args& a) {
   require_arg(a.K >= 16 && a.K % 16 == 0, kFn, "K",
               "must be a positive multiple of 16 (16-byte rows of e4m3 codes for the TMA), got " + std::to_string(a.K));
   require_arg(a.R >= 0 && a.R <= kInt32Max, kFn, "R", "must be in [0, 2^31 - 1], got " + std::to_string(a.R));
+  if (a.gather) {
+    require_arg(a.T >= 0 && a.T <= kInt32Max, kFn, "T",
+                "must be in [0, 2^31 - 1] with a gather (rows of a_q), got " + std::to_string(a.T));
+    // The gathered loaders address a_q in 16-byte units held in 32 bits, two values kept as markers.
+    require_arg(a.T * (a.K / 16) <= (int64_t{1} << 32) - 3, kFn, "T*K",
+                "must be below 2^36 with a gather (a_q's 16-byte chunks are addressed in 32 bits), got T=" +
+                    std::to_string(a.T) + ", K=" + std::to_string(a.K));
+    require_arg(aligned4(a.gather), kFn, "gather", "must be 4-byte aligned");
+  }
   // (W[e] rows e·N + n0 + 128h, h < 2, are int32 TMA coordinates)
   require_arg(a.N <= kInt32Max / a.E && a.E * a.N + kTileN <= kInt32Max, kFn, "E*N",
               "must be below 2^31 - 256 (int32 row coordinates of W [E*N, K]), got E=" + std::to_string(a.E) +
@@ -104,9 +113,12 @@ void grouped_gemm_fp8(const GroupedGemmFp8Args& a, cudaStream_t stream) {
   p.g.N = static_cast<int>(a.N);
   p.g.K = static_cast<int>(a.K);
   p.g.n_tiles = static_cast<int>(ceil_div(a.N, kTileN));
+  p.g.gather = a.gather;
+  p.aq = a.a_q;
   p.sa = a.a_scales;
   p.sb = a.w_scales;
-  p.a_rows = static_cast<int>(a.R);
+  p.a_rows = static_cast<int>(a.gather ? a.T : a.R);
+  p.c_rows = static_cast<int>(a.R);
   p.k_blocks = static_cast<int>(fp8_tiles(a.K));
   p.n_blocks = static_cast<int>(fp8_tiles(a.N));
 
@@ -115,10 +127,12 @@ void grouped_gemm_fp8(const GroupedGemmFp8Args& a, cudaStream_t stream) {
     detail::launch_gemm_tile_offsets(a.expert_offsets, p.g.E, p.g.n_tiles, a.tile_offsets,
                                      "grouped_gemm_fp8: tile offsets", stream);
   }
-  const CUtensorMap map_a = e4m3_tile_map(a.a_q, a.R, a.K);
   const CUtensorMap map_b = e4m3_tile_map(a.w_q, a.E * a.N, a.K);
+  // With a gather the kernel copies A's rows itself: the map is unused (any valid map will do).
+  const CUtensorMap map_a = a.gather ? map_b : e4m3_tile_map(a.a_q, a.R, a.K);
   const int ctas = a.max_ctas > 0 ? std::min(a.max_ctas, info.sm_count) : info.sm_count;
-  auto* kernel = kernels::sm90_grouped_gemm_fp8<kTileN>;
+  auto* kernel =
+      a.gather ? kernels::sm90_grouped_gemm_fp8<kTileN, true> : kernels::sm90_grouped_gemm_fp8<kTileN, false>;
   detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, "grouped_gemm_fp8: cudaFuncSetAttribute");
   kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, p);
   check_launch(kFn);

@@ -1,8 +1,11 @@
-// The sm_90a FP8 (E4M3) grouped GEMM, DeepSeek-V3's recipe, contiguous A, plain bf16 store:
+// The sm_90a FP8 (E4M3) grouped GEMM, DeepSeek-V3's recipe, contiguous or gathered A, plain bf16
+// store:
 //
 //   for every expert e with rows [off[e], off[e+1]):
-//     C[r, n] = Σ_kb sa[r, kb] · sb[e, n / 128, kb] · Σ_{k in block kb} Aq[r, k] · Wq[e, n, k]
-//   Aq e4m3 [R, K] with row scales sa fp32 [R, KB] (1x128 tiles along K, quantize_rows_fp8),
+//     C[r, n] = Σ_kb sa[a(r), kb] · sb[e, n / 128, kb] · Σ_{k in block kb} Aq[a(r), k] · Wq[e, n, k]
+//   a(r) = gather[r] (GATHER: the up-projection's rows of x by token, x quantised once) or r;
+//   Aq e4m3 [T, K] with row scales sa fp32 [T, KB] (1x128 tiles along K, quantize_rows_fp8; T = R
+//   without a gather),
 //   Wq e4m3 [E, N, K] with block scales sb fp32 [E, NB, KB] (128x128 blocks, quantize_weights_fp8),
 //   KB = ceil(K / 128), NB = ceil(N / 128); C bf16 [R, ldc].
 //
@@ -13,14 +16,20 @@
 //
 // Persistent and warp-specialised like gemm/cooperative.cuh (same tile schedule, stage ring and
 // tile ring), 3 warpgroups per CTA, one CTA per SM:
-//   warpgroup 0 (40 registers): warp 0 loads. Lane 0 publishes each tile (gemm/scheduler.cuh) and
-//     issues the TMA loads of a stage: A [128 rows x 128 K] and B [BN rows x 128 K], both
-//     K-major with the 128-byte swizzle (one swizzle row = 128 e4m3 = exactly one scale group).
-//     All 32 lanes copy the stage's scales by 4-byte cp.async: sa of the tile's 128 rows (4 rows
-//     a lane) and sb of its BN/128 weight blocks, completing on the stage's full barrier (1 TMA
-//     arrival + 32 cp.async arrivals). Warps 1-3 have nothing to do and leave.
-//   warpgroups 1-2, consumers (232 registers): each owns 64 rows of the 128-row tile and runs its
-//     64 x BN as BN/128 "waves" of 128 columns per K block, one weight block each (so one scalar
+//   warpgroup 0 (40 registers; 56 with a gather): warp 0 loads. Lane 0 publishes each tile
+//     (gemm/scheduler.cuh) and issues the TMA loads of a stage: A [128 rows x 128 K] and
+//     B [BN rows x 128 K], both K-major with the 128-byte swizzle (one swizzle row = 128 e4m3 =
+//     exactly one scale group). All 32 lanes copy the stage's scales by 4-byte cp.async: sa of
+//     the tile's 128 rows (4 rows a lane) and sb of its BN/128 weight blocks, completing on the
+//     stage's full barrier (1 TMA arrival + 32 cp.async arrivals). Warps 1-3 have nothing to do
+//     and leave.
+//     GATHER: all four warps load (the cp.async issue rate bounds a gathered GEMM: one warp per
+//     SM sub-partition, as the bf16 engine's gathered loaders, gemm/cooperative.cuh). Thread 0
+//     still publishes and issues B's TMA; the 128 threads copy A's rows by 16-byte cp.async into
+//     the layout the TMA writes, and sa of one row each (Fp8GatherRows); 1 + 128 arrivals.
+//   warpgroups 1-2, consumers (232 registers; 224 with a gather): each owns 64 rows of the
+//     128-row tile and runs its 64 x BN as BN/128 "waves" of 128 columns per K block, one weight
+//     block each (so one scalar
 //     sb per wave and no column select): tmp[64] (64 x 128 fp32) + acc[BN/2] (64 x BN fp32).
 //     Each wave: fence, 4 wgmma, commit, wait<0>, promote. The other warpgroup's wgmmas keep the
 //     tensor cores busy while one promotes. The stage is released (one arrival per warp, 8 in
@@ -29,10 +38,14 @@
 //     bounded by the expert's rows and by N (a first version: no staging, no TMA store).
 //     Registers (ptxas of CUDA 13.0, sm_90a, 2026-11): the consumers' code uses R0-R202 of their
 //     232 with BN = 256 (138 with BN = 128), the loader's fits its 40; no spill, no stack frame.
+//     With a gather (BN = 256): the consumers R0-R202 of 224, the loaders R0-R51 of 56.
 // Partial tiles: an expert's last row block reads the next rows of Aq (another expert's, computed
-// and not stored; past R the TMA reads zeros and the scale copy writes 0); a partial last K block
-// (K % 128 != 0) is zero-filled by the TMA in both operands; column blocks past N read the next
-// expert's weight rows (not stored) and a zero sb where the block index passes NB.
+// and not stored; past R the TMA reads zeros and the scale copy writes 0); with a gather its rows
+// past the expert's end get zero codes and scale 0 instead (cp.async with src-size 0: nothing is
+// read, so no NaN from garbage). A partial last K block (K % 128 != 0) is zero-filled by the TMA
+// in both operands (with a gather, A's chunks past K by the copy: K is a multiple of 16, so a
+// 16-byte chunk lies wholly inside or outside). Column blocks past N read the next expert's
+// weight rows (not stored) and a zero sb where the block index passes NB.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -48,20 +61,85 @@ namespace machmoe::kernels {
 constexpr int kFp8BK = 128;  // K per stage: one scale group, one 128-byte swizzle row of e4m3
 
 struct Fp8GemmParams {
-  // The schedule's fields (expert_offsets, tile_offsets, E, N, K, n_tiles) and the output
-  // (c bf16 [R, ldc]); a, gather, bias, c2 and the epilogue fields are unused.
+  // The schedule's fields (expert_offsets, tile_offsets, E, N, K, n_tiles), the gather ([R] or
+  // null) and the output (c bf16 [R, ldc]); a, lda, bias, c2 and the epilogue fields are unused.
   GroupedGemmParams g;
-  const float* sa;  // [a_rows, k_blocks]
-  const float* sb;  // [E, n_blocks, k_blocks]
-  int a_rows;       // R: rows of Aq and sa
-  int k_blocks;     // ceil(K / 128)
-  int n_blocks;     // ceil(N / 128)
+  const uint8_t* aq;  // [a_rows, K] e4m3: read by the gather's cp.async (contiguous A: by the TMA)
+  const float* sa;    // [a_rows, k_blocks]
+  const float* sb;    // [E, n_blocks, k_blocks]
+  int a_rows;         // rows of Aq and sa: T with a gather, else R
+  int c_rows;         // R: rows of C
+  int k_blocks;       // ceil(K / 128)
+  int n_blocks;       // ceil(N / 128)
 };
 
 // Register split of the 64K-register file: (40 + 2 x 232) x 128 threads = 64512. The loader warp
-// holds only its tile and loop counters.
-constexpr int kFp8ProducerRegs = 40;
-constexpr int kFp8ConsumerRegs = 232;
+// holds only its tile and loop counters. With a gather, (56 + 2 x 224) x 128 as the bf16 engine's
+// gathered loaders: each thread also holds its 8 rows' offsets and its scale row (Fp8GatherRows),
+// and the consumers use 203 registers at BN = 256 (ptxas, in the comment at the top).
+template <bool GATHER>
+constexpr int fp8_producer_regs() { return GATHER ? 56 : 40; }
+template <bool GATHER>
+constexpr int fp8_consumer_regs() { return GATHER ? 224 : 232; }
+
+// A gathered row's sa when its gather value lies outside [0, T): the NaN scale (fp8.hpp), copied
+// by cp.async (which reads only global memory) so that the row's outputs are NaN, as
+// quantize_rows_fp8 makes such a row; its codes are zero-filled (nothing is read for it).
+__device__ uint32_t fp8_gather_nan_scale = 0x7fc00000u;
+
+// The gathered A tile [128 rows x 128 K] e4m3 of one stage and its row scales, copied by the
+// loader warpgroup's 128 threads by cp.async (the layout of GemmGatherRows in gemm/cooperative.cuh,
+// in e4m3 units, with the scale row and the index check the FP8 operand adds). One K block of a
+// row is 128 bytes, one 128-byte swizzle row: 16-byte chunk c of tile row r goes to
+// r·128 + 16·(c ^ (r % 8)) of the 1024-byte aligned stage, byte for byte where the TMA puts it for
+// the contiguous path (CU_TENSOR_MAP_SWIZZLE_128B), so the same wgmma descriptors read both.
+// Thread t copies chunk t % 8 (16 codes of the K block) of rows t / 8 + 16i, i < 8 (a warp: four
+// whole 128-byte rows per instruction), and sa[gather[row0 + t], kb] of row t. Offsets are
+// loaded once per tile into registers (32-bit, in 16-byte units: the launcher bounds T·K/16).
+struct Fp8GatherRows {
+  static constexpr int kRows = 8;                    // 128 rows x 8 chunks / 128 threads
+  static constexpr uint32_t kNoRow = ~0u;            // past the expert's end: zero codes, scale 0
+  static constexpr uint32_t kBadRow = kNoRow - 1;    // (srow) gather value outside [0, T): scale NaN
+  uint32_t arow[kRows];  // gather[r]·K/16 of rows t / 8 + 16i, or kNoRow (also for a bad index)
+  uint32_t srow;         // gather[row0 + t]·KB, or kNoRow / kBadRow
+
+  __device__ __forceinline__ void load(const Fp8GemmParams& p, const GemmTile& tile, int t) {
+    const uint32_t units = static_cast<uint32_t>(p.g.K) / 16, T = static_cast<uint32_t>(p.a_rows);
+    // The tile's rows, also bounded by R: offsets past R break the documented rule, and gather [R]
+    // is not read past its end then (as C is not written there).
+    const int rows = min(tile.rows, p.c_rows - tile.row0);
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int r = t / 8 + 16 * i;
+      // (a negative index is a large unsigned one: outside [0, T) too)
+      const uint32_t g = r < rows ? static_cast<uint32_t>(__ldg(p.g.gather + tile.row0 + r)) : kNoRow;
+      arow[i] = g < T ? g * units : kNoRow;
+    }
+    const bool real = t < rows;
+    const uint32_t g = real ? static_cast<uint32_t>(__ldg(p.g.gather + tile.row0 + t)) : kNoRow;
+    srow = g < T ? g * static_cast<uint32_t>(p.k_blocks) : (real ? kBadRow : kNoRow);
+  }
+
+  // Block kb's A chunks into a_stage and row t's scale into sc[t].
+  __device__ __forceinline__ void copy(const Fp8GemmParams& p, uint8_t* a_stage, float* sc, int t, int kb) const {
+    const int chunk = t % 8;
+    const uint32_t k_units = static_cast<uint32_t>(kb) * (kFp8BK / 16) + chunk;  // this thread's 16 bytes
+    const bool k_ok = k_units < static_cast<uint32_t>(p.g.K) / 16;            // chunks past K: zeros
+    const uint4* a = reinterpret_cast<const uint4*>(p.aq);
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int r = t / 8 + 16 * i;
+      const bool ok = k_ok && arow[i] != kNoRow;
+      const uint32_t dst = sm90::smem_addr(a_stage + r * kFp8BK + ((chunk ^ (r & 7)) << 4));
+      // arow + k_units < T·K/16 < 2^32. The offset is selected, not the pointer (the pointer form
+      // reloads the base from the constant bank per row, gemm/cooperative.cuh); a row not read
+      // zero-fills from Aq's first 16 bytes with src-size 0.
+      sm90::cp_async_16(dst, a + (ok ? arow[i] + k_units : 0u), ok ? 16 : 0);
+    }
+    const float* src = srow < kBadRow ? p.sa + (srow + kb) : reinterpret_cast<const float*>(&fp8_gather_nan_scale);
+    sm90::cp_async_4(sm90::smem_addr(sc + t), src, srow == kNoRow ? 0 : 4);
+  }
+};
 
 // Shared memory: S stages of [A 16 KB | B BN·128 B], then S scale slots (in the layout's
 // "epilogue" area: this kernel stages no output), then the barriers, the tile ring and the
@@ -88,18 +166,20 @@ struct Fp8GemmSmem {
                 "fixed shared-memory area too small");
 };
 
-template <int BN>
+template <int BN, bool GATHER>
 struct Fp8GemmCooperative {
   using Smem = Fp8GemmSmem<BN>;
   using Layout = GroupedGemmSmemLayout<Smem, false>;
   static constexpr int S = Smem::kStages;
   static constexpr int kWaves = Smem::kWaves;
   using Stages = StageRing<S>;
+  // The loader threads: warp 0 with TMA loads of A, the whole warpgroup with a gather.
+  static constexpr int kLoaders = GATHER ? 128 : 32;
 
   static __device__ __forceinline__ void init_barriers(const Layout& sm) {
-    // full: the TMA thread's expect_tx arrival + the loader warp's 32 cp.async arrivals; empty:
-    // one arrival per consumer warp.
-    sm.stages().init(1 + 32, 8);
+    // full: the TMA thread's expect_tx arrival + the loaders' cp.async arrivals (32, or 128 with
+    // a gather); empty: one arrival per consumer warp.
+    sm.stages().init(1 + kLoaders, 8);
     for (int r = 0; r < kTileRing; ++r) {
       sm90::mbar_init(&sm.tile_full[r], 1);     // the publishing lane
       sm90::mbar_init(&sm.tile_empty[r], 256);  // every consumer thread, once it has read the slot
@@ -110,41 +190,50 @@ struct Fp8GemmCooperative {
     return reinterpret_cast<float*>(sm.epi) + stage * Smem::kScaleFloats;
   }
 
-  // Loader warp 0: decode and publish each tile, fill the stages (TMA operands, cp.async scales).
+  // The loaders (warp 0; the warpgroup with a gather; `lane` is the thread's index among them):
+  // decode and publish each tile, fill the stages (TMA operands, cp.async scales; with a gather A
+  // by cp.async too).
   static __device__ __forceinline__ void producer(const Fp8GemmParams& p, const CUtensorMap* tmap_a,
                                                   const CUtensorMap* tmap_b, const Layout& sm, int lane,
                                                   int total_tiles) {
     const Stages stages = sm.stages();
     const int KB = p.k_blocks;
     int it = 0;
+    Fp8GatherRows rows;  // with a gather, this thread's rows of the tile
     for (int t = blockIdx.x, n = 0;; t += gridDim.x, ++n) {
       const bool done = t >= total_tiles;
       const GemmTile tile =
           done ? GemmTile{-1, 0, 0, 0} : gemm_decode_tile<kGemmGroupM>(p.g, gemm_tile_table(p.g, sm.tile_table), t, BN);
       if (lane == 0) sm.tile_ring().publish(n, tile);  // (e = -1 tells the consumers to stop)
       if (done) break;
+      if constexpr (GATHER) rows.load(p, tile, lane);
       const int nb0 = tile.n0 / 128;
       for (int kb = 0; kb < KB; ++kb, ++it) {
         const typename Stages::Slot slot = Stages::slot(sm90::warp_uniform(it));
         const int s = slot.stage;
         stages.acquire(slot);
         if (lane == 0) {
-          stages.commit_tx(s, Smem::kStageBytes);
+          stages.commit_tx(s, GATHER ? Smem::kBBytes : Smem::kStageBytes);
           uint8_t* b_stage = sm.smem_b + s * Smem::kBBytes;
 #pragma unroll
           for (int h = 0; h < kWaves; ++h)  // W[e] rows n0 + 128h in the [E·N, K] view
             sm90::tma_load_2d(b_stage + h * 128 * kFp8BK, tmap_b, stages.full_barrier(s), kb * kFp8BK,
                               tile.e * p.g.N + tile.n0 + 128 * h);
-          sm90::tma_load_2d(sm.smem_a + s * Smem::kABytes, tmap_a, stages.full_barrier(s), kb * kFp8BK, tile.row0);
+          if constexpr (!GATHER)
+            sm90::tma_load_2d(sm.smem_a + s * Smem::kABytes, tmap_a, stages.full_barrier(s), kb * kFp8BK, tile.row0);
         }
         float* sc = scale_slot(sm, s);
+        if constexpr (GATHER) {
+          rows.copy(p, sm.smem_a + s * Smem::kABytes, sc, lane, kb);
+        } else {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {  // sa of rows row0 + lane + 32i; rows past R read nothing (0)
-          const int r = lane + 32 * i;
-          const int64_t row = static_cast<int64_t>(tile.row0) + r;  // (row0 + 127 may pass 2^31 - 1)
-          const bool ok = row < p.a_rows;
-          const int64_t at = ok ? row * KB + kb : 0;
-          sm90::cp_async_4(sm90::smem_addr(sc + r), p.sa + at, ok ? 4 : 0);
+          for (int i = 0; i < 4; ++i) {  // sa of rows row0 + lane + 32i; rows past R read nothing (0)
+            const int r = lane + 32 * i;
+            const int64_t row = static_cast<int64_t>(tile.row0) + r;  // (row0 + 127 may pass 2^31 - 1)
+            const bool ok = row < p.a_rows;
+            const int64_t at = ok ? row * KB + kb : 0;
+            sm90::cp_async_4(sm90::smem_addr(sc + r), p.sa + at, ok ? 4 : 0);
+          }
         }
         if (lane < kWaves) {  // sb of the wave's weight block; past NB (a tile wider than N) 0
           const bool ok = nb0 + lane < p.n_blocks;
@@ -168,7 +257,7 @@ struct Fp8GemmCooperative {
     for (int h = 0; h < 2; ++h) {
       const int r = row_local + 8 * h;
       // (offsets past R break the documented rule; the second test keeps C's writes inside [R, ldc])
-      if (r >= tile.rows || tile.row0 + r >= p.a_rows) continue;
+      if (r >= tile.rows || tile.row0 + r >= p.c_rows) continue;
       __nv_bfloat16* crow = c + static_cast<int64_t>(tile.row0 + r) * p.g.ldc;
 #pragma unroll
       for (int w = 0; w < kWaves; ++w) {
@@ -205,6 +294,7 @@ struct Fp8GemmCooperative {
         const typename Stages::Slot slot = Stages::slot(it);
         const int s = slot.stage;
         stages.wait(slot);
+        if constexpr (GATHER) sm90::fence_proxy_async_shared();  // A by cp.async (generic proxy) -> wgmma
         // The scales first (their slot is released with the operands), combined per wave:
         // f0 for row row_local, f1 for row_local + 8.
         const float* sc = scale_slot(sm, s);
@@ -241,28 +331,29 @@ struct Fp8GemmCooperative {
   }
 };
 
-template <int BN>
+// GATHER: A's rows through p.g.gather by cp.async (tmap_a unused: any valid map will do).
+template <int BN, bool GATHER>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     sm90_grouped_gemm_fp8(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                           const Fp8GemmParams p) {
-  using Gemm = Fp8GemmCooperative<BN>;
+  using Gemm = Fp8GemmCooperative<BN, GATHER>;
   extern __shared__ uint8_t fp8_gemm_smem_raw[];
   const typename Gemm::Layout sm(fp8_gemm_smem_raw);
   const int wg = sm90::warpgroup_index(), tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
     Gemm::init_barriers(sm);
     sm90::mbar_fence_init();
-    sm90::tma_prefetch_descriptor(&tmap_a);
+    if (!GATHER) sm90::tma_prefetch_descriptor(&tmap_a);
     sm90::tma_prefetch_descriptor(&tmap_b);
   }
   if (p.g.E <= kGemmSmemTileE && threadIdx.x >= 32 && threadIdx.x < 64) gemm_tile_offsets_warp(p.g, sm.tile_table);
   __syncthreads();
   const int total_tiles = gemm_tile_table(p.g, sm.tile_table)[p.g.E];
   if (wg == 0) {
-    sm90::setmaxnreg_dec<kFp8ProducerRegs>();
-    if (tid < 32) Gemm::producer(p, &tmap_a, &tmap_b, sm, tid, total_tiles);
+    sm90::setmaxnreg_dec<fp8_producer_regs<GATHER>()>();
+    if (tid < Gemm::kLoaders) Gemm::producer(p, &tmap_a, &tmap_b, sm, tid, total_tiles);
   } else {
-    sm90::setmaxnreg_inc<kFp8ConsumerRegs>();
+    sm90::setmaxnreg_inc<fp8_consumer_regs<GATHER>()>();
     Gemm::consumer(p, sm, wg - 1, tid);
   }
 }
