@@ -257,8 +257,9 @@ def _fp8_quantize_columns(x, gather, expert_offsets):
             x.new_empty(d, chunks, dtype=torch.float32), x.new_empty(E + 1, dtype=torch.int32))
 
 
-def _grouped_gemm_fp8(a_q, a_scales, w_q, w_scales, expert_offsets, max_ctas=0):
-    return a_q.new_empty(a_q.shape[0], w_q.shape[1], dtype=torch.bfloat16)
+def _grouped_gemm_fp8(a_q, a_scales, w_q, w_scales, expert_offsets, max_ctas=0, gather=None):
+    R = a_q.shape[0] if gather is None else gather.shape[0]  # C's rows: one per gathered row
+    return a_q.new_empty(R, w_q.shape[1], dtype=torch.bfloat16)
 
 # Every op with a CUDA kernel (the tensor-free ops and the CPU reference ops need no fake).
 FAKES = {

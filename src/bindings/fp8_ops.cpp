@@ -138,21 +138,23 @@ std::tuple<Tensor, Tensor, Tensor> op_fp8_quantize_columns(const Tensor& x, cons
   });
 }
 
-// C [R, N] bf16 = the FP8 grouped GEMM of a_q [R, K] (a_scales [R, ceil(K/128)]) with w_q [E, N, K]
-// (w_scales [E, ceil(N/128), ceil(K/128)]) per expert's rows [off[e], off[e+1]). Rows outside every
-// expert are not written (C is allocated uninitialised, as grouped_gemm's).
+// C [R, N] bf16 = the FP8 grouped GEMM of a_q [T, K] (a_scales [T, ceil(K/128)]) with w_q [E, N, K]
+// (w_scales [E, ceil(N/128), ceil(K/128)]) per expert's rows [off[e], off[e+1]), row r reading
+// a_q[gather[r]] (gather [R] int32; None: a_q[r], R = T). Rows outside every expert are not
+// written (C is allocated uninitialised, as grouped_gemm's).
 Tensor op_grouped_gemm_fp8(const Tensor& a_q, const Tensor& a_scales, const Tensor& w_q, const Tensor& w_scales,
-                           const Tensor& expert_offsets, int64_t max_ctas) {
+                           const Tensor& expert_offsets, int64_t max_ctas, const std::optional<Tensor>& gather) {
   return translate_errors([&] {
     check_first(a_q, "a_q", kE4M3, 2);
     const at::Device device = a_q.device();
-    const int64_t R = a_q.size(0), K = a_q.size(1);
+    const int64_t T = a_q.size(0), K = a_q.size(1);
+    const int64_t R = gather ? check_index(*gather, "gather", device) : T;
     check_dims(w_q, "w_q", 3);
     check_tensor(w_q, "w_q", kE4M3, w_q.sizes(), &device);
     const int64_t E = w_q.size(0), N = w_q.size(1);
     MACHMOE_CHECK_VALUE(w_q.size(2) == K, "w_q must be [E, N, K] with K = ", K, " (a_q's columns), got shape ",
                         w_q.sizes());
-    check_tensor(a_scales, "a_scales", at::kFloat, {R, fp8_tiles(K)}, &device);
+    check_tensor(a_scales, "a_scales", at::kFloat, {T, fp8_tiles(K)}, &device);
     check_tensor(w_scales, "w_scales", at::kFloat, {E, fp8_tiles(N), fp8_tiles(K)}, &device);
     check_dims(expert_offsets, "expert_offsets", 1);
     check_tensor(expert_offsets, "expert_offsets", at::kInt, {E + 1}, &device);
@@ -166,6 +168,8 @@ Tensor op_grouped_gemm_fp8(const Tensor& a_q, const Tensor& a_scales, const Tens
     g.a_q = codes(a_q);
     g.a_scales = a_scales.data_ptr<float>();
     g.R = R;
+    g.gather = gather ? gather->data_ptr<int32_t>() : nullptr;
+    g.T = T;
     g.w_q = codes(w_q);
     g.w_scales = w_scales.data_ptr<float>();
     g.expert_offsets = expert_offsets.data_ptr<int32_t>();
@@ -188,7 +192,7 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
   m.def("fp8_quantize_weights(Tensor w, bool transposed) -> (Tensor, Tensor, Tensor?, Tensor?)");
   m.def("fp8_quantize_columns(Tensor x, Tensor? gather, Tensor expert_offsets) -> (Tensor, Tensor, Tensor)");
   m.def("grouped_gemm_fp8(Tensor a_q, Tensor a_scales, Tensor w_q, Tensor w_scales, Tensor expert_offsets,"
-        " int max_ctas=0) -> Tensor");
+        " int max_ctas=0, Tensor? gather=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {
