@@ -18,6 +18,10 @@
 // ScaleMistakesAreCaught feeds such scales and expects the comparison to fail.
 // Outputs are poisoned (0xff: NaN in bf16): rows outside every expert and the columns [N, ldc)
 // must stay poisoned, every other element must be written and finite.
+// Gathered cases (GemmCase::T > 0): Aq [T, K] is quantised once without a gather and row r of the
+// GEMM reads row gather[r] (random in [0, T), repeated, T != R); the reference runs on the rows
+// gathered on the host. MisplacedGatherIsCaught checks that a kernel ignoring the gather (or
+// reading a neighbour's index) would fail the comparison.
 // The GPU tests skip without a GPU; the argument rules (GemmFp8Api.*) run everywhere.
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
@@ -25,6 +29,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <numeric>
 #include <string>
@@ -49,14 +54,36 @@ struct GemmCase {
   int64_t tail = 0;
   bool structured = false;  // power-of-two magnitudes per (row, K block) of A and per weight block
   int max_ctas = 0;
+  int64_t T = 0;  // > 0: gathered, Aq [T, K] and gather [R] random in [0, T); 0: contiguous
 };
 
 struct GemmData {
-  int64_t E = 0, R = 0, N = 0, K = 0, ldc = 0;
+  int64_t E = 0, R = 0, N = 0, K = 0, ldc = 0, T = 0;
   std::vector<int32_t> offsets;  // [E+1]
-  ref::Fp8Rows a;                // q [R, K], scales [R, KB]
+  std::vector<int32_t> gather;   // [R] (gathered cases), else empty
+  ref::Fp8Rows a;                // q [T, K], scales [T, KB] (T = R when contiguous)
   ref::Fp8Weights w;             // q [E, N, K], scales [E, NB, KB]
 };
+
+// A's rows as the GEMM reads them: a.q and a.scales through `gather` (empty: a itself); an index
+// outside [0, T) reads row 0 (the callers that use one check those rows apart).
+ref::Fp8Rows gathered_rows(const ref::Fp8Rows& a, const std::vector<int32_t>& gather) {
+  if (gather.empty()) return a;
+  ref::Fp8Rows g;
+  g.R = static_cast<int64_t>(gather.size()), g.d = a.d, g.tiles = a.tiles;
+  for (const int32_t t : gather) {
+    const int64_t row = t >= 0 && t < a.R ? t : 0;
+    g.q.insert(g.q.end(), a.q.begin() + row * a.d, a.q.begin() + (row + 1) * a.d);
+    g.scales.insert(g.scales.end(), a.scales.begin() + row * a.tiles, a.scales.begin() + (row + 1) * a.tiles);
+  }
+  return g;
+}
+
+ref::Fp8GemmResult reference(const GemmData& d, const std::vector<int32_t>& gather) {
+  const ref::Fp8Rows a = gathered_rows(d.a, gather);
+  return ref::grouped_gemm_fp8(a.q.data(), a.scales.data(), d.R, d.w.q.data(), d.w.scales.data(), d.offsets.data(),
+                               d.E, d.N, d.K);
+}
 
 // Magnitude 2^(m mod 9 - 4) for a block index m: nine distinct scales, neighbours a factor 2 apart.
 double magnitude(int64_t m) { return std::ldexp(1.0, static_cast<int>(m % 9) - 4); }
@@ -68,9 +95,12 @@ GemmData make_data(const GemmCase& k, mtest::Rng& rng) {
   d.offsets.assign(static_cast<size_t>(d.E + 1), 0);
   for (int64_t e = 0; e < d.E; ++e) d.offsets[e + 1] = d.offsets[e] + k.rows[e];
   d.R = d.offsets[d.E] + k.tail;
+  d.T = k.T > 0 ? k.T : d.R;
+  if (k.T > 0)
+    for (int64_t r = 0; r < d.R; ++r) d.gather.push_back(static_cast<int32_t>(rng() % static_cast<uint64_t>(k.T)));
   std::uniform_real_distribution<double> u(-1, 1);
-  std::vector<uint16_t> x(static_cast<size_t>(d.R * d.K)), w(static_cast<size_t>(d.E * d.N * d.K));
-  for (int64_t r = 0; r < d.R; ++r)
+  std::vector<uint16_t> x(static_cast<size_t>(d.T * d.K)), w(static_cast<size_t>(d.E * d.N * d.K));
+  for (int64_t r = 0; r < d.T; ++r)
     for (int64_t c = 0; c < d.K; ++c)
       x[r * d.K + c] = ref::float_to_bf16(static_cast<float>(u(rng) * (k.structured ? magnitude(5 * r + c / 128) : 1.0)));
   for (int64_t e = 0; e < d.E; ++e)
@@ -79,7 +109,7 @@ GemmData make_data(const GemmCase& k, mtest::Rng& rng) {
         const double m = k.structured ? magnitude(7 * e + 3 * (n / 128) + c / 128 + 1) : 0.05;
         w[(e * d.N + n) * d.K + c] = ref::float_to_bf16(static_cast<float>(u(rng) * m));
       }
-  d.a = ref::quantize_rows_fp8(x.data(), d.R, d.K, d.K, nullptr, d.R);
+  d.a = ref::quantize_rows_fp8(x.data(), d.T, d.K, d.K, nullptr, d.T);
   d.w = ref::quantize_weights_fp8(w.data(), d.E, d.N, d.K, false);
   return d;
 }
@@ -127,13 +157,17 @@ void upload(const std::vector<T>& h, DeviceBuffer& dst) {
   if (!h.empty()) ASSERT_EQ(cudaMemcpy(dst.ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
 }
 
-// One call on the GPU with the given scales (the data's own unless the caller corrupts them);
-// returns C [R, ldc] as bf16 bits, poisoned before the call.
+// One call on the GPU with the given scales (the data's own unless the caller corrupts them) and
+// gather (the data's own unless the caller passes another; empty: contiguous); returns C [R, ldc]
+// as bf16 bits, poisoned before the call.
 std::vector<uint16_t> run_gpu(const GemmData& d, const std::vector<float>& sa, const std::vector<float>& sb,
-                              int max_ctas) {
+                              int max_ctas, const std::vector<int32_t>* gather_override = nullptr) {
+  const std::vector<int32_t>& gather = gather_override ? *gather_override : d.gather;
   DeviceBuffer aq(d.a.q.size()), das(sa.size() * 4), wq(d.w.q.size()), dsb(sb.size() * 4),
-      off(d.offsets.size() * 4), tiles(d.offsets.size() * 4), c(static_cast<size_t>(d.R * d.ldc) * 2);
+      off(d.offsets.size() * 4), tiles(d.offsets.size() * 4), c(static_cast<size_t>(d.R * d.ldc) * 2),
+      dg(gather.size() * 4);
   upload(d.a.q, aq);
+  upload(gather, dg);
   upload(sa, das);
   upload(d.w.q, wq);
   upload(sb, dsb);
@@ -142,6 +176,7 @@ std::vector<uint16_t> run_gpu(const GemmData& d, const std::vector<float>& sa, c
   EXPECT_EQ(cudaMemset(tiles.ptr, 0xff, d.offsets.size() * 4), cudaSuccess);
   GroupedGemmFp8Args a;
   a.a_q = static_cast<const uint8_t*>(aq.ptr), a.a_scales = static_cast<const float*>(das.ptr), a.R = d.R;
+  if (!gather.empty()) a.gather = static_cast<const int32_t*>(dg.ptr), a.T = d.T;
   a.w_q = static_cast<const uint8_t*>(wq.ptr), a.w_scales = static_cast<const float*>(dsb.ptr);
   a.expert_offsets = static_cast<const int32_t*>(off.ptr);
   a.E = d.E, a.N = d.N, a.K = d.K;
@@ -165,7 +200,7 @@ std::string describe(const GemmCase& k) {
   if (k.rows.size() > 8) s += ",... (E=" + std::to_string(k.rows.size()) + ")";
   return s + "} tail=" + std::to_string(k.tail) + " N=" + std::to_string(k.N) + " K=" + std::to_string(k.K) +
          " ldc=" + std::to_string(k.ldc) + " max_ctas=" + std::to_string(k.max_ctas) +
-         (k.structured ? " structured" : "");
+         (k.structured ? " structured" : "") + (k.T > 0 ? " gathered from T=" + std::to_string(k.T) : "");
 }
 
 void check_case(const GemmCase& k, uint64_t salt) {
@@ -174,8 +209,7 @@ void check_case(const GemmCase& k, uint64_t salt) {
   SCOPED_TRACE(mtest::seed_msg(seed));
   mtest::Rng rng(seed);
   const GemmData d = make_data(k, rng);
-  const ref::Fp8GemmResult want = ref::grouped_gemm_fp8(d.a.q.data(), d.a.scales.data(), d.R, d.w.q.data(),
-                                                         d.w.scales.data(), d.offsets.data(), d.E, d.N, d.K);
+  const ref::Fp8GemmResult want = reference(d, d.gather);
   const std::vector<uint16_t> got = run_gpu(d, d.a.scales, d.w.scales, k.max_ctas);
   const ::testing::AssertionResult ok = matches(want, got, d.ldc);
   EXPECT_TRUE(ok);
@@ -233,6 +267,89 @@ TEST(GpuFp8Gemm, StructuredMagnitudes) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU visible";
   check_case({{150, 0, 90}, 384, 640, 0, 0, true}, 12);
   check_case({{130, 70}, 2880, 2880, 0, 0, true}, 13);
+}
+
+// ---------------------------------------------------------------- GPU, gathered A
+// (GemmCase fields: rows, N, K, ldc, tail, structured, max_ctas, T)
+TEST(GpuFp8Gemm, GatheredPartialTilesRepeatsAndAnEmptyExpert) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU visible";
+  // R = 410 rows from T = 150 (indices repeated), partial row tiles (zero-filled rows, scale 0),
+  // an empty expert, one of exactly 128, padding columns in ldc, rows after the last expert.
+  check_case({{200, 0, 128, 77}, 512, 512, 520, 5, false, 0, 150}, 21);
+  // T > R: most of Aq is never read.
+  check_case({{1, 300, 0, 129}, 384, 512, 0, 0, false, 0, 5000}, 22);
+}
+
+TEST(GpuFp8Gemm, GatheredGptOssWidths) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU visible";
+  // K = 2880: a half last K block (4 of 8 chunks read, the rest zero-filled by the copy).
+  check_case({{130, 70}, 2880, 2880, 0, 0, false, 0, 333}, 23);
+  check_case({{130, 70}, 2880, 2880, 0, 0, true, 0, 333}, 24);
+}
+
+TEST(GpuFp8Gemm, GatheredKNotAMultipleOf128) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU visible";
+  check_case({{1, 300, 0, 129}, 384, 400, 0, 0, false, 0, 250}, 25);  // K = 3·128 + 16: one chunk of the last block
+  check_case({{150, 0, 90}, 384, 400, 0, 0, true, 0, 97}, 26);        // the same, structured magnitudes
+  check_case({{0, 3, 0, 17}, 72, 16, 0, 0, false, 0, 7}, 27);         // one K block of 16 (one chunk)
+}
+
+TEST(GpuFp8Gemm, GatheredFewCtasAndManyExperts) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU visible";
+  check_case({{300, 260, 129}, 520, 256, 0, 0, false, 1, 64}, 28);  // one CTA walks every tile
+  GemmCase k;
+  mtest::Rng rng(mtest::test_seed(29));
+  for (int e = 0; e < 600; ++e) k.rows.push_back(static_cast<int32_t>(rng() % 5));
+  k.rows[599] = 130;
+  k.N = 136, k.K = 144, k.T = 100;
+  check_case(k, 30);
+}
+
+// A kernel that ignored the gather, or read a neighbouring row's index, would fail: the result is
+// compared with those readings and must differ (T > R, so that reading row r of Aq is defined).
+TEST(GpuFp8Gemm, MisplacedGatherIsCaught) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU visible";
+  const GemmCase k{{150, 0, 90}, 384, 400, 0, 0, true, 0, 300};
+  const uint64_t seed = mtest::test_seed(31);
+  SCOPED_TRACE(mtest::seed_msg(seed));
+  mtest::Rng rng(seed);
+  const GemmData d = make_data(k, rng);
+  const std::vector<uint16_t> got = run_gpu(d, d.a.scales, d.w.scales, 0);
+  EXPECT_TRUE(matches(reference(d, d.gather), got, d.ldc));
+  EXPECT_FALSE(matches(reference(d, {}), got, d.ldc)) << "the result is that of A's rows read without the gather";
+  std::vector<int32_t> shifted(d.gather.begin() + 1, d.gather.end());
+  shifted.push_back(d.gather.front());
+  EXPECT_FALSE(matches(reference(d, shifted), got, d.ldc)) << "the result is that of the next row's index";
+  // And the contiguous call's result (what ignoring the gather gives) fails the gathered reference.
+  const std::vector<int32_t> none;
+  EXPECT_FALSE(matches(reference(d, d.gather), run_gpu(d, d.a.scales, d.w.scales, 0, &none), d.ldc))
+      << "the contiguous result passed the gathered reference";
+}
+
+// A gather value outside [0, T) reads nothing and makes its row NaN (written, not left unwritten);
+// the other rows are unaffected.
+TEST(GpuFp8Gemm, GatherIndicesOutsideTGiveNanRows) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU visible";
+  const GemmCase k{{130, 70}, 256, 384, 0, 0, false, 0, 90};
+  const uint64_t seed = mtest::test_seed(32);
+  SCOPED_TRACE(mtest::seed_msg(seed));
+  mtest::Rng rng(seed);
+  const GemmData d = make_data(k, rng);
+  std::vector<int32_t> bad = d.gather;
+  const int64_t bad_rows[] = {0, 129, 130, 199};  // both experts' first and last rows
+  bad[0] = -1, bad[129] = static_cast<int32_t>(d.T), bad[130] = INT32_MIN, bad[199] = INT32_MAX;
+  std::vector<uint16_t> got = run_gpu(d, d.a.scales, d.w.scales, 0, &bad);
+  const ref::Fp8GemmResult want = reference(d, bad);  // (the bad rows read row 0 there)
+  for (const int64_t r : bad_rows) {
+    int64_t not_nan = 0;
+    for (int64_t n = 0; n < d.N; ++n) {
+      uint16_t& bits = got[r * d.ldc + n];
+      if (!std::isnan(ref::bf16_to_float(bits)) || bits == kPoison) ++not_nan;
+      bits = ref::float_to_bf16(static_cast<float>(want.c[r * d.N + n]));  // the rest of the check skips it
+    }
+    EXPECT_EQ(not_nan, 0) << "row " << r << " (gather value " << bad[r] << "): elements not NaN or not written";
+  }
+  EXPECT_TRUE(matches(want, got, d.ldc));
 }
 
 // Each way of misapplying a scale gives a result the comparison refuses (and the right scales one
@@ -353,9 +470,18 @@ TEST(GemmFp8Api, RefusesBadArguments) {
   refused([&](A& a) { a.a_scales = reinterpret_cast<float*>(p16 + 2); }, "a_scales", "a_scales misaligned");
   refused([&](A& a) { a.w_scales = reinterpret_cast<float*>(p16 + 1); }, "w_scales", "w_scales misaligned");
   refused([](A& a) { a.max_ctas = -1; }, "max_ctas", "max_ctas < 0");
+  auto* g16 = reinterpret_cast<int32_t*>(p16 + 12288);
+  refused([&](A& a) { a.gather = g16, a.T = -1; }, "T", "T < 0 with a gather");
+  refused([&](A& a) { a.gather = g16, a.T = int64_t{1} << 31; }, "T", "T >= 2^31 with a gather");
+  refused([&](A& a) { a.gather = g16, a.T = (int64_t{1} << 31) - 1, a.K = 64; }, "T*K", "T·K >= 2^36 with a gather");
+  refused([&](A& a) { a.gather = reinterpret_cast<int32_t*>(p16 + 2), a.T = 16; }, "gather", "gather misaligned");
   // R = 0 is valid and does nothing, without touching the device.
   GroupedGemmFp8Args empty = base;
   empty.R = 0;
+  EXPECT_NO_THROW(grouped_gemm_fp8(empty, nullptr));
+  empty.T = -1;  // T is not read without a gather
+  EXPECT_NO_THROW(grouped_gemm_fp8(empty, nullptr));
+  empty.gather = g16, empty.T = 0;  // a gather over no rows of a_q (every gathered row would be NaN)
   EXPECT_NO_THROW(grouped_gemm_fp8(empty, nullptr));
 }
 

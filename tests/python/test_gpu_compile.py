@@ -44,6 +44,7 @@ def _op_cases():
     # FP8: x's rows gathered and quantised, w1 [E, 2n, d] in 128x128 blocks (N = 384: a partial block)
     a_q, a_scales = m.fp8_quantize_rows(t["x"], row_token)
     w_q, w_scales, _, _ = m.fp8_quantize_weights(t["w1"], False)
+    x_q, x_scales = m.fp8_quantize_rows(t["x"], None)  # [T, d], gathered by the GEMM (R = T·K rows)
     return [
         ("topk_router", (logits, K, "softmax_topk", True, None)),
         ("topk_router_backward", (logits, scores, experts, torch.randn(T, K, device="cuda"), "softmax_topk", True)),
@@ -76,6 +77,7 @@ def _op_cases():
         ("fp8_quantize_columns", (h, None, offs)),
         ("grouped_gemm_fp8", (a_q, a_scales, w_q, w_scales, offs)),
         ("grouped_gemm_fp8", (a_q, a_scales, w_q, w_scales, offs, 2)),
+        ("grouped_gemm_fp8", (x_q, x_scales, w_q, w_scales, offs, 0, row_token)),
     ]
 
 

@@ -6,8 +6,9 @@ The quantisers are compared bitwise: the recipe (fp8.hpp) is exact arithmetic, s
 an IEEE fp32 division, q = E4M3(x / s) rounded to nearest even with saturation to ±448. PyTorch's
 cast to float8_e4m3fn rounds to nearest even but does not saturate (|v| >= 464 become NaN), so the
 reference clamps to ±448 first, which is the same thing for every finite v. The reference runs on
-the CPU. The GEMM is compared with a float64 matmul of the dequantised operands (the op's own
-quantised inputs), per element, with the C++ test's derived tolerance (tests/cpp/
+the CPU. The GEMM (contiguous, and gathered: x quantised once, its rows read through gather) is
+compared with a float64 matmul of the dequantised operands (the op's own quantised inputs), per
+element, with the C++ test's derived tolerance (tests/cpp/
 test_gpu_fp8_gemm.cpp): |got - c| <= 2·(2^-9·|c| + 2^-11·Σ|a·b|).
 
 Without a GPU, the reference itself (hand-checked codes), the GEMM check's ability to fail, and
@@ -257,6 +258,9 @@ def test_fp8_fakes_follow_the_op_docs():
         assert (qt.shape, cs.shape, co.shape, co.dtype) == ((d, 128 * chunks), (d, chunks), (E + 1,), torch.int32)
         c = torch.ops.machmoe.grouped_gemm_fp8(q, s, wq, ws, torch.empty(E + 1, **i32))
         assert (c.shape, c.dtype) == ((R, N), torch.bfloat16)
+        xq, xs = torch.ops.machmoe.fp8_quantize_rows(x, None)  # [T, d]: gathered by the GEMM
+        c = torch.ops.machmoe.grouped_gemm_fp8(xq, xs, wq, ws, torch.empty(E + 1, **i32), 0, torch.empty(R, **i32))
+        assert (c.shape, c.dtype) == ((R, N), torch.bfloat16)
 
 
 # ---------------------------------------------------------------- GPU: the quantisers
@@ -347,6 +351,30 @@ def test_grouped_gemm_fp8_against_float64(label, N, K):
 
 
 @on_gpu
+@pytest.mark.parametrize("label,N,K", [case for case in GEMM_CASES if " up" in case[0]])
+def test_grouped_gemm_fp8_gathered_against_float64(label, N, K):
+    # The up-projection as the layer would run it: x [T, K] quantised once without a gather, row r
+    # of the GEMM reading x_q[gather[r]] and its scales (T = 600 != R = 1011, indices repeated).
+    m = ops()
+    E, R, T = len(COUNTS), sum(COUNTS), 600
+    x = structured(T, K)
+    gather = torch.randint(0, T, (R,), device="cuda", dtype=torch.int32)
+    x_q, x_s = m.fp8_quantize_rows(x, None)
+    w_q, w_s, _, _ = m.fp8_quantize_weights(structured(E, N, K) * 0.02, False)
+    w = dequantise_weights(w_q, w_s, N, K)
+    c = m.grouped_gemm_fp8(x_q, x_s, w_q, w_s, offsets(COUNTS), 0, gather)
+    assert (c.shape, c.dtype) == ((R, N), torch.bfloat16)
+    x_deq = dequantise_rows(x_q, x_s, K)
+    want, absum = gemm_reference(x_deq[gather.long()], w, COUNTS)
+    failures = gemm_failures(c, want, absum, f"{label}, gathered")
+    assert not failures, "\n".join(failures)
+    # The check tells the gathered rows from others: against the rows of the gather shifted by one
+    # (what a kernel reading row r + 1's index would compute) it fails.
+    wrong, wrong_abs = gemm_reference(x_deq[gather.roll(1).long()], w, COUNTS)
+    assert gemm_failures(c, wrong, wrong_abs, f"{label}, rows shifted"), "a misplaced gather went unnoticed"
+
+
+@on_gpu
 def test_grouped_gemm_fp8_few_ctas_many_experts_and_rerun():
     # E = 600 > 512 (the op allocates the tile table), 3 CTAs, zero-row experts; bitwise on a rerun.
     m = ops()
@@ -377,6 +405,8 @@ def test_fp8_ops_name_the_bad_argument():
         m.grouped_gemm_fp8(a_q, a_s, w_q, w_s[:, :, :1].contiguous(), off)
     with pytest.raises(ValueError, match="expert_offsets must have shape"):
         m.grouped_gemm_fp8(a_q, a_s, w_q, w_s, offsets([5, 3, 0]))
+    with pytest.raises(ValueError, match="gather must have dtype"):
+        m.grouped_gemm_fp8(a_q, a_s, w_q, w_s, off, 0, torch.zeros(8, device="cuda", dtype=torch.int64))
     with pytest.raises(ValueError, match="gather must have dtype"):
         m.fp8_quantize_rows(x, torch.zeros(4, device="cuda", dtype=torch.int64))
     with pytest.raises(ValueError, match="x must have dtype"):
