@@ -2,22 +2,31 @@
 
     python -m machmoe.bench.fp8_gemm [--configs 7B-a,30B-b,120B-b] [--out DIR]
 
-For each config (T, d, n, E, K; machmoe.bench.configs) the two forward expert GEMMs without a
-gather: the up-projection (N = 2n, K = d) and the down-projection (N = d, K = n), on R = T·K rows
-spread uniformly over the E experts (what balanced top-K routing gives). Each row of the table
-times, on the same shape:
+For each config (T, d, n, E, K; machmoe.bench.configs) the two forward expert GEMMs: the
+up-projection (N = 2n, K = d) on the R = T·K rows of a random top-K routing (K distinct experts
+per token, machmoe's routing metadata: expert_offsets and the row -> token map row_token [R]), and
+the down-projection (N = d, K = n) on R rows spread uniformly over the E experts (what balanced
+top-K routing gives). Each row of the table times, on the same shape:
 
 * machmoe fp8:  torch.ops.machmoe.grouped_gemm_fp8 on pre-quantised operands (1x128 activation
-                tiles, 128x128 weight blocks, DeepSeek-V3's recipe; quantisation not timed);
-* machmoe bf16: torch.ops.machmoe.grouped_gemm with a plain store (the down-projection's kernel);
-* torch bf16:   torch._grouped_mm;
+                tiles, 128x128 weight blocks, DeepSeek-V3's recipe; quantisation not timed). On the
+                up-projection rows it GATHERS: x [T, d] is quantised once, without a gather, and
+                the GEMM reads row row_token[r] of it (gather=row_token), as the layer's forward
+                would; on the down-projection rows A [R, n] is contiguous;
+* machmoe bf16: torch.ops.machmoe.grouped_gemm with a plain store (the down-projection's kernel)
+                on a contiguous A [R, K] (for the up rows: x[row_token] materialised, not timed);
+* torch bf16:   torch._grouped_mm on the same contiguous A;
 * torch fp8:    torch._scaled_grouped_mm with rowwise scales (one per row of A, one per output
-                column of each expert's W), "not available" where this PyTorch or GPU refuses it.
+                column of each expert's W) on the same contiguous A, "not available" where this
+                PyTorch or GPU refuses it.
+So on the up rows only the machmoe fp8 column pays for a gather (the table's heading says so).
 
 TFLOPS = 2·R·N·K / time; times are medians of CUDA-event times over rotated argument sets after a
 warm-up (machmoe.bench.timing.cuda_time). The "fp8 err" column is ‖C_fp8 − C_bf16‖ / ‖C_bf16‖ of
-machmoe's two kernels on the same inputs: a sanity check that the timed kernel computes the
-product (about 2^-5 for E4M3's 3 mantissa bits on random data), not a test.
+machmoe's two kernels on the same inputs (the gathered rows and their materialised copy give the
+same product): a sanity check that the timed kernel computes the product, and on the up rows
+that it reads the gathered rows (about 2^-5 for E4M3's 3 mantissa bits on random data; ~1.4 for
+rows from the wrong tokens), not a test.
 """
 
 from __future__ import annotations
@@ -33,6 +42,8 @@ if TYPE_CHECKING:  # torch is imported late: --help answers without it
 
 IMPLS = ("machmoe fp8", "machmoe bf16", "torch bf16", "torch fp8")
 SETS = 2  # rotated argument sets: the next call's inputs are not in L2
+# Which columns gather A's rows (the rest run on a contiguous A [R, K]).
+GATHER_NOTE = {"machmoe fp8": " (up rows: gathered)"}
 
 
 def uniform_offsets(R: int, E: int, device) -> "torch.Tensor":
@@ -42,6 +53,13 @@ def uniform_offsets(R: int, E: int, device) -> "torch.Tensor":
     counts = torch.full((E,), R // E, dtype=torch.int32)
     counts[: R % E] += 1
     return torch.cat([torch.zeros(1, dtype=torch.int32), counts.cumsum(0).int()]).to(device)
+
+
+def routing(T: int, E: int, K: int):
+    """A random top-K routing of T tokens: (expert_offsets [E+1], row_token [R = T·K]) int32."""
+    from .gemm_kernels import random_routing
+
+    return random_routing(T, E, K)
 
 
 def rowwise_fp8(x: "torch.Tensor"):
@@ -54,26 +72,35 @@ def rowwise_fp8(x: "torch.Tensor"):
     return (xf / s.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), s
 
 
-def make_set(R: int, N: int, K: int, E: int, offs, ops):
+def make_set(R: int, N: int, K: int, E: int, offs, ops, row_token=None, T: int = 0):
     """One argument set: A [R, K] and W [E, N, K] in bf16, block-quantised (machmoe's ops) and
-    rowwise-quantised (torch's layout: W as [E, K, N] column-major)."""
+    rowwise-quantised (torch's layout: W as [E, K, N] column-major). With row_token [R] (the up
+    rows): x [T, K] bf16, A = x[row_token] materialised for the contiguous columns, and machmoe
+    fp8's operand x quantised without a gather (a_q [T, K], a_s [T, KB]), gathered in the GEMM."""
     import torch
 
-    a = torch.randn(R, K, device="cuda").bfloat16()
+    if row_token is None:
+        a = torch.randn(R, K, device="cuda").bfloat16()
+        a_q, a_s = ops.fp8_quantize_rows(a, None)
+    else:
+        x = torch.randn(T, K, device="cuda").bfloat16()
+        a = x[row_token.long()].contiguous()
+        a_q, a_s = ops.fp8_quantize_rows(x, None)
     w = (torch.randn(E, N, K, device="cuda") * 0.02).bfloat16()
-    a_q, a_s = ops.fp8_quantize_rows(a, None)
     w_q, w_s, _, _ = ops.fp8_quantize_weights(w, False)
     a_rw, a_rs = rowwise_fp8(a)
     w_rw, w_rs = rowwise_fp8(w)  # scales [E, N]
     return dict(a=a, w=w, w_kn=w.transpose(1, 2), a_q=a_q, a_s=a_s, w_q=w_q, w_s=w_s, a_rw=a_rw, a_rs=a_rs,
-                w_rw_kn=w_rw.transpose(1, 2), w_rs=w_rs, offs=offs, ends=offs[1:].contiguous(), R=R)
+                w_rw_kn=w_rw.transpose(1, 2), w_rs=w_rs, offs=offs, ends=offs[1:].contiguous(), R=R,
+                gather=row_token)
 
 
 def impl_fn(name: str, ops, max_ctas: int):
     import torch
 
     if name == "machmoe fp8":
-        return lambda s: ops.grouped_gemm_fp8(s["a_q"], s["a_s"], s["w_q"], s["w_s"], s["offs"], max_ctas)
+        return lambda s: ops.grouped_gemm_fp8(s["a_q"], s["a_s"], s["w_q"], s["w_s"], s["offs"], max_ctas,
+                                              s["gather"])
     if name == "machmoe bf16":
         return lambda s: ops.grouped_gemm(s["a"], None, s["offs"], s["w"], None, s["R"], "store", "swiglu",
                                           "interleaved")[0]
@@ -90,7 +117,9 @@ def rel_err(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
-def run_shape(label: str, R: int, N: int, K: int, E: int, min_reps: int, max_ctas: int) -> dict:
+def run_shape(label: str, R: int, N: int, K: int, E: int, offs, row_token, T: int, min_reps: int,
+              max_ctas: int) -> dict:
+    """One row of the table; row_token [R] (or None): machmoe fp8 gathers A's rows from x [T, K]."""
     import torch
 
     from machmoe import _ops
@@ -99,10 +128,9 @@ def run_shape(label: str, R: int, N: int, K: int, E: int, min_reps: int, max_cta
 
     _ops.require_ops()
     ops = torch.ops.machmoe
-    offs = uniform_offsets(R, E, "cuda")
-    sets = [(make_set(R, N, K, E, offs, ops),) for _ in range(SETS)]
+    sets = [(make_set(R, N, K, E, offs, ops, row_token, T),) for _ in range(SETS)]
     flops = 2.0 * R * N * K
-    row = {"shape": label, "R": R, "N": N, "K": K, "E": E}
+    row = {"shape": label, "R": R, "N": N, "K": K, "E": E, "fp8_gathers": row_token is not None}
     outs = {}
     for name in IMPLS:
         fn = impl_fn(name, ops, max_ctas)
@@ -122,10 +150,14 @@ def run_shape(label: str, R: int, N: int, K: int, E: int, min_reps: int, max_cta
 
 
 def config_shapes(cfg) -> list:
-    """(label, R, N, K, E): the config's up- and down-projection."""
+    """(label, R, N, K, E, offs, row_token, T): the config's up-projection on a random top-K routing
+    (its expert_offsets for every column; machmoe fp8 gathered by its row_token) and its
+    down-projection on R rows spread uniformly over the E experts (no gather)."""
+    offs, row_token = routing(cfg.T, cfg.E, cfg.K)
     R = cfg.T * cfg.K
-    return [(f"{cfg.name} up (N=2n, K=d)", R, 2 * cfg.n, cfg.d, cfg.E),
-            (f"{cfg.name} down (N=d, K=n)", R, cfg.d, cfg.n, cfg.E)]
+    return [(f"{cfg.name} up (N=2n, K=d)", R, 2 * cfg.n, cfg.d, cfg.E, offs, row_token, cfg.T),
+            (f"{cfg.name} down (N=d, K=n)", R, cfg.d, cfg.n, cfg.E, uniform_offsets(R, cfg.E, "cuda"), None,
+             cfg.T)]
 
 
 def _cell(v) -> str:
@@ -137,7 +169,9 @@ def _cell(v) -> str:
 
 
 def table(rows: list) -> str:
-    head = "| shape | R x N x K, E | " + " | ".join(f"{n} TFLOPS" for n in IMPLS) + " | fp8 err |"
+    # Only machmoe fp8 gathers, and only on the up rows: the heading says so.
+    head = ("| shape | R x N x K, E | " + " | ".join(f"{n} TFLOPS" + GATHER_NOTE.get(n, "") for n in IMPLS)
+            + " | fp8 err |")
     lines = [head, "|" + "---|" * (len(IMPLS) + 3)]
     for r in rows:
         err = f"{r['fp8_rel_err']:.1e}" if "fp8_rel_err" in r else "-"
