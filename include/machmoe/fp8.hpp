@@ -147,8 +147,22 @@ void quantize_weights_fp8(const QuantizeWeightsArgs& args, cudaStream_t stream);
 // the gather's copies); 0 <= R < 2^31; E·N + 256 < 2^31; (ceil(R/128) + E)·ceil(N/256) < 2^31
 // (the tiles); ldc >= N and a multiple of 8; a_q, w_q, c 16-byte aligned, the scales 4-byte
 // aligned; no pointer null (with R = 0 the call does nothing). With a gather: 0 <= T < 2^31,
-// T·K < 2^36 (a_q addressed in 16-byte units held in 32 bits), gather 4-byte aligned. Not yet: a
-// bias, the GLU epilogue.
+// T·K < 2^36 (a_q addressed in 16-byte units held in 32 bits), gather 4-byte aligned.
+//
+// The up-projection's epilogue (epilogue = Fp8GemmEpilogue::Glu) writes, instead of C, what the
+// FP8 layer keeps and feeds on (machmoe/reference_fp8_layer.hpp states the same in double):
+//   H  = C (+ bias[e])                      the GEMM above, fp32, W's rows gate/up interleaved
+//                                           (row 2j gate j, row 2j + 1 up j)
+//   hq [R, N] e4m3, h_scales [R, fp8_tiles(N)]          H quantised 1x128 along N
+//   A  = glu(hq · h_scales)                 `activation` (a GLU kind, the clamped SwiGLU with
+//                                           glu_clamp) on the dequantised H, in fp32
+//   act_q [R, N/2] e4m3, act_scales [R, fp8_tiles(N/2)]  A quantised 1x128 along N/2
+// Scales as the quantisers': amax/448, 1 for an all-zero tile, NaN (codes 0x7f) for a tile with a
+// NaN or Inf. Rules with Glu: N a multiple of 32 (16-byte rows of act_q); activation a GLU kind;
+// hq, act_q 16-byte aligned, h_scales, act_scales 4-byte aligned, bias (bf16 [E, N] or null)
+// 2-byte aligned; c and ldc unused. A bias is refused with the plain store.
+enum class Fp8GemmEpilogue : int32_t { Store = 0, Glu = 1 };
+
 struct GroupedGemmFp8Args {
   const uint8_t* a_q = nullptr;             // [T, K] e4m3 (T = R without a gather)
   const float* a_scales = nullptr;          // [T, fp8_tiles(K)]
@@ -163,6 +177,15 @@ struct GroupedGemmFp8Args {
   int64_t ldc = 0;
   int32_t* tile_offsets = nullptr;          // workspace [E+1] (E > 512 only)
   int max_ctas = 0;
+  // The GLU epilogue (above): its outputs and parameters.
+  Fp8GemmEpilogue epilogue = Fp8GemmEpilogue::Store;
+  Activation activation = Activation::SwiGLU;
+  GluClamp glu_clamp;
+  const void* bias = nullptr;               // [E, N] bf16 or null
+  uint8_t* hq = nullptr;                    // [R, N] e4m3
+  float* h_scales = nullptr;                // [R, fp8_tiles(N)]
+  uint8_t* act_q = nullptr;                 // [R, N/2] e4m3: A
+  float* act_scales = nullptr;              // [R, fp8_tiles(N/2)]
 };
 void grouped_gemm_fp8(const GroupedGemmFp8Args& args, cudaStream_t stream);
 

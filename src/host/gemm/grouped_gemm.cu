@@ -4,12 +4,12 @@
 #include <cuda.h>
 
 #include <algorithm>
-#include <limits>
 #include <string>
 #include <type_traits>
 
 #include "host/common/check.hpp"
 #include "host/common/tensor_map.hpp"
+#include "host/gemm/activation_params.hpp"
 #include "host/gemm/config.hpp"
 #include "host/gemm/tile_offsets.hpp"
 #include "kernels/gemm/cooperative.cuh"
@@ -196,14 +196,7 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   p.N = static_cast<int>(a.N);
   p.K = static_cast<int>(a.K);
   p.n_tiles = static_cast<int>(cfg.n_tiles);
-  p.act = static_cast<int>(a.activation);
-  // The clamped SwiGLU's variants as limits (+inf: not applied), so that its epilogue has no branch.
-  const float kNoLimit = std::numeric_limits<float>::infinity();
-  p.clamp_alpha = a.glu_clamp.alpha;
-  p.clamp_gate_limit = a.glu_clamp.clamp_after ? kNoLimit : a.glu_clamp.limit;
-  p.clamp_act_limit = a.glu_clamp.clamp_after ? a.glu_clamp.limit : kNoLimit;
-  p.clamp_up_limit = a.glu_clamp.limit;
-  p.clamp_up_offset = a.glu_clamp.up_offset;
+  detail::set_activation(p, a.activation, a.glu_clamp);
   p.h = static_cast<const __nv_bfloat16*>(a.h);
   p.ldh = a.ldh;
   p.row_scores = a.row_scores;

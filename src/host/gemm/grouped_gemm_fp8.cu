@@ -9,6 +9,7 @@
 
 #include "host/common/check.hpp"
 #include "host/common/tensor_map.hpp"
+#include "host/gemm/activation_params.hpp"
 #include "host/gemm/tile_offsets.hpp"
 #include "kernels/gemm/fp8_cooperative.cuh"
 #include "machmoe/fp8.hpp"
@@ -73,15 +74,33 @@ void check_args(const GroupedGemmFp8Args& a) {
   // The schedule counts tiles in int32: at most (ceil(R/128) + E) row blocks x ceil(N/256) column tiles.
   require_arg((ceil_div(a.R, kernels::kGemmBM) + a.E) * ceil_div(a.N, kTileN) <= kInt32Max, kFn, "R*N",
               "give too many tiles: (ceil(R/128) + E)·ceil(N/256) must be below 2^31");
-  require_arg(a.ldc >= a.N && a.ldc % 8 == 0, kFn, "ldc",
-              "must be >= N and a multiple of 8, got ldc=" + std::to_string(a.ldc) + ", N=" + std::to_string(a.N));
-  require_arg(a.a_q && a.a_scales && a.w_q && a.w_scales && a.expert_offsets && a.c, kFn,
-              "a_q/a_scales/w_q/w_scales/expert_offsets/c", "must not be null");
+  require_arg(a.a_q && a.a_scales && a.w_q && a.w_scales && a.expert_offsets, kFn,
+              "a_q/a_scales/w_q/w_scales/expert_offsets", "must not be null");
+  if (a.epilogue == Fp8GemmEpilogue::Glu) {
+    require_arg(a.N % 32 == 0, kFn, "N",
+                "must be a multiple of 32 with the GLU epilogue (16-byte rows of act_q [R, N/2]), got " +
+                    std::to_string(a.N));
+    require_arg(is_glu(a.activation), kFn, "activation",
+                "must be a GLU kind (swiglu, geglu, reglu, clamped_swiglu) with the GLU epilogue, got " +
+                    std::to_string(static_cast<int>(a.activation)));
+    require_arg(a.hq && a.h_scales && a.act_q && a.act_scales, kFn, "hq/h_scales/act_q/act_scales",
+                "must not be null with the GLU epilogue");
+    require_arg(detail::aligned16(a.hq) && detail::aligned16(a.act_q), kFn, "hq/act_q",
+                "must be 16-byte aligned (the down-projection and the backward read them by TMA)");
+    require_arg(aligned4(a.h_scales) && aligned4(a.act_scales), kFn, "h_scales/act_scales", "must be 4-byte aligned");
+    require_arg((reinterpret_cast<uintptr_t>(a.bias) & 1u) == 0, kFn, "bias", "must be 2-byte aligned (bf16)");
+  } else {
+    require_arg(a.epilogue == Fp8GemmEpilogue::Store, kFn, "epilogue", "must be Store or Glu");
+    require_arg(a.bias == nullptr, kFn, "bias", "is not supported with the plain store (only with the GLU epilogue)");
+    require_arg(a.c != nullptr, kFn, "c", "must not be null");
+    require_arg(a.ldc >= a.N && a.ldc % 8 == 0, kFn, "ldc",
+                "must be >= N and a multiple of 8, got ldc=" + std::to_string(a.ldc) + ", N=" + std::to_string(a.N));
+    require_arg(detail::aligned16(a.c), kFn, "c", "must be 16-byte aligned");
+  }
   require_arg(a.E <= kernels::kGemmSmemTileE || a.tile_offsets != nullptr, kFn, "tile_offsets",
               "must not be null when E > " + std::to_string(kernels::kGemmSmemTileE) + " (the kernel's table is global)");
   require_arg(detail::aligned16(a.a_q), kFn, "a_q", "must be 16-byte aligned (TMA)");
   require_arg(detail::aligned16(a.w_q), kFn, "w_q", "must be 16-byte aligned (TMA)");
-  require_arg(detail::aligned16(a.c), kFn, "c", "must be 16-byte aligned");
   require_arg(aligned4(a.a_scales), kFn, "a_scales", "must be 4-byte aligned");
   require_arg(aligned4(a.w_scales), kFn, "w_scales", "must be 4-byte aligned");
   require_arg(aligned4(a.expert_offsets) && aligned4(a.tile_offsets), kFn, "expert_offsets/tile_offsets",
@@ -121,6 +140,12 @@ void grouped_gemm_fp8(const GroupedGemmFp8Args& a, cudaStream_t stream) {
   p.c_rows = static_cast<int>(a.R);
   p.k_blocks = static_cast<int>(fp8_tiles(a.K));
   p.n_blocks = static_cast<int>(fp8_tiles(a.N));
+  const bool glu = a.epilogue == Fp8GemmEpilogue::Glu;
+  if (glu) {
+    detail::set_activation(p.g, a.activation, a.glu_clamp);
+    p.g.bias = static_cast<const __nv_bfloat16*>(a.bias);
+    p.glu = {a.hq, a.h_scales, a.act_q, a.act_scales};
+  }
 
   // Above the kernel's shared-memory table the tile-offset table comes from the scan kernel.
   if (a.E > kernels::kGemmSmemTileE) {
@@ -131,8 +156,12 @@ void grouped_gemm_fp8(const GroupedGemmFp8Args& a, cudaStream_t stream) {
   // With a gather the kernel copies A's rows itself: the map is unused (any valid map will do).
   const CUtensorMap map_a = a.gather ? map_b : e4m3_tile_map(a.a_q, a.R, a.K);
   const int ctas = a.max_ctas > 0 ? std::min(a.max_ctas, info.sm_count) : info.sm_count;
-  auto* kernel =
-      a.gather ? kernels::sm90_grouped_gemm_fp8<kTileN, true> : kernels::sm90_grouped_gemm_fp8<kTileN, false>;
+  using kernels::kFp8EpiGlu;
+  using kernels::kFp8EpiStore;
+  auto* kernel = a.gather ? (glu ? kernels::sm90_grouped_gemm_fp8<kTileN, true, kFp8EpiGlu>
+                                 : kernels::sm90_grouped_gemm_fp8<kTileN, true, kFp8EpiStore>)
+                          : (glu ? kernels::sm90_grouped_gemm_fp8<kTileN, false, kFp8EpiGlu>
+                                 : kernels::sm90_grouped_gemm_fp8<kTileN, false, kFp8EpiStore>);
   detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, "grouped_gemm_fp8: cudaFuncSetAttribute");
   kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, p);
   check_launch(kFn);

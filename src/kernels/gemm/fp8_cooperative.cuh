@@ -1,5 +1,5 @@
-// The sm_90a FP8 (E4M3) grouped GEMM, DeepSeek-V3's recipe, contiguous or gathered A, plain bf16
-// store:
+// The sm_90a FP8 (E4M3) grouped GEMM, DeepSeek-V3's recipe, contiguous or gathered A, a plain
+// bf16 store or the up-projection's GLU epilogue with fused quantisation (EPI, fp8_glu_epilogue.cuh):
 //
 //   for every expert e with rows [off[e], off[e+1]):
 //     C[r, n] = Σ_kb sa[a(r), kb] · sb[e, n / 128, kb] · Σ_{k in block kb} Aq[a(r), k] · Wq[e, n, k]
@@ -52,6 +52,7 @@
 
 #include "kernels/common.cuh"
 #include "kernels/gemm/params.cuh"
+#include "kernels/gemm/fp8_glu_epilogue.cuh"
 #include "kernels/gemm/pipeline.cuh"
 #include "kernels/gemm/scheduler.cuh"
 #include "kernels/ptx/sm90_ptx_fp8.cuh"
@@ -71,7 +72,12 @@ struct Fp8GemmParams {
   int c_rows;         // R: rows of C
   int k_blocks;       // ceil(K / 128)
   int n_blocks;       // ceil(N / 128)
+  Fp8GluOutputs glu;  // kFp8EpiGlu's outputs (c unused then)
 };
+
+// What a finished tile becomes: C in bf16 (store), or the up-projection's Hq, Aq and their scales
+// (gemm/fp8_glu_epilogue.cuh; BN = 256, W's rows gate/up interleaved, the activation p.g.act).
+enum Fp8Epilogue : int { kFp8EpiStore = 0, kFp8EpiGlu = 1 };
 
 // Register split of the 64K-register file: (40 + 2 x 232) x 128 threads = 64512. The loader warp
 // holds only its tile and loop counters. With a gather, (56 + 2 x 224) x 128 as the bf16 engine's
@@ -166,8 +172,9 @@ struct Fp8GemmSmem {
                 "fixed shared-memory area too small");
 };
 
-template <int BN, bool GATHER>
+template <int BN, bool GATHER, int EPI>
 struct Fp8GemmCooperative {
+  static_assert(EPI == kFp8EpiStore || BN == 256, "the GLU epilogue's A scale group is one 256-column tile");
   using Smem = Fp8GemmSmem<BN>;
   using Layout = GroupedGemmSmemLayout<Smem, false>;
   static constexpr int S = Smem::kStages;
@@ -326,17 +333,23 @@ struct Fp8GemmCooperative {
           for (int i = 0; i < 64; ++i) acc[w * 64 + i] = fmaf((i & 2) ? f1[w] : f0[w], tmp[i], acc[w * 64 + i]);
         }
       }
-      store(p, tile, row_local, lane, acc);
+      if constexpr (EPI == kFp8EpiGlu) {
+        gemm_act_dispatch<true>(p.g.act, [&](auto act) {
+          fp8_glu_epilogue<decltype(act)::value>(p.g, p.glu, tile, row_local, lane, acc, p.c_rows);
+        });
+      } else {
+        store(p, tile, row_local, lane, acc);
+      }
     }
   }
 };
 
 // GATHER: A's rows through p.g.gather by cp.async (tmap_a unused: any valid map will do).
-template <int BN, bool GATHER>
+template <int BN, bool GATHER, int EPI>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     sm90_grouped_gemm_fp8(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                           const Fp8GemmParams p) {
-  using Gemm = Fp8GemmCooperative<BN, GATHER>;
+  using Gemm = Fp8GemmCooperative<BN, GATHER, EPI>;
   extern __shared__ uint8_t fp8_gemm_smem_raw[];
   const typename Gemm::Layout sm(fp8_gemm_smem_raw);
   const int wg = sm90::warpgroup_index(), tid = threadIdx.x % 128;
