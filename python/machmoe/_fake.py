@@ -261,6 +261,15 @@ def _grouped_gemm_fp8(a_q, a_scales, w_q, w_scales, expert_offsets, max_ctas=0, 
     R = a_q.shape[0] if gather is None else gather.shape[0]  # C's rows: one per gathered row
     return a_q.new_empty(R, w_q.shape[1], dtype=torch.bfloat16)
 
+def _grouped_gemm_fp8_glu(a_q, a_scales, w_q, w_scales, expert_offsets, activation, glu_clamp, bias=None,
+                          max_ctas=0, gather=None):
+    R = a_q.shape[0] if gather is None else gather.shape[0]
+    N = w_q.shape[1]
+    n = N // 2
+    return (a_q.new_empty(R, N), a_q.new_empty(R, -(-N // 128), dtype=torch.float32),
+            a_q.new_empty(R, n), a_q.new_empty(R, -(-n // 128), dtype=torch.float32))
+
+
 # Every op with a CUDA kernel (the tensor-free ops and the CPU reference ops need no fake).
 FAKES = {
     "topk_router": _topk_router,
@@ -283,6 +292,7 @@ FAKES = {
     "fp8_quantize_weights": _fp8_quantize_weights,
     "fp8_quantize_columns": _fp8_quantize_columns,
     "grouped_gemm_fp8": _grouped_gemm_fp8,
+    "grouped_gemm_fp8_glu": _grouped_gemm_fp8_glu,
 }
 
 

@@ -12,6 +12,7 @@
 
 #include <limits>
 #include <optional>
+#include <string>
 #include <tuple>
 
 #include "bindings/common.hpp"
@@ -185,6 +186,62 @@ Tensor op_grouped_gemm_fp8(const Tensor& a_q, const Tensor& a_scales, const Tens
   });
 }
 
+// The up-projection with the GLU epilogue: (hq [R, N] e4m3, h_scales [R, N/128], act_q [R, N/2]
+// e4m3, act_scales [R, N/256]), the tile counts rounded up (machmoe/fp8.hpp, Fp8GemmEpilogue::Glu).
+std::tuple<Tensor, Tensor, Tensor, Tensor> op_grouped_gemm_fp8_glu(
+    const Tensor& a_q, const Tensor& a_scales, const Tensor& w_q, const Tensor& w_scales,
+    const Tensor& expert_offsets, const std::string& activation, at::ArrayRef<double> glu_clamp,
+    const std::optional<Tensor>& bias, int64_t max_ctas, const std::optional<Tensor>& gather) {
+  return translate_errors([&] {
+    check_first(a_q, "a_q", kE4M3, 2);
+    const at::Device device = a_q.device();
+    const int64_t T = a_q.size(0), K = a_q.size(1);
+    const int64_t R = gather ? check_index(*gather, "gather", device) : T;
+    check_dims(w_q, "w_q", 3);
+    check_tensor(w_q, "w_q", kE4M3, w_q.sizes(), &device);
+    const int64_t E = w_q.size(0), N = w_q.size(1);
+    MACHMOE_CHECK_VALUE(w_q.size(2) == K, "w_q must be [E, N, K] with K = ", K, " (a_q's columns), got shape ",
+                        w_q.sizes());
+    check_tensor(a_scales, "a_scales", at::kFloat, {T, fp8_tiles(K)}, &device);
+    check_tensor(w_scales, "w_scales", at::kFloat, {E, fp8_tiles(N), fp8_tiles(K)}, &device);
+    check_dims(expert_offsets, "expert_offsets", 1);
+    check_tensor(expert_offsets, "expert_offsets", at::kInt, {E + 1}, &device);
+    if (bias) check_tensor(*bias, "bias", at::kBFloat16, {E, N}, &device);
+    MACHMOE_CHECK_VALUE(max_ctas >= 0 && max_ctas <= std::numeric_limits<int>::max(),
+                        "max_ctas must be in [0, 2^31 - 1] (0: one CTA per SM), got ", max_ctas);
+    const c10::cuda::CUDAGuard guard(device);
+    Tensor hq = at::empty({R, N}, a_q.options());
+    Tensor h_scales = at::empty({R, fp8_tiles(N)}, a_q.options().dtype(at::kFloat));
+    Tensor act_q = at::empty({R, N / 2}, a_q.options());
+    Tensor act_scales = at::empty({R, fp8_tiles(N / 2)}, a_q.options().dtype(at::kFloat));
+    Tensor tiles = E > 512 ? at::empty({E + 1}, expert_offsets.options()) : Tensor();
+    GroupedGemmFp8Args g;
+    g.a_q = codes(a_q);
+    g.a_scales = a_scales.data_ptr<float>();
+    g.R = R;
+    g.gather = gather ? gather->data_ptr<int32_t>() : nullptr;
+    g.T = T;
+    g.w_q = codes(w_q);
+    g.w_scales = w_scales.data_ptr<float>();
+    g.expert_offsets = expert_offsets.data_ptr<int32_t>();
+    g.E = E;
+    g.N = N;
+    g.K = K;
+    g.tile_offsets = tiles.defined() ? tiles.data_ptr<int32_t>() : nullptr;
+    g.max_ctas = static_cast<int>(max_ctas);
+    g.epilogue = Fp8GemmEpilogue::Glu;
+    g.activation = parse_activation(activation);
+    g.glu_clamp = glu_clamp_from(glu_clamp);
+    g.bias = bias ? bias->data_ptr() : nullptr;
+    g.hq = static_cast<uint8_t*>(hq.data_ptr());
+    g.h_scales = h_scales.data_ptr<float>();
+    g.act_q = static_cast<uint8_t*>(act_q.data_ptr());
+    g.act_scales = act_scales.data_ptr<float>();
+    grouped_gemm_fp8(g, at::cuda::getCurrentCUDAStream());
+    return std::make_tuple(hq, h_scales, act_q, act_scales);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(machmoe, m) {
@@ -193,6 +250,9 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
   m.def("fp8_quantize_columns(Tensor x, Tensor? gather, Tensor expert_offsets) -> (Tensor, Tensor, Tensor)");
   m.def("grouped_gemm_fp8(Tensor a_q, Tensor a_scales, Tensor w_q, Tensor w_scales, Tensor expert_offsets,"
         " int max_ctas=0, Tensor? gather=None) -> Tensor");
+  m.def("grouped_gemm_fp8_glu(Tensor a_q, Tensor a_scales, Tensor w_q, Tensor w_scales, Tensor expert_offsets,"
+        " str activation, float[] glu_clamp, Tensor? bias=None, int max_ctas=0, Tensor? gather=None)"
+        " -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {
@@ -200,6 +260,7 @@ TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {
   m.impl("fp8_quantize_weights", &op_fp8_quantize_weights);
   m.impl("fp8_quantize_columns", &op_fp8_quantize_columns);
   m.impl("grouped_gemm_fp8", &op_grouped_gemm_fp8);
+  m.impl("grouped_gemm_fp8_glu", &op_grouped_gemm_fp8_glu);
 }
 
 }  // namespace machmoe::bindings

@@ -78,6 +78,9 @@ def _op_cases():
         ("grouped_gemm_fp8", (a_q, a_scales, w_q, w_scales, offs)),
         ("grouped_gemm_fp8", (a_q, a_scales, w_q, w_scales, offs, 2)),
         ("grouped_gemm_fp8", (x_q, x_scales, w_q, w_scales, offs, 0, row_token)),
+        ("grouped_gemm_fp8_glu", (a_q, a_scales, w_q, w_scales, offs, "swiglu", [])),
+        ("grouped_gemm_fp8_glu", (x_q, x_scales, w_q, w_scales, offs, "clamped_swiglu", [1.702, 7.0, 1.0, 0.0],
+                                  t["b1"], 0, row_token)),
     ]
 
 

@@ -261,6 +261,10 @@ def test_fp8_fakes_follow_the_op_docs():
         xq, xs = torch.ops.machmoe.fp8_quantize_rows(x, None)  # [T, d]: gathered by the GEMM
         c = torch.ops.machmoe.grouped_gemm_fp8(xq, xs, wq, ws, torch.empty(E + 1, **i32), 0, torch.empty(R, **i32))
         assert (c.shape, c.dtype) == ((R, N), torch.bfloat16)
+        hq, hs, aq, as_ = torch.ops.machmoe.grouped_gemm_fp8_glu(xq, xs, wq, ws, torch.empty(E + 1, **i32), "swiglu",
+                                                                 [], None, 0, torch.empty(R, **i32))
+        assert (hq.shape, hs.shape, aq.shape, as_.shape) == ((R, N), (R, 45), (R, N // 2), (R, 23))
+        assert hq.dtype == aq.dtype == torch.float8_e4m3fn and hs.dtype == as_.dtype == torch.float32
 
 
 # ---------------------------------------------------------------- GPU: the quantisers
@@ -415,3 +419,43 @@ def test_fp8_ops_name_the_bad_argument():
         m.fp8_quantize_columns(structured(8, 40), None, off)
     with pytest.raises(ValueError, match="w must be 3-D"):
         m.fp8_quantize_weights(structured(64, 256), False)
+
+
+@on_gpu
+@pytest.mark.parametrize("name,d,n", SHAPES)
+@pytest.mark.parametrize("activation,glu_clamp", [("swiglu", []), ("clamped_swiglu", [1.702, 7.0, 1.0, 0.0])])
+def test_grouped_gemm_fp8_glu_against_float64(name, d, n, activation, glu_clamp):
+    # The up-projection with the GLU epilogue, gathered and with a bias: H's scales and codes
+    # against the float64 GEMM + bias, A's against the activation of the op's own dequantised H
+    # (the C++ test GpuFp8Glu derives the tolerances).
+    m = ops()
+    E, R, T, N, K = len(COUNTS), sum(COUNTS), 600, 2 * n, d
+    x_q, x_s = m.fp8_quantize_rows(structured(T, K), None)
+    w_q, w_s, _, _ = m.fp8_quantize_weights(structured(E, N, K) * 0.02, False)
+    bias = (torch.rand(E, N, device="cuda") - 0.5).bfloat16()
+    gather = torch.randint(0, T, (R,), device="cuda", dtype=torch.int32)
+    hq, hs, aq, as_ = m.grouped_gemm_fp8_glu(x_q, x_s, w_q, w_s, offsets(COUNTS), activation, glu_clamp, bias, 0,
+                                             gather)
+    assert (hq.shape, hq.dtype, aq.shape, hs.shape, as_.shape) == (
+        (R, N), torch.float8_e4m3fn, (R, n), (R, -(-N // TILE)), (R, -(-n // TILE)))
+    expert = torch.repeat_interleave(torch.arange(E, device="cuda"), torch.tensor(COUNTS, device="cuda"))
+    c, absum = gemm_reference(dequantise_rows(x_q, x_s, K)[gather.long()], dequantise_weights(w_q, w_s, N, K), COUNTS)
+    h = c + bias.double()[expert]
+    g = 2.0 ** -10 * absum  # the accumulation bound
+    hd = dequantise_rows(hq, hs, N)
+    gmax = torch.nn.functional.pad(g, (0, (-N) % TILE)).reshape(R, -1, TILE).amax(-1)
+    assert ((448 * hs.double() - tile_amax(h).double()).abs() <= gmax + 2.0 ** -22 * tile_amax(h)).all(), "H scales"
+    tol = 2.0 ** -4 * (h.abs() + g) + 2.0 ** -10 * expand(hs.double(), N) + g
+    assert ((hd - h).abs() <= tol).all(), f"H codes: worst excess {((hd - h).abs() - tol).max().item():.3e}"
+    gate, up = hd[:, 0::2], hd[:, 1::2]
+    if activation == "swiglu":
+        a = torch.nn.functional.silu(gate) * up
+    else:
+        alpha, limit, offset, _ = glu_clamp
+        gc = gate.clamp(max=limit)
+        a = gc * torch.sigmoid(alpha * gc) * (up.clamp(-limit, limit) + offset)
+    amax = tile_amax(a).double()
+    assert ((448 * as_.double() - amax).abs() <= 2.0 ** -16 * amax).all(), "A scales"
+    ad = dequantise_rows(aq, as_, n)
+    tol_a = 2.0 ** -4 * a.abs() + 2.0 ** -10 * expand(as_.double(), n) + 2.0 ** -15 * expand(amax, n)
+    assert ((ad - a).abs() <= tol_a).all(), f"A codes: worst excess {((ad - a).abs() - tol_a).max().item():.3e}"

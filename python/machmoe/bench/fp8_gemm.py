@@ -20,6 +20,10 @@ top-K routing gives). Each row of the table times, on the same shape:
                 column of each expert's W) on the same contiguous A, "not available" where this
                 PyTorch or GPU refuses it.
 So on the up rows only the machmoe fp8 column pays for a gather (the table's heading says so).
+A third row per config, "up + GLU", times the up-projection as the layers run it, both gathered:
+machmoe fp8 with its GLU epilogue (torch.ops.machmoe.grouped_gemm_fp8_glu: H and A written in
+E4M3 with their 1x128 scales) against machmoe bf16's GLU epilogue (H and A written in bf16);
+torch has no such kernel ("-").
 
 TFLOPS = 2·R·N·K / time; times are medians of CUDA-event times over rotated argument sets after a
 warm-up (machmoe.bench.timing.cuda_time). The "fp8 err" column is ‖C_fp8 − C_bf16‖ / ‖C_bf16‖ of
@@ -90,14 +94,24 @@ def make_set(R: int, N: int, K: int, E: int, offs, ops, row_token=None, T: int =
     w_q, w_s, _, _ = ops.fp8_quantize_weights(w, False)
     a_rw, a_rs = rowwise_fp8(a)
     w_rw, w_rs = rowwise_fp8(w)  # scales [E, N]
-    return dict(a=a, w=w, w_kn=w.transpose(1, 2), a_q=a_q, a_s=a_s, w_q=w_q, w_s=w_s, a_rw=a_rw, a_rs=a_rs,
+    return dict(x=None if row_token is None else x, a=a, w=w, w_kn=w.transpose(1, 2), a_q=a_q, a_s=a_s, w_q=w_q, w_s=w_s, a_rw=a_rw, a_rs=a_rs,
                 w_rw_kn=w_rw.transpose(1, 2), w_rs=w_rs, offs=offs, ends=offs[1:].contiguous(), R=R,
                 gather=row_token)
 
 
-def impl_fn(name: str, ops, max_ctas: int):
+def impl_fn(name: str, ops, max_ctas: int, glu: bool = False):
+    """The timed call of column `name` (None: the column has no such kernel); glu: the up-projection
+    with the layers' GLU epilogue, gathered in both machmoe columns."""
     import torch
 
+    if glu:
+        if name == "machmoe fp8":
+            return lambda s: ops.grouped_gemm_fp8_glu(s["a_q"], s["a_s"], s["w_q"], s["w_s"], s["offs"], "swiglu", [],
+                                                      None, max_ctas, s["gather"])
+        if name == "machmoe bf16":
+            return lambda s: ops.grouped_gemm(s["x"], s["gather"], s["offs"], s["w"], None, s["R"], "glu", "swiglu",
+                                              "interleaved")
+        return None
     if name == "machmoe fp8":
         return lambda s: ops.grouped_gemm_fp8(s["a_q"], s["a_s"], s["w_q"], s["w_s"], s["offs"], max_ctas,
                                               s["gather"])
@@ -117,9 +131,10 @@ def rel_err(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
-def run_shape(label: str, R: int, N: int, K: int, E: int, offs, row_token, T: int, min_reps: int,
+def run_shape(label: str, R: int, N: int, K: int, E: int, offs, row_token, T: int, glu: bool, min_reps: int,
               max_ctas: int) -> dict:
-    """One row of the table; row_token [R] (or None): machmoe fp8 gathers A's rows from x [T, K]."""
+    """One row of the table; row_token [R] (or None): machmoe fp8 gathers A's rows from x [T, K];
+    glu: the "up + GLU" row (impl_fn)."""
     import torch
 
     from machmoe import _ops
@@ -133,7 +148,9 @@ def run_shape(label: str, R: int, N: int, K: int, E: int, offs, row_token, T: in
     row = {"shape": label, "R": R, "N": N, "K": K, "E": E, "fp8_gathers": row_token is not None}
     outs = {}
     for name in IMPLS:
-        fn = impl_fn(name, ops, max_ctas)
+        fn = impl_fn(name, ops, max_ctas, glu)
+        if fn is None:
+            continue
         try:
             outs[name] = fn(*sets[0])
             torch.cuda.synchronize()
@@ -142,7 +159,7 @@ def run_shape(label: str, R: int, N: int, K: int, E: int, offs, row_token, T: in
             continue
         t = cuda_time(fn, sets, min_reps=min_reps).median_ms
         row[name] = {"ms": t, "tflops": flops / t / 1e9}
-    if "machmoe fp8" in outs and "machmoe bf16" in outs:
+    if "machmoe fp8" in outs and "machmoe bf16" in outs and not glu:
         row["fp8_rel_err"] = rel_err(outs["machmoe fp8"], outs["machmoe bf16"])
     del sets, outs
     torch.cuda.empty_cache()
@@ -150,14 +167,16 @@ def run_shape(label: str, R: int, N: int, K: int, E: int, offs, row_token, T: in
 
 
 def config_shapes(cfg) -> list:
-    """(label, R, N, K, E, offs, row_token, T): the config's up-projection on a random top-K routing
-    (its expert_offsets for every column; machmoe fp8 gathered by its row_token) and its
-    down-projection on R rows spread uniformly over the E experts (no gather)."""
+    """(label, R, N, K, E, offs, row_token, T, glu): the config's up-projection on a random top-K
+    routing (its expert_offsets for every column; machmoe fp8 gathered by its row_token), the same
+    with the GLU epilogue, and its down-projection on R rows spread uniformly over the E experts
+    (no gather)."""
     offs, row_token = routing(cfg.T, cfg.E, cfg.K)
     R = cfg.T * cfg.K
-    return [(f"{cfg.name} up (N=2n, K=d)", R, 2 * cfg.n, cfg.d, cfg.E, offs, row_token, cfg.T),
+    up = (R, 2 * cfg.n, cfg.d, cfg.E, offs, row_token, cfg.T)
+    return [(f"{cfg.name} up (N=2n, K=d)", *up, False), (f"{cfg.name} up + GLU", *up, True),
             (f"{cfg.name} down (N=d, K=n)", R, cfg.d, cfg.n, cfg.E, uniform_offsets(R, cfg.E, "cuda"), None,
-             cfg.T)]
+             cfg.T, False)]
 
 
 def _cell(v) -> str:
