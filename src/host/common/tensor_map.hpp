@@ -45,6 +45,25 @@ inline CUtensorMap encode_bf16_map(const void* ptr, int rank, const cuuint64_t* 
   return map;
 }
 
+// An e4m3 matrix [rows, cols] (rows `cols` bytes apart) in boxes of 128 columns x 128 rows with the
+// 128-byte swizzle: one box row is one swizzle row and one FP8 scale group (128 codes along the
+// reduction dimension). Zeros out of bounds, which partial last K blocks and rows past the end
+// rely on. The FP8 GEMMs' operands (K-major: cols = K, or an expert-chunked row length r_pad).
+inline CUtensorMap e4m3_tile_map(const void* ptr, int64_t rows, int64_t cols, const char* fn) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols)};
+  const cuuint32_t box[2] = {128, 128};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(ptr), dims, strides,
+                                    box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw Error(ErrorCode::CudaError, std::string(fn) + ": cuTensorMapEncodeTiled failed with CUresult " +
+                                          std::to_string(static_cast<int>(r)));
+  return map;
+}
+
 // A bf16 matrix [rows, cols] with `ld` elements between rows, boxes of box_cols x box_rows.
 inline CUtensorMap tensor_map_2d(const void* ptr, int64_t rows, int64_t cols, int64_t ld, int box_cols, int box_rows,
                                  const char* fn) {

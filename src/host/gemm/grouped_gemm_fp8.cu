@@ -30,24 +30,7 @@ constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
 bool aligned4(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 3u) == 0; }
 
-// An e4m3 matrix [rows, K] (rows K bytes apart) in boxes of 128 K x 128 rows with the 128-byte
-// swizzle (one box row = one swizzle row = one scale group); zeros out of bounds, which the
-// partial last K block and the rows past the end rely on.
-CUtensorMap e4m3_tile_map(const void* ptr, int64_t rows, int64_t K) {
-  CUtensorMap map;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(K)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kernels::kFp8BK), 128};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = detail::encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(ptr), dims,
-                                            strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    throw Error(ErrorCode::CudaError,
-                std::string(kFn) + ": cuTensorMapEncodeTiled failed with CUresult " + std::to_string(static_cast<int>(r)));
-  return map;
-}
+static_assert(kernels::kFp8BK == 128, "detail::e4m3_tile_map's boxes are 128 codes wide");
 
 // Every rule the kernel relies on, before any CUDA call (so that they hold without a GPU).
 void check_args(const GroupedGemmFp8Args& a) {
@@ -152,9 +135,9 @@ void grouped_gemm_fp8(const GroupedGemmFp8Args& a, cudaStream_t stream) {
     detail::launch_gemm_tile_offsets(a.expert_offsets, p.g.E, p.g.n_tiles, a.tile_offsets,
                                      "grouped_gemm_fp8: tile offsets", stream);
   }
-  const CUtensorMap map_b = e4m3_tile_map(a.w_q, a.E * a.N, a.K);
+  const CUtensorMap map_b = detail::e4m3_tile_map(a.w_q, a.E * a.N, a.K, kFn);
   // With a gather the kernel copies A's rows itself: the map is unused (any valid map will do).
-  const CUtensorMap map_a = a.gather ? map_b : e4m3_tile_map(a.a_q, a.R, a.K);
+  const CUtensorMap map_a = a.gather ? map_b : detail::e4m3_tile_map(a.a_q, a.R, a.K, kFn);
   const int ctas = a.max_ctas > 0 ? std::min(a.max_ctas, info.sm_count) : info.sm_count;
   using kernels::kFp8EpiGlu;
   using kernels::kFp8EpiStore;

@@ -31,23 +31,7 @@ constexpr int64_t kTileSlack = int64_t{1} << 16;
 
 bool aligned4(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 3u) == 0; }
 
-// Aqt or Bqt, e4m3 [rows, r_pad] (rows r_pad bytes apart), in boxes of 128 K x 128 rows with the
-// 128-byte swizzle: one box row = one swizzle row = one chunk. Rows past the end read as zeros.
-CUtensorMap chunk_map(const void* ptr, int64_t rows, int64_t r_pad) {
-  CUtensorMap map;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(r_pad), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(r_pad)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kernels::kFp8WgradBK), 128};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = detail::encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(ptr), dims,
-                                            strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    throw Error(ErrorCode::CudaError,
-                std::string(kFn) + ": cuTensorMapEncodeTiled failed with CUresult " + std::to_string(static_cast<int>(r)));
-  return map;
-}
+static_assert(kernels::kFp8WgradBK == 128, "detail::e4m3_tile_map's boxes are 128 codes wide");
 
 // Every rule the kernel relies on, before any CUDA call (so that they hold without a GPU).
 void check_args(const GroupedWgradFp8Args& a) {
@@ -108,8 +92,9 @@ void grouped_wgrad_fp8(const GroupedWgradFp8Args& a, cudaStream_t stream) {
   p.c = a.c;
 
   const int64_t r_pad = kernels::kFp8WgradBK * a.max_chunks;
-  const CUtensorMap map_a = chunk_map(a.a_qt, a.M, r_pad);
-  const CUtensorMap map_b = chunk_map(a.b_qt, a.N, r_pad);
+  // Aqt, Bqt [rows, r_pad]: one box row = one 128-row chunk of an expert.
+  const CUtensorMap map_a = detail::e4m3_tile_map(a.a_qt, a.M, r_pad, kFn);
+  const CUtensorMap map_b = detail::e4m3_tile_map(a.b_qt, a.N, r_pad, kFn);
   const int64_t tiles = a.E * p.m_tiles * p.n_tiles;
   const int64_t cap = a.max_ctas > 0 ? std::min(a.max_ctas, info.sm_count) : info.sm_count;
   const int ctas = static_cast<int>(std::min(cap, tiles));
