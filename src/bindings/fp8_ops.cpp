@@ -139,6 +139,53 @@ std::tuple<Tensor, Tensor, Tensor> op_fp8_quantize_columns(const Tensor& x, cons
   });
 }
 
+// The operands both FP8 GEMM ops share, checked (a_q [T, K], a_scales [T, ceil(K/128)], w_q
+// [E, N, K], w_scales [E, ceil(N/128), ceil(K/128)], expert_offsets [E+1], gather [R] or None: R = T)
+// and set into the C++ arguments, with the tile-table workspace E > 512 needs (kept alive in
+// `tiles`); the caller sets the outputs.
+struct Fp8GemmCall {
+  GroupedGemmFp8Args args;
+  at::Device device = at::kCUDA;
+  Tensor tiles;
+};
+Fp8GemmCall fp8_gemm_call(const Tensor& a_q, const Tensor& a_scales, const Tensor& w_q, const Tensor& w_scales,
+                          const Tensor& expert_offsets, int64_t max_ctas, const std::optional<Tensor>& gather) {
+  check_first(a_q, "a_q", kE4M3, 2);
+  Fp8GemmCall call;
+  call.device = a_q.device();
+  const at::Device& device = call.device;
+  const int64_t T = a_q.size(0), K = a_q.size(1);
+  const int64_t R = gather ? check_index(*gather, "gather", device) : T;
+  check_dims(w_q, "w_q", 3);
+  check_tensor(w_q, "w_q", kE4M3, w_q.sizes(), &device);
+  const int64_t E = w_q.size(0), N = w_q.size(1);
+  MACHMOE_CHECK_VALUE(w_q.size(2) == K, "w_q must be [E, N, K] with K = ", K, " (a_q's columns), got shape ",
+                      w_q.sizes());
+  check_tensor(a_scales, "a_scales", at::kFloat, {T, fp8_tiles(K)}, &device);
+  check_tensor(w_scales, "w_scales", at::kFloat, {E, fp8_tiles(N), fp8_tiles(K)}, &device);
+  check_dims(expert_offsets, "expert_offsets", 1);
+  check_tensor(expert_offsets, "expert_offsets", at::kInt, {E + 1}, &device);
+  MACHMOE_CHECK_VALUE(max_ctas >= 0 && max_ctas <= std::numeric_limits<int>::max(),
+                      "max_ctas must be in [0, 2^31 - 1] (0: one CTA per SM), got ", max_ctas);
+  // The tile-offset table's workspace: the launcher writes it only for E > 512.
+  if (E > 512) call.tiles = at::empty({E + 1}, expert_offsets.options());
+  GroupedGemmFp8Args& g = call.args;
+  g.a_q = codes(a_q);
+  g.a_scales = a_scales.data_ptr<float>();
+  g.R = R;
+  g.gather = gather ? gather->data_ptr<int32_t>() : nullptr;
+  g.T = T;
+  g.w_q = codes(w_q);
+  g.w_scales = w_scales.data_ptr<float>();
+  g.expert_offsets = expert_offsets.data_ptr<int32_t>();
+  g.E = E;
+  g.N = N;
+  g.K = K;
+  g.tile_offsets = call.tiles.defined() ? call.tiles.data_ptr<int32_t>() : nullptr;
+  g.max_ctas = static_cast<int>(max_ctas);
+  return call;
+}
+
 // C [R, N] bf16 = the FP8 grouped GEMM of a_q [T, K] (a_scales [T, ceil(K/128)]) with w_q [E, N, K]
 // (w_scales [E, ceil(N/128), ceil(K/128)]) per expert's rows [off[e], off[e+1]), row r reading
 // a_q[gather[r]] (gather [R] int32; None: a_q[r], R = T). Rows outside every expert are not
@@ -146,41 +193,12 @@ std::tuple<Tensor, Tensor, Tensor> op_fp8_quantize_columns(const Tensor& x, cons
 Tensor op_grouped_gemm_fp8(const Tensor& a_q, const Tensor& a_scales, const Tensor& w_q, const Tensor& w_scales,
                            const Tensor& expert_offsets, int64_t max_ctas, const std::optional<Tensor>& gather) {
   return translate_errors([&] {
-    check_first(a_q, "a_q", kE4M3, 2);
-    const at::Device device = a_q.device();
-    const int64_t T = a_q.size(0), K = a_q.size(1);
-    const int64_t R = gather ? check_index(*gather, "gather", device) : T;
-    check_dims(w_q, "w_q", 3);
-    check_tensor(w_q, "w_q", kE4M3, w_q.sizes(), &device);
-    const int64_t E = w_q.size(0), N = w_q.size(1);
-    MACHMOE_CHECK_VALUE(w_q.size(2) == K, "w_q must be [E, N, K] with K = ", K, " (a_q's columns), got shape ",
-                        w_q.sizes());
-    check_tensor(a_scales, "a_scales", at::kFloat, {T, fp8_tiles(K)}, &device);
-    check_tensor(w_scales, "w_scales", at::kFloat, {E, fp8_tiles(N), fp8_tiles(K)}, &device);
-    check_dims(expert_offsets, "expert_offsets", 1);
-    check_tensor(expert_offsets, "expert_offsets", at::kInt, {E + 1}, &device);
-    MACHMOE_CHECK_VALUE(max_ctas >= 0 && max_ctas <= std::numeric_limits<int>::max(),
-                        "max_ctas must be in [0, 2^31 - 1] (0: one CTA per SM), got ", max_ctas);
-    const c10::cuda::CUDAGuard guard(device);
-    Tensor c = at::empty({R, N}, a_q.options().dtype(at::kBFloat16));
-    // The tile-offset table's workspace: the launcher writes it only for E > 512.
-    Tensor tiles = E > 512 ? at::empty({E + 1}, expert_offsets.options()) : Tensor();
-    GroupedGemmFp8Args g;
-    g.a_q = codes(a_q);
-    g.a_scales = a_scales.data_ptr<float>();
-    g.R = R;
-    g.gather = gather ? gather->data_ptr<int32_t>() : nullptr;
-    g.T = T;
-    g.w_q = codes(w_q);
-    g.w_scales = w_scales.data_ptr<float>();
-    g.expert_offsets = expert_offsets.data_ptr<int32_t>();
-    g.E = E;
-    g.N = N;
-    g.K = K;
+    Fp8GemmCall call = fp8_gemm_call(a_q, a_scales, w_q, w_scales, expert_offsets, max_ctas, gather);
+    GroupedGemmFp8Args& g = call.args;
+    const c10::cuda::CUDAGuard guard(call.device);
+    Tensor c = at::empty({g.R, g.N}, a_q.options().dtype(at::kBFloat16));
     g.c = c.data_ptr();
-    g.ldc = N;
-    g.tile_offsets = tiles.defined() ? tiles.data_ptr<int32_t>() : nullptr;
-    g.max_ctas = static_cast<int>(max_ctas);
+    g.ldc = g.N;
     grouped_gemm_fp8(g, at::cuda::getCurrentCUDAStream());
     return c;
   });
@@ -193,42 +211,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> op_grouped_gemm_fp8_glu(
     const Tensor& expert_offsets, const std::string& activation, at::ArrayRef<double> glu_clamp,
     const std::optional<Tensor>& bias, int64_t max_ctas, const std::optional<Tensor>& gather) {
   return translate_errors([&] {
-    check_first(a_q, "a_q", kE4M3, 2);
-    const at::Device device = a_q.device();
-    const int64_t T = a_q.size(0), K = a_q.size(1);
-    const int64_t R = gather ? check_index(*gather, "gather", device) : T;
-    check_dims(w_q, "w_q", 3);
-    check_tensor(w_q, "w_q", kE4M3, w_q.sizes(), &device);
-    const int64_t E = w_q.size(0), N = w_q.size(1);
-    MACHMOE_CHECK_VALUE(w_q.size(2) == K, "w_q must be [E, N, K] with K = ", K, " (a_q's columns), got shape ",
-                        w_q.sizes());
-    check_tensor(a_scales, "a_scales", at::kFloat, {T, fp8_tiles(K)}, &device);
-    check_tensor(w_scales, "w_scales", at::kFloat, {E, fp8_tiles(N), fp8_tiles(K)}, &device);
-    check_dims(expert_offsets, "expert_offsets", 1);
-    check_tensor(expert_offsets, "expert_offsets", at::kInt, {E + 1}, &device);
-    if (bias) check_tensor(*bias, "bias", at::kBFloat16, {E, N}, &device);
-    MACHMOE_CHECK_VALUE(max_ctas >= 0 && max_ctas <= std::numeric_limits<int>::max(),
-                        "max_ctas must be in [0, 2^31 - 1] (0: one CTA per SM), got ", max_ctas);
-    const c10::cuda::CUDAGuard guard(device);
+    Fp8GemmCall call = fp8_gemm_call(a_q, a_scales, w_q, w_scales, expert_offsets, max_ctas, gather);
+    GroupedGemmFp8Args& g = call.args;
+    if (bias) check_tensor(*bias, "bias", at::kBFloat16, {g.E, g.N}, &call.device);
+    const c10::cuda::CUDAGuard guard(call.device);
+    const int64_t R = g.R, N = g.N;
     Tensor hq = at::empty({R, N}, a_q.options());
     Tensor h_scales = at::empty({R, fp8_tiles(N)}, a_q.options().dtype(at::kFloat));
     Tensor act_q = at::empty({R, N / 2}, a_q.options());
     Tensor act_scales = at::empty({R, fp8_tiles(N / 2)}, a_q.options().dtype(at::kFloat));
-    Tensor tiles = E > 512 ? at::empty({E + 1}, expert_offsets.options()) : Tensor();
-    GroupedGemmFp8Args g;
-    g.a_q = codes(a_q);
-    g.a_scales = a_scales.data_ptr<float>();
-    g.R = R;
-    g.gather = gather ? gather->data_ptr<int32_t>() : nullptr;
-    g.T = T;
-    g.w_q = codes(w_q);
-    g.w_scales = w_scales.data_ptr<float>();
-    g.expert_offsets = expert_offsets.data_ptr<int32_t>();
-    g.E = E;
-    g.N = N;
-    g.K = K;
-    g.tile_offsets = tiles.defined() ? tiles.data_ptr<int32_t>() : nullptr;
-    g.max_ctas = static_cast<int>(max_ctas);
     g.epilogue = Fp8GemmEpilogue::Glu;
     g.activation = parse_activation(activation);
     g.glu_clamp = glu_clamp_from(glu_clamp);

@@ -183,6 +183,16 @@ inline bool contains_word(const std::string& s, const std::string& word) {
   return false;
 }
 
+// An argument-rule check: `call` on `base` changed by `change` must throw InvalidArgument whose
+// message names `arg` (as a word). `what` labels the case in failures.
+template <class Args, class Change, class Call>
+void expect_refused(const Args& base, Change change, const std::string& arg, const std::string& what, Call call) {
+  Args a = base;
+  change(a);
+  const std::string msg = expect_error(machmoe::ErrorCode::InvalidArgument, [&] { call(a); }, what);
+  EXPECT_TRUE(contains_word(msg, arg)) << what << ": message does not name " << arg << ": " << msg;
+}
+
 // ---------------------------------------------------------------- finite differences
 struct Eval {
   double L = 0, Lmag = 0;
