@@ -459,3 +459,32 @@ def test_grouped_gemm_fp8_glu_against_float64(name, d, n, activation, glu_clamp)
     ad = dequantise_rows(aq, as_, n)
     tol_a = 2.0 ** -4 * a.abs() + 2.0 ** -10 * expand(as_.double(), n) + 2.0 ** -15 * expand(amax, n)
     assert ((ad - a).abs() <= tol_a).all(), f"A codes: worst excess {((ad - a).abs() - tol_a).max().item():.3e}"
+
+
+@on_gpu
+@pytest.mark.parametrize("name,d,n", SHAPES)
+def test_fp8_experts_forward_within_e4m3s_error(name, d, n):
+    # The composed FP8 forward against the float64 experts on the same routing. Its path crosses
+    # five quantised operands (x, W1, H, A, W2): E4M3's rounding (rms ~0.024 relative per operand)
+    # makes ~sqrt(5)·0.024 = 0.054 normwise, as the CPU reference's FP8 experts measure it
+    # (tests/cpp/test_reference_fp8_layer.cpp); bound twice that, floor a tenth (not FP8 at all).
+    from machmoe.fp8_experts import experts_forward
+
+    E, T, K = 8, 300, 3
+    x = torch.randn(T, d, device="cuda").bfloat16()
+    w1 = (torch.randn(E, 2 * n, d, device="cuda") / d ** 0.5).bfloat16()
+    w2 = (torch.randn(E, d, n, device="cuda") / n ** 0.5).bfloat16()
+    experts = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)]).int()
+    scores = torch.rand(T, K, device="cuda")
+    out, (hq, hs, *_) = experts_forward(x, w1, w2, scores, experts)
+    assert (out.shape, out.dtype, hq.shape, hq.dtype) == ((T, d), torch.bfloat16, (T * K, 2 * n), torch.float8_e4m3fn)
+    xd, w1d, w2d = x.double(), w1.double(), w2.double()
+    want = torch.zeros(T, d, dtype=torch.float64, device="cuda")
+    for e in range(E):
+        t, k = (experts == e).nonzero(as_tuple=True)
+        h = xd[t] @ w1d[e].T
+        a = torch.nn.functional.silu(h[:, 0::2]) * h[:, 1::2]
+        want.index_add_(0, t, scores[t, k, None].double() * (a @ w2d[e].T))
+    err = ((out.double() - want).norm() / want.norm()).item()
+    print(f"{name}: FP8 experts forward, normwise error {err:.4f} against float64")
+    assert 0.1 * 0.054 <= err <= 2 * 0.054, f"normwise error {err:.4f} outside [0.0054, 0.108]"

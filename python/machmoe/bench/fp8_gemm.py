@@ -23,7 +23,11 @@ So on the up rows only the machmoe fp8 column pays for a gather (the table's hea
 A third row per config, "up + GLU", times the up-projection as the layers run it, both gathered:
 machmoe fp8 with its GLU epilogue (torch.ops.machmoe.grouped_gemm_fp8_glu: H and A written in
 E4M3 with their 1x128 scales) against machmoe bf16's GLU epilogue (H and A written in bf16);
-torch has no such kernel ("-").
+torch has no such kernel ("-"). A fourth, "experts forward", times the experts' whole forward on
+a random top-K routing: machmoe fp8 = machmoe.fp8_experts.experts_forward (x quantised, the FP8
+up-projection with its GLU epilogue, the FP8 down-projection, the scored sum; the weights'
+FP8 copies cached, as they are between optimizer steps) against machmoe bf16 = the experts_forward
+op (the bf16 layer's experts) on the same list; TFLOPS count 6·T·K·n·d.
 
 TFLOPS = 2·R·N·K / time; times are medians of CUDA-event times over rotated argument sets after a
 warm-up (machmoe.bench.timing.cuda_time). The "fp8 err" column is ‖C_fp8 − C_bf16‖ / ‖C_bf16‖ of
@@ -166,6 +170,44 @@ def run_shape(label: str, R: int, N: int, K: int, E: int, offs, row_token, T: in
     return row
 
 
+def run_forward(cfg, min_reps: int) -> dict:
+    """The "experts forward" row of config cfg (module docstring)."""
+    import torch
+
+    from machmoe import _ops
+    from machmoe.fp8_experts import experts_forward
+
+    from .timing import cuda_time
+
+    _ops.require_ops()
+    ops = torch.ops.machmoe
+    T, d, n, E, K = cfg.T, cfg.d, cfg.n, cfg.E, cfg.K
+
+    def one_set():
+        experts = torch.rand(T, E, device="cuda").topk(K, dim=1).indices.int()
+        return dict(x=torch.randn(T, d, device="cuda").bfloat16(), experts=experts,
+                    scores=torch.rand(T, K, device="cuda"), tok=torch.arange(T, device="cuda", dtype=torch.int32)
+                    .repeat_interleave(K), exp=experts.reshape(-1).contiguous(),
+                    w1=(torch.randn(E, 2 * n, d, device="cuda") * 0.02).bfloat16(),
+                    w2=(torch.randn(E, d, n, device="cuda") * 0.02).bfloat16())
+
+    sets = [(one_set(),) for _ in range(SETS)]
+    fns = {"machmoe fp8": lambda s: experts_forward(s["x"], s["w1"], s["w2"], s["scores"], s["experts"])[0],
+           "machmoe bf16": lambda s: ops.experts_forward(s["x"], s["w1"], None, s["w2"], None, s["scores"].reshape(-1),
+                                                         s["tok"], s["exp"], "swiglu", "interleaved")[0]}
+    flops = 6.0 * T * K * n * d
+    row = {"shape": f"{cfg.name} experts forward", "R": T * K, "N": 2 * n, "K": d, "E": E, "fp8_gathers": True}
+    outs = {}
+    for name, fn in fns.items():
+        outs[name] = fn(*sets[0])
+        t = cuda_time(fn, sets, min_reps=min_reps).median_ms
+        row[name] = {"ms": t, "tflops": flops / t / 1e9}
+    row["fp8_rel_err"] = rel_err(outs["machmoe fp8"], outs["machmoe bf16"])
+    del sets, outs
+    torch.cuda.empty_cache()
+    return row
+
+
 def config_shapes(cfg) -> list:
     """(label, R, N, K, E, offs, row_token, T, glu): the config's up-projection on a random top-K
     routing (its expert_offsets for every column; machmoe fp8 gathered by its row_token), the same
@@ -231,6 +273,8 @@ def main(argv: Optional[list] = None) -> int:
         for shape in config_shapes(cfg):
             rows.append(run_shape(*shape, args.min_reps, args.max_ctas))
             print(table(rows[-1:]).splitlines()[2], flush=True)
+        rows.append(run_forward(cfg, args.min_reps))
+        print(table(rows[-1:]).splitlines()[2], flush=True)
     text = table(rows)
     print(text)
     if args.out:
