@@ -11,7 +11,9 @@ that bound. Measured on two H200s: 1.75e-3 to 1.85e-3.
 """
 
 import os
+import sys
 import tempfile
+import traceback
 
 import pytest
 import torch
@@ -384,7 +386,10 @@ def _symmetric_worker(rank, world, init_file, seed):
             if dtype == torch.int64:
                 continue
             blocks = want.view(world, world, rows, cols)[:, rank]  # every rank's block `rank`
-            acc = blocks[0].float()
+            # A copy: for float32, .float() would return blocks[0] itself, and the sum would be
+            # written into `want` (rank 0's own block then equals the sum, failing the check below
+            # on that rank alone).
+            acc = blocks[0].to(torch.float32, copy=True)
             for b in blocks[1:]:
                 acc += b.float()
             scattered = symmetric_exchange.reduce_scatter_op(t, world, name)
@@ -392,8 +397,13 @@ def _symmetric_worker(rank, world, init_file, seed):
                 f"symmetric reduce-scatter of {dtype}: not the float32 sum in rank order, rounded once"
             assert not torch.equal(scattered, blocks[rank]), "reduce-scatter returned this rank's own block"
         faulthandler.cancel_dump_traceback_later()
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        # A failing rank must not wait in destroy_process_group for peers that wait in the next
+        # collective for it (that hid this test's failures as hangs): report and leave at once.
+        traceback.print_exc()
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(1)
+    dist.destroy_process_group()
 
 
 @pytest.mark.ops
