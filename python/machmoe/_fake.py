@@ -270,6 +270,11 @@ def _grouped_gemm_fp8_glu(a_q, a_scales, w_q, w_scales, expert_offsets, activati
             a_q.new_empty(R, n), a_q.new_empty(R, -(-n // 128), dtype=torch.float32))
 
 
+def _grouped_wgrad_fp8(a_qt, a_scales, b_qt, b_scales, chunk_offsets, out_dtype, transpose_c, max_ctas=0):
+    E, M, N = chunk_offsets.shape[0] - 1, a_qt.shape[0], b_qt.shape[0]
+    return a_scales.new_empty((E, N, M) if transpose_c else (E, M, N), dtype=out_dtype)
+
+
 # Every op with a CUDA kernel (the tensor-free ops and the CPU reference ops need no fake).
 FAKES = {
     "topk_router": _topk_router,
@@ -293,6 +298,7 @@ FAKES = {
     "fp8_quantize_columns": _fp8_quantize_columns,
     "grouped_gemm_fp8": _grouped_gemm_fp8,
     "grouped_gemm_fp8_glu": _grouped_gemm_fp8_glu,
+    "grouped_wgrad_fp8": _grouped_wgrad_fp8,
 }
 
 

@@ -17,6 +17,7 @@
 
 #include "bindings/common.hpp"
 #include "machmoe/fp8.hpp"
+#include "machmoe/fp8_wgrad.hpp"
 
 namespace machmoe::bindings {
 namespace {
@@ -233,6 +234,55 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> op_grouped_gemm_fp8_glu(
   });
 }
 
+// The weight-gradient GEMM on two quantize_columns_fp8 outputs of the same rows and experts:
+// C [E, M, N] (or [E, N, M] with transpose_c) in out_dtype (float32 or bfloat16),
+// C[e] = Σ over expert e's chunks of a_scales·b_scales·(a_qt chunk · b_qt chunkᵀ) (machmoe/fp8_wgrad.hpp).
+Tensor op_grouped_wgrad_fp8(const Tensor& a_qt, const Tensor& a_scales, const Tensor& b_qt, const Tensor& b_scales,
+                            const Tensor& chunk_offsets, at::ScalarType out_dtype, bool transpose_c,
+                            int64_t max_ctas) {
+  return translate_errors([&] {
+    check_first(a_qt, "a_qt", kE4M3, 2);
+    const at::Device device = a_qt.device();
+    const int64_t M = a_qt.size(0), r_pad = a_qt.size(1);
+    check_dims(a_scales, "a_scales", 2);
+    const int64_t chunks = a_scales.size(1);
+    MACHMOE_CHECK_VALUE(r_pad == 128 * chunks, "a_qt must be [M, 128·C] with C = a_scales.shape[1] = ", chunks,
+                        " (quantize_columns_fp8's layout), got shape ", a_qt.sizes());
+    check_tensor(a_scales, "a_scales", at::kFloat, {M, chunks}, &device);
+    check_dims(b_qt, "b_qt", 2);
+    const int64_t N = b_qt.size(0);
+    check_tensor(b_qt, "b_qt", kE4M3, {N, r_pad}, &device);
+    check_tensor(b_scales, "b_scales", at::kFloat, {N, chunks}, &device);
+    check_dims(chunk_offsets, "chunk_offsets", 1);
+    check_tensor(chunk_offsets, "chunk_offsets", at::kInt, chunk_offsets.sizes(), &device);
+    const int64_t E = chunk_offsets.size(0) - 1;
+    MACHMOE_CHECK_VALUE(E >= 1, "chunk_offsets must be [E+1] with E >= 1, got shape ", chunk_offsets.sizes());
+    MACHMOE_CHECK_VALUE(out_dtype == at::kFloat || out_dtype == at::kBFloat16,
+                        "out_dtype must be torch.float32 or torch.bfloat16, got ", out_dtype);
+    MACHMOE_CHECK_VALUE(max_ctas >= 0 && max_ctas <= std::numeric_limits<int>::max(),
+                        "max_ctas must be in [0, 2^31 - 1] (0: one CTA per SM), got ", max_ctas);
+    const c10::cuda::CUDAGuard guard(device);
+    Tensor c = transpose_c ? at::empty({E, N, M}, a_scales.options().dtype(out_dtype))
+                           : at::empty({E, M, N}, a_scales.options().dtype(out_dtype));
+    GroupedWgradFp8Args g;
+    g.a_qt = codes(a_qt);
+    g.a_scales = a_scales.data_ptr<float>();
+    g.M = M;
+    g.b_qt = codes(b_qt);
+    g.b_scales = b_scales.data_ptr<float>();
+    g.N = N;
+    g.chunk_offsets = chunk_offsets.data_ptr<int32_t>();
+    g.E = E;
+    g.max_chunks = chunks;
+    g.c = c.data_ptr();
+    g.c_dtype = out_dtype == at::kFloat ? DType::FP32 : DType::BF16;
+    g.transpose_c = transpose_c;
+    g.max_ctas = static_cast<int>(max_ctas);
+    grouped_wgrad_fp8(g, at::cuda::getCurrentCUDAStream());
+    return c;
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(machmoe, m) {
@@ -244,6 +294,8 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
   m.def("grouped_gemm_fp8_glu(Tensor a_q, Tensor a_scales, Tensor w_q, Tensor w_scales, Tensor expert_offsets,"
         " str activation, float[] glu_clamp, Tensor? bias=None, int max_ctas=0, Tensor? gather=None)"
         " -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("grouped_wgrad_fp8(Tensor a_qt, Tensor a_scales, Tensor b_qt, Tensor b_scales, Tensor chunk_offsets,"
+        " ScalarType out_dtype, bool transpose_c, int max_ctas=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {
@@ -252,6 +304,7 @@ TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {
   m.impl("fp8_quantize_columns", &op_fp8_quantize_columns);
   m.impl("grouped_gemm_fp8", &op_grouped_gemm_fp8);
   m.impl("grouped_gemm_fp8_glu", &op_grouped_gemm_fp8_glu);
+  m.impl("grouped_wgrad_fp8", &op_grouped_wgrad_fp8);
 }
 
 }  // namespace machmoe::bindings

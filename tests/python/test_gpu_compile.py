@@ -45,6 +45,8 @@ def _op_cases():
     a_q, a_scales = m.fp8_quantize_rows(t["x"], row_token)
     w_q, w_scales, _, _ = m.fp8_quantize_weights(t["w1"], False)
     x_q, x_scales = m.fp8_quantize_rows(t["x"], None)  # [T, d], gathered by the GEMM (R = T·K rows)
+    xt_q, xt_scales, chunks = m.fp8_quantize_columns(t["x"], row_token, offs)  # the weight gradients' operands
+    ht_q, ht_scales, _ = m.fp8_quantize_columns(h, None, offs)
     return [
         ("topk_router", (logits, K, "softmax_topk", True, None)),
         ("topk_router_backward", (logits, scores, experts, torch.randn(T, K, device="cuda"), "softmax_topk", True)),
@@ -81,6 +83,8 @@ def _op_cases():
         ("grouped_gemm_fp8_glu", (a_q, a_scales, w_q, w_scales, offs, "swiglu", [])),
         ("grouped_gemm_fp8_glu", (x_q, x_scales, w_q, w_scales, offs, "clamped_swiglu", [1.702, 7.0, 1.0, 0.0],
                                   t["b1"], 0, row_token)),
+        ("grouped_wgrad_fp8", (xt_q, xt_scales, ht_q, ht_scales, chunks, torch.float32, False)),
+        ("grouped_wgrad_fp8", (xt_q, xt_scales, ht_q, ht_scales, chunks, torch.bfloat16, True, 2)),
     ]
 
 

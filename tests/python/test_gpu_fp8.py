@@ -265,6 +265,12 @@ def test_fp8_fakes_follow_the_op_docs():
                                                                  [], None, 0, torch.empty(R, **i32))
         assert (hq.shape, hs.shape, aq.shape, as_.shape) == ((R, N), (R, 45), (R, N // 2), (R, 23))
         assert hq.dtype == aq.dtype == torch.float8_e4m3fn and hs.dtype == as_.dtype == torch.float32
+        ht, hts, co = torch.ops.machmoe.fp8_quantize_columns(torch.empty(R, 64, device="cuda", dtype=torch.bfloat16),
+                                                             None, torch.empty(E + 1, **i32))
+        c = torch.ops.machmoe.grouped_wgrad_fp8(qt, cs, ht, hts, co, torch.float32, False)
+        assert (c.shape, c.dtype) == ((E, d, 64), torch.float32)
+        c = torch.ops.machmoe.grouped_wgrad_fp8(qt, cs, ht, hts, co, torch.bfloat16, True)
+        assert (c.shape, c.dtype) == ((E, 64, d), torch.bfloat16)
 
 
 # ---------------------------------------------------------------- GPU: the quantisers
@@ -488,3 +494,31 @@ def test_fp8_experts_forward_within_e4m3s_error(name, d, n):
     err = ((out.double() - want).norm() / want.norm()).item()
     print(f"{name}: FP8 experts forward, normwise error {err:.4f} against float64")
     assert 0.1 * 0.054 <= err <= 2 * 0.054, f"normwise error {err:.4f} outside [0.0054, 0.108]"
+
+
+@on_gpu
+@pytest.mark.parametrize("name,d,n", SHAPES)
+@pytest.mark.parametrize("out_dtype,transpose_c", [(torch.float32, False), (torch.bfloat16, True)])
+def test_grouped_wgrad_fp8_against_float64(name, d, n, out_dtype, transpose_c):
+    # dW1ᵀ = xᵀ·dH as the FP8 backward would run it: x's rows gathered by token and dH, both
+    # quantised along each expert's 128-row chunks (fp8_quantize_columns, the same offsets), then
+    # the weight-gradient GEMM; against float64 on the dequantised operands with the forward
+    # GEMM's accumulation tolerance (plus bf16 output rounding).
+    m = ops()
+    E, R, T = len(COUNTS), sum(COUNTS), 600
+    x, dh = structured(T, d), structured(R, 2 * n) * 0.1
+    gather = torch.randint(0, T, (R,), device="cuda", dtype=torch.int32)
+    xt, xs, co = m.fp8_quantize_columns(x, gather, offsets(COUNTS))
+    ht, hs, co_h = m.fp8_quantize_columns(dh, None, offsets(COUNTS))
+    assert torch.equal(co, co_h)
+    c = m.grouped_wgrad_fp8(xt, xs, ht, hs, co, out_dtype, transpose_c)
+    xd = xt.double() * xs.double().repeat_interleave(TILE, dim=1)
+    hd = ht.double() * hs.double().repeat_interleave(TILE, dim=1)
+    got = c.double().transpose(1, 2) if transpose_c else c.double()
+    cl = co.tolist()
+    for e in range(E):
+        cols = slice(TILE * cl[e], TILE * cl[e + 1])
+        want, absum = xd[:, cols] @ hd[:, cols].T, xd[:, cols].abs() @ hd[:, cols].abs().T
+        rounding = 2.0 ** -9 * want.abs() if out_dtype == torch.bfloat16 else 0
+        bad = ~((got[e] - want).abs() <= 2 * (rounding + 2.0 ** -11 * absum))
+        assert not bad.any(), f"{name} expert {e}: {int(bad.sum())} elements outside the tolerance"
