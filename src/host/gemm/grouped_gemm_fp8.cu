@@ -16,6 +16,7 @@
 #include "machmoe/machmoe.hpp"
 
 namespace machmoe {
+using detail::aligned4;
 using detail::ceil_div;
 using detail::check_launch;
 using detail::require_arg;
@@ -27,8 +28,6 @@ constexpr const char* kFn = "grouped_gemm_fp8";
 // (128 registers) beside one wave's temporary (64).
 constexpr int kTileN = 256;
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
-
-bool aligned4(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 3u) == 0; }
 
 static_assert(kernels::kFp8BK == 128, "detail::e4m3_tile_map's boxes are 128 codes wide");
 

@@ -14,6 +14,7 @@
 #include "machmoe/machmoe.hpp"
 
 namespace machmoe {
+using detail::aligned4;
 using detail::ceil_div;
 using detail::check_cuda;
 using detail::check_launch;
@@ -28,8 +29,6 @@ constexpr int kTileN = 256;
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 // The kernel's tile counter steps past the last tile by at most the grid (<= the SM count).
 constexpr int64_t kTileSlack = int64_t{1} << 16;
-
-bool aligned4(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 3u) == 0; }
 
 static_assert(kernels::kFp8WgradBK == 128, "detail::e4m3_tile_map's boxes are 128 codes wide");
 

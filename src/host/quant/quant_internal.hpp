@@ -14,8 +14,6 @@ namespace machmoe::detail {
 
 inline constexpr int64_t kFp8Int32Limit = std::numeric_limits<int32_t>::max();  // 2^31 - 1
 
-inline bool aligned4(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 3u) == 0; }
-
 // x bf16 [T, d] (ld) read through a gather [R] (or the identity with R = T), quantised in tiles
 // along d with 16-byte rows of codes.
 inline void check_fp8_row_source(const char* fn, const void* x, int64_t T, int64_t d, int64_t ld,
