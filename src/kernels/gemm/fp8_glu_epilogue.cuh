@@ -50,10 +50,14 @@ __device__ __forceinline__ fp8::TileScale scale_of(uint32_t amax_bits) {
 
 __device__ __forceinline__ uint32_t abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
 
-// v / s as an E4M3 code (round to nearest even, saturating); a bad tile's codes are NaN (0x7f).
-__device__ __forceinline__ uint32_t code_of(float v, const fp8::TileScale& t) {
+// v · (1/s) as an E4M3 code (round to nearest even, saturating); a bad tile's codes are NaN
+// (0x7f). `inv` = 1/s rounded once per tile: an IEEE division per element (__fdiv_rn, a
+// subroutine of ~20 instructions) would be the epilogue's largest cost. v·inv is within one fp32
+// ulp of v/s, so the code differs from the quantisers' (which divide) only where v/s lies within
+// that ulp of an E4M3 rounding boundary, and is then the other nearest code.
+__device__ __forceinline__ uint32_t code_of(float v, const fp8::TileScale& t, float inv) {
   if (t.bad) return 0x7fu;
-  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(__fdiv_rn(v, t.s), __NV_SATFINITE, __NV_E4M3));
+  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(v * inv, __NV_SATFINITE, __NV_E4M3));
 }
 
 // code · s in fp32 (the E4M3 value is exact in half precision).
@@ -112,12 +116,13 @@ __device__ __forceinline__ void fp8_glu_epilogue(const GroupedGemmParams& g, con
         }
       }
       const fp8::TileScale sh = fp8_glu::scale_of(fp8::group_max_bits<4>(h_amax));
+      const float inv_h = __frcp_rn(sh.s);
       // Phase 2: Hq out, and A from the dequantised pair.
       uint8_t* hrow = o.hq + row * N;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const int col = tile.n0 + 128 * w + 8 * j + 2 * q;
-        const uint32_t cg = fp8_glu::code_of(hv[2 * j], sh), cu = fp8_glu::code_of(hv[2 * j + 1], sh);
+        const uint32_t cg = fp8_glu::code_of(hv[2 * j], sh, inv_h), cu = fp8_glu::code_of(hv[2 * j + 1], sh, inv_h);
         if (store_row && col < N) *reinterpret_cast<uint16_t*>(hrow + col) = static_cast<uint16_t>(cg | (cu << 8));
         const float av = fp8_glu::glu<ACT>(g, fp8_glu::value_of(cg, sh.s), fp8_glu::value_of(cu, sh.s));
         a[16 * w + j] = av;
@@ -127,13 +132,14 @@ __device__ __forceinline__ void fp8_glu_epilogue(const GroupedGemmParams& g, con
     }
     // Phase 3: A's one scale group of the tile, Aq out (A column of pair j of wave w: n0/2 + 64w + 4j + q).
     const fp8::TileScale sa = fp8_glu::scale_of(fp8::group_max_bits<4>(a_amax));
+    const float inv_a = __frcp_rn(sa.s);
     uint8_t* arow = o.aq + row * n;
 #pragma unroll
     for (int w = 0; w < 2; ++w)
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const int acol = tile.n0 / 2 + 64 * w + 4 * j + q;
-        if (store_row && acol < n) arow[acol] = static_cast<uint8_t>(fp8_glu::code_of(a[16 * w + j], sa));
+        if (store_row && acol < n) arow[acol] = static_cast<uint8_t>(fp8_glu::code_of(a[16 * w + j], sa, inv_a));
       }
     if (store_row && q == 0) o.a_scales[row * a_tiles + tile.n0 / 256] = sa.s;
   }
