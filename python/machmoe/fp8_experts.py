@@ -1,8 +1,10 @@
-"""The experts' forward in FP8 (E4M3, DeepSeek-V3's recipe) on the kernels, composed from the FP8
-ops. Forward only and not differentiable: the FP8 layer's first piece, for measuring and testing
-it; `precision="fp8"` in the layer is not there yet.
+"""The experts in FP8 (E4M3, DeepSeek-V3's recipe) on the kernels, composed from the FP8 ops: the
+FP8 layer's first pieces, for measuring and testing it; `precision="fp8"` in the layer is not
+there yet.
 
     out, saved = experts_forward(x, w1, w2, scores, experts)
+    dx, dw1, dw2, d_scores = experts_backward(x, w1, w2, scores, experts, saved, dout)
+    out = experts(x, w1, w2, scores, experts)     # differentiable (SwiGLU, no biases)
 
 Steps, where the FP8 layer quantises (machmoe/reference_fp8_layer.hpp states the same in double):
   1. the routing metadata of the top-K list (rows grouped by expert, row -> token);
@@ -41,7 +43,7 @@ def experts_forward(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores:
     T, E = x.shape[0], w1.shape[0]
     ops = torch.ops.machmoe
     cache = _DEFAULT_CACHE if cache is None else cache
-    offs, row_token, _, pair_row, token_offsets, _ = ops.routing_metadata(experts.to(torch.int32).contiguous(),
+    offs, row_token, row_pair, pair_row, token_offsets, _ = ops.routing_metadata(experts.to(torch.int32).contiguous(),
                                                                           None, T, E)
     x_q, x_s = ops.fp8_quantize_rows(x.contiguous(), None)
     w1_q, w1_s, _, _ = cache.get(w1, False)
@@ -50,4 +52,70 @@ def experts_forward(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores:
                                                                glu_clamp_list(glu_clamp), b1, 0, row_token)
     y = ops.grouped_gemm_fp8(act_q, act_scales, w2_q, w2_s, offs)  # [T·K, d] bf16, rows by expert
     out = ops.aggregate(y, pair_row, token_offsets, scores.to(torch.float32).reshape(-1).contiguous(), x.dtype)
-    return out, (hq, h_scales, offs, row_token, pair_row, token_offsets)
+    return out, (hq, h_scales, offs, row_token, row_pair, pair_row, token_offsets)
+
+
+def _dequantised_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes [R, N] with 1x128 scales [R, ceil(N/128)] -> float32 [R, N]."""
+    return q.float() * scales.repeat_interleave(128, dim=1)[:, : q.shape[1]]
+
+
+def experts_backward(x, w1, w2, scores, experts, saved, dout, *, cache: Optional[FP8WeightCache] = None):
+    """(dx [T, d], dw1 [E, 2n, d], dw2 [E, d, n], d_scores [T, K]) of experts_forward (SwiGLU, no
+    biases) from its `saved` and dout [T, d] bf16, in FP8 (machmoe/reference_fp8_layer.hpp's
+    backward; the elementwise steps in PyTorch, not yet fused):
+      dA' = dout[t]·W2 (dout quantised once, W2's transposed copy), d_score = dA'·A with A
+      recomputed from the saved Hq; dH = swiglu'(Hq)·(score·dA'), quantised by rows for
+      dX~ = dH·W1 (W1's transposed copy) and dx the sum per token; dW1 and dW2 from the columns
+      of x, dH, dout and score·A quantised along each expert's rows.
+    One difference from the reference: the column pass reads dH in bf16, not dH's quantised rows."""
+    hq, h_scales, offs, row_token, row_pair, pair_row, token_offsets = saved
+    ops = torch.ops.machmoe
+    cache = _DEFAULT_CACHE if cache is None else cache
+    T, K = scores.shape
+    n = w2.shape[2]
+    _, _, w1_qt, w1_st = cache.get(w1, True)   # [E, d, 2n]
+    _, _, w2_qt, w2_st = cache.get(w2, True)   # [E, n, d]
+    dout = dout.to(torch.bfloat16).contiguous()
+    do_q, do_s = ops.fp8_quantize_rows(dout, None)
+    da = ops.grouped_gemm_fp8(do_q, do_s, w2_qt, w2_st, offs, 0, row_token).float()  # dA' [R, n]
+    h = _dequantised_rows(hq, h_scales)
+    gate, up = h[:, 0::2], h[:, 1::2]
+    sig = torch.sigmoid(gate)
+    act = gate * sig
+    a = act * up                                                         # A [R, n], as the forward
+    score_row = scores.reshape(-1).float()[row_pair.long()]             # [R]
+    d_scores = torch.zeros(T * K, device=x.device, dtype=torch.float32)
+    d_scores.index_copy_(0, row_pair.long(), (da * a).sum(1))
+    da = da * score_row[:, None]
+    dh = torch.stack([da * up * sig * (1 + gate * (1 - sig)), da * act], dim=2).reshape(h.shape).bfloat16()
+    dh_q, dh_s = ops.fp8_quantize_rows(dh, None)
+    dx_rows = ops.grouped_gemm_fp8(dh_q, dh_s, w1_qt, w1_st, offs)      # dX~ [R, d]
+    dx = ops.aggregate(dx_rows, pair_row, token_offsets, None, x.dtype)
+    xt, xs, chunks = ops.fp8_quantize_columns(x.contiguous(), row_token, offs)
+    ht, hs, _ = ops.fp8_quantize_columns(dh, None, offs)
+    dw1 = ops.grouped_wgrad_fp8(xt, xs, ht, hs, chunks, w1.dtype, True)  # [E, 2n, d]
+    dot, dos, _ = ops.fp8_quantize_columns(dout, row_token, offs)
+    at, as_, _ = ops.fp8_quantize_columns((a * score_row[:, None]).bfloat16(), None, offs)
+    dw2 = ops.grouped_wgrad_fp8(dot, dos, at, as_, chunks, w2.dtype, False)  # [E, d, n]
+    return dx, dw1, dw2, d_scores.reshape(T, K).to(scores.dtype)
+
+
+class _Experts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, w2, scores, experts):
+        out, saved = experts_forward(x, w1, w2, scores, experts)
+        ctx.save_for_backward(x, w1, w2, scores, experts, *saved)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, w1, w2, scores, experts, *saved = ctx.saved_tensors
+        dx, dw1, dw2, d_scores = experts_backward(x, w1, w2, scores, experts, tuple(saved), dout)
+        return dx, dw1, dw2, d_scores, None
+
+
+def experts(x, w1, w2, scores, experts_idx):
+    """The FP8 experts (SwiGLU, no biases) as a differentiable function: out [T, d]; gradients for
+    x, w1, w2 and scores (experts_idx [T, K] gets none)."""
+    return _Experts.apply(x, w1, w2, scores, experts_idx)
