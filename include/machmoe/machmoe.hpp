@@ -34,7 +34,18 @@ struct LayerProblem {
   int64_t topk_group = 1;              // groups kept, 1 <= topk_group <= n_group
   bool has_router_bias = false;        // logits = x·Wrᵀ + b_r (router_bias [E] given)
   GluClamp glu_clamp;  // ClampedSwiGLU's parameters; the defaults for any other activation
+  // ---- shared experts (docs/LAYER.md "Shared experts"); default: none.
+  // S experts that every token visits, of the routed experts' size n, stored after the E routed
+  // ones: w1 [E+S, n1, d], w2 [E+S, d, n] (and b1, b2). They run in the routed experts' launches:
+  // token t's pairs are its K routed ones, then (t, E+s) for s < S, weighted by shared_scores[t]
+  // (has_shared_scores: Qwen's sigmoid gate, computed by the caller) or by 1. Not with token
+  // rounding.
+  int64_t num_shared = 0;
+  bool has_shared_scores = false;
 };
+
+// Experts in the weights of a layer problem: the routed ones, then the shared ones.
+inline int64_t weight_experts(const LayerProblem& p) { return p.E + p.num_shared; }
 
 // The router options of a layer problem as the routing calls take them.
 inline RouterOptions router_options(const LayerProblem& p) {
@@ -85,12 +96,13 @@ WorkspacePlan plan_workspace(const LayerProblem& p);  // validates p
 struct LayerForwardArgs {
   const void* x = nullptr;              // [T, d]
   const void* router_weight = nullptr;  // [E, d]
-  const void* w1 = nullptr;             // [E, n1, d]
-  const void* b1 = nullptr;             // [E, n1]
-  const void* w2 = nullptr;             // [E, d, n]
-  const void* b2 = nullptr;             // [E, d]
+  const void* w1 = nullptr;             // [E+S, n1, d] (S = num_shared: the shared experts last)
+  const void* b1 = nullptr;             // [E+S, n1]
+  const void* w2 = nullptr;             // [E+S, d, n]
+  const void* b2 = nullptr;             // [E+S, d]
   const float* selection_bias = nullptr;  // [E], gate routings (Sigmoid, SqrtSoftplus) only
   const void* router_bias = nullptr;    // [E] bf16, exactly when has_router_bias
+  const float* shared_scores = nullptr;  // [T] fp32, exactly when has_shared_scores
   void* out = nullptr;                  // [T, d]
   float* aux_loss = nullptr;            // [1]
   void* saved = nullptr;                // plan.saved_bytes (inference_saved_bytes with write_h = false), 256-byte aligned
@@ -104,8 +116,8 @@ void layer_forward(const ValidLayerProblem& p, const LayerForwardArgs& a, cudaSt
 void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_t stream);  // validates p
 
 // Gradients of the layer (docs/LAYER.md "Backward"), from what layer_forward left in `saved`.
-// dx is bf16 [T, d]; the weight and bias gradients (d_router_weight [E, d], dw1 [E, n1, d],
-// db1 [E, n1], dw2 [E, d, n], db2 [E, d]) are written (not accumulated) in weight_grad_dtype
+// dx is bf16 [T, d]; the weight and bias gradients (d_router_weight [E, d], dw1 [E+S, n1, d],
+// db1 [E+S, n1], dw2 [E+S, d, n], db2 [E+S, d]; S = num_shared) are written (not accumulated) in weight_grad_dtype
 // (BF16 or FP32). Experts that received no rows get exact zeros. Deterministic: two calls on the
 // same inputs give bitwise-identical results. No host synchronisation.
 struct LayerBackwardArgs {
@@ -128,6 +140,9 @@ struct LayerBackwardArgs {
   void* db1 = nullptr;
   void* dw2 = nullptr;
   void* db2 = nullptr;
+  // [T] fp32, exactly when has_shared_scores: ∂loss/∂shared_scores[t], the sum over the token's S
+  // shared pairs of ∂loss/∂(pair score).
+  float* d_shared_scores = nullptr;
   void* workspace = nullptr;    // plan.backward_workspace_bytes, 256-byte aligned
   DType weight_grad_dtype = DType::BF16;
 };

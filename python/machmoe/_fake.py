@@ -74,8 +74,9 @@ class SavedLayout(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def layer_saved_layout(n: int, E: int, K: int, activation: str, rounding: str, tile_m: int,
-                       write_h: bool = True) -> SavedLayout:
-    return SavedLayout.decode(torch.ops.machmoe.layer_saved_layout(n, E, K, activation, rounding, tile_m, write_h))
+                       write_h: bool = True, num_shared: int = 0) -> SavedLayout:
+    return SavedLayout.decode(torch.ops.machmoe.layer_saved_layout(n, E, K, activation, rounding, tile_m, write_h,
+                                                                   num_shared))
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,9 +84,10 @@ def experts_saved_layout(n: int, E: int, activation: str) -> SavedLayout:
     return SavedLayout.decode(torch.ops.machmoe.experts_saved_layout(n, E, activation))
 
 
-def layer_saved_bytes(T, n, E, K, activation: str, rounding: str, tile_m, write_h: bool = True):
+def layer_saved_bytes(T, n, E, K, activation: str, rounding: str, tile_m, write_h: bool = True, num_shared: int = 0):
     """Bytes of layer_forward's saved block (without H for inference); T may be symbolic."""
-    layout = layer_saved_layout(int(n), int(E), int(K), activation, rounding, int(tile_m), bool(write_h))
+    layout = layer_saved_layout(int(n), int(E), int(K), activation, rounding, int(tile_m), bool(write_h),
+                                int(num_shared))
     return layout.nbytes(layout.rows(T), T)
 
 
@@ -141,10 +143,12 @@ def _token_rounding_backward(logits, topk_scores, topk_experts, token_offsets, e
 
 def _layer_forward(x, router_weight, w1, b1, w2, b2, selection_bias, K, activation, layout, routing,
                    renormalize, rounding, tile_m, seed, write_h=True, router_bias=None, routed_scaling_factor=1.0,
-                   n_group=1, topk_group=1, glu_clamp=()):
+                   n_group=1, topk_group=1, glu_clamp=(), w1_shared=None, b1_shared=None, w2_shared=None,
+                   b2_shared=None, shared_scores=None):
     T, d = x.shape
     E, n = w1.shape[0], w2.shape[2]
-    saved = layer_saved_bytes(T, n, E, K, activation, rounding, tile_m, write_h)
+    S = 0 if w1_shared is None else w1_shared.shape[0]
+    saved = layer_saved_bytes(T, n, E, K, activation, rounding, tile_m, write_h, S)
     return x.new_empty(T, d), x.new_empty((), dtype=torch.float32), x.new_empty(saved, dtype=torch.uint8)
 
 
@@ -158,10 +162,16 @@ def _weight_grads(x, w1, b1, w2):
 
 def _layer_backward(x, router_weight, w1, b1, w2, b2, saved, dout, d_aux, K, activation, layout, routing,
                     renormalize, rounding, tile_m, router_bias=None, routed_scaling_factor=1.0, n_group=1,
-                    topk_group=1, glu_clamp=()):
-    dw1, db1, dw2, db2 = _weight_grads(x, w1, b1, w2)
+                    topk_group=1, glu_clamp=(), w1_shared=None, b1_shared=None, w2_shared=None, b2_shared=None,
+                    has_shared_scores=False):
+    # With shared experts the weight gradients cover the routed and the shared experts: [E+S, ...].
+    S = 0 if w1_shared is None else w1_shared.shape[0]
+    E, n1, d = w1.shape
+    dw1, db1, dw2, db2 = _weight_grads(x, w1.new_empty(E + S, n1, d), b1 if S == 0 or b1 is None else
+                                       b1.new_empty(E + S, n1), w2.new_empty(E + S, *w2.shape[1:]))
     dbr = None if router_bias is None else router_bias.new_empty(router_bias.shape)
-    return x.new_empty(x.shape), router_weight.new_empty(router_weight.shape), dw1, db1, dw2, db2, dbr
+    d_shared = x.new_empty(x.shape[0], dtype=torch.float32) if has_shared_scores else None
+    return x.new_empty(x.shape), router_weight.new_empty(router_weight.shape), dw1, db1, dw2, db2, dbr, d_shared
 
 
 def _experts_forward(x, w1, b1, w2, b2, scores, token_idx, expert_idx, activation, layout, glu_clamp=()):

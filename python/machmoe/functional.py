@@ -316,8 +316,13 @@ def moe(
     n_group: int = 1,
     topk_group: int = 1,
     glu_clamp: Optional[GluClamp] = None,
+    shared_w1: Optional[torch.Tensor] = None,
+    shared_w2: Optional[torch.Tensor] = None,
+    shared_b1: Optional[torch.Tensor] = None,
+    shared_b2: Optional[torch.Tensor] = None,
+    shared_gate: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MoE layer (router, top-K routing, experts, weighted sum) -> (out, aux_loss).
+    """The MoE layer (router, top-K routing, experts, weighted sum, shared experts) -> (out, aux_loss).
 
     Semantics: docs/LAYER.md. Tensors share x's dtype and device (selection_bias: device only).
 
@@ -362,6 +367,16 @@ def moe(
         glu_clamp: the parameters of activation "clamped_swiglu" (a machmoe.GluClamp; None:
             gpt-oss's, GluClamp()); GluClamp.deepseek_v4(limit) and GluClamp.post_activation(limit)
             give the other variants. Other activations take none.
+        shared_w1: [S, N1s, d] up-projection weights of S >= 1 shared experts that every token
+            visits (machmoe.shared_experts.shared_experts), their outputs added to the routed
+            experts'; None (default): no shared experts. On the kernels, shared experts of the
+            routed experts' size (n_s = n, without token rounding) run in the routed experts'
+            launches, as S more pairs per token; other sizes run in launches of their own.
+        shared_w2: [S, d, n_s] their down-projection weights (given with shared_w1).
+        shared_b1: [S, N1s] their up-projection bias, or None (default); with shared_b2 or not at all.
+        shared_b2: [S, d] their down-projection bias, or None (default).
+        shared_gate: [1, d] Qwen's shared-expert gate: the shared experts' sum is weighted per
+            token by sigmoid(x · shared_gateᵀ); None (default): weight 1.
 
     Returns:
         out: [T, d] in x's dtype.
@@ -387,16 +402,46 @@ def moe(
         _shape(router_bias, "router_bias", (E,), "[E]")
     _same_dtype(weights, "x")
     _same_device({**weights, "selection_bias": selection_bias}, "x")
+    has_shared = any(t is not None for t in (shared_w1, shared_w2, shared_b1, shared_b2, shared_gate))
+    if has_shared:
+        from .shared_experts import check_shared_experts
 
-    if resolve_backend(backend, x, d, w2.shape[2]) == Backend.MACHMOE:
+        if shared_w1 is None or shared_w2 is None:
+            raise ValueError("shared_w1 and shared_w2 must both be given for shared experts (shared_b1, "
+                             "shared_b2 and shared_gate need them)")
+        try:
+            n_s = check_shared_experts(x, shared_w1, shared_w2, shared_b1, shared_b2, shared_gate, activation,
+                                       layout, backend, glu_clamp)[6]
+        except (TypeError, ValueError) as e:  # name the shared experts' arguments, not the routed ones'
+            raise type(e)(f"shared experts (shared_w1, shared_w2, shared_b1, shared_b2, shared_gate): {e}") from None
+
+    n = w2.shape[2]
+    on_kernels = resolve_backend(backend, x, d, n) == Backend.MACHMOE
+    # Shared experts in the routed launches: same size, no token rounding, biases on both or neither.
+    fused_shared = (has_shared and on_kernels and n_s == n and rounding == TokenRounding.NONE
+                    and (b1 is None) == (shared_b1 is None))
+    if on_kernels:
         from . import machmoe_backend
 
-        return machmoe_backend.moe(x, router_weight, w1, b1, w2, b2, K, activation, layout, routing,
-                                   renormalize, selection_bias, rounding, tile_m, seed, router_bias, options,
-                                   glu_clamp)
-    return torch_backend.moe(x, router_weight, w1, b1, w2, b2, K, activation, layout, routing,
-                             renormalize, selection_bias, rounding, tile_m, seed, router_bias, options,
-                             glu_clamp)
+        shared = None
+        if fused_shared:
+            from .shared_experts import shared_gate_scores
+
+            scores = None if shared_gate is None else shared_gate_scores(x, shared_gate)  # [T] fp32
+            shared = (shared_w1, shared_b1, shared_w2, shared_b2, scores)
+        out, aux = machmoe_backend.moe(x, router_weight, w1, b1, w2, b2, K, activation, layout, routing,
+                                       renormalize, selection_bias, rounding, tile_m, seed, router_bias, options,
+                                       glu_clamp, shared)
+    else:
+        out, aux = torch_backend.moe(x, router_weight, w1, b1, w2, b2, K, activation, layout, routing,
+                                     renormalize, selection_bias, rounding, tile_m, seed, router_bias, options,
+                                     glu_clamp)
+    if has_shared and not fused_shared:
+        from .shared_experts import shared_experts
+
+        out = out + shared_experts(x, shared_w1, shared_w2, gate_weight=shared_gate, b1=shared_b1, b2=shared_b2,
+                                   activation=activation, layout=layout, backend=backend, glu_clamp=glu_clamp)
+    return out, aux
 
 
 def moe_general(

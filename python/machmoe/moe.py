@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from . import functional
-from .shared_experts import shared_experts
 from .enums import (
     ActivationType,
     Backend,
@@ -236,6 +235,35 @@ class MoE(nn.Module):
         if gate:
             self.shared_gate = nn.Linear(d, 1, bias=False)
             nn.init.normal_(self.shared_gate.weight, mean=0.0, std=std)
+        self._pack_shared_experts()
+
+    def _pack_shared_experts(self) -> None:
+        """Place each shared-expert parameter right after its routed counterpart in one allocation
+        (c_fc.weight [E, ...] then shared_c_fc.weight [S, ...], and so on), so that the kernels read
+        the [E+S, ...] weights of the one launch without copying them. Only where both are plain
+        tensors of one dtype and device; the values, the Parameter objects and the state_dict are
+        unchanged, and any other placement computes the same (with a copy per call)."""
+        if not getattr(self, "num_shared_experts", 0):  # _apply may run before __init__ sets it
+            return
+        with torch.no_grad():
+            for routed, shared in ((self.c_fc, self.shared_c_fc), (self.c_proj, self.shared_c_proj)):
+                for name in ("weight", "bias"):
+                    a, b = getattr(routed, name), getattr(shared, name)
+                    if (a is None or b is None or type(a.data) is not torch.Tensor or type(b.data) is not torch.Tensor
+                            or a.dtype != b.dtype or a.device != b.device or a.device.type == "meta"
+                            or a.shape[1:] != b.shape[1:]):
+                        continue
+                    if (a.is_contiguous() and b.is_contiguous()
+                            and a.data_ptr() + a.numel() * a.element_size() == b.data_ptr()):
+                        continue
+                    block = torch.cat([a.detach(), b.detach()])  # [E+S, ...]
+                    a.data, b.data = block[: a.shape[0]], block[a.shape[0]:]
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(), .cuda(), .bfloat16() ... give every parameter its own new tensor: pack them again.
+        module = super()._apply(fn, *args, **kwargs)
+        self._pack_shared_experts()
+        return module
 
     def forward(self, hidden_states: torch.Tensor,
                 backend: Optional[Union[Backend, str]] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,15 +296,17 @@ class MoE(nn.Module):
             backend=self.backend if backend is None else backend,
             router_bias=self.router.bias, routed_scaling_factor=self.routed_scaling_factor,
             n_group=self.n_group, topk_group=self.topk_group, glu_clamp=self.glu_clamp,
+            **self._shared_expert_args(),
         )
-        if self.num_shared_experts:
-            out = out + shared_experts(
-                x, self.shared_c_fc.weight, self.shared_c_proj.weight,
-                gate_weight=None if self.shared_gate is None else self.shared_gate.weight,
-                b1=self.shared_c_fc.bias, b2=self.shared_c_proj.bias,
-                activation=self.activation_function, layout=self.gate_up_layout,
-                backend=self.backend if backend is None else backend, glu_clamp=self.glu_clamp)
         return out.reshape(hidden_states.shape), aux
+
+    def _shared_expert_args(self) -> dict:
+        """functional.moe's shared-expert arguments for this layer (none without shared experts)."""
+        if not self.num_shared_experts:
+            return {}
+        return {"shared_w1": self.shared_c_fc.weight, "shared_w2": self.shared_c_proj.weight,
+                "shared_b1": self.shared_c_fc.bias, "shared_b2": self.shared_c_proj.bias,
+                "shared_gate": None if self.shared_gate is None else self.shared_gate.weight}
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, num_experts_per_tok={self.num_experts_per_tok}, "

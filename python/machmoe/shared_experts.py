@@ -57,6 +57,26 @@ def token_chunks(T: int, N1: int, d: int, n: int, S: int, sms: int) -> int:
     return max(1, min(want, T // _MIN_RUN_ROWS))
 
 
+def check_shared_experts(x, w1, w2, b1, b2, gate_weight, activation, layout, backend, glu_clamp) -> tuple:
+    """The argument checks of shared experts (w1 [S, N1, d], w2 [S, d, n_s], b1, b2, gate_weight
+    [1, d] or None) on x [T, d]; returns (activation, layout, glu_clamp, T, d, S, n_s)."""
+    parsed = functional._parse_experts_call(x, w1, w2, b1, b2, activation, layout, backend, glu_clamp)
+    d = parsed[4]
+    if gate_weight is not None:
+        gate_weight = functional._float_tensor(gate_weight, "gate_weight", 2)
+        functional._shape(gate_weight, "gate_weight", (1, d), "[1, d] with d = x.shape[1]")
+    functional._same_dtype_and_device(
+        {"x": x, "w1": w1, "w2": w2, "b1": b1, "b2": b2, "gate_weight": gate_weight}, {})
+    return parsed
+
+
+def shared_gate_scores(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """Qwen's shared-expert gate sigmoid(x · gate_weightᵀ) -> [T] in the routing dtype (fp32, fp64
+    for fp64 x): the kernels weight the experts' rows in fp32 anyway."""
+    gate_logit = torch.nn.functional.linear(x, gate_weight).to(torch_backend.routing_dtype(x.dtype)).squeeze(1)
+    return torch.sigmoid(gate_logit)
+
+
 def shared_experts(
     x: torch.Tensor,
     w1: torch.Tensor,
@@ -85,23 +105,14 @@ def shared_experts(
         activation, layout, backend, glu_clamp: as machmoe.functional.moe.
     Every input that is a floating tensor receives its gradient.
     """
-    activation, layout, glu_clamp, T, d, S, n = functional._parse_experts_call(
-        x, w1, w2, b1, b2, activation, layout, backend, glu_clamp)
-    if gate_weight is not None:
-        gate_weight = functional._float_tensor(gate_weight, "gate_weight", 2)
-        functional._shape(gate_weight, "gate_weight", (1, d), "[1, d] with d = x.shape[1]")
-    functional._same_dtype_and_device(
-        {"x": x, "w1": w1, "w2": w2, "b1": b1, "b2": b2, "gate_weight": gate_weight}, {})
-
+    activation, layout, glu_clamp, T, d, S, n = check_shared_experts(x, w1, w2, b1, b2, gate_weight, activation,
+                                                                     layout, backend, glu_clamp)
     on_kernels = functional.resolve_backend(backend, x, d, n) == Backend.MACHMOE
     chunks = token_chunks(T, w1.shape[1], d, n, S, _sm_count(x.device)) if on_kernels else 1
     token, expert = shared_expert_routing(T, S, x.device, chunks)  # [T·S] each
-    score_dtype = torch_backend.routing_dtype(x.dtype)  # fp32 (fp64 for fp64 input), as routing
     if gate_weight is None:
-        scores = torch.ones(T * S, device=x.device, dtype=score_dtype)
+        scores = torch.ones(T * S, device=x.device, dtype=torch_backend.routing_dtype(x.dtype))
     else:
-        # The gate in the routing dtype (the kernels weight the experts' rows in fp32 anyway).
-        gate_logit = torch.nn.functional.linear(x, gate_weight).to(score_dtype).squeeze(1)  # [T]
-        scores = torch.sigmoid(gate_logit).repeat_interleave(S)  # [T·S]
+        scores = shared_gate_scores(x, gate_weight).repeat_interleave(S)  # [T·S]
     return functional._run_experts(x, w1, b1, w2, b2, scores, token, expert, activation, layout, glu_clamp,
                                    on_kernels, repeats=chunks)

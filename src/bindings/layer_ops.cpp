@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <vector>
 
 #include "bindings/common.hpp"
 #include "machmoe/machmoe.hpp"
@@ -22,14 +23,41 @@ struct RouterArgs {
   int64_t n_group = 1, topk_group = 1;
 };
 
+// The shared experts of a layer call (docs/LAYER.md "Shared experts"): their weights [S, ...]
+// beside the routed experts' [E, ...], and whether a per-token score weights them.
+struct SharedArgs {
+  const std::optional<Tensor>& w1;
+  const std::optional<Tensor>& b1;
+  const std::optional<Tensor>& w2;
+  const std::optional<Tensor>& b2;
+  bool has_scores = false;
+  int64_t count() const { return w1 ? w1->size(0) : 0; }
+};
+
+// Routed weights w [E, ...] and the shared experts' ws [S, ...] as the one [E+S, ...] tensor the
+// layer reads. No copy when ws starts where w ends (machmoe.MoE allocates both in one block); a
+// concatenated copy otherwise. Both bf16 and contiguous (checked by the caller).
+Tensor with_shared(const Tensor& w, const std::optional<Tensor>& ws) {
+  if (!ws) return w;
+  std::vector<int64_t> sizes(w.sizes().begin(), w.sizes().end());
+  sizes[0] += ws->size(0);
+  const char* end = static_cast<const char*>(w.data_ptr()) + w.nbytes();
+  if (ws->numel() == 0 || static_cast<const void*>(end) == ws->data_ptr())
+    return at::from_blob(w.data_ptr(), sizes, w.options());  // views the two inputs, alive for the call
+  return at::cat({w, *ws});
+}
+
 // The problem of a layer call from the tensors' shapes and the string options, validated: the one
 // validation of the call (plan_workspace and the C++ call take the validated problem as it is).
 
 ValidLayerProblem layer_problem(const Tensor& x, const Tensor& w1, const Tensor& w2, bool has_bias, int64_t K,
                                 const std::string& activation, const std::string& layout, const std::string& routing,
                                 bool renormalize, const std::string& rounding, int64_t tile_m, const RouterArgs& r,
-                                at::ArrayRef<double> glu_clamp) {
+                                at::ArrayRef<double> glu_clamp, const SharedArgs& shared) {
   LayerProblem p = problem_from_tensors<LayerProblem>(x, w1, w2, has_bias, activation, layout, glu_clamp);
+  if (shared.w1) check_dims(*shared.w1, "w1_shared", 3);
+  p.num_shared = shared.count();
+  p.has_shared_scores = shared.has_scores;
   p.K = K;
   p.routing = parse_routing(routing);
   p.renormalize = renormalize;
@@ -42,10 +70,11 @@ ValidLayerProblem layer_problem(const Tensor& x, const Tensor& w1, const Tensor&
   return validate(p);
 }
 
-// x, router weight, expert weights and biases of problem p: bf16, contiguous, on x's device,
-// shaped as docs/LAYER.md.
+// x, router weight, expert weights and biases of problem p (the shared experts' too): bf16,
+// contiguous, on x's device, shaped as docs/LAYER.md.
 void check_layer_tensors(const LayerProblem& p, const Tensor& x, const Tensor& router_weight, const Tensor& w1,
-                         const std::optional<Tensor>& b1, const Tensor& w2, const std::optional<Tensor>& b2) {
+                         const std::optional<Tensor>& b1, const Tensor& w2, const std::optional<Tensor>& b2,
+                         const SharedArgs& shared) {
   const int64_t n1 = is_glu(p.activation) ? 2 * p.n : p.n;
   const at::Device device = x.device();
   check_bf16(x, "x", {p.T, p.d});
@@ -57,6 +86,27 @@ void check_layer_tensors(const LayerProblem& p, const Tensor& x, const Tensor& r
     check_bf16(*b1, "b1", {p.E, n1}, &device);
     check_bf16(*b2, "b2", {p.E, p.d}, &device);
   }
+  const int64_t S = p.num_shared;
+  MACHMOE_CHECK_VALUE(shared.w1.has_value() == shared.w2.has_value(),
+                      "w1_shared and w2_shared must be given together or not at all");
+  if (!shared.w1) {
+    MACHMOE_CHECK_VALUE(!shared.b1 && !shared.b2, "b1_shared and b2_shared need w1_shared and w2_shared");
+    return;
+  }
+  MACHMOE_CHECK_VALUE(S >= 1, "w1_shared must hold at least one shared expert, got shape ", shared.w1->sizes());
+  check_bf16(*shared.w1, "w1_shared", {S, n1, p.d}, &device);
+  check_bf16(*shared.w2, "w2_shared", {S, p.d, p.n}, &device);
+  MACHMOE_CHECK_VALUE(shared.b1.has_value() == b1.has_value() && shared.b2.has_value() == b1.has_value(),
+                      "b1_shared and b2_shared must be given exactly when b1 and b2 are");
+  if (shared.b1) {
+    check_bf16(*shared.b1, "b1_shared", {S, n1}, &device);
+    check_bf16(*shared.b2, "b2_shared", {S, p.d}, &device);
+  }
+}
+
+// The optional bias of the routed and shared experts as one tensor (or none).
+std::optional<Tensor> bias_with_shared(const std::optional<Tensor>& b, const std::optional<Tensor>& bs) {
+  return b ? std::optional<Tensor>(with_shared(*b, bs)) : std::nullopt;
 }
 
 std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tensor& router_weight, const Tensor& w1,
@@ -68,16 +118,23 @@ std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tenso
                                                     const std::string& rounding, int64_t tile_m, int64_t seed,
                                                     bool write_h, const std::optional<Tensor>& router_bias,
                                                     double routed_scaling_factor, int64_t n_group,
-                                                    int64_t topk_group, at::ArrayRef<double> glu_clamp) {
+                                                    int64_t topk_group, at::ArrayRef<double> glu_clamp,
+                                                    const std::optional<Tensor>& w1_shared,
+                                                    const std::optional<Tensor>& b1_shared,
+                                                    const std::optional<Tensor>& w2_shared,
+                                                    const std::optional<Tensor>& b2_shared,
+                                                    const std::optional<Tensor>& shared_scores) {
   return translate_errors([&] {
+    const SharedArgs shared{w1_shared, b1_shared, w2_shared, b2_shared, shared_scores.has_value()};
     const ValidLayerProblem valid =
         layer_problem(x, w1, w2, b1.has_value(), K, activation, layout, routing, renormalize, rounding, tile_m,
-                      {router_bias.has_value(), routed_scaling_factor, n_group, topk_group}, glu_clamp);
+                      {router_bias.has_value(), routed_scaling_factor, n_group, topk_group}, glu_clamp, shared);
     const LayerProblem& p = *valid;
-    check_layer_tensors(p, x, router_weight, w1, b1, w2, b2);
+    check_layer_tensors(p, x, router_weight, w1, b1, w2, b2, shared);
     const at::Device device = x.device();
     if (selection_bias) check_tensor(*selection_bias, "selection_bias", at::kFloat, {p.E}, &device);
     if (router_bias) check_bf16(*router_bias, "router_bias", {p.E}, &device);
+    if (shared_scores) check_tensor(*shared_scores, "shared_scores", at::kFloat, {p.T}, &device);
     const c10::cuda::CUDAGuard guard(x.device());
     const WorkspacePlan plan = plan_workspace(valid);
     const auto bytes = x.options().dtype(at::kByte);
@@ -86,13 +143,16 @@ std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tenso
     // Inference (write_h false): H is not written, and the block stops before it.
     Tensor saved = at::empty({static_cast<int64_t>(write_h ? plan.saved_bytes : plan.inference_saved_bytes)}, bytes);
     Tensor ws = at::empty({static_cast<int64_t>(plan.forward_workspace_bytes)}, bytes);
+    const Tensor w1_all = with_shared(w1, w1_shared), w2_all = with_shared(w2, w2_shared);
+    const std::optional<Tensor> b1_all = bias_with_shared(b1, b1_shared), b2_all = bias_with_shared(b2, b2_shared);
     LayerForwardArgs a;
     a.x = x.data_ptr();
     a.router_weight = router_weight.data_ptr();
-    a.w1 = w1.data_ptr();
-    a.b1 = b1 ? b1->data_ptr() : nullptr;
-    a.w2 = w2.data_ptr();
-    a.b2 = b2 ? b2->data_ptr() : nullptr;
+    a.w1 = w1_all.data_ptr();
+    a.b1 = b1_all ? b1_all->data_ptr() : nullptr;
+    a.w2 = w2_all.data_ptr();
+    a.b2 = b2_all ? b2_all->data_ptr() : nullptr;
+    a.shared_scores = shared_scores ? shared_scores->data_ptr<float>() : nullptr;
     a.selection_bias = selection_bias ? selection_bias->data_ptr<float>() : nullptr;
     a.router_bias = router_bias ? router_bias->data_ptr() : nullptr;
     a.out = out.data_ptr();
@@ -107,24 +167,29 @@ std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tenso
 }
 
 using Grads = std::tuple<Tensor, Tensor, Tensor, std::optional<Tensor>, Tensor, std::optional<Tensor>,
-                         std::optional<Tensor>>;
+                         std::optional<Tensor>, std::optional<Tensor>>;
 
 // Gradients of the layer from layer_forward's `saved` block (same problem arguments as the forward
 // that wrote it), in the weights' dtype (bf16). d_aux: the aux loss's gradient as a one-element
-// CUDA tensor, read on the device (no host synchronisation), or None for 0.
+// CUDA tensor, read on the device (no host synchronisation), or None for 0. With shared experts,
+// dw1/db1/dw2/db2 hold the routed experts' gradients then the shared ones' ([E+S, ...]), and
+// d_shared_scores [T] fp32 is returned when shared_scores were given (has_shared_scores).
 Grads op_layer_backward(const Tensor& x, const Tensor& router_weight, const Tensor& w1, const std::optional<Tensor>& b1,
                         const Tensor& w2, const std::optional<Tensor>& b2, const Tensor& saved, const Tensor& dout,
                         const std::optional<Tensor>& d_aux, int64_t K, const std::string& activation,
                         const std::string& layout, const std::string& routing, bool renormalize,
                         const std::string& rounding, int64_t tile_m, const std::optional<Tensor>& router_bias,
                         double routed_scaling_factor, int64_t n_group, int64_t topk_group,
-                        at::ArrayRef<double> glu_clamp) {
+                        at::ArrayRef<double> glu_clamp, const std::optional<Tensor>& w1_shared,
+                        const std::optional<Tensor>& b1_shared, const std::optional<Tensor>& w2_shared,
+                        const std::optional<Tensor>& b2_shared, bool has_shared_scores) {
   return translate_errors([&] {
+    const SharedArgs shared{w1_shared, b1_shared, w2_shared, b2_shared, has_shared_scores};
     const ValidLayerProblem valid =
         layer_problem(x, w1, w2, b1.has_value(), K, activation, layout, routing, renormalize, rounding, tile_m,
-                      {router_bias.has_value(), routed_scaling_factor, n_group, topk_group}, glu_clamp);
+                      {router_bias.has_value(), routed_scaling_factor, n_group, topk_group}, glu_clamp, shared);
     const LayerProblem& p = *valid;
-    check_layer_tensors(p, x, router_weight, w1, b1, w2, b2);
+    check_layer_tensors(p, x, router_weight, w1, b1, w2, b2, shared);
     const at::Device device = x.device();
     check_bf16(dout, "dout", {p.T, p.d}, &device);
     const WorkspacePlan plan = plan_workspace(valid);
@@ -137,25 +202,29 @@ Grads op_layer_backward(const Tensor& x, const Tensor& router_weight, const Tens
     // fp32 copy on the stream (no host read); the kernel takes its pointer.
     const std::optional<Tensor> d_aux32 =
         d_aux ? std::optional<Tensor>(d_aux->to(at::kFloat).contiguous()) : std::nullopt;
-    const int64_t n1 = is_glu(p.activation) ? 2 * p.n : p.n;
+    const int64_t n1 = is_glu(p.activation) ? 2 * p.n : p.n, E_all = weight_experts(p);
     Tensor dx = at::empty({p.T, p.d}, x.options());
     Tensor dwr = at::empty({p.E, p.d}, x.options());
-    Tensor dw1 = at::empty({p.E, n1, p.d}, x.options());
-    Tensor dw2 = at::empty({p.E, p.d, p.n}, x.options());
-    std::optional<Tensor> db1, db2, dbr;
+    Tensor dw1 = at::empty({E_all, n1, p.d}, x.options());
+    Tensor dw2 = at::empty({E_all, p.d, p.n}, x.options());
+    std::optional<Tensor> db1, db2, dbr, d_shared;
     if (p.has_router_bias) dbr = at::empty({p.E}, x.options());
     if (p.has_bias) {
-      db1 = at::empty({p.E, n1}, x.options());
-      db2 = at::empty({p.E, p.d}, x.options());
+      db1 = at::empty({E_all, n1}, x.options());
+      db2 = at::empty({E_all, p.d}, x.options());
     }
+    if (p.has_shared_scores) d_shared = at::empty({p.T}, x.options().dtype(at::kFloat));
+    const Tensor w1_all = with_shared(w1, w1_shared), w2_all = with_shared(w2, w2_shared);
+    const std::optional<Tensor> b1_all = bias_with_shared(b1, b1_shared), b2_all = bias_with_shared(b2, b2_shared);
     Tensor ws = at::empty({static_cast<int64_t>(plan.backward_workspace_bytes)}, x.options().dtype(at::kByte));
     LayerBackwardArgs a;
     a.x = x.data_ptr();
     a.router_weight = router_weight.data_ptr();
-    a.w1 = w1.data_ptr();
-    a.b1 = b1 ? b1->data_ptr() : nullptr;
-    a.w2 = w2.data_ptr();
-    a.b2 = b2 ? b2->data_ptr() : nullptr;
+    a.w1 = w1_all.data_ptr();
+    a.b1 = b1_all ? b1_all->data_ptr() : nullptr;
+    a.w2 = w2_all.data_ptr();
+    a.b2 = b2_all ? b2_all->data_ptr() : nullptr;
+    a.d_shared_scores = d_shared ? d_shared->data_ptr<float>() : nullptr;
     a.saved = saved.data_ptr();
     a.dout = dout.data_ptr();
     a.d_aux_device = d_aux32 ? d_aux32->data_ptr<float>() : nullptr;
@@ -169,7 +238,7 @@ Grads op_layer_backward(const Tensor& x, const Tensor& router_weight, const Tens
     a.workspace = ws.data_ptr();
     a.weight_grad_dtype = DType::BF16;
     layer_backward(valid, a, at::cuda::getCurrentCUDAStream());
-    return Grads(dx, dwr, dw1, db1, dw2, db2, dbr);
+    return Grads(dx, dwr, dw1, db1, dw2, db2, dbr, d_shared);
   });
 }
 
@@ -179,14 +248,16 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
   m.def("layer_forward(Tensor x, Tensor router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2,"
         " Tensor? selection_bias, int K, str activation, str layout, str routing, bool renormalize,"
         " str rounding, int tile_m, int seed, bool write_h=True, Tensor? router_bias=None,"
-        " float routed_scaling_factor=1.0, int n_group=1, int topk_group=1, float[] glu_clamp=[])"
-        " -> (Tensor, Tensor, Tensor)");
+        " float routed_scaling_factor=1.0, int n_group=1, int topk_group=1, float[] glu_clamp=[],"
+        " Tensor? w1_shared=None, Tensor? b1_shared=None, Tensor? w2_shared=None, Tensor? b2_shared=None,"
+        " Tensor? shared_scores=None) -> (Tensor, Tensor, Tensor)");
   m.def("layer_backward(Tensor x, Tensor router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2,"
         " Tensor saved, Tensor dout, Tensor? d_aux, int K, str activation, str layout, str routing,"
         " bool renormalize, str rounding, int tile_m, Tensor? router_bias=None, float routed_scaling_factor=1.0,"
-        " int n_group=1, int topk_group=1, float[] glu_clamp=[])"
+        " int n_group=1, int topk_group=1, float[] glu_clamp=[], Tensor? w1_shared=None, Tensor? b1_shared=None,"
+        " Tensor? w2_shared=None, Tensor? b2_shared=None, bool has_shared_scores=False)"
         " -> (Tensor dx, Tensor d_router_weight, Tensor dw1, Tensor? db1, Tensor dw2, Tensor? db2,"
-        " Tensor? d_router_bias)");
+        " Tensor? d_router_bias, Tensor? d_shared_scores)");
 }
 
 TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {

@@ -37,10 +37,10 @@ std::vector<int64_t> op_device_info() {
 // direction, and the block an inference forward (write_h = false) returns. No GPU needed.
 std::vector<int64_t> op_layer_workspace_bytes(int64_t T, int64_t d, int64_t n, int64_t E, int64_t K,
                                               const std::string& activation, const std::string& rounding,
-                                              int64_t tile_m) {
+                                              int64_t tile_m, int64_t num_shared) {
   return translate_errors([&] {
     LayerProblem p;
-    p.T = T, p.d = d, p.n = n, p.E = E, p.K = K;
+    p.T = T, p.d = d, p.n = n, p.E = E, p.K = K, p.num_shared = num_shared;
     p.activation = parse_activation(activation);
     p.rounding = parse_token_rounding(rounding);
     p.rounding_tile_m = tile_m;
@@ -57,10 +57,11 @@ std::vector<int64_t> op_layer_workspace_bytes(int64_t T, int64_t d, int64_t n, i
 // size the block from it on symbolic T, so the fake and the C++ planner share one definition.
 // Without write_h the list stops before H (inference). No GPU needed.
 std::vector<int64_t> op_layer_saved_layout(int64_t n, int64_t E, int64_t K, const std::string& activation,
-                                           const std::string& rounding, int64_t tile_m, bool write_h) {
+                                           const std::string& rounding, int64_t tile_m, bool write_h,
+                                           int64_t num_shared) {
   return translate_errors([&] {
     LayerProblem p;  // T = 0 and d = 1 stand for every T and d
-    p.d = 1, p.n = n, p.E = E, p.K = K;
+    p.d = 1, p.n = n, p.E = E, p.K = K, p.num_shared = num_shared;
     p.activation = parse_activation(activation);
     p.rounding = parse_token_rounding(rounding);
     p.rounding_tile_m = tile_m;
@@ -74,10 +75,10 @@ TORCH_LIBRARY(machmoe, m) {
   m.def("layer_kernels_available() -> bool", &op_layer_kernels_available);
   m.def("device_self_test() -> ()", &op_device_self_test);
   m.def("device_info() -> int[]", &op_device_info);
-  m.def("layer_workspace_bytes(int T, int d, int n, int E, int K, str activation, str rounding, int tile_m)"
-        " -> int[]", &op_layer_workspace_bytes);
-  m.def("layer_saved_layout(int n, int E, int K, str activation, str rounding, int tile_m, bool write_h=True)"
-        " -> int[]", &op_layer_saved_layout);
+  m.def("layer_workspace_bytes(int T, int d, int n, int E, int K, str activation, str rounding, int tile_m,"
+        " int num_shared=0) -> int[]", &op_layer_workspace_bytes);
+  m.def("layer_saved_layout(int n, int E, int K, str activation, str rounding, int tile_m, bool write_h=True,"
+        " int num_shared=0) -> int[]", &op_layer_saved_layout);
 }
 
 }  // namespace machmoe::bindings

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -137,6 +138,37 @@ TEST(Validate, RejectsEachBadField) {
   expect_invalid(p, {"glu_clamp"}, "glu_clamp.up_offset NaN");
   p = valid_problem(), p.activation = Activation::ClampedSwiGLU, p.glu_clamp = GluClamp{1.f, 10.f, 0.f, true};
   EXPECT_NO_THROW(validate(p));
+  // Shared experts: a count >= 0, not with token rounding, scores only with shared experts, and
+  // T·(K + S) rows within int32.
+  p = valid_problem(), p.num_shared = -1;
+  expect_invalid(p, {"num_shared"}, "num_shared < 0");
+  p = valid_problem(), p.num_shared = 1, p.rounding = TokenRounding::Nearest;
+  expect_invalid(p, {"num_shared", "token rounding"}, "shared experts with token rounding");
+  p = valid_problem(), p.has_shared_scores = true;
+  expect_invalid(p, {"has_shared_scores"}, "shared scores without shared experts");
+  p = valid_problem(), p.K = 8, p.num_shared = 2, p.T = std::numeric_limits<int32_t>::max() / 9;
+  expect_invalid(p, {"T", "num_shared"}, "T*(K+S) past int32");
+  p = valid_problem(), p.K = 8, p.num_shared = 2, p.has_shared_scores = true, p.T = 1000;
+  EXPECT_NO_THROW(validate(p));
+}
+
+// With S shared experts the layer's rows are T·(K+S) and its expert offsets cover E+S experts:
+// the saved block grows by exactly the S extra rows' H, score and indices, the offsets and the
+// router's own [T, K] scores.
+TEST(PlanWorkspace, SharedExpertsAddTheirRows) {
+  LayerProblem p = valid_problem();
+  p.T = 1000, p.E = 64, p.K = 8;
+  const WorkspacePlan base = plan_workspace(p);
+  p.num_shared = 2;
+  const WorkspacePlan shared = plan_workspace(p);
+  const int64_t n1 = is_glu(p.activation) ? 2 * p.n : p.n;
+  const int64_t extra_rows = p.T * p.num_shared;
+  const int64_t want = extra_rows * (n1 * 2 + 12) + p.num_shared * 4 + p.T * p.K * 4;
+  const int64_t got = static_cast<int64_t>(shared.saved_bytes) - static_cast<int64_t>(base.saved_bytes);
+  EXPECT_GE(got, want);
+  EXPECT_LE(got, want + 5 * 256) << "alignment padding of the five parts that changed at most";
+  EXPECT_GT(shared.forward_workspace_bytes, base.forward_workspace_bytes);
+  EXPECT_GT(shared.backward_workspace_bytes, base.backward_workspace_bytes);
 }
 
 // ---------------------------------------------------------------- workspace planning

@@ -33,6 +33,11 @@ def _op_cases():
     layer = (t["x"], t["router_weight"], t["w1"], t["b1"], t["w2"], t["b2"], None, K, "swiglu", "interleaved",
              "softmax_topk", True, "none", 128, 0)
     _, _, saved = m.layer_forward(*layer)
+    # Two shared experts in the routed launch (separate tensors: the op concatenates them), gated.
+    shared = (torch.randn(2, 2 * n, d, device="cuda").bfloat16(), torch.randn(2, 2 * n, device="cuda").bfloat16(),
+              torch.randn(2, d, n, device="cuda").bfloat16(), torch.randn(2, d, device="cuda").bfloat16())
+    layer_shared = layer + (True, None, 1.0, 1, 1, []) + shared + (torch.rand(T, device="cuda"),)
+    _, _, saved_shared = m.layer_forward(*layer_shared)
     dout = torch.randn(T, d, device="cuda").bfloat16()
     tok = torch.arange(T, device="cuda", dtype=torch.int32).repeat_interleave(K)
     exp = experts.flatten().contiguous()
@@ -59,6 +64,9 @@ def _op_cases():
         ("layer_forward", layer),
         ("layer_forward", layer + (False,)),
         ("layer_backward", layer[:6] + (saved, dout, torch.ones((), device="cuda")) + layer[7:14]),
+        ("layer_forward", layer_shared),
+        ("layer_backward", layer[:6] + (saved_shared, dout, torch.ones((), device="cuda")) + layer[7:14]
+         + (None, 1.0, 1, 1, []) + shared + (True,)),
         ("experts_forward", general + (pair_scores, tok, exp, "swiglu", "interleaved")),
         ("experts_backward", general + (tok, exp, g_saved, dout, "swiglu", "interleaved")),
         ("experts_backward_data", general + (tok, exp, g_saved, dout, "swiglu", "interleaved")),

@@ -131,3 +131,69 @@ def test_shared_experts_refuse_a_bad_gate_shape():
     t = random_case(T=4, d=16, n=8, S=1, bias=False, gate=False, seed=0)
     with pytest.raises(ValueError, match=r"gate_weight must have shape \[1, 16\]"):
         shared_experts(t["x"], t["w1"], t["w2"], gate_weight=torch.zeros(2, 16, dtype=torch.float64))
+
+
+def test_moe_packs_shared_experts_after_the_routed_ones():
+    """The module places shared_c_fc.weight right after c_fc.weight in memory (and so on), also
+    after .to(): the kernels then read [E+S, ...] without a copy. Values, parameters and the
+    state_dict are unchanged by it."""
+    torch.manual_seed(0)
+    layer = machmoe.MoE(4, 2, 16, 8, num_shared_experts=2, add_bias=True, backend="torch")
+
+    def adjacent(a, b):
+        return a.is_contiguous() and a.data_ptr() + a.numel() * a.element_size() == b.data_ptr()
+
+    for routed, shared in ((layer.c_fc, layer.shared_c_fc), (layer.c_proj, layer.shared_c_proj)):
+        assert adjacent(routed.weight, shared.weight) and adjacent(routed.bias, shared.bias)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    params = dict(layer.named_parameters())
+    layer = layer.double()
+    assert all(params[k] is p for k, p in layer.named_parameters())  # the same Parameter objects
+    for routed, shared in ((layer.c_fc, layer.shared_c_fc), (layer.c_proj, layer.shared_c_proj)):
+        assert routed.weight.dtype == torch.float64
+        assert adjacent(routed.weight, shared.weight) and adjacent(routed.bias, shared.bias)
+    after = layer.state_dict()
+    assert after.keys() == before.keys()
+    for k in before:
+        torch.testing.assert_close(after[k], before[k].to(after[k].dtype), rtol=0, atol=0)
+    # A state_dict loads into the packed parameters in place.
+    other = machmoe.MoE(4, 2, 16, 8, num_shared_experts=2, add_bias=True, backend="torch").double()
+    other.load_state_dict(after)
+    assert adjacent(other.c_fc.weight, other.shared_c_fc.weight)
+    torch.testing.assert_close(other.shared_c_fc.weight, layer.shared_c_fc.weight, rtol=0, atol=0)
+
+
+def test_functional_moe_with_shared_experts_is_routed_plus_shared():
+    t = random_case(T=7, d=16, n=8, S=2, bias=True, gate=True, seed=3)
+    E, K = 4, 2
+    g = torch.Generator().manual_seed(4)
+    wr = torch.randn(E, 16, generator=g, dtype=torch.float64)
+    w1 = torch.randn(E, 16, 16, generator=g, dtype=torch.float64) * 0.2
+    w2 = torch.randn(E, 16, 8, generator=g, dtype=torch.float64) * 0.2
+    out, aux = machmoe.functional.moe(t["x"], wr, w1, w2, num_experts_per_tok=K, backend="torch",
+                                      shared_w1=t["w1"], shared_w2=t["w2"], shared_b1=t["b1"], shared_b2=t["b2"],
+                                      shared_gate=t["gate"])
+    routed, aux_routed = machmoe.functional.moe(t["x"], wr, w1, w2, num_experts_per_tok=K, backend="torch")
+    shared = formula(t["x"], t["w1"], t["w2"], t["b1"], t["b2"], t["gate"], "interleaved")
+    torch.testing.assert_close(out, routed + shared, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(aux, aux_routed)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"shared_w2": None}, "shared_w1 and shared_w2 must both be given"),
+    ({"shared_w1": None, "shared_w2": None, "shared_gate": "keep"}, "shared_w1 and shared_w2 must both be given"),
+    ({"shared_w1": "bad"}, r"shared experts \(shared_w1.*w1 must have shape"),
+    ({"shared_gate": "bad"}, r"shared experts \(shared_w1.*gate_weight must have shape \[1, 16\]"),
+])
+def test_functional_moe_names_bad_shared_arguments(change, match):
+    t = random_case(T=5, d=16, n=8, S=1, bias=False, gate=True, seed=5)
+    wr = torch.randn(4, 16, dtype=torch.float64)
+    w1 = torch.randn(4, 16, 16, dtype=torch.float64)
+    w2 = torch.randn(4, 16, 8, dtype=torch.float64)
+    kwargs = {"shared_w1": t["w1"], "shared_w2": t["w2"], "shared_gate": t["gate"]}
+    bad = {"shared_w1": torch.zeros(1, 15, 16, dtype=torch.float64),
+           "shared_gate": torch.zeros(2, 16, dtype=torch.float64)}
+    for k, v in change.items():
+        kwargs[k] = bad[k] if v == "bad" else (kwargs[k] if v == "keep" else v)
+    with pytest.raises(ValueError, match=match):
+        machmoe.functional.moe(t["x"], wr, w1, w2, num_experts_per_tok=2, backend="torch", **kwargs)

@@ -77,22 +77,28 @@ VARIANTS: tuple[Variant, ...] = (
 
 def _layer_call(inputs, variant: Variant, shared_params: list) -> Callable:
     from machmoe import functional
-    from machmoe.shared_experts import shared_experts
 
     cfg = inputs.cfg
     kwargs = variant.kwargs(cfg.E)
+    if variant.shared:
+        kwargs.update(shared_w1=shared_params[0], shared_w2=shared_params[1],
+                      shared_gate=shared_params[2] if variant.shared_gate else None)
 
     def call(x):
-        out, aux = functional.moe(x, inputs.router_weight, inputs.w1, inputs.w2, num_experts_per_tok=cfg.K,
-                                  backend="machmoe", **kwargs)
-        if variant.shared:
-            w1s, w2s = shared_params[0], shared_params[1]
-            gate = shared_params[2] if variant.shared_gate else None
-            out = out + shared_experts(x, w1s, w2s, gate_weight=gate, layout=kwargs.get("layout", "interleaved"),
-                                       backend="machmoe")
-        return out, aux
+        return functional.moe(x, inputs.router_weight, inputs.w1, inputs.w2, num_experts_per_tok=cfg.K,
+                              backend="machmoe", **kwargs)
 
     return call
+
+
+def _packed(routed, shared):
+    """Leaf copies of routed [E, ...] and shared [S, ...] weights in one allocation, as machmoe.MoE
+    places them (the kernels then read [E+S, ...] without a copy)."""
+    import torch
+
+    block = torch.cat([routed.detach(), shared])
+    return (block[: routed.shape[0]].detach().requires_grad_(True),
+            block[routed.shape[0]:].detach().requires_grad_(True))
 
 
 def run_config(cfg, variants, min_reps: int, seed: int) -> list[dict]:
@@ -111,6 +117,8 @@ def run_config(cfg, variants, min_reps: int, seed: int) -> list[dict]:
                 torch.empty(v.shared, cfg.d, cfg.n, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02, generator=g),
                 torch.empty(1, cfg.d, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02, generator=g),
             ][: 3 if v.shared_gate else 2]
+            inputs.w1, shared_params[0] = _packed(inputs.w1, shared_params[0])
+            inputs.w2, shared_params[1] = _packed(inputs.w2, shared_params[1])
             for p in shared_params:
                 p.requires_grad_(True)
             inputs.extra_params = shared_params

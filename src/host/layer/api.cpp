@@ -57,10 +57,17 @@ ValidLayerProblem validate(const LayerProblem& p) {
   }
   require(p.rounding == TokenRounding::None || (p.routed_scaling_factor == 1.0 && p.n_group == 1), "rounding",
           "token rounding takes no routed_scaling_factor (must be 1) and no group-limited selection (n_group 1)");
+  // Shared experts: experts E..E+S-1 of the weights, in every token's list after its K routed pairs.
+  require(p.num_shared >= 0 && p.num_shared <= (int64_t{1} << 30) - p.E, "num_shared",
+          "must be in [0, 2^30 - E], got " + std::to_string(p.num_shared));
+  require(p.num_shared == 0 || p.rounding == TokenRounding::None, "num_shared",
+          "shared experts are not available with token rounding (rounding must be none)");
+  require(!p.has_shared_scores || p.num_shared >= 1, "has_shared_scores", "needs num_shared >= 1");
   // Row indices are int32 on the device; element offsets are 64-bit.
-  require(p.T <= std::numeric_limits<int32_t>::max() / p.K, "T",
-          "T*K must fit in int32 (rows are indexed by int32), got T=" + std::to_string(p.T) +
-              ", K=" + std::to_string(p.K));
+  const int64_t pairs_per_token = p.K + p.num_shared;
+  require(p.T <= std::numeric_limits<int32_t>::max() / pairs_per_token, "T",
+          "T*(K + num_shared) must fit in int32 (rows are indexed by int32), got T=" + std::to_string(p.T) +
+              ", K=" + std::to_string(p.K) + ", num_shared=" + std::to_string(p.num_shared));
   return ValidLayerProblem(p);
 }
 

@@ -11,6 +11,7 @@
 #include "host/layer/call_rules.hpp"
 #include "host/layer/experts_internal.hpp"
 #include "host/layer/layer_layout.hpp"
+#include "host/layer/shared_pairs.hpp"
 #include "host/routing/routing_internal.hpp"
 #include "kernels/routing/aux_loss.cuh"
 #include "machmoe/machmoe.hpp"
@@ -54,6 +55,10 @@ void layer_forward(const ValidLayerProblem& valid, const LayerForwardArgs& a, cu
   require_arg(a.selection_bias == nullptr || is_gate_routing(p.routing), fn, "selection_bias",
               "is only used with routing=sigmoid or sqrt_softplus");
   detail::require_given_exactly_when(p.has_router_bias, "has_router_bias", fn, {{"router_bias", a.router_bias}});
+  // [T]: empty (and so possibly null) when T = 0.
+  if (p.T > 0)
+    detail::require_given_exactly_when(p.has_shared_scores, "has_shared_scores", fn,
+                                       {{"shared_scores", a.shared_scores}});
   detail::require_block_aligned(fn, {{"saved", a.saved}, {"workspace", a.workspace}});
   detail::require_row_aligned(fn, {{"x", a.x}, {"w1", a.w1}, {"w2", a.w2}, {"b2", a.b2}});
   const LayerLayout L(valid);
@@ -68,7 +73,8 @@ void layer_forward(const ValidLayerProblem& valid, const LayerForwardArgs& a, cu
   int32_t* experts = at<int32_t>(w, L.experts);  // workspace: the backward rebuilds it
   int32_t* expert_offsets = at<int32_t>(s, L.expert_offsets);
   const bool rounded = p.rounding != TokenRounding::None;
-  const int64_t R = L.R;  // T·K, or the rounded list's capacity (its length stays on the device)
+  const int64_t R = L.R;  // T·(K+S), or the rounded list's capacity (its length stays on the device)
+  const bool shared = p.num_shared > 0;
 
   if (p.has_router_bias) detail::router_bias_broadcast(a.router_bias, p.T, p.E, logits, stream);
   router_gemm(a.x, a.router_weight, logits, p.T, p.E, p.d, p.has_router_bias, at<void>(w, L.cublas),
@@ -86,9 +92,17 @@ void layer_forward(const ValidLayerProblem& valid, const LayerForwardArgs& a, cu
                 "the router kernel's aux partial sums use the aux loss's token blocks");
   bool have_aux_partials = false;
   if (!rounded) {
+    // With shared experts the router writes its own [T, K] arrays, and the list [T, K+S] appends
+    // each token's S shared pairs to them.
+    float* router_scores = shared ? at<float>(s, L.router_scores) : scores;
+    int32_t* router_experts = shared ? at<int32_t>(w, L.router_experts) : experts;
     have_aux_partials = detail::topk_router_with_aux(logits, p.T, p.E, p.K, p.routing, p.renormalize,
-                                                     router_options(p), a.selection_bias, scores, experts, aux_partials, stream);
-    r.list.K = p.K;
+                                                     router_options(p), a.selection_bias, router_scores,
+                                                     router_experts, aux_partials, stream);
+    if (shared)
+      detail::append_shared_pairs(router_scores, router_experts, a.shared_scores, p.T, p.K, p.num_shared, p.E,
+                                  scores, experts, stream);
+    r.list.K = p.K + p.num_shared;
   } else {
     TokenRoundingOutputs tr;
     tr.topk_scores = at<float>(s, L.topk_scores);

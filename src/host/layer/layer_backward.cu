@@ -16,6 +16,7 @@
 #include "host/layer/call_rules.hpp"
 #include "host/layer/experts_internal.hpp"
 #include "host/layer/layer_layout.hpp"
+#include "host/layer/shared_pairs.hpp"
 #include "host/routing/routing_internal.hpp"
 #include "kernels/routing/aux_loss.cuh"
 #include "kernels/layer/layer_backward.cuh"
@@ -49,6 +50,10 @@ void check_args(const ValidLayerProblem& valid, const LayerBackwardArgs& a) {
   detail::require_given_exactly_when(p.has_bias, "has_bias", fn,
                                      {{"b1", a.b1}, {"b2", a.b2}, {"db1", a.db1}, {"db2", a.db2}});
   detail::require_given_exactly_when(p.has_router_bias, "has_router_bias", fn, {{"d_router_bias", a.d_router_bias}});
+  // [T]: empty (and so possibly null) when T = 0.
+  if (p.T > 0)
+    detail::require_given_exactly_when(p.has_shared_scores, "has_shared_scores", fn,
+                                       {{"d_shared_scores", a.d_shared_scores}});
   detail::require_weight_grad_dtype(a.weight_grad_dtype, fn);
   detail::require_block_aligned(fn, {{"saved", a.saved}, {"workspace", a.workspace}});
   detail::require_row_aligned(fn, {{"x", a.x}, {"router_weight", a.router_weight}, {"w1", a.w1}, {"w2", a.w2},
@@ -62,7 +67,9 @@ void layer_backward(const ValidLayerProblem& valid, const LayerBackwardArgs& a, 
   const LayerProblem& p = *valid;
   check_args(valid, a);
   const LayerLayout L(valid);
-  const int64_t R = L.R;  // T·K, or the rounded list's capacity
+  const int64_t R = L.R;  // T·(K+S), or the rounded list's capacity
+  const bool shared = p.num_shared > 0;
+  const int64_t weight_E = weight_experts(p);  // routed + shared
   if (p.T == 0) {  // no token: every gradient is zero (dx is empty)
     check_cuda(cudaMemsetAsync(a.d_router_weight, 0, static_cast<size_t>(p.E * p.d * dtype_size(a.weight_grad_dtype)),
                                stream),
@@ -83,7 +90,7 @@ void layer_backward(const ValidLayerProblem& valid, const LayerBackwardArgs& a, 
   // Each pair's expert, rebuilt (not saved): the expert whose rows hold the pair's row.
   int32_t* experts = at<int32_t>(w, L.b_experts);
   kernels::bwd_pair_experts<kThreads><<<blocks_for(R, kThreads), kThreads, 0, stream>>>(
-      at<int32_t>(s, L.pair_row), expert_offsets, static_cast<int>(p.E), R, experts);
+      at<int32_t>(s, L.pair_row), expert_offsets, static_cast<int>(weight_E), R, experts);
   check_launch("layer_backward: pair experts");
   float* d_scores = at<float>(w, L.d_scores);
   float* d_logits = at<float>(w, L.d_logits);
@@ -96,7 +103,7 @@ void layer_backward(const ValidLayerProblem& valid, const LayerBackwardArgs& a, 
   r.list.token = rounded ? at<int32_t>(s, L.list_token) : nullptr;
   r.list.scores = scores;
   r.list.pairs = R;
-  r.list.K = p.K;
+  r.list.K = p.K + p.num_shared;
   r.x = a.x, r.w1 = a.w1, r.w2 = a.w2, r.b2 = a.b2, r.dout = a.dout;
   r.h = at<void>(s, L.h);
   r.expert_offsets = expert_offsets;
@@ -128,8 +135,20 @@ void layer_backward(const ValidLayerProblem& valid, const LayerBackwardArgs& a, 
     // 4. Router backward: d scores -> d_logits [T, E] fp32 (every element written), and for top-K
     //    its bf16 copy in the same pass (the aux step below rewrites both where it adds).
     if (!rounded) {
-      detail::topk_router_backward_bf16(logits, scores, experts, d_scores, p.T, p.E, p.K, p.routing, p.renormalize,
-                                        router_options(p), d_logits, d_logits_bf16, stream);
+      // With shared experts: the router's [T, K] experts and d scores out of the list's [T, K+S],
+      // and the shared pairs' d scores summed per token into d_shared_scores.
+      const float* router_scores = scores;
+      const int32_t* router_experts = experts;
+      const float* router_d_scores = d_scores;
+      if (shared) {
+        int32_t* e = at<int32_t>(w, L.b_router_experts);
+        float* ds = at<float>(w, L.b_router_d_scores);
+        detail::split_shared_pairs(experts, d_scores, p.T, p.K, p.num_shared, e, ds, a.d_shared_scores, stream);
+        router_scores = at<float>(s, L.router_scores), router_experts = e, router_d_scores = ds;
+      }
+      detail::topk_router_backward_bf16(logits, router_scores, router_experts, router_d_scores, p.T, p.E, p.K,
+                                        p.routing, p.renormalize, router_options(p), d_logits, d_logits_bf16,
+                                        stream);
     } else {
       token_rounding_backward(logits, at<float>(s, L.topk_scores), at<int32_t>(s, L.topk_experts), r.token_offsets,
                               experts, at<uint8_t>(s, L.list_padded), d_scores, p.T, p.E, p.K, d_logits, stream);

@@ -38,7 +38,11 @@ const T* at(const void* base, size_t off) {
   return reinterpret_cast<const T*>(static_cast<const char*>(base) + off);
 }
 
-// The shapes the expert part of a layer call needs (from a LayerProblem or an ExpertsProblem).
+// Experts in the weights of an experts call (a layer's: machmoe.hpp, routed + shared).
+inline int64_t weight_experts(const ExpertsProblem& p) { return p.E; }
+
+// The shapes the expert part of a layer call needs (from a LayerProblem or an ExpertsProblem); E
+// counts every expert in the weights (a layer's shared experts too).
 struct ExpertsShape {
   int64_t T = 0, d = 0, n = 0, n1 = 0, E = 0;  // n1 = columns of H (2n for GLU activations)
   Activation activation = Activation::SwiGLU;
@@ -50,7 +54,7 @@ struct ExpertsShape {
 template <typename Problem>  // LayerProblem or ExpertsProblem
 ExpertsShape experts_shape(const Problem& p) {
   ExpertsShape s;
-  s.T = p.T, s.d = p.d, s.n = p.n, s.n1 = is_glu(p.activation) ? 2 * p.n : p.n, s.E = p.E;
+  s.T = p.T, s.d = p.d, s.n = p.n, s.n1 = is_glu(p.activation) ? 2 * p.n : p.n, s.E = weight_experts(p);
   s.activation = p.activation, s.glu_clamp = p.glu_clamp, s.layout = p.layout, s.has_bias = p.has_bias;
   s.elem = static_cast<size_t>(dtype_size(p.dtype));
   return s;
@@ -137,6 +141,7 @@ struct LayerLayout {
   // are used with token rounding only
   size_t scores, expert_offsets, row_pair, pair_row, logits;
   size_t list_token, list_padded, topk_scores, topk_experts, list_token_offsets, count_topk, count_rounded;
+  size_t router_scores;  // shared experts only: the router's [T, K] (the list is [T, K+S])
   size_t h;
   size_t saved_bytes;
   size_t inference_saved_bytes;  // everything before H (carved last): enough when H is not written
@@ -144,11 +149,13 @@ struct LayerLayout {
   // the aggregation's pair offsets, the aux loss's partial sums, cuBLAS, token rounding
   ExpertsForwardScratch fwd;
   size_t experts, token_offsets, aux_partials, aux_colsum, cublas, rounding = 0;
+  size_t router_experts = 0;  // shared experts only: the router's [T, K] int32
   size_t forward_bytes;
   // backward workspace: the expert part's scratch (host/layer/experts_backward.cu), the top-K list's
   // token offsets t·K, the d scores, the router's gradients and scratch (layer_backward.cu)
   ExpertsBackwardScratch bwd;
   size_t b_experts, b_token_offsets, d_scores, d_logits, d_logits_bf16, b_cublas, b_aux_partials, aux_grad;
+  size_t b_router_experts = 0, b_router_d_scores = 0;  // shared experts only: the router's [T, K]
   size_t backward_bytes;
 
   static constexpr int kAuxTokensPerBlock = 64;
@@ -174,6 +181,7 @@ struct LayerLayout {
     topk_scores = off[kLayerTopkScores], topk_experts = off[kLayerTopkExperts];
     list_token_offsets = off[kLayerListTokenOffsets];
     count_topk = off[kLayerCountTopk], count_rounded = off[kLayerCountRounded];
+    router_scores = off[kLayerRouterScores];
     h = off[kLayerH];
 
     Carve f;
@@ -185,6 +193,8 @@ struct LayerLayout {
     aux_colsum = f.take(E * 4);
     cublas = f.take(kCublasWorkspace);
     if (p.rounding != TokenRounding::None) rounding = f.take(token_rounding_workspace_bytes(p.T, p.E, p.K));
+    const size_t topk = T * static_cast<size_t>(p.K);
+    if (p.num_shared > 0) router_experts = f.take(topk * 4);
     forward_bytes = f.bytes;
 
     Carve b;
@@ -197,6 +207,10 @@ struct LayerLayout {
     b_cublas = b.take(kCublasWorkspace);
     b_aux_partials = b.take(aux_blocks * E * 4);  // [aux blocks, E] fp32 column sums of P
     aux_grad = b.take((E + 1) * 4);               // [E] ∂loss/∂colsum, then a skip flag
+    if (p.num_shared > 0) {
+      b_router_experts = b.take(topk * 4);   // [T, K] int32
+      b_router_d_scores = b.take(topk * 4);  // [T, K] fp32
+    }
     backward_bytes = b.bytes;
   }
 };

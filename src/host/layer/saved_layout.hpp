@@ -66,6 +66,9 @@ enum LayerSavedPart : int {
   kLayerListTokenOffsets,  //   its per-token offsets [T+1] int32,
   kLayerCountTopk,         //   the expert offsets of the top-K list [E+1] int32,
   kLayerCountRounded,      //   and the per-expert counts after rounding [E] int32
+  kLayerRouterScores,      // shared experts only (else empty): the router's top-K scores [T, K]
+                           //   fp32 (the list's [T, K+S] holds them too, strided; the router's
+                           //   backward reads them dense)
   kLayerH,                 // [R, n1] in the data dtype
   kLayerSavedParts
 };
@@ -80,10 +83,11 @@ inline LayerSavedTerms layer_saved_terms(const ValidLayerProblem& valid) {
   const int64_t es = dtype_size(p.dtype), n1 = is_glu(p.activation) ? 2 * p.n : p.n;
   const bool rounded = p.rounding != TokenRounding::None;
   LayerSavedTerms t;
-  t.rows = rounded ? token_rounding_rows(p.E, p.K, p.rounding_tile_m) : LayerRows{p.K, 0, 0};
+  // A top-K list holds K + num_shared pairs per token (the shared experts' after the routed ones).
+  t.rows = rounded ? token_rounding_rows(p.E, p.K, p.rounding_tile_m) : LayerRows{p.K + p.num_shared, 0, 0};
   auto& s = t.parts;  // {per_row, per_token, fixed}
   s[kLayerScores] = {4, 0, 0};
-  s[kLayerExpertOffsets] = {0, 0, (p.E + 1) * 4};
+  s[kLayerExpertOffsets] = {0, 0, (weight_experts(p) + 1) * 4};
   s[kLayerRowPair] = {4, 0, 0};
   s[kLayerPairRow] = {4, 0, 0};
   s[kLayerLogits] = {0, p.E * 4, 0};
@@ -96,6 +100,7 @@ inline LayerSavedTerms layer_saved_terms(const ValidLayerProblem& valid) {
     s[kLayerCountTopk] = {0, 0, (p.E + 1) * 4};
     s[kLayerCountRounded] = {0, 0, p.E * 4};
   }
+  if (p.num_shared > 0) s[kLayerRouterScores] = {0, p.K * 4, 0};
   s[kLayerH] = {n1 * es, 0, 0};
   return t;
 }

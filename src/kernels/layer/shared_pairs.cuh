@@ -1,0 +1,63 @@
+// Shared experts in the routed launch (host/layer/shared_pairs.cu): the layer's list of pairs is
+// each token's K routed pairs followed by its S shared pairs, so one routing metadata, one set of
+// expert GEMMs and one aggregation serve both kinds of expert. Shapes: T tokens, K routed and S
+// shared experts per token, E routed experts (the shared ones are experts E..E+S-1 of the weights).
+//   append_shared_pairs  the router's top-K [T, K] -> the list [T, K+S] (forward)
+//   split_shared_pairs   the list's d scores [T, K+S] -> the router's [T, K] and the shared
+//                        experts' gate gradient [T] (backward)
+// Templates only: a non-template __global__ in a header included by two TUs would clash at link.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/common.cuh"
+
+namespace machmoe::kernels {
+
+// list_scores / list_experts [T, K+S]: row t = the router's K pairs of token t (scores [T, K],
+// experts [T, K]), then experts E..E+S-1 with score shared_scores[t] (fp32, Qwen's sigmoid gate)
+// or 1 when shared_scores is null. One thread per list entry.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads)
+    append_shared_pairs(const float* scores, const int32_t* experts, const float* shared_scores, int64_t T, int K,
+                        int S, int E, float* list_scores, int32_t* list_experts) {
+  const int W = K + S;
+  const int64_t total = T * W, stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < total; i += stride) {
+    const int64_t t = i / W;
+    const int k = static_cast<int>(i - t * W);
+    if (k < K) {
+      list_scores[i] = scores[t * K + k];
+      list_experts[i] = experts[t * K + k];
+    } else {
+      list_scores[i] = shared_scores != nullptr ? shared_scores[t] : 1.f;
+      list_experts[i] = E + (k - K);
+    }
+  }
+}
+
+// The inverse for the backward: the router's experts [T, K] and d scores [T, K] back out of the
+// list's [T, K+S], and d_shared[t] = Σ_s d_list[t, K+s] (the gate is one value per token that
+// weights all S shared pairs; summed in s order: deterministic), skipped when d_shared is null.
+// One thread per token.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads)
+    split_shared_pairs(const int32_t* list_experts, const float* list_d_scores, int64_t T, int K, int S,
+                       int32_t* experts, float* d_scores, float* d_shared) {
+  const int W = K + S;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; t < T; t += stride) {
+    const int64_t in = t * W, out = t * K;
+    for (int k = 0; k < K; ++k) {
+      experts[out + k] = list_experts[in + k];
+      d_scores[out + k] = list_d_scores[in + k];
+    }
+    if (d_shared != nullptr) {
+      float sum = 0.f;
+      for (int s = 0; s < S; ++s) sum += list_d_scores[in + K + s];
+      d_shared[t] = sum;
+    }
+  }
+}
+
+}  // namespace machmoe::kernels
