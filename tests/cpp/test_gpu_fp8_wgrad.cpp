@@ -6,11 +6,14 @@
 // Tolerance, derived as for the forward FP8 GEMM (test_gpu_fp8_gemm.cpp). Per element, with
 // abs = Σ_k |a_k·b_k| (float64, dequantised):
 //   - the output rounding: <= 2^-9·|c| for bf16, 2^-24·|c| for fp32;
-//   - the accumulation: each 128-deep chunk is summed by the tensor cores in four k32 steps, each
-//     losing at most 2^-13 of its terms' Σ|·| (FP8 accumulation keeps ~14 bits, DeepSeek-V3
-//     §3.3), then promoted in fp32 (~2^-24 per chunk): <= 2^-11·abs in all.
-//   |got - c| <= 2·(u·|c| + 2^-11·abs), a factor 2 of margin; normwise the same with the norms.
-//   The tests print the normwise error and the worst |got - c| / abs, to tighten it once measured.
+//   - the accumulation: each 128-deep chunk is summed by the tensor cores in four k32 steps. FP8
+//     accumulation keeps ~13-14 bits (DeepSeek-V3 §3.3), and it truncates each product aligned to
+//     the step's largest term, so a step of 32 products loses up to 32·2^-13 = 2^-8 of its largest
+//     term, not of their sum; the chunk is then promoted in fp32 (~2^-24): <= 2^-8·abs per element
+//     in the worst case. Measured on an H200 with the structured data (products spanning 2^18):
+//     up to 1.3e-3·abs (2^-9.6), above a bound of 2^-13 of each step's sum (2·2^-11·abs in all).
+//   |got - c| <= 2·u·|c| + 2^-8·abs per element (the worst case, no further margin); normwise
+//   2·(u + 2^-11·|abs|/|c|), where the per-element errors average out.
 // An expert without chunks must give exact zeros (c = abs = 0: tolerance 0).
 // A misapplied scale (a chunk's scale taken from the next chunk) changes a chunk's contribution
 // by a factor >= 2 in the structured cases, where every (chunk, column) of both operands has its
@@ -153,7 +156,7 @@ WgradRef reference(const WgradData& d, const std::vector<float>& sa, const std::
   std::string first;
   for (size_t i = 0; i < want.c.size(); ++i) {
     const double c = want.c[i], a = want.abs[i], err = std::fabs(got[i] - c);
-    const double tol = 2 * (u * std::fabs(c) + std::ldexp(a, -11));
+    const double tol = 2 * u * std::fabs(c) + std::ldexp(a, -8);
     if (!std::isfinite(got[i]) || !(err <= tol)) {
       if (bad++ == 0) {
         const int64_t e = static_cast<int64_t>(i) / (want.M * want.N), mn = static_cast<int64_t>(i) % (want.M * want.N);

@@ -502,8 +502,9 @@ def test_fp8_experts_forward_within_e4m3s_error(name, d, n):
 def test_grouped_wgrad_fp8_against_float64(name, d, n, out_dtype, transpose_c):
     # dW1ᵀ = xᵀ·dH as the FP8 backward would run it: x's rows gathered by token and dH, both
     # quantised along each expert's 128-row chunks (fp8_quantize_columns, the same offsets), then
-    # the weight-gradient GEMM; against float64 on the dequantised operands with the forward
-    # GEMM's accumulation tolerance (plus bf16 output rounding).
+    # the weight-gradient GEMM; against float64 on the dequantised operands with the worst-case
+    # accumulation bound of tests/cpp/test_gpu_fp8_wgrad.cpp: 2^-8·Σ|a·b| per element (truncated
+    # k32 steps; measured up to 1.3e-3·Σ|a·b| on these operands), plus bf16 output rounding.
     m = ops()
     E, R, T = len(COUNTS), sum(COUNTS), 600
     x, dh = structured(T, d), structured(R, 2 * n) * 0.1
@@ -520,7 +521,7 @@ def test_grouped_wgrad_fp8_against_float64(name, d, n, out_dtype, transpose_c):
         cols = slice(TILE * cl[e], TILE * cl[e + 1])
         want, absum = xd[:, cols] @ hd[:, cols].T, xd[:, cols].abs() @ hd[:, cols].abs().T
         rounding = 2.0 ** -9 * want.abs() if out_dtype == torch.bfloat16 else 0
-        bad = ~((got[e] - want).abs() <= 2 * (rounding + 2.0 ** -11 * absum))
+        bad = ~((got[e] - want).abs() <= 2 * rounding + 2.0 ** -8 * absum)
         assert not bad.any(), f"{name} expert {e}: {int(bad.sum())} elements outside the tolerance"
 
 
