@@ -83,3 +83,8 @@ class FP8WeightCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def __getstate__(self) -> dict:
+        """A copy (copy.deepcopy, pickling a module that holds the cache) starts empty: its
+        entries hold weak references, and a copy's weights are other tensors anyway."""
+        return {"_quantize": self._quantize, "_entries": {}}

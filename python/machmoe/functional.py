@@ -25,6 +25,7 @@ from .enums import (
     Backend,
     GateUpLayout,
     GluClamp,
+    Precision,
     RoutingMethod,
     TokenRounding,
     is_gate_routing,
@@ -32,6 +33,7 @@ from .enums import (
     parse_enum,
     resolve_glu_clamp,
 )
+from .fp8_weights import FP8WeightCache
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -316,6 +318,8 @@ def moe(
     n_group: int = 1,
     topk_group: int = 1,
     glu_clamp: Optional[GluClamp] = None,
+    precision: Union[Precision, str] = Precision.BF16,
+    fp8_cache: Optional[FP8WeightCache] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE layer (router, top-K routing, experts, weighted sum) -> (out, aux_loss).
 
@@ -362,6 +366,11 @@ def moe(
         glu_clamp: the parameters of activation "clamped_swiglu" (a machmoe.GluClamp; None:
             gpt-oss's, GluClamp()); GluClamp.deepseek_v4(limit) and GluClamp.post_activation(limit)
             give the other variants. Other activations take none.
+        precision: "bf16" (default) or "fp8": the experts' GEMMs in E4M3 with DeepSeek-V3's tile
+            scaling, the router in fp32 (machmoe.fp8_layer; bfloat16 tensors, swiglu,
+            interleaved, no biases, no token rounding, d and n multiples of 16).
+        fp8_cache: with precision="fp8", the FP8WeightCache of the weights' FP8 copies (None: one
+            for the process); remade when a weight changes.
 
     Returns:
         out: [T, d] in x's dtype.
@@ -387,6 +396,11 @@ def moe(
         _shape(router_bias, "router_bias", (E,), "[E]")
     _same_dtype(weights, "x")
     _same_device({**weights, "selection_bias": selection_bias}, "x")
+    if parse_enum(Precision, precision, "precision") == Precision.FP8 or fp8_cache is not None:
+        from . import fp8_layer
+
+        return fp8_layer.moe(precision, fp8_cache, backend, x, router_weight, w1, b1, w2, b2, K, activation, layout,
+                             routing, renormalize, selection_bias, rounding, router_bias, options)
 
     if resolve_backend(backend, x, d, w2.shape[2]) == Backend.MACHMOE:
         from . import machmoe_backend
