@@ -86,12 +86,16 @@ def test_quantisers_by_hand():
 
 
 # ---------------------------------------------------------------- the layer against float64
-def layer_inputs(T, d, n, E, K, routing):
-    """bf16 inputs with the last expert never chosen (router bias -30: an expert with no rows) and
-    no token near a top-K tie (the fp32 router could choose differently from float64's)."""
-    t = {"x": torch.randn(T, d).bfloat16(), "router_weight": (torch.randn(E, d) * 0.05).bfloat16(),
-         "router_bias": (torch.randn(E) * 0.1).bfloat16(),
-         "w1": (torch.randn(E, 2 * n, d) / d ** 0.5).bfloat16(), "w2": (torch.randn(E, d, n) / n ** 0.5).bfloat16()}
+def layer_inputs(T, d, n, E, K, routing, device="cpu"):
+    """(bf16 inputs, dout) with the last expert never chosen (router bias -30: an expert with no
+    rows) and no token near a top-K tie (the fp32 router could choose differently from float64's:
+    keys within 1e-4, ~100x the fp32 router's error at d = 4096, are redrawn)."""
+    def randn(*shape):
+        return torch.randn(*shape, device=device)
+
+    t = {"x": randn(T, d).bfloat16(), "router_weight": (randn(E, d) * 0.05).bfloat16(),
+         "router_bias": (randn(E) * 0.1).bfloat16(),
+         "w1": (randn(E, 2 * n, d) / d ** 0.5).bfloat16(), "w2": (randn(E, d, n) / n ** 0.5).bfloat16()}
     t["router_bias"][-1] = -30
     for _ in range(50):
         logits = torch_backend.router_logits(t["x"].double(), t["router_weight"].double(), t["router_bias"].double())
@@ -99,16 +103,16 @@ def layer_inputs(T, d, n, E, K, routing):
         top = keys.topk(K + 1, dim=1).values
         near = (top[:, K - 1] - top[:, K]) < 1e-4 * top[:, 0].abs().clamp_min(1)
         if not near.any():
-            return t, torch.randn(T, d).bfloat16()
-        t["x"][near] = torch.randn(int(near.sum()), d).bfloat16()
+            return t, randn(T, d).bfloat16()
+        t["x"][near] = randn(int(near.sum()), d).bfloat16()
     raise AssertionError("near ties remain")
 
 
-def run_layer(t, dout, K, routing, dtype, precision):
-    """(out, aux and every gradient) of functional.moe on the torch backend, t's tensors in dtype."""
+def run_layer(t, dout, K, routing, dtype, precision, backend="torch"):
+    """(out, aux and every gradient) of functional.moe, t's tensors in dtype."""
     leaves = {k: v.detach().to(dtype).clone().requires_grad_() for k, v in t.items()}
     out, aux = functional.moe(leaves["x"], leaves["router_weight"], leaves["w1"], leaves["w2"], num_experts_per_tok=K,
-                              routing=routing, router_bias=leaves["router_bias"], backend="torch",
+                              routing=routing, router_bias=leaves["router_bias"], backend=backend,
                               precision=precision)
     (out.double() * dout.double()).sum().add(aux.double() * 3.0).backward()
     return {"out": out.detach(), "aux": aux.detach(), "dx": leaves["x"].grad, "dw1": leaves["w1"].grad,
@@ -128,7 +132,7 @@ def dlogits_norm(t, dout, K, routing):
     x, wr, b, w1, w2 = (t[k].double() for k in ("x", "router_weight", "router_bias", "w1", "w2"))
     logits = torch_backend.router_logits(x, wr, b).requires_grad_()
     scores, experts = torch_backend.route_topk(logits, K, routing)
-    token = torch.arange(x.shape[0]).repeat_interleave(K)
+    token = torch.arange(x.shape[0], device=x.device).repeat_interleave(K)
     out = torch_backend.experts(x, w1, None, w2, None, token, experts.reshape(-1), scores.reshape(-1), "swiglu")
     ((out * dout.double()).sum() + 3.0 * torch_backend.aux_loss(logits, experts)).backward()
     return logits.grad.norm().item()
