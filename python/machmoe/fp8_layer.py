@@ -108,13 +108,19 @@ def moe(precision: Union[Precision, str], fp8_cache: Optional[FP8WeightCache], b
 
     on_kernels = resolve_backend(backend, x, d, n) == Backend.MACHMOE
     cache = _DEFAULT_CACHE if fp8_cache is None else fp8_cache
-    logits = torch_backend.router_logits(x, router_weight, router_bias)  # [T, E] fp32
-    scores, experts = torch_backend.route_topk(logits, K, routing, renormalize, selection_bias, options)  # [T, K]
-    aux = torch_backend.aux_loss(logits, experts)
     if on_kernels:
         from . import fp8_experts, machmoe_backend
 
         machmoe_backend._check(x, d, n)  # the kernels' availability, with the bf16 layer's messages
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, router_weight, w1, w2)):
+            # A backward will read the transposed copies: made now with the forward's plain ones,
+            # each weight is quantised once per change instead of twice.
+            cache.get(w1, True)
+            cache.get(w2, True)
+    logits = torch_backend.router_logits(x, router_weight, router_bias)  # [T, E] fp32
+    scores, experts = torch_backend.route_topk(logits, K, routing, renormalize, selection_bias, options)  # [T, K]
+    aux = torch_backend.aux_loss(logits, experts)
+    if on_kernels:
         out = fp8_experts.experts(x.contiguous(), w1, w2, scores, experts, cache=cache)
     else:
         out = fp8_emulation.experts(x, w1, w2, scores, experts, cache)

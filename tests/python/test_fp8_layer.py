@@ -277,6 +277,17 @@ def test_module_requantises_after_an_optimizer_step_only():
         assert torch.equal(layer(x)[0], after) and len(calls) == 6
 
 
+def test_cache_serves_the_plain_copy_from_the_transposed_quantisation():
+    # The kernels' path asks for the transposed copies first when a backward will follow, so that
+    # each weight is quantised once per change; a later plain request is served from them.
+    cache, calls = counting_cache()
+    w = torch.randn(2, 128, 256).bfloat16()
+    q, s, qt, st = cache.get(w, True)
+    assert qt is not None and cache.get(w, False)[0] is q and len(calls) == 1
+    plain, _ = counting_cache()
+    assert plain.get(w, False)[2] is None  # a plain request alone makes no transposed copy
+
+
 def test_functional_default_cache_follows_in_place_writes():
     x, wr, w1, w2 = small()
     w1, w2 = w1 / 11, w2 / 11
