@@ -170,7 +170,7 @@ def test_fp8_layer_one_token_and_auto_backend():
     fp8 = run_layer(t, dout, 2, "softmax_topk", torch.bfloat16, "fp8")
     ref = run_layer(t, dout, 2, "softmax_topk", torch.float64, "bf16")
     for name in ("out", "dx", "dw1", "dw2"):
-        assert rel(fp8[name], ref[name]) <= 2 * model(name)[0], name
+        assert 0.1 * model(name)[0] <= rel(fp8[name], ref[name]) <= 2 * model(name)[0], name
     out, _ = functional.moe(t["x"], t["router_weight"], t["w1"], t["w2"], num_experts_per_tok=2,
                             router_bias=t["router_bias"], precision="fp8")
     assert torch.equal(out, fp8["out"])
