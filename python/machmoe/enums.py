@@ -75,6 +75,13 @@ class Backend(_StrEnum):
     TORCH = "torch"  # pure PyTorch (CPU or GPU, any float dtype), autograd-differentiable
 
 
+class Precision(_StrEnum):
+    """The expert GEMMs' number format (docs/LAYER.md, "FP8")."""
+
+    BF16 = "bf16"  # bfloat16 operands, fp32 accumulation (the layer as it always ran)
+    FP8 = "fp8"  # E4M3 operands in DeepSeek-V3's tile scaling (machmoe.fp8_layer), fp32 accumulation
+
+
 _E = TypeVar("_E", bound=_StrEnum)
 
 

@@ -1,10 +1,9 @@
-"""The experts in FP8 (E4M3, DeepSeek-V3's recipe) on the kernels, composed from the FP8 ops: the
-FP8 layer's first pieces, for measuring and testing it; `precision="fp8"` in the layer is not
-there yet.
+"""The experts in FP8 (E4M3, DeepSeek-V3's recipe) on the kernels, composed from the FP8 ops: what
+the layer runs with `precision="fp8"` on the kernels (machmoe.fp8_layer).
 
     out, saved = experts_forward(x, w1, w2, scores, experts)
     dx, dw1, dw2, d_scores = experts_backward(x, w1, w2, scores, experts, saved, dout)
-    out = experts(x, w1, w2, scores, experts)     # differentiable (SwiGLU, no biases)
+    out = experts(x, w1, w2, scores, experts, cache=None)  # differentiable (SwiGLU, no biases)
 
 Steps, where the FP8 layer quantises (machmoe/reference_fp8_layer.hpp states the same in double):
   1. the routing metadata of the top-K list (rows grouped by expert, row -> token);
@@ -103,19 +102,21 @@ def experts_backward(x, w1, w2, scores, experts, saved, dout, *, cache: Optional
 
 class _Experts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, w2, scores, experts):
-        out, saved = experts_forward(x, w1, w2, scores, experts)
+    def forward(ctx, x, w1, w2, scores, experts, cache):
+        out, saved = experts_forward(x, w1, w2, scores, experts, cache=cache)
         ctx.save_for_backward(x, w1, w2, scores, experts, *saved)
+        ctx.cache = cache
         return out
 
     @staticmethod
     def backward(ctx, dout):
         x, w1, w2, scores, experts, *saved = ctx.saved_tensors
-        dx, dw1, dw2, d_scores = experts_backward(x, w1, w2, scores, experts, tuple(saved), dout)
-        return dx, dw1, dw2, d_scores, None
+        dx, dw1, dw2, d_scores = experts_backward(x, w1, w2, scores, experts, tuple(saved), dout, cache=ctx.cache)
+        return dx, dw1, dw2, d_scores, None, None
 
 
-def experts(x, w1, w2, scores, experts_idx):
+def experts(x, w1, w2, scores, experts_idx, *, cache: Optional[FP8WeightCache] = None):
     """The FP8 experts (SwiGLU, no biases) as a differentiable function: out [T, d]; gradients for
-    x, w1, w2 and scores (experts_idx [T, K] gets none)."""
-    return _Experts.apply(x, w1, w2, scores, experts_idx)
+    x, w1, w2 and scores (experts_idx [T, K] gets none). cache: the weights' FP8 copies (None: this
+    module's default cache)."""
+    return _Experts.apply(x, w1, w2, scores, experts_idx, cache)

@@ -47,8 +47,9 @@ class FP8WeightCache:
         return (w._version, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device)
 
     def get(self, w: torch.Tensor, transposed: bool = False) -> Quantized:
-        """The FP8 copies of w (with the transposed copy when `transposed`), made now if w has
-        changed since they were made (or never was)."""
+        """The FP8 copies of w (with the transposed copy when `transposed`, and whenever it was
+        made already: the plain copy comes with it), made now if w has changed since they were
+        made (or never was)."""
         if w.is_inference():  # no version counter to tell a change by
             return self._quantize(w.detach(), transposed)
         key = id(w)
@@ -58,6 +59,8 @@ class FP8WeightCache:
             entry = (weakref.ref(w, self._forget(key)), signature, {})
             self._entries[key] = entry
         copies = entry[2]
+        if True in copies:  # the transposed quantisation holds the plain copy as well
+            return copies[True]
         if transposed not in copies:
             copies[transposed] = self._quantize(w.detach(), transposed)
         return copies[transposed]
@@ -83,3 +86,8 @@ class FP8WeightCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def __getstate__(self) -> dict:
+        """A copy (copy.deepcopy, pickling a module that holds the cache) starts empty: its
+        entries hold weak references, and a copy's weights are other tensors anyway."""
+        return {"_quantize": self._quantize, "_entries": {}}

@@ -25,6 +25,7 @@ from .enums import (
     Backend,
     GateUpLayout,
     GluClamp,
+    Precision,
     RoutingMethod,
     TokenRounding,
     is_gate_routing,
@@ -32,6 +33,7 @@ from .enums import (
     parse_enum,
     resolve_glu_clamp,
 )
+from .fp8_weights import FP8WeightCache
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -321,6 +323,8 @@ def moe(
     shared_b1: Optional[torch.Tensor] = None,
     shared_b2: Optional[torch.Tensor] = None,
     shared_gate: Optional[torch.Tensor] = None,
+    precision: Union[Precision, str] = Precision.BF16,
+    fp8_cache: Optional[FP8WeightCache] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE layer (router, top-K routing, experts, weighted sum, shared experts) -> (out, aux_loss).
 
@@ -377,6 +381,11 @@ def moe(
         shared_b2: [S, d] their down-projection bias, or None (default).
         shared_gate: [1, d] Qwen's shared-expert gate: the shared experts' sum is weighted per
             token by sigmoid(x · shared_gateᵀ); None (default): weight 1.
+        precision: "bf16" (default) or "fp8": the experts' GEMMs in E4M3 with DeepSeek-V3's tile
+            scaling, the router in fp32 (machmoe.fp8_layer; bfloat16 tensors, swiglu,
+            interleaved, no biases, no token rounding, d and n multiples of 16; shared experts run beside in bf16).
+        fp8_cache: with precision="fp8", the FP8WeightCache of the weights' FP8 copies (None: one
+            for the process); remade when a weight changes.
 
     Returns:
         out: [T, d] in x's dtype.
@@ -415,28 +424,35 @@ def moe(
         except (TypeError, ValueError) as e:  # name the shared experts' arguments, not the routed ones'
             raise type(e)(f"shared experts (shared_w1, shared_w2, shared_b1, shared_b2, shared_gate): {e}") from None
 
-    n = w2.shape[2]
-    on_kernels = resolve_backend(backend, x, d, n) == Backend.MACHMOE
-    # Shared experts in the routed launches: same size, no token rounding, biases on both or neither.
-    fused_shared = (has_shared and on_kernels and n_s == n and rounding == TokenRounding.NONE
-                    and (b1 is None) == (shared_b1 is None))
-    if on_kernels:
-        from . import machmoe_backend
+    fused_shared = False
+    if parse_enum(Precision, precision, "precision") == Precision.FP8 or fp8_cache is not None:
+        from . import fp8_layer
 
-        shared = None
-        if fused_shared:
-            from .shared_experts import shared_gate_scores
-
-            scores = None if shared_gate is None else shared_gate_scores(x, shared_gate)  # [T] fp32
-            shared = (shared_w1, shared_b1, shared_w2, shared_b2, scores)
-        out, aux = machmoe_backend.moe(x, router_weight, w1, b1, w2, b2, K, activation, layout, routing,
-                                       renormalize, selection_bias, rounding, tile_m, seed, router_bias, options,
-                                       glu_clamp, shared)
+        out, aux = fp8_layer.moe(precision, fp8_cache, backend, x, router_weight, w1, b1, w2, b2, K, activation,
+                                 layout, routing, renormalize, selection_bias, rounding, router_bias, options)
     else:
-        out, aux = torch_backend.moe(x, router_weight, w1, b1, w2, b2, K, activation, layout, routing,
-                                     renormalize, selection_bias, rounding, tile_m, seed, router_bias, options,
-                                     glu_clamp)
-    if has_shared and not fused_shared:
+        n = w2.shape[2]
+        on_kernels = resolve_backend(backend, x, d, n) == Backend.MACHMOE
+        # Shared experts in the routed launches: same size, no token rounding, biases on both or neither.
+        fused_shared = (has_shared and on_kernels and n_s == n and rounding == TokenRounding.NONE
+                        and (b1 is None) == (shared_b1 is None))
+        if on_kernels:
+            from . import machmoe_backend
+
+            shared = None
+            if fused_shared:
+                from .shared_experts import shared_gate_scores
+
+                scores = None if shared_gate is None else shared_gate_scores(x, shared_gate)  # [T] fp32
+                shared = (shared_w1, shared_b1, shared_w2, shared_b2, scores)
+            out, aux = machmoe_backend.moe(x, router_weight, w1, b1, w2, b2, K, activation, layout, routing,
+                                           renormalize, selection_bias, rounding, tile_m, seed, router_bias,
+                                           options, glu_clamp, shared)
+        else:
+            out, aux = torch_backend.moe(x, router_weight, w1, b1, w2, b2, K, activation, layout, routing,
+                                         renormalize, selection_bias, rounding, tile_m, seed, router_bias,
+                                         options, glu_clamp)
+    if has_shared and not fused_shared:  # shared experts in launches of their own
         from .shared_experts import shared_experts
 
         out = out + shared_experts(x, shared_w1, shared_w2, gate_weight=shared_gate, b1=shared_b1, b2=shared_b2,

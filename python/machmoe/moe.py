@@ -9,12 +9,13 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from . import functional
+from . import fp8_layer, functional
 from .enums import (
     ActivationType,
     Backend,
     GateUpLayout,
     GluClamp,
+    Precision,
     RoutingMethod,
     TokenRounding,
     is_gate_routing,
@@ -137,6 +138,11 @@ class MoE(nn.Module):
         glu_clamp: the parameters of "clamped_swiglu", a machmoe.GluClamp (None: gpt-oss's,
             GluClamp(); GluClamp.deepseek_v4(limit), GluClamp.post_activation(limit)); other
             activations take none.
+        precision: "bf16" (default) or "fp8": the routed experts' GEMMs in E4M3 (DeepSeek-V3's
+            tile scaling), the router in fp32; the weights' FP8 copies are kept in
+            `fp8_cache`, remade after each change of a weight (machmoe.fp8_layer: swiglu,
+            interleaved, no biases, no token rounding, sizes multiples of 16, bfloat16 tensors).
+            Shared experts run beside in bf16.
 
     Parameters: router.weight [E, d]; c_fc.weight [E, N1, d] (N1 = 2n for GLU activations, n
     otherwise), c_fc.bias [E, N1]; c_proj.weight [E, d, n], c_proj.bias [E, d]; router.bias [E]
@@ -176,6 +182,7 @@ class MoE(nn.Module):
         shared_intermediate_size: Optional[int] = None,
         shared_expert_gate: bool = False,
         glu_clamp: Optional[GluClamp] = None,
+        precision: Union[Precision, str] = Precision.BF16,
     ):
         """Checks and stores the options and creates the parameters; the class docstring
         documents every argument. A bad argument raises TypeError or ValueError naming it."""
@@ -214,6 +221,10 @@ class MoE(nn.Module):
             self.selection_bias = None
         self._init_shared_experts(num_shared_experts, shared_intermediate_size, shared_expert_gate,
                                   add_bias, std)
+        self.precision = parse_enum(Precision, precision, "precision")
+        self.fp8_cache = fp8_layer.new_cache() if self.precision == Precision.FP8 else None
+        if self.fp8_cache is not None:
+            fp8_layer.check_module(self)
 
     def _init_shared_experts(self, S, n_s, gate: bool, add_bias: bool, std: float) -> None:
         if isinstance(S, bool) or not isinstance(S, int) or S < 0:
@@ -296,6 +307,7 @@ class MoE(nn.Module):
             backend=self.backend if backend is None else backend,
             router_bias=self.router.bias, routed_scaling_factor=self.routed_scaling_factor,
             n_group=self.n_group, topk_group=self.topk_group, glu_clamp=self.glu_clamp,
+            precision=self.precision, fp8_cache=self.fp8_cache,
             **self._shared_expert_args(),
         )
         return out.reshape(hidden_states.shape), aux

@@ -27,7 +27,12 @@ torch has no such kernel ("-"). A fourth, "experts forward", times the experts' 
 a random top-K routing: machmoe fp8 = machmoe.fp8_experts.experts_forward (x quantised, the FP8
 up-projection with its GLU epilogue, the FP8 down-projection, the scored sum; the weights'
 FP8 copies cached, as they are between optimizer steps) against machmoe bf16 = the experts_forward
-op (the bf16 layer's experts) on the same list; TFLOPS count 6·T·K·n·d.
+op (the bf16 layer's experts) on the same list; TFLOPS count 6·T·K·n·d. A fifth, "layer fwd+bwd",
+times the whole layer, forward and backward (torch.autograd.grad of out and the aux loss to x, the
+router weight, w1 and w2), of machmoe.functional.moe on the kernels with precision="fp8" against
+precision="bf16" on the same inputs (the FP8 weight copies cached, as between optimizer steps);
+TFLOPS count 18·T·K·n·d, and each cell adds the call's peak memory above what was allocated before
+it (inputs, weights and the FP8 copies: 3·E·n·d bytes per copy, plain and transposed).
 
 TFLOPS = 2·R·N·K / time; times are medians of CUDA-event times over rotated argument sets after a
 warm-up (machmoe.bench.timing.cuda_time). The "fp8 err" column is ‖C_fp8 − C_bf16‖ / ‖C_bf16‖ of
@@ -208,6 +213,56 @@ def run_forward(cfg, min_reps: int) -> dict:
     return row
 
 
+def run_layer(cfg, min_reps: int) -> dict:
+    """The "layer fwd+bwd" row of config cfg (module docstring)."""
+    import torch
+
+    from machmoe import _ops, functional
+    from machmoe.fp8_layer import new_cache
+
+    from .timing import cuda_time
+
+    _ops.require_ops()
+    T, d, n, E, K = cfg.T, cfg.d, cfg.n, cfg.E, cfg.K
+    cache = new_cache()
+
+    def one_set():
+        def leaf(*shape, std):
+            return (torch.randn(*shape, device="cuda") * std).bfloat16().requires_grad_()
+
+        return dict(x=leaf(T, d, std=1.0), wr=leaf(E, d, std=0.02), w1=leaf(E, 2 * n, d, std=0.02),
+                    w2=leaf(E, d, n, std=0.02), dout=torch.randn(T, d, device="cuda").bfloat16())
+
+    def fwd_bwd(precision: str):
+        def call(s):
+            out, aux = functional.moe(s["x"], s["wr"], s["w1"], s["w2"], num_experts_per_tok=K, backend="machmoe",
+                                      precision=precision, fp8_cache=cache if precision == "fp8" else None)
+            grads = torch.autograd.grad((out, aux), (s["x"], s["wr"], s["w1"], s["w2"]), (s["dout"], torch.ones_like(aux)))
+            return out.detach(), grads
+
+        return call
+
+    sets = [(one_set(),) for _ in range(SETS)]
+    fns = {"machmoe fp8": fwd_bwd("fp8"), "machmoe bf16": fwd_bwd("bf16")}
+    flops = 18.0 * T * K * n * d
+    row = {"shape": f"{cfg.name} layer fwd+bwd", "R": T * K, "N": 2 * n, "K": d, "E": E, "fp8_gathers": True}
+    outs = {}
+    for name, fn in fns.items():
+        outs[name] = fn(*sets[0])[0]
+        t = cuda_time(fn, sets, min_reps=min_reps).median_ms
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn(*sets[0])
+        torch.cuda.synchronize()
+        row[name] = {"ms": t, "tflops": flops / t / 1e9, "peak_gib": (torch.cuda.max_memory_allocated() - before) / 2**30}
+    row["fp8_rel_err"] = rel_err(outs["machmoe fp8"], outs["machmoe bf16"])
+    del sets, outs
+    cache.invalidate()  # the FP8 copies freed before the next config
+    torch.cuda.empty_cache()
+    return row
+
+
 def config_shapes(cfg) -> list:
     """(label, R, N, K, E, offs, row_token, T, glu): the config's up-projection on a random top-K
     routing (its expert_offsets for every column; machmoe fp8 gathered by its row_token), the same
@@ -226,7 +281,8 @@ def _cell(v) -> str:
         return "-"
     if "error" in v:
         return "not available"
-    return f"{v['tflops']:.0f} ({v['ms']:.3f} ms)"
+    peak = f", peak {v['peak_gib']:.2f} GiB" if "peak_gib" in v else ""
+    return f"{v['tflops']:.0f} ({v['ms']:.3f} ms{peak})"
 
 
 def table(rows: list) -> str:
@@ -273,8 +329,9 @@ def main(argv: Optional[list] = None) -> int:
         for shape in config_shapes(cfg):
             rows.append(run_shape(*shape, args.min_reps, args.max_ctas))
             print(table(rows[-1:]).splitlines()[2], flush=True)
-        rows.append(run_forward(cfg, args.min_reps))
-        print(table(rows[-1:]).splitlines()[2], flush=True)
+        for run in (run_forward, run_layer):
+            rows.append(run(cfg, args.min_reps))
+            print(table(rows[-1:]).splitlines()[2], flush=True)
     text = table(rows)
     print(text)
     if args.out:

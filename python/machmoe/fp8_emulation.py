@@ -1,0 +1,191 @@
+"""The FP8 experts in plain PyTorch: machmoe.fp8_experts' recipe, emulated (any device, no op
+library), for `precision="fp8"` on the torch backend.
+
+Every operand that the FP8 kernels read in E4M3 is quantised and dequantised here at the same
+point, with the same tiles and the same arithmetic (include/machmoe/fp8.hpp, the quantisers in
+src/kernels/quant): per tile s = amax / 448 by an fp32 division (amax 0 gives s = 1; a NaN or Inf
+in the tile gives s = NaN), the code is E4M3(v / s) rounded to nearest even and saturated, and the
+GEMM reads code · s. PyTorch's cast to float8_e4m3fn rounds to nearest even but does not saturate
+(|v| >= 464 becomes NaN), so values are clamped to ±448 first, which is the same for every finite
+value. The GEMMs run in fp32 on the dequantised operands (the kernels accumulate in fp32 too, in
+another order), and the values the kernels store in bf16 (Y, dA', dH, dX~, dx, out, the weight
+gradients) are rounded to bf16 here at the same places. So this matches the kernels up to fp32
+accumulation order (an E4M3 or bf16 rounding can flip where a value sits that close to a rounding
+boundary), not bitwise.
+
+Forward (rows grouped by expert, t the row's token, e its expert; SwiGLU, interleaved gate/up):
+    Xq = rows(x)  [T, d];  W1q, W2q = blocks(w1), blocks(w2) (from the FP8WeightCache)
+    H = Xq[t]·W1q[e]ᵀ  fp32 [R, 2n];  Hq = rows(H), kept for the backward
+    A = silu(gate(Hq))·up(Hq) fp32;  Y = rows(A)·W2q[e]ᵀ -> bf16;  out = Σ score·Y (fp32) -> bf16
+Backward (fp8_experts.experts_backward):
+    dA' = rows(dout)[t]·W2q[e] -> bf16;  d_score = dA'·A;  dH = swiglu'(Hq)·(score·dA') -> bf16
+    dX~ = rows(dH)·W1q[e] -> bf16;  dx = Σ_token dX~ (fp32) -> bf16
+    dW1[e] = columns(dH)ᵀ·columns(x[t]);  dW2[e] = columns(dout[t])ᵀ·columns(bf16(score·A))
+where columns() quantises each column per 128-row chunk of an expert's rows. Where
+machmoe/reference_fp8_layer.hpp differs, this follows fp8_experts.py (the kernels' composition):
+dW1's dH operand is quantised by columns from dH in bf16, not from the row-quantised dHq.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .fp8_weights import FP8WeightCache
+
+TILE = 128  # elements per scale: 1x128 along a row, 128x128 weight blocks, 128-row column chunks
+E4M3_MAX = 448.0
+_NAN_CODE = 0x7F  # the quantisers' code for every element of a tile holding NaN or Inf
+
+
+def tile_scales(amax: torch.Tensor) -> torch.Tensor:
+    """The fp32 scale of each tile from its amax: amax / 448 (IEEE fp32 division); 1 for an
+    all-zero tile; NaN where amax is not finite (a NaN or Inf in the tile)."""
+    amax = amax.float()
+    s = amax / torch.tensor(E4M3_MAX, dtype=torch.float32, device=amax.device)
+    s = torch.where(amax == 0, torch.ones_like(s), s)
+    return torch.where(torch.isfinite(amax), s, torch.full_like(s, float("nan")))
+
+
+def e4m3_codes(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes (float8_e4m3fn) of v / s, s broadcast to v: fp32 division, round to nearest even,
+    saturating at ±448; every element of a NaN-scaled tile gets the NaN code 0x7f."""
+    q = (v.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    nan = torch.full_like(q.view(torch.uint8), _NAN_CODE).view(torch.float8_e4m3fn)
+    return torch.where(torch.isfinite(s).expand_as(q), q, nan)
+
+
+def _expand(s: torch.Tensor, size: int, dim: int) -> torch.Tensor:
+    """Per-tile scales along `dim` repeated to one per element (the last tile cut to `size`)."""
+    return s.repeat_interleave(TILE, dim=dim).narrow(dim, 0, size)
+
+
+def _tile_amax_last(v: torch.Tensor) -> torch.Tensor:
+    """max |v| over 128-wide tiles of the last dimension [..., ceil(N/128)] (a partial last tile:
+    its real elements; NaN propagates)."""
+    N = v.shape[-1]
+    padded = torch.nn.functional.pad(v.float().abs(), (0, (-N) % TILE))
+    return padded.reshape(*v.shape[:-1], -1, TILE).amax(-1)
+
+
+def rows_dequantized(v: torch.Tensor) -> torch.Tensor:
+    """v [R, N] quantised in 1x128 tiles along each row and dequantised: fp32 [R, N]."""
+    s = _expand(tile_scales(_tile_amax_last(v)), v.shape[1], 1)
+    return e4m3_codes(v, s).float() * s
+
+
+def quantize_weights(w: torch.Tensor, transposed: bool) -> tuple:
+    """The expert weights w [E, N, K] in 128x128 blocks, as machmoe::fp8_quantize_weights gives
+    them: (q [E, N, K] e4m3, scales [E, ceil(N/128), ceil(K/128)] fp32, and with `transposed` the
+    same codes and scales transposed, qt [E, K, N] and [E, ceil(K/128), ceil(N/128)]; else None)."""
+    E, N, K = w.shape
+    padded = torch.nn.functional.pad(w.detach().float().abs(), (0, (-K) % TILE, 0, (-N) % TILE))
+    amax = padded.reshape(E, padded.shape[1] // TILE, TILE, padded.shape[2] // TILE, TILE).amax((2, 4))
+    scales = tile_scales(amax)  # [E, nb_n, nb_k]
+    q = e4m3_codes(w.detach(), _expand(_expand(scales, N, 1), K, 2))
+    if not transposed:
+        return q, scales, None, None
+    return q, scales, q.transpose(1, 2).contiguous(), scales.transpose(1, 2).contiguous()
+
+
+def weights_dequantized(cache: FP8WeightCache, w: torch.Tensor) -> torch.Tensor:
+    """w's cached FP8 copy (codes and block scales, from whichever quantiser filled the cache: the
+    kernels' and quantize_weights give the same layout) dequantised: fp32 [E, N, K]."""
+    q, scales = cache.get(w, False)[:2]
+    _, N, K = q.shape
+    return q.float() * _expand(_expand(scales.to(q.device), N, 1), K, 2)
+
+
+def columns_dequantized(v: torch.Tensor, counts: list) -> torch.Tensor:
+    """v [R, C] whose rows are grouped by expert (counts[e] rows each, in order) quantised per
+    column in 128-row chunks counted from each expert's first row, dequantised: fp32 [R, C]."""
+    R, C = v.shape
+    if R == 0:
+        return v.float()
+    device = v.device
+    counts_t = torch.tensor(counts, dtype=torch.int64, device=device)  # [E]
+    starts = torch.cumsum(counts_t, 0) - counts_t  # each expert's first row
+    chunks = (counts_t + TILE - 1) // TILE
+    chunk_starts = torch.cumsum(chunks, 0) - chunks  # each expert's first chunk
+    expert = torch.repeat_interleave(torch.arange(len(counts), device=device), counts_t)  # [R]
+    chunk = chunk_starts[expert] + (torch.arange(R, device=device) - starts[expert]) // TILE  # [R]
+    vf = v.float()
+    index = chunk[:, None].expand(R, C)
+    amax = torch.zeros(int(chunks.sum()), C, device=device).scatter_reduce_(0, index, vf.abs(), "amax")
+    bad = torch.zeros_like(amax).scatter_reduce_(0, index, (~torch.isfinite(vf)).float(), "amax")
+    s = tile_scales(torch.where(bad > 0, torch.full_like(amax, float("inf")), amax))[chunk]  # [R, C]
+    return e4m3_codes(vf, s).float() * s
+
+
+def _per_expert(rows: torch.Tensor, w: torch.Tensor, counts: list, transpose: bool) -> torch.Tensor:
+    """rows [R, K'] grouped by expert times each expert's w[e] [N, K] (transposed: rows·w[e]ᵀ,
+    K' = K; else rows·w[e], K' = N), fp32."""
+    parts = rows.split(counts)
+    out = [p @ (w[e].T if transpose else w[e]) for e, p in enumerate(parts)]
+    return torch.cat(out) if out else rows.new_zeros(0, w.shape[1] if transpose else w.shape[2])
+
+
+def _weight_grads(a: torch.Tensor, b: torch.Tensor, counts: list) -> torch.Tensor:
+    """[E, M, N]: per expert Σ over its rows of a[r]ᵀ ⊗ b[r], a [R, M], b [R, N] fp32 (zeros for an
+    expert without rows)."""
+    return torch.stack([pa.T @ pb for pa, pb in zip(a.split(counts), b.split(counts))])
+
+
+class _EmulatedExperts(torch.autograd.Function):
+    """The FP8 experts (SwiGLU, interleaved, no biases) on a top-K routing, emulated (module
+    docstring). Saves x, the weights, the scores, the row order and Hq (fp32 [R, 2n])."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, scores, experts, cache):
+        T, K = experts.shape
+        E = w1.shape[0]
+        pair_expert = experts.reshape(-1).long()  # [T·K], pair (t, k) at t·K + k
+        row_pair = torch.sort(pair_expert, stable=True).indices  # rows by expert, then by token
+        row_token = row_pair // K
+        counts = torch.bincount(pair_expert, minlength=E).tolist()  # the torch backend's host sync
+        h = _per_expert(rows_dequantized(x)[row_token], weights_dequantized(cache, w1), counts, True)
+        hq = rows_dequantized(h)  # [R, 2n]
+        a = torch.nn.functional.silu(hq[:, 0::2]) * hq[:, 1::2]  # A [R, n] from the quantised H
+        y = _per_expert(rows_dequantized(a), weights_dequantized(cache, w2), counts, True).bfloat16()
+        score_row = scores.reshape(-1).float()[row_pair]  # [R]
+        out = torch.zeros(T, x.shape[1], device=x.device).index_add_(0, row_token, y.float() * score_row[:, None])
+        ctx.save_for_backward(x, w1, w2, scores, row_pair, row_token, hq)
+        ctx.counts, ctx.cache = counts, cache
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, w1, w2, scores, row_pair, row_token, hq = ctx.saved_tensors
+        counts, cache = ctx.counts, ctx.cache
+        T, K = scores.shape
+        dout = dout.to(torch.bfloat16)
+        # dA' = dOq[t]·W2q[e] [R, n], stored in bf16 by the kernels
+        da = _per_expert(rows_dequantized(dout)[row_token], weights_dequantized(cache, w2), counts,
+                         False).bfloat16().float()
+        gate, up = hq[:, 0::2], hq[:, 1::2]
+        sig = torch.sigmoid(gate)
+        act = gate * sig
+        a = act * up  # A [R, n], exactly the forward's
+        score_row = scores.reshape(-1).float()[row_pair]
+        d_scores = torch.zeros(T * K, device=x.device).index_copy_(0, row_pair, (da * a).sum(1))
+        da = da * score_row[:, None]
+        dh = torch.stack([da * up * sig * (1 + gate * (1 - sig)), da * act], dim=2).reshape(hq.shape).bfloat16()
+        dx_rows = _per_expert(rows_dequantized(dh), weights_dequantized(cache, w1), counts, False).bfloat16()
+        dx = torch.zeros(T, x.shape[1], device=x.device).index_add_(0, row_token, dx_rows.float()).to(x.dtype)
+        x_cols = columns_dequantized(x[row_token], counts)  # [R, d]
+        dw1 = _weight_grads(columns_dequantized(dh, counts), x_cols, counts).to(w1.dtype)  # [E, 2n, d]
+        do_cols = columns_dequantized(dout[row_token], counts)  # [R, d]
+        a_cols = columns_dequantized((a * score_row[:, None]).bfloat16(), counts)  # [R, n]
+        dw2 = _weight_grads(do_cols, a_cols, counts).to(w2.dtype)  # [E, d, n]
+        return dx, dw1, dw2, d_scores.reshape(T, K).to(scores.dtype), None, None
+
+
+def experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: torch.Tensor, experts_idx: torch.Tensor,
+            cache: Optional[FP8WeightCache] = None) -> torch.Tensor:
+    """out [T, d] bf16 of the FP8 experts emulated: x [T, d] bf16, w1 [E, 2n, d] (gate/up
+    interleaved), w2 [E, d, n] bf16, scores [T, K] float, experts_idx [T, K] integer in [0, E),
+    a token's experts distinct. Gradients for x, w1, w2 and scores. cache: the weights' FP8
+    copies (None: a fresh one per call, the weights quantised every time)."""
+    cache = FP8WeightCache(quantize_weights) if cache is None else cache
+    return _EmulatedExperts.apply(x, w1, w2, scores, experts_idx, cache)

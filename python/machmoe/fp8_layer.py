@@ -1,0 +1,127 @@
+"""`precision="fp8"` of the layer (machmoe.functional.moe, machmoe.MoE): the router in high
+precision, the experts in FP8 (E4M3, DeepSeek-V3's tile scaling; docs/LAYER.md, "FP8").
+
+    logits = x·Wrᵀ (+ b_r) in fp32;  scores, experts = top-K routing (machmoe.functional.route's
+    code, every routing option);  aux = the load-balancing loss of those logits and experts;
+    out = the FP8 experts on (scores, experts):
+      backend "machmoe": machmoe.fp8_experts.experts (the FP8 ops on an sm_90 GPU),
+      backend "torch":   machmoe.fp8_emulation.experts (the same recipe in PyTorch, any device).
+The router, the routing and the aux loss are the torch backend's PyTorch code on either backend, so
+the router weight, its bias and x get their gradients through the scores and the aux loss by
+autograd, as in the bf16 layer; the experts' node returns the gradients of x, w1, w2 and the scores.
+
+The weights' FP8 copies come from an FP8WeightCache (machmoe.fp8_weights), remade only when a
+weight changes: MoE keeps one per module, the functional API takes one as `fp8_cache` (default: one
+for the whole process). Its quantiser is the kernels' for bfloat16 CUDA weights where the kernels
+can run, else the emulation's (the same codes and scales by the recipe; tests/python/
+test_gpu_fp8_layer.py compares them bitwise).
+
+What the FP8 experts do not support is refused with an error naming the argument: activations
+other than swiglu, the concatenated gate/up layout, biases, token rounding, dtypes other than
+bfloat16, and d or n not multiples of 16 (the FP8 ops' rule: 16-byte rows of E4M3 codes; d and n
+need not be multiples of 128, the edge tiles are partial). Shared experts (MoE's
+num_shared_experts) run beside in bf16: they are a dense MLP over every token, not the routed
+experts the FP8 path composes, and keeping them out leaves one code path for them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from . import _ops, fp8_emulation, torch_backend
+from .enums import ActivationType, Backend, GateUpLayout, Precision, RoutingMethod, TokenRounding, parse_enum
+from .fp8_weights import FP8WeightCache, _quantize_on_kernels
+
+_ALIGN = 16  # d and n: the FP8 ops' rows of E4M3 codes are read 16 bytes at a time
+
+
+def quantize_weights(w: torch.Tensor, transposed: bool) -> tuple:
+    """The FP8 copies of w [E, N, K] (fp8_quantize_weights' tuple): on the kernels for a bfloat16
+    CUDA weight where they can run, else by the emulation (the same codes and scales)."""
+    if w.is_cuda and w.dtype == torch.bfloat16 and _ops.kernels_unavailable_reason(w.device) is None:
+        return _quantize_on_kernels(w, transposed)
+    return fp8_emulation.quantize_weights(w, transposed)
+
+
+def new_cache() -> FP8WeightCache:
+    """An empty cache of FP8 weight copies with the layer's quantiser (MoE holds one)."""
+    return FP8WeightCache(quantize_weights)
+
+
+_DEFAULT_CACHE = new_cache()  # the functional API's, when no fp8_cache is given
+
+
+def check_options(names: dict, activation: ActivationType, layout: GateUpLayout, has_bias: bool,
+                  rounding: TokenRounding, d: int, n: int) -> None:
+    """Refuses, naming the argument (names: rule -> the caller's argument name, for "activation",
+    "layout", "bias", "token_rounding", "d", "n"), what the FP8 experts do not support yet."""
+    rule = "with precision='fp8'"
+    if activation != ActivationType.SWIGLU:
+        raise ValueError(f"{names['activation']} must be 'swiglu' {rule} (the FP8 experts' GLU epilogue and "
+                         f"backward are SwiGLU's); got {activation.value!r}")
+    if layout != GateUpLayout.INTERLEAVED:
+        raise ValueError(f"{names['layout']} must be 'interleaved' {rule} (gate and up rows alternate in the FP8 "
+                         f"experts); got {layout.value!r}")
+    if has_bias:
+        raise ValueError(f"{names['bias']} {rule}: the FP8 experts have no biases yet")
+    if rounding != TokenRounding.NONE:
+        raise ValueError(f"{names['token_rounding']} must be 'none' {rule} (the FP8 experts run on a top-K "
+                         f"routing); got {rounding.value!r}")
+    for key, size in (("d", d), ("n", n)):
+        if size % _ALIGN:
+            raise ValueError(f"{names[key]} must be a multiple of {_ALIGN} {rule} (16-byte rows of E4M3 codes "
+                             f"in the FP8 ops); got {size}")
+
+
+_FUNCTIONAL_NAMES = {"activation": "activation", "layout": "layout", "bias": "b1/b2 must be None",
+                     "token_rounding": "token_rounding", "d": "x.shape[1] (d)", "n": "w2.shape[2] (n)"}
+MODULE_NAMES = {"activation": "activation_function", "layout": "gate_up_layout", "bias": "add_bias must be False",
+                "token_rounding": "token_rounding", "d": "hidden_size", "n": "intermediate_size"}
+
+
+def check_module(module) -> None:
+    """MoE's constructor arguments against precision='fp8' (the dtype is checked per call)."""
+    check_options(MODULE_NAMES, module.activation_function, module.gate_up_layout, module.c_fc.bias is not None,
+                  module.token_rounding, module.hidden_size, module.intermediate_size)
+
+
+def moe(precision: Union[Precision, str], fp8_cache: Optional[FP8WeightCache], backend: Union[Backend, str],
+        x, router_weight, w1, b1, w2, b2, K: int, activation: ActivationType, layout: GateUpLayout,
+        routing: RoutingMethod, renormalize: bool, selection_bias, rounding: TokenRounding, router_bias,
+        options: torch_backend.RouterOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """machmoe.functional.moe with precision='fp8' (module docstring), on arguments it has checked
+    already but for the rules of FP8 -> (out [T, d] bf16, aux [] fp32)."""
+    if parse_enum(Precision, precision, "precision") != Precision.FP8:
+        raise ValueError(f"fp8_cache is only used with precision='fp8'; got precision={precision!r}")
+    if fp8_cache is not None and not isinstance(fp8_cache, FP8WeightCache):
+        raise TypeError(f"fp8_cache must be a machmoe.fp8_weights.FP8WeightCache or None; "
+                        f"got {type(fp8_cache).__name__}")
+    T, d = x.shape
+    n = w2.shape[2]
+    check_options(_FUNCTIONAL_NAMES, activation, layout, b1 is not None or b2 is not None, rounding, d, n)
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bfloat16 with precision='fp8' (and so the weights, which share x's dtype); "
+                         f"got {x.dtype}")
+    from .functional import resolve_backend  # functional imports this module on use
+
+    on_kernels = resolve_backend(backend, x, d, n) == Backend.MACHMOE
+    cache = _DEFAULT_CACHE if fp8_cache is None else fp8_cache
+    if on_kernels:
+        from . import fp8_experts, machmoe_backend
+
+        machmoe_backend._check(x, d, n)  # the kernels' availability, with the bf16 layer's messages
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, router_weight, w1, w2)):
+            # A backward will read the transposed copies: made now with the forward's plain ones,
+            # each weight is quantised once per change instead of twice.
+            cache.get(w1, True)
+            cache.get(w2, True)
+    logits = torch_backend.router_logits(x, router_weight, router_bias)  # [T, E] fp32
+    scores, experts = torch_backend.route_topk(logits, K, routing, renormalize, selection_bias, options)  # [T, K]
+    aux = torch_backend.aux_loss(logits, experts)
+    if on_kernels:
+        out = fp8_experts.experts(x.contiguous(), w1, w2, scores, experts, cache=cache)
+    else:
+        out = fp8_emulation.experts(x, w1, w2, scores, experts, cache)
+    return out, aux

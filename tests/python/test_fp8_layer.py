@@ -1,0 +1,311 @@
+"""precision="fp8" of the layer on the torch backend (machmoe.fp8_emulation under machmoe.fp8_layer),
+on the CPU: the emulation's quantisers against the recipe as tests/python/test_gpu_fp8.py states it
+(bitwise), the layer's output and every gradient against float64 within FP8's derived error and
+measurably away from the bf16 layer, the argument rules, and the module's FP8 weight cache.
+
+The error model (test_gpu_fp8.py, tests/cpp/test_reference_fp8_layer.cpp): E4M3 rounds each
+quantised operand with an rms relative error of ~0.024, so a result whose path crosses m quantised
+operands is off by ~sqrt(m)·0.024 normwise; bound 2·sqrt(m)·0.024 (twice that for the scores'
+gradients, dot products whose terms cancel, and for the router's, which come from them), and a floor
+of a tenth of the model. The bf16 layer on the same inputs is far below the model (a few bf16
+roundings of 2^-9), so each FP8 error must also be at least 3x the bf16 layer's: a layer that ran in
+bf16 under precision="fp8" fails both."""
+
+import copy
+
+import pytest
+import torch
+
+from machmoe import MoE
+from machmoe import fp8_emulation as emu
+from machmoe import functional, torch_backend
+from machmoe.fp8_weights import FP8WeightCache
+from test_gpu_fp8 import expand, ref_quantize_columns, ref_quantize_rows, ref_quantize_weights
+
+RMS = 0.024  # E4M3's rms relative rounding error per quantised operand, measured (module docstring)
+# tensor -> (quantised operands on its path, slack), as test_gpu_fp8.py counts them: forward x, W1,
+# H, A, W2; dx and dw1 6, dw2 5; the router's gradients come from the scores' (5, slack 2; the
+# router bias's error measured on the scale of the per-token terms it sums, dlogits_norm).
+PATHS = {"out": (5, 1), "dx": (6, 1), "dw1": (6, 1), "dw2": (5, 1), "d_router_weight": (5, 2),
+         "d_router_bias": (5, 2)}
+
+
+def model(name):
+    m, slack = PATHS[name]
+    return m ** 0.5 * RMS, slack
+
+
+# ---------------------------------------------------------------- the quantisers, bitwise
+def test_quantisers_match_the_recipe_bitwise():
+    # rows (1x128, partial last tile), 128x128 weight blocks (partial edges), transposed copies and
+    # per-expert 128-row column chunks (an empty expert, a 1-row chunk), against test_gpu_fp8's
+    # statement of the recipe, which the GPU quantisers match bitwise. Magnitudes spread over 2^-8..2^7
+    # per row so that a scale applied to the wrong tile shows; an all-zero tile (scale 1).
+    x = (torch.randn(7, 300) * 2.0 ** torch.randint(-8, 8, (7, 1))).bfloat16()
+    x[0, :128] = 0
+    codes, s = ref_quantize_rows(x, None)
+    want = codes.view(torch.float8_e4m3fn).float() * expand(s, 300)
+    assert torch.equal(emu.rows_dequantized(x), want)
+
+    w = (torch.randn(3, 200, 272) * 2.0 ** torch.randint(-8, 8, (3, 200, 1))).bfloat16()
+    q, scales, qt, qt_scales = emu.quantize_weights(w, True)
+    want_q, want_s = ref_quantize_weights(w)
+    assert torch.equal(q.view(torch.uint8), want_q) and torch.equal(scales, want_s)
+    assert torch.equal(qt.view(torch.uint8), want_q.transpose(1, 2)) and torch.equal(qt_scales, want_s.transpose(1, 2))
+    assert emu.quantize_weights(w, False)[2:] == (None, None)
+
+    counts = [130, 0, 1, 129]
+    rows = (torch.randn(sum(counts), 48) * 2.0 ** torch.randint(-8, 8, (sum(counts), 1))).bfloat16()
+    qt, cs, chunk_offsets = ref_quantize_columns(rows, None, counts)
+    got = emu.columns_dequantized(rows, counts)
+    start, c = 0, 0
+    for rows_e in counts:  # the reference's chunks in order: chunk c holds rows [start + 128 j, ...)
+        for j in range(0, rows_e, 128):
+            m = min(128, rows_e - j)
+            want = qt[:, 128 * c:128 * c + m].view(torch.float8_e4m3fn).float().T * cs[:, c]
+            assert torch.equal(got[start + j:start + j + m], want), f"chunk {c}"
+            c += 1
+        start += rows_e
+
+
+def test_quantisers_by_hand():
+    # E4M3 has 3 mantissa bits: on [1, 2) a step of 1/8, ties to even; beyond 448 it saturates
+    # (torch's cast alone would give NaN); an all-zero tile has scale 1; a NaN poisons its tile only.
+    one = torch.ones(())
+    assert emu.e4m3_codes(torch.tensor([1.0625, 1.1875, 500.0, -1e9]), one).float().tolist() == \
+        [1.0, 1.25, 448.0, -448.0]
+    row = torch.zeros(1, 256)
+    row[0, :3] = torch.tensor([448.0, 1.0625, 1.1875])  # tile 0: amax 448, scale 1
+    row[0, 128] = float("nan")
+    got = emu.rows_dequantized(row)
+    assert got[0, :3].tolist() == [448.0, 1.0, 1.25] and torch.equal(got[0, 3:128], torch.zeros(125))
+    assert got[0, 128:].isnan().all()
+    scales = emu.tile_scales(torch.tensor([0.0, 448.0, 1.0, float("inf")]))
+    assert scales[:3].tolist() == [1.0, 1.0, torch.tensor(1 / 448, dtype=torch.float32).item()]
+    assert scales[3].isnan()
+
+
+# ---------------------------------------------------------------- the layer against float64
+def layer_inputs(T, d, n, E, K, routing, device="cpu"):
+    """(bf16 inputs, dout) with the last expert never chosen (router bias -30: an expert with no
+    rows) and no token near a top-K tie (the fp32 router could choose differently from float64's:
+    keys within 1e-4, ~100x the fp32 router's error at d = 4096, are redrawn)."""
+    def randn(*shape):
+        return torch.randn(*shape, device=device)
+
+    t = {"x": randn(T, d).bfloat16(), "router_weight": (randn(E, d) * 0.05).bfloat16(),
+         "router_bias": (randn(E) * 0.1).bfloat16(),
+         "w1": (randn(E, 2 * n, d) / d ** 0.5).bfloat16(), "w2": (randn(E, d, n) / n ** 0.5).bfloat16()}
+    t["router_bias"][-1] = -30
+    for _ in range(50):
+        logits = torch_backend.router_logits(t["x"].double(), t["router_weight"].double(), t["router_bias"].double())
+        keys = torch.sigmoid(logits) if routing == "sigmoid" else logits
+        top = keys.topk(K + 1, dim=1).values
+        near = (top[:, K - 1] - top[:, K]) < 1e-4 * top[:, 0].abs().clamp_min(1)
+        if not near.any():
+            return t, randn(T, d).bfloat16()
+        t["x"][near] = randn(int(near.sum()), d).bfloat16()
+    raise AssertionError("near ties remain")
+
+
+def run_layer(t, dout, K, routing, dtype, precision, backend="torch"):
+    """(out, aux and every gradient) of functional.moe, t's tensors in dtype."""
+    leaves = {k: v.detach().to(dtype).clone().requires_grad_() for k, v in t.items()}
+    out, aux = functional.moe(leaves["x"], leaves["router_weight"], leaves["w1"], leaves["w2"], num_experts_per_tok=K,
+                              routing=routing, router_bias=leaves["router_bias"], backend=backend,
+                              precision=precision)
+    (out.double() * dout.double()).sum().add(aux.double() * 3.0).backward()
+    return {"out": out.detach(), "aux": aux.detach(), "dx": leaves["x"].grad, "dw1": leaves["w1"].grad,
+            "dw2": leaves["w2"].grad, "d_router_weight": leaves["router_weight"].grad,
+            "d_router_bias": leaves["router_bias"].grad}
+
+
+def rel(a, b, scale=None):
+    """‖a − b‖ / ‖b‖ (or / scale)."""
+    return ((a.double() - b.double()).norm() / (b.double().norm() if scale is None else scale)).item()
+
+
+def dlogits_norm(t, dout, K, routing):
+    """‖dlogits‖ [T, E] of run_layer's loss in float64: the scale of the router bias's gradient,
+    Σ_t dlogits_t, whose T terms can cancel to far below their own size (each term's FP8 error
+    does not cancel with them)."""
+    x, wr, b, w1, w2 = (t[k].double() for k in ("x", "router_weight", "router_bias", "w1", "w2"))
+    logits = torch_backend.router_logits(x, wr, b).requires_grad_()
+    scores, experts = torch_backend.route_topk(logits, K, routing)
+    token = torch.arange(x.shape[0], device=x.device).repeat_interleave(K)
+    out = torch_backend.experts(x, w1, None, w2, None, token, experts.reshape(-1), scores.reshape(-1), "swiglu")
+    ((out * dout.double()).sum() + 3.0 * torch_backend.aux_loss(logits, experts)).backward()
+    return logits.grad.norm().item()
+
+
+# (T, d, n, E, K): d, n multiples of 128; odd T; d = 144, n = 80: partial 128-tiles everywhere
+@pytest.mark.parametrize("T,d,n,E,K", [(37, 128, 128, 4, 2), (51, 256, 128, 6, 3), (33, 144, 80, 5, 2)])
+@pytest.mark.parametrize("routing", ["softmax_topk", "sigmoid"])
+def test_fp8_layer_against_float64_and_away_from_bf16(T, d, n, E, K, routing):
+    t, dout = layer_inputs(T, d, n, E, K, routing)
+    fp8 = run_layer(t, dout, K, routing, torch.bfloat16, "fp8")
+    bf16 = run_layer(t, dout, K, routing, torch.bfloat16, "bf16")
+    ref = run_layer(t, dout, K, routing, torch.float64, "bf16")
+    assert fp8["out"].dtype == torch.bfloat16 and fp8["dw1"].dtype == torch.bfloat16
+    # The same routing: the aux loss is the bf16 layer's, and the never-chosen expert has exactly
+    # zero weight gradients.
+    assert abs(fp8["aux"].item() - ref["aux"].item()) <= 1e-5 * ref["aux"].item()
+    assert not fp8["dw1"][-1].any() and not fp8["dw2"][-1].any()
+    failures = []
+    for name in PATHS:
+        m, slack = model(name)
+        scale = dlogits_norm(t, dout, K, routing) if name == "d_router_bias" else None
+        err, err_bf16 = rel(fp8[name], ref[name], scale), rel(bf16[name], ref[name], scale)
+        print(f"{name}: fp8 {err:.4f} (model {m:.4f}), bf16 {err_bf16:.5f}")
+        if not 0.1 * m <= err <= 2 * slack * m:
+            failures.append(f"{name}: fp8 error {err:.4f} outside [{0.1 * m:.4f}, {2 * slack * m:.4f}]")
+        if err < 3 * err_bf16 and name != "d_router_bias":  # a sum of few cancelling terms: too noisy
+            failures.append(f"{name}: fp8 error {err:.4f} not 3x the bf16 layer's {err_bf16:.5f}")
+    assert not failures, "\n".join(failures)
+
+
+def test_fp8_layer_one_token_and_auto_backend():
+    # T = 1 (K rows, most experts empty); on the CPU "auto" runs the same emulation.
+    t, dout = layer_inputs(1, 128, 128, 4, 2, "softmax_topk")
+    fp8 = run_layer(t, dout, 2, "softmax_topk", torch.bfloat16, "fp8")
+    ref = run_layer(t, dout, 2, "softmax_topk", torch.float64, "bf16")
+    for name in ("out", "dx", "dw1", "dw2"):
+        assert 0.1 * model(name)[0] <= rel(fp8[name], ref[name]) <= 2 * model(name)[0], name
+    out, _ = functional.moe(t["x"], t["router_weight"], t["w1"], t["w2"], num_experts_per_tok=2,
+                            router_bias=t["router_bias"], precision="fp8")
+    assert torch.equal(out, fp8["out"])
+
+
+# ---------------------------------------------------------------- argument rules
+def small(d=128, n=128, E=4, dtype=torch.bfloat16, glu=True):
+    return (torch.randn(9, d).to(dtype), torch.randn(E, d).to(dtype), torch.randn(E, (2 if glu else 1) * n, d).to(dtype),
+            torch.randn(E, d, n).to(dtype))
+
+
+@pytest.mark.parametrize("kwargs,args,match", [
+    ({"activation": "geglu"}, {}, "activation must be 'swiglu' with precision='fp8'"),
+    ({"activation": "relu"}, {"glu": False}, "activation must be 'swiglu' with precision='fp8'"),
+    ({"layout": "concatenated"}, {}, "layout must be 'interleaved' with precision='fp8'"),
+    ({"token_rounding": "nr"}, {}, "token_rounding must be 'none' with precision='fp8'"),
+    ({}, {"dtype": torch.float32}, "x must be bfloat16 with precision='fp8'"),
+    ({}, {"d": 136}, r"x.shape\[1\] \(d\) must be a multiple of 16 with precision='fp8'.*got 136"),
+    ({}, {"n": 72}, r"w2.shape\[2\] \(n\) must be a multiple of 16 with precision='fp8'.*got 72"),
+])
+def test_functional_refuses_what_fp8_lacks(kwargs, args, match):
+    x, wr, w1, w2 = small(**args)
+    with pytest.raises(ValueError, match=match):
+        functional.moe(x, wr, w1, w2, num_experts_per_tok=2, backend="torch", precision="fp8", **kwargs)
+
+
+def test_functional_fp8_argument_errors():
+    x, wr, w1, w2 = small()
+    E, n1, d = w1.shape[0], w1.shape[1], x.shape[1]
+    with pytest.raises(ValueError, match="b1/b2 must be None with precision='fp8'"):
+        functional.moe(x, wr, w1, w2, num_experts_per_tok=2, b1=torch.zeros(E, n1).bfloat16(),
+                       b2=torch.zeros(E, d).bfloat16(), precision="fp8")
+    with pytest.raises(ValueError, match="precision must be one of 'bf16', 'fp8'"):
+        functional.moe(x, wr, w1, w2, num_experts_per_tok=2, precision="fp16")
+    with pytest.raises(ValueError, match="fp8_cache is only used with precision='fp8'"):
+        functional.moe(x, wr, w1, w2, num_experts_per_tok=2, fp8_cache=FP8WeightCache())
+    with pytest.raises(TypeError, match="fp8_cache must be a machmoe.fp8_weights.FP8WeightCache"):
+        functional.moe(x, wr, w1, w2, num_experts_per_tok=2, precision="fp8", fp8_cache={})
+    # backend="machmoe" never falls back to the emulation
+    with pytest.raises(ValueError, match="the machmoe backend runs on CUDA tensors"):
+        functional.moe(x, wr, w1, w2, num_experts_per_tok=2, precision="fp8", backend="machmoe")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"activation_function": "geglu"}, "activation_function must be 'swiglu' with precision='fp8'"),
+    ({"gate_up_layout": "concatenated"}, "gate_up_layout must be 'interleaved'"),
+    ({"add_bias": True}, "add_bias must be False with precision='fp8'"),
+    ({"token_rounding": "up"}, "token_rounding must be 'none' with precision='fp8'"),
+    ({"hidden_size": 136}, "hidden_size must be a multiple of 16 with precision='fp8'"),
+    ({"intermediate_size": 72}, "intermediate_size must be a multiple of 16 with precision='fp8'"),
+    ({"precision": "int8"}, "precision must be one of 'bf16', 'fp8'"),
+])
+def test_module_refuses_what_fp8_lacks(kwargs, match):
+    args = {"num_experts": 4, "num_experts_per_tok": 2, "hidden_size": 128, "intermediate_size": 128,
+            "precision": "fp8", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        MoE(**args)
+
+
+def test_module_fp8_dtype_checked_per_call():
+    layer = MoE(4, 2, 128, 128, precision="fp8")  # float32 parameters until cast
+    with pytest.raises(ValueError, match="x must be bfloat16 with precision='fp8'"):
+        layer(torch.randn(5, 128))
+    out, _ = layer.bfloat16()(torch.randn(5, 128).bfloat16())
+    assert out.dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------- the module's cache
+def counting_cache():
+    calls = []
+
+    def quantize(w, transposed):
+        calls.append(tuple(w.shape))
+        return emu.quantize_weights(w, transposed)
+
+    return FP8WeightCache(quantize), calls
+
+
+def test_module_requantises_after_an_optimizer_step_only():
+    torch.manual_seed(torch.initial_seed())
+    layer = MoE(4, 2, 128, 128, precision="fp8", std=0.05).bfloat16()
+    layer.fp8_cache, calls = counting_cache()
+    x = torch.randn(21, 128).bfloat16()
+    opt = torch.optim.SGD(layer.parameters(), lr=1.0)
+
+    def step():
+        out, aux = layer(x)
+        (out.float().square().sum() + aux).backward()
+        return out.detach()
+
+    first = step()
+    assert len(calls) == 2  # w1 and w2, once each for the forward and the backward
+    assert torch.equal(step(), first) and len(calls) == 2  # unchanged weights: the copies reused
+    opt.step()
+    opt.zero_grad()
+    after = step()
+    assert len(calls) == 4, "the step's new weights were not quantised again"
+    # The new weights' result, not the old copies': a fresh module (an empty cache) agrees bitwise.
+    fresh = copy.deepcopy(layer)  # its cache starts empty (and shares the counting quantiser)
+    assert len(fresh.fp8_cache) == 0
+    assert torch.equal(fresh(x)[0], after) and rel(after, first) > 0.05
+    assert len(calls) == 6
+    with torch.no_grad():  # inference reuses the copies too
+        assert torch.equal(layer(x)[0], after) and len(calls) == 6
+
+
+def test_cache_serves_the_plain_copy_from_the_transposed_quantisation():
+    # The kernels' path asks for the transposed copies first when a backward will follow, so that
+    # each weight is quantised once per change; a later plain request is served from them.
+    cache, calls = counting_cache()
+    w = torch.randn(2, 128, 256).bfloat16()
+    q, s, qt, st = cache.get(w, True)
+    assert qt is not None and cache.get(w, False)[0] is q and len(calls) == 1
+    plain, _ = counting_cache()
+    assert plain.get(w, False)[2] is None  # a plain request alone makes no transposed copy
+
+
+def test_functional_default_cache_follows_in_place_writes():
+    x, wr, w1, w2 = small()
+    w1, w2 = w1 / 11, w2 / 11
+    first, _ = functional.moe(x, wr, w1, w2, num_experts_per_tok=2, precision="fp8")
+    with torch.no_grad():
+        w2.mul_(2)  # bumps the version counter: the copy is remade
+    second, _ = functional.moe(x, wr, w1, w2, num_experts_per_tok=2, precision="fp8")
+    fresh, _ = functional.moe(x, wr, w1, w2.clone(), num_experts_per_tok=2, precision="fp8")
+    assert torch.equal(second, fresh) and not torch.equal(second, first)
+
+
+def test_module_shared_experts_run_in_bf16_beside():
+    from machmoe.shared_experts import shared_experts
+
+    layer = MoE(4, 2, 128, 128, precision="fp8", num_shared_experts=1, shared_intermediate_size=64).bfloat16()
+    x = torch.randn(13, 128).bfloat16()
+    out, _ = layer(x)
+    routed, _ = functional.moe(x, layer.router.weight, layer.c_fc.weight, layer.c_proj.weight, num_experts_per_tok=2,
+                               precision="fp8", fp8_cache=layer.fp8_cache)
+    shared = shared_experts(x, layer.shared_c_fc.weight, layer.shared_c_proj.weight, backend="torch")
+    assert torch.equal(out, routed + shared)

@@ -1,0 +1,149 @@
+"""precision="fp8" on the kernels (machmoe.fp8_layer over machmoe.fp8_experts), at the 7B-a
+(d = 1536, n = 256, E = 64, K = 8) and 30B-b (d = 4096, n = 512, E = 128, K = 8) shapes with
+T = 2001 and T = 1: the functional layer and the module, forward and every gradient, against
+float64 within FP8's derived error (test_fp8_layer.py's model: 2·sqrt(m)·0.024 for a path through m
+quantised operands, a floor of a tenth of it, and at least 3x the bf16 kernels' error on the same
+inputs), and against the torch backend's emulation of the same recipe (machmoe.fp8_emulation).
+
+Kernels against emulation: the router, the routing and every quantiser are the same arithmetic
+(the quantisers bitwise, checked here), so they differ only where the GEMMs accumulate in another
+order: the FP8 tensor cores sum each 128-deep K block at reduced precision (promoted to fp32 per
+block), ~2^-13 relative on H, against the emulation's fp32. An E4M3 rounding flips where a value
+sits that close to a rounding boundary (about 2·2^-13 / 2^-3.5 ≈ 0.3% of the elements), each flip
+one E4M3 step (~9%). Measured on the CPU at the 7B-a shape (T = 401) by perturbing every GEMM
+result of the emulation by 2^-13 relative noise: 0.0055-0.0074 normwise per tensor (2^-11: up to
+0.0145). Bound: 0.35 of the FP8 model per tensor (0.019 for out, m = 5; twice that for the router's
+gradients): 2.5x that estimate, and half of what one operand left unquantised would change (each
+of the five adds ~0.033 in quadrature to the measured 0.075): so the two implement one recipe.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from gpu_test_helpers import offsets, ops, redraw_near_ties
+from test_fp8_layer import PATHS, dlogits_norm, layer_inputs, model, rel, run_layer
+
+from machmoe import MoE, fp8_layer, functional
+from machmoe.fp8_weights import FP8WeightCache
+from machmoe import fp8_emulation as emu
+
+# (name, T, d, n, E, K)
+SHAPES = (("7B-a", 2001, 1536, 256, 64, 8), ("30B-b", 2001, 4096, 512, 128, 8), ("7B-a T=1", 1, 1536, 256, 64, 8))
+
+
+def on_gpu(test):
+    """A test that needs a GPU and the op library (skipped without them; conftest.py)."""
+    return pytest.mark.ops(pytest.mark.gpu(test))
+
+
+def structured(*shape):
+    """bf16 data with a power-of-two magnitude per row (2^-8 .. 2^7), so that a scale applied to
+    the wrong tile shows, and an all-zero 128-tile at [0, :128]."""
+    x = (torch.randn(*shape, device="cuda") * 2.0 ** torch.randint(-8, 8, (*shape[:-1], 1), device="cuda")).bfloat16()
+    x.view(-1, shape[-1])[0, :128] = 0
+    return x
+
+
+@on_gpu
+def test_emulated_quantisers_match_the_kernels_bitwise():
+    # The layer's weight cache fills from either quantiser (fp8_layer.quantize_weights), and the
+    # emulation's rows and columns stand for the kernels' at every operand: the same codes and scales.
+    m = ops()
+    w = structured(3, 1024, 4096 + 128 + 16)  # partial edge blocks
+    for got, want in zip(emu.quantize_weights(w, True), m.fp8_quantize_weights(w, True)):
+        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got.view(torch.int32),
+                           want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want.view(torch.int32))
+    x = structured(300, 1536 + 16)
+    q, s = m.fp8_quantize_rows(x, None)
+    assert torch.equal(emu.rows_dequantized(x), q.float() * s.repeat_interleave(128, dim=1)[:, : x.shape[1]])
+    counts = [130, 0, 1, 169]
+    rows = structured(sum(counts), 256)
+    qt, cs, co = m.fp8_quantize_columns(rows, None, offsets(counts))
+    got, start = emu.columns_dequantized(rows, counts), 0
+    for e, rows_e in enumerate(counts):
+        for j, c in zip(range(0, rows_e, 128), range(int(co[e]), int(co[e + 1]))):
+            n = min(128, rows_e - j)
+            want = qt[:, 128 * c:128 * c + n].float().T * cs[:, c]
+            assert torch.equal(got[start + j:start + j + n], want), f"expert {e} chunk {c}"
+        start += rows_e
+
+
+@on_gpu
+@pytest.mark.parametrize("name,T,d,n,E,K", SHAPES)
+def test_fp8_layer_on_the_kernels(name, T, d, n, E, K):
+    # functional.moe(precision="fp8", backend="machmoe"): against float64 (and away from the bf16
+    # kernels), and against the emulation (module docstring).
+    t, dout = layer_inputs(T, d, n, E, K, "softmax_topk", device="cuda")
+    fp8 = run_layer(t, dout, K, "softmax_topk", torch.bfloat16, "fp8", backend="machmoe")
+    emulated = run_layer(t, dout, K, "softmax_topk", torch.bfloat16, "fp8", backend="torch")
+    bf16 = run_layer(t, dout, K, "softmax_topk", torch.bfloat16, "bf16", backend="machmoe")
+    ref = run_layer(t, dout, K, "softmax_topk", torch.float64, "bf16", backend="torch")
+    assert torch.equal(fp8["aux"], emulated["aux"])  # the same router code on the same device
+    assert not fp8["dw1"][-1].any() and not fp8["dw2"][-1].any()  # the never-chosen expert
+    failures = []
+    for label in PATHS:
+        m, slack = model(label)
+        scale = dlogits_norm(t, dout, K, "softmax_topk") if label == "d_router_bias" else None
+        err, err_bf16 = rel(fp8[label], ref[label], scale), rel(bf16[label], ref[label], scale)
+        err_emu = rel(fp8[label], emulated[label], scale)
+        print(f"{name} {label}: fp8 {err:.4f} (model {m:.4f}), bf16 kernels {err_bf16:.5f}, "
+              f"kernels vs emulation {err_emu:.5f}")
+        if not 0.1 * m <= err <= 2 * slack * m:
+            failures.append(f"{label}: fp8 error {err:.4f} outside [{0.1 * m:.4f}, {2 * slack * m:.4f}]")
+        if err < 3 * err_bf16 and label != "d_router_bias":
+            failures.append(f"{label}: fp8 error {err:.4f} not 3x the bf16 kernels' {err_bf16:.5f}")
+        if err_emu > 0.35 * slack * m:
+            failures.append(f"{label}: kernels vs emulation {err_emu:.5f} above {0.35 * slack * m:.4f}")
+    assert not failures, "\n".join(failures)
+
+
+@on_gpu
+def test_fp8_module_on_the_kernels_and_its_cache():
+    # MoE(precision="fp8") at 7B-a: forward and backward on the kernels against float64, its FP8
+    # copies made by the kernels' quantiser (with the transposed copies the backward reads), and
+    # remade after an optimizer step: the result then is a fresh module's (an empty cache).
+    T, d, n, E, K = 2001, 1536, 256, 64, 8
+    layer = MoE(E, K, d, n, precision="fp8", backend="machmoe", std=0.05).cuda().bfloat16()
+    calls = []
+
+    def quantize(w, transposed):
+        calls.append(transposed)
+        return fp8_layer.quantize_weights(w, transposed)
+
+    layer.fp8_cache = FP8WeightCache(quantize)
+    with torch.no_grad():
+        layer.c_fc.weight.normal_(0, d ** -0.5)
+        layer.c_proj.weight.normal_(0, n ** -0.5)
+    x = redraw_near_ties({"x": torch.randn(T, d, device="cuda").bfloat16(),
+                          "router_weight": layer.router.weight.detach()}, K)["x"].requires_grad_()
+    dout = torch.randn(T, d, device="cuda").bfloat16()
+    out, aux = layer(x)
+    (out * dout).float().sum().add(aux * 3.0).backward()
+    assert len(layer.fp8_cache) == 2 and calls == [True, True], "each weight quantised once, with its transposed copy"
+    q, scales, qt, _ = layer.fp8_cache.get(layer.c_fc.weight, True)
+    assert q.is_cuda and q.dtype == torch.float8_e4m3fn and qt.shape == (E, d, 2 * n)
+
+    t = {"x": x.detach(), "router_weight": layer.router.weight.detach(), "w1": layer.c_fc.weight.detach(),
+         "w2": layer.c_proj.weight.detach()}
+    leaves = {k: v.double().requires_grad_() for k, v in t.items()}
+    ref, ref_aux = functional.moe(leaves["x"], leaves["router_weight"], leaves["w1"], leaves["w2"],
+                                  num_experts_per_tok=K, backend="torch")
+    (ref * dout.double()).sum().add(ref_aux * 3.0).backward()
+    for label, got, want in (("out", out, ref), ("dx", x.grad, leaves["x"].grad),
+                             ("dw1", layer.c_fc.weight.grad, leaves["w1"].grad),
+                             ("dw2", layer.c_proj.weight.grad, leaves["w2"].grad),
+                             ("d_router_weight", layer.router.weight.grad, leaves["router_weight"].grad)):
+        m, slack = model(label)
+        err = rel(got, want)
+        print(f"module {label}: fp8 {err:.4f} (model {m:.4f})")
+        assert 0.1 * m <= err <= 2 * slack * m, f"{label}: {err:.4f}"
+
+    opt = torch.optim.SGD(layer.parameters(), lr=0.01)
+    opt.step()
+    with torch.no_grad():
+        after, _ = layer(x)
+        fresh, _ = copy.deepcopy(layer)(x)
+    assert rel(after, out) > 0.05, "the optimizer step did not change the result"
+    assert rel(after, fresh) <= 1e-3, "the module used stale FP8 copies after the step"
