@@ -7,6 +7,7 @@
 #include <string>
 
 #include "host/gemm/config.hpp"
+#include "host/layer/shared_pairs.hpp"
 #include "machmoe/machmoe.hpp"
 
 namespace {
@@ -253,3 +254,18 @@ TEST(WgradConfig, CtaPairsFromTwoColumnTiles) {
 }
 
 }  // namespace
+
+// A layer's shared expert (all T rows) is cut into runs for the weight-gradient GEMMs until its
+// output tiles number ~256, with runs of >= 1024 rows; shapes of 7B-a (d 1536, n 256) and 30B-b
+// (d 4096, n 512), T = 24576 and 32768.
+TEST(SharedWgradRuns, CutsFewDeepTilesIntoMany) {
+  using machmoe::detail::shared_wgrad_runs;
+  EXPECT_EQ(shared_wgrad_runs(24576, 1, 1536, 512), 6);    // dW1: 12 x 4 = 48 tiles -> 288
+  EXPECT_EQ(shared_wgrad_runs(24576, 1, 1536, 256), 11);   // dW2: 24 tiles -> 264
+  EXPECT_EQ(shared_wgrad_runs(24576, 2, 1536, 256), 6);    // two shared experts: 48 tiles
+  EXPECT_EQ(shared_wgrad_runs(32768, 1, 4096, 1024), 1);   // 256 tiles already
+  EXPECT_EQ(shared_wgrad_runs(32768, 1, 4096, 512), 2);    // 128 tiles
+  EXPECT_EQ(shared_wgrad_runs(2047, 1, 1536, 512), 1);     // runs would be shorter than 1024 rows
+  EXPECT_EQ(shared_wgrad_runs(5000, 2, 256, 128), 4);      // T / 1024 bounds it
+  EXPECT_EQ(shared_wgrad_runs(0, 1, 256, 128), 1);
+}

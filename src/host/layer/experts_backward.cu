@@ -221,7 +221,9 @@ void weight_gradients(const ExpertsBackwardRun& r, cudaStream_t stream) {
   w2g.c_dtype = r.grad_dtype;
   w2g.transpose_c = false;
   w2g.max_ctas = r.weights_max_ctas;
-  grouped_gemm_wgrad(w2g, stream);
+  int32_t* run_offsets = at<int32_t>(w, S.shared_run_offsets);
+  float* pieces = at<float>(w, S.shared_pieces);
+  shared_layer_wgrad(w2g, r.shared, s.T, run_offsets, pieces, stream);
 
   // 8. dW1 [E, n1, d] = (Σ_r x[row_token[r]]ᵀ ⊗ dH_r)ᵀ: [E, M = d, N = n1] stored transposed.
   GroupedWgradArgs w1g;
@@ -240,7 +242,7 @@ void weight_gradients(const ExpertsBackwardRun& r, cudaStream_t stream) {
   w1g.c_dtype = r.grad_dtype;
   w1g.transpose_c = true;
   w1g.max_ctas = r.weights_max_ctas;
-  grouped_gemm_wgrad(w1g, stream);
+  shared_layer_wgrad(w1g, r.shared, s.T, run_offsets, pieces, stream);
 
   // 9. Bias gradients: db2[e] = Σ_r s_r · dout[row_token[r]], db1[e] = Σ_r dH_r.
   if (s.has_bias) {

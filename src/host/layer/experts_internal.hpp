@@ -76,6 +76,9 @@ struct ExpertsBackwardRun {
   void *dx = nullptr, *dw1 = nullptr, *db1 = nullptr, *dw2 = nullptr, *db2 = nullptr;
   DType grad_dtype = DType::BF16;
   ExpertsBackwardPart part = ExpertsBackwardPart::All;  // what to compute (machmoe.hpp)
+  // A layer's shared experts: the last `shared` of shape.E, T rows each; their weight gradients
+  // are cut into runs (host/layer/shared_pairs.hpp) in the scratch the layout carved for them.
+  int64_t shared = 0;
   int weights_max_ctas = 0;                             // bound on the wgrad GEMMs' CTAs (0: none)
   // The layer backward's router part, optional. after_scores runs on the stream once d_scores is
   // written (the router backward: d_logits from d_scores); with router_d_logits set, the dx

@@ -104,6 +104,7 @@ void layer_backward(const ValidLayerProblem& valid, const LayerBackwardArgs& a, 
   r.list.scores = scores;
   r.list.pairs = R;
   r.list.K = p.K + p.num_shared;
+  r.shared = p.num_shared;
   r.x = a.x, r.w1 = a.w1, r.w2 = a.w2, r.b2 = a.b2, r.dout = a.dout;
   r.h = at<void>(s, L.h);
   r.expert_offsets = expert_offsets;

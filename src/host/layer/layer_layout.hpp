@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "host/layer/saved_layout.hpp"
+#include "host/layer/shared_pairs.hpp"
 #include "host/routing/routing_internal.hpp"
 #include "machmoe/machmoe.hpp"
 
@@ -83,9 +84,11 @@ struct ExpertsBackwardScratch {
   static constexpr int kBiasChunkRows = 256;
   size_t row_token = 0, dh = 0, a_prime = 0, dx_rows = 0, ds_partial = 0, tile_offsets = 0;
   size_t bias_chunk_prefix = 0, bias_partials = 0;  // has_bias only
+  size_t shared_run_offsets = 0, shared_pieces = 0;  // a layer's shared experts, where cut (shared_pairs.hpp)
   int64_t ds_tiles = 0;     // column tiles of the dH kernel: the row stride of ds_partial
   int64_t bias_chunks = 0;  // rows of bias_partials (upper bound of Σ_e ceil(rows_e / kBiasChunkRows))
-  void carve(Carve& b, const ExpertsShape& s, int64_t R) {
+  // shared: how many of the s.E experts are a layer's shared experts (the last ones, T rows each).
+  void carve(Carve& b, const ExpertsShape& s, int64_t R, int64_t shared = 0) {
     const size_t r = static_cast<size_t>(R), es = s.elem;
     row_token = b.take(r * 4);                                   // [R] row -> token
     dh = b.take(r * static_cast<size_t>(s.n1) * es);             // [R, n1] dH
@@ -99,6 +102,11 @@ struct ExpertsBackwardScratch {
       const size_t cols = static_cast<size_t>(std::max<int64_t>(s.d, s.n1));
       bias_chunk_prefix = b.take((static_cast<size_t>(s.E) + 1) * 4);     // [E+1] first chunk of each expert
       bias_partials = b.take(static_cast<size_t>(bias_chunks) * cols * 4);  // [chunks, max(d, n1)]
+    }
+    const SharedWgradScratch cut(s.T, shared, s.d, s.n, s.n1);
+    if (cut.offsets_bytes > 0) {
+      shared_run_offsets = b.take(cut.offsets_bytes);  // [S·m + 1] int32
+      shared_pieces = b.take(cut.pieces_bytes);        // [S·m, d, max(n, n1)] fp32
     }
   }
 };
@@ -198,7 +206,7 @@ struct LayerLayout {
     forward_bytes = f.bytes;
 
     Carve b;
-    bwd.carve(b, sh, R);
+    bwd.carve(b, sh, R, p.num_shared);
     b_experts = b.take(r * 4);              // [pairs] int32, rebuilt from pair_row
     b_token_offsets = b.take((T + 1) * 4);  // [T+1] t·K (top-K; rounding has its own)
     d_scores = b.take(r * 4);               // [R] fp32, pair order

@@ -6,7 +6,10 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
+
+#include "machmoe/machmoe.hpp"
 
 namespace machmoe::detail {
 
@@ -20,5 +23,28 @@ void append_shared_pairs(const float* scores, const int32_t* experts, const floa
 // sum of a token's S shared pairs' d scores (null: not written).
 void split_shared_pairs(const int32_t* list_experts, const float* list_d_scores, int64_t T, int64_t K, int64_t S,
                         int32_t* experts, float* d_scores, float* d_shared, cudaStream_t stream);
+
+// Runs m per shared expert in a weight-gradient GEMM of output [M, N] per expert. A shared
+// expert has all T rows in only ceil(M/128)·ceil(N/128) output tiles: at small M, N fewer than the
+// SMs, and 16 times as deep as a routed expert's at K = 8 of E = 128, so they would run alone at
+// the end of the launch. Cut into m runs (of >= 1024 rows) the expert has m times as many tiles,
+// up to 256 for its S experts: about two waves of a 132-SM Hopper part (a part with more SMs
+// ends its last wave early, one with fewer runs a third). 1: no cut.
+int64_t shared_wgrad_runs(int64_t T, int64_t S, int64_t M, int64_t N);
+
+// Scratch of the cut weight gradients, for the layer's dW2 (M = d, N = n) and dW1 (M = d, N = n1):
+// the runs' row offsets [S·m + 1] int32 and their fp32 gradients [S·m, M, N]; 0 bytes when neither
+// GEMM is cut.
+struct SharedWgradScratch {
+  size_t offsets_bytes = 0, pieces_bytes = 0;
+  SharedWgradScratch(int64_t T, int64_t S, int64_t d, int64_t n, int64_t n1);
+};
+
+// The weight-gradient GEMM `g` of a layer whose last S experts (of g.E = E + S) are shared, with
+// T rows each: the routed experts' as one launch into g.c's first E experts, then each shared
+// expert as m runs (shared_wgrad_runs) into the fp32 scratch `pieces`, summed per expert in run
+// order into g.c's last S experts (deterministic). With m = 1, g as it is.
+void shared_layer_wgrad(const GroupedWgradArgs& g, int64_t S, int64_t T, int32_t* run_offsets, float* pieces,
+                        cudaStream_t stream);
 
 }  // namespace machmoe::detail

@@ -5,8 +5,13 @@
 //   append_shared_pairs  the router's top-K [T, K] -> the list [T, K+S] (forward)
 //   split_shared_pairs   the list's d scores [T, K+S] -> the router's [T, K] and the shared
 //                        experts' gate gradient [T] (backward)
+//   shared_row_pieces    each shared expert's rows cut into m runs, as the segments of a
+//                        weight-gradient GEMM (backward; see host/layer/shared_pairs.hpp)
+//   sum_shared_pieces    the m runs' fp32 weight gradients summed into the expert's
 // Templates only: a non-template __global__ in a header included by two TUs would clash at link.
 #pragma once
+
+#include <cuda_bf16.h>
 
 #include <cstdint>
 
@@ -57,6 +62,37 @@ __global__ void __launch_bounds__(kThreads)
       for (int s = 0; s < S; ++s) sum += list_d_scores[in + K + s];
       d_shared[t] = sum;
     }
+  }
+}
+
+// pieces [S·m + 1]: shared expert s's rows [off[E+s], off[E+s+1]) (expert_offsets [E+S+1]) cut
+// into m consecutive runs of near-equal length; run j of expert s is segment s·m + j.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads)
+    shared_row_pieces(const int32_t* expert_offsets, int E, int S, int m, int32_t* pieces) {
+  const int i = blockIdx.x * kThreads + threadIdx.x;
+  if (i > S * m) return;
+  const int s = i / m, j = i - s * m;
+  if (s == S) {  // the end of the last run
+    pieces[i] = expert_offsets[E + S];
+    return;
+  }
+  const int64_t begin = expert_offsets[E + s], rows = expert_offsets[E + s + 1] - begin;
+  pieces[i] = static_cast<int32_t>(begin + rows * j / m);
+}
+
+// out[s] = Σ_j piece[s·m + j] for s < S (piece fp32 [S·m, count], out [S, count] in T = float or
+// bf16), j in order: deterministic. One thread per output element.
+template <int kThreads, typename T>
+__global__ void __launch_bounds__(kThreads)
+    sum_shared_pieces(const float* piece, int64_t count, int S, int m, T* out) {
+  const int64_t total = count * S, stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < total; i += stride) {
+    const int64_t s = i / count, k = i - s * count;
+    const float* p = piece + s * m * count + k;
+    float sum = 0.f;
+    for (int j = 0; j < m; ++j) sum += p[j * count];
+    out[i] = static_cast<T>(sum);
   }
 }
 
