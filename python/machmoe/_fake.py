@@ -258,6 +258,11 @@ def _fp8_quantize_weights(w, transposed):
             w.new_empty(E, fp8_tiles(K), fp8_tiles(N), dtype=torch.float32))
 
 
+def _fp8_swiglu_backward(da, hq, h_scales, scores, row_pair):
+    R, n = da.shape
+    return da.new_empty(R, 2 * n), da.new_empty(R, n), scores.new_empty(scores.shape)
+
+
 def _fp8_quantize_columns(x, gather, expert_offsets):
     d = x.shape[1]
     R = x.shape[0] if gather is None else gather.shape[0]
@@ -304,6 +309,7 @@ FAKES = {
     "grouped_gemm_nmajor": _grouped_gemm_nmajor,
     "grouped_gemm_wgrad": _grouped_gemm_wgrad,
     "fp8_quantize_rows": _fp8_quantize_rows,
+    "fp8_swiglu_backward": _fp8_swiglu_backward,
     "fp8_quantize_weights": _fp8_quantize_weights,
     "fp8_quantize_columns": _fp8_quantize_columns,
     "grouped_gemm_fp8": _grouped_gemm_fp8,

@@ -54,15 +54,10 @@ def experts_forward(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores:
     return out, (hq, h_scales, offs, row_token, row_pair, pair_row, token_offsets)
 
 
-def _dequantised_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """E4M3 codes [R, N] with 1x128 scales [R, ceil(N/128)] -> float32 [R, N]."""
-    return q.float() * scales.repeat_interleave(128, dim=1)[:, : q.shape[1]]
-
-
 def experts_backward(x, w1, w2, scores, experts, saved, dout, *, cache: Optional[FP8WeightCache] = None):
     """(dx [T, d], dw1 [E, 2n, d], dw2 [E, d, n], d_scores [T, K]) of experts_forward (SwiGLU, no
     biases) from its `saved` and dout [T, d] bf16, in FP8 (machmoe/reference_fp8_layer.hpp's
-    backward; the elementwise steps in PyTorch, not yet fused):
+    backward; the elementwise step one kernel, fp8_swiglu_backward):
       dA' = dout[t]·W2 (dout quantised once, W2's transposed copy), d_score = dA'·A with A
       recomputed from the saved Hq; dH = swiglu'(Hq)·(score·dA'), quantised by rows for
       dX~ = dH·W1 (W1's transposed copy) and dx the sum per token; dW1 and dW2 from the columns
@@ -72,22 +67,15 @@ def experts_backward(x, w1, w2, scores, experts, saved, dout, *, cache: Optional
     ops = torch.ops.machmoe
     cache = _DEFAULT_CACHE if cache is None else cache
     T, K = scores.shape
-    n = w2.shape[2]
     _, _, w1_qt, w1_st = cache.get(w1, True)   # [E, d, 2n]
     _, _, w2_qt, w2_st = cache.get(w2, True)   # [E, n, d]
     dout = dout.to(torch.bfloat16).contiguous()
     do_q, do_s = ops.fp8_quantize_rows(dout, None)
-    da = ops.grouped_gemm_fp8(do_q, do_s, w2_qt, w2_st, offs, 0, row_token).float()  # dA' [R, n]
-    h = _dequantised_rows(hq, h_scales)
-    gate, up = h[:, 0::2], h[:, 1::2]
-    sig = torch.sigmoid(gate)
-    act = gate * sig
-    a = act * up                                                         # A [R, n], as the forward
-    score_row = scores.reshape(-1).float()[row_pair.long()]             # [R]
-    d_scores = torch.zeros(T * K, device=x.device, dtype=torch.float32)
-    d_scores.index_copy_(0, row_pair.long(), (da * a).sum(1))
-    da = da * score_row[:, None]
-    dh = torch.stack([da * up * sig * (1 + gate * (1 - sig)), da * act], dim=2).reshape(h.shape).bfloat16()
+    da = ops.grouped_gemm_fp8(do_q, do_s, w2_qt, w2_st, offs, 0, row_token)  # dA' [R, n] bf16
+    # One pass (machmoe/fp8_swiglu.hpp): A recomputed from the saved Hq as the forward made it,
+    # d_scores, dH = swiglu'(H)·(score·dA') [R, 2n] and A' = score·A [R, n], both bf16.
+    dh, a_prime, d_scores = ops.fp8_swiglu_backward(da, hq, h_scales, scores.reshape(-1).float().contiguous(),
+                                                    row_pair)
     dh_q, dh_s = ops.fp8_quantize_rows(dh, None)
     dx_rows = ops.grouped_gemm_fp8(dh_q, dh_s, w1_qt, w1_st, offs)      # dX~ [R, d]
     dx = ops.aggregate(dx_rows, pair_row, token_offsets, None, x.dtype)
@@ -95,7 +83,7 @@ def experts_backward(x, w1, w2, scores, experts, saved, dout, *, cache: Optional
     ht, hs, _ = ops.fp8_quantize_columns(dh, None, offs)
     dw1 = ops.grouped_wgrad_fp8(xt, xs, ht, hs, chunks, w1.dtype, True)  # [E, 2n, d]
     dot, dos, _ = ops.fp8_quantize_columns(dout, row_token, offs)
-    at, as_, _ = ops.fp8_quantize_columns((a * score_row[:, None]).bfloat16(), None, offs)
+    at, as_, _ = ops.fp8_quantize_columns(a_prime, None, offs)
     dw2 = ops.grouped_wgrad_fp8(dot, dos, at, as_, chunks, w2.dtype, False)  # [E, d, n]
     return dx, dw1, dw2, d_scores.reshape(T, K).to(scores.dtype)
 

@@ -1,7 +1,8 @@
 """`precision="fp8"` of the layer (machmoe.functional.moe, machmoe.MoE): the router in high
 precision, the experts in FP8 (E4M3, DeepSeek-V3's tile scaling; docs/LAYER.md, "FP8").
 
-    logits = x·Wrᵀ (+ b_r) in fp32;  scores, experts = top-K routing (machmoe.functional.route's
+    logits = x·Wrᵀ (+ b_r) in fp32 (on the kernels from the bf16 operands with fp32 accumulation,
+             as the bf16 layer);  scores, experts = top-K routing (machmoe.functional.route's
     code, every routing option);  aux = the load-balancing loss of those logits and experts;
     out = the FP8 experts on (scores, experts):
       backend "machmoe": machmoe.fp8_experts.experts (the FP8 ops on an sm_90 GPU),
@@ -43,6 +44,31 @@ def quantize_weights(w: torch.Tensor, transposed: bool) -> tuple:
     if w.is_cuda and w.dtype == torch.bfloat16 and _ops.kernels_unavailable_reason(w.device) is None:
         return _quantize_on_kernels(w, transposed)
     return fp8_emulation.quantize_weights(w, transposed)
+
+
+class _RouterLogits(torch.autograd.Function):
+    """logits [T, E] fp32 = x [T, d] · router_weightᵀ (+ router_bias) from the bf16 operands with fp32
+    accumulation and output, as the bf16 layer's router GEMM computes them (a float32 copy of x and
+    float32 GEMMs cost 4·T·d bytes and SIMT-speed GEMMs instead); the backward rounds d_logits to
+    bf16 for its two GEMMs, as the bf16 layer's backward does."""
+
+    @staticmethod
+    def forward(ctx, x, router_weight, router_bias):
+        logits = torch.mm(x, router_weight.t(), out_dtype=torch.float32)
+        if router_bias is not None:
+            logits = logits + router_bias.float()
+        ctx.save_for_backward(x, router_weight)
+        ctx.has_bias = router_bias is not None
+        return logits
+
+    @staticmethod
+    def backward(ctx, d_logits):
+        x, router_weight = ctx.saved_tensors
+        g = d_logits.to(torch.bfloat16)
+        dx = torch.mm(g, router_weight) if ctx.needs_input_grad[0] else None
+        dwr = torch.mm(g.t(), x) if ctx.needs_input_grad[1] else None
+        db = d_logits.sum(0).to(torch.bfloat16) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dwr, db
 
 
 def new_cache() -> FP8WeightCache:
@@ -117,7 +143,10 @@ def moe(precision: Union[Precision, str], fp8_cache: Optional[FP8WeightCache], b
             # each weight is quantised once per change instead of twice.
             cache.get(w1, True)
             cache.get(w2, True)
-    logits = torch_backend.router_logits(x, router_weight, router_bias)  # [T, E] fp32
+    if on_kernels:  # bf16 operands, fp32 accumulation and logits: the bf16 layer's router GEMM
+        logits = _RouterLogits.apply(x, router_weight, router_bias)  # [T, E] fp32
+    else:
+        logits = torch_backend.router_logits(x, router_weight, router_bias)  # [T, E] fp32
     scores, experts = torch_backend.route_topk(logits, K, routing, renormalize, selection_bias, options)  # [T, K]
     aux = torch_backend.aux_loss(logits, experts)
     if on_kernels:

@@ -17,6 +17,7 @@
 
 #include "bindings/common.hpp"
 #include "machmoe/fp8.hpp"
+#include "machmoe/fp8_swiglu.hpp"
 #include "machmoe/fp8_wgrad.hpp"
 
 namespace machmoe::bindings {
@@ -283,6 +284,41 @@ Tensor op_grouped_wgrad_fp8(const Tensor& a_qt, const Tensor& a_scales, const Te
   });
 }
 
+// The FP8 experts' SwiGLU backward (machmoe/fp8_swiglu.hpp): dA' [R, n] bf16, the forward's
+// hq [R, 2n] e4m3 and h_scales [R, ceil(2n/128)] f32, the list's scores [pairs] f32 and
+// row_pair [R] int32 -> dH [R, 2n] bf16, A' [R, n] bf16, d_scores [pairs] f32 (zero where no row).
+std::tuple<Tensor, Tensor, Tensor> op_fp8_swiglu_backward(const Tensor& da, const Tensor& hq, const Tensor& h_scales,
+                                                          const Tensor& scores, const Tensor& row_pair) {
+  return translate_errors([&] {
+    check_first(da, "da", at::kBFloat16, 2);
+    const at::Device device = da.device();
+    const int64_t R = da.size(0), n = da.size(1);
+    check_tensor(hq, "hq", kE4M3, {R, 2 * n}, &device);
+    check_tensor(h_scales, "h_scales", at::kFloat, {R, (2 * n + 127) / 128}, &device);
+    check_dims(scores, "scores", 1);
+    check_tensor(scores, "scores", at::kFloat, scores.sizes(), &device);
+    MACHMOE_CHECK_VALUE(check_index(row_pair, "row_pair", device) == R, "row_pair must have R = da.shape[0] = ", R,
+                        " elements, got ", row_pair.size(0));
+    const c10::cuda::CUDAGuard guard(device);
+    Tensor dh = at::empty({R, 2 * n}, da.options());
+    Tensor a_prime = at::empty({R, n}, da.options());
+    Tensor d_scores = at::zeros({scores.size(0)}, scores.options());
+    SwigluBackwardFp8Args a;
+    a.da = da.data_ptr();
+    a.hq = codes(hq);
+    a.h_scales = h_scales.data_ptr<float>();
+    a.scores = scores.data_ptr<float>();
+    a.row_pair = row_pair.data_ptr<int32_t>();
+    a.R = R;
+    a.n = n;
+    a.dh = dh.data_ptr();
+    a.a_prime = a_prime.data_ptr();
+    a.d_scores = d_scores.data_ptr<float>();
+    swiglu_backward_fp8(a, at::cuda::getCurrentCUDAStream());
+    return std::make_tuple(dh, a_prime, d_scores);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(machmoe, m) {
@@ -296,6 +332,8 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
         " -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("grouped_wgrad_fp8(Tensor a_qt, Tensor a_scales, Tensor b_qt, Tensor b_scales, Tensor chunk_offsets,"
         " ScalarType out_dtype, bool transpose_c, int max_ctas=0) -> Tensor");
+  m.def("fp8_swiglu_backward(Tensor da, Tensor hq, Tensor h_scales, Tensor scores, Tensor row_pair)"
+        " -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {
@@ -305,6 +343,7 @@ TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {
   m.impl("grouped_gemm_fp8", &op_grouped_gemm_fp8);
   m.impl("grouped_gemm_fp8_glu", &op_grouped_gemm_fp8_glu);
   m.impl("grouped_wgrad_fp8", &op_grouped_wgrad_fp8);
+  m.impl("fp8_swiglu_backward", &op_fp8_swiglu_backward);
 }
 
 }  // namespace machmoe::bindings

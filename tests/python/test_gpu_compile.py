@@ -81,6 +81,7 @@ def _op_cases():
         ("grouped_gemm_wgrad", (dout, row_token, h[:, :n].contiguous(), offs, False, True)),
         ("fp8_quantize_rows", (t["x"], row_token)),
         ("fp8_quantize_rows", (h, None)),
+        ("fp8_swiglu_backward", (h[:, :n].contiguous(), *m.fp8_quantize_rows(h, None), row_scores, row_pair)),
         ("fp8_quantize_weights", (t["w1"], False)),
         ("fp8_quantize_weights", (t["w2"], True)),
         ("fp8_quantize_columns", (t["x"], row_token, offs)),

@@ -557,3 +557,46 @@ def test_fp8_experts_gradients_within_e4m3s_error(name, d, n):
         model = m ** 0.5 * 0.024
         print(f"{name} {label}: normwise error {err:.4f} (model {model:.4f})")
         assert 0.1 * model <= err <= 2 * slack * model, f"{label}: normwise error {err:.4f}"
+
+
+@on_gpu
+@pytest.mark.parametrize("R, n", [(1000, 256), (777, 512), (64, 2880), (1, 4)])
+def test_fp8_swiglu_backward_against_float64(R, n):
+    # The FP8 experts' SwiGLU backward op on the dequantised H (1x128 scales along 2n) and a
+    # permuted row -> pair map: dH and A' against float64 within bf16's rounding (2^-8 relative,
+    # with an absolute floor for the sigmoid's fp32 evaluation), d_scores at their pairs within
+    # fp32 summation error; a NaN tile of H reaches only its own row.
+    m = ops()
+    h = structured(R, 2 * n)
+    hq, hs = m.fp8_quantize_rows(h, None)
+    hs[R // 2, 0] = float("nan") if R > 1 else hs[R // 2, 0]
+    da = torch.randn(R, n, device="cuda").bfloat16()
+    pairs = R + 5
+    row_pair = torch.randperm(pairs, device="cuda")[:R].int()
+    scores = torch.rand(pairs, device="cuda")
+    dh, a_prime, d_scores = m.fp8_swiglu_backward(da, hq, hs, scores, row_pair)
+    hd = hq.double() * hs.double().repeat_interleave(TILE, dim=1)[:, : 2 * n]
+    g, u = hd[:, 0::2], hd[:, 1::2]
+    sig = torch.sigmoid(g)
+    act = g * sig
+    a = act * u
+    s = scores.double()[row_pair.long()][:, None]
+    dad = da.double()
+    want_dh = torch.stack([s * dad * u * sig * (1 + g * (1 - sig)), s * dad * act], dim=2).reshape(R, 2 * n)
+    want_ds = torch.zeros(pairs, dtype=torch.float64, device="cuda")
+    want_ds[row_pair.long()] = (dad * a).sum(1)
+    bad_row = R // 2 if R > 1 else -1
+    ok = torch.ones(R, dtype=torch.bool, device="cuda")
+    if bad_row >= 0:
+        ok[bad_row] = False
+        assert torch.isnan(dh[bad_row, :128]).all() and torch.isnan(d_scores[row_pair[bad_row].long()])
+    for name, got, want in (("dh", dh, want_dh), ("a_prime", a_prime, s * a)):
+        err = (got.double()[ok] - want[ok]).abs()
+        tol = 2.0 ** -8 * want[ok].abs() + 1e-6 * want[ok].abs().max()
+        assert (err <= tol).all(), f"{name}: {int((err > tol).sum())} elements outside bf16 rounding"
+    absdot = (dad.abs() * a.abs()).sum(1)
+    err = (d_scores.double()[row_pair.long()] - want_ds[row_pair.long()]).abs()
+    assert (err[ok] <= 1e-4 * absdot[ok] + 1e-30).all(), "d_scores"
+    unused = torch.ones(pairs, dtype=torch.bool, device="cuda")
+    unused[row_pair.long()] = False
+    assert (d_scores[unused] == 0).all(), "pairs without a row keep d_score 0"

@@ -1,0 +1,35 @@
+// The FP8 experts' SwiGLU backward (between the dA' GEMM and the dH GEMMs), one pass over the rows.
+// Per row r of R (rows grouped by expert, as the GEMMs write them), with H dequantised from the
+// forward's E4M3 H (machmoe/fp8.hpp: 1x128 tiles along a row) and s = scores[row_pair[r]]:
+//   g, u = H[r, 2j], H[r, 2j+1] (gate/up interleaved);  σ = sigmoid(g);  act = g·σ;  A = act·u
+//   d_scores[row_pair[r]] = Σ_j dA'[r, j]·A[r, j]                     (fp32, fixed order)
+//   dH[r, 2j]   = s·dA'[r, j]·u·σ·(1 + g·(1 − σ))                     (bf16)
+//   dH[r, 2j+1] = s·dA'[r, j]·act                                     (bf16)
+//   A'[r, j]    = s·A                                                 (bf16, dW2's column operand)
+// computed in fp32 from the bf16 dA' and the exact E4M3 values. A is recomputed from the saved H
+// exactly as the forward's GLU epilogue computed it, so the backward sees the forward's A.
+// Rules: n >= 4 and a multiple of 4; 0 <= R < 2^31; h_scales has ceil(2n/128) columns; dA', dH,
+// A' 16-byte aligned, hq 8-byte aligned; row_pair values index `scores` (not checked on the
+// device). Asynchronous on `stream`; throws machmoe::Error(InvalidArgument) naming the argument.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace machmoe {
+
+struct SwigluBackwardFp8Args {
+  const void* da = nullptr;        // [R, n] bf16
+  const uint8_t* hq = nullptr;     // [R, 2n] E4M3 codes
+  const float* h_scales = nullptr; // [R, ceil(2n/128)]
+  const float* scores = nullptr;   // [pairs] fp32
+  const int32_t* row_pair = nullptr;  // [R]
+  int64_t R = 0, n = 0;
+  void* dh = nullptr;              // [R, 2n] bf16
+  void* a_prime = nullptr;         // [R, n] bf16
+  float* d_scores = nullptr;       // [pairs]: written at row_pair[r] for each row r
+};
+void swiglu_backward_fp8(const SwigluBackwardFp8Args& args, cudaStream_t stream);
+
+}  // namespace machmoe

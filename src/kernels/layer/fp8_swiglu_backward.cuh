@@ -1,0 +1,87 @@
+// The FP8 experts' SwiGLU backward between the dA' GEMM and the dH GEMMs, in one pass over the
+// rows (host/quant/fp8_swiglu_backward.cu; machmoe/fp8_swiglu.hpp states the math). Per row r of
+// R (rows grouped by expert), with H dequantised from the forward's E4M3 H and its 1x128 scales:
+//   g, u = H[r, 2j], H[r, 2j+1];  σ = sigmoid(g);  act = g·σ;  A = act·u;  s = scores[row_pair[r]]
+//   d_scores[row_pair[r]] = Σ_j dA'[r, j]·A[r, j]
+//   dH[r, 2j]   = s·dA'·u·σ·(1 + g·(1 − σ)),  dH[r, 2j+1] = s·dA'·act     (bf16)
+//   A'[r, j]    = s·A                                                     (bf16, dW2's operand)
+// All in fp32 from the bf16 dA' and the exact E4M3 values. One warp per row; lane l takes groups
+// of four j (8 bytes of dA', 8 of H, one scale: the group's eight H columns lie in one 128-column
+// tile); the d score's sum is the warp's, in a fixed order: deterministic.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+namespace machmoe::kernels {
+
+struct Fp8SwigluBackwardParams {
+  const __nv_bfloat16* da;  // [R, n] dA'
+  const uint8_t* hq;        // [R, 2n] E4M3, gate j at column 2j, up j at 2j+1
+  const float* h_scales;    // [R, h_tiles], h_tiles = ceil(2n / 128)
+  const float* scores;      // [pairs] fp32, the list's scores
+  const int32_t* row_pair;  // [R] row -> pair
+  int64_t R;
+  int n, h_tiles;
+  __nv_bfloat16* dh;        // [R, 2n]
+  __nv_bfloat16* a_prime;   // [R, n]
+  float* d_scores;          // [pairs], written at row_pair[r]
+};
+
+// Two E4M3 codes (low byte first) times the tile's scale, in fp32 (E4M3 is exact in half).
+__device__ __forceinline__ float2 fp8x2_value(uint32_t two_codes, float s) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_codes), __NV_E4M3);
+  const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&h));
+  return make_float2(v.x * s, v.y * s);
+}
+
+template <int kWarps>
+__global__ void __launch_bounds__(kWarps * 32) fp8_swiglu_backward(const Fp8SwigluBackwardParams p) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int groups = p.n / 4;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; r < p.R; r += warps) {
+    const int32_t pair = p.row_pair[r];
+    const float s = p.scores[pair];
+    const __nv_bfloat16* da_row = p.da + r * p.n;
+    const uint8_t* h_row = p.hq + r * 2 * p.n;
+    const float* sc_row = p.h_scales + r * p.h_tiles;
+    float dot = 0.f;
+    for (int c = lane; c < groups; c += 32) {
+      const uint2 da4 = *reinterpret_cast<const uint2*>(da_row + 4 * c);
+      const uint2 h8 = *reinterpret_cast<const uint2*>(h_row + 8 * c);
+      const float hs = sc_row[(8 * c) / 128];
+      const float2 d01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&da4.x));
+      const float2 d23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&da4.y));
+      const float da[4] = {d01.x, d01.y, d23.x, d23.y};
+      const float2 gu[4] = {fp8x2_value(h8.x & 0xffffu, hs), fp8x2_value(h8.x >> 16, hs),
+                            fp8x2_value(h8.y & 0xffffu, hs), fp8x2_value(h8.y >> 16, hs)};
+      __nv_bfloat162 dh[4];
+      float ap[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float g = gu[k].x, u = gu[k].y;
+        const float sig = 1.f / (1.f + __expf(-g));
+        const float act = g * sig, a = act * u;
+        dot += da[k] * a;
+        const float sda = s * da[k];
+        dh[k] = __floats2bfloat162_rn(sda * u * sig * (1.f + g * (1.f - sig)), sda * act);
+        ap[k] = s * a;
+      }
+      *reinterpret_cast<uint4*>(p.dh + r * 2 * p.n + 8 * c) = *reinterpret_cast<const uint4*>(dh);
+      const __nv_bfloat162 a01 = __floats2bfloat162_rn(ap[0], ap[1]), a23 = __floats2bfloat162_rn(ap[2], ap[3]);
+      uint2 a4;
+      a4.x = *reinterpret_cast<const uint32_t*>(&a01);
+      a4.y = *reinterpret_cast<const uint32_t*>(&a23);
+      *reinterpret_cast<uint2*>(p.a_prime + r * p.n + 4 * c) = a4;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    if (lane == 0) p.d_scores[pair] = dot;
+  }
+}
+
+}  // namespace machmoe::kernels
