@@ -1,8 +1,9 @@
 // The CPU reference of the FP8 (E4M3) quantisers of machmoe/fp8.hpp: the executable spec the GPU
 // kernels are tested against, bitwise. Its own float -> E4M3 conversion (round to nearest even,
 // saturating to ±448) reproduces the device's __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
-// scales and quotients are computed in fp32 exactly as the kernels compute them (IEEE division,
-// round to nearest), so nothing here is "close": it is equal. bf16 values are passed as their
+// scales, their reciprocals and the products are computed in fp32 exactly as the kernels compute
+// them (IEEE division, reciprocal and product, round to nearest), so nothing here is "close": it
+// is equal. bf16 values are passed as their
 // 16-bit patterns (no CUDA headers here). The recipe and the layouts: machmoe/fp8.hpp.
 #pragma once
 

@@ -4,7 +4,8 @@ library), for `precision="fp8"` on the torch backend.
 Every operand that the FP8 kernels read in E4M3 is quantised and dequantised here at the same
 point, with the same tiles and the same arithmetic (include/machmoe/fp8.hpp, the quantisers in
 src/kernels/quant): per tile s = amax / 448 by an fp32 division (amax 0 gives s = 1; a NaN or Inf
-in the tile gives s = NaN), the code is E4M3(v / s) rounded to nearest even and saturated, and the
+in the tile gives s = NaN), the code is E4M3(v · (1/s)) (1/s and the product each rounded to fp32)
+rounded to nearest even and saturated, and the
 GEMM reads code · s. PyTorch's cast to float8_e4m3fn rounds to nearest even but does not saturate
 (|v| >= 464 becomes NaN), so values are clamped to ±448 first, which is the same for every finite
 value. The GEMMs run in fp32 on the dequantised operands (the kernels accumulate in fp32 too, in
@@ -49,9 +50,10 @@ def tile_scales(amax: torch.Tensor) -> torch.Tensor:
 
 
 def e4m3_codes(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """E4M3 codes (float8_e4m3fn) of v / s, s broadcast to v: fp32 division, round to nearest even,
-    saturating at ±448; every element of a NaN-scaled tile gets the NaN code 0x7f."""
-    q = (v.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    """E4M3 codes (float8_e4m3fn) of v · (1/s), s broadcast to v (1/s and the product each rounded
+    to fp32, as the kernels), round to nearest even, saturating at ±448; every element of a
+    NaN-scaled tile gets the NaN code 0x7f."""
+    q = (v.float() * torch.reciprocal(s)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     nan = torch.full_like(q.view(torch.uint8), _NAN_CODE).view(torch.float8_e4m3fn)
     return torch.where(torch.isfinite(s).expand_as(q), q, nan)
 

@@ -113,7 +113,11 @@ float fp8_scale(float amax) {
 
 uint8_t fp8_quantize(float x, float scale) {
   if (std::isnan(scale)) return kE4M3Nan;
-  return float_to_e4m3(x / scale);
+  // x · (1/scale): the reciprocal and the product each rounded to nearest in fp32, as the kernels'
+  // __frcp_rn and __fmul_rn (volatile: one rounding per step, never fused or reassociated).
+  const volatile float inv = 1.0f / scale;
+  const volatile float v = x * inv;
+  return float_to_e4m3(v);
 }
 
 Fp8Rows quantize_rows_fp8(const uint16_t* x, int64_t T, int64_t d, int64_t ld, const int32_t* gather, int64_t R) {

@@ -3,7 +3,8 @@ the recipe, at real model shapes: 30B-b (d = 4096, n = 512, the up-projection's 
 7B-a (d = 1536, n = 256) and gpt-oss (d = n = 2880: partial 128-tiles everywhere).
 
 The quantisers are compared bitwise: the recipe (fp8.hpp) is exact arithmetic, s = amax / 448 by
-an IEEE fp32 division, q = E4M3(x / s) rounded to nearest even with saturation to ±448. PyTorch's
+an IEEE fp32 division, q = E4M3(x · (1/s)) (1/s and the product each rounded to fp32) rounded to
+nearest even with saturation to ±448. PyTorch's
 cast to float8_e4m3fn rounds to nearest even but does not saturate (|v| >= 464 become NaN), so the
 reference clamps to ±448 first, which is the same thing for every finite v. The reference runs on
 the CPU. The GEMM (contiguous, and gathered: x quantised once, its rows read through gather) is
@@ -50,8 +51,8 @@ def ref_scales(amax: torch.Tensor) -> torch.Tensor:
 
 
 def ref_codes(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """E4M3 codes (uint8) of x / s, s broadcast to x: RNE, saturating; a NaN scale gives 0x7f."""
-    v = (x.float() / s).clamp(-E4M3_MAX, E4M3_MAX)
+    """E4M3 codes (uint8) of x · (1/s), s broadcast to x: RNE, saturating; a NaN scale gives 0x7f."""
+    v = (x.float() * torch.reciprocal(s)).clamp(-E4M3_MAX, E4M3_MAX)
     q = v.to(torch.float8_e4m3fn).view(torch.uint8)
     return torch.where(torch.isfinite(s), q, torch.full_like(q, NAN_CODE))
 

@@ -43,21 +43,20 @@ namespace fp8_glu {
 
 // The scale of a tile whose amax is given as fp32 |bits| (unsigned order: finite < Inf < NaN).
 __device__ __forceinline__ fp8::TileScale scale_of(uint32_t amax_bits) {
-  if (amax_bits >= 0x7f800000u) return {__uint_as_float(fp8::kNanScaleBits), true};
-  if (amax_bits == 0) return {1.f, false};
-  return {__fdiv_rn(__uint_as_float(amax_bits), fp8::kE4M3Max), false};
+  if (amax_bits >= 0x7f800000u) return {__uint_as_float(fp8::kNanScaleBits), true, __uint_as_float(fp8::kNanScaleBits)};
+  if (amax_bits == 0) return {1.f, false, 1.f};
+  const float s = __fdiv_rn(__uint_as_float(amax_bits), fp8::kE4M3Max);
+  return {s, false, __frcp_rn(s)};
 }
 
 __device__ __forceinline__ uint32_t abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
 
-// v · (1/s) as an E4M3 code (round to nearest even, saturating); a bad tile's codes are NaN
-// (0x7f). `inv` = 1/s rounded once per tile: an IEEE division per element (__fdiv_rn, a
-// subroutine of ~20 instructions) would be the epilogue's largest cost. v·inv is within one fp32
-// ulp of v/s, so the code differs from the quantisers' (which divide) only where v/s lies within
-// that ulp of an E4M3 rounding boundary, and is then the other nearest code.
-__device__ __forceinline__ uint32_t code_of(float v, const fp8::TileScale& t, float inv) {
+// v · (1/s) as an E4M3 code (round to nearest even, saturating), as the quantisers compute it
+// (kernels/quant/fp8_common.cuh: 1/s rounded once per tile, not a division per element); a bad
+// tile's codes are NaN (0x7f).
+__device__ __forceinline__ uint32_t code_of(float v, const fp8::TileScale& t) {
   if (t.bad) return 0x7fu;
-  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(v * inv, __NV_SATFINITE, __NV_E4M3));
+  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(__fmul_rn(v, t.inv), __NV_SATFINITE, __NV_E4M3));
 }
 
 // code · s in fp32 (the E4M3 value is exact in half precision).
@@ -116,13 +115,12 @@ __device__ __forceinline__ void fp8_glu_epilogue(const GroupedGemmParams& g, con
         }
       }
       const fp8::TileScale sh = fp8_glu::scale_of(fp8::group_max_bits<4>(h_amax));
-      const float inv_h = __frcp_rn(sh.s);
       // Phase 2: Hq out, and A from the dequantised pair.
       uint8_t* hrow = o.hq + row * N;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const int col = tile.n0 + 128 * w + 8 * j + 2 * q;
-        const uint32_t cg = fp8_glu::code_of(hv[2 * j], sh, inv_h), cu = fp8_glu::code_of(hv[2 * j + 1], sh, inv_h);
+        const uint32_t cg = fp8_glu::code_of(hv[2 * j], sh), cu = fp8_glu::code_of(hv[2 * j + 1], sh);
         if (store_row && col < N) *reinterpret_cast<uint16_t*>(hrow + col) = static_cast<uint16_t>(cg | (cu << 8));
         const float av = fp8_glu::glu<ACT>(g, fp8_glu::value_of(cg, sh.s), fp8_glu::value_of(cu, sh.s));
         a[16 * w + j] = av;
@@ -132,14 +130,13 @@ __device__ __forceinline__ void fp8_glu_epilogue(const GroupedGemmParams& g, con
     }
     // Phase 3: A's one scale group of the tile, Aq out (A column of pair j of wave w: n0/2 + 64w + 4j + q).
     const fp8::TileScale sa = fp8_glu::scale_of(fp8::group_max_bits<4>(a_amax));
-    const float inv_a = __frcp_rn(sa.s);
     uint8_t* arow = o.aq + row * n;
 #pragma unroll
     for (int w = 0; w < 2; ++w)
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const int acol = tile.n0 / 2 + 64 * w + 4 * j + q;
-        if (store_row && acol < n) arow[acol] = static_cast<uint8_t>(fp8_glu::code_of(a[16 * w + j], sa, inv_a));
+        if (store_row && acol < n) arow[acol] = static_cast<uint8_t>(fp8_glu::code_of(a[16 * w + j], sa));
       }
     if (store_row && q == 0) o.a_scales[row * a_tiles + tile.n0 / 256] = sa.s;
   }
