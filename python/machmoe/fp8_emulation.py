@@ -51,9 +51,11 @@ def tile_scales(amax: torch.Tensor) -> torch.Tensor:
 
 def e4m3_codes(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """E4M3 codes (float8_e4m3fn) of v · (1/s), s broadcast to v (1/s and the product each rounded
-    to fp32, as the kernels), round to nearest even, saturating at ±448; every element of a
+    to fp32, as the kernels; v / s where 1/s overflows), round to nearest even, saturating at ±448; every element of a
     NaN-scaled tile gets the NaN code 0x7f."""
-    q = (v.float() * torch.reciprocal(s)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    inv = torch.reciprocal(s)
+    v = v.float()
+    q = torch.where(torch.isinf(inv), v / s, v * inv).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     nan = torch.full_like(q.view(torch.uint8), _NAN_CODE).view(torch.float8_e4m3fn)
     return torch.where(torch.isfinite(s).expand_as(q), q, nan)
 

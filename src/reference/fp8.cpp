@@ -114,9 +114,10 @@ float fp8_scale(float amax) {
 uint8_t fp8_quantize(float x, float scale) {
   if (std::isnan(scale)) return kE4M3Nan;
   // x · (1/scale): the reciprocal and the product each rounded to nearest in fp32, as the kernels'
-  // __frcp_rn and __fmul_rn (volatile: one rounding per step, never fused or reassociated).
+  // __frcp_rn and __fmul_rn (volatile: one rounding per step, never fused or reassociated); x /
+  // scale where 1/scale overflows (scale < 2^-128).
   const volatile float inv = 1.0f / scale;
-  const volatile float v = x * inv;
+  const volatile float v = std::isinf(inv) ? x / scale : x * inv;
   return float_to_e4m3(v);
 }
 

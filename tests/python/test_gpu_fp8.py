@@ -52,7 +52,8 @@ def ref_scales(amax: torch.Tensor) -> torch.Tensor:
 
 def ref_codes(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """E4M3 codes (uint8) of x · (1/s), s broadcast to x: RNE, saturating; a NaN scale gives 0x7f."""
-    v = (x.float() * torch.reciprocal(s)).clamp(-E4M3_MAX, E4M3_MAX)
+    inv = torch.reciprocal(s)
+    v = torch.where(torch.isinf(inv), x.float() / s, x.float() * inv).clamp(-E4M3_MAX, E4M3_MAX)
     q = v.to(torch.float8_e4m3fn).view(torch.uint8)
     return torch.where(torch.isfinite(s), q, torch.full_like(q, NAN_CODE))
 

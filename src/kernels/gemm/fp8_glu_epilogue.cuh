@@ -56,7 +56,7 @@ __device__ __forceinline__ uint32_t abs_bits(float v) { return __float_as_uint(v
 // tile's codes are NaN (0x7f).
 __device__ __forceinline__ uint32_t code_of(float v, const fp8::TileScale& t) {
   if (t.bad) return 0x7fu;
-  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(__fmul_rn(v, t.inv), __NV_SATFINITE, __NV_E4M3));
+  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(fp8::quotient(v, t), __NV_SATFINITE, __NV_E4M3));
 }
 
 // code · s in fp32 (the E4M3 value is exact in half precision).

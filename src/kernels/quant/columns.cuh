@@ -142,8 +142,8 @@ __global__ void __launch_bounds__(kColsThreads) fp8_quantize_columns_kernel(cons
     for (int k = 0; k < 4; ++k) {
       const uint32_t a0 = w[4 * k], a1 = w[4 * k + 1], a2 = w[4 * k + 2], a3 = w[4 * k + 3];
       // Regroup by column: low halves (column 2·lane) of four rows, then the high halves.
-      q_lo[k] = quantize4(__byte_perm(a0, a1, 0x5410), __byte_perm(a2, a3, 0x5410), s_lo.inv);
-      q_hi[k] = quantize4(__byte_perm(a0, a1, 0x7632), __byte_perm(a2, a3, 0x7632), s_hi.inv);
+      q_lo[k] = quantize4(__byte_perm(a0, a1, 0x5410), __byte_perm(a2, a3, 0x5410), s_lo);
+      q_hi[k] = quantize4(__byte_perm(a0, a1, 0x7632), __byte_perm(a2, a3, 0x7632), s_hi);
     }
     // A non-finite column: NaN codes for its real rows, zeros (padding) past the expert's end.
     if (s_lo.bad || s_hi.bad) {

@@ -7,7 +7,8 @@
 //   amax = max |x| over the tile's real elements (exact: bf16 -> fp32 is exact),
 //   s    = amax / 448 (fp32, round to nearest), q = E4M3(x · (1/s)) (1/s rounded to fp32 once per
 //          tile, then an fp32 product; RNE, satfinite: a division per element would be the
-//          kernels' largest cost),
+//          kernels' largest cost), or E4M3(x / s) where 1/s overflows fp32 (s < 2^-128: tiles of
+//          near-zero values),
 // amax = 0: s = 1 (all codes ±0); a NaN or ±Inf in the tile: s = NaN (bits 0x7fc00000) and
 // every real element's code 0x7f (E4M3's NaN), so that the tile can never dequantise to a finite
 // value (propagate, never hide). The CPU reference (src/reference/fp8.cpp) computes bitwise the same.
@@ -53,7 +54,7 @@ __device__ __forceinline__ uint32_t group_max_bits(uint32_t v) {
 struct TileScale {
   float s;    // the fp32 scale written out
   bool bad;   // the tile holds a NaN or Inf: its codes are all 0x7f
-  float inv;  // 1/s rounded to nearest: codes are E4M3(x · inv)
+  float inv;  // 1/s rounded to nearest: codes are E4M3(x · inv); Inf (s < 2^-128): E4M3(x / s)
 };
 
 // The scale of a tile from its amax bit pattern (bf16 |bits|).
@@ -66,23 +67,28 @@ __device__ __forceinline__ TileScale tile_scale(uint32_t amax_bits) {
 }
 
 // Two packed bf16 (low half first) -> two E4M3 codes in the low 16 bits (low byte first).
-// inv: the tile's 1/s (TileScale::inv); products rounded to nearest (__fmul_rn: never contracted).
-__device__ __forceinline__ uint32_t quantize2(uint32_t w, float inv) {
-  const float lo = __fmul_rn(__uint_as_float(w << 16), inv);
-  const float hi = __fmul_rn(__uint_as_float(w & 0xffff0000u), inv);
+// The tile's quotient x · (1/s) (products rounded to nearest: __fmul_rn, never contracted), or
+// x / s where 1/s overflowed (a tile of near-zero values; uniform per tile).
+__device__ __forceinline__ float quotient(float x, const TileScale& t) {
+  return isinf(t.inv) ? __fdiv_rn(x, t.s) : __fmul_rn(x, t.inv);
+}
+
+__device__ __forceinline__ uint32_t quantize2(uint32_t w, const TileScale& t) {
+  const float lo = quotient(__uint_as_float(w << 16), t);
+  const float hi = quotient(__uint_as_float(w & 0xffff0000u), t);
   // cvt.rn.satfinite.e4m3x2.f32: round to nearest even, |x| beyond 448 saturates to ±448.
   return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
 }
 
 // Four packed bf16 (two words) -> four codes in one word, in memory order.
-__device__ __forceinline__ uint32_t quantize4(uint32_t w0, uint32_t w1, float inv) {
-  return quantize2(w0, inv) | (quantize2(w1, inv) << 16);
+__device__ __forceinline__ uint32_t quantize4(uint32_t w0, uint32_t w1, const TileScale& t) {
+  return quantize2(w0, t) | (quantize2(w1, t) << 16);
 }
 
 // Eight bf16 (16 bytes) -> eight E4M3 codes (8 bytes). A bad tile's codes are all NaN (0x7f),
 // whatever the division gave.
 __device__ __forceinline__ uint2 quantize8(const uint4& v, const TileScale& t) {
-  uint2 q = make_uint2(quantize4(v.x, v.y, t.inv), quantize4(v.z, v.w, t.inv));
+  uint2 q = make_uint2(quantize4(v.x, v.y, t), quantize4(v.z, v.w, t));
   if (t.bad) q = make_uint2(kE4M3Nan4, kE4M3Nan4);
   return q;
 }
