@@ -151,6 +151,10 @@ struct LayerConfig {
   bool renormalize = true;  // TopKSoftmax and the gate routings only
   TokenRoundingOptions rounding{TokenRounding::None, 128, 0};
   RouterOptions router;     // routed scaling factor, group-limited selection
+  // Shared experts (docs/LAYER.md "Shared experts"): experts E..E+S-1 of the weights ([E+S, ...];
+  // shape.E counts the routed ones), visited by every token after its K routed pairs with the
+  // weight shared_scores[t] (layer_forward's argument; null: 1). Not with token rounding.
+  int64_t num_shared = 0;
 };
 
 struct LayerForward {
@@ -165,15 +169,17 @@ struct LayerForward {
 // x [T, d], wr [E, d]; selection_bias [E] or null.
 LayerForward layer_forward(const LayerConfig& c, const double* x, const double* wr,
                            const Weights& w, const double* selection_bias);
-// With a router bias br [E] (null: none): logits = x·wrᵀ + br.
+// With a router bias br [E] (null: none): logits = x·wrᵀ + br; and with c.num_shared > 0 the
+// shared experts' per-token weights shared_scores [T] (null: 1).
 LayerForward layer_forward(const LayerConfig& c, const double* x, const double* wr, const double* br,
-                           const Weights& w, const double* selection_bias);
+                           const Weights& w, const double* selection_bias, const double* shared_scores = nullptr);
 
 struct LayerGrads {
   std::vector<double> dx, dwr, dw1, db1, dw2, db2;  // shapes as the inputs
   std::vector<double> dbr;                           // [E] = Σ_t d_logits (the router bias's gradient)
   std::vector<double> d_logits;                      // [T, E]
   std::vector<double> d_score;                       // [R] of fwd.list
+  std::vector<double> d_shared_scores;               // [T] with shared experts: Σ_s d_score of (t, E+s)
 };
 LayerGrads layer_backward(const LayerConfig& c, const double* x, const double* wr, const Weights& w,
                           const LayerForward& fwd, const double* dout, double d_aux);
