@@ -45,21 +45,19 @@ namespace fp8_glu {
 __device__ __forceinline__ fp8::TileScale scale_of(uint32_t amax_bits) {
   if (amax_bits >= 0x7f800000u) return {__uint_as_float(fp8::kNanScaleBits), true, __uint_as_float(fp8::kNanScaleBits)};
   if (amax_bits == 0) return {1.f, false, 1.f};
-  // Floored at the smallest normal fp32 (2^-126), so that 1/s is finite and every code is one
-  // product, with no per-element division path: a tile with amax below 448·2^-126 (~5e-36) uses
-  // less of E4M3's range (the quantisers divide for such tiles instead; they differ only there).
-  const float s = fmaxf(__fdiv_rn(__uint_as_float(amax_bits), fp8::kE4M3Max), 1.17549435e-38f);
+  // Floored at 2^-126 as the quantisers' scales (kernels/quant/fp8_common.cuh): 1/s is finite.
+  const float s = fmaxf(__fdiv_rn(__uint_as_float(amax_bits), fp8::kE4M3Max), fp8::kMinScale);
   return {s, false, __frcp_rn(s)};
 }
 
 __device__ __forceinline__ uint32_t abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
 
 // v · (1/s) as an E4M3 code (round to nearest even, saturating), as the quantisers compute it
-// (kernels/quant/fp8_common.cuh: 1/s rounded once per tile, not a division per element; the scale
-// floored as scale_of says); a bad tile's codes are NaN (0x7f).
+// (kernels/quant/fp8_common.cuh: 1/s rounded once per tile, not a division per element); a bad
+// tile's codes are NaN (0x7f).
 __device__ __forceinline__ uint32_t code_of(float v, const fp8::TileScale& t) {
   if (t.bad) return 0x7fu;
-  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(__fmul_rn(v, t.inv), __NV_SATFINITE, __NV_E4M3));
+  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(fp8::quotient(v, t), __NV_SATFINITE, __NV_E4M3));
 }
 
 // code · s in fp32 (the E4M3 value is exact in half precision).
