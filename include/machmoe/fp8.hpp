@@ -8,10 +8,12 @@
 // Every tile (or block) t of a tensor x gets one fp32 scale s and codes q:
 //   amax = max |x| over t's real elements (a partial tile at the end of a dimension uses only
 //          its real elements), in fp32 from the bf16 inputs (exact);
-//   s    = amax / 448 (fp32 division, round to nearest); amax = 0: s = 1 (all codes ±0);
+//   s    = max(amax / 448, 2^-126) (fp32 division, round to nearest; floored at the smallest
+//          normal fp32 so that 1/s is finite: a tile whose amax is below 448·2^-126 ≈ 5e-36 uses
+//          less of E4M3's range); amax = 0: s = 1 (all codes ±0);
 //   q    = E4M3(x · (1/s)): 1/s rounded to fp32 once per tile (an IEEE division per element
-//          would be the quantisers' largest cost), the product rounded to fp32 (x / s where 1/s
-//          overflows fp32: s < 2^-128), then round to nearest even with saturation to ±448
+//          would be the quantisers' largest cost), the product rounded to fp32, then round to
+//          nearest even with saturation to ±448
 //          (the device's __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 //   x ≈ q·s (dequantised).
 // Non-finite inputs propagate, never hidden: a tile holding a NaN or a ±Inf gets s = NaN (always

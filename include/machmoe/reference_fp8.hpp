@@ -33,7 +33,7 @@ float bf16_to_float(uint16_t bits);
 uint16_t float_to_bf16(float x);
 
 // The scale of a tile from its amax (fp32, from bf16 |x|): NaN or Inf -> NaN (bits 0x7fc00000),
-// 0 -> 1, else amax / 448 in fp32.
+// 0 -> 1, else max(amax / 448, 2^-126) in fp32.
 float fp8_scale(float amax);
 // One element's code given its tile's scale (a non-finite tile: 0x7f).
 uint8_t fp8_quantize(float x, float scale);

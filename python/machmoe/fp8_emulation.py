@@ -37,25 +37,24 @@ from .fp8_weights import FP8WeightCache
 
 TILE = 128  # elements per scale: 1x128 along a row, 128x128 weight blocks, 128-row column chunks
 E4M3_MAX = 448.0
+MIN_SCALE = 2.0 ** -126  # scales are floored at the smallest normal fp32, so that 1/s is finite
 _NAN_CODE = 0x7F  # the quantisers' code for every element of a tile holding NaN or Inf
 
 
 def tile_scales(amax: torch.Tensor) -> torch.Tensor:
-    """The fp32 scale of each tile from its amax: amax / 448 (IEEE fp32 division); 1 for an
+    """The fp32 scale of each tile from its amax: amax / 448 (IEEE fp32 division) floored at 2^-126; 1 for an
     all-zero tile; NaN where amax is not finite (a NaN or Inf in the tile)."""
     amax = amax.float()
-    s = amax / torch.tensor(E4M3_MAX, dtype=torch.float32, device=amax.device)
+    s = (amax / torch.tensor(E4M3_MAX, dtype=torch.float32, device=amax.device)).clamp_min(MIN_SCALE)
     s = torch.where(amax == 0, torch.ones_like(s), s)
     return torch.where(torch.isfinite(amax), s, torch.full_like(s, float("nan")))
 
 
 def e4m3_codes(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """E4M3 codes (float8_e4m3fn) of v · (1/s), s broadcast to v (1/s and the product each rounded
-    to fp32, as the kernels; v / s where 1/s overflows), round to nearest even, saturating at ±448; every element of a
+    to fp32, as the kernels), round to nearest even, saturating at ±448; every element of a
     NaN-scaled tile gets the NaN code 0x7f."""
-    inv = torch.reciprocal(s)
-    v = v.float()
-    q = torch.where(torch.isinf(inv), v / s, v * inv).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    q = (v.float() * torch.reciprocal(s)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     nan = torch.full_like(q.view(torch.uint8), _NAN_CODE).view(torch.float8_e4m3fn)
     return torch.where(torch.isfinite(s).expand_as(q), q, nan)
 

@@ -70,21 +70,30 @@ def experts_backward(x, w1, w2, scores, experts, saved, dout, *, cache: Optional
     _, _, w1_qt, w1_st = cache.get(w1, True)   # [E, d, 2n]
     _, _, w2_qt, w2_st = cache.get(w2, True)   # [E, n, d]
     dout = dout.to(torch.bfloat16).contiguous()
+    # Ordered and freed so that few [R, ·] intermediates live at once (R = T·K rows): dW2's operands,
+    # then dX~'s, then dW1's; each dropped as soon as its GEMM has read it.
     do_q, do_s = ops.fp8_quantize_rows(dout, None)
     da = ops.grouped_gemm_fp8(do_q, do_s, w2_qt, w2_st, offs, 0, row_token)  # dA' [R, n] bf16
+    del do_q, do_s
     # One pass (machmoe/fp8_swiglu.hpp): A recomputed from the saved Hq as the forward made it,
     # d_scores, dH = swiglu'(H)·(score·dA') [R, 2n] and A' = score·A [R, n], both bf16.
     dh, a_prime, d_scores = ops.fp8_swiglu_backward(da, hq, h_scales, scores.reshape(-1).float().contiguous(),
                                                     row_pair)
+    del da
+    dot, dos, chunks = ops.fp8_quantize_columns(dout, row_token, offs)
+    at, as_, _ = ops.fp8_quantize_columns(a_prime, None, offs)
+    del a_prime
+    dw2 = ops.grouped_wgrad_fp8(dot, dos, at, as_, chunks, w2.dtype, False)  # [E, d, n]
+    del dot, dos, at, as_
     dh_q, dh_s = ops.fp8_quantize_rows(dh, None)
     dx_rows = ops.grouped_gemm_fp8(dh_q, dh_s, w1_qt, w1_st, offs)      # dX~ [R, d]
+    del dh_q, dh_s
     dx = ops.aggregate(dx_rows, pair_row, token_offsets, None, x.dtype)
-    xt, xs, chunks = ops.fp8_quantize_columns(x.contiguous(), row_token, offs)
+    del dx_rows
     ht, hs, _ = ops.fp8_quantize_columns(dh, None, offs)
+    del dh
+    xt, xs, _ = ops.fp8_quantize_columns(x.contiguous(), row_token, offs)
     dw1 = ops.grouped_wgrad_fp8(xt, xs, ht, hs, chunks, w1.dtype, True)  # [E, 2n, d]
-    dot, dos, _ = ops.fp8_quantize_columns(dout, row_token, offs)
-    at, as_, _ = ops.fp8_quantize_columns(a_prime, None, offs)
-    dw2 = ops.grouped_wgrad_fp8(dot, dos, at, as_, chunks, w2.dtype, False)  # [E, d, n]
     return dx, dw1, dw2, d_scores.reshape(T, K).to(scores.dtype)
 
 

@@ -108,16 +108,17 @@ uint16_t float_to_bf16(float x) {
 float fp8_scale(float amax) {
   if (!std::isfinite(amax)) return from_bits(kFp8NanScale);
   if (amax == 0.f) return 1.f;
-  return amax / kE4M3MaxFinite;  // fp32 division, round to nearest (as the kernels' __fdiv_rn)
+  // fp32 division, round to nearest (as the kernels' __fdiv_rn), floored at 2^-126 (FLT_MIN) so
+  // that 1/scale is finite.
+  return std::max(amax / kE4M3MaxFinite, std::numeric_limits<float>::min());
 }
 
 uint8_t fp8_quantize(float x, float scale) {
   if (std::isnan(scale)) return kE4M3Nan;
   // x · (1/scale): the reciprocal and the product each rounded to nearest in fp32, as the kernels'
-  // __frcp_rn and __fmul_rn (volatile: one rounding per step, never fused or reassociated); x /
-  // scale where 1/scale overflows (scale < 2^-128).
+  // __frcp_rn and __fmul_rn (volatile: one rounding per step, never fused or reassociated).
   const volatile float inv = 1.0f / scale;
-  const volatile float v = std::isinf(inv) ? x / scale : x * inv;
+  const volatile float v = x * inv;
   return float_to_e4m3(v);
 }
 

@@ -43,17 +43,17 @@ def nan_scale() -> torch.Tensor:
 
 
 def ref_scales(amax: torch.Tensor) -> torch.Tensor:
-    """fp8_scale: amax / 448 (fp32, IEEE division); 1 for amax = 0; NaN (0x7fc00000) if not finite."""
+    """fp8_scale: amax / 448 (fp32, IEEE division) floored at 2^-126; 1 for amax = 0; NaN (0x7fc00000)
+    if not finite."""
     amax = amax.float()
-    s = amax / torch.tensor(E4M3_MAX, dtype=torch.float32)
+    s = (amax / torch.tensor(E4M3_MAX, dtype=torch.float32)).clamp_min(2.0 ** -126)
     s = torch.where(amax == 0, torch.ones_like(s), s)
     return torch.where(torch.isfinite(amax), s, nan_scale().expand_as(s))
 
 
 def ref_codes(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """E4M3 codes (uint8) of x · (1/s), s broadcast to x: RNE, saturating; a NaN scale gives 0x7f."""
-    inv = torch.reciprocal(s)
-    v = torch.where(torch.isinf(inv), x.float() / s, x.float() * inv).clamp(-E4M3_MAX, E4M3_MAX)
+    v = (x.float() * torch.reciprocal(s)).clamp(-E4M3_MAX, E4M3_MAX)
     q = v.to(torch.float8_e4m3fn).view(torch.uint8)
     return torch.where(torch.isfinite(s), q, torch.full_like(q, NAN_CODE))
 

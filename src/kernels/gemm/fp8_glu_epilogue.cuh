@@ -45,7 +45,8 @@ namespace fp8_glu {
 __device__ __forceinline__ fp8::TileScale scale_of(uint32_t amax_bits) {
   if (amax_bits >= 0x7f800000u) return {__uint_as_float(fp8::kNanScaleBits), true, __uint_as_float(fp8::kNanScaleBits)};
   if (amax_bits == 0) return {1.f, false, 1.f};
-  const float s = __fdiv_rn(__uint_as_float(amax_bits), fp8::kE4M3Max);
+  // Floored at 2^-126 as the quantisers' scales (kernels/quant/fp8_common.cuh): 1/s is finite.
+  const float s = fmaxf(__fdiv_rn(__uint_as_float(amax_bits), fp8::kE4M3Max), fp8::kMinScale);
   return {s, false, __frcp_rn(s)};
 }
 

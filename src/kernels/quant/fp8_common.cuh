@@ -5,10 +5,10 @@
 //
 // The recipe (DeepSeek-V3's; docs in include/machmoe/fp8.hpp): one fp32 scale per tile,
 //   amax = max |x| over the tile's real elements (exact: bf16 -> fp32 is exact),
-//   s    = amax / 448 (fp32, round to nearest), q = E4M3(x · (1/s)) (1/s rounded to fp32 once per
-//          tile, then an fp32 product; RNE, satfinite: a division per element would be the
-//          kernels' largest cost), or E4M3(x / s) where 1/s overflows fp32 (s < 2^-128: tiles of
-//          near-zero values),
+//   s    = max(amax / 448, 2^-126) (fp32, round to nearest; floored at the smallest normal fp32
+//          so that 1/s is finite: a tile with amax below 448·2^-126 ≈ 5e-36 uses less of E4M3's
+//          range), q = E4M3(x · (1/s)) (1/s rounded to fp32 once per tile, then an fp32 product;
+//          RNE, satfinite: a division per element would be the kernels' largest cost),
 // amax = 0: s = 1 (all codes ±0); a NaN or ±Inf in the tile: s = NaN (bits 0x7fc00000) and
 // every real element's code 0x7f (E4M3's NaN), so that the tile can never dequantise to a finite
 // value (propagate, never hide). The CPU reference (src/reference/fp8.cpp) computes bitwise the same.
@@ -25,6 +25,7 @@ namespace machmoe::kernels::fp8 {
 
 constexpr int kTile = 128;                       // elements per scale along the reduction dim
 constexpr float kE4M3Max = 448.f;                // largest finite E4M3
+constexpr float kMinScale = 1.17549435e-38f;     // 2^-126, the smallest normal fp32: 1/s stays finite
 constexpr uint32_t kBf16AbsMask2 = 0x7fff7fffu;  // |.| of two packed bf16
 constexpr uint32_t kBf16InfBits = 0x7f80u;       // |bits| >= this: Inf or NaN
 constexpr uint32_t kBf16NanBits = 0x7fc0u;       // a NaN: marks a row whose gather index is out of range
@@ -54,7 +55,7 @@ __device__ __forceinline__ uint32_t group_max_bits(uint32_t v) {
 struct TileScale {
   float s;    // the fp32 scale written out
   bool bad;   // the tile holds a NaN or Inf: its codes are all 0x7f
-  float inv;  // 1/s rounded to nearest: codes are E4M3(x · inv); Inf (s < 2^-128): E4M3(x / s)
+  float inv;  // 1/s rounded to nearest (finite: s >= 2^-126): codes are E4M3(x · inv)
 };
 
 // The scale of a tile from its amax bit pattern (bf16 |bits|).
@@ -62,16 +63,13 @@ __device__ __forceinline__ TileScale tile_scale(uint32_t amax_bits) {
   if (amax_bits >= kBf16InfBits) return {__uint_as_float(kNanScaleBits), true, __uint_as_float(kNanScaleBits)};
   if (amax_bits == 0) return {1.f, false, 1.f};
   // IEEE division and reciprocal, round to nearest (the reference computes the same fp32 values).
-  const float s = __fdiv_rn(__uint_as_float(amax_bits << 16), kE4M3Max);
+  const float s = fmaxf(__fdiv_rn(__uint_as_float(amax_bits << 16), kE4M3Max), kMinScale);
   return {s, false, __frcp_rn(s)};
 }
 
 // Two packed bf16 (low half first) -> two E4M3 codes in the low 16 bits (low byte first).
-// The tile's quotient x · (1/s) (products rounded to nearest: __fmul_rn, never contracted), or
-// x / s where 1/s overflowed (a tile of near-zero values; uniform per tile).
-__device__ __forceinline__ float quotient(float x, const TileScale& t) {
-  return isinf(t.inv) ? __fdiv_rn(x, t.s) : __fmul_rn(x, t.inv);
-}
+// The tile's quotient x · (1/s), the product rounded to nearest (__fmul_rn: never contracted).
+__device__ __forceinline__ float quotient(float x, const TileScale& t) { return __fmul_rn(x, t.inv); }
 
 __device__ __forceinline__ uint32_t quantize2(uint32_t w, const TileScale& t) {
   const float lo = quotient(__uint_as_float(w << 16), t);
