@@ -37,11 +37,14 @@ struct LayerProblem {
   // ---- shared experts (docs/LAYER.md "Shared experts"); default: none.
   // S experts that every token visits, of the routed experts' size n, stored after the E routed
   // ones: w1 [E+S, n1, d], w2 [E+S, d, n] (and b1, b2). They run in the routed experts' launches:
-  // token t's pairs are its K routed ones, then (t, E+s) for s < S, weighted by shared_scores[t]
-  // (has_shared_scores: Qwen's sigmoid gate, computed by the caller) or by 1. Not with token
-  // rounding.
+  // token t's pairs are its K routed ones, then (t, E+s) for s < S, weighted by 1, by
+  // shared_scores[t] (has_shared_scores: a per-token weight computed by the caller) or by
+  // sigmoid(x[t]·shared_gate) (has_shared_gate: Qwen's gate, a [d] weight, computed in the
+  // layer's launches: its gradient and its part of dx come from layer_backward). At most one of
+  // the two. Not with token rounding.
   int64_t num_shared = 0;
   bool has_shared_scores = false;
+  bool has_shared_gate = false;
 };
 
 // Experts in the weights of a layer problem: the routed ones, then the shared ones.
@@ -103,6 +106,7 @@ struct LayerForwardArgs {
   const float* selection_bias = nullptr;  // [E], gate routings (Sigmoid, SqrtSoftplus) only
   const void* router_bias = nullptr;    // [E] bf16, exactly when has_router_bias
   const float* shared_scores = nullptr;  // [T] fp32, exactly when has_shared_scores
+  const void* shared_gate = nullptr;     // [d] bf16, exactly when has_shared_gate
   void* out = nullptr;                  // [T, d]
   float* aux_loss = nullptr;            // [1]
   void* saved = nullptr;                // plan.saved_bytes (inference_saved_bytes with write_h = false), 256-byte aligned
@@ -143,6 +147,10 @@ struct LayerBackwardArgs {
   // [T] fp32, exactly when has_shared_scores: ∂loss/∂shared_scores[t], the sum over the token's S
   // shared pairs of ∂loss/∂(pair score).
   float* d_shared_scores = nullptr;
+  // Exactly when has_shared_gate: the gate [d] bf16 (as given to layer_forward) and its gradient
+  // [d] in weight_grad_dtype (written, not accumulated); dx then includes the gate's term.
+  const void* shared_gate = nullptr;
+  void* d_shared_gate = nullptr;
   void* workspace = nullptr;    // plan.backward_workspace_bytes, 256-byte aligned
   DType weight_grad_dtype = DType::BF16;
 };

@@ -144,7 +144,7 @@ def _token_rounding_backward(logits, topk_scores, topk_experts, token_offsets, e
 def _layer_forward(x, router_weight, w1, b1, w2, b2, selection_bias, K, activation, layout, routing,
                    renormalize, rounding, tile_m, seed, write_h=True, router_bias=None, routed_scaling_factor=1.0,
                    n_group=1, topk_group=1, glu_clamp=(), w1_shared=None, b1_shared=None, w2_shared=None,
-                   b2_shared=None, shared_scores=None):
+                   b2_shared=None, shared_scores=None, shared_gate=None):
     T, d = x.shape
     E, n = w1.shape[0], w2.shape[2]
     S = 0 if w1_shared is None else w1_shared.shape[0]
@@ -163,7 +163,7 @@ def _weight_grads(x, w1, b1, w2):
 def _layer_backward(x, router_weight, w1, b1, w2, b2, saved, dout, d_aux, K, activation, layout, routing,
                     renormalize, rounding, tile_m, router_bias=None, routed_scaling_factor=1.0, n_group=1,
                     topk_group=1, glu_clamp=(), w1_shared=None, b1_shared=None, w2_shared=None, b2_shared=None,
-                    has_shared_scores=False):
+                    has_shared_scores=False, shared_gate=None):
     # With shared experts the weight gradients cover the routed and the shared experts: [E+S, ...].
     S = 0 if w1_shared is None else w1_shared.shape[0]
     E, n1, d = w1.shape
@@ -171,7 +171,9 @@ def _layer_backward(x, router_weight, w1, b1, w2, b2, saved, dout, d_aux, K, act
                                        b1.new_empty(E + S, n1), w2.new_empty(E + S, *w2.shape[1:]))
     dbr = None if router_bias is None else router_bias.new_empty(router_bias.shape)
     d_shared = x.new_empty(x.shape[0], dtype=torch.float32) if has_shared_scores else None
-    return x.new_empty(x.shape), router_weight.new_empty(router_weight.shape), dw1, db1, dw2, db2, dbr, d_shared
+    d_gate = None if shared_gate is None else shared_gate.new_empty(shared_gate.shape)
+    return (x.new_empty(x.shape), router_weight.new_empty(router_weight.shape), dw1, db1, dw2, db2, dbr, d_shared,
+            d_gate)
 
 
 def _experts_forward(x, w1, b1, w2, b2, scores, token_idx, expert_idx, activation, layout, glu_clamp=()):

@@ -440,11 +440,8 @@ def moe(
             from . import machmoe_backend
 
             shared = None
-            if fused_shared:
-                from .shared_experts import shared_gate_scores
-
-                scores = None if shared_gate is None else shared_gate_scores(x, shared_gate)  # [T] fp32
-                shared = (shared_w1, shared_b1, shared_w2, shared_b2, scores)
+            if fused_shared:  # Qwen's gate, if any, computed by the layer (its logits in fp32)
+                shared = (shared_w1, shared_b1, shared_w2, shared_b2, None, shared_gate)
             out, aux = machmoe_backend.moe(x, router_weight, w1, b1, w2, b2, K, activation, layout, routing,
                                            renormalize, selection_bias, rounding, tile_m, seed, router_bias,
                                            options, glu_clamp, shared)

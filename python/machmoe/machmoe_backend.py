@@ -65,17 +65,19 @@ class _Layer(torch.autograd.Function):
     machmoe::layer_backward. Saves x, the weights (which the caller holds anyway) and the `saved`
     block; nothing else. selection_bias changes only which experts are selected: no gradient.
     router_opts: (routed_scaling_factor, n_group, topk_group). Shared experts (w1s [S, N1, d],
-    b1s, w2s, b2s, shared_scores [T] fp32 or None) run in the same launches as the routed ones;
-    the op returns their weight gradients after the routed experts' ([E+S, ...]), split here."""
+    b1s, w2s, b2s, shared_scores [T] fp32 or None, or Qwen's gate shared_gate [1, d] whose sigmoid
+    the op computes) run in the same launches as the routed ones; the op returns their weight
+    gradients after the routed experts' ([E+S, ...]), split here."""
 
     @staticmethod
     def forward(ctx, x, router_weight, w1, b1, w2, b2, selection_bias, router_bias, opts, router_opts, glu_clamp,
-                w1s, b1s, w2s, b2s, shared_scores):
+                w1s, b1s, w2s, b2s, shared_scores, shared_gate):
         out, aux, saved = torch.ops.machmoe.layer_forward(
             x, router_weight, w1, b1, w2, b2, selection_bias, *opts, True, router_bias, *router_opts,
             glu_clamp=glu_clamp, w1_shared=w1s, b1_shared=b1s, w2_shared=w2s, b2_shared=b2s,
-            shared_scores=shared_scores)
-        ctx.save_for_backward(x, router_weight, w1, b1, w2, b2, router_bias, w1s, b1s, w2s, b2s, saved)  # saved last
+            shared_scores=shared_scores, shared_gate=shared_gate)
+        ctx.save_for_backward(x, router_weight, w1, b1, w2, b2, router_bias, w1s, b1s, w2s, b2s, shared_gate,
+                              saved)  # saved last
         ctx.opts = opts
         ctx.router_opts = router_opts
         ctx.glu_clamp = glu_clamp
@@ -86,14 +88,15 @@ class _Layer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, d_aux):
-        x, router_weight, w1, b1, w2, b2, router_bias, w1s, b1s, w2s, b2s, saved = ctx.saved_tensors
+        x, router_weight, w1, b1, w2, b2, router_bias, w1s, b1s, w2s, b2s, shared_gate, saved = ctx.saved_tensors
         K, activation, layout, routing, renormalize, rounding, tile_m, _seed = ctx.opts
         dout = torch.zeros_like(x) if dout is None else dout.to(torch.bfloat16).contiguous()  # [T, d]
         # d_aux stays a device tensor: the backward reads it on the stream (no .item() sync).
-        dx, dwr, dw1, db1, dw2, db2, dbr, d_shared_scores = torch.ops.machmoe.layer_backward(
+        dx, dwr, dw1, db1, dw2, db2, dbr, d_shared_scores, d_shared_gate = torch.ops.machmoe.layer_backward(
             x, router_weight, w1, b1, w2, b2, saved, dout, d_aux, K, activation, layout, routing, renormalize,
             rounding, tile_m, router_bias, *ctx.router_opts, glu_clamp=ctx.glu_clamp, w1_shared=w1s,
-            b1_shared=b1s, w2_shared=w2s, b2_shared=b2s, has_shared_scores=ctx.has_shared_scores)
+            b1_shared=b1s, w2_shared=w2s, b2_shared=b2s, has_shared_scores=ctx.has_shared_scores,
+            shared_gate=shared_gate)
         dw1s = db1s = dw2s = db2s = None
         if w1s is not None:  # [E+S, ...] -> the routed experts' [E, ...] and the shared ones' [S, ...]
             E = w1.shape[0]
@@ -103,15 +106,16 @@ class _Layer(torch.autograd.Function):
                 db1, db1s = db1[:E], db1[E:]
                 db2, db2s = db2[:E], db2[E:]
         return (dx, dwr, dw1, db1, dw2, db2, None, dbr, None, None, None, dw1s, db1s, dw2s, db2s,
-                d_shared_scores)
+                d_shared_scores, d_shared_gate)
 
 
 def moe(x, router_weight, w1, b1, w2, b2, K: int, activation: ActivationType, layout: GateUpLayout,
         routing: RoutingMethod, renormalize: bool, selection_bias, rounding: TokenRounding, tile_m: int,
         seed: int, router_bias=None, router_options=None, glu_clamp: Optional[GluClamp] = None,
         shared=None):
-    """The layer on the kernels. shared: None, or (w1s, b1s, w2s, b2s, shared_scores) of S shared
-    experts of the routed experts' size (shared_scores [T] fp32 or None: weight 1)."""
+    """The layer on the kernels. shared: None, or (w1s, b1s, w2s, b2s, shared_scores, shared_gate)
+    of S shared experts of the routed experts' size, weighted by shared_scores [T] fp32, or by
+    sigmoid(x · shared_gateᵀ) (Qwen's gate [1, d], computed in the layer's launches), or by 1."""
     T, d = x.shape
     E, n = w1.shape[0], w2.shape[2]
     _check(x, d, n)
@@ -123,15 +127,15 @@ def moe(x, router_weight, w1, b1, w2, b2, K: int, activation: ActivationType, la
                                                               int(router_options.n_group),
                                                               int(router_options.topk_group))
     glu = glu_clamp_list(glu_clamp)  # [] or [alpha, limit, up_offset, clamp_after]
-    shared = (None,) * 5 if shared is None else tuple(_contiguous(t) for t in shared)
+    shared = (None,) * 6 if shared is None else tuple(_contiguous(t) for t in shared)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                             for t in (x, router_weight, w1, b1, w2, b2, router_bias, *shared))):
         # Inference: no autograd node, and the up-projection does not write H (nothing will read it).
-        w1s, b1s, w2s, b2s, shared_scores = shared
+        w1s, b1s, w2s, b2s, shared_scores, shared_gate = shared
         out, aux, _ = torch.ops.machmoe.layer_forward(x, router_weight, w1, b1, w2, b2, bias, *opts, False,
                                                       router_bias, *router_opts, glu_clamp=glu, w1_shared=w1s,
                                                       b1_shared=b1s, w2_shared=w2s, b2_shared=b2s,
-                                                      shared_scores=shared_scores)
+                                                      shared_scores=shared_scores, shared_gate=shared_gate)
         return out, aux
     return _Layer.apply(x, router_weight, w1, b1, w2, b2, bias, router_bias, opts, router_opts, glu, *shared)
 

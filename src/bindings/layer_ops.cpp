@@ -24,13 +24,15 @@ struct RouterArgs {
 };
 
 // The shared experts of a layer call (docs/LAYER.md "Shared experts"): their weights [S, ...]
-// beside the routed experts' [E, ...], and whether a per-token score weights them.
+// beside the routed experts' [E, ...], and whether a per-token score (given, or Qwen's gate
+// computed by the layer) weights them.
 struct SharedArgs {
   const std::optional<Tensor>& w1;
   const std::optional<Tensor>& b1;
   const std::optional<Tensor>& w2;
   const std::optional<Tensor>& b2;
   bool has_scores = false;
+  const std::optional<Tensor>& gate;  // [1, d] bf16
   int64_t count() const { return w1 ? w1->size(0) : 0; }
 };
 
@@ -58,6 +60,7 @@ ValidLayerProblem layer_problem(const Tensor& x, const Tensor& w1, const Tensor&
   if (shared.w1) check_dims(*shared.w1, "w1_shared", 3);
   p.num_shared = shared.count();
   p.has_shared_scores = shared.has_scores;
+  p.has_shared_gate = shared.gate.has_value();
   p.K = K;
   p.routing = parse_routing(routing);
   p.renormalize = renormalize;
@@ -93,6 +96,7 @@ void check_layer_tensors(const LayerProblem& p, const Tensor& x, const Tensor& r
     MACHMOE_CHECK_VALUE(!shared.b1 && !shared.b2, "b1_shared and b2_shared need w1_shared and w2_shared");
     return;
   }
+  if (shared.gate) check_bf16(*shared.gate, "shared_gate", {1, p.d}, &device);
   MACHMOE_CHECK_VALUE(S >= 1, "w1_shared must hold at least one shared expert, got shape ", shared.w1->sizes());
   check_bf16(*shared.w1, "w1_shared", {S, n1, p.d}, &device);
   check_bf16(*shared.w2, "w2_shared", {S, p.d, p.n}, &device);
@@ -123,9 +127,10 @@ std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tenso
                                                     const std::optional<Tensor>& b1_shared,
                                                     const std::optional<Tensor>& w2_shared,
                                                     const std::optional<Tensor>& b2_shared,
-                                                    const std::optional<Tensor>& shared_scores) {
+                                                    const std::optional<Tensor>& shared_scores,
+                                                    const std::optional<Tensor>& shared_gate) {
   return translate_errors([&] {
-    const SharedArgs shared{w1_shared, b1_shared, w2_shared, b2_shared, shared_scores.has_value()};
+    const SharedArgs shared{w1_shared, b1_shared, w2_shared, b2_shared, shared_scores.has_value(), shared_gate};
     const ValidLayerProblem valid =
         layer_problem(x, w1, w2, b1.has_value(), K, activation, layout, routing, renormalize, rounding, tile_m,
                       {router_bias.has_value(), routed_scaling_factor, n_group, topk_group}, glu_clamp, shared);
@@ -153,6 +158,7 @@ std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tenso
     a.w2 = w2_all.data_ptr();
     a.b2 = b2_all ? b2_all->data_ptr() : nullptr;
     a.shared_scores = shared_scores ? shared_scores->data_ptr<float>() : nullptr;
+    a.shared_gate = shared_gate ? shared_gate->data_ptr() : nullptr;
     a.selection_bias = selection_bias ? selection_bias->data_ptr<float>() : nullptr;
     a.router_bias = router_bias ? router_bias->data_ptr() : nullptr;
     a.out = out.data_ptr();
@@ -167,13 +173,14 @@ std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tenso
 }
 
 using Grads = std::tuple<Tensor, Tensor, Tensor, std::optional<Tensor>, Tensor, std::optional<Tensor>,
-                         std::optional<Tensor>, std::optional<Tensor>>;
+                         std::optional<Tensor>, std::optional<Tensor>, std::optional<Tensor>>;
 
 // Gradients of the layer from layer_forward's `saved` block (same problem arguments as the forward
 // that wrote it), in the weights' dtype (bf16). d_aux: the aux loss's gradient as a one-element
 // CUDA tensor, read on the device (no host synchronisation), or None for 0. With shared experts,
 // dw1/db1/dw2/db2 hold the routed experts' gradients then the shared ones' ([E+S, ...]), and
-// d_shared_scores [T] fp32 is returned when shared_scores were given (has_shared_scores).
+// d_shared_scores [T] fp32 is returned when shared_scores were given (has_shared_scores), and
+// d_shared_gate [1, d] when Qwen's gate shared_gate [1, d] was (dx then includes its term).
 Grads op_layer_backward(const Tensor& x, const Tensor& router_weight, const Tensor& w1, const std::optional<Tensor>& b1,
                         const Tensor& w2, const std::optional<Tensor>& b2, const Tensor& saved, const Tensor& dout,
                         const std::optional<Tensor>& d_aux, int64_t K, const std::string& activation,
@@ -182,9 +189,10 @@ Grads op_layer_backward(const Tensor& x, const Tensor& router_weight, const Tens
                         double routed_scaling_factor, int64_t n_group, int64_t topk_group,
                         at::ArrayRef<double> glu_clamp, const std::optional<Tensor>& w1_shared,
                         const std::optional<Tensor>& b1_shared, const std::optional<Tensor>& w2_shared,
-                        const std::optional<Tensor>& b2_shared, bool has_shared_scores) {
+                        const std::optional<Tensor>& b2_shared, bool has_shared_scores,
+                        const std::optional<Tensor>& shared_gate) {
   return translate_errors([&] {
-    const SharedArgs shared{w1_shared, b1_shared, w2_shared, b2_shared, has_shared_scores};
+    const SharedArgs shared{w1_shared, b1_shared, w2_shared, b2_shared, has_shared_scores, shared_gate};
     const ValidLayerProblem valid =
         layer_problem(x, w1, w2, b1.has_value(), K, activation, layout, routing, renormalize, rounding, tile_m,
                       {router_bias.has_value(), routed_scaling_factor, n_group, topk_group}, glu_clamp, shared);
@@ -207,13 +215,14 @@ Grads op_layer_backward(const Tensor& x, const Tensor& router_weight, const Tens
     Tensor dwr = at::empty({p.E, p.d}, x.options());
     Tensor dw1 = at::empty({E_all, n1, p.d}, x.options());
     Tensor dw2 = at::empty({E_all, p.d, p.n}, x.options());
-    std::optional<Tensor> db1, db2, dbr, d_shared;
+    std::optional<Tensor> db1, db2, dbr, d_shared, d_gate;
     if (p.has_router_bias) dbr = at::empty({p.E}, x.options());
     if (p.has_bias) {
       db1 = at::empty({E_all, n1}, x.options());
       db2 = at::empty({E_all, p.d}, x.options());
     }
     if (p.has_shared_scores) d_shared = at::empty({p.T}, x.options().dtype(at::kFloat));
+    if (p.has_shared_gate) d_gate = at::empty({1, p.d}, x.options());
     const Tensor w1_all = with_shared(w1, w1_shared), w2_all = with_shared(w2, w2_shared);
     const std::optional<Tensor> b1_all = bias_with_shared(b1, b1_shared), b2_all = bias_with_shared(b2, b2_shared);
     Tensor ws = at::empty({static_cast<int64_t>(plan.backward_workspace_bytes)}, x.options().dtype(at::kByte));
@@ -225,6 +234,8 @@ Grads op_layer_backward(const Tensor& x, const Tensor& router_weight, const Tens
     a.w2 = w2_all.data_ptr();
     a.b2 = b2_all ? b2_all->data_ptr() : nullptr;
     a.d_shared_scores = d_shared ? d_shared->data_ptr<float>() : nullptr;
+    a.shared_gate = shared_gate ? shared_gate->data_ptr() : nullptr;
+    a.d_shared_gate = d_gate ? d_gate->data_ptr() : nullptr;
     a.saved = saved.data_ptr();
     a.dout = dout.data_ptr();
     a.d_aux_device = d_aux32 ? d_aux32->data_ptr<float>() : nullptr;
@@ -238,7 +249,7 @@ Grads op_layer_backward(const Tensor& x, const Tensor& router_weight, const Tens
     a.workspace = ws.data_ptr();
     a.weight_grad_dtype = DType::BF16;
     layer_backward(valid, a, at::cuda::getCurrentCUDAStream());
-    return Grads(dx, dwr, dw1, db1, dw2, db2, dbr, d_shared);
+    return Grads(dx, dwr, dw1, db1, dw2, db2, dbr, d_shared, d_gate);
   });
 }
 
@@ -250,14 +261,14 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
         " str rounding, int tile_m, int seed, bool write_h=True, Tensor? router_bias=None,"
         " float routed_scaling_factor=1.0, int n_group=1, int topk_group=1, float[] glu_clamp=[],"
         " Tensor? w1_shared=None, Tensor? b1_shared=None, Tensor? w2_shared=None, Tensor? b2_shared=None,"
-        " Tensor? shared_scores=None) -> (Tensor, Tensor, Tensor)");
+        " Tensor? shared_scores=None, Tensor? shared_gate=None) -> (Tensor, Tensor, Tensor)");
   m.def("layer_backward(Tensor x, Tensor router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2,"
         " Tensor saved, Tensor dout, Tensor? d_aux, int K, str activation, str layout, str routing,"
         " bool renormalize, str rounding, int tile_m, Tensor? router_bias=None, float routed_scaling_factor=1.0,"
         " int n_group=1, int topk_group=1, float[] glu_clamp=[], Tensor? w1_shared=None, Tensor? b1_shared=None,"
-        " Tensor? w2_shared=None, Tensor? b2_shared=None, bool has_shared_scores=False)"
+        " Tensor? w2_shared=None, Tensor? b2_shared=None, bool has_shared_scores=False, Tensor? shared_gate=None)"
         " -> (Tensor dx, Tensor d_router_weight, Tensor dw1, Tensor? db1, Tensor dw2, Tensor? db2,"
-        " Tensor? d_router_bias, Tensor? d_shared_scores)");
+        " Tensor? d_router_bias, Tensor? d_shared_scores, Tensor? d_shared_gate)");
 }
 
 TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {

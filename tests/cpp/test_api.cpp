@@ -150,6 +150,13 @@ TEST(Validate, RejectsEachBadField) {
   expect_invalid(p, {"T", "num_shared"}, "T*(K+S) past int32");
   p = valid_problem(), p.K = 8, p.num_shared = 2, p.has_shared_scores = true, p.T = 1000;
   EXPECT_NO_THROW(validate(p));
+  // Qwen's gate: with shared experts only, and not beside given scores.
+  p = valid_problem(), p.has_shared_gate = true;
+  expect_invalid(p, {"has_shared_gate", "num_shared"}, "a shared gate without shared experts");
+  p = valid_problem(), p.num_shared = 1, p.has_shared_gate = true, p.has_shared_scores = true;
+  expect_invalid(p, {"has_shared_gate", "has_shared_scores"}, "a shared gate and shared scores");
+  p = valid_problem(), p.num_shared = 1, p.has_shared_gate = true;
+  EXPECT_NO_THROW(validate(p));
 }
 
 // With S shared experts the layer's rows are T·(K+S) and its expert offsets cover E+S experts:

@@ -38,6 +38,10 @@ def _op_cases():
               torch.randn(2, d, n, device="cuda").bfloat16(), torch.randn(2, d, device="cuda").bfloat16())
     layer_shared = layer + (True, None, 1.0, 1, 1, []) + shared + (torch.rand(T, device="cuda"),)
     _, _, saved_shared = m.layer_forward(*layer_shared)
+    # The same with Qwen's gate [1, d], which the op computes (and differentiates) itself.
+    gate = torch.randn(1, d, device="cuda").bfloat16()
+    layer_gated = layer + (True, None, 1.0, 1, 1, []) + shared + (None, gate)
+    _, _, saved_gated = m.layer_forward(*layer_gated)
     dout = torch.randn(T, d, device="cuda").bfloat16()
     tok = torch.arange(T, device="cuda", dtype=torch.int32).repeat_interleave(K)
     exp = experts.flatten().contiguous()
@@ -67,6 +71,9 @@ def _op_cases():
         ("layer_forward", layer_shared),
         ("layer_backward", layer[:6] + (saved_shared, dout, torch.ones((), device="cuda")) + layer[7:14]
          + (None, 1.0, 1, 1, []) + shared + (True,)),
+        ("layer_forward", layer_gated),
+        ("layer_backward", layer[:6] + (saved_gated, dout, torch.ones((), device="cuda")) + layer[7:14]
+         + (None, 1.0, 1, 1, []) + shared + (False, gate)),
         ("experts_forward", general + (pair_scores, tok, exp, "swiglu", "interleaved")),
         ("experts_backward", general + (tok, exp, g_saved, dout, "swiglu", "interleaved")),
         ("experts_backward_data", general + (tok, exp, g_saved, dout, "swiglu", "interleaved")),

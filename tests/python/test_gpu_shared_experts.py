@@ -144,6 +144,7 @@ def run_layer(t, g, K, backend, dtype, layout, **options):
      {"routing": "topk_softmax"}),
     (1, 128, 64, 8, 2, 1, False, True, "interleaved", True, {}),                        # T = 1
     (5000, 256, 128, 32, 4, 2, True, True, "interleaved", True, {}),                    # dW cut in 4 runs
+    (300, 256, 64, 320, 4, 1, False, True, "interleaved", True, {}),                    # E > 256: dx by cuBLAS
     (1500, 256, 128, 64, 6, 1, False, False, "interleaved", False,                      # unpacked: a copy
      {"routing": "sigmoid", "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5}),
 ])

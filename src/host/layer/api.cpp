@@ -63,6 +63,10 @@ ValidLayerProblem validate(const LayerProblem& p) {
   require(p.num_shared == 0 || p.rounding == TokenRounding::None, "num_shared",
           "shared experts are not available with token rounding (rounding must be none)");
   require(!p.has_shared_scores || p.num_shared >= 1, "has_shared_scores", "needs num_shared >= 1");
+  require(!p.has_shared_gate || p.num_shared >= 1, "has_shared_gate", "needs num_shared >= 1");
+  require(!(p.has_shared_gate && p.has_shared_scores), "has_shared_gate",
+          "the shared experts' weight is either given (has_shared_scores) or computed from a gate "
+          "(has_shared_gate), not both");
   // Row indices are int32 on the device; element offsets are 64-bit.
   const int64_t pairs_per_token = p.K + p.num_shared;
   require(p.T <= std::numeric_limits<int32_t>::max() / pairs_per_token, "T",

@@ -54,7 +54,8 @@ void bias_gradient(const ExpertsBackwardScratch& S, int64_t E, void* ws, const _
   check_launch("experts backward: bias gradient");
 }
 
-// dx [T, d] = Σ_{pairs of t} dX~[pair_row] + d_logits[t]·Wr in one pass (kernels/layer/aggregate_router.cuh).
+// dx [T, d] = Σ_{pairs of t} dX~[pair_row] + d_logits[t]·Wr (+ the rank-1 term) in one pass
+// (kernels/layer/aggregate_router.cuh).
 // Persistent over token tiles: as many token groups as let the blocks of every column block be
 // resident at once (each block loads its Wr slice once; a second wave would double the time of its
 // blocks).
@@ -68,6 +69,8 @@ void aggregate_with_router(const detail::ExpertsBackwardRun& r, const __nv_bfloa
   ap.d_logits = static_cast<const __nv_bfloat16*>(r.router_d_logits);
   ap.wr = static_cast<const __nv_bfloat16*>(r.router_weight);
   ap.out = static_cast<__nv_bfloat16*>(r.dx);
+  ap.rank1_coef = r.router_rank1_coef;
+  ap.rank1_row = static_cast<const __nv_bfloat16*>(r.router_rank1_row);
   ap.T = s.T;
   ap.d = s.d;
   ap.E = static_cast<int>(r.router_E);

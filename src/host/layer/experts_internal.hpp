@@ -88,6 +88,10 @@ struct ExpertsBackwardRun {
   const void* router_d_logits = nullptr;
   const void* router_weight = nullptr;
   int64_t router_E = 0;
+  // With router_d_logits, optional: a rank-1 term coef [T] fp32 ⊗ row [d] bf16 added to dx as
+  // well (Qwen's shared-expert gate: ∂loss/∂(x·g) ⊗ g).
+  const float* router_rank1_coef = nullptr;
+  const void* router_rank1_row = nullptr;
 };
 
 // Whether the dx aggregation can add the router's part itself (experts_backward.cu): d % 8 == 0

@@ -59,6 +59,7 @@ void layer_forward(const ValidLayerProblem& valid, const LayerForwardArgs& a, cu
   if (p.T > 0)
     detail::require_given_exactly_when(p.has_shared_scores, "has_shared_scores", fn,
                                        {{"shared_scores", a.shared_scores}});
+  detail::require_given_exactly_when(p.has_shared_gate, "has_shared_gate", fn, {{"shared_gate", a.shared_gate}});
   detail::require_block_aligned(fn, {{"saved", a.saved}, {"workspace", a.workspace}});
   detail::require_row_aligned(fn, {{"x", a.x}, {"w1", a.w1}, {"w2", a.w2}, {"b2", a.b2}});
   const LayerLayout L(valid);
@@ -99,9 +100,19 @@ void layer_forward(const ValidLayerProblem& valid, const LayerForwardArgs& a, cu
     have_aux_partials = detail::topk_router_with_aux(logits, p.T, p.E, p.K, p.routing, p.renormalize,
                                                      router_options(p), a.selection_bias, router_scores,
                                                      router_experts, aux_partials, stream);
-    if (shared)
-      detail::append_shared_pairs(router_scores, router_experts, a.shared_scores, p.T, p.K, p.num_shared, p.E,
-                                  scores, experts, stream);
+    if (shared) {
+      // Qwen's gate: its logits x·g [T] by the router's GEMM with one row (a GEMV), their sigmoid
+      // the shared pairs' score.
+      const float* shared_scores = a.shared_scores;
+      if (p.has_shared_gate) {
+        float* gate_logits = at<float>(w, L.gate_logits);
+        router_gemm(a.x, a.shared_gate, gate_logits, p.T, 1, p.d, false, at<void>(w, L.cublas),
+                    LayerLayout::kCublasWorkspace, stream);
+        shared_scores = gate_logits;
+      }
+      detail::append_shared_pairs(router_scores, router_experts, shared_scores, p.has_shared_gate, p.T, p.K,
+                                  p.num_shared, p.E, scores, experts, stream);
+    }
     r.list.K = p.K + p.num_shared;
   } else {
     TokenRoundingOutputs tr;

@@ -3,7 +3,8 @@
 //   the expert part (experts_backward.cu: rebuild row_token / token_offsets -> dH kernel (dA' =
 //   dout·W2 gathered; epilogue: dH, A' = s·A, dS partials) -> d scores (+ ⟨dout, b2⟩) -> dW2, dW1
 //   (varlen-K GEMMs) -> db2, db1 -> dX~ = dH·W1 -> dx (aggregate)) and the router backward (top-K
-//   or token rounding) + aux backward -> d_logits -> dWr = d_logitsᵀ·x (cuBLAS), run between d
+//   or token rounding) + aux backward -> d_logits -> dWr = d_logitsᵀ·x (cuBLAS) (and with Qwen's
+//   shared-expert gate g: ∂loss/∂(x·g) -> d_g = xᵀ·that, dx += that ⊗ g), run between d
 //   scores and dW2 so that the dx aggregation adds the router's part d_logits·Wr itself (or, where
 //   it cannot: d % 8 != 0 or E > 256, after the expert part, with dx += d_logits·Wr by cuBLAS).
 // Reads only x, the weights and what layer_forward left in `saved`; scratch in the backward
@@ -54,10 +55,12 @@ void check_args(const ValidLayerProblem& valid, const LayerBackwardArgs& a) {
   if (p.T > 0)
     detail::require_given_exactly_when(p.has_shared_scores, "has_shared_scores", fn,
                                        {{"d_shared_scores", a.d_shared_scores}});
+  detail::require_given_exactly_when(p.has_shared_gate, "has_shared_gate", fn,
+                                     {{"shared_gate", a.shared_gate}, {"d_shared_gate", a.d_shared_gate}});
   detail::require_weight_grad_dtype(a.weight_grad_dtype, fn);
   detail::require_block_aligned(fn, {{"saved", a.saved}, {"workspace", a.workspace}});
   detail::require_row_aligned(fn, {{"x", a.x}, {"router_weight", a.router_weight}, {"w1", a.w1}, {"w2", a.w2},
-                                   {"dout", a.dout}, {"dx", a.dx}, {"b2", a.b2}});
+                                   {"dout", a.dout}, {"dx", a.dx}, {"b2", a.b2}, {"shared_gate", a.shared_gate}});
 }
 
 }  // namespace
@@ -77,6 +80,9 @@ void layer_backward(const ValidLayerProblem& valid, const LayerBackwardArgs& a, 
     if (p.has_router_bias)
       check_cuda(cudaMemsetAsync(a.d_router_bias, 0, static_cast<size_t>(p.E * dtype_size(a.weight_grad_dtype)), stream),
                  "layer_backward: zero d_router_bias");
+    if (p.has_shared_gate)
+      check_cuda(cudaMemsetAsync(a.d_shared_gate, 0, static_cast<size_t>(p.d * dtype_size(a.weight_grad_dtype)), stream),
+                 "layer_backward: zero d_shared_gate");
     detail::zero_expert_gradients(detail::experts_shape(p), a.dw1, a.db1, a.dw2, a.db2, a.weight_grad_dtype, fn,
                                   stream);
     return;
@@ -95,6 +101,9 @@ void layer_backward(const ValidLayerProblem& valid, const LayerBackwardArgs& a, 
   float* d_scores = at<float>(w, L.d_scores);
   float* d_logits = at<float>(w, L.d_logits);
   auto* d_logits_bf16 = at<__nv_bfloat16>(w, L.d_logits_bf16);
+  // Qwen's gate: ∂loss/∂(x·g) [T], fp32 (the dx aggregation's rank-1 term) and bf16 (cuBLAS's operand)
+  float* d_gate_logits = p.has_shared_gate ? at<float>(w, L.d_gate_logits) : nullptr;
+  auto* d_gate_logits_bf16 = p.has_shared_gate ? at<__nv_bfloat16>(w, L.d_gate_logits_bf16) : nullptr;
 
   // 1-3, 7-11. The expert part: d scores [pairs], dW2, dW1, db2, db1 and dx's expert part.
   detail::ExpertsBackwardRun r;
@@ -144,7 +153,10 @@ void layer_backward(const ValidLayerProblem& valid, const LayerBackwardArgs& a, 
       if (shared) {
         int32_t* e = at<int32_t>(w, L.b_router_experts);
         float* ds = at<float>(w, L.b_router_d_scores);
-        detail::split_shared_pairs(experts, d_scores, p.T, p.K, p.num_shared, e, ds, a.d_shared_scores, stream);
+        detail::SharedScoreGrads g;
+        g.d_shared = a.d_shared_scores;
+        if (p.has_shared_gate) g.d_gate = d_gate_logits, g.d_gate_bf16 = d_gate_logits_bf16;
+        detail::split_shared_pairs(experts, d_scores, scores, p.T, p.K, p.num_shared, e, ds, g, stream);
         router_scores = at<float>(s, L.router_scores), router_experts = e, router_d_scores = ds;
       }
       detail::topk_router_backward_bf16(logits, router_scores, router_experts, router_d_scores, p.T, p.E, p.K,
@@ -188,6 +200,12 @@ void layer_backward(const ValidLayerProblem& valid, const LayerBackwardArgs& a, 
                               CUDA_R_16BF, E, &zero, a.d_router_weight, cuda_type(a.weight_grad_dtype), d,
                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                  "layer_backward: d_router_weight GEMM (cublasGemmEx)");
+    // 12c. Qwen's gate: d_shared_gate [d] = xᵀ [d, T] · ∂loss/∂(x·g) [T] (bf16 operands as dWr's).
+    if (p.has_shared_gate)
+      check_cublas(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, 1, T, &one, a.x, CUDA_R_16BF, d, d_gate_logits_bf16,
+                                CUDA_R_16BF, T, &zero, a.d_shared_gate, cuda_type(a.weight_grad_dtype), d,
+                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                   "layer_backward: d_shared_gate GEMM (cublasGemmEx)");
   };
   const bool fused_dx = detail::router_dx_fusable(L.R, p.d, p.E);
   if (fused_dx) {
@@ -195,6 +213,8 @@ void layer_backward(const ValidLayerProblem& valid, const LayerBackwardArgs& a, 
     r.router_d_logits = d_logits_bf16;
     r.router_weight = a.router_weight;
     r.router_E = p.E;
+    r.router_rank1_coef = d_gate_logits;  // null without the gate
+    r.router_rank1_row = a.shared_gate;
   }
   detail::experts_backward_run(r, stream);
   if (fused_dx) return;
@@ -205,6 +225,12 @@ void layer_backward(const ValidLayerProblem& valid, const LayerBackwardArgs& a, 
                             d_logits_bf16, CUDA_R_16BF, E, &one, a.dx, CUDA_R_16BF, d, CUBLAS_COMPUTE_32F,
                             CUBLAS_GEMM_DEFAULT),
                "layer_backward: dx router GEMM (cublasGemmEx)");
+  // Qwen's gate: dxᵀ [d, T] += g [d, 1] · ∂loss/∂(x·g)ᵀ [1, T].
+  if (p.has_shared_gate)
+    check_cublas(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, T, 1, &one, a.shared_gate, CUDA_R_16BF, d,
+                              d_gate_logits_bf16, CUDA_R_16BF, 1, &one, a.dx, CUDA_R_16BF, d, CUBLAS_COMPUTE_32F,
+                              CUBLAS_GEMM_DEFAULT),
+                 "layer_backward: dx shared gate GEMM (cublasGemmEx)");
 }
 
 }  // namespace machmoe

@@ -158,12 +158,14 @@ struct LayerLayout {
   ExpertsForwardScratch fwd;
   size_t experts, token_offsets, aux_partials, aux_colsum, cublas, rounding = 0;
   size_t router_experts = 0;  // shared experts only: the router's [T, K] int32
+  size_t gate_logits = 0;     // shared experts only: x·shared_gate [T] fp32 (used with has_shared_gate)
   size_t forward_bytes;
   // backward workspace: the expert part's scratch (host/layer/experts_backward.cu), the top-K list's
   // token offsets t·K, the d scores, the router's gradients and scratch (layer_backward.cu)
   ExpertsBackwardScratch bwd;
   size_t b_experts, b_token_offsets, d_scores, d_logits, d_logits_bf16, b_cublas, b_aux_partials, aux_grad;
   size_t b_router_experts = 0, b_router_d_scores = 0;  // shared experts only: the router's [T, K]
+  size_t d_gate_logits = 0, d_gate_logits_bf16 = 0;     // shared experts only: [T] (has_shared_gate)
   size_t backward_bytes;
 
   static constexpr int kAuxTokensPerBlock = 64;
@@ -202,7 +204,10 @@ struct LayerLayout {
     cublas = f.take(kCublasWorkspace);
     if (p.rounding != TokenRounding::None) rounding = f.take(token_rounding_workspace_bytes(p.T, p.E, p.K));
     const size_t topk = T * static_cast<size_t>(p.K);
-    if (p.num_shared > 0) router_experts = f.take(topk * 4);
+    if (p.num_shared > 0) {
+      router_experts = f.take(topk * 4);
+      gate_logits = f.take(T * 4);  // carved with any shared experts: the sizes need not know of the gate
+    }
     forward_bytes = f.bytes;
 
     Carve b;
@@ -218,6 +223,8 @@ struct LayerLayout {
     if (p.num_shared > 0) {
       b_router_experts = b.take(topk * 4);   // [T, K] int32
       b_router_d_scores = b.take(topk * 4);  // [T, K] fp32
+      d_gate_logits = b.take(T * 4);         // [T] fp32 ∂loss/∂(x·shared_gate)
+      d_gate_logits_bf16 = b.take(T * 2);    // [T] bf16, the cuBLAS operand of d_shared_gate
     }
     backward_bytes = b.bytes;
   }

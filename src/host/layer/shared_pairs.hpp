@@ -4,6 +4,7 @@
 // their [T, K] arrays; these two calls convert between the two (kernels/layer/shared_pairs.cuh).
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
@@ -14,15 +15,23 @@
 namespace machmoe::detail {
 
 // list_scores / list_experts [T, K+S] from the router's scores / experts [T, K]; shared_scores [T]
-// fp32 or null (score 1).
-void append_shared_pairs(const float* scores, const int32_t* experts, const float* shared_scores, int64_t T,
-                         int64_t K, int64_t S, int64_t E, float* list_scores, int32_t* list_experts,
+// fp32 or null (score 1); gate_logits: shared_scores holds x·g and the score is its sigmoid.
+void append_shared_pairs(const float* scores, const int32_t* experts, const float* shared_scores, bool gate_logits,
+                         int64_t T, int64_t K, int64_t S, int64_t E, float* list_scores, int32_t* list_experts,
                          cudaStream_t stream);
 
-// experts / d_scores [T, K] of the routed pairs out of the list's [T, K+S], and d_shared [T] = the
-// sum of a token's S shared pairs' d scores (null: not written).
-void split_shared_pairs(const int32_t* list_experts, const float* list_d_scores, int64_t T, int64_t K, int64_t S,
-                        int32_t* experts, float* d_scores, float* d_shared, cudaStream_t stream);
+// What split_shared_pairs writes besides the router's arrays; null members are not written.
+struct SharedScoreGrads {
+  float* d_shared = nullptr;            // [T] Σ_s of the token's shared pairs' d scores
+  float* d_gate = nullptr;              // [T] ∂loss/∂(x·g) with Qwen's gate (needs list_scores)
+  __nv_bfloat16* d_gate_bf16 = nullptr;  // [T] the same in bf16, with d_gate
+};
+
+// experts / d_scores [T, K] of the routed pairs out of the list's [T, K+S], and the shared pairs'
+// score gradients (SharedScoreGrads; list_scores [T, K+S] is read for the gate's).
+void split_shared_pairs(const int32_t* list_experts, const float* list_d_scores, const float* list_scores,
+                        int64_t T, int64_t K, int64_t S, int32_t* experts, float* d_scores,
+                        const SharedScoreGrads& grads, cudaStream_t stream);
 
 // Runs m per shared expert in a weight-gradient GEMM of output [M, N] per expert. A shared
 // expert has all T rows in only ceil(M/128)·ceil(N/128) output tiles: at small M, N fewer than the

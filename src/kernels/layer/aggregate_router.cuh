@@ -1,7 +1,8 @@
 // The backward's dX aggregation and the router's part of dx in one pass, so that dx is written once:
 //   dx[t, :] = Σ_{p in [token_offsets[t], token_offsets[t+1])} dX̃[pair_row[p], :]  +  d_logits[t, :] · Wr
-// dX̃ [R, d] bf16, d_logits [T, E] bf16, Wr [E, d] bf16 (the router weight), dx [T, d] bf16; the
-// sums are fp32 and dx is rounded once. The alternative, the aggregation writing dx and a cuBLAS
+//              (+ rank1_coef[t] · rank1_row[:], when given: Qwen's shared-expert gate)
+// dX̃ [R, d] bf16, d_logits [T, E] bf16, Wr [E, d] bf16 (the router weight), dx [T, d] bf16,
+// rank1_coef [T] fp32, rank1_row [d] bf16; the sums are fp32 and dx is rounded once. The alternative, the aggregation writing dx and a cuBLAS
 // GEMM with beta = 1 reading and writing it again, moves 2·T·d·2 bytes more; on an H100 it took
 // 241 + 72 µs per call at 7B-a against this kernel's 269, and 823 + 257 at 30B-b against 934.
 // Block: 128 columns of d, 512 threads (16 warps), persistent over token tiles of 64:
@@ -15,7 +16,7 @@
 // phase too long to hide behind the dX̃ loads (on an H100 at 7B-a: 306 µs per call); Wr once per
 // block gives 291, and the next tile's d_logits by cp.async under this tile's sums with a grid of
 // one wave 269.
-// Needs d % 8 == 0, E <= 256, 16-byte aligned dX̃ / Wr / dx and R·d/8 < 2^32 (the launcher
+// Needs d % 8 == 0, E <= 256, 16-byte aligned dX̃ / Wr / dx / rank1_row and R·d/8 < 2^32 (the launcher
 // checks; otherwise the layer falls back to the aggregation and a cuBLAS GEMM). d_logits rows are read by 16-byte
 // vectors when E % 8 == 0 and element by element otherwise. Deterministic: fixed summation order.
 #pragma once
@@ -35,6 +36,8 @@ struct AggregateRouterParams {
   const __nv_bfloat16* d_logits;  // [T, E]
   const __nv_bfloat16* wr;        // [E, d]
   __nv_bfloat16* out;             // [T, d]
+  const float* rank1_coef;        // [T] or null: no rank-1 term
+  const __nv_bfloat16* rank1_row;  // [d], with rank1_coef
   int64_t T, d;
   int E;
 };
@@ -132,6 +135,15 @@ __global__ void __launch_bounds__(kAggRouterThreads) aggregate_rows_router(Aggre
   const int m0 = 16 * (warp % 4), n0 = 32 * (warp / 4);
   const int vcol = (tid % 16) * 8;
   const bool col_ok = col0 + vcol < p.d;
+  // The rank-1 row's 8 columns of this thread, once (the same for every token it sums).
+  __nv_bfloat16 rank1[8];
+  {
+    Vec16<__nv_bfloat16> v;
+    v.raw = p.rank1_coef != nullptr && col_ok ? __ldg(reinterpret_cast<const uint4*>(p.rank1_row + col0 + vcol))
+                                              : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) rank1[k] = v.elem[k];
+  }
   const uint4* rows16 = reinterpret_cast<const uint4*>(p.rows);
   const uint32_t d16 = static_cast<uint32_t>(p.d / 8), vunit = static_cast<uint32_t>((col0 + vcol) / 8);
   int buf = 0;
@@ -186,7 +198,8 @@ __global__ void __launch_bounds__(kAggRouterThreads) aggregate_rows_router(Aggre
     }
     __syncthreads();
 
-    // ---- 3. + the token's dX̃ rows, one store: thread (token row tid / 16 + 32·pass, vector tid % 16)
+    // ---- 3. + the token's dX̃ rows (+ the rank-1 term), one store: thread (token row
+    //         tid / 16 + 32·pass, vector tid % 16)
     constexpr int kBatch = 8;
 #pragma unroll 1
     for (int r = tid / 16; r < kAggRouterTokens; r += kAggRouterThreads / 16) {
@@ -196,6 +209,11 @@ __global__ void __launch_bounds__(kAggRouterThreads) aggregate_rows_router(Aggre
       float s[8];
 #pragma unroll
       for (int k = 0; k < 8; ++k) s[k] = g_s[r * kAggRouterLdG + vcol + k];
+      if (p.rank1_coef != nullptr) {
+        const float c = __ldg(p.rank1_coef + t);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) s[k] += c * __bfloat162float(rank1[k]);
+      }
       for (int b = begin; b < end; b += kBatch) {
         Vec16<__nv_bfloat16> x[kBatch];
 #pragma unroll

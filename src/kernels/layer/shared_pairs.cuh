@@ -19,13 +19,18 @@
 
 namespace machmoe::kernels {
 
+// The shared pairs' score from Qwen's gate logit x·g: sigmoid, in the accurate expf (the
+// backward reads it back from the list as s and uses s·(1 - s)).
+__device__ __forceinline__ float shared_gate_sigmoid(float logit) { return 1.f / (1.f + expf(-logit)); }
+
 // list_scores / list_experts [T, K+S]: row t = the router's K pairs of token t (scores [T, K],
-// experts [T, K]), then experts E..E+S-1 with score shared_scores[t] (fp32, Qwen's sigmoid gate)
-// or 1 when shared_scores is null. One thread per list entry.
+// experts [T, K]), then experts E..E+S-1 with score shared_scores[t] (fp32; its sigmoid when
+// gate_logits: Qwen's gate, shared_scores then holding x·g) or 1 when shared_scores is null. One
+// thread per list entry.
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads)
-    append_shared_pairs(const float* scores, const int32_t* experts, const float* shared_scores, int64_t T, int K,
-                        int S, int E, float* list_scores, int32_t* list_experts) {
+    append_shared_pairs(const float* scores, const int32_t* experts, const float* shared_scores, bool gate_logits,
+                        int64_t T, int K, int S, int E, float* list_scores, int32_t* list_experts) {
   const int W = K + S;
   const int64_t total = T * W, stride = static_cast<int64_t>(gridDim.x) * kThreads;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < total; i += stride) {
@@ -35,7 +40,8 @@ __global__ void __launch_bounds__(kThreads)
       list_scores[i] = scores[t * K + k];
       list_experts[i] = experts[t * K + k];
     } else {
-      list_scores[i] = shared_scores != nullptr ? shared_scores[t] : 1.f;
+      const float v = shared_scores != nullptr ? shared_scores[t] : 1.f;
+      list_scores[i] = gate_logits ? shared_gate_sigmoid(v) : v;
       list_experts[i] = E + (k - K);
     }
   }
@@ -44,11 +50,14 @@ __global__ void __launch_bounds__(kThreads)
 // The inverse for the backward: the router's experts [T, K] and d scores [T, K] back out of the
 // list's [T, K+S], and d_shared[t] = Σ_s d_list[t, K+s] (the gate is one value per token that
 // weights all S shared pairs; summed in s order: deterministic), skipped when d_shared is null.
+// With Qwen's gate (d_gate non-null): the shared pairs' score is s = sigmoid(x·g) (list_scores),
+// and d_gate[t] = d_shared[t]·s·(1 - s) = ∂loss/∂(x[t]·g), in fp32 and in bf16 (d_gate_bf16).
 // One thread per token.
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads)
-    split_shared_pairs(const int32_t* list_experts, const float* list_d_scores, int64_t T, int K, int S,
-                       int32_t* experts, float* d_scores, float* d_shared) {
+    split_shared_pairs(const int32_t* list_experts, const float* list_d_scores, const float* list_scores, int64_t T,
+                       int K, int S, int32_t* experts, float* d_scores, float* d_shared, float* d_gate,
+                       __nv_bfloat16* d_gate_bf16) {
   const int W = K + S;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; t < T; t += stride) {
@@ -57,10 +66,16 @@ __global__ void __launch_bounds__(kThreads)
       experts[out + k] = list_experts[in + k];
       d_scores[out + k] = list_d_scores[in + k];
     }
-    if (d_shared != nullptr) {
+    if (d_shared != nullptr || d_gate != nullptr) {
       float sum = 0.f;
       for (int s = 0; s < S; ++s) sum += list_d_scores[in + K + s];
-      d_shared[t] = sum;
+      if (d_shared != nullptr) d_shared[t] = sum;
+      if (d_gate != nullptr) {
+        const float g = list_scores[in + K];  // the token's sigmoid(x·g), every shared pair's score
+        const float dg = sum * (g * (1.f - g));
+        d_gate[t] = dg;
+        d_gate_bf16[t] = __float2bfloat16_rn(dg);
+      }
     }
   }
 }
