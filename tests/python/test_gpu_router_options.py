@@ -91,6 +91,13 @@ def router_cases():
                     yield E, K, routing, True, 2.5, G, tg
                 if E == 8 and K <= 4:
                     yield E, K, routing, True, 1.0, 4, 2
+    # Group sizes S = E / n_group the sorted kernel handles in registers (S divides 32, or 32
+    # divides S: 16 at 7B-a's E = 128, 4, 64 over two slots) and through shared memory (24).
+    yield 128, 8, "sigmoid", True, 2.5, 8, 4
+    yield 64, 4, "sqrt_softplus", True, 1.0, 16, 8
+    yield 256, 8, "sigmoid", False, 1.0, 4, 2
+    yield 160, 6, "sigmoid", True, 1.0, 5, 3
+    yield 192, 8, "sigmoid", True, 2.5, 8, 4
 
 
 @pytest.mark.parametrize("E,K,routing,renorm,scale,n_group,topk_group", list(router_cases()))

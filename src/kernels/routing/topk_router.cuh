@@ -151,6 +151,71 @@ __device__ __forceinline__ uint32_t router_kept_groups(const RouterParams& p, co
   return kept;
 }
 
+// Whether the groups of a group-limited selection align with the sorted kernel's registers (expert
+// lane + 32·j in lane's slot j): S = E / n_group divides 32 (a group is S consecutive lanes of one
+// slot) or is a multiple of 32 (S / 32 consecutive slots of the whole warp).
+__device__ __forceinline__ bool router_groups_in_lanes(int E, int n_group) {
+  const int S = E / n_group;
+  return (S <= kWarpSize && kWarpSize % S == 0) || S % kWarpSize == 0;
+}
+
+// (a1 >= a2) merged with (b1 >= b2): the two largest of the four, in (a1, a2). NaN counts as the
+// largest value, as selection_key orders it, so a group holding a NaN keeps a NaN score and is
+// kept first (as router_kept_groups does), and the token's output shows it.
+__device__ __forceinline__ float router_nan_max(float a, float b) { return b != b || b > a ? b : a; }
+__device__ __forceinline__ float router_nan_min(float a, float b) { return b != b || b > a ? a : b; }
+__device__ __forceinline__ void router_top2_merge(float& a1, float& a2, float b1, float b2) {
+  const float hi = router_nan_max(a1, b1), lo = router_nan_max(router_nan_min(a1, b1), router_nan_max(a2, b2));
+  a1 = hi, a2 = lo;
+}
+
+// router_kept_groups from the registers of topk_router_sorted, where router_groups_in_lanes: every
+// group's two largest selection values by a butterfly over its lanes (and slots), then
+// topk_group rounds of two REDUX each over the groups' keys (lane g holding group g's). The same
+// mask as router_kept_groups: the score is the sum of the two largest values (larger first), ties
+// go to the lower group. Without the shared-memory row and the serial scan of 8 lanes.
+template <int V>
+__device__ __forceinline__ uint32_t router_kept_groups_lanes(const RouterParams& p, const float (&cur)[V], int lane) {
+  const int S = p.E / p.n_group;
+  const int span = S < kWarpSize ? S : kWarpSize;        // lanes of a group in one slot
+  const int group_slots = S > kWarpSize ? S / kWarpSize : 1;  // slots of a group
+  // Lane g < n_group takes group g's score: from slot g·S / 32 at lane g·S % 32 (S <= 32), or
+  // from the last of its slots, where every lane holds it (S > 32). A shuffle in both cases: a
+  // plain select of a per-slot value would become a local-memory load at a lane-dependent index.
+  const int my_slot = S <= kWarpSize ? lane * S / kWarpSize : (lane + 1) * group_slots - 1;
+  const int src = S <= kWarpSize ? (lane * S) % kWarpSize : lane;
+  float mine = 0.f;
+  float top1 = -INFINITY, top2 = -INFINITY;  // the two largest values of the slot's group so far
+#pragma unroll
+  for (int j = 0; j < V; ++j) {  // one slot at a time: few live registers beside the caller's
+    const int e = lane + kWarpSize * j;
+    if (j % group_slots == 0) top1 = -INFINITY, top2 = -INFINITY;  // a new group (uniform)
+    router_top2_merge(top1, top2, e < p.E ? router_selection_value(p, cur[j], e) : -INFINITY, -INFINITY);
+    if (j % group_slots != group_slots - 1) continue;  // the group goes on in the next slot (uniform)
+    float t1 = top1, t2 = top2;
+#pragma unroll
+    for (int off = kWarpSize / 2; off >= 1; off /= 2) {
+      if (off >= span) continue;  // uniform
+      const float b1 = __shfl_xor_sync(kFullMask, t1, off), b2 = __shfl_xor_sync(kFullMask, t2, off);
+      router_top2_merge(t1, t2, b1, b2);
+    }
+    const float score = __shfl_sync(kFullMask, t1 + t2, src);
+    if (j == my_slot) mine = score;
+  }
+  const uint64_t key = lane < p.n_group ? selection_key(mine, lane) : 0;
+  uint32_t kept = 0;
+  bool taken = false;
+  for (int i = 0; i < p.topk_group; ++i) {
+    const uint32_t hi = taken ? 0u : static_cast<uint32_t>(key >> 32);
+    const uint32_t best_hi = __reduce_max_sync(kFullMask, hi);
+    const uint32_t best_lo = __reduce_max_sync(kFullMask, !taken && hi == best_hi ? static_cast<uint32_t>(key) : 0u);
+    const uint64_t best = (static_cast<uint64_t>(best_hi) << 32) | best_lo;
+    taken = taken || key == best;
+    kept |= 1u << key_index(best);
+  }
+  return kept;
+}
+
 // Fast path for E <= 32 * kRouterSortedMaxV: each lane sorts its V candidate keys once, so that a
 // selection round is two warp reductions (REDUX) over the lanes' heads and a shift in the winning
 // lane, instead of a rescan of V keys plus a 64-bit shuffle tree per round (which leaves the
@@ -187,13 +252,15 @@ __global__ void __launch_bounds__(kRouterBlockWarps * kWarpSize) topk_router_sor
     float nxt[V];
     const bool more = i + 1 < kTokensPerWarp && t + 1 < p.T;
     if (more) load(t + 1, nxt);
-    // Group-limited selection: the row goes through this warp's shared-memory row (the group
-    // scores read a group's S consecutive experts, which live in other lanes' registers); the
-    // experts of dropped groups get key 0, as padding, which no round selects while
-    // K <= topk_group·S (checked on the host).
+    // Group-limited selection: from the registers where the groups align with the lanes, else
+    // through this warp's shared-memory row (the group scores read a group's S consecutive
+    // experts, which live in other lanes' registers); the experts of dropped groups get key 0, as
+    // padding, which no round selects while K <= topk_group·S (checked on the host).
     const bool grouped = p.n_group > 1;  // uniform over the grid
     uint32_t kept = ~0u;
-    if (grouped) {
+    if (grouped && router_groups_in_lanes(p.E, p.n_group)) {
+      kept = router_kept_groups_lanes<V>(p, cur, lane);
+    } else if (grouped) {
 #pragma unroll
       for (int j = 0; j < V; ++j) red[warp][lane + kWarpSize * j] = cur[j];
       __syncwarp();
