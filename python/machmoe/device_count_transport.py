@@ -26,11 +26,21 @@ in_splits[r] rows of every peer's input from the peer's exclusive prefix sum of 
 and writes them at the exclusive prefix sum of what it receives; out_splits_offsets is written
 with the received counts (row 0) and their offsets (row 1). Nothing bounds the writes by out's
 size: the caller's capacity check (an overflow sends no rows at all) is what keeps them inside.
+
+One more rule of that kernel: it splits each peer's bytes (rows · row bytes) evenly over
+blocks_per_peer = num_blocks // W thread blocks and asserts on the device that they divide
+evenly. num_blocks comes from the input's bytes (one per 64 KiB, rounded up to a multiple of W,
+at most 64 within a host and 16 across; older builds: 8 to 64 by size, 64 from 4 MiB), or from
+TORCH_SYMMMEM_NBLOCKS. So NvshmemTransport hands the op an input of at least 4 MiB (num_blocks
+then 64, 16 or 8, or the variable's value) and pads each row to a multiple of every
+blocks_per_peer those give (row_quantum): any row count then divides evenly.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -88,6 +98,19 @@ def _use_nvshmem_backend(device: torch.device) -> None:
             f"or call torch.distributed._symmetric_memory.set_backend('NVSHMEM') first ({err})") from err
 
 
+# The least bytes of the input the op is given (see the module docstring).
+MIN_INPUT_BYTES = 4 << 20
+
+
+def row_quantum(W: int) -> int:
+    """Row bytes are padded to a multiple of this: of 16 (aligned rows), and of every
+    blocks_per_peer the op may use on an input of MIN_INPUT_BYTES or more over W ranks."""
+    blocks = [64, 16, 8]
+    if os.environ.get("TORCH_SYMMMEM_NBLOCKS", "").isdigit():
+        blocks.append(int(os.environ["TORCH_SYMMMEM_NBLOCKS"]))
+    return math.lcm(16, *(max(b // W, 1) for b in blocks))
+
+
 class _Buffers:
     """One direction's symmetric buffers on one group: send and receive bytes, in_splits [W]
     and out_splits_offsets [2, W] int64, each rendezvoused once (the op's own rendezvous then
@@ -131,6 +154,7 @@ class NvshmemTransport:
     def __init__(self, group_name: str, W: int, device: torch.device):
         _use_nvshmem_backend(device)
         self.group_name, self.W, self.device = group_name, W, device
+        self.quantum = row_quantum(W)
         self.buffers = None  # _Buffers, made at the first call
 
     def _buffers(self, send_bytes: int, recv_bytes: int) -> _Buffers:
@@ -145,9 +169,10 @@ class NvshmemTransport:
         # Peers may still read the old buffers: wait for this rank's queued work, and the
         # allocation (NVSHMEM's, collective) and rendezvous then wait for every rank.
         torch.cuda.synchronize(self.device)
-        grow = (lambda want, have: max(want, 2 * have)) if held is not None else (lambda want, have: want)
-        self.buffers = _Buffers(grow(send_bytes, 0 if held is None else held.send.numel()),
-                                grow(recv_bytes, 0 if held is None else held.recv.numel()),
+        # Sizes are fixed by the layer's settings (max_tokens, K, d, the capacity): the buffers
+        # grow once or twice, at the first calls, to the largest of them.
+        self.buffers = _Buffers(max(send_bytes, 0 if held is None else held.send.numel()),
+                                max(recv_bytes, 0 if held is None else held.recv.numel()),
                                 self.W, self.group_name, self.device)
         torch.cuda.synchronize(self.device)
         return self.buffers
@@ -155,12 +180,17 @@ class NvshmemTransport:
     def __call__(self, parts, send_counts, recv_counts, out_rows):
         R = parts[0].shape[0]
         B = sum(p.shape[1] for p in parts)
-        buf = self._buffers(max(R * B, 1), max(out_rows * B, 1))
-        rows = buf.send[:R * B].view(R, B)
-        torch.cat(parts, 1, out=rows)
+        padded = -(-B // self.quantum) * self.quantum  # row bytes as sent
+        rows_given = max(R, -(-MIN_INPUT_BYTES // padded))  # the op's input: >= MIN_INPUT_BYTES
+        buf = self._buffers(rows_given * padded, max(out_rows, 1) * padded)
+        rows = buf.send[:rows_given * padded].view(rows_given, padded)
+        start = 0
+        for p in parts:  # side by side; the padding bytes travel unread
+            rows[:R, start:start + p.shape[1]].copy_(p)
+            start += p.shape[1]
         buf.in_splits.copy_(send_counts)
-        out = buf.recv[:out_rows * B].view(out_rows, B)
+        out = buf.recv[:out_rows * padded].view(out_rows, padded)
         torch.ops.symm_mem.all_to_all_vdev(rows, out, buf.in_splits, buf.out_splits_offsets, self.group_name)
         # A view of the receive buffer: the caller copies out of it (its unpacking does) before
         # this direction's next call.
-        return out
+        return out[:, :B]

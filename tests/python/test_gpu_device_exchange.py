@@ -79,13 +79,13 @@ def _check_transport(rank, world, seed):
 
     name = dist.group.WORLD.group_name
     gen = torch.Generator(device="cuda").manual_seed(seed + rank)
-    cap = 300
-    # Widths of a dispatch (several parts) and of a combine; the third call needs wider rows than
-    # the first (its buffers grow).
-    for call, widths in enumerate(([6, 4, 8], [2, 2], [130], [1])):
+    # Row widths in bytes of a dispatch (several parts) and of a combine, none a multiple of the
+    # op's per-block split (the transport pads them); the last two calls need larger buffers
+    # than the first two (they grow).
+    for call, (R, widths) in enumerate(((100, [6, 4, 8]), (100, [2, 2]), (5000, [514, 16, 16]), (7001, [1]))):
         transport = NvshmemTransport.get(name, world, ("to_experts", "to_tokens")[call % 2],
                                          torch.device("cuda", rank))
-        R = 100
+        cap = R + 3
         parts = [torch.randint(0, 256, (R, w), device="cuda", generator=gen, dtype=torch.uint8)
                  for w in widths]
         counts = torch.randint(0, R // world + 1, (world,), device="cuda", generator=gen)
