@@ -18,6 +18,7 @@ every rank makes the same sequence of calls with the same R, B and out_rows.
   for the host and can be captured in a CUDA graph.
 - On the CPU (gloo): the counts moved to the host and torch.distributed.all_to_all_single
   (host_count_transport), the same rows in the same places, for tests.
+- One rank (W = 1): the rows stay where they are (local_transport), on any device.
 
 The op's contract, as torch 2.11 implements it: input, out, in_splits [W] int64 and
 out_splits_offsets [2, W] int64 all live in symmetric memory (symm_mem.empty, then a rendezvous
@@ -60,6 +61,17 @@ def host_count_transport(group):
         return out
 
     return transport
+
+
+def local_transport(parts, send_counts, recv_counts, out_rows):
+    """W = 1: the sent rows are the received ones. Copies the first min(R, out_rows) rows, which
+    hold every sent row (the caller's capacity check keeps their count within out_rows) and
+    needs no count on the host."""
+    rows = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+    out = rows.new_zeros(out_rows, rows.shape[1])
+    keep = min(rows.shape[0], out_rows)
+    out[:keep] = rows[:keep]
+    return out
 
 
 @functools.lru_cache(maxsize=None)

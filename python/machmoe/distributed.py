@@ -127,9 +127,12 @@ def _largest_T(T: int, device: torch.device, group) -> int:
 
 def _device_count_transports(x: torch.Tensor, W: int, group) -> tuple:
     """(to the experts, to the tokens) of the all_to_all_device exchange: NVSHMEM's
-    all_to_all_vdev on CUDA, the counts through the host elsewhere (gloo)."""
+    all_to_all_vdev on CUDA, the counts through the host elsewhere (gloo), a local copy on one
+    rank."""
     from . import device_count_transport as transport
 
+    if W == 1:
+        return transport.local_transport, transport.local_transport
     if not x.is_cuda:
         t = transport.host_count_transport(group)
         return t, t

@@ -80,7 +80,7 @@ def _unpack(got: torch.Tensor, filled: torch.Tensor, layout: list) -> list:
     valid = (torch.arange(got.shape[0], device=got.device) < filled)[:, None]  # [R, 1]
     out, start = [], 0
     for cols, dtype in layout:
-        width = cols * torch.empty((), dtype=dtype).element_size()
+        width = cols * dtype.itemsize
         piece = torch.where(valid, got[:, start:start + width], torch.zeros((), dtype=torch.uint8, device=got.device))
         out.append(piece.view(dtype))
         start += width

@@ -9,6 +9,7 @@ those cases cannot see on the CPU's zero-filled transport:
   and their x and scores to 0: either alone suffices, and with neither this fails);
 - an overflow sends no rows at all and makes the output NaN (the device path, which on the CPU
   raises instead: the raise is checked too, on every rank, and a call that fits afterwards works);
+- one rank (its transport a local copy) equals the whole layer;
 - max_tokens is required.
 """
 
@@ -114,6 +115,25 @@ def _check_overflow_raises(rank, world):
     assert torch.isfinite(out).all()
 
 
+def _check_one_rank(seed):
+    """W = 1: the local transport; output and every gradient equal the whole layer's (float64,
+    the same sums in the same order) with room to spare and with a capacity below max_tokens."""
+    from machmoe import MoE
+    from machmoe.distributed import ExpertParallelMoE
+
+    torch.manual_seed(seed)
+    full = MoE(4, 2, 16, 8, "swiglu", True, 0.3, backend="torch").double()
+    x = torch.randn(9, 16, dtype=torch.float64)
+    g = torch.randn(9, 16, dtype=torch.float64)
+    want = _run(full, x, g)
+    for factor in (1.0, 0.85):  # 0.85 · 11 rows: 10 >= 9
+        layer = ExpertParallelMoE.from_moe(full, exchange="all_to_all_device", max_tokens=11,
+                                           capacity_factor=factor)
+        got = _run(layer, x, g)
+        for a, b in zip(got, want):
+            assert ((a - b).norm() / b.norm()).item() <= 1e-12, "one rank differs from the whole layer"
+
+
 def _check_errors():
     from machmoe.distributed import ExpertParallelMoE
 
@@ -127,6 +147,8 @@ def _worker(rank, world, init_file, seed, errors):
         _check_garbage_rows_route_nowhere(rank, world, seed)
         _check_overflow_sends_nothing(rank, world)
         _check_overflow_raises(rank, world)
+        if world == 1:
+            _check_one_rank(seed)
         _check_errors()
     except BaseException:
         errors.put(f"rank {rank}: {traceback.format_exc()}")
@@ -135,7 +157,7 @@ def _worker(rank, world, init_file, seed, errors):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_device_counted_exchange_on_gloo(world, seed):
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()

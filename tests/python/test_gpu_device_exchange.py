@@ -1,6 +1,6 @@
 """The device-counted all-to-all exchange (exchange="all_to_all_device") on two GPUs: NCCL for the
 counts, torch's NVSHMEM symmetric memory (all_to_all_vdev) for the rows. Skipped without two
-GPUs or without NVSHMEM.
+GPUs or without NVSHMEM; the layer's checks also run on one GPU (W = 1, a local copy).
 
 - the transport alone against NCCL's all_to_all_single, for random counts and row widths;
 - the layer on the machmoe backend against a float64 reference of the whole layer (the torch
@@ -28,25 +28,28 @@ from test_gpu_distributed import _ep_batch, _mean_grads, _model, E, T
 
 pytestmark = pytest.mark.gpu
 
-WORLD = 2
-MAX_TOKENS = T + 3 * (WORLD - 1) + 5  # the largest rank's T (_ep_batch: T + 3q) and 5 spare rows
-DEVICE = dict(exchange="all_to_all_device", max_tokens=MAX_TOKENS)
+def _device(world, **settings):
+    """The exchange's settings at W = world: max_tokens the largest rank's T (_ep_batch gives rank
+    q T + 3q tokens) and 5 spare rows."""
+    return dict(exchange="all_to_all_device", max_tokens=T + 3 * (world - 1) + 5, **settings)
 
 
-def _skip_reason():
-    if torch.cuda.device_count() < WORLD:
-        return f"needs {WORLD} GPUs"
+def _skip_reason(world):
+    if torch.cuda.device_count() < world:
+        return f"needs {world} GPUs"
+    if world == 1:  # one rank: a local copy, no NVSHMEM
+        return None
     from machmoe.device_count_transport import nvshmem_unavailable_reason
 
     return nvshmem_unavailable_reason()
 
 
-def _spawn(worker, seed):
-    reason = _skip_reason()
+def _spawn(worker, seed, world):
+    reason = _skip_reason(world)
     if reason is not None:
         pytest.skip(reason)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(WORLD, os.path.join(tmp, "init"), seed), nprocs=WORLD, join=True)
+        mp.spawn(worker, args=(world, os.path.join(tmp, "init"), seed), nprocs=world, join=True)
 
 
 def _init(rank, world, init_file):
@@ -108,7 +111,7 @@ def _check_no_sync_and_graph(model, x, g):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        layer = ExpertParallelMoE.from_moe(model, **DEVICE)
+        layer = ExpertParallelMoE.from_moe(model, **_device(dist.get_world_size()))
         params = list(layer.parameters())
         x_static, g_static = x.clone().requires_grad_(True), g.bfloat16()
 
@@ -139,14 +142,14 @@ def _check_no_sync_and_graph(model, x, g):
 def _check_overflow(model, x, rank):
     from machmoe.distributed import ExpertParallelMoE, check_capacity
 
-    tight = ExpertParallelMoE.from_moe(model, exchange="all_to_all_device", max_tokens=MAX_TOKENS,
-                                       capacity_factor=0.05)
+    world = dist.get_world_size()
+    tight = ExpertParallelMoE.from_moe(model, **_device(world, capacity_factor=0.05))
     out, _ = tight(x)
     assert torch.isnan(out).all(), f"rank {rank}: an overflowing call's output is not all NaN"
-    capacity = -(-5 * WORLD * MAX_TOKENS // 100)  # ceil(0.05 · W · max_tokens)
+    capacity = -(-5 * world * _device(world)["max_tokens"] // 100)  # ceil(0.05 · W · max_tokens)
     with pytest.raises(RuntimeError, match=f"rows to receive, more than its capacity of {capacity} "):
         check_capacity()
-    out, _ = ExpertParallelMoE.from_moe(model, **DEVICE)(x)
+    out, _ = ExpertParallelMoE.from_moe(model, **_device(world))(x)
     check_capacity()
     assert torch.isfinite(out).all(), f"rank {rank}: the call after an overflow is not finite"
 
@@ -166,7 +169,7 @@ def _check_layer(rank, world, seed):
                                              [x.double() for x in xs], gs, "torch")
     one_out, one_dx, one_grads = _mean_grads(model, xs, gs, "machmoe")
     part = slice(rank * (E // world), (rank + 1) * (E // world))
-    layer = ExpertParallelMoE.from_moe(model, **DEVICE)
+    layer = ExpertParallelMoE.from_moe(model, **_device(world))
     runs = []
     for _ in range(2):  # twice: bitwise the same
         layer.zero_grad(set_to_none=True)
@@ -191,9 +194,10 @@ def _check_layer(rank, world, seed):
 
 
 def test_nvshmem_transport_equals_nccls_all_to_all(seed):
-    _spawn(_transport_worker, seed)
+    _spawn(_transport_worker, seed, 2)
 
 
 @pytest.mark.ops
-def test_device_counted_exchange_on_two_gpus(seed):
-    _spawn(_layer_worker, seed)
+@pytest.mark.parametrize("world", [1, 2])
+def test_device_counted_exchange_on_the_gpus(world, seed):
+    _spawn(_layer_worker, seed, world)
