@@ -176,3 +176,17 @@ def test_capacity_and_send_rows():
 
     assert capacity_rows(10, 1.0, 4) == 40 and capacity_rows(10, 0.26, 4) == 11 and capacity_rows(1, 1e-9, 2) == 1
     assert send_rows(10, 8, 4) == 40 and send_rows(10, 2, 4) == 20 and send_rows(0, 2, 4) == 1
+
+
+@pytest.mark.parametrize("W", [1, 2, 3, 4, 6, 8, 16, 64])
+def test_rows_split_evenly_over_the_ops_blocks(W, monkeypatch):
+    """all_to_all_vdev splits each peer's bytes over num_blocks // W blocks and asserts they
+    divide evenly; on an input of 4 MiB or more num_blocks is 64 (one host), 16 (several) or 8
+    (older builds), or TORCH_SYMMMEM_NBLOCKS: padded rows divide evenly for each."""
+    from machmoe.device_count_transport import row_quantum
+
+    monkeypatch.delenv("TORCH_SYMMMEM_NBLOCKS", raising=False)
+    for blocks in (64, 16, 8):
+        assert row_quantum(W) % max(blocks // W, 1) == 0 and row_quantum(W) % 16 == 0
+    monkeypatch.setenv("TORCH_SYMMMEM_NBLOCKS", "24")
+    assert row_quantum(W) % max(24 // W, 1) == 0
