@@ -10,9 +10,14 @@ those cases cannot see on the CPU's zero-filled transport:
 - an overflow sends no rows at all and makes the output NaN (the device path, which on the CPU
   raises instead: the raise is checked too, on every rank, and a call that fits afterwards works);
 - one rank (its transport a local copy) equals the whole layer;
+- the CUDA transport's own code (NvshmemTransport: padded rows, buffer views, growth), with
+  torch's symmetric memory and all_to_all_vdev emulated over gloo as that op is documented to
+  behave (the emulation also asserts the op's even split of each peer's bytes over its blocks),
+  gives bitwise the plain transport's results;
 - max_tokens is required.
 """
 
+import math
 import os
 import tempfile
 import traceback
@@ -134,6 +139,80 @@ def _check_one_rank(seed):
             assert ((a - b).norm() / b.norm()).item() <= 1e-12, "one rank differs from the whole layer"
 
 
+class _EmulatedVdev:
+    """torch.ops.symm_mem.all_to_all_vdev over gloo, as the op is documented to behave: rank r
+    pulls in_splits[r] rows from each peer q, starting at the exclusive prefix sum of q's
+    in_splits, and writes them at the exclusive prefix sum of what it receives, in sender order;
+    out_splits_offsets gets the counts and offsets. Each peer's bytes must split evenly over
+    num_blocks // W blocks (num_blocks: one per 64 KiB of input, rounded up to a multiple of W, at
+    most 64), which the op asserts."""
+
+    def __init__(self, world):
+        self.world, self.calls = world, 0
+
+    def all_to_all_vdev(self, inp, out, in_splits, out_splits_offsets, group_name):
+        W = self.world
+        splits = [torch.empty_like(in_splits) for _ in range(W)]
+        dist.all_gather(splits, in_splits.clone())
+        rows = [torch.empty_like(inp) for _ in range(W)]
+        dist.all_gather(rows, inp.contiguous())
+        me = dist.get_rank()
+        stride = inp.stride(0) * inp.element_size()
+        blocks = min(-(-(-(-inp.numel() * inp.element_size() // 65536)) // W) * W, 64)
+        per_peer = max(blocks // W, 1)
+        at = 0
+        for q in range(W):
+            n = int(splits[q][me])
+            assert n * stride % per_peer == 0, f"{n} rows of {stride} bytes over {per_peer} blocks"
+            start = int(splits[q][:me].sum())
+            out[at:at + n] = rows[q][start:start + n]
+            out_splits_offsets[0, q], out_splits_offsets[1, q] = n, at
+            at += n
+        self.calls += 1
+
+
+def _check_nvshmem_transport_emulated(rank, world, seed):
+    import torch.distributed._symmetric_memory as symm
+
+    from machmoe import device_count_transport as dct
+    from machmoe import distributed
+    from machmoe.distributed import ExpertParallelMoE
+
+    torch.manual_seed(seed)
+    layer = ExpertParallelMoE(4 * world, 3, 16, 8, "swiglu", True, 0.3, backend="torch",
+                              exchange="all_to_all_device", max_tokens=12, seed=seed).double()
+    gen = torch.Generator().manual_seed(seed + rank)
+    x = torch.randn(9 + rank, 16, generator=gen, dtype=torch.float64)
+    g = torch.randn(9 + rank, 16, generator=gen, dtype=torch.float64)
+    want = _run(layer, x, g)
+    vdev = _EmulatedVdev(world)
+    saved = [(symm, "empty", symm.empty), (symm, "rendezvous", symm.rendezvous),
+             (symm, "get_backend", symm.get_backend), (dct, "nvshmem_unavailable_reason", dct.nvshmem_unavailable_reason),
+             (torch.cuda, "synchronize", torch.cuda.synchronize), (torch.ops, "symm_mem", torch.ops.symm_mem),
+             (torch.cuda, "is_current_stream_capturing", torch.cuda.is_current_stream_capturing),
+             (distributed, "_device_count_transports", distributed._device_count_transports)]
+    # Stale bytes in every new buffer, as symmetric memory may hold.
+    symm.empty = lambda *size, dtype=None, device=None: torch.full(
+        (math.prod(size) * dtype.itemsize,), 0xA5, dtype=torch.uint8).view(dtype).reshape(size)
+    symm.rendezvous = lambda t, group: None
+    symm.get_backend = lambda device: "NVSHMEM"
+    dct.nvshmem_unavailable_reason = lambda: None
+    torch.cuda.synchronize = lambda *args: None
+    torch.cuda.is_current_stream_capturing = lambda: False
+    torch.ops.symm_mem = vdev
+    distributed._device_count_transports = lambda x, W, group: tuple(
+        dct.NvshmemTransport(dist.group.WORLD.group_name, W, x.device) for _ in range(2))
+    try:
+        got = _run(layer, x, g)
+        again = _run(layer, x, g)  # the same buffers again
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+    assert vdev.calls == 8, f"{vdev.calls} all_to_all_vdev calls in two forwards and backwards"
+    for a, b, c in zip(want, got, again):
+        assert torch.equal(a, b) and torch.equal(a, c), "the NVSHMEM transport's rows differ from the plain one's"
+
+
 def _check_errors():
     from machmoe.distributed import ExpertParallelMoE
 
@@ -149,6 +228,8 @@ def _worker(rank, world, init_file, seed, errors):
         _check_overflow_raises(rank, world)
         if world == 1:
             _check_one_rank(seed)
+        else:
+            _check_nvshmem_transport_emulated(rank, world, seed)
         _check_errors()
     except BaseException:
         errors.put(f"rank {rank}: {traceback.format_exc()}")

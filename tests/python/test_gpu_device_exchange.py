@@ -53,7 +53,7 @@ def _spawn(worker, seed, world):
 
 
 def _init(rank, world, init_file):
-    faulthandler.dump_traceback_later(300, exit=True)  # a rank stuck in a collective shows where
+    faulthandler.dump_traceback_later(600, exit=True)  # a rank stuck in a collective shows where
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
