@@ -98,7 +98,9 @@ def agreed_overflow(count: torch.Tensor, capacity: int, group, what: tuple) -> t
 
 
 def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """Whether the current CUDA stream is capturing a graph (never before CUDA is initialised:
+    asking must not initialise it in CPU-only processes)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def poison(out: torch.Tensor, overflow: torch.Tensor) -> torch.Tensor:
