@@ -1,7 +1,7 @@
 """Expert parallelism: the experts of one MoE layer sharded over the ranks of a process group
 (docs/LAYER.md, "Expert parallelism"; docs/SCALING.md).
 
-Rank q of W holds experts [q·E/W, (q+1)·E/W) and a replica of the router. Two exchanges:
+Rank q of W holds experts [q·E/W, (q+1)·E/W) and a replica of the router. Three exchanges:
 
 - "all_gather" (the default; machmoe.expert_exchange): every rank's tokens gathered to every
   rank, each rank's experts run on all of them, the partial sums reduce-scattered back. No host
