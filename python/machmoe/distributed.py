@@ -1,7 +1,7 @@
 """Expert parallelism: the experts of one MoE layer sharded over the ranks of a process group
 (docs/LAYER.md, "Expert parallelism"; docs/SCALING.md).
 
-Rank q of W holds experts [q·E/W, (q+1)·E/W) and a replica of the router. Two exchanges:
+Rank q of W holds experts [q·E/W, (q+1)·E/W) and a replica of the router. Three exchanges:
 
 - "all_gather" (the default; machmoe.expert_exchange): every rank's tokens gathered to every
   rank, each rank's experts run on all of them, the partial sums reduce-scattered back. No host
@@ -13,6 +13,10 @@ Rank q of W holds experts [q·E/W, (q+1)·E/W) and a replica of the router. Two 
   synchronisation (machmoe.expert_capacity_exchange; an overflow poisons the output and is
   raised by check_capacity()); without, exactly the rows needed, with one
   host synchronisation per forward for the row counts (machmoe.expert_all_to_all).
+- "all_to_all_device": the all-to-all's rows (a token once per rank holding one of its experts)
+  with their counts kept on the device: exactly the rows needed travel, into receive buffers of
+  a capacity fixed by max_tokens and capacity_factor, with no host synchronisation and CUDA-graph
+  capturable (machmoe.expert_device_exchange; on CUDA it needs torch's NVSHMEM symmetric memory).
 
 This module holds the public layer (`ExpertParallelMoE`, `expert_parallel_moe`): argument checks,
 the routing of the rank's own tokens (logits, top-K, aux loss: as `MoE` on those tokens, on
@@ -35,6 +39,7 @@ from .enums import (ActivationType, Backend, GateUpLayout, GluClamp, RoutingMeth
                     is_gate_routing, is_glu, parse_enum, resolve_glu_clamp)
 from .expert_all_to_all import all_to_all_experts
 from .expert_capacity_exchange import capacity_all_to_all_experts, capacity_rows
+from .expert_device_exchange import device_all_to_all_experts
 from .exchange_overflow import check_capacity  # noqa: F401 (public: machmoe.distributed.check_capacity)
 from .expert_exchange import gathered_experts, rounded_gathered_experts
 from .moe import ExpertLinear, MoE, _positive_int, layer_settings, rounding_for_call
@@ -105,7 +110,7 @@ def _route(x, router_weight, K, routing, renormalize, selection_bias, kernels, r
     return logits, scores, experts
 
 
-EXCHANGES = ("all_gather", "all_to_all")
+EXCHANGES = ("all_gather", "all_to_all", "all_to_all_device")
 
 
 def _group_name(group) -> str:
@@ -118,6 +123,21 @@ def _largest_T(T: int, device: torch.device, group) -> int:
     largest = torch.tensor([T], dtype=torch.int64, device=device)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
     return int(largest.item())
+
+
+def _device_count_transports(x: torch.Tensor, W: int, group) -> tuple:
+    """(to the experts, to the tokens) of the all_to_all_device exchange: NVSHMEM's
+    all_to_all_vdev on CUDA, the counts through the host elsewhere (gloo), a local copy on one
+    rank."""
+    from . import device_count_transport as transport
+
+    if W == 1:
+        return transport.local_transport, transport.local_transport
+    if not x.is_cuda:
+        t = transport.host_count_transport(group)
+        return t, t
+    return tuple(transport.NvshmemTransport.get(_group_name(group), W, direction, x.device)
+                 for direction in ("to_experts", "to_tokens"))
 
 
 def _check_max_tokens(T: int, max_tokens: int) -> None:
@@ -148,6 +168,9 @@ def _check_exchange(exchange: str, max_tokens: Optional[int], capacity_factor,
     if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or \
             not 0 < capacity_factor <= 1:
         raise ValueError(f"capacity_factor must be a number in (0, 1]; got {capacity_factor!r}")
+    if exchange == "all_to_all_device" and max_tokens is None:
+        raise ValueError("exchange='all_to_all_device' needs max_tokens (the most tokens a rank passes, "
+                         "which sizes its exchange buffers); got None")
     if rounding != TokenRounding.NONE and exchange != "all_gather":
         raise ValueError(f"token_rounding={rounding.value!r} needs exchange='all_gather' (the "
                          f"experts' owners see the whole batch's scores there); got {exchange!r}")
@@ -211,6 +234,10 @@ def expert_parallel_moe(
             the partial sums reduce-scattered back (machmoe.expert_exchange); no host
             synchronisation, CUDA-graph capturable. "all_to_all": a token only to the ranks holding one of its experts (fewer
             bytes when W is large), with one host synchronisation per forward for the row counts.
+            "all_to_all_device": the same rows with their counts on the device, into receive
+            buffers of ceil(capacity_factor · W · max_tokens) rows: no host synchronisation,
+            CUDA-graph capturable; needs max_tokens, and on CUDA torch's NVSHMEM symmetric
+            memory (machmoe.expert_device_exchange).
         max_tokens: the most tokens any rank of the group passes, the same on every rank; T
             above it is refused on the host, before any exchange. Given, neither exchange waits
             for the host: "all_gather" pads T up to it; "all_to_all" exchanges blocks of
@@ -222,6 +249,8 @@ def expert_parallel_moe(
             machmoe.functional.moe (router_bias [E] is a replica, like router_weight).
         capacity_factor: in (0, 1] (default 1: no batch can overflow). "all_to_all" with
             max_tokens: rows per block over max_tokens; smaller sends fewer bytes.
+            "all_to_all_device": the rows a rank receives over W·max_tokens; smaller holds less
+            memory (the received rows and the experts' buffers), the bytes sent are the same.
             "all_gather": the (token, expert) pairs each rank's experts are sized for, over all
             W·rows·K gathered pairs (rows: max_tokens, or the group's largest T); smaller holds
             less memory (a balanced batch needs 1/W; the saved H shrinks with it). For both, a
@@ -283,6 +312,13 @@ def expert_parallel_moe(
                                   kernels=kernels, activation=activation, layout=layout, backend=backend,
                                   glu_clamp=glu_clamp)
     aux = torch_backend.aux_loss(logits, experts)
+    if exchange == "all_to_all_device":  # exact rows, counts on the device
+        out = device_all_to_all_experts(
+            x, scores, experts, w1, w2, b1, b2, num_experts=E, group=group,
+            group_name=_group_name(group), max_tokens=max_tokens, capacity_factor=capacity_factor,
+            transports=_device_count_transports(x, W, group), activation=activation, layout=layout,
+            backend=backend, glu_clamp=glu_clamp)
+        return out, aux
     if exchange == "all_to_all":  # fixed blocks, no host synchronisation
         out = capacity_all_to_all_experts(
             x, scores, experts, w1, w2, b1, b2, num_experts=E, group=group,

@@ -8,6 +8,10 @@ agree through a one-int all-reduce on the device), and the count goes into a rep
 `check_capacity()` reads: it waits for the device and raises on every rank, since every rank saw
 the same worst count. On the CPU the count is known at once, and the call itself raises, on every
 rank, before anything is exchanged.
+
+Inside a CUDA-graph capture no event is recorded or queried and no pinned copy is made (the host
+cannot wait on work that only a replay runs): the report is a device tensor that every replay
+rewrites, and check_capacity reads such reports after waiting for the whole device.
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ import torch.distributed as dist
 # Reports of calls whose flag may not have reached the host yet: (event or None, pinned [2] int64
 # host tensor (worst count, capacity), what the capacity bounds).
 _pending: list[tuple[Optional[torch.cuda.Event], torch.Tensor, str]] = []
+# Reports written by CUDA-graph replays: ([2] int64 device tensor (worst count, capacity), what the
+# capacity bounds); a report read by check_capacity is marked read (count -1) until a replay
+# writes it again.
+_captured: list[tuple[torch.Tensor, tuple]] = []
 
 ROWS_PER_PEER = ("rows to send to one peer", "ceil(capacity_factor · max_tokens)",
                  "Raise capacity_factor (1.0 never overflows) or max_tokens.")
@@ -45,13 +53,26 @@ def check_capacity() -> None:
             event.synchronize()
         if int(flag[0]) > int(flag[1]):
             raise overflow_error(int(flag[0]), int(flag[1]), what)
+    if _captured:
+        torch.cuda.synchronize()
+        worst = None
+        for report, what in _captured:
+            count, capacity = report.tolist()
+            if count > capacity and worst is None:
+                worst = (count, capacity, what)
+            report[0] = -1
+        if worst is not None:
+            raise overflow_error(*worst)
 
 
 def forget_finished() -> None:
     """Drops the reports of calls that finished without overflowing (a non-blocking look), so
     that the list does not grow when check_capacity is not called. Raises nothing: ranks may see
     their calls finish at different times, and a rank raising alone before a collective would
-    leave the others waiting in it."""
+    leave the others waiting in it. Does nothing inside a CUDA-graph capture (no event query
+    there)."""
+    if _capturing():
+        return
     _pending[:] = [(event, flag, what) for event, flag, what in _pending
                    if event is not None and (not event.query() or int(flag[0]) > int(flag[1]))]
 
@@ -65,13 +86,21 @@ def agreed_overflow(count: torch.Tensor, capacity: int, group, what: tuple) -> t
     overflow = worst[0] > capacity
     if not worst.is_cuda and bool(overflow):  # known without waiting: refuse before exchanging
         raise overflow_error(int(worst[0]), capacity, what)
-    if worst.is_cuda:  # the report, read by check_capacity without waiting here
+    if worst.is_cuda and _capturing():  # rewritten by every replay
+        _captured.append((torch.stack([worst[0], worst[0].new_full((), capacity)]), what))
+    elif worst.is_cuda:  # the report, read by check_capacity without waiting here
         flag = torch.empty(2, dtype=torch.int64, pin_memory=True)
         flag.copy_(torch.stack([worst[0], worst[0].new_full((), capacity)]), non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         _pending.append((event, flag, what))
     return overflow
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (never before CUDA is initialised:
+    asking must not initialise it in CPU-only processes)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def poison(out: torch.Tensor, overflow: torch.Tensor) -> torch.Tensor:

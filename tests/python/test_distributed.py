@@ -52,10 +52,14 @@ def _reference(full, xs, gs, aux_weight):
 
 
 # The exchanges and their settings each case runs with: the all-gather one with the group's
-# largest T found by the layer and with max_tokens above it, and the all-to-all one.
+# largest T found by the layer and with max_tokens above it, the all-to-all one (exact rows,
+# fixed blocks) and the one with its counts on the device (receive rows below W·max_tokens too:
+# 0.9 · W · 13 holds every case's rows).
 EXCHANGES = [dict(exchange="all_gather"), dict(exchange="all_gather", max_tokens=14),
              dict(exchange="all_to_all"), dict(exchange="all_to_all", max_tokens=14),
-             dict(exchange="all_to_all", max_tokens=13, capacity_factor=0.9)]
+             dict(exchange="all_to_all", max_tokens=13, capacity_factor=0.9),
+             dict(exchange="all_to_all_device", max_tokens=14),
+             dict(exchange="all_to_all_device", max_tokens=13, capacity_factor=0.9)]
 
 
 def _check_case(rank, world, seed, case, exchange):
@@ -299,7 +303,7 @@ def _check_errors(world):
         ExpertParallelMoE(world * 2 + 1, 1, 16, 8, backend="torch")
     with pytest.raises(ValueError, match="num_experts_per_tok must be <= num_experts"):
         ExpertParallelMoE(world, world + 1, 16, 8, backend="torch")
-    with pytest.raises(ValueError, match="exchange must be one of all_gather, all_to_all"):
+    with pytest.raises(ValueError, match="exchange must be one of all_gather, all_to_all, all_to_all_device"):
         ExpertParallelMoE(world, 1, 16, 8, backend="torch", exchange="ring")
     with pytest.raises(ValueError, match="token_rounding='up' needs exchange='all_gather'"):
         ExpertParallelMoE(world, 1, 16, 8, backend="torch", exchange="all_to_all", token_rounding="up")

@@ -2,6 +2,7 @@
 
   python -m machmoe.bench.expert_parallel [--configs 7B-a,30B-b] [--world W] [--reps 20] [--profile]
                                           [--exchange all_gather,all_to_all,all_to_all_capacity] [--out DIR]
+  python -m machmoe.bench.expert_parallel --exchange all_to_all_device,all_to_all_capacity
 
 Each of W ranks (NCCL, one GPU each) holds a whole config's batch of T tokens and E / W experts;
 `machmoe.distributed.ExpertParallelMoE` trains the layer with tokens exchanged (each --exchange, the
@@ -11,6 +12,11 @@ same batch: the bound an exchange can only add to. Forward + backward per call; 
 on the benchmark's convention (6·T·K·n·d forward, the work of T tokens), so the two columns compare directly. Also the
 bytes each rank sends per forward (rows of x out, partial sums back), the host's time to issue
 one call (above the device's time per call, the host bounds the loop) and the peak memory.
+
+all_to_all_device (the all-to-all's rows with their counts on the device, max_tokens = T and
+capacity_factor 1) needs torch's NVSHMEM symmetric memory, and a process whose symmetric memory
+is on that backend: it does not run in the same call as all_gather, whose copy-engine collectives
+allocate symmetric memory on the default backend first.
 
 --profile adds, per config, rank 0's GPU time per call by kernel and by autograd op
 (torch.profiler over 5 calls), for the single-GPU layer and the expert-parallel one.
@@ -156,6 +162,7 @@ EXCHANGE_SETTINGS = {
     "all_gather": (dict(exchange="all_gather"), True),
     "all_to_all": (dict(exchange="all_to_all"), False),  # exact rows, one host sync a forward
     "all_to_all_capacity": (dict(exchange="all_to_all"), True),  # fixed blocks, no host sync
+    "all_to_all_device": (dict(exchange="all_to_all_device"), True),  # exact rows, counts on the device
     # the experts sized for 1.25x a balanced rank's pairs (capacity_factor 1.25 / W, set per run)
     "all_gather_capacity": (dict(exchange="all_gather", capacity_factor=None), True),
 }
@@ -230,7 +237,7 @@ def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup
                     owners = torch.zeros(cfg.T, world, dtype=torch.bool, device="cuda")
                     owners.scatter_(1, top, True)
                     # all-to-all with max_tokens sends whole blocks of T rows, filled or not.
-                    rows = owners.sum() - owners[:, rank].sum() if label == "all_to_all" \
+                    rows = owners.sum() - owners[:, rank].sum() if label in ("all_to_all", "all_to_all_device") \
                         else torch.tensor(cfg.T * (world - 1), device="cuda")
                     sent = torch.tensor([float(rows * cfg.d * 2 * 2)], device="cuda")
                 dist.all_reduce(sent, op=dist.ReduceOp.MAX)
@@ -271,8 +278,9 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="also print rank 0's kernels and ops per call")
     parser.add_argument("--exchange", default="all_gather,all_to_all_capacity",
-                        help="comma-separated exchanges to time: all_gather and all_to_all_capacity "
-                             "(max_tokens = T: no host sync), all_to_all (exact rows, a host sync)")
+                        help="comma-separated exchanges to time: all_gather, all_to_all_capacity and "
+                             "all_to_all_device (max_tokens = T: no host sync; all_to_all_device needs "
+                             "NVSHMEM and not all_gather in the same call), all_to_all (exact rows, a host sync)")
     parser.add_argument("--out", default=None, metavar="DIR", help="also write the table to DIR/expert_parallel.md")
     args = parser.parse_args(argv)
     try:
@@ -283,6 +291,9 @@ def main(argv=None) -> None:
     for exchange in exchanges:
         if exchange not in EXCHANGE_SETTINGS:
             parser.error(f"--exchange: {exchange!r} is not one of {', '.join(EXCHANGE_SETTINGS)}")
+    if "all_to_all_device" in exchanges and any(e.startswith("all_gather") for e in exchanges):
+        parser.error("--exchange: all_to_all_device needs the process's symmetric memory on the NVSHMEM "
+                     "backend, all_gather allocates it on the default one first: time them in separate calls")
     variants = _variants(exchanges)
     if not torch.cuda.is_available():
         print("expert_parallel: no CUDA GPU; nothing to measure")

@@ -1,0 +1,203 @@
+"""The device-counted all-to-all exchange (exchange="all_to_all_device") on two GPUs: NCCL for the
+counts, torch's NVSHMEM symmetric memory (all_to_all_vdev) for the rows. Skipped without two
+GPUs or without NVSHMEM; the layer's checks also run on one GPU (W = 1, a local copy).
+
+- the transport alone against NCCL's all_to_all_single, for random counts and row widths;
+- the layer on the machmoe backend against a float64 reference of the whole layer (the torch
+  backend) beside the single-GPU machmoe layer on the same batches, every tensor held to 2x the
+  single GPU's error plus 2^-8, as test_gpu_distributed.py's expert-parallel cases derive it
+  (the sharded layer rounds each rank's partial sum to bf16 before the combine); two runs
+  bitwise equal;
+- forward + backward without a host synchronisation, and captured in a CUDA graph, replaying to
+  bitwise the eager results;
+- an overflow: NaN output on every rank, check_capacity() raising, the next roomy call finite.
+"""
+
+import faulthandler
+import os
+import sys
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from gpu_test_helpers import rel_err
+from test_gpu_distributed import _ep_batch, _mean_grads, _model, E, T
+
+pytestmark = pytest.mark.gpu
+
+def _device(world, **settings):
+    """The exchange's settings at W = world: max_tokens the largest rank's T (_ep_batch gives rank
+    q T + 3q tokens) and 5 spare rows."""
+    return dict(exchange="all_to_all_device", max_tokens=T + 3 * (world - 1) + 5, **settings)
+
+
+def _skip_reason(world):
+    if torch.cuda.device_count() < world:
+        return f"needs {world} GPUs"
+    if world == 1:  # one rank: a local copy, no NVSHMEM
+        return None
+    from machmoe.device_count_transport import nvshmem_unavailable_reason
+
+    return nvshmem_unavailable_reason()
+
+
+def _spawn(worker, seed, world):
+    reason = _skip_reason(world)
+    if reason is not None:
+        pytest.skip(reason)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(world, os.path.join(tmp, "init"), seed), nprocs=world, join=True)
+
+
+def _init(rank, world, init_file):
+    faulthandler.dump_traceback_later(600, exit=True)  # a rank stuck in a collective shows where
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+
+
+def _run(rank, world, init_file, check, *args):
+    """check(rank, world, *args) in an initialised group. A failing rank reports and leaves at
+    once: its peers would wait for it in their next collective (a hang, not a failure)."""
+    _init(rank, world, init_file)
+    try:
+        check(rank, world, *args)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(1)
+    faulthandler.cancel_dump_traceback_later()
+    dist.destroy_process_group()
+
+
+def _transport_worker(rank, world, init_file, seed):
+    _run(rank, world, init_file, _check_transport, seed)
+
+
+def _check_transport(rank, world, seed):
+    from machmoe.device_count_transport import NvshmemTransport
+
+    name = dist.group.WORLD.group_name
+    gen = torch.Generator(device="cuda").manual_seed(seed + rank)
+    # Row widths in bytes of a dispatch (several parts) and of a combine, none a multiple of the
+    # op's per-block split (the transport pads them); the last two calls need larger buffers
+    # than the first two (they grow).
+    for call, (R, widths) in enumerate(((100, [6, 4, 8]), (100, [2, 2]), (5000, [514, 16, 16]), (7001, [1]))):
+        transport = NvshmemTransport.get(name, world, ("to_experts", "to_tokens")[call % 2],
+                                         torch.device("cuda", rank))
+        cap = R + 3
+        parts = [torch.randint(0, 256, (R, w), device="cuda", generator=gen, dtype=torch.uint8)
+                 for w in widths]
+        counts = torch.randint(0, R // world + 1, (world,), device="cuda", generator=gen)
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts)
+        got = transport(parts, counts, recv, cap).clone()
+        rows = torch.cat(parts, 1)
+        send_h, recv_h = counts.tolist(), recv.tolist()
+        want = rows.new_empty(sum(recv_h), rows.shape[1])
+        dist.all_to_all_single(want, rows[:sum(send_h)].contiguous(), recv_h, send_h)
+        assert torch.equal(got[:sum(recv_h)], want), f"all_to_all_vdev call {call}: rows differ from NCCL's"
+
+
+def _check_no_sync_and_graph(model, x, g):
+    """Forward + backward without a host sync, and the same call captured in a CUDA graph
+    replaying to bitwise the eager results (on a side stream, as torch's recipe for capturing a
+    backward asks; see test_gpu_distributed._check_no_sync_and_graph)."""
+    from machmoe.distributed import ExpertParallelMoE, check_capacity
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer = ExpertParallelMoE.from_moe(model, **_device(dist.get_world_size()))
+        params = list(layer.parameters())
+        x_static, g_static = x.clone().requires_grad_(True), g.bfloat16()
+
+        def step():
+            out, _ = layer(x_static)
+            return [out] + list(torch.autograd.grad([out], [x_static] + params, [g_static]))
+
+        eager = step()
+        side.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        side.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            captured = step()
+        for t in captured:
+            t.fill_(float("nan"))  # poisoned: the replay must write every element
+        graph.replay()
+    torch.cuda.synchronize()
+    check_capacity()
+    for a, b in zip(eager, captured):
+        assert torch.equal(a, b), "all_to_all_device: the graph's replay differs from the eager call"
+
+
+def _check_overflow(model, x, rank):
+    from machmoe.distributed import ExpertParallelMoE, check_capacity
+
+    world = dist.get_world_size()
+    tight = ExpertParallelMoE.from_moe(model, **_device(world, capacity_factor=0.05))
+    out, _ = tight(x)
+    assert torch.isnan(out).all(), f"rank {rank}: an overflowing call's output is not all NaN"
+    capacity = -(-5 * world * _device(world)["max_tokens"] // 100)  # ceil(0.05 · W · max_tokens)
+    with pytest.raises(RuntimeError, match=f"rows to receive, more than its capacity of {capacity} "):
+        check_capacity()
+    out, _ = ExpertParallelMoE.from_moe(model, **_device(world))(x)
+    check_capacity()
+    assert torch.isfinite(out).all(), f"rank {rank}: the call after an overflow is not finite"
+
+
+def _layer_worker(rank, world, init_file, seed):
+    _run(rank, world, init_file, _check_layer, seed)
+
+
+def _check_layer(rank, world, seed):
+    import copy
+
+    from machmoe.distributed import ExpertParallelMoE
+
+    model = _model(seed)
+    xs, gs = _ep_batch(seed, world, model)
+    ref_out, ref_dx, ref_grads = _mean_grads(copy.deepcopy(model).double(),
+                                             [x.double() for x in xs], gs, "torch")
+    one_out, one_dx, one_grads = _mean_grads(model, xs, gs, "machmoe")
+    part = slice(rank * (E // world), (rank + 1) * (E // world))
+    layer = ExpertParallelMoE.from_moe(model, **_device(world))
+    runs = []
+    for _ in range(2):  # twice: bitwise the same
+        layer.zero_grad(set_to_none=True)
+        x = xs[rank].clone().requires_grad_(True)
+        out, _ = layer(x)
+        (out.float() * gs[rank]).sum().backward()
+        layer.reduce_gradients()
+        runs.append([out.detach(), x.grad] + [p.grad.clone() for _, p in layer.named_parameters()])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b), "all_to_all_device: two runs differ"
+    checks = [("out", runs[0][0], one_out[rank], ref_out[rank]), ("dx", runs[0][1], one_dx[rank], ref_dx[rank])]
+    for (name, p), got in zip(layer.named_parameters(), runs[0][2:]):
+        sl = part if name.startswith("c_") else slice(None)
+        checks.append((f"d{name}", got, one_grads[name][sl], ref_grads[name][sl]))
+    for name, got, single, ref in checks:
+        err, bound = rel_err(got, ref), 2 * rel_err(single, ref) + 2 ** -8
+        print(f"all_to_all_device W={world} rank {rank}: {name} error {err:.2e} "
+              f"(single GPU {rel_err(single, ref):.2e}, bound {bound:.2e})")
+        assert err <= bound, f"all_to_all_device rank {rank}: {name} {err:.2e} > {bound:.2e}"
+    _check_no_sync_and_graph(model, xs[rank], gs[rank])
+    _check_overflow(model, xs[rank], rank)
+
+
+def test_nvshmem_transport_equals_nccls_all_to_all(seed):
+    _spawn(_transport_worker, seed, 2)
+
+
+@pytest.mark.ops
+@pytest.mark.parametrize("world", [1, 2])
+def test_device_counted_exchange_on_the_gpus(world, seed):
+    _spawn(_layer_worker, seed, world)
