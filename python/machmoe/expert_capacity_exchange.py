@@ -139,7 +139,7 @@ def capacity_all_to_all_experts(x: torch.Tensor, scores: torch.Tensor, experts: 
         owner = torch.div(experts.long(), E_local, rounding_mode="floor")  # [T, K] owning rank
         owners = torch.zeros(T, W, dtype=torch.int32, device=dev).scatter_(
             1, owner, torch.ones_like(owner, dtype=torch.int32))  # [T, W] 1: t goes to q
-        position = torch.cumsum(owners, 0) - owners  # [T, W] slot inside block q
+        position = (owners.t().cumsum(1) - owners.t()).t()  # [T, W] slot inside block q (scan along the last dim)
         sent = (owners > 0) & (position < C)
         block = torch.arange(W, device=dev)
         slot = torch.where(sent, block * C + position, -1)  # [T, W] send row, or -1
