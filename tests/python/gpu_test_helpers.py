@@ -76,3 +76,43 @@ def redraw_near_ties(t, K, routing="softmax_topk", selection_bias=None, max_roun
             return t
         x[near] = torch.randn(int(near.sum()), d, device=x.device).to(x.dtype)
     raise AssertionError(f"redraw_near_ties: tokens still within the tie window after {max_rounds} redraws")
+
+
+def eager_and_graph_replay(layer, x, g):
+    """An expert-parallel layer's forward + backward (out and the gradients of x and of every
+    parameter, for output gradient g) run eagerly, again with host syncs forbidden (sync debug
+    mode "error"), then captured in a CUDA graph whose outputs are poisoned with NaN and replayed:
+    -> (eager, replayed) lists, for the caller to compare bitwise.
+
+    Everything runs on a side stream, as torch's recipe for capturing a backward asks: autograd
+    keeps the stream a leaf's gradient was first produced on, and a warm-up on the legacy default
+    stream makes the captured backward wait on it (an invalidated capture). `layer` is a callable
+    made on that stream (layer() -> the module), so that its first allocations happen there too."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        module = layer()
+        params = list(module.parameters())
+        x_static, g_static = x.clone().requires_grad_(True), g.bfloat16()
+
+        def step():
+            out, _ = module(x_static)
+            return [out] + list(torch.autograd.grad([out], [x_static] + params, [g_static]))
+
+        eager = step()
+        side.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        side.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            captured = step()
+        for t in captured:
+            t.fill_(float("nan"))  # poisoned: the replay must write every element
+        graph.replay()
+    torch.cuda.synchronize()
+    return eager, captured
+

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gpu_test_helpers import rel_err
+from gpu_test_helpers import eager_and_graph_replay, rel_err
 from test_gpu_distributed import _ep_batch, _mean_grads, _model, E, T
 
 pytestmark = pytest.mark.gpu
@@ -104,36 +104,11 @@ def _check_transport(rank, world, seed):
 
 def _check_no_sync_and_graph(model, x, g):
     """Forward + backward without a host sync, and the same call captured in a CUDA graph
-    replaying to bitwise the eager results (on a side stream, as torch's recipe for capturing a
-    backward asks; see test_gpu_distributed._check_no_sync_and_graph)."""
+    replaying to bitwise the eager results (gpu_test_helpers.eager_and_graph_replay)."""
     from machmoe.distributed import ExpertParallelMoE, check_capacity
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        layer = ExpertParallelMoE.from_moe(model, **_device(dist.get_world_size()))
-        params = list(layer.parameters())
-        x_static, g_static = x.clone().requires_grad_(True), g.bfloat16()
-
-        def step():
-            out, _ = layer(x_static)
-            return [out] + list(torch.autograd.grad([out], [x_static] + params, [g_static]))
-
-        eager = step()
-        side.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        side.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            captured = step()
-        for t in captured:
-            t.fill_(float("nan"))  # poisoned: the replay must write every element
-        graph.replay()
-    torch.cuda.synchronize()
+    eager, captured = eager_and_graph_replay(
+        lambda: ExpertParallelMoE.from_moe(model, **_device(dist.get_world_size())), x, g)
     check_capacity()
     for a, b in zip(eager, captured):
         assert torch.equal(a, b), "all_to_all_device: the graph's replay differs from the eager call"

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gpu_test_helpers import redraw_near_ties, rel_err
+from gpu_test_helpers import eager_and_graph_replay, redraw_near_ties, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -133,39 +133,11 @@ def EP_EXCHANGES(world):
 
 def _check_no_sync_and_graph(model, x, g, max_tokens):
     """The all-gather exchange with max_tokens: forward + backward without a host sync, and the
-    same call captured in a CUDA graph replays to bitwise the eager results.
-
-    Everything runs on a side stream, as torch's recipe for capturing a backward asks: autograd
-    keeps the stream a leaf's gradient was first produced on, and a warm-up on the legacy default
-    stream makes the captured backward wait on it (an invalidated capture)."""
+    same call captured in a CUDA graph replays to bitwise the eager results
+    (gpu_test_helpers.eager_and_graph_replay)."""
     from machmoe.distributed import ExpertParallelMoE
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        layer = ExpertParallelMoE.from_moe(model, max_tokens=max_tokens)
-        params = [p for p in layer.parameters()]
-        x_static, g_static = x.clone().requires_grad_(True), g.bfloat16()
-
-        def step():
-            out, _ = layer(x_static)
-            return [out] + list(torch.autograd.grad([out], [x_static] + params, [g_static]))
-
-        eager = step()
-        side.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        side.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            captured = step()
-        for t in captured:
-            t.fill_(float("nan"))  # poisoned: the replay must write every element
-        graph.replay()
-    torch.cuda.synchronize()
+    eager, captured = eager_and_graph_replay(lambda: ExpertParallelMoE.from_moe(model, max_tokens=max_tokens), x, g)
     for a, b in zip(eager, captured):
         assert torch.equal(a, b), "expert parallel: the graph's replay differs from the eager call"
 
