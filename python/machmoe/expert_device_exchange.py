@@ -76,12 +76,18 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def _unpack(got: torch.Tensor, filled: torch.Tensor, layout: list) -> list:
     """got [R, B] uint8 received rows, of which the first `filled` (0-d, device) arrived ->
     tensors [R, c] per (c, dtype) in layout, cut from the rows side by side; rows past `filled`
-    are 0 (fresh tensors: nothing aliases the transport's buffer)."""
+    are 0 (fresh tensors: nothing aliases the transport's buffer). The rows are read in the
+    widest words that every piece's width and offset allow (8, 4, 2 or 1 bytes): a masked copy
+    of byte elements took ~0.4 ms per piece at 7B-a's 150 MB."""
+    widths = [cols * dtype.itemsize for cols, dtype in layout]
+    word = next(w for w in (8, 4, 2, 1) if got.shape[1] % w == 0 and got.storage_offset() % w == 0
+                and all(x % w == 0 for x in widths))
+    words = got.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word])  # [R, B / word]
     valid = (torch.arange(got.shape[0], device=got.device) < filled)[:, None]  # [R, 1]
+    zero = torch.zeros((), dtype=words.dtype, device=got.device)
     out, start = [], 0
-    for cols, dtype in layout:
-        width = cols * dtype.itemsize
-        piece = torch.where(valid, got[:, start:start + width], torch.zeros((), dtype=torch.uint8, device=got.device))
+    for (cols, dtype), width in zip(layout, widths):
+        piece = torch.where(valid, words[:, start // word:(start + width) // word], zero)
         out.append(piece.view(dtype))
         start += width
     return out
