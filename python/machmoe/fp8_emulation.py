@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from .fp8_weights import FP8WeightCache
+from .fp8_weights import FP8WeightCache, concatenate_gate_up
 
 TILE = 128  # elements per scale: 1x128 along a row, 128x128 weight blocks, 128-row column chunks
 E4M3_MAX = 448.0
@@ -92,10 +92,11 @@ def quantize_weights(w: torch.Tensor, transposed: bool) -> tuple:
     return q, scales, q.transpose(1, 2).contiguous(), scales.transpose(1, 2).contiguous()
 
 
-def weights_dequantized(cache: FP8WeightCache, w: torch.Tensor) -> torch.Tensor:
+def weights_dequantized(cache: FP8WeightCache, w: torch.Tensor, interleave: bool = False) -> torch.Tensor:
     """w's cached FP8 copy (codes and block scales, from whichever quantiser filled the cache: the
-    kernels' and quantize_weights give the same layout) dequantised: fp32 [E, N, K]."""
-    q, scales = cache.get(w, False)[:2]
+    kernels' and quantize_weights give the same layout) dequantised: fp32 [E, N, K] (of w's gate/up
+    rows interleaved with `interleave`: FP8WeightCache.get)."""
+    q, scales = cache.get(w, False, interleave)[:2]
     _, N, K = q.shape
     return q.float() * _expand(_expand(scales.to(q.device), N, 1), K, 2)
 
@@ -140,21 +141,21 @@ class _EmulatedExperts(torch.autograd.Function):
     docstring). Saves x, the weights, the scores, the row order and Hq (fp32 [R, 2n])."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, scores, experts, cache):
+    def forward(ctx, x, w1, w2, scores, experts, cache, concatenated):
         T, K = experts.shape
         E = w1.shape[0]
         pair_expert = experts.reshape(-1).long()  # [T·K], pair (t, k) at t·K + k
         row_pair = torch.sort(pair_expert, stable=True).indices  # rows by expert, then by token
         row_token = row_pair // K
         counts = torch.bincount(pair_expert, minlength=E).tolist()  # the torch backend's host sync
-        h = _per_expert(rows_dequantized(x)[row_token], weights_dequantized(cache, w1), counts, True)
+        h = _per_expert(rows_dequantized(x)[row_token], weights_dequantized(cache, w1, concatenated), counts, True)
         hq = rows_dequantized(h)  # [R, 2n]
         a = torch.nn.functional.silu(hq[:, 0::2]) * hq[:, 1::2]  # A [R, n] from the quantised H
         y = _per_expert(rows_dequantized(a), weights_dequantized(cache, w2), counts, True).bfloat16()
         score_row = scores.reshape(-1).float()[row_pair]  # [R]
         out = torch.zeros(T, x.shape[1], device=x.device).index_add_(0, row_token, y.float() * score_row[:, None])
         ctx.save_for_backward(x, w1, w2, scores, row_pair, row_token, hq)
-        ctx.counts, ctx.cache = counts, cache
+        ctx.counts, ctx.cache, ctx.concatenated = counts, cache, concatenated
         return out.to(x.dtype)
 
     @staticmethod
@@ -174,21 +175,25 @@ class _EmulatedExperts(torch.autograd.Function):
         d_scores = torch.zeros(T * K, device=x.device).index_copy_(0, row_pair, (da * a).sum(1))
         da = da * score_row[:, None]
         dh = torch.stack([da * up * sig * (1 + gate * (1 - sig)), da * act], dim=2).reshape(hq.shape).bfloat16()
-        dx_rows = _per_expert(rows_dequantized(dh), weights_dequantized(cache, w1), counts, False).bfloat16()
+        dx_rows = _per_expert(rows_dequantized(dh), weights_dequantized(cache, w1, ctx.concatenated), counts,
+                              False).bfloat16()
         dx = torch.zeros(T, x.shape[1], device=x.device).index_add_(0, row_token, dx_rows.float()).to(x.dtype)
         x_cols = columns_dequantized(x[row_token], counts)  # [R, d]
-        dw1 = _weight_grads(columns_dequantized(dh, counts), x_cols, counts).to(w1.dtype)  # [E, 2n, d]
+        dw1 = _weight_grads(columns_dequantized(dh, counts), x_cols, counts).to(w1.dtype)  # [E, 2n, d], H's order
+        if ctx.concatenated:
+            dw1 = concatenate_gate_up(dw1)
         do_cols = columns_dequantized(dout[row_token], counts)  # [R, d]
         a_cols = columns_dequantized((a * score_row[:, None]).bfloat16(), counts)  # [R, n]
         dw2 = _weight_grads(do_cols, a_cols, counts).to(w2.dtype)  # [E, d, n]
-        return dx, dw1, dw2, d_scores.reshape(T, K).to(scores.dtype), None, None
+        return dx, dw1, dw2, d_scores.reshape(T, K).to(scores.dtype), None, None, None
 
 
 def experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: torch.Tensor, experts_idx: torch.Tensor,
-            cache: Optional[FP8WeightCache] = None) -> torch.Tensor:
+            cache: Optional[FP8WeightCache] = None, concatenated: bool = False) -> torch.Tensor:
     """out [T, d] bf16 of the FP8 experts emulated: x [T, d] bf16, w1 [E, 2n, d] (gate/up
-    interleaved), w2 [E, d, n] bf16, scores [T, K] float, experts_idx [T, K] integer in [0, E),
-    a token's experts distinct. Gradients for x, w1, w2 and scores. cache: the weights' FP8
-    copies (None: a fresh one per call, the weights quantised every time)."""
+    interleaved, or concatenated with `concatenated`), w2 [E, d, n] bf16, scores [T, K] float,
+    experts_idx [T, K] integer in [0, E), a token's experts distinct. Gradients for x, w1, w2 and
+    scores. cache: the weights' FP8 copies (None: a fresh one per call, the weights quantised
+    every time)."""
     cache = FP8WeightCache(quantize_weights) if cache is None else cache
-    return _EmulatedExperts.apply(x, w1, w2, scores, experts_idx, cache)
+    return _EmulatedExperts.apply(x, w1, w2, scores, experts_idx, cache, concatenated)

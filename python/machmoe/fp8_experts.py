@@ -23,17 +23,19 @@ from typing import Optional
 import torch
 
 from .enums import glu_clamp_list
-from .fp8_weights import FP8WeightCache
+from .fp8_weights import FP8WeightCache, concatenate_gate_up
 
 _DEFAULT_CACHE = FP8WeightCache()
 
 
 def experts_forward(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: torch.Tensor,
                     experts: torch.Tensor, *, b1: Optional[torch.Tensor] = None, activation: str = "swiglu",
-                    glu_clamp=None, cache: Optional[FP8WeightCache] = None):
-    """out [T, d] in x's dtype: the experts w1 [E, 2n, d] (gate/up interleaved), w2 [E, d, n] on
-    the top-K routing (scores [T, K] float, experts [T, K] int) of x [T, d] bf16, in FP8; and the
-    tensors a backward would keep. b1: [E, 2n] bf16 or None. CUDA bf16 tensors only."""
+                    glu_clamp=None, cache: Optional[FP8WeightCache] = None, concatenated: bool = False):
+    """out [T, d] in x's dtype: the experts w1 [E, 2n, d] (gate/up interleaved, or concatenated:
+    its FP8 copy is then made of the rows interleaved, and H's columns are in that order), w2
+    [E, d, n] on the top-K routing (scores [T, K] float, experts [T, K] int) of x [T, d] bf16, in
+    FP8; and the tensors a backward would keep. b1: [E, 2n] bf16 (interleaved) or None. CUDA bf16
+    tensors only."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2):
         raise ValueError(f"x must be a CUDA bfloat16 [T, d] tensor; got {x.dtype} {list(x.shape)} on {x.device}")
     if experts.dim() != 2 or scores.shape != experts.shape or experts.shape[0] != x.shape[0]:
@@ -45,7 +47,7 @@ def experts_forward(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores:
     offs, row_token, row_pair, pair_row, token_offsets, _ = ops.routing_metadata(experts.to(torch.int32).contiguous(),
                                                                           None, T, E)
     x_q, x_s = ops.fp8_quantize_rows(x.contiguous(), None)
-    w1_q, w1_s, _, _ = cache.get(w1, False)
+    w1_q, w1_s, _, _ = cache.get(w1, False, concatenated)
     w2_q, w2_s, _, _ = cache.get(w2, False)
     hq, h_scales, act_q, act_scales = ops.grouped_gemm_fp8_glu(x_q, x_s, w1_q, w1_s, offs, activation,
                                                                glu_clamp_list(glu_clamp), b1, 0, row_token)
@@ -54,7 +56,8 @@ def experts_forward(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores:
     return out, (hq, h_scales, offs, row_token, row_pair, pair_row, token_offsets)
 
 
-def experts_backward(x, w1, w2, scores, experts, saved, dout, *, cache: Optional[FP8WeightCache] = None):
+def experts_backward(x, w1, w2, scores, experts, saved, dout, *, cache: Optional[FP8WeightCache] = None,
+                     concatenated: bool = False):
     """(dx [T, d], dw1 [E, 2n, d], dw2 [E, d, n], d_scores [T, K]) of experts_forward (SwiGLU, no
     biases) from its `saved` and dout [T, d] bf16, in FP8 (machmoe/reference_fp8_layer.hpp's
     backward; the elementwise step one kernel, fp8_swiglu_backward):
@@ -62,12 +65,13 @@ def experts_backward(x, w1, w2, scores, experts, saved, dout, *, cache: Optional
       recomputed from the saved Hq; dH = swiglu'(Hq)·(score·dA'), quantised by rows for
       dX~ = dH·W1 (W1's transposed copy) and dx the sum per token; dW1 and dW2 from the columns
       of x, dH, dout and score·A quantised along each expert's rows.
-    One difference from the reference: the column pass reads dH in bf16, not dH's quantised rows."""
+    One difference from the reference: the column pass reads dH in bf16, not dH's quantised rows.
+    concatenated: as experts_forward; dw1 is returned in w1's (concatenated) row order."""
     hq, h_scales, offs, row_token, row_pair, pair_row, token_offsets = saved
     ops = torch.ops.machmoe
     cache = _DEFAULT_CACHE if cache is None else cache
     T, K = scores.shape
-    _, _, w1_qt, w1_st = cache.get(w1, True)   # [E, d, 2n]
+    _, _, w1_qt, w1_st = cache.get(w1, True, concatenated)   # [E, d, 2n], H's column order
     _, _, w2_qt, w2_st = cache.get(w2, True)   # [E, n, d]
     dout = dout.to(torch.bfloat16).contiguous()
     # Ordered and freed so that few [R, ·] intermediates live at once (R = T·K rows): dW2's operands,
@@ -93,27 +97,30 @@ def experts_backward(x, w1, w2, scores, experts, saved, dout, *, cache: Optional
     ht, hs, _ = ops.fp8_quantize_columns(dh, None, offs)
     del dh
     xt, xs, _ = ops.fp8_quantize_columns(x.contiguous(), row_token, offs)
-    dw1 = ops.grouped_wgrad_fp8(xt, xs, ht, hs, chunks, w1.dtype, True)  # [E, 2n, d]
+    dw1 = ops.grouped_wgrad_fp8(xt, xs, ht, hs, chunks, w1.dtype, True)  # [E, 2n, d] in H's column order
+    if concatenated:
+        dw1 = concatenate_gate_up(dw1)
     return dx, dw1, dw2, d_scores.reshape(T, K).to(scores.dtype)
 
 
 class _Experts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, w2, scores, experts, cache):
-        out, saved = experts_forward(x, w1, w2, scores, experts, cache=cache)
+    def forward(ctx, x, w1, w2, scores, experts, cache, concatenated):
+        out, saved = experts_forward(x, w1, w2, scores, experts, cache=cache, concatenated=concatenated)
         ctx.save_for_backward(x, w1, w2, scores, experts, *saved)
-        ctx.cache = cache
+        ctx.cache, ctx.concatenated = cache, concatenated
         return out
 
     @staticmethod
     def backward(ctx, dout):
         x, w1, w2, scores, experts, *saved = ctx.saved_tensors
-        dx, dw1, dw2, d_scores = experts_backward(x, w1, w2, scores, experts, tuple(saved), dout, cache=ctx.cache)
-        return dx, dw1, dw2, d_scores, None, None
+        dx, dw1, dw2, d_scores = experts_backward(x, w1, w2, scores, experts, tuple(saved), dout, cache=ctx.cache,
+                                                  concatenated=ctx.concatenated)
+        return dx, dw1, dw2, d_scores, None, None, None
 
 
-def experts(x, w1, w2, scores, experts_idx, *, cache: Optional[FP8WeightCache] = None):
+def experts(x, w1, w2, scores, experts_idx, *, cache: Optional[FP8WeightCache] = None, concatenated: bool = False):
     """The FP8 experts (SwiGLU, no biases) as a differentiable function: out [T, d]; gradients for
     x, w1, w2 and scores (experts_idx [T, K] gets none). cache: the weights' FP8 copies (None: this
-    module's default cache)."""
-    return _Experts.apply(x, w1, w2, scores, experts_idx, cache)
+    module's default cache). concatenated: w1's gate/up rows in the concatenated layout."""
+    return _Experts.apply(x, w1, w2, scores, experts_idx, cache, concatenated)

@@ -18,8 +18,7 @@ can run, else the emulation's (the same codes and scales by the recipe; tests/py
 test_gpu_fp8_layer.py compares them bitwise).
 
 What the FP8 experts do not support is refused with an error naming the argument: activations
-other than swiglu, the concatenated gate/up layout, biases, token rounding, dtypes other than
-bfloat16, and d or n not multiples of 16 (the FP8 ops' rule: 16-byte rows of E4M3 codes; d and n
+other than swiglu, biases, token rounding, dtypes other than bfloat16, and d or n not multiples of 16 (the FP8 ops' rule: 16-byte rows of E4M3 codes; d and n
 need not be multiples of 128, the edge tiles are partial). Shared experts (MoE's
 num_shared_experts) run beside in bf16: they are a dense MLP over every token, not the routed
 experts the FP8 path composes, and keeping them out leaves one code path for them.
@@ -82,14 +81,12 @@ _DEFAULT_CACHE = new_cache()  # the functional API's, when no fp8_cache is given
 def check_options(names: dict, activation: ActivationType, layout: GateUpLayout, has_bias: bool,
                   rounding: TokenRounding, d: int, n: int) -> None:
     """Refuses, naming the argument (names: rule -> the caller's argument name, for "activation",
-    "layout", "bias", "token_rounding", "d", "n"), what the FP8 experts do not support yet."""
+    "bias", "token_rounding", "d", "n"), what the FP8 experts do not support yet. Both gate/up
+    layouts are computed (the concatenated one through an interleaved FP8 copy of w1)."""
     rule = "with precision='fp8'"
     if activation != ActivationType.SWIGLU:
         raise ValueError(f"{names['activation']} must be 'swiglu' {rule} (the FP8 experts' GLU epilogue and "
                          f"backward are SwiGLU's); got {activation.value!r}")
-    if layout != GateUpLayout.INTERLEAVED:
-        raise ValueError(f"{names['layout']} must be 'interleaved' {rule} (gate and up rows alternate in the FP8 "
-                         f"experts); got {layout.value!r}")
     if has_bias:
         raise ValueError(f"{names['bias']} {rule}: the FP8 experts have no biases yet")
     if rounding != TokenRounding.NONE:
@@ -134,6 +131,7 @@ def moe(precision: Union[Precision, str], fp8_cache: Optional[FP8WeightCache], b
 
     on_kernels = resolve_backend(backend, x, d, n) == Backend.MACHMOE
     cache = _DEFAULT_CACHE if fp8_cache is None else fp8_cache
+    concatenated = layout == GateUpLayout.CONCATENATED  # w1's FP8 copy is then of its rows interleaved
     if on_kernels:
         from . import fp8_experts, machmoe_backend
 
@@ -141,7 +139,7 @@ def moe(precision: Union[Precision, str], fp8_cache: Optional[FP8WeightCache], b
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x, router_weight, w1, w2)):
             # A backward will read the transposed copies: made now with the forward's plain ones,
             # each weight is quantised once per change instead of twice.
-            cache.get(w1, True)
+            cache.get(w1, True, concatenated)
             cache.get(w2, True)
     if on_kernels:  # bf16 operands, fp32 accumulation and logits: the bf16 layer's router GEMM
         logits = _RouterLogits.apply(x, router_weight, router_bias)  # [T, E] fp32
@@ -150,7 +148,7 @@ def moe(precision: Union[Precision, str], fp8_cache: Optional[FP8WeightCache], b
     scores, experts = torch_backend.route_topk(logits, K, routing, renormalize, selection_bias, options)  # [T, K]
     aux = torch_backend.aux_loss(logits, experts)
     if on_kernels:
-        out = fp8_experts.experts(x.contiguous(), w1, w2, scores, experts, cache=cache)
+        out = fp8_experts.experts(x.contiguous(), w1, w2, scores, experts, cache=cache, concatenated=concatenated)
     else:
-        out = fp8_emulation.experts(x, w1, w2, scores, experts, cache)
+        out = fp8_emulation.experts(x, w1, w2, scores, experts, cache, concatenated)
     return out, aux

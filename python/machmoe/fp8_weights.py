@@ -27,6 +27,20 @@ import torch
 Quantized = tuple  # (q [E, N, K] e4m3, scales [E, ceil(N/128), ceil(K/128)] f32, qt or None, qt_scales or None)
 
 
+def interleave_gate_up(w: torch.Tensor) -> torch.Tensor:
+    """w [E, 2n, K] with the gate rows [0, n) and the up rows [n, 2n) (the concatenated layout)
+    -> a copy with gate row j and up row j at rows 2j and 2j + 1 (the interleaved layout the FP8
+    experts compute in)."""
+    E, N, K = w.shape
+    return w.reshape(E, 2, N // 2, K).transpose(1, 2).reshape(E, N, K)
+
+
+def concatenate_gate_up(w: torch.Tensor) -> torch.Tensor:
+    """The inverse of interleave_gate_up: interleaved rows [E, 2n, K] -> concatenated."""
+    E, N, K = w.shape
+    return w.reshape(E, N // 2, 2, K).transpose(1, 2).reshape(E, N, K)
+
+
 def _quantize_on_kernels(w: torch.Tensor, transposed: bool) -> Quantized:
     return tuple(torch.ops.machmoe.fp8_quantize_weights(w.contiguous(), transposed))
 
@@ -46,24 +60,26 @@ class FP8WeightCache:
     def _signature(w: torch.Tensor) -> tuple:
         return (w._version, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device)
 
-    def get(self, w: torch.Tensor, transposed: bool = False) -> Quantized:
+    def get(self, w: torch.Tensor, transposed: bool = False, interleave: bool = False) -> Quantized:
         """The FP8 copies of w (with the transposed copy when `transposed`, and whenever it was
         made already: the plain copy comes with it), made now if w has changed since they were
-        made (or never was)."""
+        made (or never was). interleave: w [E, 2n, K] holds concatenated gate/up rows, and the
+        copies are of its rows interleaved (interleave_gate_up), kept beside the plain ones."""
+        rows = (lambda t: interleave_gate_up(t)) if interleave else (lambda t: t)
         if w.is_inference():  # no version counter to tell a change by
-            return self._quantize(w.detach(), transposed)
+            return self._quantize(rows(w.detach()), transposed)
         key = id(w)
         entry = self._entries.get(key)
         signature = self._signature(w)
         if entry is None or entry[0]() is not w or entry[1] != signature:
             entry = (weakref.ref(w, self._forget(key)), signature, {})
             self._entries[key] = entry
-        copies = entry[2]
-        if True in copies:  # the transposed quantisation holds the plain copy as well
-            return copies[True]
-        if transposed not in copies:
-            copies[transposed] = self._quantize(w.detach(), transposed)
-        return copies[transposed]
+        copies = entry[2]  # (transposed, interleave) -> copies
+        if (True, interleave) in copies:  # the transposed quantisation holds the plain copy as well
+            return copies[(True, interleave)]
+        if (transposed, interleave) not in copies:
+            copies[(transposed, interleave)] = self._quantize(rows(w.detach()), transposed)
+        return copies[(transposed, interleave)]
 
     def _forget(self, key: int):
         """A weakref callback that drops key's entry once its weight is gone (if the entry is

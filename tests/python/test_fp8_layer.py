@@ -165,15 +165,71 @@ def test_fp8_layer_against_float64_and_away_from_bf16(T, d, n, E, K, routing):
 
 
 def test_fp8_layer_one_token_and_auto_backend():
-    # T = 1 (K rows, most experts empty); on the CPU "auto" runs the same emulation.
+    # T = 1 (K rows, most experts empty); on the CPU "auto" runs the same emulation. One token is
+    # one scale tile per quantised operand row, so its error is a few tiles' rather than an average
+    # over many: its spread is wider than the model's rms (over 300 seeds the output reached 2.03x
+    # the model, dx 1.94x), hence 3x here.
     t, dout = layer_inputs(1, 128, 128, 4, 2, "softmax_topk")
     fp8 = run_layer(t, dout, 2, "softmax_topk", torch.bfloat16, "fp8")
     ref = run_layer(t, dout, 2, "softmax_topk", torch.float64, "bf16")
     for name in ("out", "dx", "dw1", "dw2"):
-        assert 0.1 * model(name)[0] <= rel(fp8[name], ref[name]) <= 2 * model(name)[0], name
+        assert 0.1 * model(name)[0] <= rel(fp8[name], ref[name]) <= 3 * model(name)[0], name
     out, _ = functional.moe(t["x"], t["router_weight"], t["w1"], t["w2"], num_experts_per_tok=2,
                             router_bias=t["router_bias"], precision="fp8")
     assert torch.equal(out, fp8["out"])
+
+
+# ---------------------------------------------------------------- the concatenated gate/up layout
+def test_concatenated_layout_is_the_interleaved_layer_on_permuted_rows():
+    """precision='fp8' with w1's gate/up rows concatenated (Hugging Face's layout) computes through
+    an FP8 copy of the rows interleaved: it must equal the interleaved layer on w1 permuted that
+    way, bitwise (the same codes, scales and GEMMs), output and every gradient, with dw1 handed
+    back in the concatenated order; and the copies are cached per layout (a second call with the
+    same cache makes none)."""
+    torch.manual_seed(5)
+    T, d, n, E, K = 40, 128, 64, 4, 2
+    x = torch.randn(T, d).bfloat16()
+    wr = (torch.randn(E, d) * 0.1).bfloat16()
+    w1c = (torch.randn(E, 2 * n, d) * 0.05).bfloat16()  # rows [0, n) gate, [n, 2n) up
+    w2 = (torch.randn(E, d, n) * 0.05).bfloat16()
+    w1i = w1c.reshape(E, 2, n, d).transpose(1, 2).reshape(E, 2 * n, d).contiguous()  # gate j, up j at 2j, 2j + 1
+    g = torch.randn(T, d).bfloat16()
+
+    def run(w1, layout, cache):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, wr, w1, w2)]
+        out, aux = functional.moe(*leaves, num_experts_per_tok=K, layout=layout, backend="torch",
+                                  precision="fp8", fp8_cache=cache)
+        grads = torch.autograd.grad([out, aux], leaves, [g, torch.ones_like(aux)])
+        return out, dict(zip(("x", "router_weight", "w1", "w2"), grads))
+
+    calls = []
+
+    def counting(w, transposed):
+        calls.append(transposed)
+        return emu.quantize_weights(w, transposed)
+
+    cache = FP8WeightCache(counting)
+    out_c, grads_c = run(w1c, "concatenated", cache)
+    out_i, grads_i = run(w1i, "interleaved", FP8WeightCache(emu.quantize_weights))
+    assert torch.equal(out_c, out_i)
+    for k in ("x", "router_weight", "w2"):
+        assert torch.equal(grads_c[k], grads_i[k]), k
+    assert torch.equal(grads_c["w1"].reshape(E, 2, n, d).transpose(1, 2).reshape(E, 2 * n, d), grads_i["w1"])
+    assert not torch.equal(grads_c["w1"], grads_i["w1"])  # the orders differ: the permutation was applied
+    made = len(calls)
+    run(w1c, "concatenated", cache)  # the same weights (new leaves: new tensor objects) ...
+    assert len(calls) == 2 * made    # ... are new cache entries; the same tensor below is not
+    cached = FP8WeightCache(counting)
+    calls.clear()
+    w1_leaf = w1c.clone()
+    for _ in range(2):
+        cached.get(w1_leaf, False, True)
+    assert len(calls) == 1
+    q_cat = cached.get(w1_leaf, False, True)[0]
+    q_int = FP8WeightCache(emu.quantize_weights).get(w1i, False)[0]
+    assert torch.equal(q_cat.view(torch.uint8), q_int.view(torch.uint8))
+    assert cached.get(w1_leaf, False, False)[0].view(torch.uint8).shape == q_int.shape  # the plain copy: its own entry
+    assert len(calls) == 2
 
 
 # ---------------------------------------------------------------- argument rules
@@ -185,7 +241,6 @@ def small(d=128, n=128, E=4, dtype=torch.bfloat16, glu=True):
 @pytest.mark.parametrize("kwargs,args,match", [
     ({"activation": "geglu"}, {}, "activation must be 'swiglu' with precision='fp8'"),
     ({"activation": "relu"}, {"glu": False}, "activation must be 'swiglu' with precision='fp8'"),
-    ({"layout": "concatenated"}, {}, "layout must be 'interleaved' with precision='fp8'"),
     ({"token_rounding": "nr"}, {}, "token_rounding must be 'none' with precision='fp8'"),
     ({}, {"dtype": torch.float32}, "x must be bfloat16 with precision='fp8'"),
     ({}, {"d": 136}, r"x.shape\[1\] \(d\) must be a multiple of 16 with precision='fp8'.*got 136"),
@@ -216,7 +271,6 @@ def test_functional_fp8_argument_errors():
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"activation_function": "geglu"}, "activation_function must be 'swiglu' with precision='fp8'"),
-    ({"gate_up_layout": "concatenated"}, "gate_up_layout must be 'interleaved'"),
     ({"add_bias": True}, "add_bias must be False with precision='fp8'"),
     ({"token_rounding": "up"}, "token_rounding must be 'none' with precision='fp8'"),
     ({"hidden_size": 136}, "hidden_size must be a multiple of 16 with precision='fp8'"),

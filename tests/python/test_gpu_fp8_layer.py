@@ -151,3 +151,30 @@ def test_fp8_module_on_the_kernels_and_its_cache():
         fresh, _ = copy.deepcopy(layer)(x)
     assert rel(after, out) > 0.05, "the optimizer step did not change the result"
     assert rel(after, fresh) <= 1e-3, "the module used stale FP8 copies after the step"
+
+
+@on_gpu
+def test_fp8_concatenated_layout_on_the_kernels():
+    """The kernels with w1's gate/up rows concatenated (Hugging Face's layout): bitwise the
+    interleaved layer on w1 permuted that way (the same FP8 copy, GEMMs and epilogue), output and
+    every gradient, dw1 handed back in the concatenated order."""
+    torch.manual_seed(11)
+    T, d, n, E, K = 1000, 256, 128, 8, 2
+    x = torch.randn(T, d, device="cuda").bfloat16()
+    wr = (torch.randn(E, d, device="cuda") * 0.1).bfloat16()
+    w1c = (torch.randn(E, 2 * n, d, device="cuda") * 0.05).bfloat16()
+    w2 = (torch.randn(E, d, n, device="cuda") * 0.05).bfloat16()
+    w1i = w1c.reshape(E, 2, n, d).transpose(1, 2).reshape(E, 2 * n, d).contiguous()
+    g = torch.randn(T, d, device="cuda").bfloat16()
+
+    def run(w1, layout):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, wr, w1, w2)]
+        out, aux = functional.moe(*leaves, num_experts_per_tok=K, layout=layout, backend="machmoe",
+                                  precision="fp8", fp8_cache=fp8_layer.new_cache())
+        return [out] + list(torch.autograd.grad([out, aux], leaves, [g, torch.ones_like(aux)]))
+
+    cat, inter = run(w1c, "concatenated"), run(w1i, "interleaved")
+    for i, name in enumerate(("out", "dx", "d_router_weight", "dw1", "dw2")):
+        # dw1 in the concatenated order, permuted as w1c was into w1i
+        got = cat[i] if name != "dw1" else cat[i].reshape(E, 2, n, d).transpose(1, 2).reshape(E, 2 * n, d)
+        assert torch.equal(got, inter[i]), name
