@@ -11,6 +11,7 @@ routed experts run through transformers' `experts_implementation`:
     machmoe     machmoe's fused Hopper kernels, registered by `import machmoe.integrations.transformers`
     machmoe-fused  machmoe's whole MoE block (router, routing, experts in one call) through
                 `machmoe.integrations.transformers.fuse_moe`, on the same parameters
+    machmoe-fp8    the same fused blocks with the routed experts' GEMMs in FP8 (precision="fp8")
 
 The text is the Python standard library's source on this machine, read as bytes (vocabulary 256):
 nothing is downloaded, the seed is fixed and the batches depend only on (seed, step).
@@ -46,7 +47,7 @@ from moe_lm_support import (  # noqa: E402  (the module beside this file)
     ExpertsRanges, RoutingBiasUpdater, batch_for_step, experts_share, format_bytes,
     load_stdlib_corpus, write_report)
 
-IMPLEMENTATIONS = ("machmoe", "machmoe-fused", "grouped_mm", "eager")
+IMPLEMENTATIONS = ("machmoe", "machmoe-fused", "machmoe-fp8", "grouped_mm", "eager")
 
 # Shapes: hidden d, moe_intermediate n, num_experts E, top_k K; tokens per step = batch * seq.
 # Attention is kept small beside the experts (few heads, sdpa): the experts are what is compared.
@@ -243,12 +244,13 @@ def build_model(args, implementation: str, dist: Distributed):
     with dist.device:
         model = AutoModelForCausalLM.from_config(build_config(args), dtype=dtype,
                                                  attn_implementation="sdpa",
-                                                 experts_implementation=implementation.removesuffix("-fused"))
-    if implementation == "machmoe-fused":
+                                                 experts_implementation=implementation.split("-")[0])
+    if implementation in ("machmoe-fused", "machmoe-fp8"):
         from machmoe.integrations.transformers import fuse_moe
-        report = fuse_moe(model)  # in place, same parameters; unfused blocks keep machmoe's experts
+        # in place, same parameters; unfused blocks keep machmoe's (bf16) experts
+        report = fuse_moe(model, precision="fp8" if implementation == "machmoe-fp8" else "bf16")
         if dist.rank == 0 and report.unfused:
-            print(f"machmoe-fused: {len(report.unfused)} block(s) not fused: "
+            print(f"{implementation}: {len(report.unfused)} block(s) not fused: "
                   f"{next(iter(report.unfused.values()))}", file=sys.stderr)
     if dist.active:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

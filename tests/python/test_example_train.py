@@ -156,6 +156,21 @@ def test_deepseek_v3_tiny_fused_block_agrees_with_eager(seed, tmp_path):
     assert abs(first - ref) <= FIRST_LOSS_RTOL * ref, f"machmoe-fused vs eager at step 1: {first} {ref}"
 
 
+@pytest.mark.skipif(not machmoe_integration_available(), reason="machmoe's transformers integration is missing")
+def test_qwen3_tiny_fp8_blocks_agree_and_learn(seed, tmp_path):
+    """machmoe-fp8: the fused blocks with precision="fp8" (the FP8 emulation on the CPU, bf16, the
+    Hugging Face concatenated gate/up layout): the first loss near the bf16 fused blocks' (at
+    random init the logits are near 0 and the loss is ln 256 plus the logits' small spread, which
+    FP8's ~5% error on the experts' part moves by far less than 1e-3 of the loss), not equal to
+    them all along (FP8 did run), and it learns."""
+    runs = train_moe_lm.main(["--preset", "tiny", "--steps", "6", "--seed", str(seed), "--dtype", "bfloat16",
+                              "--compare", "machmoe-fused,machmoe-fp8", "--out", str(tmp_path)] + SMALL)
+    check_learns(runs["machmoe-fp8"])
+    first, ref = runs["machmoe-fp8"]["losses"][0], runs["machmoe-fused"]["losses"][0]
+    assert abs(first - ref) <= 1e-3 * ref, f"machmoe-fp8 vs machmoe-fused at step 1: {first} {ref}"
+    assert runs["machmoe-fp8"]["losses"] != runs["machmoe-fused"]["losses"]  # FP8 did run
+
+
 def test_routing_bias_moves_against_the_load(seed):
     """DeepSeek-V3's selection bias: overloaded experts down by the rate, underloaded ones up."""
     args = train_moe_lm.parse_args(["--preset", "deepseek-v3-tiny", "--layers", "2",

@@ -45,7 +45,8 @@ from torch import nn
 
 from .. import functional
 from .. import torch_backend
-from ..enums import ActivationType, Backend, GateUpLayout, GluClamp, RoutingMethod, parse_enum
+from ..enums import (ActivationType, Backend, GateUpLayout, GluClamp, Precision, RoutingMethod, TokenRounding,
+                     parse_enum)
 
 try:
     from transformers import activations as _hf_activations
@@ -342,7 +343,7 @@ class FusedSparseMoeBlock(nn.Module):
     same softmax top-K, with fp32 logits). machmoe's own aux loss is not used: the model
     computes its own from the recorded logits."""
 
-    def __init__(self, block: nn.Module, rule: _BlockRule, backend: Backend):
+    def __init__(self, block: nn.Module, rule: _BlockRule, backend: Backend, precision: Precision = Precision.BF16):
         super().__init__()
         # Every child of the block, in its order (state_dict's key order follows it).
         for child_name, child in block.named_children():
@@ -360,11 +361,18 @@ class FusedSparseMoeBlock(nn.Module):
         self.renormalize = rule.renormalize(router)
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
         self.backend = backend
+        # precision="fp8": the routed experts' GEMMs in FP8 (docs/LAYER.md "FP8"), with this
+        # block's cache of the weights' FP8 copies (remade when a weight changes).
+        self.precision = precision
+        if precision == Precision.FP8:
+            from .. import fp8_layer
+
+            self.fp8_cache = fp8_layer.new_cache()
         self.original_class = type(block).__name__
 
     def extra_repr(self) -> str:
         return (f"fused {self.original_class}: top_k={self.top_k}, routing={self.routing.value}, "
-                f"renormalize={self.renormalize}, backend={self.backend.value}")
+                f"renormalize={self.renormalize}, backend={self.backend.value}, precision={self.precision.value}")
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         batch_size, sequence_length, hidden_dim = hidden_states.shape
@@ -385,7 +393,7 @@ class FusedSparseMoeBlock(nn.Module):
             x, router.weight.to(x.dtype), plan.w1, plan.w2, num_experts_per_tok=self.top_k,
             activation=plan.activation, b1=plan.b1, b2=plan.b2, layout=plan.layout,
             routing=self.routing, renormalize=self.renormalize, backend=self.backend,
-            glu_clamp=plan.glu_clamp, **self.rule.router_options(self))
+            glu_clamp=plan.glu_clamp, **self._precision_options(), **self.rule.router_options(self))
         out = out.to(hidden_states.dtype)
         if self.shared == "gated":
             shared = self.shared_expert(tokens)
@@ -396,6 +404,12 @@ class FusedSparseMoeBlock(nn.Module):
         # gpt-oss's block also returns its router scores, which its decoder layer discards: not
         # computed here (None).
         return (out, None) if self.rule.returns_pair else out
+
+
+    def _precision_options(self) -> dict:
+        if self.precision == Precision.FP8:
+            return {"precision": "fp8", "fp8_cache": self.fp8_cache}
+        return {}
 
 
 class FuseReport(NamedTuple):
@@ -423,7 +437,13 @@ def _sharded(experts: nn.Module) -> Optional[str]:
     return None
 
 
-def fuse_moe(model: nn.Module, backend: Union[Backend, str] = Backend.AUTO) -> FuseReport:
+# The FP8 layer's rules, named as a transformers experts module holds them.
+_FP8_NAMES = {"activation": "the activation", "layout": "the gate/up layout", "bias": "biases must be absent",
+              "token_rounding": "token rounding", "d": "the hidden size", "n": "the intermediate size"}
+
+
+def fuse_moe(model: nn.Module, backend: Union[Backend, str] = Backend.AUTO,
+             precision: Union[Precision, str] = Precision.BF16) -> FuseReport:
     """Replaces, in place, every sparse MoE block of `model` that machmoe computes whole (see
     _BLOCK_RULES: Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, OLMoE, DeepSeek-V3,
     GLM-4.5, MiniMax-M2, gpt-oss) by a FusedSparseMoeBlock on the same parameter tensors. Any
@@ -432,9 +452,14 @@ def fuse_moe(model: nn.Module, backend: Union[Backend, str] = Backend.AUTO) -> F
     left as it is and listed with the reason; its experts still run on machmoe with
     experts_implementation="machmoe".
 
+    precision="fp8" runs the fused blocks' routed experts in FP8 (docs/LAYER.md "FP8"); a block
+    whose experts the FP8 layer does not compute (biases, activations other than SwiGLU, sizes
+    not multiples of 16) is left unfused, with the reason.
+
     Returns FuseReport(fused=[names], unfused={name: reason}).
     """
     backend = parse_enum(Backend, backend, "backend")
+    precision = parse_enum(Precision, precision, "precision")
     fused, unfused = [], {}
     for name, block in list(model.named_modules()):
         experts = getattr(block, "experts", None)
@@ -458,12 +483,21 @@ def fuse_moe(model: nn.Module, backend: Union[Backend, str] = Backend.AUTO) -> F
         if sharded is not None:
             unfused[name] = sharded + ' (experts_implementation="machmoe" runs them under it)'
             continue
+        if precision == Precision.FP8:
+            from .. import fp8_layer
+
+            try:
+                fp8_layer.check_options(_FP8_NAMES, plan.activation, plan.layout, plan.b1 is not None,
+                                        TokenRounding.NONE, plan.w2.shape[1], plan.w2.shape[2])
+            except ValueError as error:
+                unfused[name] = f"its experts cannot run in FP8: {error}"
+                continue
         parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else None
         if parent is None:
             unfused[name] = "it is the model itself"
             continue
-        setattr(parent, child_name, FusedSparseMoeBlock(block, rule, backend))
+        setattr(parent, child_name, FusedSparseMoeBlock(block, rule, backend, precision))
         fused.append(name)
     return FuseReport(fused, unfused)
 
