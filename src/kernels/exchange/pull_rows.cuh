@@ -13,8 +13,9 @@
 // Work split: the received rows, seen as one run of 16-byte vectors [total · B/16], are shared by
 // a persistent grid (sized from the SM count) in grid strides, kPullUnroll loads in flight per
 // thread before their stores (NVLink reads have microseconds of latency: bandwidth needs many
-// loads outstanding). Each vector finds its peer by a binary search over the landing offsets in
-// shared memory (W is small), so a peer sending nothing or everything costs nothing special.
+// loads outstanding). A thread walks its vectors in increasing rows, so it finds each one's peer
+// by moving forward over the landing offsets in shared memory: a peer sending nothing or
+// everything costs nothing special.
 //
 // Bounds: a count is clamped to [0, src_rows]; a row landing at or past out_rows is not written,
 // and a row past the peer's src_rows is not read (its place here is left as it was). Rows of out
@@ -39,18 +40,6 @@ struct PullRowsParams {
   int32_t W, rank;
   int4* out;              // [out_rows, B]
 };
-
-// The largest q in [0, W) with start[q] <= row, for row < start[W]: the peer whose rows hold it
-// (a peer sending nothing has start[q] == start[q + 1] and is skipped).
-__device__ __forceinline__ int pull_peer_of(const int32_t* start, int W, int32_t row) {
-  int lo = 0, hi = W - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (start[mid] <= row) lo = mid;
-    else hi = mid - 1;
-  }
-  return lo;
-}
 
 __global__ void __launch_bounds__(kPullThreads) pull_rows_kernel(PullRowsParams p) {
   __shared__ const int4* src[kPullMaxPeers];               // peer q's first row for this rank
@@ -84,28 +73,39 @@ __global__ void __launch_bounds__(kPullThreads) pull_rows_kernel(PullRowsParams 
     start[W] = static_cast<int32_t>(at < p.out_rows ? at : p.out_rows);
   }
   __syncthreads();
-  // out_rows · B/16 < 2^30 (the launcher checks): 32-bit indices cannot wrap below.
+  // out_rows · B/16 < 2^30 (the launcher checks): 32-bit indices cannot wrap below. A thread's
+  // vectors are idx, idx + stride, ...: its (row, col) advance by (stride / vpr, stride % vpr)
+  // with a carry, and its peer only ever moves forward (rows only grow), so the loop needs no
+  // division and no search.
   const uint32_t vpr = static_cast<uint32_t>(p.vecs_per_row);
   const uint32_t total = static_cast<uint32_t>(start[W]) * vpr;
   const uint32_t stride = gridDim.x * blockDim.x;
-  for (uint32_t base = blockIdx.x * blockDim.x + threadIdx.x; base < total; base += kPullUnroll * stride) {
+  const uint32_t step_rows = stride / vpr, step_cols = stride - step_rows * vpr;
+  uint32_t idx = blockIdx.x * blockDim.x + threadIdx.x;
+  uint32_t row = idx / vpr, col = idx - row * vpr;
+  int q = 0;  // the peer whose rows hold `row`: start[q] <= row < start[q + 1]
+  while (idx < total) {
     int4 v[kPullUnroll];
+    uint32_t at[kPullUnroll];
     bool ok[kPullUnroll];
 #pragma unroll
     for (int u = 0; u < kPullUnroll; ++u) {
-      const uint32_t idx = base + u * stride;
+      at[u] = idx;
       ok[u] = idx < total;
       if (ok[u]) {
-        const uint32_t row = idx / vpr, col = idx - row * vpr;
-        const int q = pull_peer_of(start, W, static_cast<int32_t>(row));
+        while (row >= static_cast<uint32_t>(start[q + 1])) ++q;  // ends below W: row < start[W]
         const uint32_t r = row - static_cast<uint32_t>(start[q]);
         ok[u] = r < static_cast<uint32_t>(readable[q]);
         if (ok[u]) v[u] = __ldcg(src[q] + static_cast<size_t>(r) * vpr + col);
       }
+      idx += stride;
+      row += step_rows;
+      col += step_cols;
+      if (col >= vpr) col -= vpr, ++row;
     }
 #pragma unroll
     for (int u = 0; u < kPullUnroll; ++u)
-      if (ok[u]) p.out[base + u * stride] = v[u];
+      if (ok[u]) p.out[at[u]] = v[u];
   }
 }
 
