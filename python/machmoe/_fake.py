@@ -292,6 +292,10 @@ def _grouped_wgrad_fp8(a_qt, a_scales, b_qt, b_scales, chunk_offsets, out_dtype,
     return a_scales.new_empty((E, N, M) if transpose_c else (E, M, N), dtype=out_dtype)
 
 
+def _pull_rows(peers, header_offset, rows_offset, src_rows, rank, out_rows, row_bytes):
+    return peers.new_empty(out_rows, row_bytes, dtype=torch.uint8)
+
+
 # Every op with a CUDA kernel (the tensor-free ops and the CPU reference ops need no fake).
 FAKES = {
     "topk_router": _topk_router,
@@ -317,6 +321,7 @@ FAKES = {
     "grouped_gemm_fp8": _grouped_gemm_fp8,
     "grouped_gemm_fp8_glu": _grouped_gemm_fp8_glu,
     "grouped_wgrad_fp8": _grouped_wgrad_fp8,
+    "pull_rows": _pull_rows,
 }
 
 

@@ -13,35 +13,21 @@ order, rank 0's first, at rows [0, Σ recv_counts); rows past that are unspecifi
 masks them). The caller guarantees Σ recv_counts <= out_rows and Σ send_counts <= R, and that
 every rank makes the same sequence of calls with the same R, B and out_rows.
 
-- On CUDA: torch's symmetric memory on the NVSHMEM backend, `torch.ops.symm_mem.all_to_all_vdev`
-  (NvshmemTransport): the counts never leave the device, so a forward and backward do not wait
-  for the host and can be captured in a CUDA graph.
+- On CUDA: PullTransport, through torch's symmetric memory (its default CUDA backend, the
+  staging buffer of machmoe.symmetric_exchange, shared with the all-gather exchange) and our own
+  kernel, machmoe's pull_rows op (src/kernels/exchange/pull_rows.cuh). Each rank writes its rows
+  (each padded to a multiple of 16 bytes) and its send_counts into its staging buffer; after a
+  barrier of the group, the kernel reads every peer's counts over NVLink, works out which rows
+  are this rank's and where they land, and copies them with 16-byte loads from the peers'
+  buffers; a second barrier keeps every rank from overwriting its buffer while a peer still
+  reads it. The counts never reach the host, so a forward and backward do not wait for it and
+  can be captured in a CUDA graph.
 - On the CPU (gloo): the counts moved to the host and torch.distributed.all_to_all_single
   (host_count_transport), the same rows in the same places, for tests.
 - One rank (W = 1): the rows stay where they are (local_transport), on any device.
-
-The op's contract, as torch 2.11 implements it: input, out, in_splits [W] int64 and
-out_splits_offsets [2, W] int64 all live in symmetric memory (symm_mem.empty, then a rendezvous
-on the group); rows are dim 0 of input, of input.stride(0) · element size bytes; rank r pulls
-in_splits[r] rows of every peer's input from the peer's exclusive prefix sum of its in_splits,
-and writes them at the exclusive prefix sum of what it receives; out_splits_offsets is written
-with the received counts (row 0) and their offsets (row 1). Nothing bounds the writes by out's
-size: the caller's capacity check (an overflow sends no rows at all) is what keeps them inside.
-
-One more rule of that kernel: it splits each peer's bytes (rows · row bytes) evenly over
-blocks_per_peer = num_blocks // W thread blocks and asserts on the device that they divide
-evenly. num_blocks comes from the input's bytes (one per 64 KiB, rounded up to a multiple of W,
-at most 64 within a host and 16 across; older builds: 8 to 64 by size, 64 from 4 MiB), or from
-TORCH_SYMMMEM_NBLOCKS. So NvshmemTransport hands the op an input of at least 4 MiB (num_blocks
-then 64, 16 or 8, or the variable's value) and pads each row to a multiple of every
-blocks_per_peer those give (row_quantum): any row count then divides evenly.
 """
 
 from __future__ import annotations
-
-import functools
-import math
-import os
 
 import torch
 import torch.distributed as dist
@@ -74,135 +60,108 @@ def local_transport(parts, send_counts, recv_counts, out_rows):
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def nvshmem_unavailable_reason() -> str | None:
-    """None where torch's NVSHMEM symmetric memory runs here, else why not (looked up once)."""
-    try:
-        import torch.distributed._symmetric_memory as symm
-    except ImportError:
+def pull_unavailable_reason(device: torch.device) -> str | None:
+    """None where PullTransport runs on `device`, else why not: it needs torch's symmetric memory
+    and machmoe's compiled pull_rows op on a Hopper GPU."""
+    from . import _ops, symmetric_exchange
+
+    if not symmetric_exchange._torch_has_symmetric_memory():
         return "this torch has no symmetric memory (torch.distributed._symmetric_memory)"
-    if not hasattr(torch.ops.symm_mem, "all_to_all_vdev"):
-        return "this torch has no torch.ops.symm_mem.all_to_all_vdev"
-    if not symm.is_nvshmem_available():
-        return "NVSHMEM is not available (torch built without it, or libnvshmem_host.so.3 not found)"
-    return None
+    return _ops.kernels_unavailable_reason(device)
 
 
-def _use_nvshmem_backend(device: torch.device) -> None:
-    """Symmetric memory on the NVSHMEM backend: set once per process, before its first
-    symmetric allocation (torch refuses a change after one)."""
-    import torch.distributed._symmetric_memory as symm
+# Bytes before the rows in the staging buffer: the send counts [W] int64 (W <= 64, pull_rows's
+# bound), padded so that the rows start 16-byte aligned.
+HEADER_BYTES = 512
+ROW_ALIGN = 16  # pull_rows copies 16-byte vectors: rows are padded to a multiple of this
 
-    reason = nvshmem_unavailable_reason()
-    if reason is not None:
-        raise RuntimeError(f"exchange='all_to_all_device' needs torch's NVSHMEM symmetric memory on CUDA: "
-                           f"{reason}. Use exchange='all_to_all' with max_tokens (fixed blocks) instead")
-    if symm.get_backend(device) == "NVSHMEM":
-        return
-    try:
-        symm.set_backend("NVSHMEM")
-    except Exception as err:  # another backend was chosen, or memory already allocated on it
-        raise RuntimeError(
-            "exchange='all_to_all_device' needs symmetric memory on the NVSHMEM backend, but this "
-            f"process already uses {symm.get_backend(device)!r} (set before the first symmetric "
-            "allocation; the all-gather exchange on CUDA allocates on the default backend): "
-            "create the first all_to_all_device layer call before any other symmetric-memory use, "
-            f"or call torch.distributed._symmetric_memory.set_backend('NVSHMEM') first ({err})") from err
+# group name -> (staging handle, its peers' base addresses [W] int64 on the device)
+_PEERS: dict = {}
 
 
-# The least bytes of the input the op is given (see the module docstring).
-MIN_INPUT_BYTES = 4 << 20
+def _staging_and_peers(group_name: str, nbytes: int):
+    """symmetric_exchange's staging handle of the group, grown to nbytes if needed, and the device
+    array of every rank's staging address that pull_rows reads (made when the handle is new: a
+    host-to-device copy, outside any capture)."""
+    from . import symmetric_exchange
+
+    handle = symmetric_exchange._staging(group_name, nbytes)
+    held = _PEERS.get(group_name)
+    if held is None or held[0] is not handle:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "exchange='all_to_all_device': its staging buffer is new inside a CUDA-graph capture; run "
+                "one call of the same shapes before capturing")
+        peers = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=torch.cuda.current_device())
+        held = _PEERS[group_name] = (handle, peers)
+    return held
 
 
-def row_quantum(W: int) -> int:
-    """Row bytes are padded to a multiple of this: of 16 (aligned rows), and of every
-    blocks_per_peer the op may use on an input of MIN_INPUT_BYTES or more over W ranks."""
-    blocks = [64, 16, 8]
-    if os.environ.get("TORCH_SYMMMEM_NBLOCKS", "").isdigit():
-        blocks.append(int(os.environ["TORCH_SYMMMEM_NBLOCKS"]))
-    return math.lcm(16, *(max(b // W, 1) for b in blocks))
+class PullTransport:
+    """The CUDA transport of one group (module docstring): staged rows, a barrier, the pull_rows
+    kernel, a barrier. recv_counts is not read: the kernel reads the senders' own counts.
 
-
-class _Buffers:
-    """One direction's symmetric buffers on one group: send and receive bytes, in_splits [W]
-    and out_splits_offsets [2, W] int64, each rendezvoused once (the op's own rendezvous then
-    finds them cached: the first rendezvous is a blocking collective, not capturable)."""
-
-    def __init__(self, send_bytes: int, recv_bytes: int, W: int, group_name: str, device):
-        import torch.distributed._symmetric_memory as symm
-
-        self.send = symm.empty(send_bytes, dtype=torch.uint8, device=device)
-        self.recv = symm.empty(recv_bytes, dtype=torch.uint8, device=device)
-        self.in_splits = symm.empty(W, dtype=torch.int64, device=device)
-        self.out_splits_offsets = symm.empty(2, W, dtype=torch.int64, device=device)
-        for t in (self.send, self.recv, self.in_splits, self.out_splits_offsets):
-            symm.rendezvous(t, group_name)
-
-
-class NvshmemTransport:
-    """The CUDA transport of one group and one direction ("to_experts": the dispatch and the
-    combine's backward; "to_tokens": the combine and the dispatch's backward).
-
-    Reuse of the buffers without a barrier of our own. The op is pull-based: a peer reads this
-    rank's send buffer, and writes this rank's out_splits_offsets, during its own call. Each
-    call begins with a device barrier of the whole group (in its splits exchange), so when this
-    rank enters call n + 1 every peer has finished call n - 1 (same stream, in order), not
-    necessarily call n. Two calls in a row on the same buffers could therefore race; the layer
-    never makes them: its calls alternate between the two directions (a forward is dispatch then
-    combine, a backward the combine's then the dispatch's), and a forward's dispatch comes after
-    the count exchange and the overflow all-reduce (NCCL), which no rank finishes before every
-    peer has finished its earlier work.
-    """
+    Why two barriers and one staging buffer rather than alternating two buffers: the second
+    barrier costs microseconds against the megabytes moved, and with it the buffer is free after
+    every call, so it can be the one the all-gather exchange already holds (no extra memory, and
+    any order of calls of either exchange on one stream is safe)."""
 
     _instances: dict = {}
 
     @classmethod
-    def get(cls, group_name: str, W: int, direction: str, device: torch.device) -> "NvshmemTransport":
-        key = (group_name, direction, device.index)
+    def get(cls, group_name: str, W: int, device: torch.device) -> "PullTransport":
+        key = (group_name, device.index)
         if key not in cls._instances:
             cls._instances[key] = cls(group_name, W, device)
         return cls._instances[key]
 
     def __init__(self, group_name: str, W: int, device: torch.device):
-        _use_nvshmem_backend(device)
+        reason = pull_unavailable_reason(device)
+        if reason is not None:
+            raise RuntimeError(f"exchange='all_to_all_device' on CUDA needs machmoe's pull_rows kernel and "
+                               f"torch's symmetric memory: {reason}. Use exchange='all_to_all' or 'all_gather'")
+        if W > HEADER_BYTES // 8:
+            raise ValueError(f"exchange='all_to_all_device' on CUDA: the group has W = {W} ranks, more than the "
+                             f"{HEADER_BYTES // 8} its pull_rows kernel reads counts from")
         self.group_name, self.W, self.device = group_name, W, device
-        self.quantum = row_quantum(W)
-        self.buffers = None  # _Buffers, made at the first call
-
-    def _buffers(self, send_bytes: int, recv_bytes: int) -> _Buffers:
-        held = self.buffers
-        if held is not None and held.send.numel() >= send_bytes and held.recv.numel() >= recv_bytes:
-            return held
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"exchange='all_to_all_device': its symmetric buffers must grow (to {send_bytes} and "
-                f"{recv_bytes} bytes) inside a CUDA-graph capture; run one call of the same shapes "
-                "before capturing")
-        # Peers may still read the old buffers: wait for this rank's queued work, and the
-        # allocation (NVSHMEM's, collective) and rendezvous then wait for every rank.
-        torch.cuda.synchronize(self.device)
-        # Sizes are fixed by the layer's settings (max_tokens, K, d, the capacity): the buffers
-        # grow once or twice, at the first calls, to the largest of them.
-        self.buffers = _Buffers(max(send_bytes, 0 if held is None else held.send.numel()),
-                                max(recv_bytes, 0 if held is None else held.recv.numel()),
-                                self.W, self.group_name, self.device)
-        torch.cuda.synchronize(self.device)
-        return self.buffers
 
     def __call__(self, parts, send_counts, recv_counts, out_rows):
+        from .symmetric_exchange import BARRIER_TIMEOUT_MS
+
         R = parts[0].shape[0]
         B = sum(p.shape[1] for p in parts)
-        padded = -(-B // self.quantum) * self.quantum  # row bytes as sent
-        rows_given = max(R, -(-MIN_INPUT_BYTES // padded))  # the op's input: >= MIN_INPUT_BYTES
-        buf = self._buffers(rows_given * padded, max(out_rows, 1) * padded)
-        rows = buf.send[:rows_given * padded].view(rows_given, padded)
+        padded = -(-B // ROW_ALIGN) * ROW_ALIGN  # row bytes as staged; the padding travels unread
+        handle, peers = _staging_and_peers(self.group_name, HEADER_BYTES + R * padded)
+        rank = handle.rank
+        rows = handle.get_buffer(rank, (R, padded), torch.uint8, HEADER_BYTES)  # [R, padded]
         start = 0
-        for p in parts:  # side by side; the padding bytes travel unread
-            rows[:R, start:start + p.shape[1]].copy_(p)
+        for p in parts:  # side by side
+            rows[:, start:start + p.shape[1]].copy_(p)
             start += p.shape[1]
-        buf.in_splits.copy_(send_counts)
-        out = buf.recv[:out_rows * padded].view(out_rows, padded)
-        torch.ops.symm_mem.all_to_all_vdev(rows, out, buf.in_splits, buf.out_splits_offsets, self.group_name)
-        # A view of the receive buffer: the caller copies out of it (its unpacking does) before
-        # this direction's next call.
+        handle.get_buffer(rank, (self.W,), torch.int64, 0).copy_(send_counts)
+        handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+        out = torch.ops.machmoe.pull_rows(peers, 0, HEADER_BYTES, R, rank, out_rows, padded)
+        handle.barrier(channel=1, timeout_ms=BARRIER_TIMEOUT_MS)
         return out[:, :B]
+
+
+def pull_rows_reference(peers: list, header_offset: int, rows_offset: int, src_rows: int, rank: int,
+                        out_rows: int, row_bytes: int) -> tuple:
+    """machmoe's pull_rows op in PyTorch, on the peers' staging buffers given as 1-D uint8 tensors
+    (for tests) -> (out [out_rows, row_bytes] uint8, written [out_rows] bool): peer q's rows for
+    `rank` (after its rows for lower ranks) land at the prefix of what lower peers send here, in
+    sender order, every count clamped to [0, src_rows]; rows landing past out_rows or lying past
+    src_rows are skipped. Rows not written are 0 here (the op leaves them as they were)."""
+    W = len(peers)
+    out = torch.zeros(out_rows, row_bytes, dtype=torch.uint8, device=peers[0].device)
+    written = torch.zeros(out_rows, dtype=torch.bool, device=peers[0].device)
+    at = 0
+    for buf in peers:
+        counts = buf[header_offset:header_offset + 8 * W].view(torch.int64).clamp(0, src_rows).tolist()
+        first, n = sum(counts[:rank]), counts[rank]
+        rows = buf[rows_offset:rows_offset + src_rows * row_bytes].view(src_rows, row_bytes)
+        take = max(0, min(n, src_rows - first, out_rows - at))
+        out[at:at + take] = rows[first:first + take]
+        written[at:at + take] = True
+        at += n
+    return out, written

@@ -16,7 +16,8 @@ Rank q of W holds experts [q·E/W, (q+1)·E/W) and a replica of the router. Thre
 - "all_to_all_device": the all-to-all's rows (a token once per rank holding one of its experts)
   with their counts kept on the device: exactly the rows needed travel, into receive buffers of
   a capacity fixed by max_tokens and capacity_factor, with no host synchronisation and CUDA-graph
-  capturable (machmoe.expert_device_exchange; on CUDA it needs torch's NVSHMEM symmetric memory).
+  capturable (machmoe.expert_device_exchange; on CUDA it needs torch's symmetric memory and
+  machmoe's pull_rows kernel).
 
 This module holds the public layer (`ExpertParallelMoE`, `expert_parallel_moe`): argument checks,
 the routing of the rank's own tokens (logits, top-K, aux loss: as `MoE` on those tokens, on
@@ -126,9 +127,9 @@ def _largest_T(T: int, device: torch.device, group) -> int:
 
 
 def _device_count_transports(x: torch.Tensor, W: int, group) -> tuple:
-    """(to the experts, to the tokens) of the all_to_all_device exchange: NVSHMEM's
-    all_to_all_vdev on CUDA, the counts through the host elsewhere (gloo), a local copy on one
-    rank."""
+    """(to the experts, to the tokens) of the all_to_all_device exchange: the pull_rows kernel
+    over symmetric memory on CUDA, the counts through the host elsewhere (gloo), a local copy on
+    one rank."""
     from . import device_count_transport as transport
 
     if W == 1:
@@ -136,8 +137,8 @@ def _device_count_transports(x: torch.Tensor, W: int, group) -> tuple:
     if not x.is_cuda:
         t = transport.host_count_transport(group)
         return t, t
-    return tuple(transport.NvshmemTransport.get(_group_name(group), W, direction, x.device)
-                 for direction in ("to_experts", "to_tokens"))
+    t = transport.PullTransport.get(_group_name(group), W, x.device)
+    return t, t
 
 
 def _check_max_tokens(T: int, max_tokens: int) -> None:
@@ -236,8 +237,8 @@ def expert_parallel_moe(
             bytes when W is large), with one host synchronisation per forward for the row counts.
             "all_to_all_device": the same rows with their counts on the device, into receive
             buffers of ceil(capacity_factor · W · max_tokens) rows: no host synchronisation,
-            CUDA-graph capturable; needs max_tokens, and on CUDA torch's NVSHMEM symmetric
-            memory (machmoe.expert_device_exchange).
+            CUDA-graph capturable; needs max_tokens, and on CUDA torch's symmetric memory and
+            the compiled ops (machmoe.expert_device_exchange).
         max_tokens: the most tokens any rank of the group passes, the same on every rank; T
             above it is refused on the host, before any exchange. Given, neither exchange waits
             for the host: "all_gather" pads T up to it; "all_to_all" exchanges blocks of

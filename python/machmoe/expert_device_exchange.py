@@ -37,8 +37,9 @@ are zeroed before the transport, so no buffer is written past its end), every ra
 that call is NaN, and `check_capacity()` raises naming the count and C (machmoe.exchange_overflow;
 on the CPU the call itself raises, on every rank).
 
-The transport is a small swappable function (machmoe.device_count_transport): torch's
-NVSHMEM all_to_all_vdev on CUDA, all_to_all_single with the counts on the host over gloo.
+The transport is a small swappable function (machmoe.device_count_transport): on CUDA our
+pull_rows kernel reading the peers' counts and rows through torch's symmetric memory, over gloo
+all_to_all_single with the counts on the host.
 """
 
 from __future__ import annotations

@@ -10,10 +10,11 @@ those cases cannot see on the CPU's zero-filled transport:
 - an overflow sends no rows at all and makes the output NaN (the device path, which on the CPU
   raises instead: the raise is checked too, on every rank, and a call that fits afterwards works);
 - one rank (its transport a local copy) equals the whole layer;
-- the CUDA transport's own code (NvshmemTransport: padded rows, buffer views, growth), with
-  torch's symmetric memory and all_to_all_vdev emulated over gloo as that op is documented to
-  behave (the emulation also asserts the op's even split of each peer's bytes over its blocks),
-  gives bitwise the plain transport's results;
+- the CUDA transport's own code (PullTransport: padded rows, the header, buffer views, growth,
+  the two barriers around the pull), with the staging handle emulated over gloo (a barrier on
+  channel 0 hands every rank the peers' buffers as they stand) and the pull_rows op by its
+  PyTorch reference (rows it does not write left as stale bytes), gives bitwise the plain
+  transport's results;
 - max_tokens is required.
 """
 
@@ -139,43 +140,48 @@ def _check_one_rank(seed):
             assert ((a - b).norm() / b.norm()).item() <= 1e-12, "one rank differs from the whole layer"
 
 
-class _EmulatedVdev:
-    """torch.ops.symm_mem.all_to_all_vdev over gloo, as the op is documented to behave: rank r
-    pulls in_splits[r] rows from each peer q, starting at the exclusive prefix sum of q's
-    in_splits, and writes them at the exclusive prefix sum of what it receives, in sender order;
-    out_splits_offsets gets the counts and offsets. Each peer's bytes must split evenly over
-    num_blocks // W blocks (num_blocks: one per 64 KiB of input, rounded up to a multiple of W, at
-    most 64), which the op asserts."""
+class _EmulatedStaging:
+    """symmetric_exchange's staging handle over gloo: this rank's buffer a CPU tensor of stale
+    bytes; barrier(channel=0) gives every rank a copy of every rank's buffer as it stands (what
+    pull_rows reads), barrier(channel=1) takes them away again. pull(...) is the pull_rows op,
+    allowed only between the two."""
 
-    def __init__(self, world):
-        self.world, self.calls = world, 0
+    def __init__(self, nbytes, world):
+        self.buf = torch.full((nbytes,), 0xA5, dtype=torch.uint8)
+        self.rank, self.world, self.buffer_ptrs, self.peers = dist.get_rank(), world, list(range(world)), None
+        self.pulls = 0
 
-    def all_to_all_vdev(self, inp, out, in_splits, out_splits_offsets, group_name):
-        W = self.world
-        splits = [torch.empty_like(in_splits) for _ in range(W)]
-        dist.all_gather(splits, in_splits.clone())
-        rows = [torch.empty_like(inp) for _ in range(W)]
-        dist.all_gather(rows, inp.contiguous())
-        me = dist.get_rank()
-        stride = inp.stride(0) * inp.element_size()
-        blocks = min(-(-(-(-inp.numel() * inp.element_size() // 65536)) // W) * W, 64)
-        per_peer = max(blocks // W, 1)
-        at = 0
-        for q in range(W):
-            n = int(splits[q][me])
-            assert n * stride % per_peer == 0, f"{n} rows of {stride} bytes over {per_peer} blocks"
-            start = int(splits[q][:me].sum())
-            out[at:at + n] = rows[q][start:start + n]
-            out_splits_offsets[0, q], out_splits_offsets[1, q] = n, at
-            at += n
-        self.calls += 1
+    def get_buffer(self, rank, sizes, dtype, storage_offset=0):
+        assert rank == self.rank, "a rank wrote into a peer's staging buffer"
+        start, n = storage_offset * dtype.itemsize, math.prod(sizes) * dtype.itemsize
+        assert start + n <= self.buf.numel(), "a view past the staging buffer's end"
+        return self.buf[start:start + n].view(dtype).view(sizes)
+
+    def barrier(self, channel=0, timeout_ms=0):
+        if channel == 0:
+            assert self.peers is None, "two barriers on channel 0 in a row"
+            self.peers = [torch.empty_like(self.buf) for _ in range(self.world)]
+            dist.all_gather(self.peers, self.buf)
+        else:
+            assert self.peers is not None, "a barrier on channel 1 without one on channel 0"
+            self.peers = None
+
+    def pull(self, peers, header_offset, rows_offset, src_rows, rank, out_rows, row_bytes):
+        from machmoe.device_count_transport import pull_rows_reference
+
+        assert self.peers is not None, "pull_rows outside the two barriers"
+        assert peers.tolist() == self.buffer_ptrs and rank == self.rank
+        out, written = pull_rows_reference(self.peers, header_offset, rows_offset, src_rows, rank, out_rows,
+                                           row_bytes)
+        self.pulls += 1
+        return torch.where(written[:, None], out, torch.full((), 0x5A, dtype=torch.uint8))
 
 
-def _check_nvshmem_transport_emulated(rank, world, seed):
-    import torch.distributed._symmetric_memory as symm
+def _check_pull_transport_emulated(rank, world, seed):
+    from types import SimpleNamespace
 
     from machmoe import device_count_transport as dct
-    from machmoe import distributed
+    from machmoe import distributed, symmetric_exchange
     from machmoe.distributed import ExpertParallelMoE
 
     torch.manual_seed(seed)
@@ -185,32 +191,36 @@ def _check_nvshmem_transport_emulated(rank, world, seed):
     x = torch.randn(9 + rank, 16, generator=gen, dtype=torch.float64)
     g = torch.randn(9 + rank, 16, generator=gen, dtype=torch.float64)
     want = _run(layer, x, g)
-    vdev = _EmulatedVdev(world)
-    saved = [(symm, "empty", symm.empty), (symm, "rendezvous", symm.rendezvous),
-             (symm, "get_backend", symm.get_backend), (dct, "nvshmem_unavailable_reason", dct.nvshmem_unavailable_reason),
-             (torch.cuda, "synchronize", torch.cuda.synchronize), (torch.ops, "symm_mem", torch.ops.symm_mem),
+    handles = []
+
+    def staging(group_name, nbytes):  # grows as symmetric_exchange's does: a new handle
+        if not handles or handles[-1].buf.numel() < nbytes:
+            handles.append(_EmulatedStaging(max(nbytes, 2 * handles[-1].buf.numel() if handles else 0), world))
+        return handles[-1]
+
+    saved = [(symmetric_exchange, "_staging", symmetric_exchange._staging),
+             (dct, "pull_unavailable_reason", dct.pull_unavailable_reason),
+             (torch.cuda, "current_device", torch.cuda.current_device),
              (torch.cuda, "is_current_stream_capturing", torch.cuda.is_current_stream_capturing),
+             (torch.ops, "machmoe", torch.ops.machmoe),
              (distributed, "_device_count_transports", distributed._device_count_transports)]
-    # Stale bytes in every new buffer, as symmetric memory may hold.
-    symm.empty = lambda *size, dtype=None, device=None: torch.full(
-        (math.prod(size) * dtype.itemsize,), 0xA5, dtype=torch.uint8).view(dtype).reshape(size)
-    symm.rendezvous = lambda t, group: None
-    symm.get_backend = lambda device: "NVSHMEM"
-    dct.nvshmem_unavailable_reason = lambda: None
-    torch.cuda.synchronize = lambda *args: None
+    symmetric_exchange._staging = staging
+    dct.pull_unavailable_reason = lambda device: None
+    torch.cuda.current_device = lambda: "cpu"
     torch.cuda.is_current_stream_capturing = lambda: False
-    torch.ops.symm_mem = vdev
-    distributed._device_count_transports = lambda x, W, group: tuple(
-        dct.NvshmemTransport(dist.group.WORLD.group_name, W, x.device) for _ in range(2))
+    torch.ops.machmoe = SimpleNamespace(pull_rows=lambda *args: handles[-1].pull(*args))
+    distributed._device_count_transports = lambda x, W, group: (dct.PullTransport(dist.group.WORLD.group_name, W, x.device),) * 2
     try:
         got = _run(layer, x, g)
         again = _run(layer, x, g)  # the same buffers again
     finally:
         for owner, name, value in saved:
             setattr(owner, name, value)
-    assert vdev.calls == 8, f"{vdev.calls} all_to_all_vdev calls in two forwards and backwards"
+        dct._PEERS.clear()
+    assert sum(h.pulls for h in handles) == 8, "pull_rows calls in two forwards and backwards"
+    assert all(h.peers is None for h in handles), "a call ended between its two barriers"
     for a, b, c in zip(want, got, again):
-        assert torch.equal(a, b) and torch.equal(a, c), "the NVSHMEM transport's rows differ from the plain one's"
+        assert torch.equal(a, b) and torch.equal(a, c), "the pull transport's rows differ from the plain one's"
 
 
 def _check_errors():
@@ -229,7 +239,7 @@ def _worker(rank, world, init_file, seed, errors):
         if world == 1:
             _check_one_rank(seed)
         else:
-            _check_nvshmem_transport_emulated(rank, world, seed)
+            _check_pull_transport_emulated(rank, world, seed)
         _check_errors()
     except BaseException:
         errors.put(f"rank {rank}: {traceback.format_exc()}")
@@ -257,17 +267,3 @@ def test_capacity_and_send_rows():
 
     assert capacity_rows(10, 1.0, 4) == 40 and capacity_rows(10, 0.26, 4) == 11 and capacity_rows(1, 1e-9, 2) == 1
     assert send_rows(10, 8, 4) == 40 and send_rows(10, 2, 4) == 20 and send_rows(0, 2, 4) == 1
-
-
-@pytest.mark.parametrize("W", [1, 2, 3, 4, 6, 8, 16, 64])
-def test_rows_split_evenly_over_the_ops_blocks(W, monkeypatch):
-    """all_to_all_vdev splits each peer's bytes over num_blocks // W blocks and asserts they
-    divide evenly; on an input of 4 MiB or more num_blocks is 64 (one host), 16 (several) or 8
-    (older builds), or TORCH_SYMMMEM_NBLOCKS: padded rows divide evenly for each."""
-    from machmoe.device_count_transport import row_quantum
-
-    monkeypatch.delenv("TORCH_SYMMMEM_NBLOCKS", raising=False)
-    for blocks in (64, 16, 8):
-        assert row_quantum(W) % max(blocks // W, 1) == 0 and row_quantum(W) % 16 == 0
-    monkeypatch.setenv("TORCH_SYMMMEM_NBLOCKS", "24")
-    assert row_quantum(W) % max(24 // W, 1) == 0

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.gpu
 # opcheck's tests that compare metadata and check for mutation; the outputs' values are the other
 # GPU tests' subject (and some outputs, e.g. the saved block's alignment padding, are unspecified).
 CHECKS = ("test_schema", "test_faketensor")
+_PULL_BUFFERS = []  # the fake peers of pull_rows's case
 
 
 def _op_cases():
@@ -56,7 +57,14 @@ def _op_cases():
     x_q, x_scales = m.fp8_quantize_rows(t["x"], None)  # [T, d], gathered by the GEMM (R = T·K rows)
     xt_q, xt_scales, chunks = m.fp8_quantize_columns(t["x"], row_token, offs)  # the weight gradients' operands
     ht_q, ht_scales, _ = m.fp8_quantize_columns(h, None, offs)
+    # pull_rows: three "peers" that are plain buffers of this GPU, send counts [3] int64 at byte 0
+    # and rows of 32 bytes at byte 512 (kept alive here: the op reads them by address).
+    _PULL_BUFFERS[:] = [torch.randint(0, 256, (512 + 10 * 32,), dtype=torch.uint8, device="cuda") for _ in range(3)]
+    for buf in _PULL_BUFFERS:
+        buf[:24].view(torch.int64).copy_(torch.tensor([2, 3, 4]))
+    peers = torch.tensor([b.data_ptr() for b in _PULL_BUFFERS], dtype=torch.int64, device="cuda")
     return [
+        ("pull_rows", (peers, 0, 512, 10, 1, 12, 32)),
         ("topk_router", (logits, K, "softmax_topk", True, None)),
         ("topk_router_backward", (logits, scores, experts, torch.randn(T, K, device="cuda"), "softmax_topk", True)),
         ("routing_metadata", (experts, None, T, E)),
