@@ -28,8 +28,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gpu_test_helpers import eager_and_graph_replay, rel_err
-from test_gpu_distributed import _ep_batch, _mean_grads, _model, E, T
+from gpu_test_helpers import eager_and_graph_replay
+from test_gpu_distributed import _ep_batch, _mean_grads, _model, check_ep_layer, T
 
 pytestmark = pytest.mark.gpu
 
@@ -195,27 +195,8 @@ def _check_layer(rank, world, seed):
     ref_out, ref_dx, ref_grads = _mean_grads(copy.deepcopy(model).double(),
                                              [x.double() for x in xs], gs, "torch")
     one_out, one_dx, one_grads = _mean_grads(model, xs, gs, "machmoe")
-    part = slice(rank * (E // world), (rank + 1) * (E // world))
-    layer = ExpertParallelMoE.from_moe(model, **_device(world))
-    runs = []
-    for _ in range(2):  # twice: bitwise the same
-        layer.zero_grad(set_to_none=True)
-        x = xs[rank].clone().requires_grad_(True)
-        out, _ = layer(x)
-        (out.float() * gs[rank]).sum().backward()
-        layer.reduce_gradients()
-        runs.append([out.detach(), x.grad] + [p.grad.clone() for _, p in layer.named_parameters()])
-    for a, b in zip(*runs):
-        assert torch.equal(a, b), "all_to_all_device: two runs differ"
-    checks = [("out", runs[0][0], one_out[rank], ref_out[rank]), ("dx", runs[0][1], one_dx[rank], ref_dx[rank])]
-    for (name, p), got in zip(layer.named_parameters(), runs[0][2:]):
-        sl = part if name.startswith("c_") else slice(None)
-        checks.append((f"d{name}", got, one_grads[name][sl], ref_grads[name][sl]))
-    for name, got, single, ref in checks:
-        err, bound = rel_err(got, ref), 2 * rel_err(single, ref) + 2 ** -8
-        print(f"all_to_all_device W={world} rank {rank}: {name} error {err:.2e} "
-              f"(single GPU {rel_err(single, ref):.2e}, bound {bound:.2e})")
-        assert err <= bound, f"all_to_all_device rank {rank}: {name} {err:.2e} > {bound:.2e}"
+    check_ep_layer(ExpertParallelMoE.from_moe(model, **_device(world)), rank, world, xs, gs,
+                   (one_out, one_dx, one_grads), (ref_out, ref_dx, ref_grads), "all_to_all_device")
     _check_no_sync_and_graph(model, xs[rank], gs[rank])
     _check_overflow(model, xs[rank], rank)
 

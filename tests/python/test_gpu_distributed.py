@@ -222,6 +222,35 @@ def _force_overlap(on: bool) -> None:
     expert_exchange.OVERLAP_MIN_BLOCK_BYTES = 0 if on else 1 << 62
 
 
+def check_ep_layer(layer, rank, world, xs, gs, single, ref, label):
+    """An expert-parallel layer on this rank's batch xs[rank] (output gradient gs[rank]), run twice
+    (bitwise the same), against the single-GPU layer's (single) and the float64 reference's (ref)
+    out, dx and parameter gradients of the ranks' mean loss (_mean_grads): each tensor within 2x
+    the single GPU's error against float64, plus 2^-8 (each rank's partial sum is rounded to bf16
+    before the combine)."""
+    (one_out, one_dx, one_grads), (ref_out, ref_dx, ref_grads) = single, ref
+    runs = []
+    for _ in range(2):  # twice: bitwise the same
+        layer.zero_grad(set_to_none=True)
+        x = xs[rank].clone().requires_grad_(True)
+        out, _ = layer(x)
+        (out.float() * gs[rank]).sum().backward()
+        layer.reduce_gradients()
+        runs.append([out.detach(), x.grad] + [p.grad.clone() for _, p in layer.named_parameters()])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b), f"{label}: two runs differ"
+    part = slice(rank * (E // world), (rank + 1) * (E // world))
+    checks = [("out", runs[0][0], one_out[rank], ref_out[rank]), ("dx", runs[0][1], one_dx[rank], ref_dx[rank])]
+    for (name, _), got in zip(layer.named_parameters(), runs[0][2:]):
+        sl = part if name.startswith("c_") else slice(None)
+        checks.append((f"d{name}", got, one_grads[name][sl], ref_grads[name][sl]))
+    for name, got, one, want in checks:
+        err, bound = rel_err(got, want), 2 * rel_err(one, want) + 2 ** -8
+        print(f"{label} W={world} rank {rank}: {name} error {err:.2e} "
+              f"(single GPU {rel_err(one, want):.2e}, bound {bound:.2e})")
+        assert err <= bound, f"{label} W={world} rank {rank}: {name} {err:.2e} > {bound:.2e}"
+
+
 def _ep_worker(rank, world, init_file, seed):
     import copy
 
@@ -237,33 +266,12 @@ def _ep_worker(rank, world, init_file, seed):
                                                  [x.double() for x in xs], gs, "torch")
         one_out, one_dx, one_grads = _mean_grads(model, xs, gs, "machmoe")
 
-        part = slice(rank * (E // world), (rank + 1) * (E // world))
         for exchange in EP_EXCHANGES(world):
             # The all-gather exchange with max_tokens takes the overlapped backward (forced: these
             # blocks are far below the size where it is chosen), without max_tokens the plain one.
             _force_overlap(exchange["exchange"] == "all_gather" and "max_tokens" in exchange)
-            layer = ExpertParallelMoE.from_moe(model, **exchange)
-            runs = []
-            for _ in range(2):  # twice: bitwise the same
-                layer.zero_grad(set_to_none=True)
-                x = xs[rank].clone().requires_grad_(True)
-                out, _ = layer(x)
-                (out.float() * gs[rank]).sum().backward()
-                layer.reduce_gradients()
-                runs.append([out.detach(), x.grad] + [p.grad.clone() for _, p in layer.named_parameters()])
-            for a, b in zip(*runs):
-                assert torch.equal(a, b), f"expert parallel {exchange}: two runs differ"
-
-            checks = [("out", runs[0][0], one_out[rank], ref_out[rank]),
-                      ("dx", runs[0][1], one_dx[rank], ref_dx[rank])]
-            for (name, p), got in zip(layer.named_parameters(), runs[0][2:]):
-                sl = part if name.startswith("c_") else slice(None)
-                checks.append((f"d{name}", got, one_grads[name][sl], ref_grads[name][sl]))
-            for name, got, single, ref in checks:
-                err, bound = rel_err(got, ref), 2 * rel_err(single, ref) + 2 ** -8
-                print(f"expert parallel W={world} rank {rank} {exchange}: {name} error {err:.2e} "
-                      f"(single GPU {rel_err(single, ref):.2e}, bound {bound:.2e})")
-                assert err <= bound, f"expert parallel W={world} rank {rank} {exchange}: {name} {err:.2e} > {bound:.2e}"
+            check_ep_layer(ExpertParallelMoE.from_moe(model, **exchange), rank, world, xs, gs,
+                           (one_out, one_dx, one_grads), (ref_out, ref_dx, ref_grads), f"expert parallel {exchange}")
         if world > 1:
             _check_overflow_on_the_gpu(model, xs[rank], rank, T + 3 * (world - 1))
             _check_compiled(model, xs[rank], gs[rank], T + 3 * (world - 1))
