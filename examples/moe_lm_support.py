@@ -63,6 +63,27 @@ def batch_for_step(corpus: torch.Tensor, step: int, global_batch: int, seq: int,
     return torch.stack(rows).long()
 
 
+def split_held_out(corpus: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, held_out): the corpus's last `fraction` of bytes held out for evaluation, the rest
+    to train on (contiguous, so no training window overlaps a held-out one)."""
+    cut = int(corpus.numel() * (1 - fraction))
+    return corpus[:cut], corpus[cut:]
+
+
+def eval_batch(held_out: torch.Tensor, index: int, global_batch: int, seq: int, seed: int,
+               rank: int = 0, world: int = 1) -> torch.Tensor:
+    """Held-out batch `index`: the same windows for every implementation, step and rerun (their
+    offsets depend on (seed, index) only, from a random stream of their own)."""
+    if global_batch % world:
+        raise ValueError(f"--batch ({global_batch}) must be a multiple of the world size ({world})")
+    if held_out.numel() <= seq:
+        raise ValueError(f"the held-out part of the corpus ({held_out.numel()} bytes) is shorter than a "
+                         f"sequence ({seq}): raise --corpus-mib")
+    starts = np.random.default_rng([seed, index, 1]).integers(0, held_out.numel() - seq, size=global_batch)
+    per_rank = global_batch // world
+    return torch.stack([held_out[s:s + seq] for s in starts[rank * per_rank:(rank + 1) * per_rank]]).long()
+
+
 # ---------------------------------------------------------------------------------------------
 # DeepSeek-V3's auxiliary-loss-free balancing: the router picks experts by sigmoid score plus a
 # per-expert bias (e_score_correction_bias, a buffer, not trained by the optimizer); after each
@@ -189,7 +210,8 @@ def format_bytes(n: int | None) -> str:
 
 def write_report(out_dir: str, runs: dict, meta: dict) -> tuple[str, str]:
     """Writes summary.json (meta + per implementation: tokens/s, peak memory, final loss, the
-    loss curve) and loss_curve.png into out_dir; returns their paths."""
+    loss curve, the held-out losses if measured) and loss_curve.png into out_dir; returns their
+    paths."""
     os.makedirs(out_dir, exist_ok=True)
     summary = {"meta": meta, "implementations": runs}
     json_path = os.path.join(out_dir, "summary.json")
@@ -204,7 +226,10 @@ def write_report(out_dir: str, runs: dict, meta: dict) -> tuple[str, str]:
     for name, run in runs.items():
         steps = range(1, len(run["losses"]) + 1)
         label = f"{name}: {run['tokens_per_s']:,.0f} tok/s, peak {format_bytes(run['peak_memory_bytes'])}"
-        ax.plot(steps, run["losses"], label=label, linewidth=1.2)
+        line, = ax.plot(steps, run["losses"], label=label, linewidth=1.2)
+        if run.get("held_out"):  # held-out losses as markers in the run's colour
+            ax.plot([e["step"] for e in run["held_out"]], [e["loss"] for e in run["held_out"]], "o",
+                    color=line.get_color(), markersize=4, label=f"{name}: held-out")
     ax.set_xlabel("step")
     ax.set_ylabel("language-model loss (nats per byte)")
     ax.set_title(f"{meta['model']} ({meta['preset']}), {meta['device']}, world {meta['world_size']}")

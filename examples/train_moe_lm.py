@@ -44,8 +44,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from moe_lm_support import (  # noqa: E402  (the module beside this file)
-    ExpertsRanges, RoutingBiasUpdater, batch_for_step, experts_share, format_bytes,
-    load_stdlib_corpus, write_report)
+    ExpertsRanges, RoutingBiasUpdater, batch_for_step, eval_batch, experts_share, format_bytes,
+    load_stdlib_corpus, split_held_out, write_report)
 
 IMPLEMENTATIONS = ("machmoe", "machmoe-fused", "machmoe-fp8", "grouped_mm", "eager")
 
@@ -96,6 +96,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--corpus-mib", type=float, default=48.0, help="bytes of stdlib source read")
     p.add_argument("--log-every", type=int, default=0, help="0: about 20 lines per run")
+    p.add_argument("--eval-batches", type=int, default=0,
+                   help="held-out batches (the corpus's last 5%%, then not trained on) whose mean loss is "
+                        "measured every --eval-every steps and after the last; 0: no evaluation")
+    p.add_argument("--eval-every", type=int, default=0, help="0: only after the last step")
     p.add_argument("--skip-timing", type=int, default=2,
                    help="first steps left out of tokens/s (allocator and kernel warm-up)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -299,9 +303,26 @@ def train(args, implementation: str, dist: Distributed, corpus: torch.Tensor) ->
     bias_updater = RoutingBiasUpdater(model, args.bias_update_rate) \
         if args.model == "deepseek-v3" and args.bias_update_rate > 0 else None
     tokens_per_step = args.batch * args.seq               # over all ranks
+    # With held-out batches the training windows come from the rest of the corpus only.
+    train_corpus, held_out = split_held_out(corpus, 0.05) if args.eval_batches else (corpus, None)
+
+    @torch.no_grad()
+    def evaluate() -> float:
+        """The mean language-model loss over the held-out batches, the model in eval mode."""
+        model.eval()
+        total = 0.0
+        for i in range(args.eval_batches):
+            input_ids = eval_batch(held_out, i, args.batch, args.seq, args.seed,
+                                   dist.rank, dist.world).to(dist.device, non_blocking=True)
+            out = model(input_ids=input_ids, labels=input_ids)
+            aux_loss = getattr(out, "aux_loss", None)
+            lm_loss = out.loss if aux_loss is None else out.loss - args.aux_loss_coef * aux_loss
+            total += dist.mean(lm_loss.detach().float()).item()
+        model.train()
+        return total / args.eval_batches
 
     def step(index: int) -> torch.Tensor:
-        input_ids = batch_for_step(corpus, index, args.batch, args.seq, args.seed,
+        input_ids = batch_for_step(train_corpus, index, args.batch, args.seq, args.seed,
                                    dist.rank, dist.world).to(dist.device, non_blocking=True)
         out = model(input_ids=input_ids, labels=input_ids)  # labels shifted inside the model
         # out.loss includes the load-balancing term; the curve shows the language-model loss.
@@ -316,12 +337,18 @@ def train(args, implementation: str, dist: Distributed, corpus: torch.Tensor) ->
             bias_updater.update()
         return dist.mean(lm_loss.detach().float())
 
-    losses, timed_s, timed_steps = [], 0.0, 0
+    losses, evals, timed_s, timed_steps = [], [], 0.0, 0
     for index in range(args.steps):
         start = time.perf_counter()
         loss = step(index).item()                           # .item() waits for the GPU
         elapsed = time.perf_counter() - start
         losses.append(loss)
+        if args.eval_batches and ((args.eval_every and (index + 1) % args.eval_every == 0)
+                                  or index + 1 == args.steps):
+            evals.append((index + 1, evaluate()))           # outside the timed region
+            if dist.rank == 0:
+                print(f"[{implementation:>10}] step {index + 1}: held-out loss {evals[-1][1]:.4f} "
+                      f"over {args.eval_batches} batches", flush=True)
         if not math.isfinite(loss):
             raise FloatingPointError(f"{implementation}: loss is {loss} at step {index + 1}")
         if index >= args.skip_timing:
@@ -338,6 +365,9 @@ def train(args, implementation: str, dist: Distributed, corpus: torch.Tensor) ->
         "peak_memory_bytes": peak, "peak_memory_kind": peak_kind,
         "parameters": sum(p.numel() for p in model.parameters()),  # FSDP2's DTensors: global sizes
     }
+    if evals:
+        result["held_out"] = [{"step": s_, "loss": v} for s_, v in evals]
+        result["final_held_out_loss"] = evals[-1][1]
     if args.profile:
         result["profile"] = profile(args, implementation, model, step, dist)
     return result
@@ -390,7 +420,8 @@ def main(argv=None) -> dict:
 
     if dist.rank == 0:
         for name, run in runs.items():
-            print(f"[{name:>10}] final loss {run['final_loss']:.4f} | {run['tokens_per_s']:,.0f} "
+            held_out = f" | held-out {run['final_held_out_loss']:.4f}" if "final_held_out_loss" in run else ""
+            print(f"[{name:>10}] final loss {run['final_loss']:.4f}{held_out} | {run['tokens_per_s']:,.0f} "
                   f"tok/s | peak {format_bytes(run['peak_memory_bytes'])} ({run['peak_memory_kind']})")
         if args.out:
             meta = {"model": args.model, "preset": args.preset, "world_size": dist.world,

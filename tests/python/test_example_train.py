@@ -171,6 +171,24 @@ def test_qwen3_tiny_fp8_blocks_agree_and_learn(seed, tmp_path):
     assert runs["machmoe-fp8"]["losses"] != runs["machmoe-fused"]["losses"]  # FP8 did run
 
 
+def test_held_out_loss_is_measured_on_the_same_batches(seed, tmp_path):
+    """--eval-batches: the held-out loss (the corpus's last 5%, fixed windows) after the given
+    steps and the last; the same batches for every implementation, so two runs of one
+    implementation from the same seed measure bitwise the same values, and training lowers it."""
+    args = ["--preset", "tiny", "--steps", "8", "--seed", str(seed), "--experts", "grouped_mm",
+            "--eval-batches", "2", "--eval-every", "4", "--out", str(tmp_path)] + SMALL
+    a = train_moe_lm.main(args)["grouped_mm"]
+    b = train_moe_lm.main(args)["grouped_mm"]
+    assert [e["step"] for e in a["held_out"]] == [4, 8]
+    assert a["held_out"] == b["held_out"] and a["final_held_out_loss"] == a["held_out"][-1]["loss"]
+    assert all(math.isfinite(e["loss"]) for e in a["held_out"])
+    assert a["held_out"][-1]["loss"] < math.log(256), a["held_out"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["implementations"]["grouped_mm"]["held_out"] == a["held_out"]
+    train_part, held_out = moe_lm_support.split_held_out(torch.arange(100, dtype=torch.uint8), 0.05)
+    assert train_part.numel() == 95 and held_out.numel() == 5 and held_out[0] == 95
+
+
 def test_routing_bias_moves_against_the_load(seed):
     """DeepSeek-V3's selection bias: overloaded experts down by the rate, underloaded ones up."""
     args = train_moe_lm.parse_args(["--preset", "deepseek-v3-tiny", "--layers", "2",
