@@ -59,8 +59,9 @@ def _run(layer, x, g):
     return [out.detach(), x.grad] + [p.grad.clone() for p in layer.parameters()]
 
 
-def _check_garbage_rows_route_nowhere(rank, world, seed):
-    from machmoe import distributed
+def _small_case(rank, world, seed):
+    """A small float64 expert-parallel layer on the torch backend with the device-counted exchange
+    (4 experts per rank, K = 3) and this rank's tokens x and output gradient g (9 + rank rows)."""
     from machmoe.distributed import ExpertParallelMoE
 
     torch.manual_seed(seed)
@@ -69,6 +70,13 @@ def _check_garbage_rows_route_nowhere(rank, world, seed):
     gen = torch.Generator().manual_seed(seed + rank)
     x = torch.randn(9 + rank, 16, generator=gen, dtype=torch.float64)
     g = torch.randn(9 + rank, 16, generator=gen, dtype=torch.float64)
+    return layer, x, g
+
+
+def _check_garbage_rows_route_nowhere(rank, world, seed):
+    from machmoe import distributed
+
+    layer, x, g = _small_case(rank, world, seed)
     want = _run(layer, x, g)
     calls = []
     plain = distributed._device_count_transports
@@ -182,14 +190,8 @@ def _check_pull_transport_emulated(rank, world, seed):
 
     from machmoe import device_count_transport as dct
     from machmoe import distributed, symmetric_exchange
-    from machmoe.distributed import ExpertParallelMoE
 
-    torch.manual_seed(seed)
-    layer = ExpertParallelMoE(4 * world, 3, 16, 8, "swiglu", True, 0.3, backend="torch",
-                              exchange="all_to_all_device", max_tokens=12, seed=seed).double()
-    gen = torch.Generator().manual_seed(seed + rank)
-    x = torch.randn(9 + rank, 16, generator=gen, dtype=torch.float64)
-    g = torch.randn(9 + rank, 16, generator=gen, dtype=torch.float64)
+    layer, x, g = _small_case(rank, world, seed)
     want = _run(layer, x, g)
     handles = []
 
