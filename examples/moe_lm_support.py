@@ -54,13 +54,18 @@ def batch_for_step(corpus: torch.Tensor, step: int, global_batch: int, seq: int,
     The windows' start offsets depend only on (seed, step), so every implementation, every world
     size and every rerun sees the same tokens in the same order; rank r takes rows
     [r·B/W, (r+1)·B/W) of the global batch."""
+    return _windows(corpus, np.random.default_rng([seed, step]), global_batch, seq, rank, world)
+
+
+def _windows(corpus: torch.Tensor, rng: np.random.Generator, global_batch: int, seq: int, rank: int,
+             world: int) -> torch.Tensor:
+    """global_batch windows of seq bytes at offsets drawn from rng -> this rank's rows, int64
+    [global_batch // world, seq]."""
     if global_batch % world:
         raise ValueError(f"--batch ({global_batch}) must be a multiple of the world size ({world})")
-    rng = np.random.default_rng([seed, step])
     starts = rng.integers(0, corpus.numel() - seq, size=global_batch)
     per_rank = global_batch // world
-    rows = [corpus[s:s + seq] for s in starts[rank * per_rank:(rank + 1) * per_rank]]
-    return torch.stack(rows).long()
+    return torch.stack([corpus[s:s + seq] for s in starts[rank * per_rank:(rank + 1) * per_rank]]).long()
 
 
 def split_held_out(corpus: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,14 +79,10 @@ def eval_batch(held_out: torch.Tensor, index: int, global_batch: int, seq: int, 
                rank: int = 0, world: int = 1) -> torch.Tensor:
     """Held-out batch `index`: the same windows for every implementation, step and rerun (their
     offsets depend on (seed, index) only, from a random stream of their own)."""
-    if global_batch % world:
-        raise ValueError(f"--batch ({global_batch}) must be a multiple of the world size ({world})")
     if held_out.numel() <= seq:
         raise ValueError(f"the held-out part of the corpus ({held_out.numel()} bytes) is shorter than a "
                          f"sequence ({seq}): raise --corpus-mib")
-    starts = np.random.default_rng([seed, index, 1]).integers(0, held_out.numel() - seq, size=global_batch)
-    per_rank = global_batch // world
-    return torch.stack([held_out[s:s + seq] for s in starts[rank * per_rank:(rank + 1) * per_rank]]).long()
+    return _windows(held_out, np.random.default_rng([seed, index, 1]), global_batch, seq, rank, world)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,14 +7,12 @@ else (a wrong row, expert or score is off by order 1). Each test spawns one grou
 its cases in it, to keep CI fast.
 """
 
-import os
-import tempfile
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawn_helpers import spawn_workers
 
 TOL = 1e-10
 
@@ -328,17 +326,7 @@ def _check_errors(world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_matches_the_whole_layer(world, seed):
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), seed, errors),
-                     nprocs=world, join=True)
-        except Exception:
-            messages = []
-            while not errors.empty():
-                messages.append(errors.get())
-            pytest.fail("\n".join(messages) or "a worker failed", pytrace=False)
+    spawn_workers(_worker, world, seed)
 
 
 def test_expert_parallel_needs_an_initialised_group():

@@ -19,14 +19,12 @@ those cases cannot see on the CPU's zero-filled transport:
 """
 
 import math
-import os
-import tempfile
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawn_helpers import spawn_workers
 
 
 def _garbage_transports(group, calls):
@@ -252,16 +250,7 @@ def _worker(rank, world, init_file, seed, errors):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_device_counted_exchange_on_gloo(world, seed):
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), seed, errors), nprocs=world, join=True)
-        except Exception:
-            messages = []
-            while not errors.empty():
-                messages.append(errors.get())
-            pytest.fail("\n".join(messages) or "a worker failed", pytrace=False)
+    spawn_workers(_worker, world, seed)
 
 
 def test_capacity_and_send_rows():

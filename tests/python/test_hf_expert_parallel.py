@@ -34,13 +34,12 @@ from __future__ import annotations
 import copy
 import os
 import re
-import tempfile
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawn_helpers import spawn_workers
 
 pytest.importorskip("transformers")
 
@@ -220,13 +219,4 @@ def test_machmoe_experts_under_transformers_expert_parallelism(seed):
     if "ep_size" not in DistributedConfig.__dataclass_fields__ \
             or not hasattr(PreTrainedModel, "maybe_distribute_model"):
         pytest.skip("this transformers release shards experts otherwise (no DistributedConfig.ep_size)")
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            mp.spawn(_worker, args=(WORLD, os.path.join(tmp, "init"), seed, errors), nprocs=WORLD, join=True)
-        except Exception:
-            messages = []
-            while not errors.empty():
-                messages.append(errors.get())
-            pytest.fail("\n".join(messages) or "a worker failed", pytrace=False)
+    spawn_workers(_worker, WORLD, seed)

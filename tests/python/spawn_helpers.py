@@ -1,0 +1,23 @@
+"""Running a test's worker on W processes (gloo or NCCL, the worker initialises its group):
+each worker gets (rank, world, init_file, seed, errors) and puts its traceback on `errors` before
+re-raising, so that the test fails with every rank's message rather than the spawn's alone."""
+
+import os
+import tempfile
+
+import pytest
+import torch.multiprocessing as mp
+
+
+def spawn_workers(worker, world: int, seed: int) -> None:
+    """worker(rank, world, init_file, seed, errors) on `world` processes; a failure on any rank
+    fails the calling test with the ranks' tracebacks."""
+    errors = mp.get_context("spawn").SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            mp.spawn(worker, args=(world, os.path.join(tmp, "init"), seed, errors), nprocs=world, join=True)
+        except Exception:
+            messages = []
+            while not errors.empty():
+                messages.append(errors.get())
+            pytest.fail("\n".join(messages) or "a worker failed", pytrace=False)
