@@ -190,6 +190,18 @@ ValidExpertsProblem validate(const ExpertsProblem& p);
 WorkspacePlan plan_workspace(const ValidExpertsProblem& p);
 WorkspacePlan plan_workspace(const ExpertsProblem& p);  // validates p
 
+// `part` splits the call in three, for a caller whose x rows arrive in two batches (expert
+// parallelism: a GPU's own tokens are at hand, the other GPUs' arrive while it computes). Tokens
+// [0, early_tokens) are the early ones, [early_tokens, T) the late ones.
+//   EarlyRows: the routing metadata and the up-projection of the early tokens' rows (x's late
+//              rows are not read);
+//   LateRows:  both projections of the late tokens' rows, and out's late rows;
+//   EarlyOut:  the down-projection of the early tokens' rows, and out's early rows.
+// Run in that order with the same arguments (saved and workspace untouched in between), they
+// write bitwise what one call (All) writes: every row is computed by the same kernels, only the
+// tiles are cut at each expert's first late row.
+enum class ExpertsForwardPart { All, EarlyRows, LateRows, EarlyOut };
+
 struct ExpertsForwardArgs {
   const void* x = nullptr;             // [T, d]
   const void* w1 = nullptr;            // [E, n1, d]
@@ -203,6 +215,11 @@ struct ExpertsForwardArgs {
   void* saved = nullptr;               // plan.saved_bytes, 256-byte aligned
   void* workspace = nullptr;           // plan.forward_workspace_bytes, 256-byte aligned
   int32_t* duplicate_flag = nullptr;   // [1] or null: set to 1 when the list repeats a pair, else 0
+  ExpertsForwardPart part = ExpertsForwardPart::All;
+  int64_t early_tokens = 0;            // [0, T]: the early tokens of a split call (any part but All)
+  // A bound on the GEMMs' persistent CTAs (0: one per SM), leaving SMs to work queued on other
+  // streams (a transfer's barriers beside a split call's last part).
+  int max_ctas = 0;
 };
 void experts_forward(const ValidExpertsProblem& p, const ExpertsForwardArgs& a, cudaStream_t stream);
 void experts_forward(const ExpertsProblem& p, const ExpertsForwardArgs& a, cudaStream_t stream);  // validates p
@@ -219,7 +236,12 @@ void experts_forward(const ExpertsProblem& p, const ExpertsForwardArgs& a, cudaS
 // from that workspace (same problem, list, saved, x, dout; the workspace untouched in between).
 // Each gradient is bitwise what a whole call writes. weights_max_ctas bounds the persistent CTAs of
 // the weight-gradient GEMMs (0: one per SM), leaving SMs to work queued on other streams.
-enum class ExpertsBackwardPart { All, DataGradients, WeightGradients };
+//
+// DataGradients splits further, as the forward's parts do, for a caller whose dout rows arrive in
+// two batches: DataEarlyRows runs the first GEMM (dout · W2) on the rows of the early tokens
+// [0, early_tokens) (dout's late rows are not read), DataLateRows the rest of DataGradients. The
+// two in order write bitwise what DataGradients writes.
+enum class ExpertsBackwardPart { All, DataGradients, WeightGradients, DataEarlyRows, DataLateRows };
 struct ExpertsBackwardArgs {
   const void* x = nullptr;
   const void* w1 = nullptr;
@@ -240,6 +262,7 @@ struct ExpertsBackwardArgs {
   DType weight_grad_dtype = DType::BF16;
   ExpertsBackwardPart part = ExpertsBackwardPart::All;
   int weights_max_ctas = 0;
+  int64_t early_tokens = 0;  // [0, T]: the early tokens of DataEarlyRows / DataLateRows
 };
 void experts_backward(const ValidExpertsProblem& p, const ExpertsBackwardArgs& a, cudaStream_t stream);
 void experts_backward(const ExpertsProblem& p, const ExpertsBackwardArgs& a, cudaStream_t stream);  // validates p
@@ -379,6 +402,9 @@ struct GroupedGemmArgs {
   int64_t a_rows = 0;                       // rows of A (T with a gather, else >= off[E])
   const int32_t* gather = nullptr;          // [R] or null
   const int32_t* expert_offsets = nullptr;  // [E+1] device
+  // [E] device, or null. Given: expert e's rows are [expert_offsets[e], expert_row_ends[e]) (a part
+  // of each expert's rows; expert_offsets may then be any [E] row starts); null: [off[e], off[e+1]).
+  const int32_t* expert_row_ends = nullptr;
   int64_t E = 0, N = 0, K = 0;
   const void* w = nullptr;                  // [E, N, K]
   const void* bias = nullptr;               // [E, N] or null

@@ -199,6 +199,16 @@ def _experts_backward_data(x, w1, b1, w2, b2, token_idx, expert_idx, saved, dout
     return (x.new_empty(x.shape), x.new_empty(R, dtype=torch.float32), x.new_empty(ws, dtype=torch.uint8))
 
 
+def _experts_forward_part(x, w1, b1, w2, b2, scores, token_idx, expert_idx, out, saved, workspace, part,
+                          early_tokens, activation, layout, glu_clamp=(), max_ctas=0):
+    return None  # writes into out, saved and workspace
+
+
+def _experts_backward_data_part(x, w1, b1, w2, b2, token_idx, expert_idx, saved, dout, dx, d_scores, workspace,
+                                part, early_tokens, activation, layout, glu_clamp=()):
+    return None  # writes into dx, d_scores and workspace
+
+
 def _experts_backward_weights(x, w1, b1, w2, b2, token_idx, expert_idx, saved, dout, workspace, activation,
                               layout, glu_clamp=(), max_ctas=0):
     return _weight_grads(x, w1, b1, w2)
@@ -311,6 +321,8 @@ FAKES = {
     "experts_backward": _experts_backward,
     "experts_backward_data": _experts_backward_data,
     "experts_backward_weights": _experts_backward_weights,
+    "experts_forward_part": _experts_forward_part,
+    "experts_backward_data_part": _experts_backward_data_part,
     "grouped_gemm": _grouped_gemm,
     "grouped_gemm_nmajor": _grouped_gemm_nmajor,
     "grouped_gemm_wgrad": _grouped_gemm_wgrad,

@@ -54,7 +54,7 @@ from typing import Optional
 
 import torch
 
-from . import exchange_overflow, functional, symmetric_exchange, torch_backend
+from . import exchange_overflow, functional, overlapped_experts, symmetric_exchange, torch_backend
 from .enums import ActivationType, Backend, GateUpLayout, glu_clamp_list
 
 _c10d = torch.ops._c10d_functional
@@ -140,6 +140,10 @@ def gathered_experts(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tenso
     rank's output NaN, and check_capacity() raise (machmoe.exchange_overflow)."""
     E_local = num_experts // world
     sg, eg = _GatherRouting.apply(scores, experts, world, group_name)  # [W·T, K] each
+    overlapped = _runs_overlapped(x, w1, w2, b1, b2, world, experts_kwargs)
+    if overlapped:  # this rank's tokens first (overlapped_experts)
+        T = scores.shape[0]
+        sg, eg = torch.roll(sg, -rank * T, 0), torch.roll(eg, -rank * T, 0)
     local = eg - rank * E_local
     # Experts another rank holds: out of [0, E_local), so dropped (no host check).
     local = torch.where((local >= 0) & (local < E_local), local, E_local)
@@ -148,11 +152,11 @@ def gathered_experts(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tenso
     token = _row_of_each_pair(rows, K, x.device)
     if pair_capacity is None or pair_capacity >= rows * K:
         return _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, group_name,
-                                         experts_kwargs)
+                                         experts_kwargs, overlapped)
     score, token, expert, count = compact_pairs(score, token, expert, E_local, pair_capacity, rows)
     overflow = exchange_overflow.agreed_overflow(count, pair_capacity, group, exchange_overflow.PAIRS_PER_RANK)
     out = _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, group_name,
-                                    experts_kwargs)
+                                    experts_kwargs, overlapped)
     return exchange_overflow.poison(out, overflow)
 
 
@@ -202,26 +206,49 @@ def compact_pairs(score: torch.Tensor, token: torch.Tensor, expert: torch.Tensor
     return placed(all_score), placed(all_token), placed(all_expert), count
 
 
-def _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, group_name, experts_kwargs):
-    """out [T, d]: x [T, d] gathered, the experts on the gathered rows [W·T, d] with the routing
-    list (score, token, expert) [R'] (ordered by token; experts out of [0, E/W) dropped), the
-    partial sums reduce-scattered. On the kernels over symmetric memory, where
-    overlaps_dx_exchange says it pays, as one node whose backward overlaps the reduce-scatter of
-    dx with the weight gradients (_ExchangedExperts); otherwise as three nodes (gather, experts,
-    reduce-scatter)."""
+# Whether the kernels' gathered experts run with their transfers overlapped (overlapped_experts)
+# rather than after and before them.
+_OVERLAP_TRANSFERS = True
+
+
+def _parsed_call(x, w1, w2, b1, b2, experts_kwargs) -> tuple:
+    """(activation, layout, glu_clamp, on_kernels) of an experts call."""
     activation, layout, glu_clamp, T, d, E, n = functional._parse_experts_call(
         x, w1, w2, b1, b2, experts_kwargs.get("activation", ActivationType.SWIGLU),
         experts_kwargs.get("layout", GateUpLayout.INTERLEAVED), experts_kwargs.get("backend", Backend.AUTO),
         experts_kwargs.get("glu_clamp"))
     on_kernels = functional.resolve_backend(experts_kwargs.get("backend", Backend.AUTO), x, d, n) == Backend.MACHMOE
+    return activation, layout, glu_clamp, on_kernels
+
+
+def _runs_overlapped(x, w1, w2, b1, b2, world, experts_kwargs) -> bool:
+    """Whether gathered_experts takes overlapped_experts: on the kernels, over symmetric memory."""
+    return _OVERLAP_TRANSFERS and _parsed_call(x, w1, w2, b1, b2, experts_kwargs)[3] and \
+        symmetric_exchange.available(x, world)
+
+
+def _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, group_name, experts_kwargs,
+                              overlapped=False):
+    """out [T, d]: x [T, d] gathered, the experts on the gathered rows [W·T, d] with the routing
+    list (score, token, expert) [R'] (ordered by token; experts out of [0, E/W) dropped), the
+    partial sums reduce-scattered. overlapped: the list indexes the rows rotated (this rank's
+    first), and the transfers run beside the kernels (overlapped_experts). Otherwise, on the
+    kernels over symmetric memory where overlaps_dx_exchange says it pays, as one node whose
+    backward overlaps the reduce-scatter of dx with the weight gradients (_ExchangedExperts);
+    else as three nodes (gather, experts, reduce-scatter)."""
+    activation, layout, glu_clamp, on_kernels = _parsed_call(x, w1, w2, b1, b2, experts_kwargs)
+    T, d = x.shape
+    opts = (activation.value, layout.value, glu_clamp_list(glu_clamp))
+    if overlapped:
+        return overlapped_experts.OverlappedExperts.apply(x.contiguous(), score, token, expert, w1.contiguous(),
+                                                          _contiguous(b1), w2.contiguous(), _contiguous(b2), opts,
+                                                          world, group_name)
     if on_kernels and symmetric_exchange.available(x, world) and overlaps_dx_exchange(T, d, x.element_size()):
         return _ExchangedExperts.apply(x.contiguous(), score, token, expert, w1.contiguous(), _contiguous(b1),
-                                       w2.contiguous(), _contiguous(b2),
-                                       (activation.value, layout.value, glu_clamp_list(glu_clamp)), world,
-                                       group_name)
+                                       w2.contiguous(), _contiguous(b2), opts, world, group_name)
     xg = _GatherRows.apply(x, world, group_name)  # [W·T, d]
     if not on_kernels:  # the torch backend takes in-range pairs only (it synchronises anyway)
-        keep = expert < E
+        keep = expert < w1.shape[0]
         score, token, expert = score[keep], token[keep], expert[keep]
     y = functional._run_experts(xg, w1, b1, w2, b2, score, token, expert, activation, layout, glu_clamp,
                                 on_kernels)  # [W·T, d]

@@ -83,19 +83,34 @@ def _view(handle, rank: int, like: torch.Tensor, offset_elems: int = 0) -> torch
 
 def all_gather(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
     """t [R, ...] on every rank -> [W·R, ...], rank q's rows at [q·R, (q+1)·R)."""
+    out = t.new_empty((W * t.shape[0],) + tuple(t.shape[1:]))
+    rank = gather_blocks(t, out, W, group_name)
+    out.chunk(W)[rank].copy_(t)
+    return out
+
+
+def rotated_place(q: int, rank: int, W: int) -> int:
+    """Where rank q's block sits in this rank's rotated gather: its own first, then the ranks after
+    it, (q - rank) mod W."""
+    return (q - rank) % W
+
+
+def gather_blocks(t: torch.Tensor, out: torch.Tensor, W: int, group_name: str, rotated: bool = False) -> int:
+    """The peers' blocks of an all-gather of t [R, ...] into out [W·R, ...]: rank q's block at q, or at
+    rotated_place(q) (this rank's own first). This rank's own block is not written (the caller
+    places it, on whatever stream it likes). Returns this rank. Only copies and barriers: it can run
+    on a side stream beside kernels that leave an SM free."""
     t = t.contiguous()
     handle = _staging(group_name, t.numel() * t.element_size())
     rank = handle.rank
-    out = t.new_empty((W * t.shape[0],) + tuple(t.shape[1:]))
     blocks = out.chunk(W)
     _view(handle, rank, t).copy_(t)
     handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
     for step in range(1, W):
         q = (rank + step) % W
-        blocks[q].copy_(_view(handle, q, t))  # pulled from rank q by a copy engine
-    blocks[rank].copy_(t)
+        blocks[rotated_place(q, rank, W) if rotated else q].copy_(_view(handle, q, t))  # by a copy engine
     handle.barrier(channel=1, timeout_ms=BARRIER_TIMEOUT_MS)
-    return out
+    return rank
 
 
 def reduce_scatter(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
@@ -104,16 +119,19 @@ def reduce_scatter(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
     return sum_blocks(pull_blocks(t, W, group_name))
 
 
-def pull_blocks(t: torch.Tensor, W: int, group_name: str) -> list:
+def pull_blocks(t: torch.Tensor, W: int, group_name: str, rotated: bool = False) -> list:
     """The transfer half of reduce_scatter: t [W·R, ...] -> the W blocks [R, ...] that rank r sums,
-    rank q's block r at q (this rank's own a view of t, the others pulled). Only copies and
+    in rank order: rank q's block for r at q (this rank's own a view of t, the others pulled). t's
+    block q goes to rank q, or (rotated) t's block rotated_place(q) does: then this rank's own is
+    its first, which is never read here (the caller may still be computing it). Only copies and
     barriers: it can run on a side stream beside kernels that leave an SM free."""
     t = t.contiguous()
     if t.shape[0] % W:
         raise ValueError(f"reduce_scatter: t has {t.shape[0]} rows, not a multiple of W = {W}")
     handle = _staging(group_name, t.numel() * t.element_size())
     rank = handle.rank
-    mine = t.chunk(W)
+    chunks = t.chunk(W)
+    mine = [chunks[rotated_place(q, rank, W)] for q in range(W)] if rotated else list(chunks)  # by destination
     block_elems = mine[0].numel()
     for q in range(W):  # the blocks the other ranks will pull, each at its place
         if q != rank:

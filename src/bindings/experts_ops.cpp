@@ -83,6 +83,58 @@ std::tuple<Tensor, Tensor> op_experts_forward(const Tensor& x, const Tensor& w1,
   });
 }
 
+ExpertsForwardPart parse_forward_part(const std::string& part) {
+  if (part == "early_rows") return ExpertsForwardPart::EarlyRows;
+  if (part == "late_rows") return ExpertsForwardPart::LateRows;
+  if (part == "early_out") return ExpertsForwardPart::EarlyOut;
+  MACHMOE_CHECK_VALUE(false, "part must be 'early_rows', 'late_rows' or 'early_out', got '", part, "'");
+  return ExpertsForwardPart::All;
+}
+
+// One part of an experts_forward call split into early tokens [0, early_tokens) and late ones
+// (machmoe::ExpertsForwardPart): writes its rows of `out`, and `saved` and `workspace`
+// (experts_workspace_bytes: saved, forward workspace), which the caller keeps between the parts.
+// max_ctas bounds the GEMMs' persistent CTAs (0: one per SM).
+void op_experts_forward_part(const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1, const Tensor& w2,
+                             const std::optional<Tensor>& b2, const Tensor& scores, const Tensor& token_idx,
+                             const Tensor& expert_idx, const Tensor& out, const Tensor& saved,
+                             const Tensor& workspace, const std::string& part, int64_t early_tokens,
+                             const std::string& activation, const std::string& layout,
+                             at::ArrayRef<double> glu_clamp, int64_t max_ctas) {
+  translate_errors([&] {
+    check_dims(scores, "scores", 1);
+    const ValidExpertsProblem valid =
+        experts_problem(x, w1, w2, b1.has_value(), scores.numel(), activation, layout, glu_clamp);
+    const ExpertsProblem& p = *valid;
+    check_expert_tensors(p, x, w1, b1, w2, b2);
+    const at::Device device = x.device();
+    check_tensor(scores, "scores", at::kFloat, {p.R}, &device);
+    check_tensor(token_idx, "token_idx", at::kInt, {p.R}, &device);
+    check_tensor(expert_idx, "expert_idx", at::kInt, {p.R}, &device);
+    check_bf16(out, "out", {p.T, p.d}, &device);
+    const WorkspacePlan plan = plan_workspace(valid);
+    check_tensor(saved, "saved", at::kByte, {static_cast<int64_t>(plan.saved_bytes)}, &device);
+    check_tensor(workspace, "workspace", at::kByte, {static_cast<int64_t>(plan.forward_workspace_bytes)}, &device);
+    const c10::cuda::CUDAGuard guard(x.device());
+    ExpertsForwardArgs a;
+    a.x = x.data_ptr();
+    a.w1 = w1.data_ptr();
+    a.b1 = b1 ? b1->data_ptr() : nullptr;
+    a.w2 = w2.data_ptr();
+    a.b2 = b2 ? b2->data_ptr() : nullptr;
+    a.scores = scores.data_ptr<float>();
+    a.pair_token = token_idx.data_ptr<int32_t>();
+    a.pair_expert = expert_idx.data_ptr<int32_t>();
+    a.out = out.data_ptr();
+    a.saved = saved.data_ptr();
+    a.workspace = workspace.data_ptr();
+    a.part = parse_forward_part(part);
+    a.early_tokens = early_tokens;
+    a.max_ctas = static_cast<int>(std::clamp<int64_t>(max_ctas, -1, int64_t{1} << 30));
+    experts_forward(valid, a, at::cuda::getCurrentCUDAStream());
+  });
+}
+
 using Grads = std::tuple<Tensor, Tensor, std::optional<Tensor>, Tensor, std::optional<Tensor>, Tensor>;
 
 // The tensors of one experts_backward call (or part of one); those of a part not computed stay
@@ -97,7 +149,8 @@ BackwardTensors run_experts_backward(const Tensor& x, const Tensor& w1, const st
                                      const Tensor& expert_idx, const Tensor& saved, const Tensor& dout,
                                      const std::string& activation, const std::string& layout,
                                      at::ArrayRef<double> glu_clamp, ExpertsBackwardPart part,
-                                     const Tensor* workspace, int64_t weights_max_ctas) {
+                                     const Tensor* workspace, int64_t weights_max_ctas,
+                                     const BackwardTensors* given = nullptr, int64_t early_tokens = 0) {
   check_dims(token_idx, "token_idx", 1);
   const ValidExpertsProblem valid =
       experts_problem(x, w1, w2, b1.has_value(), token_idx.numel(), activation, layout, glu_clamp);
@@ -112,9 +165,14 @@ BackwardTensors run_experts_backward(const Tensor& x, const Tensor& w1, const st
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n1 = is_glu(p.activation) ? 2 * p.n : p.n;
   const bool data = part != ExpertsBackwardPart::WeightGradients;
-  const bool weights = part != ExpertsBackwardPart::DataGradients;
+  const bool weights = part == ExpertsBackwardPart::All || part == ExpertsBackwardPart::WeightGradients;
   BackwardTensors t;
-  if (data) {
+  if (data && given) {  // a part of a split call: the caller's dx and d_scores
+    check_bf16(given->dx, "dx", {p.T, p.d}, &device);
+    check_tensor(given->d_scores, "d_scores", at::kFloat, {p.R}, &device);
+    t.dx = given->dx;
+    t.d_scores = given->d_scores;
+  } else if (data) {
     t.dx = at::empty({p.T, p.d}, x.options());
     t.d_scores = at::empty({p.R}, x.options().dtype(at::kFloat));
   }
@@ -154,6 +212,7 @@ BackwardTensors run_experts_backward(const Tensor& x, const Tensor& w1, const st
   a.part = part;
   // (experts_backward refuses a negative bound by name; past an int, the bound is no bound)
   a.weights_max_ctas = static_cast<int>(std::clamp<int64_t>(weights_max_ctas, -1, int64_t{1} << 30));
+  a.early_tokens = early_tokens;
   experts_backward(valid, a, at::cuda::getCurrentCUDAStream());
   return t;
 }
@@ -200,6 +259,27 @@ std::tuple<Tensor, std::optional<Tensor>, Tensor, std::optional<Tensor>> op_expe
   });
 }
 
+// One part of experts_backward_data split into early tokens [0, early_tokens) and late ones
+// (machmoe::ExpertsBackwardPart): 'early_rows', then 'late_rows', into the caller's dx, d_scores and
+// workspace (kept between the parts; the weight part then reads the workspace).
+void op_experts_backward_data_part(const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1,
+                                   const Tensor& w2, const std::optional<Tensor>& b2, const Tensor& token_idx,
+                                   const Tensor& expert_idx, const Tensor& saved, const Tensor& dout,
+                                   const Tensor& dx, const Tensor& d_scores, const Tensor& workspace,
+                                   const std::string& part, int64_t early_tokens, const std::string& activation,
+                                   const std::string& layout, at::ArrayRef<double> glu_clamp) {
+  translate_errors([&] {
+    MACHMOE_CHECK_VALUE(part == "early_rows" || part == "late_rows", "part must be 'early_rows' or 'late_rows', got '",
+                        part, "'");
+    BackwardTensors given;
+    given.dx = dx;
+    given.d_scores = d_scores;
+    run_experts_backward(x, w1, b1, w2, b2, token_idx, expert_idx, saved, dout, activation, layout, glu_clamp,
+                         part == "early_rows" ? ExpertsBackwardPart::DataEarlyRows : ExpertsBackwardPart::DataLateRows,
+                         &workspace, 0, &given, early_tokens);
+  });
+}
+
 // [saved, forward workspace, backward workspace] bytes of an experts call (bf16): no GPU needed.
 std::vector<int64_t> op_experts_workspace_bytes(int64_t T, int64_t d, int64_t n, int64_t E, int64_t R,
                                                 const std::string& activation, bool bias) {
@@ -239,6 +319,12 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
   m.def("experts_backward_weights(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, Tensor token_idx,"
         " Tensor expert_idx, Tensor saved, Tensor dout, Tensor(a!) workspace, str activation, str layout,"
         " float[] glu_clamp=[], int max_ctas=0) -> (Tensor dw1, Tensor? db1, Tensor dw2, Tensor? db2)");
+  m.def("experts_forward_part(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, Tensor scores,"
+        " Tensor token_idx, Tensor expert_idx, Tensor(a!) out, Tensor(b!) saved, Tensor(c!) workspace, str part,"
+        " int early_tokens, str activation, str layout, float[] glu_clamp=[], int max_ctas=0) -> ()");
+  m.def("experts_backward_data_part(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, Tensor token_idx,"
+        " Tensor expert_idx, Tensor saved, Tensor dout, Tensor(a!) dx, Tensor(b!) d_scores, Tensor(c!) workspace,"
+        " str part, int early_tokens, str activation, str layout, float[] glu_clamp=[]) -> ()");
   m.def("experts_workspace_bytes(int T, int d, int n, int E, int R, str activation, bool bias) -> int[]",
         &op_experts_workspace_bytes);
   m.def("experts_saved_layout(int n, int E, str activation) -> int[]", &op_experts_saved_layout);
@@ -249,6 +335,8 @@ TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {
   m.impl("experts_backward", &op_experts_backward);
   m.impl("experts_backward_data", &op_experts_backward_data);
   m.impl("experts_backward_weights", &op_experts_backward_weights);
+  m.impl("experts_forward_part", &op_experts_forward_part);
+  m.impl("experts_backward_data_part", &op_experts_backward_data_part);
 }
 
 }  // namespace machmoe::bindings

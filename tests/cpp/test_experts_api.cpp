@@ -83,7 +83,7 @@ size_t a256(size_t v) { return (v + 255) / 256 * 256; }
 // H [R, n1] bf16, scores fp32 [R], expert_offsets [E+1], row_pair [R], pair_row [R], token offsets
 // [T+1]; forward = row_token [R], A [R, n], Y [R, d] bf16, metadata workspace, tile offsets [E+1];
 // backward = row_token [R], dH [R, n1], A' [R, n], dX~ [R, d] bf16, dS partials [R, tiles] fp32,
-// tile offsets [E+1], with biases chunk offsets [E+1] and partial sums [ceil(R/256) + E, max(d, n1)]
+// tile offsets [E+1], each expert's first late row [E] (both), with biases chunk offsets [E+1] and partial sums [ceil(R/256) + E, max(d, n1)]
 // fp32. Each sub-buffer starts on a 256-byte boundary.
 WorkspacePlan restated(const ExpertsProblem& p) {
   const size_t R = p.R, T = p.T, E = p.E, d = p.d, n = p.n, n1 = is_glu(p.activation) ? 2 * n : n;
@@ -91,9 +91,9 @@ WorkspacePlan restated(const ExpertsProblem& p) {
   WorkspacePlan w;
   w.saved_bytes = a256(R * n1 * 2) + 3 * a256(R * 4) + a256((E + 1) * 4) + a256((T + 1) * 4);
   w.forward_workspace_bytes = a256(R * 4) + a256(R * n * 2) + a256(R * d * 2) +
-                              a256(routing_metadata_workspace_bytes(p.T, p.E)) + a256((E + 1) * 4);
+                              a256(routing_metadata_workspace_bytes(p.T, p.E)) + a256((E + 1) * 4) + a256(E * 4);
   w.backward_workspace_bytes = a256(R * 4) + a256(R * n1 * 2) + a256(R * n * 2) + a256(R * d * 2) +
-                               a256(R * tiles * 4) + a256((E + 1) * 4);
+                               a256(R * tiles * 4) + a256((E + 1) * 4) + a256(E * 4);
   if (p.has_bias) {
     const size_t chunks = (R + 255) / 256 + E;
     w.backward_workspace_bytes += a256((E + 1) * 4) + a256(chunks * std::max(d, n1) * 4);
@@ -181,6 +181,13 @@ TEST(ExpertsForward, RefusesWhatItDoesNotRun) {
   refuses(ErrorCode::InvalidArgument, valid_experts(), a, "saved 128-byte aligned", "saved must be 256-byte aligned");
   a = fa, a.x = static_cast<char*>(m) + 8;
   refuses(ErrorCode::InvalidArgument, valid_experts(), a, "x 8-byte aligned", "x must be 16-byte aligned");
+  // A split call: its early tokens within [0, T], and a known part.
+  a = fa, a.part = ExpertsForwardPart::LateRows, a.early_tokens = valid_experts().T + 1;
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "early_tokens past T", "early_tokens must be in [0, T = ");
+  a = fa, a.part = ExpertsForwardPart::EarlyRows, a.early_tokens = -1;
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "negative early_tokens", "early_tokens must be in [0, T");
+  a = fa, a.part = static_cast<ExpertsForwardPart>(9);
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "an unknown part", "part must be All, EarlyRows");
 }
 
 TEST(ExpertsBackward, RefusesWhatItDoesNotRun) {
@@ -238,6 +245,10 @@ TEST(ExpertsBackward, RefusesWhatItDoesNotRun) {
   refuses(ErrorCode::InvalidArgument, p, a, "weight part without db2", "db2 must be given when has_bias");
   a = ba, a.weights_max_ctas = -1;
   refuses(ErrorCode::InvalidArgument, valid_experts(), a, "negative weights_max_ctas", "weights_max_ctas must be >= 0");
+  a = ba, a.part = ExpertsBackwardPart::DataEarlyRows, a.early_tokens = valid_experts().T + 1;
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "early_tokens past T", "early_tokens must be in [0, T = ");
+  a = ba, a.part = ExpertsBackwardPart::DataLateRows, a.dx = nullptr;
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "a data part without dx", "dx must not be null");
   a = ba, a.part = static_cast<ExpertsBackwardPart>(7);
   refuses(ErrorCode::InvalidArgument, valid_experts(), a, "an unknown part", "part must be All, DataGradients");
 }

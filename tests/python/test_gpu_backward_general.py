@@ -270,3 +270,68 @@ def test_backward_in_two_parts_is_bitwise_the_whole_call(bias):
         ops.experts_backward_weights(t["x"], *w, token, expert, saved, dout, workspace, *opts, [], -1)
     with pytest.raises(ValueError, match="workspace"):
         ops.experts_backward_weights(t["x"], *w, token, expert, saved, dout, workspace[:-256], *opts, [], 0)
+
+
+@pytest.mark.parametrize("T,E,early,act,bias", [
+    (777, 16, 300, "swiglu", True),     # odd T, an expert with no rows, biases
+    (1024, 16, 0, "swiglu", False),      # no early tokens
+    (1024, 16, 1024, "swiglu", False),   # no late tokens
+    (1, 8, 1, "swiglu", False),          # T = 1
+    (600, 520, 256, "swiglu", False),    # E > 512: the GEMMs' tile table comes from the scan kernel
+    (513, 16, 129, "relu", False),       # a non-GLU activation
+])
+def test_split_call_is_bitwise_the_whole_call(T, E, early, act, bias):
+    # The forward in three parts (early tokens' up-projection, the late tokens' rows, the early ones'
+    # down-projection) and the backward's data part in two (early rows' dH kernel, the rest), then
+    # the weight part from the split call's workspace, write bitwise what the whole calls write.
+    d, n = 256, 128
+    t = make_experts(T, d, n, E, act, bias)
+    token, expert, scores = routing_list(T, E, max_per_token=4, min_per_token=1)
+    keep = expert != 3  # expert 3 gets no rows
+    token, expert, scores = token[keep].int(), expert[keep].int(), scores[keep].contiguous()
+    ops = torch.ops.machmoe
+    w = (t["w1"], t["b1"] if bias else None, t["w2"], t["b2"] if bias else None)
+    opts = (act, "interleaved")
+    x = t["x"]
+    out, saved = ops.experts_forward(x, *w, scores, token, expert, *opts)
+    dout = torch.randn(T, d, device="cuda").bfloat16()
+    dx, dw1, db1, dw2, db2, d_scores = ops.experts_backward(x, *w, token, expert, saved, dout, *opts)
+
+    saved_bytes, fwd_bytes, _ = ops.experts_workspace_bytes(T, d, n, E, token.numel(), act, bias)
+    out2 = torch.full_like(out, float("nan"))
+    saved2 = torch.empty(saved_bytes, dtype=torch.uint8, device="cuda")
+    fwd_ws = torch.empty(fwd_bytes, dtype=torch.uint8, device="cuda")
+    # x's late rows are not read before the late part: poisoned until then.
+    x_arriving = x.clone()
+    x_arriving[early:] = float("nan")
+    ops.experts_forward_part(x_arriving, *w, scores, token, expert, out2, saved2, fwd_ws, "early_rows", early, *opts)
+    x_arriving[early:] = x[early:]
+    ops.experts_forward_part(x_arriving, *w, scores, token, expert, out2, saved2, fwd_ws, "late_rows", early, *opts)
+    ops.experts_forward_part(x_arriving, *w, scores, token, expert, out2, saved2, fwd_ws, "early_out", early, *opts)
+    assert torch.equal(out, out2), "out: the split forward differs from the whole call"
+    assert torch.equal(saved, saved2), "saved: the split forward differs from the whole call"
+
+    dx2 = torch.full_like(dx, float("nan"))
+    d_scores2 = torch.full_like(d_scores, float("nan"))
+    _, _, workspace = ops.experts_backward_data(x, *w, token, expert, saved, dout, *opts)  # sized and typed
+    dout_arriving = dout.clone()
+    dout_arriving[early:] = float("nan")
+    ops.experts_backward_data_part(x, *w, token, expert, saved2, dout_arriving, dx2, d_scores2, workspace,
+                                   "early_rows", early, *opts)
+    dout_arriving[early:] = dout[early:]
+    ops.experts_backward_data_part(x, *w, token, expert, saved2, dout_arriving, dx2, d_scores2, workspace,
+                                   "late_rows", early, *opts)
+    dw1b, db1b, dw2b, db2b = ops.experts_backward_weights(x, *w, token, expert, saved2, dout, workspace, *opts)
+    pairs = [("dx", dx, dx2), ("d_scores", d_scores, d_scores2), ("dw1", dw1, dw1b), ("dw2", dw2, dw2b)]
+    if bias:
+        pairs += [("db1", db1, db1b), ("db2", db2, db2b)]
+    for name, whole, part in pairs:
+        assert whole.abs().max() > 0, f"{name} is all zeros"
+        assert torch.equal(whole, part), f"{name}: the split backward differs from the whole call"
+    with pytest.raises(ValueError, match="early_tokens"):
+        ops.experts_forward_part(x, *w, scores, token, expert, out2, saved2, fwd_ws, "early_rows", T + 1, *opts)
+    with pytest.raises(ValueError, match="part"):
+        ops.experts_forward_part(x, *w, scores, token, expert, out2, saved2, fwd_ws, "late", early, *opts)
+    with pytest.raises(ValueError, match="early_tokens"):
+        ops.experts_backward_data_part(x, *w, token, expert, saved2, dout, dx2, d_scores2, workspace,
+                                       "early_rows", -1, *opts)

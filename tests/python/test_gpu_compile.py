@@ -50,6 +50,12 @@ def _op_cases():
     general = (t["x"], t["w1"], t["b1"], t["w2"], t["b2"])
     _, g_saved = m.experts_forward(*general, pair_scores, tok, exp, "swiglu", "interleaved")
     g_workspace = m.experts_backward_data(*general, tok, exp, g_saved, dout, "swiglu", "interleaved")[2]
+    # A split call's buffers (written by the part ops in place).
+    saved_bytes, fwd_bytes, _ = m.experts_workspace_bytes(T, t["x"].shape[1], t["w2"].shape[2], t["w1"].shape[0],
+                                                          tok.numel(), "swiglu", True)
+    split_fwd = (torch.empty_like(t["x"]), torch.empty(saved_bytes, dtype=torch.uint8, device="cuda"),
+                 torch.empty(fwd_bytes, dtype=torch.uint8, device="cuda"))
+    split_bwd = (torch.empty_like(t["x"]), torch.empty_like(pair_scores), g_workspace.clone())
     rounded = m.token_rounding(logits, K, "nr", 16, 0)
     # FP8: x's rows gathered and quantised, w1 [E, 2n, d] in 128x128 blocks (N = 384: a partial block)
     a_q, a_scales = m.fp8_quantize_rows(t["x"], row_token)
@@ -87,6 +93,10 @@ def _op_cases():
         ("experts_backward_data", general + (tok, exp, g_saved, dout, "swiglu", "interleaved")),
         ("experts_backward_weights", general + (tok, exp, g_saved, dout, g_workspace, "swiglu", "interleaved", [],
                                                 100)),
+        ("experts_forward_part", general + (pair_scores, tok, exp) + split_fwd + ("early_rows", T // 2, "swiglu",
+                                                                                  "interleaved")),
+        ("experts_backward_data_part", general + (tok, exp, g_saved, dout) + split_bwd + ("early_rows", T // 2,
+                                                                                        "swiglu", "interleaved")),
         ("grouped_gemm", (t["x"], row_token, offs, t["w1"], t["b1"], R, "glu", "swiglu", "interleaved")),
         ("grouped_gemm", (h[:, :n].contiguous(), None, offs, t["w2"], t["b2"], R, "store", "swiglu", "interleaved")),
         ("grouped_gemm_nmajor", (dout, row_token, offs, t["w2"], R, h, row_scores, row_pair, "swiglu",

@@ -216,10 +216,19 @@ def _check_compiled(model, x, g, max_tokens):
 
 
 def _force_overlap(on: bool) -> None:
-    """The all-gather exchange's backward overlapped (on) or plain, whatever the block size."""
+    """The all-gather exchange's plain path: its backward overlapped (on) or plain, whatever the
+    block size."""
     from machmoe import expert_exchange
 
     expert_exchange.OVERLAP_MIN_BLOCK_BYTES = 0 if on else 1 << 62
+
+
+def _force_transfers_overlapped(on: bool) -> None:
+    """The all-gather exchange on the kernels with every transfer beside the kernels
+    (overlapped_experts, the default), or its plain path."""
+    from machmoe import expert_exchange
+
+    expert_exchange._OVERLAP_TRANSFERS = on
 
 
 def check_ep_layer(layer, rank, world, xs, gs, single, ref, label):
@@ -227,7 +236,7 @@ def check_ep_layer(layer, rank, world, xs, gs, single, ref, label):
     (bitwise the same), against the single-GPU layer's (single) and the float64 reference's (ref)
     out, dx and parameter gradients of the ranks' mean loss (_mean_grads): each tensor within 2x
     the single GPU's error against float64, plus 2^-8 (each rank's partial sum is rounded to bf16
-    before the combine)."""
+    before the combine). Returns the first run's [out, dx, parameter gradients...]."""
     (one_out, one_dx, one_grads), (ref_out, ref_dx, ref_grads) = single, ref
     runs = []
     for _ in range(2):  # twice: bitwise the same
@@ -249,6 +258,7 @@ def check_ep_layer(layer, rank, world, xs, gs, single, ref, label):
         print(f"{label} W={world} rank {rank}: {name} error {err:.2e} "
               f"(single GPU {rel_err(one, want):.2e}, bound {bound:.2e})")
         assert err <= bound, f"{label} W={world} rank {rank}: {name} {err:.2e} > {bound:.2e}"
+    return runs[0]
 
 
 def _ep_worker(rank, world, init_file, seed):
@@ -267,17 +277,31 @@ def _ep_worker(rank, world, init_file, seed):
         one_out, one_dx, one_grads = _mean_grads(model, xs, gs, "machmoe")
 
         for exchange in EP_EXCHANGES(world):
-            # The all-gather exchange with max_tokens takes the overlapped backward (forced: these
-            # blocks are far below the size where it is chosen), without max_tokens the plain one.
-            _force_overlap(exchange["exchange"] == "all_gather" and "max_tokens" in exchange)
-            check_ep_layer(ExpertParallelMoE.from_moe(model, **exchange), rank, world, xs, gs,
-                           (one_out, one_dx, one_grads), (ref_out, ref_dx, ref_grads), f"expert parallel {exchange}")
+            gathered = exchange["exchange"] == "all_gather"
+            results = []
+            # The all-gather exchange with its transfers overlapped (the default), then its plain
+            # path: with max_tokens, the backward's dx transfer overlapped (forced: these blocks are
+            # far below the size where it is chosen), without max_tokens not. out and dx are bitwise
+            # the same (each token's sums keep their order); the weight gradients add an expert's
+            # rows in another order on ranks > 0 (their rows are rotated), so they are only as close
+            # as check_ep_layer asks.
+            for overlapped in (True, False) if gathered else (True,):
+                _force_transfers_overlapped(overlapped)
+                _force_overlap(gathered and "max_tokens" in exchange)
+                results.append(check_ep_layer(ExpertParallelMoE.from_moe(model, **exchange), rank, world, xs, gs,
+                                              (one_out, one_dx, one_grads), (ref_out, ref_dx, ref_grads),
+                                              f"expert parallel {exchange} transfers overlapped {overlapped}"))
+            for name, a, b in zip(("out", "dx"), results[0], results[-1]):
+                assert torch.equal(a, b), f"{exchange}: the overlapped transfers change {name}"
+            _force_transfers_overlapped(True)
         if world > 1:
             _check_overflow_on_the_gpu(model, xs[rank], rank, T + 3 * (world - 1))
             _check_compiled(model, xs[rank], gs[rank], T + 3 * (world - 1))
-        for overlap in (True, False):
+        for transfers, overlap in ((True, False), (False, True), (False, False)):
+            _force_transfers_overlapped(transfers)
             _force_overlap(overlap)
             _check_no_sync_and_graph(model, xs[rank], gs[rank], T + 3 * (world - 1))
+        _force_transfers_overlapped(True)
         _force_overlap(False)
         _check_rounding_on_kernels(model, xs[rank], gs[rank], T + 3 * (world - 1), rank, world)
     finally:

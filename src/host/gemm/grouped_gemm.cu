@@ -186,6 +186,7 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   p.lda = a.lda;
   p.gather = a.gather;
   p.expert_offsets = a.expert_offsets;
+  p.expert_ends = a.expert_row_ends ? a.expert_row_ends : a.expert_offsets + 1;
   p.tile_offsets = a.tile_offsets;
   p.bias = static_cast<const __nv_bfloat16*>(a.bias);
   p.c = static_cast<__nv_bfloat16*>(a.c);
@@ -206,8 +207,8 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
 
   // Above the kernel's shared-memory capacity the tile-offset table comes from a scan kernel.
   if (cfg.global_tile_offsets) {
-    detail::launch_gemm_tile_offsets(a.expert_offsets, p.E, p.n_tiles, a.tile_offsets, "grouped_gemm: tile offsets",
-                                     stream);
+    detail::launch_gemm_tile_offsets(p.expert_offsets, p.expert_ends, p.E, p.n_tiles, a.tile_offsets,
+                                     "grouped_gemm: tile offsets", stream);
   }
   const int sms = device_info().sm_count;
   const int ctas = a.max_ctas > 0 ? std::min(a.max_ctas, sms) : sms;
@@ -266,9 +267,9 @@ void grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
 
 namespace detail {
 
-void launch_gemm_tile_offsets(const int32_t* expert_offsets, int E, int n_tiles, int32_t* tile_offsets,
+void launch_gemm_tile_offsets(const int32_t* begins, const int32_t* ends, int E, int n_tiles, int32_t* tile_offsets,
                               const char* what, cudaStream_t stream) {
-  kernels::grouped_gemm_tile_offsets<<<1, 1024, 0, stream>>>(expert_offsets, E, n_tiles, tile_offsets);
+  kernels::grouped_gemm_tile_offsets<<<1, 1024, 0, stream>>>(begins, ends, E, n_tiles, tile_offsets);
   check_launch(what);
 }
 

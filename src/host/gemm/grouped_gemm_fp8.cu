@@ -107,6 +107,7 @@ void grouped_gemm_fp8(const GroupedGemmFp8Args& a, cudaStream_t stream) {
 
   kernels::Fp8GemmParams p{};
   p.g.expert_offsets = a.expert_offsets;
+  p.g.expert_ends = a.expert_offsets + 1;
   p.g.tile_offsets = a.tile_offsets;
   p.g.c = static_cast<__nv_bfloat16*>(a.c);
   p.g.ldc = a.ldc;
@@ -131,7 +132,7 @@ void grouped_gemm_fp8(const GroupedGemmFp8Args& a, cudaStream_t stream) {
 
   // Above the kernel's shared-memory table the tile-offset table comes from the scan kernel.
   if (a.E > kernels::kGemmSmemTileE) {
-    detail::launch_gemm_tile_offsets(a.expert_offsets, p.g.E, p.g.n_tiles, a.tile_offsets,
+    detail::launch_gemm_tile_offsets(p.g.expert_offsets, p.g.expert_ends, p.g.E, p.g.n_tiles, a.tile_offsets,
                                      "grouped_gemm_fp8: tile offsets", stream);
   }
   const CUtensorMap map_b = detail::e4m3_tile_map(a.w_q, a.E * a.N, a.K, kFn);

@@ -9,9 +9,9 @@
 
 namespace machmoe::detail {
 
-// tile_offsets [E+1] = the prefix sum of the experts' tile counts (ceil(rows / BM) · n_tiles), on
-// `stream`; `what` names the caller in a launch error.
-void launch_gemm_tile_offsets(const int32_t* expert_offsets, int E, int n_tiles, int32_t* tile_offsets,
+// tile_offsets [E+1] = the prefix sum of the experts' tile counts (ceil(rows / BM) · n_tiles, the
+// rows of expert e [begins[e], ends[e])), on `stream`; `what` names the caller in a launch error.
+void launch_gemm_tile_offsets(const int32_t* begins, const int32_t* ends, int E, int n_tiles, int32_t* tile_offsets,
                               const char* what, cudaStream_t stream);
 
 }  // namespace machmoe::detail

@@ -9,6 +9,7 @@
 
 #include "host/common/check.hpp"
 #include "host/layer/call_rules.hpp"
+#include "host/layer/early_rows.hpp"
 #include "host/layer/experts_internal.hpp"
 #include "host/layer/layer_layout.hpp"
 #include "machmoe/machmoe.hpp"
@@ -39,19 +40,22 @@ void experts_forward_metadata(const ExpertsForwardRun& r, cudaStream_t stream) {
                    routing_metadata_workspace_bytes(s.T, s.E), stream);
 }
 
-void experts_forward_gemms(const ExpertsForwardRun& r, cudaStream_t stream) {
+namespace {
+
+// H [rows, n1] = x[row_token] · W1_eᵀ (+ b1_e); epilogue A [rows, n] = act(H); over the rows of
+// `part` of each expert.
+void up_projection(const ExpertsForwardRun& r, RowPart part, cudaStream_t stream) {
   const ExpertsShape& s = r.shape;
-  const PairList& l = r.list;
   void* w = r.workspace;
   const RoutingMetadataOutputs md = metadata_of(r);
-
-  // H [rows, n1] = x[row_token] · W1_eᵀ (+ b1_e); epilogue A [rows, n] = act(H).
+  const ExpertRowRange rows = expert_rows(part, md.expert_offsets, at<int32_t>(w, r.scratch.row_split));
   GroupedGemmArgs up;
   up.a = r.x;
   up.lda = s.d;
   up.a_rows = s.T;
   up.gather = md.row_token;
-  up.expert_offsets = md.expert_offsets;
+  up.expert_offsets = rows.begins;
+  up.expert_row_ends = rows.ends;
   up.E = s.E;
   up.N = s.n1;
   up.K = s.d;
@@ -66,14 +70,22 @@ void experts_forward_gemms(const ExpertsForwardRun& r, cudaStream_t stream) {
   up.glu_clamp = s.glu_clamp;
   up.layout = s.layout;
   up.tile_offsets = at<int32_t>(w, r.scratch.tile_offsets);
+  up.max_ctas = r.max_ctas;
   grouped_gemm(up, stream);
+}
 
-  // Y [rows, d] = A · W2_eᵀ (+ b2_e), contiguous rows.
+// Y [rows, d] = A · W2_eᵀ (+ b2_e), contiguous rows, over the rows of `part` of each expert.
+void down_projection(const ExpertsForwardRun& r, RowPart part, cudaStream_t stream) {
+  const ExpertsShape& s = r.shape;
+  void* w = r.workspace;
+  const RoutingMetadataOutputs md = metadata_of(r);
+  const ExpertRowRange rows = expert_rows(part, md.expert_offsets, at<int32_t>(w, r.scratch.row_split));
   GroupedGemmArgs down;
-  down.a = up.c2;
+  down.a = at<void>(w, r.scratch.a);
   down.lda = s.n;
-  down.a_rows = l.pairs;
-  down.expert_offsets = md.expert_offsets;
+  down.a_rows = r.list.pairs;
+  down.expert_offsets = rows.begins;
+  down.expert_row_ends = rows.ends;
   down.E = s.E;
   down.N = s.d;
   down.K = s.n;
@@ -82,11 +94,51 @@ void experts_forward_gemms(const ExpertsForwardRun& r, cudaStream_t stream) {
   down.c = at<void>(w, r.scratch.y);
   down.ldc = s.d;
   down.epilogue = GemmEpilogue::Store;
-  down.tile_offsets = up.tile_offsets;  // stream order: the up-projection is done with it
+  down.tile_offsets = at<int32_t>(w, r.scratch.tile_offsets);  // stream order: the up-projection is done with it
+  down.max_ctas = r.max_ctas;
   grouped_gemm(down, stream);
+}
 
-  // out [T, d] = Σ_{pairs of t, in pair order} score · Y[pair_row] (fp32 accumulation).
-  aggregate(down.c, DType::BF16, md.pair_row, md.token_offsets, l.scores, s.T, s.d, r.out, DType::BF16, stream);
+// out [t0, t1) rows = Σ_{pairs of t, in pair order} score · Y[pair_row] (fp32 accumulation).
+void aggregate_tokens(const ExpertsForwardRun& r, int64_t t0, int64_t t1, cudaStream_t stream) {
+  if (t1 <= t0) return;
+  const ExpertsShape& s = r.shape;
+  const RoutingMetadataOutputs md = metadata_of(r);
+  aggregate(at<void>(r.workspace, r.scratch.y), DType::BF16, md.pair_row, md.token_offsets + t0, r.list.scores,
+            t1 - t0, s.d, static_cast<char*>(r.out) + t0 * s.d * 2, DType::BF16, stream);
+}
+
+}  // namespace
+
+void experts_forward_gemms(const ExpertsForwardRun& r, cudaStream_t stream) {
+  up_projection(r, RowPart::All, stream);
+  down_projection(r, RowPart::All, stream);
+  aggregate_tokens(r, 0, r.shape.T, stream);
+}
+
+void experts_forward_part(const ExpertsForwardRun& r, ExpertsForwardPart part, int64_t early_tokens,
+                          cudaStream_t stream) {
+  const ExpertsShape& s = r.shape;
+  switch (part) {
+    case ExpertsForwardPart::All: experts_forward_run(r, stream); return;
+    case ExpertsForwardPart::EarlyRows: {
+      experts_forward_metadata(r, stream);
+      const RoutingMetadataOutputs md = metadata_of(r);
+      launch_expert_row_split(md.expert_offsets, md.row_token, s.E, early_tokens,
+                              at<int32_t>(r.workspace, r.scratch.row_split), stream);
+      up_projection(r, RowPart::Early, stream);
+      return;
+    }
+    case ExpertsForwardPart::LateRows:
+      up_projection(r, RowPart::Late, stream);
+      down_projection(r, RowPart::Late, stream);
+      aggregate_tokens(r, early_tokens, s.T, stream);
+      return;
+    case ExpertsForwardPart::EarlyOut:
+      down_projection(r, RowPart::Early, stream);
+      aggregate_tokens(r, 0, early_tokens, stream);
+      return;
+  }
 }
 
 }  // namespace detail
@@ -104,8 +156,16 @@ void experts_forward(const ValidExpertsProblem& valid, const ExpertsForwardArgs&
   detail::require_given_exactly_when(p.has_bias, "has_bias", fn, {{"b1", a.b1}, {"b2", a.b2}});
   detail::require_block_aligned(fn, {{"saved", a.saved}, {"workspace", a.workspace}});
   detail::require_row_aligned(fn, {{"x", a.x}, {"w1", a.w1}, {"w2", a.w2}, {"out", a.out}, {"b2", a.b2}});
+  detail::require_arg(a.max_ctas >= 0, fn, "max_ctas", "must be >= 0 (0: one CTA per SM); got " + std::to_string(a.max_ctas));
+  detail::require_arg(a.part >= ExpertsForwardPart::All && a.part <= ExpertsForwardPart::EarlyOut, fn, "part",
+                      "must be All, EarlyRows, LateRows or EarlyOut");
+  detail::require_arg(a.part == ExpertsForwardPart::All || (a.early_tokens >= 0 && a.early_tokens <= p.T), fn,
+                      "early_tokens", "must be in [0, T = " + std::to_string(p.T) + "] for a part of a split call; got " +
+                          std::to_string(a.early_tokens));
   const detail::ExpertsLayout L(valid);
   if (p.T == 0 || p.R == 0) {  // no rows: out = 0, no repeat; the GEMMs need at least one row
+    // (a split call writes all of it in its first part, nothing in the others)
+    if (a.part != ExpertsForwardPart::All && a.part != ExpertsForwardPart::EarlyRows) return;
     if (a.duplicate_flag)
       check_cuda(cudaMemsetAsync(a.duplicate_flag, 0, sizeof(int32_t), stream), "experts_forward: memset flag");
     if (p.T > 0)
@@ -115,9 +175,10 @@ void experts_forward(const ValidExpertsProblem& valid, const ExpertsForwardArgs&
   void* s = a.saved;
   // The backward reads the scores from `saved` (the caller keeps only the list's indices).
   float* scores = at<float>(s, L.scores);
-  check_cuda(cudaMemcpyAsync(scores, a.scores, static_cast<size_t>(p.R) * sizeof(float), cudaMemcpyDeviceToDevice,
-                             stream),
-             "experts_forward: copy scores");
+  if (a.part == ExpertsForwardPart::All || a.part == ExpertsForwardPart::EarlyRows)
+    check_cuda(cudaMemcpyAsync(scores, a.scores, static_cast<size_t>(p.R) * sizeof(float), cudaMemcpyDeviceToDevice,
+                               stream),
+               "experts_forward: copy scores");
   detail::ExpertsForwardRun r;
   r.shape = detail::experts_shape(p);
   r.list.expert = a.pair_expert;
@@ -134,7 +195,8 @@ void experts_forward(const ValidExpertsProblem& valid, const ExpertsForwardArgs&
   r.md.duplicate_flag = a.duplicate_flag;
   r.scratch = L.fwd;
   r.workspace = a.workspace;
-  detail::experts_forward_run(r, stream);
+  r.max_ctas = a.max_ctas;
+  detail::experts_forward_part(r, a.part, a.early_tokens, stream);
 }
 
 }  // namespace machmoe

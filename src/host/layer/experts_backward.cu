@@ -9,6 +9,7 @@
 
 #include "host/common/check.hpp"
 #include "host/layer/call_rules.hpp"
+#include "host/layer/early_rows.hpp"
 #include "host/layer/experts_internal.hpp"
 #include "host/layer/layer_layout.hpp"
 #include "kernels/layer/aggregate_router.cuh"
@@ -132,36 +133,41 @@ ScratchPointers scratch_pointers(const ExpertsBackwardRun& r) {
           at<float>(w, S.ds_partial), at<int32_t>(w, S.tile_offsets)};
 }
 
-// Steps 1-3: row_token (and top-K token offsets), the dH kernel (dH, A', dS partials), d_scores.
-void data_gradients_first(const ExpertsBackwardRun& r, cudaStream_t stream) {
+// Step 1: the gather index row -> token [R] (and t·K offsets for a top-K list): not saved
+// (derivable).
+void rebuild_row_token(const ExpertsBackwardRun& r, cudaStream_t stream) {
   const ExpertsShape& s = r.shape;
   const PairList& l = r.list;
-  const int64_t n1 = s.n1, R = l.pairs;
-  const auto [row_token, dh, a_prime, ds_partial, tile_offsets] = scratch_pointers(r);
+  const int64_t R = l.pairs;
   // Pairs of token t: [t·K, (t+1)·K) for a top-K list (rebuilt here), the list's own offsets else.
   int32_t* rebuilt_offsets = l.token ? nullptr : r.topk_token_offsets;
-
-  // 1. The gather index row -> token [R] (and t·K offsets for top-K): not saved (derivable).
   kernels::bwd_rebuild_index<kThreads><<<blocks_for(std::max(R, s.T + 1), kThreads), kThreads, 0, stream>>>(
-      r.row_pair, l.token, static_cast<int>(l.K), r.expert_offsets, static_cast<int>(s.E), R, s.T, row_token,
-      rebuilt_offsets);
+      r.row_pair, l.token, static_cast<int>(l.K), r.expert_offsets, static_cast<int>(s.E), R, s.T,
+      scratch_pointers(r).row_token, rebuilt_offsets);
   check_launch("experts backward: rebuild row_token");
+}
 
-  // 2. dH kernel: dA' [R, n] = dout[row_token] · W2_e (W2 [E, d, n] read as [E, K = d, N = n]);
-  //    epilogue: dH [R, n1] = dAct(s·dA', H), A' [R, n] = s·act(H), ds_partial [R, tiles].
+// Step 2, over the rows of `part` of each expert: the dH kernel: dA' [R, n] = dout[row_token] · W2_e
+// (W2 [E, d, n] read as [E, K = d, N = n]); epilogue: dH [R, n1] = dAct(s·dA', H),
+// A' [R, n] = s·act(H), ds_partial [R, tiles].
+void dh_kernel(const ExpertsBackwardRun& r, RowPart part, cudaStream_t stream) {
+  const ExpertsShape& s = r.shape;
+  const auto [row_token, dh, a_prime, ds_partial, tile_offsets] = scratch_pointers(r);
+  const ExpertRowRange rows = expert_rows(part, r.expert_offsets, at<int32_t>(r.workspace, r.scratch.row_split));
   GroupedGemmArgs g;
   g.a = r.dout;
   g.lda = s.d;
   g.a_rows = s.T;
   g.gather = row_token;
-  g.expert_offsets = r.expert_offsets;
+  g.expert_offsets = rows.begins;
+  g.expert_row_ends = rows.ends;
   g.E = s.E;
   g.N = s.n;
   g.K = s.d;
   g.w = r.w2;
   g.w_n_major = true;
   g.c = dh;
-  g.ldc = n1;
+  g.ldc = s.n1;
   g.c2 = a_prime;
   g.ldc2 = s.n;
   g.epilogue = GemmEpilogue::ActivationBackward;
@@ -169,16 +175,22 @@ void data_gradients_first(const ExpertsBackwardRun& r, cudaStream_t stream) {
   g.glu_clamp = s.glu_clamp;
   g.layout = s.layout;
   g.h = r.h;
-  g.ldh = n1;
-  g.row_scores = l.scores;
+  g.ldh = s.n1;
+  g.row_scores = r.list.scores;
   g.row_pair = r.row_pair;
   g.ds_partial = ds_partial;
   g.tile_offsets = tile_offsets;
   grouped_gemm(g, stream);
+}
 
-  // 3. d scores [pairs] in pair order: Σ_j ds_partial[pair_row[p], j] (+ ⟨dout_t, b2_e⟩).
+// Step 3: d scores [pairs] in pair order: Σ_j ds_partial[pair_row[p], j] (+ ⟨dout_t, b2_e⟩); then
+// the caller's after_scores.
+void pair_scores(const ExpertsBackwardRun& r, cudaStream_t stream) {
+  const ExpertsShape& s = r.shape;
+  const PairList& l = r.list;
+  const int64_t R = l.pairs;
   kernels::PairScoreParams ps{};
-  ps.ds_partial = ds_partial;
+  ps.ds_partial = scratch_pointers(r).ds_partial;
   ps.pair_row = r.pair_row;
   ps.dout = static_cast<const __nv_bfloat16*>(r.dout);
   ps.b2 = static_cast<const __nv_bfloat16*>(r.b2);
@@ -294,9 +306,27 @@ void input_gradient(const ExpertsBackwardRun& r, cudaStream_t stream) {
 }  // namespace
 
 void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream) {
+  switch (r.part) {
+    case ExpertsBackwardPart::DataEarlyRows:
+      rebuild_row_token(r, stream);
+      launch_expert_row_split(r.expert_offsets, scratch_pointers(r).row_token, r.shape.E, r.early_tokens,
+                              at<int32_t>(r.workspace, r.scratch.row_split), stream);
+      dh_kernel(r, RowPart::Early, stream);
+      return;
+    case ExpertsBackwardPart::DataLateRows:
+      dh_kernel(r, RowPart::Late, stream);
+      pair_scores(r, stream);
+      input_gradient(r, stream);
+      return;
+    default: break;
+  }
   const bool data = r.part != ExpertsBackwardPart::WeightGradients;
   const bool weights = r.part != ExpertsBackwardPart::DataGradients;
-  if (data) data_gradients_first(r, stream);
+  if (data) {
+    rebuild_row_token(r, stream);
+    dh_kernel(r, RowPart::All, stream);
+    pair_scores(r, stream);
+  }
   if (weights) weight_gradients(r, stream);
   if (data) input_gradient(r, stream);
 }
@@ -307,11 +337,14 @@ void experts_backward(const ValidExpertsProblem& valid, const ExpertsBackwardArg
   constexpr const char* fn = "experts_backward";
   const ExpertsProblem& p = *valid;
   detail::require_gpu_problem(valid, fn);
+  const bool data_part = a.part == ExpertsBackwardPart::DataEarlyRows || a.part == ExpertsBackwardPart::DataLateRows;
   const bool data = a.part != ExpertsBackwardPart::WeightGradients;
-  const bool weights = a.part != ExpertsBackwardPart::DataGradients;
-  detail::require_arg(a.part == ExpertsBackwardPart::All || a.part == ExpertsBackwardPart::DataGradients ||
-                          a.part == ExpertsBackwardPart::WeightGradients,
-                      fn, "part", "must be All, DataGradients or WeightGradients");
+  const bool weights = a.part == ExpertsBackwardPart::All || a.part == ExpertsBackwardPart::WeightGradients;
+  detail::require_arg(a.part >= ExpertsBackwardPart::All && a.part <= ExpertsBackwardPart::DataLateRows, fn, "part",
+                      "must be All, DataGradients, WeightGradients, DataEarlyRows or DataLateRows");
+  detail::require_arg(!data_part || (a.early_tokens >= 0 && a.early_tokens <= p.T), fn, "early_tokens",
+                      "must be in [0, T = " + std::to_string(p.T) + "] with DataEarlyRows / DataLateRows; got " +
+                          std::to_string(a.early_tokens));
   detail::require_arg(a.weights_max_ctas >= 0, fn, "weights_max_ctas",
                       "must be >= 0 (0: one CTA per SM); got " + std::to_string(a.weights_max_ctas));
   detail::require_given(fn, {{"w1", a.w1}, {"w2", a.w2}, {"saved", a.saved}, {"workspace", a.workspace}});
@@ -331,7 +364,7 @@ void experts_backward(const ValidExpertsProblem& valid, const ExpertsBackwardArg
   const detail::ExpertsShape shape = detail::experts_shape(p);
   if (p.T == 0 || p.R == 0) {  // no rows: every gradient is zero (d_scores is empty)
     if (weights) detail::zero_expert_gradients(shape, a.dw1, a.db1, a.dw2, a.db2, a.weight_grad_dtype, fn, stream);
-    if (p.T > 0 && data)
+    if (p.T > 0 && data && a.part != ExpertsBackwardPart::DataEarlyRows)  // a split call: in its last part
       check_cuda(cudaMemsetAsync(a.dx, 0, static_cast<size_t>(p.T * p.d) * 2, stream), "experts_backward: zero dx");
     return;
   }
@@ -356,6 +389,7 @@ void experts_backward(const ValidExpertsProblem& valid, const ExpertsBackwardArg
   r.grad_dtype = a.weight_grad_dtype;
   r.part = a.part;
   r.weights_max_ctas = a.weights_max_ctas;
+  r.early_tokens = a.early_tokens;
   detail::experts_backward_run(r, stream);
 }
 

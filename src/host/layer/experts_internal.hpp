@@ -47,6 +47,7 @@ struct ExpertsForwardRun {
   RoutingMetadataOutputs md;
   ExpertsForwardScratch scratch;  // offsets into `workspace`
   void* workspace = nullptr;
+  int max_ctas = 0;  // bound on the GEMMs' CTAs (0: none)
 };
 
 // Forward, T > 0 and pairs > 0: routing_metadata of the list, H [rows, n1] = x[row_token]·W1ᵀ (+b1)
@@ -56,6 +57,10 @@ struct ExpertsForwardRun {
 void experts_forward_run(const ExpertsForwardRun& r, cudaStream_t stream);
 void experts_forward_metadata(const ExpertsForwardRun& r, cudaStream_t stream);
 void experts_forward_gemms(const ExpertsForwardRun& r, cudaStream_t stream);
+// One part of a call split into early and late tokens (machmoe::ExpertsForwardPart); All is
+// experts_forward_run.
+void experts_forward_part(const ExpertsForwardRun& r, ExpertsForwardPart part, int64_t early_tokens,
+                          cudaStream_t stream);
 
 struct ExpertsBackwardRun {
   ExpertsShape shape;
@@ -80,6 +85,7 @@ struct ExpertsBackwardRun {
   // are cut into runs (host/layer/shared_pairs.hpp) in the scratch the layout carved for them.
   int64_t shared = 0;
   int weights_max_ctas = 0;                             // bound on the wgrad GEMMs' CTAs (0: none)
+  int64_t early_tokens = 0;                             // DataEarlyRows / DataLateRows: tokens [0, early_tokens)
   // The layer backward's router part, optional. after_scores runs on the stream once d_scores is
   // written (the router backward: d_logits from d_scores); with router_d_logits set, the dx
   // aggregation also adds the router's part d_logits [T, E] · router_weight [E, d] (bf16, fp32

@@ -62,9 +62,10 @@ ExpertsShape experts_shape(const Problem& p) {
 }
 
 // The expert part's forward scratch for R rows (bf16 data): the gather index row -> token [R],
-// A [R, n], Y [R, d], the routing metadata's workspace and the GEMMs' tile offsets [E+1].
+// A [R, n], Y [R, d], the routing metadata's workspace, the GEMMs' tile offsets [E+1] and, for a
+// call split into early and late tokens, each expert's first late row [E] (host/layer/early_rows.hpp).
 struct ExpertsForwardScratch {
-  size_t row_token = 0, a = 0, y = 0, metadata = 0, tile_offsets = 0;
+  size_t row_token = 0, a = 0, y = 0, metadata = 0, tile_offsets = 0, row_split = 0;
   void carve(Carve& f, const ExpertsShape& s, int64_t R) {
     const size_t r = static_cast<size_t>(R), es = s.elem;
     row_token = f.take(r * 4);
@@ -72,17 +73,19 @@ struct ExpertsForwardScratch {
     y = f.take(r * static_cast<size_t>(s.d) * es);
     metadata = f.take(routing_metadata_workspace_bytes(s.T, s.E));
     tile_offsets = f.take((static_cast<size_t>(s.E) + 1) * 4);
+    row_split = f.take(static_cast<size_t>(s.E) * 4);
   }
 };
 
 // The expert part's backward scratch for R rows (host/layer/experts_backward.cu): the rebuilt gather
-// index, the dH kernel's outputs (dH, A' = s·A, dS partials), dX~, the GEMMs' tile offsets, and
-// with biases the per-chunk partial sums of db1/db2.
+// index, the dH kernel's outputs (dH, A' = s·A, dS partials), dX~, the GEMMs' tile offsets, each
+// expert's first late row [E] (a call split into early and late tokens), and with biases the
+// per-chunk partial sums of db1/db2.
 struct ExpertsBackwardScratch {
   // Rows per partial sum of the bias gradients: experts' rows are cut into chunks of this many,
   // each chunk summed by one block, the chunks of an expert then added in order.
   static constexpr int kBiasChunkRows = 256;
-  size_t row_token = 0, dh = 0, a_prime = 0, dx_rows = 0, ds_partial = 0, tile_offsets = 0;
+  size_t row_token = 0, dh = 0, a_prime = 0, dx_rows = 0, ds_partial = 0, tile_offsets = 0, row_split = 0;
   size_t bias_chunk_prefix = 0, bias_partials = 0;  // has_bias only
   size_t shared_run_offsets = 0, shared_pieces = 0;  // a layer's shared experts, where cut (shared_pairs.hpp)
   int64_t ds_tiles = 0;     // column tiles of the dH kernel: the row stride of ds_partial
@@ -97,6 +100,7 @@ struct ExpertsBackwardScratch {
     ds_tiles = grouped_gemm_column_tiles(s.n);
     ds_partial = b.take(r * static_cast<size_t>(ds_tiles) * 4);  // [R, ds_tiles] fp32
     tile_offsets = b.take((static_cast<size_t>(s.E) + 1) * 4);
+    row_split = b.take(static_cast<size_t>(s.E) * 4);            // [E] first late row per expert
     if (s.has_bias) {
       bias_chunks = ceil_div(R, kBiasChunkRows) + s.E;
       const size_t cols = static_cast<size_t>(std::max<int64_t>(s.d, s.n1));

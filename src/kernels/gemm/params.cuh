@@ -42,7 +42,11 @@ struct GroupedGemmParams {
   const __nv_bfloat16* a;        // A rows, leading dimension lda (elements)
   int64_t lda;
   const int32_t* gather;         // [R] row -> A row, or null (row r of A)
-  const int32_t* expert_offsets; // [E+1]
+  // Expert e's rows are [expert_offsets[e], expert_ends[e]): expert_ends = expert_offsets + 1 for
+  // whole experts, or two arrays [E] for a part of each expert's rows (an expert-parallel call's
+  // rows of its own tokens, computed while the other ranks' tokens arrive).
+  const int32_t* expert_offsets; // [E+1], or [E] with a separate expert_ends
+  const int32_t* expert_ends;    // [E]
   const int32_t* tile_offsets;   // [E+1], from grouped_gemm_tile_offsets
   const __nv_bfloat16* bias;     // [E, N] (in W's row order) or null
   __nv_bfloat16* c;              // [R, ldc]: C (store) or H (GLU / act; null: H not written)

@@ -25,10 +25,10 @@ __device__ __forceinline__ int gemm_tile_expert(const int32_t* tile_offsets, int
   return lo;
 }
 
-// Tiles of expert e: ceil(rows_e / BM) row blocks x n_tiles column blocks (both tile-offset
-// builders).
-__device__ __forceinline__ int gemm_expert_tiles(const int32_t* expert_offsets, int e, int n_tiles) {
-  return (__ldg(expert_offsets + e + 1) - __ldg(expert_offsets + e) + kGemmBM - 1) / kGemmBM * n_tiles;
+// Tiles of expert e, rows [begins[e], ends[e]): ceil(rows_e / BM) row blocks x n_tiles column
+// blocks (both tile-offset builders).
+__device__ __forceinline__ int gemm_expert_tiles(const int32_t* begins, const int32_t* ends, int e, int n_tiles) {
+  return (__ldg(ends + e) - __ldg(begins + e) + kGemmBM - 1) / kGemmBM * n_tiles;
 }
 
 // tile_offsets[e] = Σ_{e' < e} ceil(rows_e' / BM) · n_tiles for E <= kGemmSmemTileE, by one warp:
@@ -40,7 +40,7 @@ __device__ __forceinline__ void gemm_tile_offsets_warp(const GroupedGemmParams& 
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int e = lane * kPer + i;
-    tiles[i] = e < p.E ? gemm_expert_tiles(p.expert_offsets, e, p.n_tiles) : 0;
+    tiles[i] = e < p.E ? gemm_expert_tiles(p.expert_offsets, p.expert_ends, e, p.n_tiles) : 0;
     sum += tiles[i];
   }
   int incl = sum;
@@ -84,7 +84,7 @@ __device__ __forceinline__ GemmTile gemm_decode_tile(const GroupedGemmParams& p,
   GemmTile tile;
   tile.e = gemm_tile_expert(tile_offsets, p.E, t);
   const int local = t - tile_offsets[tile.e];
-  const int begin = __ldg(p.expert_offsets + tile.e), end = __ldg(p.expert_offsets + tile.e + 1);
+  const int begin = __ldg(p.expert_offsets + tile.e), end = __ldg(p.expert_ends + tile.e);
   const int m_tiles = (end - begin + kGemmBM - 1) / kGemmBM;
   const int group = local / (kGroupM * p.n_tiles);
   const int first_m = group * kGroupM;

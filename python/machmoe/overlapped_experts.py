@@ -1,0 +1,204 @@
+"""The experts of the all-gather exchange (machmoe.expert_exchange) on the kernels, with every
+transfer of the forward and the backward running beside the experts' GEMMs.
+
+The gathered rows are kept rotated: this rank's own T tokens first, then those of the ranks after
+it (symmetric_exchange.rotated_place), so that the own tokens are the "early" ones of a split
+experts call (machmoe::ExpertsForwardPart, docs/LAYER.md): the kernels cut each expert's rows at
+its first row of another rank's token. Forward, W ranks, x [T, d]:
+
+    side stream                              this stream
+    pull the peers' x blocks  ---------      early rows: routing metadata, up-projection of the
+                                       |       own tokens' rows (xg's peer rows are not read)
+                                       '-->  late rows: both projections of the peers' tokens'
+                                               rows, out's peer blocks [(W-1)·T, d]
+    send out's peer blocks    <--------      early out: down-projection of the own rows, out's
+    to their ranks, pull theirs                own block
+                                    ---->    y = Σ_q (rank q's partial sum of this rank's tokens)
+
+The backward likewise pulls the output gradient's peer blocks while the dH kernel runs on the own
+tokens' rows, and sends dx's peer blocks to their ranks while the weight gradients run (their
+persistent GEMMs leave two SMs free, as the forward's last part does). Transfers are copy-engine pulls through symmetric memory
+(machmoe.symmetric_exchange); each is ordered against the kernels by stream waits only, so nothing
+waits for the host and the sequence is CUDA-graph capturable. The side stream's barriers are
+queued before the kernels beside them are launched, so that they find an SM.
+
+Each part is bitwise the whole call's (the kernels compute every row the same way), and the sums
+over the ranks are taken in rank order in float32 and rounded once: out and dx are bitwise the
+plain exchange's, and every result is bitwise equal over runs. The weight gradients add each
+expert's rows in the rotated order, so on ranks > 0 they differ from the plain exchange's in the
+last bits.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import symmetric_exchange
+
+# SMs the GEMMs beside a transfer leave free (the forward's last part, the weight gradients): the
+# transfers are copy-engine copies and two barriers, each barrier one small kernel that needs an SM
+# to start, and a persistent GEMM's CTAs hold every SM they are given until it ends.
+_SMS_LEFT_TO_THE_EXCHANGE = 2
+_SIDE_STREAMS: dict = {}
+_SM_COUNTS: dict = {}
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = _device_index(device)
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+def _sm_count(device: torch.device) -> int:
+    index = _device_index(device)
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+def _gemm_ctas(device: torch.device) -> int:
+    """The persistent CTAs of GEMMs that run beside a transfer."""
+    return max(1, _sm_count(device) - _SMS_LEFT_TO_THE_EXCHANGE)
+
+
+def _rotated_gather(t: torch.Tensor, W: int, group_name: str, here, side) -> torch.Tensor:
+    """t [T, ...] -> [W·T, ...] rotated: t itself first (copied on this stream), the peers' blocks
+    pulled on the side stream (the caller waits for it before reading them)."""
+    out = t.new_empty((W * t.shape[0],) + tuple(t.shape[1:]))
+    side.wait_stream(here)
+    with torch.cuda.stream(side):
+        symmetric_exchange.gather_blocks(t, out, W, group_name, rotated=True)
+    out.record_stream(side)
+    out[: t.shape[0]].copy_(t)
+    return out
+
+
+def _send_peer_blocks(t: torch.Tensor, W: int, group_name: str, here, side) -> list:
+    """t [W·T, ...] rotated, its peer blocks final on this stream (its own block may still be in the
+    making): the W blocks that sum to this rank's rows, in rank order, pulled on the side stream
+    (its own block a view of t)."""
+    side.wait_stream(here)
+    with torch.cuda.stream(side):
+        parts = symmetric_exchange.pull_blocks(t, W, group_name, rotated=True)
+    t.record_stream(side)
+    return parts
+
+
+def _sum_parts(parts: list, here, side) -> torch.Tensor:
+    here.wait_stream(side)
+    for p in parts:
+        p.record_stream(here)
+    return symmetric_exchange.sum_blocks(parts)
+
+
+def _experts_bytes(T: int, d: int, w1: torch.Tensor, w2: torch.Tensor, R: int, activation: str, bias: bool):
+    return torch.ops.machmoe.experts_workspace_bytes(T, d, w2.shape[2], w1.shape[0], R, activation, bias)
+
+
+@torch.library.custom_op("machmoe::overlapped_experts_forward", mutates_args=())
+def overlapped_experts_forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
+                               b2: Optional[torch.Tensor], scores: torch.Tensor, token: torch.Tensor,
+                               expert: torch.Tensor, activation: str, layout: str, glu_clamp: list[float], W: int,
+                               group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out [T, d], xg [W·T, d], saved): this rank's experts on every rank's tokens, x [T, d] gathered
+    rotated; the routing list (scores fp32, token, expert int32 [R], ordered by token) indexes the
+    rotated rows, experts of other ranks out of range. xg and saved are what the backward reads."""
+    T, d = x.shape
+    ops = torch.ops.machmoe
+    here, side = torch.cuda.current_stream(), _side_stream(x.device)
+    saved_bytes, fwd_bytes, _ = _experts_bytes(W * T, d, w1, w2, token.numel(), activation, b1 is not None)
+    opts = (activation, layout, glu_clamp)
+    xg = _rotated_gather(x, W, group_name, here, side)
+    out = x.new_empty(W * T, d)
+    saved = x.new_empty(saved_bytes, dtype=torch.uint8)
+    workspace = x.new_empty(fwd_bytes, dtype=torch.uint8)
+    args = (xg, w1, b1, w2, b2, scores, token, expert, out, saved, workspace)
+    ops.experts_forward_part(*args, "early_rows", T, *opts)
+    here.wait_stream(side)  # the peers' rows have landed
+    ops.experts_forward_part(*args, "late_rows", T, *opts)
+    parts = _send_peer_blocks(out, W, group_name, here, side)
+    ops.experts_forward_part(*args, "early_out", T, *opts, _gemm_ctas(x.device))
+    return _sum_parts(parts, here, side), xg, saved
+
+
+@overlapped_experts_forward.register_fake
+def _(x, w1, b1, w2, b2, scores, token, expert, activation, layout, glu_clamp, W, group_name):
+    from . import _fake
+
+    T, d = x.shape
+    saved = _fake.experts_saved_bytes(W * T, token.numel(), w2.shape[2], w1.shape[0], activation)
+    return x.new_empty(T, d), x.new_empty(W * T, d), x.new_empty(saved, dtype=torch.uint8)
+
+
+@torch.library.custom_op("machmoe::overlapped_experts_backward", mutates_args=())
+def overlapped_experts_backward(xg: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
+                                b2: Optional[torch.Tensor], token: torch.Tensor, expert: torch.Tensor,
+                                saved: torch.Tensor, dout: torch.Tensor, activation: str, layout: str,
+                                glu_clamp: list[float], W: int, group_name: str
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                           torch.Tensor]:
+    """(dx [T, d], d_scores [R], dw1, db1, dw2, db2; a bias's gradient is empty without it) of
+    overlapped_experts_forward, from its xg and saved and the output gradient dout [T, d]."""
+    T, d = dout.shape
+    ops = torch.ops.machmoe
+    here, side = torch.cuda.current_stream(), _side_stream(xg.device)
+    R = token.numel()
+    _, _, bwd_bytes = _experts_bytes(W * T, d, w1, w2, R, activation, b1 is not None)
+    opts = (activation, layout, glu_clamp)
+    dg = _rotated_gather(dout, W, group_name, here, side)
+    dxg = dout.new_empty(W * T, d)
+    d_scores = dout.new_empty(R, dtype=torch.float32)
+    workspace = dout.new_empty(bwd_bytes, dtype=torch.uint8)
+    args = (xg, w1, b1, w2, b2, token, expert, saved, dg, dxg, d_scores, workspace)
+    ops.experts_backward_data_part(*args, "early_rows", T, *opts)
+    here.wait_stream(side)  # the peers' output gradients have landed
+    ops.experts_backward_data_part(*args, "late_rows", T, *opts)
+    parts = _send_peer_blocks(dxg, W, group_name, here, side)
+    dw1, db1, dw2, db2 = ops.experts_backward_weights(xg, w1, b1, w2, b2, token, expert, saved, dg, workspace, *opts,
+                                                      _gemm_ctas(xg.device))
+    dx = _sum_parts(parts, here, side)
+    # (an op's outputs may not alias one another: a fresh empty tensor for each missing bias)
+    return (dx, d_scores, dw1, xg.new_empty(0) if db1 is None else db1, dw2,
+            xg.new_empty(0) if db2 is None else db2)
+
+
+@overlapped_experts_backward.register_fake
+def _(xg, w1, b1, w2, b2, token, expert, saved, dout, activation, layout, glu_clamp, W, group_name):
+    E, n1, d = w1.shape
+    return (dout.new_empty(dout.shape), dout.new_empty(token.shape[0], dtype=torch.float32), w1.new_empty(w1.shape),
+            w1.new_empty(E, n1) if b1 is not None else w1.new_empty(0), w2.new_empty(w2.shape),
+            w2.new_empty(E, d) if b2 is not None else w2.new_empty(0))
+
+
+class OverlappedExperts(torch.autograd.Function):
+    """x [T, d] -> out [T, d]: overlapped_experts_forward; its backward overlapped_experts_backward.
+    scores (any float dtype) get their gradient in their dtype."""
+
+    @staticmethod
+    def forward(ctx, x, scores, token, expert, w1, b1, w2, b2, opts, W, group_name):
+        out, xg, saved = overlapped_experts_forward(x, w1, b1, w2, b2, scores.float().contiguous(), token, expert,
+                                                    *opts, W, group_name)
+        ctx.save_for_backward(xg, w1, b1, w2, b2, token, expert, saved)
+        ctx.opts, ctx.W, ctx.group_name = opts, W, group_name
+        ctx.scores_shape, ctx.scores_dtype = scores.shape, scores.dtype
+        ctx.set_materialize_grads(False)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        if dout is None:
+            return (None,) * 11
+        xg, w1, b1, w2, b2, token, expert, saved = ctx.saved_tensors
+        dx, d_scores, dw1, db1, dw2, db2 = overlapped_experts_backward(
+            xg, w1, b1, w2, b2, token, expert, saved, dout.to(torch.bfloat16).contiguous(), *ctx.opts, ctx.W,
+            ctx.group_name)
+        d_scores = d_scores.reshape(ctx.scores_shape).to(ctx.scores_dtype)
+        return (dx, d_scores, None, None, dw1, db1 if b1 is not None else None, dw2,
+                db2 if b2 is not None else None, None, None, None)
