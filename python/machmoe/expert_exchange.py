@@ -17,17 +17,17 @@ backward ahead of the GPU, and the sequence is CUDA-graph capturable. On CUDA th
 reduce-scatters are copy-engine pulls through symmetric memory on the current stream
 (machmoe.symmetric_exchange); elsewhere (gloo on the CPU) torch's functional collectives.
 
-Overlap. Only the backward's last transfer is overlapped, and only for large blocks
-(overlaps_dx_exchange): the experts' backward runs as its data part (dx of the gathered rows,
-the scores' gradient), then its weight part (experts_backward_weights, its persistent GEMMs
-leaving two SMs free), while dx's blocks travel to their ranks on a side stream; the blocks are
-summed once both are done. That hides one block's transfer, about 0.8 ms at 30B-b's 256 MiB; at
-7B-a's 72 MiB the split cost more than it hid. The forward's transfers and the backward's
-gather of the output gradient stay exposed. Splitting the tokens into chunks pipelined through
-gather, experts and reduce-scatter was measured slower even before any traffic (one H200, one
-rank: 7B-a forward + backward 4.4 ms in one chunk, 5.3 in two, 8.2 in four): each chunk's
-weight-gradient GEMMs see a fraction of the rows, and the chunks' weight gradients have to be
-summed. Hiding the rest needs the transfers inside the experts' kernels (docs/SCALING.md).
+Overlap. On the kernels over symmetric memory every transfer runs beside the experts' GEMMs
+(machmoe.overlapped_experts): the gathered rows are kept rotated, this rank's own tokens first,
+and the experts calls are split at them (ExpertsForwardPart / ExpertsBackwardPart): the own
+tokens' rows are computed while the peers' arrive, the peers' partial sums leave while the own
+rows' down-projection runs, and the backward likewise with the output gradient and dx (dx beside
+the weight gradients). Splitting the tokens into chunks pipelined through gather, experts and
+reduce-scatter was measured slower even before any traffic (one H200, one rank: 7B-a forward +
+backward 4.4 ms in one chunk, 5.3 in two, 8.2 in four): each chunk's weight-gradient GEMMs see a
+fraction of the rows, and the chunks' weight gradients have to be summed; the split calls keep
+one weight-gradient pass over all rows. Elsewhere (the torch backend, gloo) the exchange runs as
+three nodes: gather, experts, reduce-scatter.
 
 Bytes each rank sends per forward: (W-1)·T·d·b for the gather and as many for the
 reduce-scatter (b bytes per element), the same again in the backward. A filtered all-to-all sends
@@ -206,8 +206,8 @@ def compact_pairs(score: torch.Tensor, token: torch.Tensor, expert: torch.Tensor
     return placed(all_score), placed(all_token), placed(all_expert), count
 
 
-# Whether the kernels' gathered experts run with their transfers overlapped (overlapped_experts)
-# rather than after and before them.
+# Whether the kernels' gathered experts run with their transfers overlapped (overlapped_experts);
+# the tests turn it off to compare with the plain three-node path on the same GPUs.
 _OVERLAP_TRANSFERS = True
 
 
@@ -232,20 +232,14 @@ def _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, gr
     """out [T, d]: x [T, d] gathered, the experts on the gathered rows [W·T, d] with the routing
     list (score, token, expert) [R'] (ordered by token; experts out of [0, E/W) dropped), the
     partial sums reduce-scattered. overlapped: the list indexes the rows rotated (this rank's
-    first), and the transfers run beside the kernels (overlapped_experts). Otherwise, on the
-    kernels over symmetric memory where overlaps_dx_exchange says it pays, as one node whose
-    backward overlaps the reduce-scatter of dx with the weight gradients (_ExchangedExperts);
-    else as three nodes (gather, experts, reduce-scatter)."""
+    first), and the transfers run beside the kernels (overlapped_experts); otherwise as three
+    nodes (gather, experts, reduce-scatter)."""
     activation, layout, glu_clamp, on_kernels = _parsed_call(x, w1, w2, b1, b2, experts_kwargs)
-    T, d = x.shape
-    opts = (activation.value, layout.value, glu_clamp_list(glu_clamp))
     if overlapped:
+        opts = (activation.value, layout.value, glu_clamp_list(glu_clamp))
         return overlapped_experts.OverlappedExperts.apply(x.contiguous(), score, token, expert, w1.contiguous(),
                                                           _contiguous(b1), w2.contiguous(), _contiguous(b2), opts,
                                                           world, group_name)
-    if on_kernels and symmetric_exchange.available(x, world) and overlaps_dx_exchange(T, d, x.element_size()):
-        return _ExchangedExperts.apply(x.contiguous(), score, token, expert, w1.contiguous(), _contiguous(b1),
-                                       w2.contiguous(), _contiguous(b2), opts, world, group_name)
     xg = _GatherRows.apply(x, world, group_name)  # [W·T, d]
     if not on_kernels:  # the torch backend takes in-range pairs only (it synchronises anyway)
         keep = expert < w1.shape[0]
@@ -255,118 +249,8 @@ def _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, gr
     return _ReduceScatterRows.apply(y, world, group_name)
 
 
-# Below this many bytes in one rank's block of dx, the overlapped backward was measured slower
-# than the plain one; at and above it, faster. Two H200s over NVLink, forward + backward:
-# 7B-a (a 72 MiB block) 4.72 ms plain against 5.06 overlapped; 30B-b and 120B-b (256 MiB blocks)
-# 22.10 -> 21.52 and 38.97 -> 38.15 ms. The crossover lies somewhere between; 128 MiB splits
-# the measured points, it is not itself measured.
-OVERLAP_MIN_BLOCK_BYTES = 128 << 20
-
-
-def overlaps_dx_exchange(T: int, d: int, element_bytes: int) -> bool:
-    """Whether the backward overlaps the reduce-scatter of dx [W·T, d] with the weight gradients:
-    when one rank's block of it, T·d elements, holds at least OVERLAP_MIN_BLOCK_BYTES. The
-    overlap hides one block's transfer (about 0.8 ms at 256 MiB) behind the weight-gradient GEMMs
-    but costs a fixed part of a millisecond per call (a side stream, two ops for one, memory held
-    longer), which a small block does not repay."""
-    return T * d * element_bytes >= OVERLAP_MIN_BLOCK_BYTES
-
-
 def _contiguous(t):
     return None if t is None else t.contiguous()
-
-
-class _ExchangedExperts(torch.autograd.Function):
-    """x [T, d] -> out [T, d] on the kernels: gather, experts_forward on the [W·T, d] rows,
-    reduce-scatter. Its backward is one op (exchanged_experts_backward) that overlaps dx's
-    reduce-scatter with the weight gradients. Saves what _General saves, for the gathered rows."""
-
-    @staticmethod
-    def forward(ctx, x, scores_g, token, expert, w1, b1, w2, b2, opts, W, group_name):
-        xg = symmetric_exchange.all_gather_op(x, W, group_name)  # [W·T, d]
-        y, saved = torch.ops.machmoe.experts_forward(xg, w1, b1, w2, b2, scores_g.float().contiguous(),
-                                                     token, expert, *opts)
-        ctx.save_for_backward(xg, w1, b1, w2, b2, token, expert, saved)
-        ctx.opts, ctx.W, ctx.group_name = opts, W, group_name
-        ctx.scores_shape, ctx.scores_dtype = scores_g.shape, scores_g.dtype
-        ctx.set_materialize_grads(False)
-        return symmetric_exchange.reduce_scatter_op(y, W, group_name)
-
-    @staticmethod
-    def backward(ctx, dout):
-        if dout is None:
-            return (None,) * 11
-        xg, w1, b1, w2, b2, token, expert, saved = ctx.saved_tensors
-        dx, d_scores, dw1, db1, dw2, db2 = torch.ops.machmoe.exchanged_experts_backward(
-            xg, w1, b1, w2, b2, token, expert, saved, dout.to(torch.bfloat16).contiguous(), *ctx.opts, ctx.W,
-            ctx.group_name)
-        d_scores = d_scores.reshape(ctx.scores_shape).to(ctx.scores_dtype)
-        return (dx, d_scores, None, None, dw1, db1 if b1 is not None else None, dw2,
-                db2 if b2 is not None else None, None, None, None)
-
-
-# SMs the weight-gradient GEMMs leave free while dx is reduce-scattered beside them: the exchange
-# is copy-engine copies and two barriers, each barrier one small kernel that needs an SM to start.
-_SMS_LEFT_TO_THE_EXCHANGE = 2
-_SIDE_STREAMS: dict = {}
-
-
-_SM_COUNTS: dict = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
-
-
-@torch.library.custom_op("machmoe::exchanged_experts_backward", mutates_args=())
-def _exchanged_experts_backward(xg: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
-                                b2: Optional[torch.Tensor], token: torch.Tensor, expert: torch.Tensor,
-                                saved: torch.Tensor, dout: torch.Tensor, activation: str, layout: str,
-                                glu_clamp: list[float], W: int, group_name: str
-                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                           torch.Tensor]:
-    """(dx [T, d], d_scores [W·T·K'], dw1, db1, dw2, db2; a bias's gradient is empty without it).
-
-    dout [T, d] gathered; the data gradients of the gathered rows (dX [W·T, d], d_scores); then,
-    while the weight gradients run on this stream with _SMS_LEFT_TO_THE_EXCHANGE SMs left free,
-    dX's blocks go to their ranks on a side stream (copy engines); dx = their sum, after both."""
-    dg = symmetric_exchange.all_gather(dout, W, group_name)  # [W·T, d]
-    dxg, d_scores, workspace = torch.ops.machmoe.experts_backward_data(xg, w1, b1, w2, b2, token, expert, saved,
-                                                                       dg, activation, layout, glu_clamp)
-    here, side = torch.cuda.current_stream(), _side_stream(xg.device)
-    side.wait_stream(here)
-    with torch.cuda.stream(side):
-        parts = symmetric_exchange.pull_blocks(dxg, W, group_name)  # W blocks [T, d]
-    dxg.record_stream(side)
-    sms = _sm_count(xg.device)
-    dw1, db1, dw2, db2 = torch.ops.machmoe.experts_backward_weights(
-        xg, w1, b1, w2, b2, token, expert, saved, dg, workspace, activation, layout, glu_clamp,
-        max(1, sms - _SMS_LEFT_TO_THE_EXCHANGE))
-    here.wait_stream(side)
-    for p in parts:
-        p.record_stream(here)
-    dx = symmetric_exchange.sum_blocks(parts)
-    # (an op's outputs may not alias one another: a fresh empty tensor for each missing bias)
-    return (dx, d_scores, dw1, xg.new_empty(0) if db1 is None else db1, dw2,
-            xg.new_empty(0) if db2 is None else db2)
-
-
-@_exchanged_experts_backward.register_fake
-def _(xg, w1, b1, w2, b2, token, expert, saved, dout, activation, layout, glu_clamp, W, group_name):
-    E, n1, d = w1.shape
-    return (dout.new_empty(dout.shape), dout.new_empty(token.shape[0], dtype=torch.float32), w1.new_empty(w1.shape),
-            w1.new_empty(E, n1) if b1 is not None else w1.new_empty(0), w2.new_empty(w2.shape),
-            w2.new_empty(E, d) if b2 is not None else w2.new_empty(0))
 
 
 class _SwapBlocks(torch.autograd.Function):

@@ -430,18 +430,6 @@ def test_exchange_plan_on_the_kernels_matches_its_definition(T, K, E, W):
         assert torch.allclose(row_sum(partial), want_sum, rtol=1e-14, atol=0)
 
 
-def test_the_overlapped_backward_is_chosen_by_the_block_size():
-    from machmoe.expert_exchange import OVERLAP_MIN_BLOCK_BYTES, overlaps_dx_exchange
-
-    # Measured on two H200s: 7B-a's block (24576 x 1536 bf16, 72 MiB) ran faster plain, 30B-b's and
-    # 120B-b's (32768 x 4096 bf16, 256 MiB) overlapped.
-    assert not overlaps_dx_exchange(24576, 1536, 2)
-    assert overlaps_dx_exchange(32768, 4096, 2)
-    assert overlaps_dx_exchange(OVERLAP_MIN_BLOCK_BYTES // 2, 1, 2)
-    assert not overlaps_dx_exchange(OVERLAP_MIN_BLOCK_BYTES // 2 - 1, 1, 2)
-    assert not overlaps_dx_exchange(0, 4096, 2)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("W", [2, 3, 4])
 def test_sum_blocks_adds_in_rank_order_into_a_fresh_tensor(W, dtype):

@@ -196,12 +196,12 @@ def _check_overflow_on_the_gpu(model, x, rank, max_tokens):
 
 
 def _check_compiled(model, x, g, max_tokens):
-    """torch.compile (aot_eager) of the all-gather exchange on the kernels, plain and overlapped
-    backward: bitwise the eager output and gradients."""
+    """torch.compile (aot_eager) of the all-gather exchange on the kernels, its transfers overlapped
+    and plain: bitwise the eager output and gradients."""
     from machmoe.distributed import ExpertParallelMoE
 
     for overlap in (False, True):
-        _force_overlap(overlap)
+        _force_transfers_overlapped(overlap)
         layer = ExpertParallelMoE.from_moe(model, max_tokens=max_tokens)
         runs = []
         for fn in (layer, torch.compile(layer, backend="aot_eager")):
@@ -212,15 +212,7 @@ def _check_compiled(model, x, g, max_tokens):
             runs.append([out.detach(), xi.grad] + [p.grad.clone() for p in layer.parameters()])
         for a, b in zip(*runs):
             assert torch.equal(a, b), f"compiled expert parallel (overlap={overlap}) differs from eager"
-    _force_overlap(False)
-
-
-def _force_overlap(on: bool) -> None:
-    """The all-gather exchange's plain path: its backward overlapped (on) or plain, whatever the
-    block size."""
-    from machmoe import expert_exchange
-
-    expert_exchange.OVERLAP_MIN_BLOCK_BYTES = 0 if on else 1 << 62
+    _force_transfers_overlapped(True)
 
 
 def _force_transfers_overlapped(on: bool) -> None:
@@ -280,14 +272,11 @@ def _ep_worker(rank, world, init_file, seed):
             gathered = exchange["exchange"] == "all_gather"
             results = []
             # The all-gather exchange with its transfers overlapped (the default), then its plain
-            # path: with max_tokens, the backward's dx transfer overlapped (forced: these blocks are
-            # far below the size where it is chosen), without max_tokens not. out and dx are bitwise
-            # the same (each token's sums keep their order); the weight gradients add an expert's
-            # rows in another order on ranks > 0 (their rows are rotated), so they are only as close
-            # as check_ep_layer asks.
+            # path. out and dx are bitwise the same (each token's sums keep their order); the
+            # weight gradients add an expert's rows in another order on ranks > 0 (their rows are
+            # rotated), so they are only as close as check_ep_layer asks.
             for overlapped in (True, False) if gathered else (True,):
                 _force_transfers_overlapped(overlapped)
-                _force_overlap(gathered and "max_tokens" in exchange)
                 results.append(check_ep_layer(ExpertParallelMoE.from_moe(model, **exchange), rank, world, xs, gs,
                                               (one_out, one_dx, one_grads), (ref_out, ref_dx, ref_grads),
                                               f"expert parallel {exchange} transfers overlapped {overlapped}"))
@@ -297,12 +286,10 @@ def _ep_worker(rank, world, init_file, seed):
         if world > 1:
             _check_overflow_on_the_gpu(model, xs[rank], rank, T + 3 * (world - 1))
             _check_compiled(model, xs[rank], gs[rank], T + 3 * (world - 1))
-        for transfers, overlap in ((True, False), (False, True), (False, False)):
-            _force_transfers_overlapped(transfers)
-            _force_overlap(overlap)
+        for overlapped in (True, False):
+            _force_transfers_overlapped(overlapped)
             _check_no_sync_and_graph(model, xs[rank], gs[rank], T + 3 * (world - 1))
         _force_transfers_overlapped(True)
-        _force_overlap(False)
         _check_rounding_on_kernels(model, xs[rank], gs[rank], T + 3 * (world - 1), rank, world)
     finally:
         dist.destroy_process_group()
