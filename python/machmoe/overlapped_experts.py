@@ -16,11 +16,13 @@ its first row of another rank's token. Forward, W ranks, x [T, d]:
                                     ---->    y = Σ_q (rank q's partial sum of this rank's tokens)
 
 The backward likewise pulls the output gradient's peer blocks while the dH kernel runs on the own
-tokens' rows, and sends dx's peer blocks to their ranks while the weight gradients run (their
-persistent GEMMs leave two SMs free, as the forward's last part does). Transfers are copy-engine pulls through symmetric memory
-(machmoe.symmetric_exchange); each is ordered against the kernels by stream waits only, so nothing
-waits for the host and the sequence is CUDA-graph capturable. The side stream's barriers are
-queued before the kernels beside them are launched, so that they find an SM.
+tokens' rows, and sends dx's peer blocks to their ranks while the weight gradients run. Transfers
+are copy-engine pulls through symmetric memory (machmoe.symmetric_exchange); each is ordered
+against the kernels by stream waits only, so nothing waits for the host and the sequence is
+CUDA-graph capturable. out and dx are written by the kernels straight into the staging buffer the
+peers pull from. The side stream's barriers are small kernels: they are queued before the kernels
+beside them are launched, and the GEMMs that run beside a transfer's end (the forward's last
+part, the weight gradients) leave two SMs free, so that the barriers find an SM.
 
 Each part is bitwise the whole call's (the kernels compute every row the same way), and the sums
 over the ranks are taken in rank order in float32 and rounded once: out and dx are bitwise the
@@ -81,13 +83,12 @@ def _rotated_gather(t: torch.Tensor, W: int, group_name: str, here, side) -> tor
 
 
 def _send_peer_blocks(t: torch.Tensor, W: int, group_name: str, here, side) -> list:
-    """t [W·T, ...] rotated, its peer blocks final on this stream (its own block may still be in the
-    making): the W blocks that sum to this rank's rows, in rank order, pulled on the side stream
-    (its own block a view of t)."""
+    """t [W·T, ...] rotated, in the staging buffer (symmetric_exchange.staging_rows), its peer blocks
+    final on this stream (its own block may still be in the making): the W blocks that sum to this
+    rank's rows, in rank order, pulled on the side stream (its own block a view of t)."""
     side.wait_stream(here)
     with torch.cuda.stream(side):
-        parts = symmetric_exchange.pull_blocks(t, W, group_name, rotated=True)
-    t.record_stream(side)
+        parts = symmetric_exchange.pull_blocks(t, W, group_name, rotated=True, in_staging=True)
     return parts
 
 
@@ -115,8 +116,10 @@ def overlapped_experts_forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[t
     here, side = torch.cuda.current_stream(), _side_stream(x.device)
     saved_bytes, fwd_bytes, _ = _experts_bytes(W * T, d, w1, w2, token.numel(), activation, b1 is not None)
     opts = (activation, layout, glu_clamp)
+    # out is written where the peers pull it (no copy into the staging buffer); the gather below
+    # is done with that buffer before the kernels write into it (the late part waits for it).
+    out = symmetric_exchange.staging_rows(W * T, x, group_name)
     xg = _rotated_gather(x, W, group_name, here, side)
-    out = x.new_empty(W * T, d)
     saved = x.new_empty(saved_bytes, dtype=torch.uint8)
     workspace = x.new_empty(fwd_bytes, dtype=torch.uint8)
     args = (xg, w1, b1, w2, b2, scores, token, expert, out, saved, workspace)
@@ -152,8 +155,8 @@ def overlapped_experts_backward(xg: torch.Tensor, w1: torch.Tensor, b1: Optional
     R = token.numel()
     _, _, bwd_bytes = _experts_bytes(W * T, d, w1, w2, R, activation, b1 is not None)
     opts = (activation, layout, glu_clamp)
+    dxg = symmetric_exchange.staging_rows(W * T, dout, group_name)  # as the forward's out
     dg = _rotated_gather(dout, W, group_name, here, side)
-    dxg = dout.new_empty(W * T, d)
     d_scores = dout.new_empty(R, dtype=torch.float32)
     workspace = dout.new_empty(bwd_bytes, dtype=torch.uint8)
     args = (xg, w1, b1, w2, b2, token, expert, saved, dg, dxg, d_scores, workspace)
