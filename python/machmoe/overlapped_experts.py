@@ -33,6 +33,7 @@ last bits.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -92,19 +93,28 @@ def _send_peer_blocks(t: torch.Tensor, W: int, group_name: str, here, side) -> l
     return parts
 
 
-def _sum_parts(parts: list, here, side) -> torch.Tensor:
+def _sum_parts(parts: list, own: torch.Tensor, here, side) -> torch.Tensor:
+    """Σ parts (in rank order, symmetric_exchange.sum_blocks) on this stream, once the side stream
+    has pulled them; `own` (this rank's, in the staging buffer) is the one not pulled."""
     here.wait_stream(side)
     for p in parts:
-        p.record_stream(here)
+        if p.data_ptr() != own.data_ptr():  # pulled on the side stream: used here now
+            p.record_stream(here)
     return symmetric_exchange.sum_blocks(parts)
 
 
 def _experts_bytes(T: int, d: int, w1: torch.Tensor, w2: torch.Tensor, R: int, activation: str, bias: bool):
-    return torch.ops.machmoe.experts_workspace_bytes(T, d, w2.shape[2], w1.shape[0], R, activation, bias)
+    return _workspace_bytes(T, d, w2.shape[2], w1.shape[0], R, activation, bias)
 
 
-@torch.library.custom_op("machmoe::overlapped_experts_forward", mutates_args=())
-def overlapped_experts_forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
+@functools.lru_cache(maxsize=64)
+def _workspace_bytes(T: int, d: int, n: int, E: int, R: int, activation: str, bias: bool) -> tuple:
+    # (A plain function of the sizes; cached: an op call per experts call costs host time that a
+    # small layer's GPU time does not hide.)
+    return tuple(torch.ops.machmoe.experts_workspace_bytes(T, d, n, E, R, activation, bias))
+
+
+def _forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
                                b2: Optional[torch.Tensor], scores: torch.Tensor, token: torch.Tensor,
                                expert: torch.Tensor, activation: str, layout: str, glu_clamp: list[float], W: int,
                                group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -128,7 +138,11 @@ def overlapped_experts_forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[t
     ops.experts_forward_part(*args, "late_rows", T, *opts)
     parts = _send_peer_blocks(out, W, group_name, here, side)
     ops.experts_forward_part(*args, "early_out", T, *opts, _gemm_ctas(x.device))
-    return _sum_parts(parts, here, side), xg, saved
+    return _sum_parts(parts, out[:T], here, side), xg, saved
+
+
+overlapped_experts_forward = torch.library.custom_op("machmoe::overlapped_experts_forward", _forward,
+                                                     mutates_args=())
 
 
 @overlapped_experts_forward.register_fake
@@ -140,8 +154,7 @@ def _(x, w1, b1, w2, b2, scores, token, expert, activation, layout, glu_clamp, W
     return x.new_empty(T, d), x.new_empty(W * T, d), x.new_empty(saved, dtype=torch.uint8)
 
 
-@torch.library.custom_op("machmoe::overlapped_experts_backward", mutates_args=())
-def overlapped_experts_backward(xg: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
+def _backward(xg: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
                                 b2: Optional[torch.Tensor], token: torch.Tensor, expert: torch.Tensor,
                                 saved: torch.Tensor, dout: torch.Tensor, activation: str, layout: str,
                                 glu_clamp: list[float], W: int, group_name: str
@@ -166,10 +179,14 @@ def overlapped_experts_backward(xg: torch.Tensor, w1: torch.Tensor, b1: Optional
     parts = _send_peer_blocks(dxg, W, group_name, here, side)
     dw1, db1, dw2, db2 = ops.experts_backward_weights(xg, w1, b1, w2, b2, token, expert, saved, dg, workspace, *opts,
                                                       _gemm_ctas(xg.device))
-    dx = _sum_parts(parts, here, side)
+    dx = _sum_parts(parts, dxg[:T], here, side)
     # (an op's outputs may not alias one another: a fresh empty tensor for each missing bias)
     return (dx, d_scores, dw1, xg.new_empty(0) if db1 is None else db1, dw2,
             xg.new_empty(0) if db2 is None else db2)
+
+
+overlapped_experts_backward = torch.library.custom_op("machmoe::overlapped_experts_backward", _backward,
+                                                      mutates_args=())
 
 
 @overlapped_experts_backward.register_fake
@@ -180,14 +197,21 @@ def _(xg, w1, b1, w2, b2, token, expert, saved, dout, activation, layout, glu_cl
             w2.new_empty(E, d) if b2 is not None else w2.new_empty(0))
 
 
+def _op(custom_op, function):
+    """The custom op under torch.compile (an opaque node of the graph); in eager mode its Python
+    function, called directly: the dispatcher's round trip costs host time per call that a small
+    layer's GPU time does not hide."""
+    return custom_op if torch.compiler.is_compiling() else function
+
+
 class OverlappedExperts(torch.autograd.Function):
     """x [T, d] -> out [T, d]: overlapped_experts_forward; its backward overlapped_experts_backward.
     scores (any float dtype) get their gradient in their dtype."""
 
     @staticmethod
     def forward(ctx, x, scores, token, expert, w1, b1, w2, b2, opts, W, group_name):
-        out, xg, saved = overlapped_experts_forward(x, w1, b1, w2, b2, scores.float().contiguous(), token, expert,
-                                                    *opts, W, group_name)
+        forward = _op(overlapped_experts_forward, _forward)
+        out, xg, saved = forward(x, w1, b1, w2, b2, scores.float().contiguous(), token, expert, *opts, W, group_name)
         ctx.save_for_backward(xg, w1, b1, w2, b2, token, expert, saved)
         ctx.opts, ctx.W, ctx.group_name = opts, W, group_name
         ctx.scores_shape, ctx.scores_dtype = scores.shape, scores.dtype
@@ -199,7 +223,7 @@ class OverlappedExperts(torch.autograd.Function):
         if dout is None:
             return (None,) * 11
         xg, w1, b1, w2, b2, token, expert, saved = ctx.saved_tensors
-        dx, d_scores, dw1, db1, dw2, db2 = overlapped_experts_backward(
+        dx, d_scores, dw1, db1, dw2, db2 = _op(overlapped_experts_backward, _backward)(
             xg, w1, b1, w2, b2, token, expert, saved, dout.to(torch.bfloat16).contiguous(), *ctx.opts, ctx.W,
             ctx.group_name)
         d_scores = d_scores.reshape(ctx.scores_shape).to(ctx.scores_dtype)

@@ -30,6 +30,9 @@ import importlib.util
 import torch
 
 _STAGING: dict[str, tuple[torch.Tensor, object]] = {}  # group name -> (buffer [bytes] uint8, handle)
+# Views of the staging buffers by (handle, rank, shape, dtype, offset): each view is a tensor made on
+# the host, which costs more host time per collective than its copy costs a small layer's GPU.
+_VIEWS: dict = {}
 # The smallest staging buffer: small collectives (the routing's) then never make it grow between
 # large ones; memory is mapped in 2 MiB pages anyway.
 _MIN_STAGING_BYTES = 16 << 20
@@ -73,12 +76,21 @@ def _staging(group_name: str, nbytes: int):
     torch.cuda.synchronize()
     handle = symm.rendezvous(buffer, group_name)
     _STAGING[group_name] = (buffer, handle)
+    _VIEWS.clear()
     return handle
 
 
 def _view(handle, rank: int, like: torch.Tensor, offset_elems: int = 0) -> torch.Tensor:
     """Rank `rank`'s staging buffer seen as a tensor of like's shape and dtype."""
-    return handle.get_buffer(rank, tuple(like.shape), like.dtype, offset_elems)
+    return _buffer(handle, rank, tuple(like.shape), like.dtype, offset_elems)
+
+
+def _buffer(handle, rank: int, shape: tuple, dtype: torch.dtype, offset_elems: int) -> torch.Tensor:
+    key = (id(handle), rank, shape, dtype, offset_elems)
+    view = _VIEWS.get(key)
+    if view is None:
+        view = _VIEWS[key] = handle.get_buffer(rank, shape, dtype, offset_elems)
+    return view
 
 
 def all_gather(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
@@ -126,7 +138,7 @@ def staging_rows(rows: int, like: torch.Tensor, group_name: str) -> torch.Tensor
     shape = (rows,) + tuple(like.shape[1:])
     nbytes = rows * (like[0].numel() if like.dim() > 1 else 1) * like.element_size()
     handle = _staging(group_name, nbytes)
-    return handle.get_buffer(handle.rank, shape, like.dtype, 0)
+    return _buffer(handle, handle.rank, shape, like.dtype, 0)
 
 
 def pull_blocks(t: torch.Tensor, W: int, group_name: str, rotated: bool = False, in_staging: bool = False) -> list:
