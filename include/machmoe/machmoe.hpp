@@ -217,6 +217,10 @@ struct ExpertsForwardArgs {
   int32_t* duplicate_flag = nullptr;   // [1] or null: set to 1 when the list repeats a pair, else 0
   ExpertsForwardPart part = ExpertsForwardPart::All;
   int64_t early_tokens = 0;            // [0, T]: the early tokens of a split call (any part but All)
+  // EarlyRows only, optional: the early tokens' rows [early_tokens, d] in a tensor of their own,
+  // read instead of x's first rows (which may then still be in the making: a caller copies them
+  // into x beside the kernels, for the parts and the backward that read x whole).
+  const void* x_early = nullptr;
   // A bound on the GEMMs' persistent CTAs (0: one per SM), leaving SMs to work queued on other
   // streams (a transfer's barriers beside a split call's last part).
   int max_ctas = 0;
@@ -263,6 +267,9 @@ struct ExpertsBackwardArgs {
   ExpertsBackwardPart part = ExpertsBackwardPart::All;
   int weights_max_ctas = 0;
   int64_t early_tokens = 0;  // [0, T]: the early tokens of DataEarlyRows / DataLateRows
+  // DataEarlyRows only, optional: dout's early rows [early_tokens, d] in a tensor of their own, read
+  // instead of dout's first rows (as ExpertsForwardArgs::x_early).
+  const void* dout_early = nullptr;
 };
 void experts_backward(const ValidExpertsProblem& p, const ExpertsBackwardArgs& a, cudaStream_t stream);
 void experts_backward(const ExpertsProblem& p, const ExpertsBackwardArgs& a, cudaStream_t stream);  // validates p

@@ -200,12 +200,12 @@ def _experts_backward_data(x, w1, b1, w2, b2, token_idx, expert_idx, saved, dout
 
 
 def _experts_forward_part(x, w1, b1, w2, b2, scores, token_idx, expert_idx, out, saved, workspace, part,
-                          early_tokens, activation, layout, glu_clamp=(), max_ctas=0):
+                          early_tokens, activation, layout, glu_clamp=(), max_ctas=0, x_early=None):
     return None  # writes into out, saved and workspace
 
 
 def _experts_backward_data_part(x, w1, b1, w2, b2, token_idx, expert_idx, saved, dout, dx, d_scores, workspace,
-                                part, early_tokens, activation, layout, glu_clamp=()):
+                                part, early_tokens, activation, layout, glu_clamp=(), dout_early=None):
     return None  # writes into dx, d_scores and workspace
 
 

@@ -7,8 +7,8 @@ experts call (machmoe::ExpertsForwardPart, docs/LAYER.md): the kernels cut each 
 its first row of another rank's token. Forward, W ranks, x [T, d]:
 
     side stream                              this stream
-    pull the peers' x blocks  ---------      early rows: routing metadata, up-projection of the
-                                       |       own tokens' rows (xg's peer rows are not read)
+    pull the peers' x blocks, --------       early rows: routing metadata, up-projection of the
+    copy x itself into xg              |       own tokens' rows, from x (xg is not read)
                                        '-->  late rows: both projections of the peers' tokens'
                                                rows, out's peer blocks [(W-1)·T, d]
     send out's peer blocks    <--------      early out: down-projection of the own rows, out's
@@ -72,14 +72,15 @@ def _gemm_ctas(device: torch.device) -> int:
 
 
 def _rotated_gather(t: torch.Tensor, W: int, group_name: str, here, side) -> torch.Tensor:
-    """t [T, ...] -> [W·T, ...] rotated: t itself first (copied on this stream), the peers' blocks
-    pulled on the side stream (the caller waits for it before reading them)."""
+    """t [T, ...] -> [W·T, ...] rotated: the peers' blocks pulled, then t itself copied first, all on
+    the side stream (the caller waits for it before reading any of it; the first part of a split
+    call reads t itself)."""
     out = t.new_empty((W * t.shape[0],) + tuple(t.shape[1:]))
     side.wait_stream(here)
     with torch.cuda.stream(side):
         symmetric_exchange.gather_blocks(t, out, W, group_name, rotated=True)
+        out[: t.shape[0]].copy_(t)
     out.record_stream(side)
-    out[: t.shape[0]].copy_(t)
     return out
 
 
@@ -133,7 +134,7 @@ def _forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: 
     saved = x.new_empty(saved_bytes, dtype=torch.uint8)
     workspace = x.new_empty(fwd_bytes, dtype=torch.uint8)
     args = (xg, w1, b1, w2, b2, scores, token, expert, out, saved, workspace)
-    ops.experts_forward_part(*args, "early_rows", T, *opts)
+    ops.experts_forward_part(*args, "early_rows", T, *opts, x_early=x)  # x's rows: xg's are still in the making
     here.wait_stream(side)  # the peers' rows have landed
     ops.experts_forward_part(*args, "late_rows", T, *opts)
     parts = _send_peer_blocks(out, W, group_name, here, side)
@@ -173,7 +174,7 @@ def _backward(xg: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2
     d_scores = dout.new_empty(R, dtype=torch.float32)
     workspace = dout.new_empty(bwd_bytes, dtype=torch.uint8)
     args = (xg, w1, b1, w2, b2, token, expert, saved, dg, dxg, d_scores, workspace)
-    ops.experts_backward_data_part(*args, "early_rows", T, *opts)
+    ops.experts_backward_data_part(*args, "early_rows", T, *opts, dout_early=dout)  # dout's rows, as the forward
     here.wait_stream(side)  # the peers' output gradients have landed
     ops.experts_backward_data_part(*args, "late_rows", T, *opts)
     parts = _send_peer_blocks(dxg, W, group_name, here, side)

@@ -94,13 +94,15 @@ ExpertsForwardPart parse_forward_part(const std::string& part) {
 // One part of an experts_forward call split into early tokens [0, early_tokens) and late ones
 // (machmoe::ExpertsForwardPart): writes its rows of `out`, and `saved` and `workspace`
 // (experts_workspace_bytes: saved, forward workspace), which the caller keeps between the parts.
-// max_ctas bounds the GEMMs' persistent CTAs (0: one per SM).
+// max_ctas bounds the GEMMs' persistent CTAs (0: one per SM). x_early: "early_rows" only, x's early
+// rows [early_tokens, d] apart (read instead of x's first rows).
 void op_experts_forward_part(const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1, const Tensor& w2,
                              const std::optional<Tensor>& b2, const Tensor& scores, const Tensor& token_idx,
                              const Tensor& expert_idx, const Tensor& out, const Tensor& saved,
                              const Tensor& workspace, const std::string& part, int64_t early_tokens,
                              const std::string& activation, const std::string& layout,
-                             at::ArrayRef<double> glu_clamp, int64_t max_ctas) {
+                             at::ArrayRef<double> glu_clamp, int64_t max_ctas,
+                             const std::optional<Tensor>& x_early) {
   translate_errors([&] {
     check_dims(scores, "scores", 1);
     const ValidExpertsProblem valid =
@@ -131,6 +133,12 @@ void op_experts_forward_part(const Tensor& x, const Tensor& w1, const std::optio
     a.part = parse_forward_part(part);
     a.early_tokens = early_tokens;
     a.max_ctas = static_cast<int>(std::clamp<int64_t>(max_ctas, -1, int64_t{1} << 30));
+    if (x_early) {
+      MACHMOE_CHECK_VALUE(early_tokens >= 0 && early_tokens <= p.T, "early_tokens must be in [0, T = ", p.T,
+                          "]; got ", early_tokens);
+      check_bf16(*x_early, "x_early", {early_tokens, p.d}, &device);
+      a.x_early = x_early->data_ptr();
+    }
     experts_forward(valid, a, at::cuda::getCurrentCUDAStream());
   });
 }
@@ -141,6 +149,7 @@ using Grads = std::tuple<Tensor, Tensor, std::optional<Tensor>, Tensor, std::opt
 // undefined. `workspace` is given to the weight part (the data part's), allocated otherwise.
 struct BackwardTensors {
   Tensor dx, dw1, dw2, d_scores, workspace;
+  Tensor dout_early;  // given by a split call's early part, or undefined
   std::optional<Tensor> db1, db2;
 };
 
@@ -213,6 +222,7 @@ BackwardTensors run_experts_backward(const Tensor& x, const Tensor& w1, const st
   // (experts_backward refuses a negative bound by name; past an int, the bound is no bound)
   a.weights_max_ctas = static_cast<int>(std::clamp<int64_t>(weights_max_ctas, -1, int64_t{1} << 30));
   a.early_tokens = early_tokens;
+  a.dout_early = given && given->dout_early.defined() ? given->dout_early.data_ptr() : nullptr;
   experts_backward(valid, a, at::cuda::getCurrentCUDAStream());
   return t;
 }
@@ -261,19 +271,28 @@ std::tuple<Tensor, std::optional<Tensor>, Tensor, std::optional<Tensor>> op_expe
 
 // One part of experts_backward_data split into early tokens [0, early_tokens) and late ones
 // (machmoe::ExpertsBackwardPart): 'early_rows', then 'late_rows', into the caller's dx, d_scores and
-// workspace (kept between the parts; the weight part then reads the workspace).
+// workspace (kept between the parts; the weight part then reads the workspace). dout_early:
+// 'early_rows' only, dout's early rows [early_tokens, d] apart.
 void op_experts_backward_data_part(const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1,
                                    const Tensor& w2, const std::optional<Tensor>& b2, const Tensor& token_idx,
                                    const Tensor& expert_idx, const Tensor& saved, const Tensor& dout,
                                    const Tensor& dx, const Tensor& d_scores, const Tensor& workspace,
                                    const std::string& part, int64_t early_tokens, const std::string& activation,
-                                   const std::string& layout, at::ArrayRef<double> glu_clamp) {
+                                   const std::string& layout, at::ArrayRef<double> glu_clamp,
+                                   const std::optional<Tensor>& dout_early) {
   translate_errors([&] {
     MACHMOE_CHECK_VALUE(part == "early_rows" || part == "late_rows", "part must be 'early_rows' or 'late_rows', got '",
                         part, "'");
     BackwardTensors given;
     given.dx = dx;
     given.d_scores = d_scores;
+    if (dout_early) {
+      MACHMOE_CHECK_VALUE(early_tokens >= 0 && early_tokens <= dout.size(0), "early_tokens must be in [0, T = ",
+                          dout.size(0), "]; got ", early_tokens);
+      const at::Device device = x.device();
+      check_bf16(*dout_early, "dout_early", {early_tokens, dout.size(1)}, &device);
+      given.dout_early = *dout_early;
+    }
     run_experts_backward(x, w1, b1, w2, b2, token_idx, expert_idx, saved, dout, activation, layout, glu_clamp,
                          part == "early_rows" ? ExpertsBackwardPart::DataEarlyRows : ExpertsBackwardPart::DataLateRows,
                          &workspace, 0, &given, early_tokens);
@@ -321,10 +340,12 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
         " float[] glu_clamp=[], int max_ctas=0) -> (Tensor dw1, Tensor? db1, Tensor dw2, Tensor? db2)");
   m.def("experts_forward_part(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, Tensor scores,"
         " Tensor token_idx, Tensor expert_idx, Tensor(a!) out, Tensor(b!) saved, Tensor(c!) workspace, str part,"
-        " int early_tokens, str activation, str layout, float[] glu_clamp=[], int max_ctas=0) -> ()");
+        " int early_tokens, str activation, str layout, float[] glu_clamp=[], int max_ctas=0, Tensor? x_early=None)"
+        " -> ()");
   m.def("experts_backward_data_part(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, Tensor token_idx,"
         " Tensor expert_idx, Tensor saved, Tensor dout, Tensor(a!) dx, Tensor(b!) d_scores, Tensor(c!) workspace,"
-        " str part, int early_tokens, str activation, str layout, float[] glu_clamp=[]) -> ()");
+        " str part, int early_tokens, str activation, str layout, float[] glu_clamp=[], Tensor? dout_early=None)"
+        " -> ()");
   m.def("experts_workspace_bytes(int T, int d, int n, int E, int R, str activation, bool bias) -> int[]",
         &op_experts_workspace_bytes);
   m.def("experts_saved_layout(int n, int E, str activation) -> int[]", &op_experts_saved_layout);

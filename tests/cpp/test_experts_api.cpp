@@ -186,6 +186,8 @@ TEST(ExpertsForward, RefusesWhatItDoesNotRun) {
   refuses(ErrorCode::InvalidArgument, valid_experts(), a, "early_tokens past T", "early_tokens must be in [0, T = ");
   a = fa, a.part = ExpertsForwardPart::EarlyRows, a.early_tokens = -1;
   refuses(ErrorCode::InvalidArgument, valid_experts(), a, "negative early_tokens", "early_tokens must be in [0, T");
+  a = fa, a.part = ExpertsForwardPart::EarlyRows, a.x_early = static_cast<char*>(m) + 8;
+  refuses(ErrorCode::InvalidArgument, valid_experts(), a, "x_early 8-byte aligned", "x_early must be 16-byte aligned");
   a = fa, a.part = static_cast<ExpertsForwardPart>(9);
   refuses(ErrorCode::InvalidArgument, valid_experts(), a, "an unknown part", "part must be All, EarlyRows");
 }

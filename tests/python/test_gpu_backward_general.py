@@ -298,36 +298,42 @@ def test_split_call_is_bitwise_the_whole_call(T, E, early, act, bias):
     dx, dw1, db1, dw2, db2, d_scores = ops.experts_backward(x, *w, token, expert, saved, dout, *opts)
 
     saved_bytes, fwd_bytes, _ = ops.experts_workspace_bytes(T, d, n, E, token.numel(), act, bias)
-    out2 = torch.full_like(out, float("nan"))
-    saved2 = torch.empty(saved_bytes, dtype=torch.uint8, device="cuda")
-    fwd_ws = torch.empty(fwd_bytes, dtype=torch.uint8, device="cuda")
-    # x's late rows are not read before the late part: poisoned until then.
-    x_arriving = x.clone()
-    x_arriving[early:] = float("nan")
-    ops.experts_forward_part(x_arriving, *w, scores, token, expert, out2, saved2, fwd_ws, "early_rows", early, *opts)
-    x_arriving[early:] = x[early:]
-    ops.experts_forward_part(x_arriving, *w, scores, token, expert, out2, saved2, fwd_ws, "late_rows", early, *opts)
-    ops.experts_forward_part(x_arriving, *w, scores, token, expert, out2, saved2, fwd_ws, "early_out", early, *opts)
-    assert torch.equal(out, out2), "out: the split forward differs from the whole call"
-    # (saved's padding is not written: what the backward reads of it is checked through the backward)
-
-    dx2 = torch.full_like(dx, float("nan"))
-    d_scores2 = torch.full_like(d_scores, float("nan"))
     _, _, workspace = ops.experts_backward_data(x, *w, token, expert, saved, dout, *opts)  # sized and typed
-    dout_arriving = dout.clone()
-    dout_arriving[early:] = float("nan")
-    ops.experts_backward_data_part(x, *w, token, expert, saved2, dout_arriving, dx2, d_scores2, workspace,
-                                   "early_rows", early, *opts)
-    dout_arriving[early:] = dout[early:]
-    ops.experts_backward_data_part(x, *w, token, expert, saved2, dout_arriving, dx2, d_scores2, workspace,
-                                   "late_rows", early, *opts)
-    dw1b, db1b, dw2b, db2b = ops.experts_backward_weights(x, *w, token, expert, saved2, dout, workspace, *opts)
-    pairs = [("dx", dx, dx2), ("d_scores", d_scores, d_scores2), ("dw1", dw1, dw1b), ("dw2", dw2, dw2b)]
-    if bias:
-        pairs += [("db1", db1, db1b), ("db2", db2, db2b)]
-    for name, whole, part in pairs:
-        assert whole.abs().max() > 0, f"{name} is all zeros"
-        assert torch.equal(whole, part), f"{name}: the split backward differs from the whole call"
+    # apart: the early rows given apart (x_early, dout_early), the whole x or dout poisoned until
+    # the late part; otherwise only their late rows, which the early part does not read.
+    for apart in (False, True):
+        out2 = torch.full_like(out, float("nan"))
+        saved2 = torch.empty(saved_bytes, dtype=torch.uint8, device="cuda")
+        fwd_ws = torch.empty(fwd_bytes, dtype=torch.uint8, device="cuda")
+        first = 0 if apart else early
+        x_arriving = x.clone()
+        x_arriving[first:] = float("nan")
+        extra = {"x_early": x[:early].clone()} if apart else {}
+        ops.experts_forward_part(x_arriving, *w, scores, token, expert, out2, saved2, fwd_ws, "early_rows", early,
+                                 *opts, **extra)
+        x_arriving.copy_(x)
+        for part in ("late_rows", "early_out"):
+            ops.experts_forward_part(x_arriving, *w, scores, token, expert, out2, saved2, fwd_ws, part, early, *opts)
+        assert torch.equal(out, out2), f"out: the split forward (apart={apart}) differs from the whole call"
+        # (saved's padding is not written: what the backward reads of it is checked through the backward)
+
+        dx2 = torch.full_like(dx, float("nan"))
+        d_scores2 = torch.full_like(d_scores, float("nan"))
+        dout_arriving = dout.clone()
+        dout_arriving[first:] = float("nan")
+        extra = {"dout_early": dout[:early].clone()} if apart else {}
+        ops.experts_backward_data_part(x, *w, token, expert, saved2, dout_arriving, dx2, d_scores2, workspace,
+                                       "early_rows", early, *opts, **extra)
+        dout_arriving.copy_(dout)
+        ops.experts_backward_data_part(x, *w, token, expert, saved2, dout_arriving, dx2, d_scores2, workspace,
+                                       "late_rows", early, *opts)
+        dw1b, db1b, dw2b, db2b = ops.experts_backward_weights(x, *w, token, expert, saved2, dout, workspace, *opts)
+        pairs = [("dx", dx, dx2), ("d_scores", d_scores, d_scores2), ("dw1", dw1, dw1b), ("dw2", dw2, dw2b)]
+        if bias:
+            pairs += [("db1", db1, db1b), ("db2", db2, db2b)]
+        for name, whole, got in pairs:
+            assert whole.abs().max() > 0, f"{name} is all zeros"
+            assert torch.equal(whole, got), f"{name}: the split backward (apart={apart}) differs from the whole call"
     with pytest.raises(ValueError, match="early_tokens"):
         ops.experts_forward_part(x, *w, scores, token, expert, out2, saved2, fwd_ws, "early_rows", T + 1, *opts)
     with pytest.raises(ValueError, match="part"):
@@ -335,3 +341,6 @@ def test_split_call_is_bitwise_the_whole_call(T, E, early, act, bias):
     with pytest.raises(ValueError, match="early_tokens"):
         ops.experts_backward_data_part(x, *w, token, expert, saved2, dout, dx2, d_scores2, workspace,
                                        "early_rows", -1, *opts)
+    with pytest.raises(ValueError, match="x_early"):
+        ops.experts_forward_part(x, *w, scores, token, expert, out2, saved2, fwd_ws, "early_rows", early, *opts,
+                                 x_early=x[: early + 1].clone())

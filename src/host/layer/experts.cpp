@@ -50,9 +50,10 @@ void up_projection(const ExpertsForwardRun& r, RowPart part, cudaStream_t stream
   const RoutingMetadataOutputs md = metadata_of(r);
   const ExpertRowRange rows = expert_rows(part, md.expert_offsets, at<int32_t>(w, r.scratch.row_split));
   GroupedGemmArgs up;
-  up.a = r.x;
+  const bool own_rows = part == RowPart::Early && r.x_early && r.early_tokens > 0;  // the early rows apart
+  up.a = own_rows ? r.x_early : r.x;
   up.lda = s.d;
-  up.a_rows = s.T;
+  up.a_rows = own_rows ? r.early_tokens : s.T;
   up.gather = md.row_token;
   up.expert_offsets = rows.begins;
   up.expert_row_ends = rows.ends;
@@ -156,6 +157,7 @@ void experts_forward(const ValidExpertsProblem& valid, const ExpertsForwardArgs&
   detail::require_given_exactly_when(p.has_bias, "has_bias", fn, {{"b1", a.b1}, {"b2", a.b2}});
   detail::require_block_aligned(fn, {{"saved", a.saved}, {"workspace", a.workspace}});
   detail::require_row_aligned(fn, {{"x", a.x}, {"w1", a.w1}, {"w2", a.w2}, {"out", a.out}, {"b2", a.b2}});
+  if (a.x_early) detail::require_row_aligned(fn, {{"x_early", a.x_early}});
   detail::require_arg(a.max_ctas >= 0, fn, "max_ctas", "must be >= 0 (0: one CTA per SM); got " + std::to_string(a.max_ctas));
   detail::require_arg(a.part >= ExpertsForwardPart::All && a.part <= ExpertsForwardPart::EarlyOut, fn, "part",
                       "must be All, EarlyRows, LateRows or EarlyOut");
@@ -196,6 +198,8 @@ void experts_forward(const ValidExpertsProblem& valid, const ExpertsForwardArgs&
   r.scratch = L.fwd;
   r.workspace = a.workspace;
   r.max_ctas = a.max_ctas;
+  r.x_early = a.part == ExpertsForwardPart::EarlyRows ? a.x_early : nullptr;
+  r.early_tokens = a.early_tokens;
   detail::experts_forward_part(r, a.part, a.early_tokens, stream);
 }
 

@@ -155,9 +155,10 @@ void dh_kernel(const ExpertsBackwardRun& r, RowPart part, cudaStream_t stream) {
   const auto [row_token, dh, a_prime, ds_partial, tile_offsets] = scratch_pointers(r);
   const ExpertRowRange rows = expert_rows(part, r.expert_offsets, at<int32_t>(r.workspace, r.scratch.row_split));
   GroupedGemmArgs g;
-  g.a = r.dout;
+  const bool own_rows = part == RowPart::Early && r.dout_early && r.early_tokens > 0;  // the early rows apart
+  g.a = own_rows ? r.dout_early : r.dout;
   g.lda = s.d;
-  g.a_rows = s.T;
+  g.a_rows = own_rows ? r.early_tokens : s.T;
   g.gather = row_token;
   g.expert_offsets = rows.begins;
   g.expert_row_ends = rows.ends;
@@ -342,6 +343,7 @@ void experts_backward(const ValidExpertsProblem& valid, const ExpertsBackwardArg
   const bool weights = a.part == ExpertsBackwardPart::All || a.part == ExpertsBackwardPart::WeightGradients;
   detail::require_arg(a.part >= ExpertsBackwardPart::All && a.part <= ExpertsBackwardPart::DataLateRows, fn, "part",
                       "must be All, DataGradients, WeightGradients, DataEarlyRows or DataLateRows");
+  if (a.dout_early) detail::require_row_aligned(fn, {{"dout_early", a.dout_early}});
   detail::require_arg(!data_part || (a.early_tokens >= 0 && a.early_tokens <= p.T), fn, "early_tokens",
                       "must be in [0, T = " + std::to_string(p.T) + "] with DataEarlyRows / DataLateRows; got " +
                           std::to_string(a.early_tokens));
@@ -390,6 +392,7 @@ void experts_backward(const ValidExpertsProblem& valid, const ExpertsBackwardArg
   r.part = a.part;
   r.weights_max_ctas = a.weights_max_ctas;
   r.early_tokens = a.early_tokens;
+  r.dout_early = a.part == ExpertsBackwardPart::DataEarlyRows ? a.dout_early : nullptr;
   detail::experts_backward_run(r, stream);
 }
 

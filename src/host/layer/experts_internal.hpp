@@ -48,6 +48,8 @@ struct ExpertsForwardRun {
   ExpertsForwardScratch scratch;  // offsets into `workspace`
   void* workspace = nullptr;
   int max_ctas = 0;  // bound on the GEMMs' CTAs (0: none)
+  const void* x_early = nullptr;  // a split call's early rows of x [early_tokens, d], or null
+  int64_t early_tokens = 0;       // with x_early
 };
 
 // Forward, T > 0 and pairs > 0: routing_metadata of the list, H [rows, n1] = x[row_token]·W1ᵀ (+b1)
@@ -86,6 +88,7 @@ struct ExpertsBackwardRun {
   int64_t shared = 0;
   int weights_max_ctas = 0;                             // bound on the wgrad GEMMs' CTAs (0: none)
   int64_t early_tokens = 0;                             // DataEarlyRows / DataLateRows: tokens [0, early_tokens)
+  const void* dout_early = nullptr;                     // DataEarlyRows: dout's early rows, or null
   // The layer backward's router part, optional. after_scores runs on the stream once d_scores is
   // written (the router backward: d_logits from d_scores); with router_d_logits set, the dx
   // aggregation also adds the router's part d_logits [T, E] · router_weight [E, d] (bf16, fp32
