@@ -45,40 +45,61 @@ void check_expert_tensors(const ExpertsProblem& p, const Tensor& x, const Tensor
   }
 }
 
+// The checked problem of an experts_forward call (or part): the tensors' shapes, dtypes and devices.
+ValidExpertsProblem checked_forward_problem(const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1,
+                                            const Tensor& w2, const std::optional<Tensor>& b2, const Tensor& scores,
+                                            const Tensor& token_idx, const Tensor& expert_idx,
+                                            const std::string& activation, const std::string& layout,
+                                            at::ArrayRef<double> glu_clamp) {
+  check_dims(scores, "scores", 1);
+  const ValidExpertsProblem valid =
+      experts_problem(x, w1, w2, b1.has_value(), scores.numel(), activation, layout, glu_clamp);
+  const ExpertsProblem& p = *valid;
+  check_expert_tensors(p, x, w1, b1, w2, b2);
+  const at::Device device = x.device();
+  check_tensor(scores, "scores", at::kFloat, {p.R}, &device);
+  check_tensor(token_idx, "token_idx", at::kInt, {p.R}, &device);
+  check_tensor(expert_idx, "expert_idx", at::kInt, {p.R}, &device);
+  return valid;
+}
+
+// The arguments of an experts_forward call (or part) writing into out, saved and workspace.
+ExpertsForwardArgs forward_args(const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1, const Tensor& w2,
+                                const std::optional<Tensor>& b2, const Tensor& scores, const Tensor& token_idx,
+                                const Tensor& expert_idx, const Tensor& out, const Tensor& saved,
+                                const Tensor& workspace) {
+  ExpertsForwardArgs a;
+  a.x = x.data_ptr();
+  a.w1 = w1.data_ptr();
+  a.b1 = b1 ? b1->data_ptr() : nullptr;
+  a.w2 = w2.data_ptr();
+  a.b2 = b2 ? b2->data_ptr() : nullptr;
+  a.scores = scores.data_ptr<float>();
+  a.pair_token = token_idx.data_ptr<int32_t>();
+  a.pair_expert = expert_idx.data_ptr<int32_t>();
+  a.out = out.data_ptr();
+  a.saved = saved.data_ptr();
+  a.workspace = workspace.data_ptr();
+  return a;
+}
+
 std::tuple<Tensor, Tensor> op_experts_forward(const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1,
                                               const Tensor& w2, const std::optional<Tensor>& b2, const Tensor& scores,
                                               const Tensor& token_idx, const Tensor& expert_idx,
                                               const std::string& activation, const std::string& layout,
                                               at::ArrayRef<double> glu_clamp) {
   return translate_errors([&] {
-    check_dims(scores, "scores", 1);
-    const ValidExpertsProblem valid =
-        experts_problem(x, w1, w2, b1.has_value(), scores.numel(), activation, layout, glu_clamp);
+    const ValidExpertsProblem valid = checked_forward_problem(x, w1, b1, w2, b2, scores, token_idx, expert_idx,
+                                                              activation, layout, glu_clamp);
     const ExpertsProblem& p = *valid;
-    check_expert_tensors(p, x, w1, b1, w2, b2);
-    const at::Device device = x.device();
-    check_tensor(scores, "scores", at::kFloat, {p.R}, &device);
-    check_tensor(token_idx, "token_idx", at::kInt, {p.R}, &device);
-    check_tensor(expert_idx, "expert_idx", at::kInt, {p.R}, &device);
     const c10::cuda::CUDAGuard guard(x.device());
     const WorkspacePlan plan = plan_workspace(valid);
     const auto bytes = x.options().dtype(at::kByte);
     Tensor out = at::empty({p.T, p.d}, x.options());
     Tensor saved = at::empty({static_cast<int64_t>(plan.saved_bytes)}, bytes);
     Tensor ws = at::empty({static_cast<int64_t>(plan.forward_workspace_bytes)}, bytes);
-    ExpertsForwardArgs a;
-    a.x = x.data_ptr();
-    a.w1 = w1.data_ptr();
-    a.b1 = b1 ? b1->data_ptr() : nullptr;
-    a.w2 = w2.data_ptr();
-    a.b2 = b2 ? b2->data_ptr() : nullptr;
-    a.scores = scores.data_ptr<float>();
-    a.pair_token = token_idx.data_ptr<int32_t>();
-    a.pair_expert = expert_idx.data_ptr<int32_t>();
-    a.out = out.data_ptr();
-    a.saved = saved.data_ptr();
-    a.workspace = ws.data_ptr();
-    experts_forward(valid, a, at::cuda::getCurrentCUDAStream());
+    experts_forward(valid, forward_args(x, w1, b1, w2, b2, scores, token_idx, expert_idx, out, saved, ws),
+                    at::cuda::getCurrentCUDAStream());
     return std::make_tuple(out, saved);
   });
 }
@@ -104,32 +125,16 @@ void op_experts_forward_part(const Tensor& x, const Tensor& w1, const std::optio
                              at::ArrayRef<double> glu_clamp, int64_t max_ctas,
                              const std::optional<Tensor>& x_early) {
   translate_errors([&] {
-    check_dims(scores, "scores", 1);
-    const ValidExpertsProblem valid =
-        experts_problem(x, w1, w2, b1.has_value(), scores.numel(), activation, layout, glu_clamp);
+    const ValidExpertsProblem valid = checked_forward_problem(x, w1, b1, w2, b2, scores, token_idx, expert_idx,
+                                                              activation, layout, glu_clamp);
     const ExpertsProblem& p = *valid;
-    check_expert_tensors(p, x, w1, b1, w2, b2);
     const at::Device device = x.device();
-    check_tensor(scores, "scores", at::kFloat, {p.R}, &device);
-    check_tensor(token_idx, "token_idx", at::kInt, {p.R}, &device);
-    check_tensor(expert_idx, "expert_idx", at::kInt, {p.R}, &device);
     check_bf16(out, "out", {p.T, p.d}, &device);
     const WorkspacePlan plan = plan_workspace(valid);
     check_tensor(saved, "saved", at::kByte, {static_cast<int64_t>(plan.saved_bytes)}, &device);
     check_tensor(workspace, "workspace", at::kByte, {static_cast<int64_t>(plan.forward_workspace_bytes)}, &device);
     const c10::cuda::CUDAGuard guard(x.device());
-    ExpertsForwardArgs a;
-    a.x = x.data_ptr();
-    a.w1 = w1.data_ptr();
-    a.b1 = b1 ? b1->data_ptr() : nullptr;
-    a.w2 = w2.data_ptr();
-    a.b2 = b2 ? b2->data_ptr() : nullptr;
-    a.scores = scores.data_ptr<float>();
-    a.pair_token = token_idx.data_ptr<int32_t>();
-    a.pair_expert = expert_idx.data_ptr<int32_t>();
-    a.out = out.data_ptr();
-    a.saved = saved.data_ptr();
-    a.workspace = workspace.data_ptr();
+    ExpertsForwardArgs a = forward_args(x, w1, b1, w2, b2, scores, token_idx, expert_idx, out, saved, workspace);
     a.part = parse_forward_part(part);
     a.early_tokens = early_tokens;
     a.max_ctas = static_cast<int>(std::clamp<int64_t>(max_ctas, -1, int64_t{1} << 30));
