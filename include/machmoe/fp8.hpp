@@ -158,8 +158,8 @@ void quantize_weights_fp8(const QuantizeWeightsArgs& args, cudaStream_t stream);
 //   H  = C (+ bias[e])                      the GEMM above, fp32, W's rows gate/up interleaved
 //                                           (row 2j gate j, row 2j + 1 up j)
 //   hq [R, N] e4m3, h_scales [R, fp8_tiles(N)]          H quantised 1x128 along N
-//   A  = glu(hq · h_scales)                 `activation` (a GLU kind, the clamped SwiGLU with
-//                                           glu_clamp) on the dequantised H, in fp32
+//   A  = glu(H)                             `activation` (a GLU kind, the clamped SwiGLU with
+//                                           glu_clamp) on the fp32 H (not the dequantised hq)
 //   act_q [R, N/2] e4m3, act_scales [R, fp8_tiles(N/2)]  A quantised 1x128 along N/2
 // Scales as the quantisers': amax/448, 1 for an all-zero tile, NaN (codes 0x7f) for a tile with a
 // NaN or Inf. Rules with Glu: N a multiple of 32 (16-byte rows of act_q); activation a GLU kind;

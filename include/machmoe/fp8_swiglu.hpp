@@ -6,8 +6,10 @@
 //   dH[r, 2j]   = s·dA'[r, j]·u·σ·(1 + g·(1 − σ))                     (bf16)
 //   dH[r, 2j+1] = s·dA'[r, j]·act                                     (bf16)
 //   A'[r, j]    = s·A                                                 (bf16, dW2's column operand)
-// computed in fp32 from the bf16 dA' and the exact E4M3 values. A is recomputed from the saved H
-// exactly as the forward's GLU epilogue computed it, so the backward sees the forward's A.
+// computed in fp32 from the bf16 dA' and the exact E4M3 values. A is recomputed from the saved
+// E4M3 H (the forward's GLU epilogue computed its A from the fp32 H: the backward's A differs from
+// it by H's quantisation, as in DeepSeek-V3's recipe, which recomputes the SwiGLU from its cached
+// FP8 input).
 // Rules: n >= 4 and a multiple of 4; 0 <= R < 2^31; h_scales has ceil(2n/128) columns; dA', dH,
 // A' 16-byte aligned, hq 8-byte aligned; row_pair values index `scores` (not checked on the
 // device). Asynchronous on `stream`; throws machmoe::Error(InvalidArgument) naming the argument.

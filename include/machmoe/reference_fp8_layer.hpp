@@ -18,7 +18,7 @@
 //   W1q = blocks(w1), W2q = blocks(w2)     once per optimizer step (a cached copy)
 //   H[r]  = Xq[t] · W1q[e]ᵀ (+ b1[e])      [R, n1]
 //   Hq    = rows(H)                        what the forward keeps for the backward (H in FP8)
-//   A[r]  = act(Hq[r])                     from the quantised H: the backward recomputes exactly it
+//   A[r]  = act(H[r])                      from the unquantised H (the backward recomputes it from Hq)
 //   Aq    = rows(A)
 //   Y[r]  = Aq[r] · W2q[e]ᵀ (+ b2[e])      [R, d]
 //   out[t] = Σ_r score · Y[r]

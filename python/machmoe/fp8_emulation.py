@@ -17,9 +17,9 @@ boundary), not bitwise.
 Forward (rows grouped by expert, t the row's token, e its expert; SwiGLU, interleaved gate/up):
     Xq = rows(x)  [T, d];  W1q, W2q = blocks(w1), blocks(w2) (from the FP8WeightCache)
     H = Xq[t]·W1q[e]ᵀ  fp32 [R, 2n];  Hq = rows(H), kept for the backward
-    A = silu(gate(Hq))·up(Hq) fp32;  Y = rows(A)·W2q[e]ᵀ -> bf16;  out = Σ score·Y (fp32) -> bf16
-Backward (fp8_experts.experts_backward):
-    dA' = rows(dout)[t]·W2q[e] -> bf16;  d_score = dA'·A;  dH = swiglu'(Hq)·(score·dA') -> bf16
+    A = silu(gate(H))·up(H) fp32 (from H, not Hq);  Y = rows(A)·W2q[e]ᵀ -> bf16;  out = Σ score·Y -> bf16
+Backward (fp8_experts.experts_backward), A recomputed from Hq:
+    dA' = rows(dout)[t]·W2q[e] -> bf16;  d_score = dA'·A(Hq);  dH = swiglu'(Hq)·(score·dA') -> bf16
     dX~ = rows(dH)·W1q[e] -> bf16;  dx = Σ_token dX~ (fp32) -> bf16
     dW1[e] = columns(dH)ᵀ·columns(x[t]);  dW2[e] = columns(dout[t])ᵀ·columns(bf16(score·A))
 where columns() quantises each column per 128-row chunk of an expert's rows. Where
@@ -149,8 +149,8 @@ class _EmulatedExperts(torch.autograd.Function):
         row_token = row_pair // K
         counts = torch.bincount(pair_expert, minlength=E).tolist()  # the torch backend's host sync
         h = _per_expert(rows_dequantized(x)[row_token], weights_dequantized(cache, w1, concatenated), counts, True)
-        hq = rows_dequantized(h)  # [R, 2n]
-        a = torch.nn.functional.silu(hq[:, 0::2]) * hq[:, 1::2]  # A [R, n] from the quantised H
+        hq = rows_dequantized(h)  # [R, 2n], kept for the backward
+        a = torch.nn.functional.silu(h[:, 0::2]) * h[:, 1::2]  # A [R, n] from the fp32 H
         y = _per_expert(rows_dequantized(a), weights_dequantized(cache, w2), counts, True).bfloat16()
         score_row = scores.reshape(-1).float()[row_pair]  # [R]
         out = torch.zeros(T, x.shape[1], device=x.device).index_add_(0, row_token, y.float() * score_row[:, None])
@@ -170,7 +170,7 @@ class _EmulatedExperts(torch.autograd.Function):
         gate, up = hq[:, 0::2], hq[:, 1::2]
         sig = torch.sigmoid(gate)
         act = gate * sig
-        a = act * up  # A [R, n], exactly the forward's
+        a = act * up  # A [R, n] recomputed from Hq (the forward's came from the fp32 H)
         score_row = scores.reshape(-1).float()[row_pair]
         d_scores = torch.zeros(T * K, device=x.device).index_copy_(0, row_pair, (da * a).sum(1))
         da = da * score_row[:, None]

@@ -9,7 +9,7 @@ Steps, where the FP8 layer quantises (machmoe/reference_fp8_layer.hpp states the
   1. the routing metadata of the top-K list (rows grouped by expert, row -> token);
   2. x [T, d] quantised once, 1x128 along d (fp8_quantize_rows, no gather);
   3. the up-projection gathers x's rows by token; its GLU epilogue writes H and A in E4M3 with
-     their 1x128 scales (grouped_gemm_fp8_glu); A comes from the dequantised H;
+     their 1x128 scales (grouped_gemm_fp8_glu); A comes from the fp32 H;
   4. the down-projection on A (grouped_gemm_fp8): Y [T·K, d] in bf16;
   5. out[t] = Σ_k scores[t, k] · Y[row of (t, k)] in fp32, rounded once to x's dtype (aggregate).
 The weights are quantised in 128x128 blocks once per change (machmoe.fp8_weights.FP8WeightCache).
@@ -79,8 +79,8 @@ def experts_backward(x, w1, w2, scores, experts, saved, dout, *, cache: Optional
     do_q, do_s = ops.fp8_quantize_rows(dout, None)
     da = ops.grouped_gemm_fp8(do_q, do_s, w2_qt, w2_st, offs, 0, row_token)  # dA' [R, n] bf16
     del do_q, do_s
-    # One pass (machmoe/fp8_swiglu.hpp): A recomputed from the saved Hq as the forward made it,
-    # d_scores, dH = swiglu'(H)·(score·dA') [R, 2n] and A' = score·A [R, n], both bf16.
+    # One pass (machmoe/fp8_swiglu.hpp): A recomputed from the saved Hq (the forward's came from the
+    # fp32 H), d_scores, dH = swiglu'(Hq)·(score·dA') [R, 2n] and A' = score·A [R, n], both bf16.
     dh, a_prime, d_scores = ops.fp8_swiglu_backward(da, hq, h_scales, scores.reshape(-1).float().contiguous(),
                                                     row_pair)
     del da

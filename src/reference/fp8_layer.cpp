@@ -106,7 +106,7 @@ ExpertsForwardFp8 experts_forward_fp8(const Shape& s, const double* x, const Wei
       }
   f.Hq = fp8_rows_dequantized(f.H.data(), R, n1);
   for (int64_t r = 0; r < R; ++r)
-    activation_forward(s.act, s.layout, n, f.Hq.data() + r * n1, f.A.data() + r * n, s.clamp);
+    activation_forward(s.act, s.layout, n, f.H.data() + r * n1, f.A.data() + r * n, s.clamp);
   const std::vector<double> aq = fp8_rows_dequantized(f.A.data(), R, n);
   for (int64_t e = 0; e < s.E; ++e)  // Y = Aq·W2qᵀ (+ b2), out = Σ score·Y
     for (int64_t r = md.expert_offsets[e]; r < md.expert_offsets[e + 1]; ++r)

@@ -330,8 +330,8 @@ def test_fuse_moe_grouped_sigmoid_routing_matches_eager(model_type, seed):
 def test_fuse_moe_fp8(seed):
     """fuse_moe(precision="fp8"): Qwen3-MoE's blocks (concatenated gate/up, no biases) fused with
     their routed experts in FP8 (the emulation on the CPU, bf16); a block's output on the same
-    input within E4M3's error of the bf16 block's (5 quantised operands on its path:
-    sqrt(5)·0.024 rms, bound twice that, and at least a tenth of it: FP8 did run; through the
+    input within E4M3's error of the bf16 block's (4 quantised operands on its path, x, W1, A, W2:
+    sqrt(4)·0.024 rms, bound twice that, and at least a tenth of it: FP8 did run; through the
     whole tiny model the errors compound, as the experts dominate its residual stream); gpt-oss's
     blocks (clamped SwiGLU, biases) left unfused, saying why."""
     for model_type in ("qwen3_moe", "gpt_oss"):
@@ -349,7 +349,7 @@ def test_fuse_moe_fp8(seed):
     with torch.no_grad():
         want, got = bf16.get_submodule(name)(x).float(), fp8.get_submodule(name)(x).float()
         assert torch.isfinite(fp8(input_ids).logits).all()
-    err, model_err = ((got - want).norm() / want.norm()).item(), 5 ** 0.5 * 0.024
+    err, model_err = ((got - want).norm() / want.norm()).item(), 4 ** 0.5 * 0.024
     assert 0.1 * model_err <= err <= 2 * model_err, err
     biased = build("gpt_oss", seed).bfloat16()
     report = hf_machmoe.fuse_moe(biased, precision="fp8")
