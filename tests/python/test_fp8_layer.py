@@ -24,9 +24,10 @@ from test_gpu_fp8 import expand, ref_quantize_columns, ref_quantize_rows, ref_qu
 
 RMS = 0.024  # E4M3's rms relative rounding error per quantised operand, measured (module docstring)
 # tensor -> (quantised operands on its path, slack), as test_gpu_fp8.py counts them: forward x, W1,
-# H, A, W2; dx and dw1 6, dw2 5; the router's gradients come from the scores' (5, slack 2; the
-# router bias's error measured on the scale of the per-token terms it sums, dlogits_norm).
-PATHS = {"out": (5, 1), "dx": (6, 1), "dw1": (6, 1), "dw2": (5, 1), "d_router_weight": (5, 2),
+# A, W2 (A from the unquantised H); dx and dw1 6, dw2 5 (the backward recomputes A and dH from the
+# kept E4M3 H); the router's gradients come from the scores' (5, slack 2; the router bias's error
+# measured on the scale of the per-token terms it sums, dlogits_norm).
+PATHS = {"out": (4, 1), "dx": (6, 1), "dw1": (6, 1), "dw2": (5, 1), "d_router_weight": (5, 2),
          "d_router_bias": (5, 2)}
 
 

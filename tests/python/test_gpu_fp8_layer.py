@@ -87,8 +87,12 @@ def test_fp8_layer_on_the_kernels(name, T, d, n, E, K):
     assert torch.allclose(fp8["aux"], emulated["aux"], rtol=1e-5, atol=0)
     assert not fp8["dw1"][-1].any() and not fp8["dw2"][-1].any()  # the never-chosen expert
     failures = []
+    # One token is one scale tile per operand: its error is one draw, not an rms over many (the CPU
+    # test measured draws up to 2.03x the model over 300 seeds), hence 1.5x the slack at T = 1.
+    spread = 1.5 if T == 1 else 1.0
     for label in PATHS:
         m, slack = model(label)
+        slack *= spread
         scale = dlogits_norm(t, dout, K, "softmax_topk") if label == "d_router_bias" else None
         err, err_bf16 = rel(fp8[label], ref[label], scale), rel(bf16[label], ref[label], scale)
         err_emu = rel(fp8[label], emulated[label], scale)
