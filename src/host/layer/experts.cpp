@@ -2,7 +2,9 @@
 // experts on a general routing list given by the caller (no router, no aux loss). On the caller's
 // stream, no host synchronisation:
 //   routing metadata of the list -> up-projection (gathered rows, GLU/activation epilogue: H saved,
-//   A scratch) -> down-projection (Y scratch) -> aggregation with scores.
+//   A scratch) -> down-projection (Y scratch) -> aggregation with scores,
+// or that in three parts split at the early tokens (ExpertsForwardPart), each GEMM then over one
+// row range per expert (host/layer/early_rows.hpp).
 // layer_forward (layer.cu) runs the same code on the list its router made.
 #include <cstdint>
 #include <string>
@@ -117,9 +119,9 @@ void experts_forward_gemms(const ExpertsForwardRun& r, cudaStream_t stream) {
   aggregate_tokens(r, 0, r.shape.T, stream);
 }
 
-void experts_forward_part(const ExpertsForwardRun& r, ExpertsForwardPart part, int64_t early_tokens,
-                          cudaStream_t stream) {
+void experts_forward_part(const ExpertsForwardRun& r, ExpertsForwardPart part, cudaStream_t stream) {
   const ExpertsShape& s = r.shape;
+  const int64_t early_tokens = r.early_tokens;
   switch (part) {
     case ExpertsForwardPart::All: experts_forward_run(r, stream); return;
     case ExpertsForwardPart::EarlyRows: {
@@ -200,7 +202,7 @@ void experts_forward(const ValidExpertsProblem& valid, const ExpertsForwardArgs&
   r.max_ctas = a.max_ctas;
   r.x_early = a.part == ExpertsForwardPart::EarlyRows ? a.x_early : nullptr;
   r.early_tokens = a.early_tokens;
-  detail::experts_forward_part(r, a.part, a.early_tokens, stream);
+  detail::experts_forward_part(r, a.part, stream);
 }
 
 }  // namespace machmoe

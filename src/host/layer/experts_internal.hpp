@@ -48,8 +48,8 @@ struct ExpertsForwardRun {
   ExpertsForwardScratch scratch;  // offsets into `workspace`
   void* workspace = nullptr;
   int max_ctas = 0;  // bound on the GEMMs' CTAs (0: none)
-  const void* x_early = nullptr;  // a split call's early rows of x [early_tokens, d], or null
-  int64_t early_tokens = 0;       // with x_early
+  int64_t early_tokens = 0;       // a split call's early tokens [0, early_tokens)
+  const void* x_early = nullptr;  // EarlyRows: their rows of x [early_tokens, d] apart, or null
 };
 
 // Forward, T > 0 and pairs > 0: routing_metadata of the list, H [rows, n1] = x[row_token]·W1ᵀ (+b1)
@@ -59,10 +59,9 @@ struct ExpertsForwardRun {
 void experts_forward_run(const ExpertsForwardRun& r, cudaStream_t stream);
 void experts_forward_metadata(const ExpertsForwardRun& r, cudaStream_t stream);
 void experts_forward_gemms(const ExpertsForwardRun& r, cudaStream_t stream);
-// One part of a call split into early and late tokens (machmoe::ExpertsForwardPart); All is
-// experts_forward_run.
-void experts_forward_part(const ExpertsForwardRun& r, ExpertsForwardPart part, int64_t early_tokens,
-                          cudaStream_t stream);
+// One part of a call split into early and late tokens (machmoe::ExpertsForwardPart, the tokens
+// [0, r.early_tokens) early); All is experts_forward_run.
+void experts_forward_part(const ExpertsForwardRun& r, ExpertsForwardPart part, cudaStream_t stream);
 
 struct ExpertsBackwardRun {
   ExpertsShape shape;
