@@ -13,6 +13,7 @@ this machine.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Optional
@@ -138,3 +139,10 @@ def layer_kernels_available() -> bool:
     """True when the layer kernels can run here: the compiled ops are loaded, they were built with
     the kernels, and a CUDA device of compute capability 9.0 is visible."""
     return kernels_unavailable_reason() is None
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (asked once per device): what the callers that bound a
+    persistent kernel's CTAs, or size work to fill the GPU, read."""
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -31,41 +31,32 @@ last bits.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
-from . import symmetric_exchange
+from . import _ops, symmetric_exchange
 
 # SMs the GEMMs beside a transfer leave free (the forward's last part, the weight gradients): the
 # transfers are copy-engine copies and two barriers, each barrier one small kernel that needs an SM
 # to start, and a persistent GEMM's CTAs hold every SM they are given until it ends.
 _SMS_LEFT_TO_THE_EXCHANGE = 2
-_SIDE_STREAMS: dict = {}
-_SM_COUNTS: dict = {}
-
-
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = _device_index(device)
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
+    """One side stream per GPU, made once, for the transfers."""
+    return _stream_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _sm_count(device: torch.device) -> int:
-    index = _device_index(device)
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
+@functools.lru_cache(maxsize=None)
+def _stream_of(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=index)
 
 
 def _gemm_ctas(device: torch.device) -> int:
     """The persistent CTAs of GEMMs that run beside a transfer."""
-    return max(1, _sm_count(device) - _SMS_LEFT_TO_THE_EXCHANGE)
+    return max(1, _ops.sm_count(device) - _SMS_LEFT_TO_THE_EXCHANGE)
 
 
 def _rotated_gather(t: torch.Tensor, W: int, group_name: str, here, side) -> torch.Tensor:

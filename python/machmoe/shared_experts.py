@@ -14,12 +14,11 @@ n_s = m · n.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, Union
 
 import torch
 
-from . import functional, torch_backend
+from . import _ops, functional, torch_backend
 from .enums import ActivationType, Backend, GateUpLayout, GluClamp
 
 
@@ -39,12 +38,6 @@ def shared_expert_routing(T: int, S: int, device: torch.device, chunks: int = 1)
 # that each weight-gradient tile still loops over enough rows to pay for its epilogue.
 _WGRAD_TILE = 128
 _MIN_RUN_ROWS = 1024
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device (asked once per device)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def token_chunks(T: int, N1: int, d: int, n: int, S: int, sms: int) -> int:
@@ -108,7 +101,7 @@ def shared_experts(
     activation, layout, glu_clamp, T, d, S, n = check_shared_experts(x, w1, w2, b1, b2, gate_weight, activation,
                                                                      layout, backend, glu_clamp)
     on_kernels = functional.resolve_backend(backend, x, d, n) == Backend.MACHMOE
-    chunks = token_chunks(T, w1.shape[1], d, n, S, _sm_count(x.device)) if on_kernels else 1
+    chunks = token_chunks(T, w1.shape[1], d, n, S, _ops.sm_count(x.device)) if on_kernels else 1
     token, expert = shared_expert_routing(T, S, x.device, chunks)  # [T·S] each
     if gate_weight is None:
         scores = torch.ones(T * S, device=x.device, dtype=torch_backend.routing_dtype(x.dtype))
