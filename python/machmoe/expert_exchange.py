@@ -140,7 +140,9 @@ def gathered_experts(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tenso
     rank's output NaN, and check_capacity() raise (machmoe.exchange_overflow)."""
     E_local = num_experts // world
     sg, eg = _GatherRouting.apply(scores, experts, world, group_name)  # [W·T, K] each
-    overlapped = _runs_overlapped(x, w1, w2, b1, b2, world, experts_kwargs)
+    call = _parsed_call(x, w1, w2, b1, b2, experts_kwargs)
+    # On the kernels over symmetric memory: the transfers beside the kernels (overlapped_experts).
+    overlapped = _OVERLAP_TRANSFERS and call[3] and symmetric_exchange.available(x, world)
     if overlapped:  # this rank's tokens first (overlapped_experts)
         T = scores.shape[0]
         sg, eg = torch.roll(sg, -rank * T, 0), torch.roll(eg, -rank * T, 0)
@@ -152,11 +154,11 @@ def gathered_experts(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tenso
     token = _row_of_each_pair(rows, K, x.device)
     if pair_capacity is None or pair_capacity >= rows * K:
         return _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, group_name,
-                                         experts_kwargs, overlapped)
+                                         experts_kwargs, overlapped, call)
     score, token, expert, count = compact_pairs(score, token, expert, E_local, pair_capacity, rows)
     overflow = exchange_overflow.agreed_overflow(count, pair_capacity, group, exchange_overflow.PAIRS_PER_RANK)
     out = _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, group_name,
-                                    experts_kwargs, overlapped)
+                                    experts_kwargs, overlapped, call)
     return exchange_overflow.poison(out, overflow)
 
 
@@ -221,20 +223,14 @@ def _parsed_call(x, w1, w2, b1, b2, experts_kwargs) -> tuple:
     return activation, layout, glu_clamp, on_kernels
 
 
-def _runs_overlapped(x, w1, w2, b1, b2, world, experts_kwargs) -> bool:
-    """Whether gathered_experts takes overlapped_experts: on the kernels, over symmetric memory."""
-    return _OVERLAP_TRANSFERS and _parsed_call(x, w1, w2, b1, b2, experts_kwargs)[3] and \
-        symmetric_exchange.available(x, world)
-
-
 def _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, group_name, experts_kwargs,
-                              overlapped=False):
+                              overlapped=False, call=None):
     """out [T, d]: x [T, d] gathered, the experts on the gathered rows [W·T, d] with the routing
     list (score, token, expert) [R'] (ordered by token; experts out of [0, E/W) dropped), the
     partial sums reduce-scattered. overlapped: the list indexes the rows rotated (this rank's
     first), and the transfers run beside the kernels (overlapped_experts); otherwise as three
-    nodes (gather, experts, reduce-scatter)."""
-    activation, layout, glu_clamp, on_kernels = _parsed_call(x, w1, w2, b1, b2, experts_kwargs)
+    nodes (gather, experts, reduce-scatter). call: _parsed_call's result, where the caller has it."""
+    activation, layout, glu_clamp, on_kernels = call or _parsed_call(x, w1, w2, b1, b2, experts_kwargs)
     if overlapped:
         opts = (activation.value, layout.value, glu_clamp_list(glu_clamp))
         return overlapped_experts.OverlappedExperts.apply(x.contiguous(), score, token, expert, w1.contiguous(),
