@@ -7,8 +7,8 @@ experts call (machmoe::ExpertsForwardPart, docs/LAYER.md): the kernels cut each 
 its first row of another rank's token. Forward, W ranks, x [T, d]:
 
     side stream                              this stream
-    pull the peers' x blocks  ---------      early rows: routing metadata, up-projection of the
-                                       |       own tokens' rows (xg's peer rows are not read)
+    pull the peers' x blocks, --------       early rows: routing metadata, up-projection of the
+    copy x itself into xg              |       own tokens' rows, from x (xg is not read)
                                        '-->  late rows: both projections of the peers' tokens'
                                                rows, out's peer blocks [(W-1)·T, d]
     send out's peer blocks    <--------      early out: down-projection of the own rows, out's
@@ -16,11 +16,13 @@ its first row of another rank's token. Forward, W ranks, x [T, d]:
                                     ---->    y = Σ_q (rank q's partial sum of this rank's tokens)
 
 The backward likewise pulls the output gradient's peer blocks while the dH kernel runs on the own
-tokens' rows, and sends dx's peer blocks to their ranks while the weight gradients run (their
-persistent GEMMs leave two SMs free, as the forward's last part does). Transfers are copy-engine pulls through symmetric memory
-(machmoe.symmetric_exchange); each is ordered against the kernels by stream waits only, so nothing
-waits for the host and the sequence is CUDA-graph capturable. The side stream's barriers are
-queued before the kernels beside them are launched, so that they find an SM.
+tokens' rows, and sends dx's peer blocks to their ranks while the weight gradients run. Transfers
+are copy-engine pulls through symmetric memory (machmoe.symmetric_exchange); each is ordered
+against the kernels by stream waits only, so nothing waits for the host and the sequence is
+CUDA-graph capturable. out and dx are written by the kernels straight into the staging buffer the
+peers pull from. The side stream's barriers are small kernels: they are queued before the kernels
+beside them are launched, and the GEMMs that run beside a transfer's end (the forward's last
+part, the weight gradients) leave two SMs free, so that the barriers find an SM.
 
 Each part is bitwise the whole call's (the kernels compute every row the same way), and the sums
 over the ranks are taken in rank order in float32 and rounded once: out and dx are bitwise the
@@ -60,41 +62,50 @@ def _gemm_ctas(device: torch.device) -> int:
 
 
 def _rotated_gather(t: torch.Tensor, W: int, group_name: str, here, side) -> torch.Tensor:
-    """t [T, ...] -> [W·T, ...] rotated: t itself first (copied on this stream), the peers' blocks
-    pulled on the side stream (the caller waits for it before reading them)."""
+    """t [T, ...] -> [W·T, ...] rotated: the peers' blocks pulled, then t itself copied first, all on
+    the side stream (the caller waits for it before reading any of it; the first part of a split
+    call reads t itself)."""
     out = t.new_empty((W * t.shape[0],) + tuple(t.shape[1:]))
     side.wait_stream(here)
     with torch.cuda.stream(side):
         symmetric_exchange.gather_blocks(t, out, W, group_name, rotated=True)
+        out[: t.shape[0]].copy_(t)
     out.record_stream(side)
-    out[: t.shape[0]].copy_(t)
     return out
 
 
 def _send_peer_blocks(t: torch.Tensor, W: int, group_name: str, here, side) -> list:
-    """t [W·T, ...] rotated, its peer blocks final on this stream (its own block may still be in the
-    making): the W blocks that sum to this rank's rows, in rank order, pulled on the side stream
-    (its own block a view of t)."""
+    """t [W·T, ...] rotated, in the staging buffer (symmetric_exchange.staging_rows), its peer blocks
+    final on this stream (its own block may still be in the making): the W blocks that sum to this
+    rank's rows, in rank order, pulled on the side stream (its own block a view of t)."""
     side.wait_stream(here)
     with torch.cuda.stream(side):
-        parts = symmetric_exchange.pull_blocks(t, W, group_name, rotated=True)
-    t.record_stream(side)
+        parts = symmetric_exchange.pull_blocks(t, W, group_name, rotated=True, in_staging=True)
     return parts
 
 
-def _sum_parts(parts: list, here, side) -> torch.Tensor:
+def _sum_parts(parts: list, own: torch.Tensor, here, side) -> torch.Tensor:
+    """Σ parts (in rank order, symmetric_exchange.sum_blocks) on this stream, once the side stream
+    has pulled them; `own` (this rank's, in the staging buffer) is the one not pulled."""
     here.wait_stream(side)
     for p in parts:
-        p.record_stream(here)
+        if p.data_ptr() != own.data_ptr():  # pulled on the side stream: used here now
+            p.record_stream(here)
     return symmetric_exchange.sum_blocks(parts)
 
 
 def _experts_bytes(T: int, d: int, w1: torch.Tensor, w2: torch.Tensor, R: int, activation: str, bias: bool):
-    return torch.ops.machmoe.experts_workspace_bytes(T, d, w2.shape[2], w1.shape[0], R, activation, bias)
+    return _workspace_bytes(T, d, w2.shape[2], w1.shape[0], R, activation, bias)
 
 
-@torch.library.custom_op("machmoe::overlapped_experts_forward", mutates_args=())
-def overlapped_experts_forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
+@functools.lru_cache(maxsize=64)
+def _workspace_bytes(T: int, d: int, n: int, E: int, R: int, activation: str, bias: bool) -> tuple:
+    # (A plain function of the sizes; cached: an op call per experts call costs host time that a
+    # small layer's GPU time does not hide.)
+    return tuple(torch.ops.machmoe.experts_workspace_bytes(T, d, n, E, R, activation, bias))
+
+
+def _forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
                                b2: Optional[torch.Tensor], scores: torch.Tensor, token: torch.Tensor,
                                expert: torch.Tensor, activation: str, layout: str, glu_clamp: list[float], W: int,
                                group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -106,17 +117,23 @@ def overlapped_experts_forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[t
     here, side = torch.cuda.current_stream(), _side_stream(x.device)
     saved_bytes, fwd_bytes, _ = _experts_bytes(W * T, d, w1, w2, token.numel(), activation, b1 is not None)
     opts = (activation, layout, glu_clamp)
+    # out is written where the peers pull it (no copy into the staging buffer); the gather below
+    # is done with that buffer before the kernels write into it (the late part waits for it).
+    out = symmetric_exchange.staging_rows(W * T, x, group_name)
     xg = _rotated_gather(x, W, group_name, here, side)
-    out = x.new_empty(W * T, d)
     saved = x.new_empty(saved_bytes, dtype=torch.uint8)
     workspace = x.new_empty(fwd_bytes, dtype=torch.uint8)
     args = (xg, w1, b1, w2, b2, scores, token, expert, out, saved, workspace)
-    ops.experts_forward_part(*args, "early_rows", T, *opts)
+    ops.experts_forward_part(*args, "early_rows", T, *opts, x_early=x)  # x's rows: xg's are still in the making
     here.wait_stream(side)  # the peers' rows have landed
     ops.experts_forward_part(*args, "late_rows", T, *opts)
     parts = _send_peer_blocks(out, W, group_name, here, side)
     ops.experts_forward_part(*args, "early_out", T, *opts, _gemm_ctas(x.device))
-    return _sum_parts(parts, here, side), xg, saved
+    return _sum_parts(parts, out[:T], here, side), xg, saved
+
+
+overlapped_experts_forward = torch.library.custom_op("machmoe::overlapped_experts_forward", _forward,
+                                                     mutates_args=())
 
 
 @overlapped_experts_forward.register_fake
@@ -128,8 +145,7 @@ def _(x, w1, b1, w2, b2, scores, token, expert, activation, layout, glu_clamp, W
     return x.new_empty(T, d), x.new_empty(W * T, d), x.new_empty(saved, dtype=torch.uint8)
 
 
-@torch.library.custom_op("machmoe::overlapped_experts_backward", mutates_args=())
-def overlapped_experts_backward(xg: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
+def _backward(xg: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
                                 b2: Optional[torch.Tensor], token: torch.Tensor, expert: torch.Tensor,
                                 saved: torch.Tensor, dout: torch.Tensor, activation: str, layout: str,
                                 glu_clamp: list[float], W: int, group_name: str
@@ -143,21 +159,25 @@ def overlapped_experts_backward(xg: torch.Tensor, w1: torch.Tensor, b1: Optional
     R = token.numel()
     _, _, bwd_bytes = _experts_bytes(W * T, d, w1, w2, R, activation, b1 is not None)
     opts = (activation, layout, glu_clamp)
+    dxg = symmetric_exchange.staging_rows(W * T, dout, group_name)  # as the forward's out
     dg = _rotated_gather(dout, W, group_name, here, side)
-    dxg = dout.new_empty(W * T, d)
     d_scores = dout.new_empty(R, dtype=torch.float32)
     workspace = dout.new_empty(bwd_bytes, dtype=torch.uint8)
     args = (xg, w1, b1, w2, b2, token, expert, saved, dg, dxg, d_scores, workspace)
-    ops.experts_backward_data_part(*args, "early_rows", T, *opts)
+    ops.experts_backward_data_part(*args, "early_rows", T, *opts, dout_early=dout)  # dout's rows, as the forward
     here.wait_stream(side)  # the peers' output gradients have landed
     ops.experts_backward_data_part(*args, "late_rows", T, *opts)
     parts = _send_peer_blocks(dxg, W, group_name, here, side)
     dw1, db1, dw2, db2 = ops.experts_backward_weights(xg, w1, b1, w2, b2, token, expert, saved, dg, workspace, *opts,
                                                       _gemm_ctas(xg.device))
-    dx = _sum_parts(parts, here, side)
+    dx = _sum_parts(parts, dxg[:T], here, side)
     # (an op's outputs may not alias one another: a fresh empty tensor for each missing bias)
     return (dx, d_scores, dw1, xg.new_empty(0) if db1 is None else db1, dw2,
             xg.new_empty(0) if db2 is None else db2)
+
+
+overlapped_experts_backward = torch.library.custom_op("machmoe::overlapped_experts_backward", _backward,
+                                                      mutates_args=())
 
 
 @overlapped_experts_backward.register_fake
@@ -168,14 +188,21 @@ def _(xg, w1, b1, w2, b2, token, expert, saved, dout, activation, layout, glu_cl
             w2.new_empty(E, d) if b2 is not None else w2.new_empty(0))
 
 
+def _op(custom_op, function):
+    """The custom op under torch.compile (an opaque node of the graph); in eager mode its Python
+    function, called directly: the dispatcher's round trip costs host time per call that a small
+    layer's GPU time does not hide."""
+    return custom_op if torch.compiler.is_compiling() else function
+
+
 class OverlappedExperts(torch.autograd.Function):
     """x [T, d] -> out [T, d]: overlapped_experts_forward; its backward overlapped_experts_backward.
     scores (any float dtype) get their gradient in their dtype."""
 
     @staticmethod
     def forward(ctx, x, scores, token, expert, w1, b1, w2, b2, opts, W, group_name):
-        out, xg, saved = overlapped_experts_forward(x, w1, b1, w2, b2, scores.float().contiguous(), token, expert,
-                                                    *opts, W, group_name)
+        forward = _op(overlapped_experts_forward, _forward)
+        out, xg, saved = forward(x, w1, b1, w2, b2, scores.float().contiguous(), token, expert, *opts, W, group_name)
         ctx.save_for_backward(xg, w1, b1, w2, b2, token, expert, saved)
         ctx.opts, ctx.W, ctx.group_name = opts, W, group_name
         ctx.scores_shape, ctx.scores_dtype = scores.shape, scores.dtype
@@ -187,7 +214,7 @@ class OverlappedExperts(torch.autograd.Function):
         if dout is None:
             return (None,) * 11
         xg, w1, b1, w2, b2, token, expert, saved = ctx.saved_tensors
-        dx, d_scores, dw1, db1, dw2, db2 = overlapped_experts_backward(
+        dx, d_scores, dw1, db1, dw2, db2 = _op(overlapped_experts_backward, _backward)(
             xg, w1, b1, w2, b2, token, expert, saved, dout.to(torch.bfloat16).contiguous(), *ctx.opts, ctx.W,
             ctx.group_name)
         d_scores = d_scores.reshape(ctx.scores_shape).to(ctx.scores_dtype)

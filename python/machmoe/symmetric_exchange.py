@@ -30,6 +30,9 @@ import importlib.util
 import torch
 
 _STAGING: dict[str, tuple[torch.Tensor, object]] = {}  # group name -> (buffer [bytes] uint8, handle)
+# Views of the staging buffers by (handle, rank, shape, dtype, offset): each view is a tensor made on
+# the host, which costs more host time per collective than its copy costs a small layer's GPU.
+_VIEWS: dict = {}
 # The smallest staging buffer: small collectives (the routing's) then never make it grow between
 # large ones; memory is mapped in 2 MiB pages anyway.
 _MIN_STAGING_BYTES = 16 << 20
@@ -73,12 +76,21 @@ def _staging(group_name: str, nbytes: int):
     torch.cuda.synchronize()
     handle = symm.rendezvous(buffer, group_name)
     _STAGING[group_name] = (buffer, handle)
+    _VIEWS.clear()
     return handle
 
 
 def _view(handle, rank: int, like: torch.Tensor, offset_elems: int = 0) -> torch.Tensor:
     """Rank `rank`'s staging buffer seen as a tensor of like's shape and dtype."""
-    return handle.get_buffer(rank, tuple(like.shape), like.dtype, offset_elems)
+    return _buffer(handle, rank, tuple(like.shape), like.dtype, offset_elems)
+
+
+def _buffer(handle, rank: int, shape: tuple, dtype: torch.dtype, offset_elems: int) -> torch.Tensor:
+    key = (id(handle), rank, shape, dtype, offset_elems)
+    view = _VIEWS.get(key)
+    if view is None:
+        view = _VIEWS[key] = handle.get_buffer(rank, shape, dtype, offset_elems)
+    return view
 
 
 def all_gather(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
@@ -119,23 +131,41 @@ def reduce_scatter(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
     return sum_blocks(pull_blocks(t, W, group_name))
 
 
-def pull_blocks(t: torch.Tensor, W: int, group_name: str, rotated: bool = False) -> list:
+def staging_rows(rows: int, like: torch.Tensor, group_name: str) -> torch.Tensor:
+    """This rank's staging buffer as a tensor [rows, like's other dims] of like's dtype (grown
+    first if it holds less): a caller that writes what it sends there (pull_blocks with
+    in_staging) saves the copy into it. It is overwritten by this group's next collective."""
+    shape = (rows,) + tuple(like.shape[1:])
+    nbytes = rows * (like[0].numel() if like.dim() > 1 else 1) * like.element_size()
+    handle = _staging(group_name, nbytes)
+    return _buffer(handle, handle.rank, shape, like.dtype, 0)
+
+
+def pull_blocks(t: torch.Tensor, W: int, group_name: str, rotated: bool = False, in_staging: bool = False) -> list:
     """The transfer half of reduce_scatter: t [W·R, ...] -> the W blocks [R, ...] that rank r sums,
     in rank order: rank q's block for r at q (this rank's own a view of t, the others pulled). t's
     block q goes to rank q, or (rotated) t's block rotated_place(q) does: then this rank's own is
-    its first, which is never read here (the caller may still be computing it). Only copies and
-    barriers: it can run on a side stream beside kernels that leave an SM free."""
+    its first, which is never read here (the caller may still be computing it). in_staging (with
+    rotated): t is staging_rows' tensor, its blocks already where the peers pull them. Only copies
+    and barriers: it can run on a side stream beside kernels that leave an SM free."""
     t = t.contiguous()
     if t.shape[0] % W:
         raise ValueError(f"reduce_scatter: t has {t.shape[0]} rows, not a multiple of W = {W}")
+    if in_staging and not rotated:
+        raise ValueError("pull_blocks: in_staging needs the rotated layout")
     handle = _staging(group_name, t.numel() * t.element_size())
     rank = handle.rank
     chunks = t.chunk(W)
     mine = [chunks[rotated_place(q, rank, W)] for q in range(W)] if rotated else list(chunks)  # by destination
     block_elems = mine[0].numel()
-    for q in range(W):  # the blocks the other ranks will pull, each at its place
-        if q != rank:
-            _view(handle, rank, mine[q], q * block_elems).copy_(mine[q])
+
+    def slot(owner, dest):  # where owner's staging holds its block for dest (in blocks)
+        return rotated_place(dest, owner, W) if rotated else dest
+
+    if not in_staging:
+        for q in range(W):  # the blocks the other ranks will pull, each at its place
+            if q != rank:
+                _view(handle, rank, mine[q], slot(rank, q) * block_elems).copy_(mine[q])
     handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
     parts = []
     for q in range(W):
@@ -143,7 +173,7 @@ def pull_blocks(t: torch.Tensor, W: int, group_name: str, rotated: bool = False)
             parts.append(mine[q])
         else:
             pulled = torch.empty_like(mine[q])
-            pulled.copy_(_view(handle, q, mine[q], rank * block_elems))  # by a copy engine
+            pulled.copy_(_view(handle, q, mine[q], slot(q, rank) * block_elems))  # by a copy engine
             parts.append(pulled)
     handle.barrier(channel=1, timeout_ms=BARRIER_TIMEOUT_MS)
     return parts
