@@ -28,6 +28,11 @@ struct LayerProblem {
   TokenRounding rounding = TokenRounding::None;
   int64_t rounding_tile_m = 128;
   DType dtype = DType::BF16;  // x, weights, H and the output
+  // The expert GEMMs' operands (types.hpp). FP8 takes the weights' FP8 copies in the call's
+  // fp8_weights (quantize_expert_weights_fp8), keeps H in E4M3 in `saved`, and is defined for
+  // SwiGLU, the interleaved layout, bf16, no biases, no token rounding and no shared experts,
+  // with d and n multiples of 16; validate() refuses anything else.
+  Precision precision = Precision::BF16;
   // ---- router options of recent MoE models (docs/LAYER.md "Routing"); defaults: off.
   double routed_scaling_factor = 1.0;  // > 0; scores × this after renormalisation
   int64_t n_group = 1;                 // group-limited selection (gate routings): E % n_group == 0
@@ -95,6 +100,29 @@ struct WorkspacePlan {
 WorkspacePlan plan_workspace(const ValidLayerProblem& p);
 WorkspacePlan plan_workspace(const LayerProblem& p);  // validates p
 
+// The expert weights' FP8 copies that a call with precision FP8 reads (E = every expert of the
+// weights, n1 = 2n): E4M3 codes with one fp32 scale per 128x128 block (quantize_weights_fp8 in
+// machmoe/fp8.hpp), plain for the forward and transposed (the same codes and scales) for the
+// backward's dA' = dout·W2 and dX~ = dH·W1.
+struct Fp8ExpertWeights {
+  const uint8_t* w1 = nullptr;         // [E, n1, d]
+  const float* w1_scales = nullptr;    // [E, ceil(n1/128), ceil(d/128)]
+  const uint8_t* w1_t = nullptr;       // [E, d, n1]
+  const float* w1_t_scales = nullptr;  // [E, ceil(d/128), ceil(n1/128)]
+  const uint8_t* w2 = nullptr;         // [E, d, n]
+  const float* w2_scales = nullptr;    // [E, ceil(d/128), ceil(n/128)]
+  const uint8_t* w2_t = nullptr;       // [E, n, d]
+  const float* w2_t_scales = nullptr;  // [E, ceil(n/128), ceil(d/128)]
+};
+// Bytes of the four copies for E experts (SwiGLU: n1 = 2n), each part 256-byte aligned.
+size_t fp8_expert_weights_bytes(int64_t E, int64_t d, int64_t n);
+// Quantises w1 [E, 2n, d] and w2 [E, d, n] (bf16, gate/up interleaved) into `buffer`
+// (fp8_expert_weights_bytes, 256-byte aligned) on `stream` and returns the pointers into it. Run
+// once per change of the weights (an optimizer step): every call reads the copies as they are.
+// Rules: E >= 1; d, n >= 16 and multiples of 16.
+Fp8ExpertWeights quantize_expert_weights_fp8(int64_t E, int64_t d, int64_t n, const void* w1, const void* w2,
+                                             void* buffer, cudaStream_t stream);
+
 // Device pointers; layouts as docs/LAYER.md. Biases and selection_bias may be null when unused.
 struct LayerForwardArgs {
   const void* x = nullptr;              // [T, d]
@@ -113,8 +141,9 @@ struct LayerForwardArgs {
   void* workspace = nullptr;            // plan.forward_workspace_bytes
   uint64_t seed = 0;                    // stochastic token rounding
   // false: inference, H is not written (the up-projection writes only A), and `saved` then cannot
-  // feed layer_backward; everything else is the same, the output bitwise so.
+  // feed layer_backward; everything else is the same, the output bitwise so. BF16 only.
   bool write_h = true;
+  const Fp8ExpertWeights* fp8_weights = nullptr;  // exactly when precision is FP8
 };
 void layer_forward(const ValidLayerProblem& p, const LayerForwardArgs& a, cudaStream_t stream);
 void layer_forward(const LayerProblem& p, const LayerForwardArgs& a, cudaStream_t stream);  // validates p
@@ -153,6 +182,7 @@ struct LayerBackwardArgs {
   void* d_shared_gate = nullptr;
   void* workspace = nullptr;    // plan.backward_workspace_bytes, 256-byte aligned
   DType weight_grad_dtype = DType::BF16;
+  const Fp8ExpertWeights* fp8_weights = nullptr;  // exactly when precision is FP8 (the forward's)
 };
 void layer_backward(const ValidLayerProblem& p, const LayerBackwardArgs& a, cudaStream_t stream);
 void layer_backward(const LayerProblem& p, const LayerBackwardArgs& a, cudaStream_t stream);  // validates p
@@ -180,6 +210,7 @@ struct ExpertsProblem {
   bool has_bias = false;
   DType dtype = DType::BF16;  // x, weights, H and the output
   GluClamp glu_clamp;  // ClampedSwiGLU's parameters; the defaults for any other activation
+  Precision precision = Precision::BF16;  // as LayerProblem's (FP8: the same rules, whole calls only)
 };
 
 // Throws Error(InvalidArgument) naming the first field that breaks a rule.
@@ -224,6 +255,7 @@ struct ExpertsForwardArgs {
   // A bound on the GEMMs' persistent CTAs (0: one per SM), leaving SMs to work queued on other
   // streams (a transfer's barriers beside a split call's last part).
   int max_ctas = 0;
+  const Fp8ExpertWeights* fp8_weights = nullptr;  // exactly when precision is FP8
 };
 void experts_forward(const ValidExpertsProblem& p, const ExpertsForwardArgs& a, cudaStream_t stream);
 void experts_forward(const ExpertsProblem& p, const ExpertsForwardArgs& a, cudaStream_t stream);  // validates p
@@ -270,6 +302,7 @@ struct ExpertsBackwardArgs {
   // DataEarlyRows only, optional: dout's early rows [early_tokens, d] in a tensor of their own, read
   // instead of dout's first rows (as ExpertsForwardArgs::x_early).
   const void* dout_early = nullptr;
+  const Fp8ExpertWeights* fp8_weights = nullptr;  // exactly when precision is FP8 (the forward's)
 };
 void experts_backward(const ValidExpertsProblem& p, const ExpertsBackwardArgs& a, cudaStream_t stream);
 void experts_backward(const ExpertsProblem& p, const ExpertsBackwardArgs& a, cudaStream_t stream);  // validates p

@@ -72,6 +72,12 @@ enum class DType : int32_t { BF16 = 0, FP16 = 1, FP32 = 2 };
 
 inline constexpr int64_t dtype_size(DType t) { return t == DType::FP32 ? 4 : 2; }
 
+// The operands of the expert GEMMs (docs/LAYER.md, "FP8"). BF16: the data dtype throughout. FP8:
+// E4M3 with DeepSeek-V3's tile scaling (1x128 along the reduction dimension for activations and
+// gradients, 128x128 blocks for the weights), fp32 accumulation, H kept in E4M3 between forward
+// and backward; the router, the scores and the gradients handed back stay in higher precision.
+enum class Precision : int32_t { BF16 = 0, FP8 = 1 };
+
 enum class ErrorCode : int32_t {
   InvalidArgument = 1,  // an argument breaks a documented rule; the message names both
   Unsupported = 2,      // valid, but outside what this build handles (message says what is)
@@ -94,6 +100,7 @@ const char* to_string(GateUpLayout l);
 const char* to_string(RoutingMethod m);
 const char* to_string(TokenRounding r);
 const char* to_string(DType t);
+const char* to_string(Precision p);
 
 // Parse the names used by the Python package ("swiglu", "interleaved", "softmax_topk", "nr", ...).
 // Throws Error(InvalidArgument) listing the accepted names.

@@ -342,6 +342,27 @@ TEST(LayerBackward, RefusesWhatItDoesNotRun) {
 
 // The layer forward refuses, before touching memory, what it does not run: non-bf16 data and
 // sizes that are not multiples of 8 (unsupported), token rounding with K > 32, missing biases.
+// precision FP8 on the layer: the experts' rules, plus no token rounding and no shared experts;
+// H's E4M3 copy always written (write_h).
+TEST(Validate, Fp8Rules) {
+  LayerProblem p = valid_problem();
+  p.precision = Precision::FP8;
+  EXPECT_NO_THROW(validate(p));
+  LayerProblem q = p;
+  q.rounding = TokenRounding::Nearest;
+  expect_invalid(q, {"rounding"}, "FP8 with token rounding");
+  q = p, q.num_shared = 1;
+  expect_invalid(q, {"num_shared"}, "FP8 with shared experts");
+  q = p, q.activation = Activation::ReLU;
+  expect_invalid(q, {"activation"}, "FP8 ReLU");
+  q = p, q.n = 72;
+  expect_invalid(q, {"n"}, "FP8 n % 16");
+  // The saved block keeps H in E4M3: smaller than bf16's by R·(n1 - 4·ceil(n1/128)) bytes, rounded.
+  const WorkspacePlan fp8 = plan_workspace(p), bf16 = plan_workspace(valid_problem());
+  EXPECT_LT(fp8.saved_bytes, bf16.saved_bytes);
+  EXPECT_EQ(fp8.inference_saved_bytes, bf16.inference_saved_bytes);  // everything but H is the same
+}
+
 TEST(LayerForward, RefusesWhatItDoesNotRun) {
   std::vector<uint64_t> buf(1 << 17, 0x5555555555555555ull);
   LayerForwardArgs fa;
@@ -373,6 +394,24 @@ TEST(LayerForward, RefusesWhatItDoesNotRun) {
                       "selection bias with softmax_topk");
   p = valid_problem(), p.routing = RoutingMethod::SqrtSoftplus;
   EXPECT_NO_THROW(validate(p));
+  // FP8: the refusals after the block checks, so with 256-byte aligned blocks.
+  void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(ptr) + 255) & ~uintptr_t{255});
+  fa.x = fa.router_weight = fa.w1 = fa.w2 = aligned;
+  fa.out = fa.saved = fa.workspace = aligned;
+  fa.aux_loss = static_cast<float*>(aligned);
+  p = valid_problem(), p.precision = Precision::FP8;
+  EXPECT_NE(mtest::expect_error(ErrorCode::InvalidArgument, [&] { layer_forward(p, fa, nullptr); }, "FP8, no copies")
+                .find("fp8_weights must be given"),
+            std::string::npos);
+  Fp8ExpertWeights w;
+  w.w1 = w.w1_t = w.w2 = w.w2_t = static_cast<const uint8_t*>(ptr);
+  w.w1_scales = w.w1_t_scales = w.w2_scales = w.w2_t_scales = static_cast<const float*>(ptr);
+  LayerForwardArgs f8 = fa;
+  f8.fp8_weights = &w;
+  f8.write_h = false;
+  EXPECT_NE(mtest::expect_error(ErrorCode::InvalidArgument, [&] { layer_forward(p, f8, nullptr); }, "FP8 inference")
+                .find("write_h must be true with precision FP8"),
+            std::string::npos);
 }
 
 // The gather loaders address rows in 32-bit offsets of 16 bytes: a gathered operand of 2^35

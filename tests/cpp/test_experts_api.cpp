@@ -192,6 +192,101 @@ TEST(ExpertsForward, RefusesWhatItDoesNotRun) {
   refuses(ErrorCode::InvalidArgument, valid_experts(), a, "an unknown part", "part must be All, EarlyRows");
 }
 
+// precision FP8: the problem's rules (SwiGLU, interleaved, bf16, no biases, d and n multiples of
+// 16), the weights' FP8 copies given exactly with it, and whole calls only, refused by name.
+TEST(ExpertsForward, RefusesWhatFp8DoesNotRun) {
+  ExpertsProblem p = valid_experts();
+  p.precision = Precision::FP8;
+  EXPECT_NO_THROW(validate(p));
+  auto invalid = [](ExpertsProblem q, const std::string& what, const std::string& word) {
+    expect_refusal(ErrorCode::InvalidArgument, [&] { validate(q); }, what, word);
+  };
+  ExpertsProblem q = p;
+  q.activation = Activation::GeGLU;
+  invalid(q, "FP8 GeGLU", "ExpertsProblem.activation: must be SwiGLU with precision FP8");
+  q = p, q.layout = GateUpLayout::Concatenated;
+  invalid(q, "FP8 concatenated", "ExpertsProblem.layout: must be interleaved with precision FP8");
+  q = p, q.has_bias = true;
+  invalid(q, "FP8 biases", "ExpertsProblem.has_bias: must be false with precision FP8");
+  q = p, q.d = 136;  // a multiple of 8, not of 16
+  invalid(q, "FP8 d % 16", "ExpertsProblem.d: must be a multiple of 16 with precision FP8");
+  q = p, q.n = 40;
+  invalid(q, "FP8 n % 16", "ExpertsProblem.n: must be a multiple of 16 with precision FP8");
+  q = p, q.precision = static_cast<Precision>(7);
+  invalid(q, "unknown precision", "ExpertsProblem.precision: must be BF16 or FP8");
+
+  HostArgs h;
+  void* m = h.ptr();
+  const auto* i = static_cast<const int32_t*>(m);
+  ExpertsForwardArgs fa;
+  fa.x = fa.w1 = fa.w2 = m;
+  fa.out = fa.saved = fa.workspace = m;
+  fa.scores = static_cast<const float*>(m);
+  fa.pair_token = fa.pair_expert = i;
+  expect_refusal(ErrorCode::InvalidArgument, [&] { experts_forward(p, fa, nullptr); }, "FP8 without its weights",
+                 "fp8_weights must be given with precision FP8");
+  Fp8ExpertWeights w;
+  w.w1 = w.w1_t = w.w2 = w.w2_t = static_cast<const uint8_t*>(m);
+  w.w1_scales = w.w1_t_scales = w.w2_scales = w.w2_t_scales = static_cast<const float*>(m);
+  ExpertsForwardArgs a = fa;
+  a.fp8_weights = &w;
+  expect_refusal(ErrorCode::InvalidArgument, [&] { experts_forward(valid_experts(), a, nullptr); },
+                 "FP8 weights with BF16", "fp8_weights must be null unless precision is FP8");
+  a.part = ExpertsForwardPart::EarlyRows;
+  expect_refusal(ErrorCode::InvalidArgument, [&] { experts_forward(p, a, nullptr); }, "FP8 split call",
+                 "part must be All with precision FP8");
+  Fp8ExpertWeights missing = w;
+  missing.w2_t_scales = nullptr;
+  a = fa, a.fp8_weights = &missing;
+  expect_refusal(ErrorCode::InvalidArgument, [&] { experts_forward(p, a, nullptr); }, "FP8 copy missing a scale",
+                 "fp8_weights.w2_t_scales must not be null");
+  Fp8ExpertWeights odd = w;
+  odd.w1_t = static_cast<const uint8_t*>(m) + 4;
+  a = fa, a.fp8_weights = &odd;
+  expect_refusal(ErrorCode::InvalidArgument, [&] { experts_forward(p, a, nullptr); }, "FP8 codes misaligned",
+                 "fp8_weights.w1_t must be 16-byte aligned");
+
+  ExpertsBackwardArgs ba;
+  ba.x = ba.w1 = ba.w2 = ba.saved = ba.dout = m;
+  ba.dx = ba.dw1 = ba.dw2 = ba.workspace = m;
+  ba.d_scores = static_cast<float*>(m);
+  ba.pair_token = ba.pair_expert = i;
+  expect_refusal(ErrorCode::InvalidArgument, [&] { experts_backward(p, ba, nullptr); },
+                 "FP8 backward without its weights", "fp8_weights must be given with precision FP8");
+  ba.fp8_weights = &w;
+  ba.part = ExpertsBackwardPart::DataGradients;
+  expect_refusal(ErrorCode::InvalidArgument, [&] { experts_backward(p, ba, nullptr); }, "FP8 backward part",
+                 "part must be All with precision FP8");
+}
+
+// FP8 keeps H as E4M3 codes and 1x128 scales: n1 + 4·ceil(n1/128) bytes a row against 2·n1.
+TEST(ExpertsPlan, Fp8SavesHInE4M3) {
+  ExpertsProblem p = valid_experts();
+  const WorkspacePlan bf16 = plan_workspace(p);
+  p.precision = Precision::FP8;
+  const WorkspacePlan fp8 = plan_workspace(p);
+  const int64_t n1 = 2 * p.n;
+  const int64_t h_bf16 = p.R * n1 * 2, h_fp8 = p.R * (n1 + 4 * ((n1 + 127) / 128));
+  const auto round = [](int64_t b) { return (b + 255) / 256 * 256; };
+  EXPECT_EQ(static_cast<int64_t>(bf16.saved_bytes) - static_cast<int64_t>(fp8.saved_bytes),
+            round(h_bf16) - round(h_fp8));
+  EXPECT_GT(fp8.backward_workspace_bytes, bf16.backward_workspace_bytes);  // the FP8 operands' region
+}
+
+// The weights' FP8 copies: the sizes of the four parts, each 256-byte aligned; the rules by name.
+TEST(Fp8Weights, BytesAndRules) {
+  const int64_t E = 3, d = 144, n = 80;
+  const auto round = [](int64_t b) { return (b + 255) / 256 * 256; };
+  const int64_t t_d = 2, t_n = 1, t_n1 = 2;  // ceil(144/128), ceil(80/128), ceil(160/128)
+  const int64_t want = 2 * (round(E * 2 * n * d) + round(4 * E * t_n1 * t_d)) + 2 * (round(E * d * n) + round(4 * E * t_n * t_d));
+  EXPECT_EQ(static_cast<int64_t>(fp8_expert_weights_bytes(E, d, n)), want);
+  expect_refusal(ErrorCode::InvalidArgument, [&] { fp8_expert_weights_bytes(0, d, n); }, "E = 0", "E must be >= 1");
+  expect_refusal(ErrorCode::InvalidArgument, [&] { fp8_expert_weights_bytes(E, 40, n); }, "d = 40",
+                 "d must be a positive multiple of 16");
+  expect_refusal(ErrorCode::InvalidArgument, [&] { quantize_expert_weights_fp8(E, d, 8, nullptr, nullptr, nullptr, nullptr); },
+                 "n = 8", "n must be a positive multiple of 16");
+}
+
 TEST(ExpertsBackward, RefusesWhatItDoesNotRun) {
   HostArgs h;
   void* m = h.ptr();

@@ -34,6 +34,7 @@ constexpr NameTable<TokenRounding, 5> kRoundings{{{TokenRounding::None, "none"},
                                                   {TokenRounding::Stochastic, "stochastic"}}};
 constexpr NameTable<DType, 3> kDTypes{
     {{DType::BF16, "bfloat16"}, {DType::FP16, "float16"}, {DType::FP32, "float32"}}};
+constexpr NameTable<Precision, 2> kPrecisions{{{Precision::BF16, "bf16"}, {Precision::FP8, "fp8"}}};
 
 template <typename Enum, size_t N>
 const char* name_of(const NameTable<Enum, N>& table, Enum v) {
@@ -61,6 +62,7 @@ const char* to_string(GateUpLayout l) { return name_of(kLayouts, l); }
 const char* to_string(RoutingMethod m) { return name_of(kRoutings, m); }
 const char* to_string(TokenRounding r) { return name_of(kRoundings, r); }
 const char* to_string(DType t) { return name_of(kDTypes, t); }
+const char* to_string(Precision p) { return name_of(kPrecisions, p); }
 
 Activation parse_activation(std::string_view s) { return parse(kActivations, s, "activation"); }
 GateUpLayout parse_layout(std::string_view s) { return parse(kLayouts, s, "layout"); }

@@ -21,6 +21,25 @@ void require(bool ok, const char* field, const std::string& rule) {
     throw Error(ErrorCode::InvalidArgument, std::string("LayerProblem.") + field + ": " + rule);
 }
 
+// precision FP8's rules common to both problems (the FP8 experts: SwiGLU's GLU epilogue and
+// backward kernels, 16-byte rows of E4M3 codes); `require` names the problem's field.
+template <typename Problem, typename Require>
+void check_fp8_rules(const Problem& p, Require require) {
+  require(p.precision == Precision::BF16 || p.precision == Precision::FP8, "precision", "must be BF16 or FP8");
+  if (p.precision != Precision::FP8) return;
+  const std::string rule = " with precision FP8";
+  require(p.activation == Activation::SwiGLU, "activation",
+          "must be SwiGLU" + rule + " (the FP8 experts' backward is SwiGLU's), got " + to_string(p.activation));
+  require(p.layout == GateUpLayout::Interleaved, "layout", "must be interleaved" + rule + " (quantise the weights " +
+                                                               "of a concatenated layout with their rows interleaved)");
+  require(!p.has_bias, "has_bias", "must be false" + rule + " (the FP8 experts have no biases)");
+  require(p.dtype == DType::BF16, "dtype", "must be bfloat16" + rule + ", got " + std::string(to_string(p.dtype)));
+  require(p.d >= 16 && p.d % 16 == 0, "d",
+          "must be a multiple of 16" + rule + " (16-byte rows of E4M3 codes), got " + std::to_string(p.d));
+  require(p.n >= 16 && p.n % 16 == 0, "n",
+          "must be a multiple of 16" + rule + " (16-byte rows of E4M3 codes), got " + std::to_string(p.n));
+}
+
 }  // namespace
 
 ValidLayerProblem validate(const LayerProblem& p) {
@@ -67,6 +86,11 @@ ValidLayerProblem validate(const LayerProblem& p) {
   require(!(p.has_shared_gate && p.has_shared_scores), "has_shared_gate",
           "the shared experts' weight is either given (has_shared_scores) or computed from a gate "
           "(has_shared_gate), not both");
+  check_fp8_rules(p, require);
+  require(p.precision != Precision::FP8 || p.rounding == TokenRounding::None, "rounding",
+          "token rounding is not available with precision FP8 (rounding must be none)");
+  require(p.precision != Precision::FP8 || p.num_shared == 0, "num_shared",
+          "shared experts are not available with precision FP8 (run them beside the layer)");
   // Row indices are int32 on the device; element offsets are 64-bit.
   const int64_t pairs_per_token = p.K + p.num_shared;
   require(p.T <= std::numeric_limits<int32_t>::max() / pairs_per_token, "T",
@@ -110,6 +134,7 @@ ValidExpertsProblem validate(const ExpertsProblem& p) {
   require_experts(p.dtype == DType::BF16 || p.dtype == DType::FP16 || p.dtype == DType::FP32, "dtype",
                   "must be bfloat16, float16 or float32");
   check_glu_clamp("ExpertsProblem", p.activation, p.glu_clamp);
+  check_fp8_rules(p, require_experts);
   return ValidExpertsProblem(p);
 }
 

@@ -73,6 +73,26 @@ inline void require_block_aligned(const char* fn, PointerArgs args) {
     require_arg((reinterpret_cast<uintptr_t>(a.ptr) & 255) == 0, fn, a.name, "must be 256-byte aligned");
 }
 
+// The weights' FP8 copies: given exactly with precision FP8, every pointer of them then given and
+// aligned as the FP8 GEMMs read them (codes 16-byte, scales 4-byte); an FP8 call is whole
+// (`whole`: the split calls' parts run in bf16 only).
+inline void require_fp8_weights(Precision precision, const Fp8ExpertWeights* w, bool whole, const char* fn) {
+  const bool fp8 = precision == Precision::FP8;
+  require_arg((w != nullptr) == fp8, fn, "fp8_weights",
+              fp8 ? "must be given with precision FP8 (quantize_expert_weights_fp8)" : "must be null unless precision is FP8");
+  if (!fp8) return;
+  require_arg(whole, fn, "part", "must be All with precision FP8 (the split calls run in bf16 only)");
+  const PointerArgs codes{{"fp8_weights.w1", w->w1}, {"fp8_weights.w1_t", w->w1_t}, {"fp8_weights.w2", w->w2},
+                          {"fp8_weights.w2_t", w->w2_t}};
+  const PointerArgs scales{{"fp8_weights.w1_scales", w->w1_scales}, {"fp8_weights.w1_t_scales", w->w1_t_scales},
+                           {"fp8_weights.w2_scales", w->w2_scales}, {"fp8_weights.w2_t_scales", w->w2_t_scales}};
+  require_given(fn, codes);
+  require_given(fn, scales);
+  require_row_aligned(fn, codes);
+  for (const PointerArg& a : scales)
+    require_arg((reinterpret_cast<uintptr_t>(a.ptr) & 3) == 0, fn, a.name, "must be 4-byte aligned");
+}
+
 // The weight gradients' dtype: what the weight-gradient GEMMs write.
 inline void require_weight_grad_dtype(DType t, const char* fn) {
   require_arg(t == DType::BF16 || t == DType::FP32, fn, "weight_grad_dtype",

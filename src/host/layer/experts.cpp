@@ -114,6 +114,10 @@ void aggregate_tokens(const ExpertsForwardRun& r, int64_t t0, int64_t t1, cudaSt
 }  // namespace
 
 void experts_forward_gemms(const ExpertsForwardRun& r, cudaStream_t stream) {
+  if (r.shape.precision == Precision::FP8) {  // whole calls only (the entry points refuse parts)
+    experts_forward_gemms_fp8(r, stream);
+    return;
+  }
   up_projection(r, RowPart::All, stream);
   down_projection(r, RowPart::All, stream);
   aggregate_tokens(r, 0, r.shape.T, stream);
@@ -166,6 +170,7 @@ void experts_forward(const ValidExpertsProblem& valid, const ExpertsForwardArgs&
   detail::require_arg(a.part == ExpertsForwardPart::All || (a.early_tokens >= 0 && a.early_tokens <= p.T), fn,
                       "early_tokens", "must be in [0, T = " + std::to_string(p.T) + "] for a part of a split call; got " +
                           std::to_string(a.early_tokens));
+  detail::require_fp8_weights(p.precision, a.fp8_weights, a.part == ExpertsForwardPart::All, fn);
   const detail::ExpertsLayout L(valid);
   if (p.T == 0 || p.R == 0) {  // no rows: out = 0, no repeat; the GEMMs need at least one row
     // (a split call writes all of it in its first part, nothing in the others)
@@ -202,6 +207,7 @@ void experts_forward(const ValidExpertsProblem& valid, const ExpertsForwardArgs&
   r.max_ctas = a.max_ctas;
   r.x_early = a.part == ExpertsForwardPart::EarlyRows ? a.x_early : nullptr;
   r.early_tokens = a.early_tokens;
+  r.fp8 = a.fp8_weights;
   detail::experts_forward_part(r, a.part, stream);
 }
 

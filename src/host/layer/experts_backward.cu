@@ -133,6 +133,8 @@ ScratchPointers scratch_pointers(const ExpertsBackwardRun& r) {
           at<float>(w, S.ds_partial), at<int32_t>(w, S.tile_offsets)};
 }
 
+}  // namespace
+
 // Step 1: the gather index row -> token [R] (and t·K offsets for a top-K list): not saved
 // (derivable).
 void rebuild_row_token(const ExpertsBackwardRun& r, cudaStream_t stream) {
@@ -143,9 +145,22 @@ void rebuild_row_token(const ExpertsBackwardRun& r, cudaStream_t stream) {
   int32_t* rebuilt_offsets = l.token ? nullptr : r.topk_token_offsets;
   kernels::bwd_rebuild_index<kThreads><<<blocks_for(std::max(R, s.T + 1), kThreads), kThreads, 0, stream>>>(
       r.row_pair, l.token, static_cast<int>(l.K), r.expert_offsets, static_cast<int>(s.E), R, s.T,
-      scratch_pointers(r).row_token, rebuilt_offsets);
+      at<int32_t>(r.workspace, r.scratch.row_token), rebuilt_offsets);
   check_launch("experts backward: rebuild row_token");
 }
+
+// Step 11: dx [T, d] = Σ_{pairs of t} dX~[pair_row] (no scores) (+ d_logits·Wr, the router's part).
+void aggregate_input_gradient(const ExpertsBackwardRun& r, const void* dx_rows, cudaStream_t stream) {
+  const int32_t* token_offsets = r.list.token ? r.token_offsets : r.topk_token_offsets;
+  if (r.router_d_logits) {
+    aggregate_with_router(r, static_cast<const __nv_bfloat16*>(dx_rows), token_offsets, stream);
+    return;
+  }
+  aggregate(dx_rows, DType::BF16, r.pair_row, token_offsets, nullptr, r.shape.T, r.shape.d, r.dx, DType::BF16,
+            stream);
+}
+
+namespace {
 
 // Step 2, over the rows of `part` of each expert: the dH kernel: dA' [R, n] = dout[row_token] · W2_e
 // (W2 [E, d, n] read as [E, K = d, N = n]); epilogue: dH [R, n1] = dAct(s·dA', H),
@@ -274,10 +289,8 @@ void weight_gradients(const ExpertsBackwardRun& r, cudaStream_t stream) {
 // Steps 10-11: dX~ = dH·W1 and dx, the sum of a token's rows (+ the router's part).
 void input_gradient(const ExpertsBackwardRun& r, cudaStream_t stream) {
   const ExpertsShape& s = r.shape;
-  const PairList& l = r.list;
-  const int64_t n1 = s.n1, R = l.pairs;
+  const int64_t n1 = s.n1, R = r.list.pairs;
   const ScratchPointers p = scratch_pointers(r);
-  const int32_t* token_offsets = l.token ? r.token_offsets : r.topk_token_offsets;
 
   // 10. dX~ [R, d] = dH · W1_e (W1 [E, n1, d] read as [E, K = n1, N = d]), contiguous rows.
   GroupedGemmArgs gx;
@@ -295,18 +308,16 @@ void input_gradient(const ExpertsBackwardRun& r, cudaStream_t stream) {
   gx.epilogue = GemmEpilogue::Store;
   gx.tile_offsets = p.tile_offsets;  // stream order: the dH kernel is done with it
   grouped_gemm(gx, stream);
-
-  // 11. dx [T, d] = Σ_{pairs of t} dX~[pair_row] (no scores) (+ d_logits·Wr, the router's part).
-  if (r.router_d_logits) {
-    aggregate_with_router(r, static_cast<const __nv_bfloat16*>(gx.c), token_offsets, stream);
-    return;
-  }
-  aggregate(gx.c, DType::BF16, r.pair_row, token_offsets, nullptr, s.T, s.d, r.dx, DType::BF16, stream);
+  aggregate_input_gradient(r, gx.c, stream);  // 11.
 }
 
 }  // namespace
 
 void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream) {
+  if (r.shape.precision == Precision::FP8) {  // whole calls only (the entry points refuse parts)
+    experts_backward_fp8(r, stream);
+    return;
+  }
   switch (r.part) {
     case ExpertsBackwardPart::DataEarlyRows:
       rebuild_row_token(r, stream);
@@ -363,6 +374,7 @@ void experts_backward(const ValidExpertsProblem& valid, const ExpertsBackwardArg
   detail::require_block_aligned(fn, {{"saved", a.saved}, {"workspace", a.workspace}});
   detail::require_row_aligned(fn,
                               {{"x", a.x}, {"w1", a.w1}, {"w2", a.w2}, {"dout", a.dout}, {"dx", a.dx}, {"b2", a.b2}});
+  detail::require_fp8_weights(p.precision, a.fp8_weights, a.part == ExpertsBackwardPart::All, fn);
   const detail::ExpertsShape shape = detail::experts_shape(p);
   if (p.T == 0 || p.R == 0) {  // no rows: every gradient is zero (d_scores is empty)
     if (weights) detail::zero_expert_gradients(shape, a.dw1, a.db1, a.dw2, a.db2, a.weight_grad_dtype, fn, stream);
@@ -393,6 +405,7 @@ void experts_backward(const ValidExpertsProblem& valid, const ExpertsBackwardArg
   r.weights_max_ctas = a.weights_max_ctas;
   r.early_tokens = a.early_tokens;
   r.dout_early = a.part == ExpertsBackwardPart::DataEarlyRows ? a.dout_early : nullptr;
+  r.fp8 = a.fp8_weights;
   detail::experts_backward_run(r, stream);
 }
 

@@ -50,6 +50,7 @@ struct ExpertsForwardRun {
   int max_ctas = 0;  // bound on the GEMMs' CTAs (0: none)
   int64_t early_tokens = 0;       // a split call's early tokens [0, early_tokens)
   const void* x_early = nullptr;  // EarlyRows: their rows of x [early_tokens, d] apart, or null
+  const Fp8ExpertWeights* fp8 = nullptr;  // shape.precision FP8: the weights' FP8 copies
 };
 
 // Forward, T > 0 and pairs > 0: routing_metadata of the list, H [rows, n1] = x[row_token]·W1ᵀ (+b1)
@@ -100,6 +101,7 @@ struct ExpertsBackwardRun {
   // well (Qwen's shared-expert gate: ∂loss/∂(x·g) ⊗ g).
   const float* router_rank1_coef = nullptr;
   const void* router_rank1_row = nullptr;
+  const Fp8ExpertWeights* fp8 = nullptr;  // shape.precision FP8: the weights' FP8 copies
 };
 
 // Whether the dx aggregation can add the router's part itself (experts_backward.cu): d % 8 == 0
@@ -112,6 +114,18 @@ bool router_dx_fusable(int64_t R, int64_t d, int64_t E);
 // r.part DataGradients runs all but dW2, dW1, db2/db1; WeightGradients only those (from the
 // workspace a DataGradients run filled).
 void experts_backward_run(const ExpertsBackwardRun& r, cudaStream_t stream);
+
+// Pieces of the backward that both precisions run (experts_backward.cu): step 1, the gather index
+// row -> token into scratch.row_token (and a top-K list's t·K offsets); step 11, dx [T, d] = the
+// sum of each token's rows of dX~ [pairs, d] bf16 (+ the router's part with router_d_logits).
+void rebuild_row_token(const ExpertsBackwardRun& r, cudaStream_t stream);
+void aggregate_input_gradient(const ExpertsBackwardRun& r, const void* dx_rows, cudaStream_t stream);
+
+// precision FP8 (fp8_experts.cu; machmoe/reference_fp8_layer.hpp states the same in double):
+// experts_forward_gemms and experts_backward_run (whole calls) on the weights' FP8 copies r.fp8.
+// H is saved as E4M3 codes [pairs, n1] followed by their scales (saved_h_row_bytes).
+void experts_forward_gemms_fp8(const ExpertsForwardRun& r, cudaStream_t stream);
+void experts_backward_fp8(const ExpertsBackwardRun& r, cudaStream_t stream);
 
 // Zeros for the expert weight and bias gradients (no rows: T = 0 or an empty list).
 void zero_expert_gradients(const ExpertsShape& s, void* dw1, void* db1, void* dw2, void* db2, DType grad_dtype,

@@ -62,6 +62,9 @@ void layer_forward(const ValidLayerProblem& valid, const LayerForwardArgs& a, cu
   detail::require_given_exactly_when(p.has_shared_gate, "has_shared_gate", fn, {{"shared_gate", a.shared_gate}});
   detail::require_block_aligned(fn, {{"saved", a.saved}, {"workspace", a.workspace}});
   detail::require_row_aligned(fn, {{"x", a.x}, {"w1", a.w1}, {"w2", a.w2}, {"b2", a.b2}});
+  detail::require_fp8_weights(p.precision, a.fp8_weights, true, fn);
+  require_arg(a.write_h || p.precision == Precision::BF16, fn, "write_h",
+              "must be true with precision FP8 (the FP8 up-projection writes H's E4M3 copy)");
   const LayerLayout L(valid);
   if (p.T == 0) {
     check_cuda(cudaMemsetAsync(a.aux_loss, 0, sizeof(float), stream), "layer_forward: memset aux");
@@ -138,6 +141,7 @@ void layer_forward(const ValidLayerProblem& valid, const LayerForwardArgs& a, cu
   r.md.token_offsets = at<int32_t>(w, L.token_offsets);
   r.scratch = L.fwd;
   r.workspace = w;
+  r.fp8 = a.fp8_weights;
   detail::experts_forward_metadata(r, stream);
 
   // The aux loss needs the partial sums and the expert counts only: it runs before the expert

@@ -58,6 +58,7 @@ void check_args(const ValidLayerProblem& valid, const LayerBackwardArgs& a) {
   detail::require_given_exactly_when(p.has_shared_gate, "has_shared_gate", fn,
                                      {{"shared_gate", a.shared_gate}, {"d_shared_gate", a.d_shared_gate}});
   detail::require_weight_grad_dtype(a.weight_grad_dtype, fn);
+  detail::require_fp8_weights(p.precision, a.fp8_weights, true, fn);
   detail::require_block_aligned(fn, {{"saved", a.saved}, {"workspace", a.workspace}});
   detail::require_row_aligned(fn, {{"x", a.x}, {"router_weight", a.router_weight}, {"w1", a.w1}, {"w2", a.w2},
                                    {"dout", a.dout}, {"dx", a.dx}, {"b2", a.b2}, {"shared_gate", a.shared_gate}});
@@ -127,6 +128,7 @@ void layer_backward(const ValidLayerProblem& valid, const LayerBackwardArgs& a, 
   r.d_scores = d_scores;
   r.dx = a.dx, r.dw1 = a.dw1, r.db1 = a.db1, r.dw2 = a.dw2, r.db2 = a.db2;
   r.grad_dtype = a.weight_grad_dtype;
+  r.fp8 = a.fp8_weights;
   // 4-6, 12 (first half): the router backward, once d_scores exists. Where the dx aggregation can
   // add the router's part d_logits·Wr itself (d % 8 == 0, E <= 256: router_dx_fusable), this runs
   // inside the expert part, between d scores and the aggregation, and dx is written once;

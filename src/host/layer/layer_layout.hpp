@@ -15,6 +15,7 @@
 #include "host/layer/saved_layout.hpp"
 #include "host/layer/shared_pairs.hpp"
 #include "host/routing/routing_internal.hpp"
+#include "machmoe/fp8.hpp"
 #include "machmoe/machmoe.hpp"
 
 namespace machmoe::detail {
@@ -51,6 +52,7 @@ struct ExpertsShape {
   GateUpLayout layout = GateUpLayout::Interleaved;
   bool has_bias = false;
   size_t elem = 2;  // bytes per element of x, the weights, H, A, Y (bf16 on the GPU)
+  Precision precision = Precision::BF16;
 };
 template <typename Problem>  // LayerProblem or ExpertsProblem
 ExpertsShape experts_shape(const Problem& p) {
@@ -58,18 +60,62 @@ ExpertsShape experts_shape(const Problem& p) {
   s.T = p.T, s.d = p.d, s.n = p.n, s.n1 = is_glu(p.activation) ? 2 * p.n : p.n, s.E = weight_experts(p);
   s.activation = p.activation, s.glu_clamp = p.glu_clamp, s.layout = p.layout, s.has_bias = p.has_bias;
   s.elem = static_cast<size_t>(dtype_size(p.dtype));
+  s.precision = p.precision;
   return s;
 }
+
+// Bytes of an E4M3 operand [rows, cols] with its 1x128 scales [rows, ceil(cols/128)], codes
+// first (cols % 16 == 0 keeps the scales 16-byte aligned).
+inline size_t fp8_rows_bytes(int64_t rows, int64_t cols) {
+  return static_cast<size_t>(rows) * static_cast<size_t>(cols + 4 * ceil_div(cols, int64_t{128}));
+}
+
+// The FP8 backward's scratch beyond the bf16 one's (host/layer/fp8_experts.cu). Its phases
+// reuse one region: dout's E4M3 rows and dA' [R, n] bf16 (dA' = dout·W2); then the column
+// operands of dW2 (dout and A'); then dH's E4M3 rows and dX~ [R, d] (in the bf16 scratch's
+// dx_rows); then the column operands of dW1 (x and dH). The column operands' chunk offsets
+// [E+1] have a block of their own.
+struct Fp8BackwardScratch {
+  size_t region = 0, chunk_offsets = 0;
+  // Offsets inside `region`, by phase: dA'; dW2's operands; dX~'s; dW1's.
+  size_t dout_q = 0, da = 0;
+  size_t dout_cols = 0, dout_cols_scales = 0, ap_cols = 0, ap_cols_scales = 0;
+  size_t dh_q = 0;
+  size_t x_cols = 0, x_cols_scales = 0, dh_cols = 0, dh_cols_scales = 0;
+  int64_t max_chunks = 0;  // the column operands' chunk bound (fp8_columns_layout), all three widths
+  void carve(Carve& b, const ExpertsShape& s, int64_t R) {
+    const Fp8ColumnsLayout cd = fp8_columns_layout(R, s.E, s.d), cn = fp8_columns_layout(R, s.E, s.n),
+                           cn1 = fp8_columns_layout(R, s.E, s.n1);
+    max_chunks = cd.max_chunks;
+    Carve dgrad;  // dout's E4M3 rows, dA' [R, n] bf16
+    dout_q = dgrad.take(fp8_rows_bytes(s.T, s.d));
+    da = dgrad.take(static_cast<size_t>(R) * static_cast<size_t>(s.n) * 2);
+    Carve w2grad;  // doutᵀ and A'ᵀ by expert chunks
+    dout_cols = w2grad.take(cd.qt_bytes), dout_cols_scales = w2grad.take(cd.scales_bytes);
+    ap_cols = w2grad.take(cn.qt_bytes), ap_cols_scales = w2grad.take(cn.scales_bytes);
+    Carve xgrad;  // dH's E4M3 rows
+    dh_q = xgrad.take(fp8_rows_bytes(R, s.n1));
+    Carve w1grad;  // xᵀ and dHᵀ by expert chunks
+    x_cols = w1grad.take(cd.qt_bytes), x_cols_scales = w1grad.take(cd.scales_bytes);
+    dh_cols = w1grad.take(cn1.qt_bytes), dh_cols_scales = w1grad.take(cn1.scales_bytes);
+    region = b.take(std::max({dgrad.bytes, w2grad.bytes, xgrad.bytes, w1grad.bytes}));
+    chunk_offsets = b.take(cd.chunk_offsets_bytes);
+  }
+};
 
 // The expert part's forward scratch for R rows (bf16 data): the gather index row -> token [R],
 // A [R, n], Y [R, d], the routing metadata's workspace, the GEMMs' tile offsets [E+1] and, for a
 // call split into early and late tokens, each expert's first late row [E] (host/layer/early_rows.hpp).
+// With precision FP8, A is E4M3 with its scales and x's E4M3 rows [T, d] (and scales) come first.
 struct ExpertsForwardScratch {
   size_t row_token = 0, a = 0, y = 0, metadata = 0, tile_offsets = 0, row_split = 0;
+  size_t x_fp8 = 0;  // FP8 only
   void carve(Carve& f, const ExpertsShape& s, int64_t R) {
     const size_t r = static_cast<size_t>(R), es = s.elem;
+    const bool fp8 = s.precision == Precision::FP8;
     row_token = f.take(r * 4);
-    a = f.take(r * static_cast<size_t>(s.n) * es);
+    if (fp8) x_fp8 = f.take(fp8_rows_bytes(s.T, s.d));
+    a = f.take(fp8 ? fp8_rows_bytes(R, s.n) : r * static_cast<size_t>(s.n) * es);
     y = f.take(r * static_cast<size_t>(s.d) * es);
     metadata = f.take(routing_metadata_workspace_bytes(s.T, s.E));
     tile_offsets = f.take((static_cast<size_t>(s.E) + 1) * 4);
@@ -88,6 +134,7 @@ struct ExpertsBackwardScratch {
   size_t row_token = 0, dh = 0, a_prime = 0, dx_rows = 0, ds_partial = 0, tile_offsets = 0, row_split = 0;
   size_t bias_chunk_prefix = 0, bias_partials = 0;  // has_bias only
   size_t shared_run_offsets = 0, shared_pieces = 0;  // a layer's shared experts, where cut (shared_pairs.hpp)
+  Fp8BackwardScratch fp8;                            // precision FP8 only
   int64_t ds_tiles = 0;     // column tiles of the dH kernel: the row stride of ds_partial
   int64_t bias_chunks = 0;  // rows of bias_partials (upper bound of Σ_e ceil(rows_e / kBiasChunkRows))
   // shared: how many of the s.E experts are a layer's shared experts (the last ones, T rows each).
@@ -112,6 +159,7 @@ struct ExpertsBackwardScratch {
       shared_run_offsets = b.take(cut.offsets_bytes);  // [S·m + 1] int32
       shared_pieces = b.take(cut.pieces_bytes);        // [S·m, d, max(n, n1)] fp32
     }
+    if (s.precision == Precision::FP8) fp8.carve(b, s, R);
   }
 };
 

@@ -28,6 +28,13 @@ struct PartSize {
   size_t bytes(int64_t R, int64_t T) const { return static_cast<size_t>(per_row * R + per_token * T + fixed); }
 };
 
+// Bytes per row of the saved H [R, n1]: n1 elements of the data dtype, or with precision FP8 its
+// E4M3 codes [R, n1] followed by their fp32 scales [R, ceil(n1/128)] (1x128 tiles along a row).
+// Codes first: R·n1 is a multiple of 16 (FP8 needs n1 % 32 == 0), so the scales start aligned.
+inline int64_t saved_h_row_bytes(int64_t n1, DType dtype, Precision precision) {
+  return precision == Precision::FP8 ? n1 + 4 * ((n1 + 127) / 128) : n1 * dtype_size(dtype);
+}
+
 // Rows a layer call's experts may run on, from its tokens T:
 //   min(per_token·T + extra, cap_per_token·T), or per_token·T + extra with cap_per_token = 0.
 // Top-K: T·K. Token rounding: token_rounding_rows below.
@@ -69,7 +76,7 @@ enum LayerSavedPart : int {
   kLayerRouterScores,      // shared experts only (else empty): the router's top-K scores [T, K]
                            //   fp32 (the list's [T, K+S] holds them too, strided; the router's
                            //   backward reads them dense)
-  kLayerH,                 // [R, n1] in the data dtype
+  kLayerH,                 // [R, n1] in the data dtype (FP8: codes and scales, saved_h_row_bytes)
   kLayerSavedParts
 };
 
@@ -80,7 +87,7 @@ struct LayerSavedTerms {
 
 inline LayerSavedTerms layer_saved_terms(const ValidLayerProblem& valid) {
   const LayerProblem& p = *valid;
-  const int64_t es = dtype_size(p.dtype), n1 = is_glu(p.activation) ? 2 * p.n : p.n;
+  const int64_t n1 = is_glu(p.activation) ? 2 * p.n : p.n;
   const bool rounded = p.rounding != TokenRounding::None;
   LayerSavedTerms t;
   // A top-K list holds K + num_shared pairs per token (the shared experts' after the routed ones).
@@ -101,7 +108,7 @@ inline LayerSavedTerms layer_saved_terms(const ValidLayerProblem& valid) {
     s[kLayerCountRounded] = {0, 0, p.E * 4};
   }
   if (p.num_shared > 0) s[kLayerRouterScores] = {0, p.K * 4, 0};
-  s[kLayerH] = {n1 * es, 0, 0};
+  s[kLayerH] = {saved_h_row_bytes(n1, p.dtype, p.precision), 0, 0};
   return t;
 }
 
@@ -109,7 +116,7 @@ inline LayerSavedTerms layer_saved_terms(const ValidLayerProblem& valid) {
 // carving order: H, a copy of the scores (the backward reads them from here), the metadata the
 // backward needs, and the list's per-token pair offsets (the dX~ aggregation reads them).
 enum ExpertsSavedPart : int {
-  kExpertsH,              // [R, n1] in the data dtype
+  kExpertsH,              // [R, n1] in the data dtype (FP8: codes and scales, saved_h_row_bytes)
   kExpertsScores,         // [R] fp32
   kExpertsExpertOffsets,  // [E+1] int32
   kExpertsRowPair,        // [R] int32
@@ -120,9 +127,9 @@ enum ExpertsSavedPart : int {
 
 inline std::array<PartSize, kExpertsSavedParts> experts_saved_terms(const ValidExpertsProblem& valid) {
   const ExpertsProblem& p = *valid;
-  const int64_t es = dtype_size(p.dtype), n1 = is_glu(p.activation) ? 2 * p.n : p.n;
+  const int64_t n1 = is_glu(p.activation) ? 2 * p.n : p.n;
   std::array<PartSize, kExpertsSavedParts> s;
-  s[kExpertsH] = {n1 * es, 0, 0};
+  s[kExpertsH] = {saved_h_row_bytes(n1, p.dtype, p.precision), 0, 0};
   s[kExpertsScores] = {4, 0, 0};
   s[kExpertsExpertOffsets] = {0, 0, (p.E + 1) * 4};
   s[kExpertsRowPair] = {4, 0, 0};
