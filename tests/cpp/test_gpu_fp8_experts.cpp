@@ -101,7 +101,7 @@ void check_fp8_experts(const Case& c) {
   DeviceBuffer tok(R * 4), exp(R * 4), scores(R * 4);
   upload(list.token, tok);
   upload(list.expert, exp);
-  upload(list.score, scores);
+  upload(std::vector<float>(list.score.begin(), list.score.end()), scores);
   DeviceBuffer wq(fp8_expert_weights_bytes(E, d, n));
   const Fp8ExpertWeights fw = quantize_expert_weights_fp8(E, d, n, w1.ptr, w2.ptr, wq.ptr, nullptr);
 
