@@ -29,7 +29,8 @@ struct LayerProblem {
   int64_t rounding_tile_m = 128;
   DType dtype = DType::BF16;  // x, weights, H and the output
   // The expert GEMMs' operands (types.hpp). FP8 takes the weights' FP8 copies in the call's
-  // fp8_weights (quantize_expert_weights_fp8), keeps H in E4M3 in `saved`, and is defined for
+  // fp8_weights (quantize_expert_weights_fp8; the bf16 w1 and w2 are then not read and may be
+  // null), keeps H in E4M3 in `saved`, and is defined for
   // SwiGLU, the interleaved layout, bf16, no biases, no token rounding and no shared experts,
   // with d and n multiples of 16; validate() refuses anything else.
   Precision precision = Precision::BF16;

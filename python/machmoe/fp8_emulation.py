@@ -23,7 +23,7 @@ Backward (fp8_experts.experts_backward), A recomputed from Hq:
     dX~ = rows(dH)·W1q[e] -> bf16;  dx = Σ_token dX~ (fp32) -> bf16
     dW1[e] = columns(dH)ᵀ·columns(x[t]);  dW2[e] = columns(dout[t])ᵀ·columns(bf16(score·A))
 where columns() quantises each column per 128-row chunk of an expert's rows. Where
-machmoe/reference_fp8_layer.hpp differs, this follows fp8_experts.py (the kernels' composition):
+machmoe/reference_fp8_layer.hpp differs, this follows the kernels (src/host/layer/fp8_experts.cu):
 dW1's dH operand is quantised by columns from dH in bf16, not from the row-quantised dHq.
 """
 

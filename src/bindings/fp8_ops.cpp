@@ -14,8 +14,10 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "bindings/common.hpp"
+#include "host/layer/saved_layout.hpp"
 #include "machmoe/fp8.hpp"
 #include "machmoe/fp8_swiglu.hpp"
 #include "machmoe/fp8_wgrad.hpp"
@@ -319,6 +321,114 @@ std::tuple<Tensor, Tensor, Tensor> op_fp8_swiglu_backward(const Tensor& da, cons
   });
 }
 
+// ---- the FP8 experts on a top-K or general list (machmoe::ExpertsProblem with precision FP8)
+
+// The weights' FP8 copies as the C++ call reads them, from the tensors fp8_quantize_weights wrote
+// with transposed = true for w1 [E, 2n, d] (gate/up interleaved) and w2 [E, d, n]:
+// [w1_q, w1_scales, w1_qt, w1_scales_t, w2_q, w2_scales, w2_qt, w2_scales_t].
+Fp8ExpertWeights fp8_weights_of(at::TensorList w, int64_t E, int64_t d, int64_t n, const at::Device& device) {
+  MACHMOE_CHECK_VALUE(w.size() == 8, "fp8_weights must hold 8 tensors (w1_q, w1_scales, w1_qt, w1_scales_t, w2_q, "
+                      "w2_scales, w2_qt, w2_scales_t), got ", w.size());
+  const int64_t n1 = 2 * n;
+  check_tensor(w[0], "fp8_weights[0] (w1_q)", kE4M3, {E, n1, d}, &device);
+  check_tensor(w[1], "fp8_weights[1] (w1_scales)", at::kFloat, {E, fp8_tiles(n1), fp8_tiles(d)}, &device);
+  check_tensor(w[2], "fp8_weights[2] (w1_qt)", kE4M3, {E, d, n1}, &device);
+  check_tensor(w[3], "fp8_weights[3] (w1_scales_t)", at::kFloat, {E, fp8_tiles(d), fp8_tiles(n1)}, &device);
+  check_tensor(w[4], "fp8_weights[4] (w2_q)", kE4M3, {E, d, n}, &device);
+  check_tensor(w[5], "fp8_weights[5] (w2_scales)", at::kFloat, {E, fp8_tiles(d), fp8_tiles(n)}, &device);
+  check_tensor(w[6], "fp8_weights[6] (w2_qt)", kE4M3, {E, n, d}, &device);
+  check_tensor(w[7], "fp8_weights[7] (w2_scales_t)", at::kFloat, {E, fp8_tiles(n), fp8_tiles(d)}, &device);
+  Fp8ExpertWeights f;
+  f.w1 = codes(w[0]), f.w1_scales = w[1].data_ptr<float>(), f.w1_t = codes(w[2]), f.w1_t_scales = w[3].data_ptr<float>();
+  f.w2 = codes(w[4]), f.w2_scales = w[5].data_ptr<float>(), f.w2_t = codes(w[6]), f.w2_t_scales = w[7].data_ptr<float>();
+  return f;
+}
+
+// The problem of an FP8 experts call: x [T, d] bf16, w2_q [E, d, n] (fp8_weights[4]), R pairs.
+ValidExpertsProblem fp8_experts_problem(const Tensor& x, at::TensorList w, int64_t R) {
+  check_first(x, "x", at::kBFloat16, 2);
+  MACHMOE_CHECK_VALUE(w.size() == 8 && w[4].dim() == 3, "fp8_weights[4] (w2_q) must be [E, d, n]");
+  ExpertsProblem p;
+  p.T = x.size(0), p.d = x.size(1), p.E = w[4].size(0), p.n = w[4].size(2), p.R = R;
+  p.precision = Precision::FP8;
+  return validate(p);
+}
+
+// out [T, d] bf16 and the saved block of the experts in FP8 on the list (scores fp32 [R],
+// token_idx, expert_idx int32 [R], ordered by token) of x [T, d] bf16, with the weights' FP8
+// copies (fp8_weights_of): machmoe::experts_forward with precision FP8.
+std::tuple<Tensor, Tensor> op_experts_forward_fp8(const Tensor& x, at::TensorList fp8_weights, const Tensor& scores,
+                                                  const Tensor& token_idx, const Tensor& expert_idx) {
+  return translate_errors([&] {
+    check_dims(scores, "scores", 1);
+    const ValidExpertsProblem valid = fp8_experts_problem(x, fp8_weights, scores.numel());
+    const ExpertsProblem& p = *valid;
+    const at::Device device = x.device();
+    const Fp8ExpertWeights w = fp8_weights_of(fp8_weights, p.E, p.d, p.n, device);
+    check_tensor(scores, "scores", at::kFloat, {p.R}, &device);
+    check_tensor(token_idx, "token_idx", at::kInt, {p.R}, &device);
+    check_tensor(expert_idx, "expert_idx", at::kInt, {p.R}, &device);
+    const c10::cuda::CUDAGuard guard(device);
+    const WorkspacePlan plan = plan_workspace(valid);
+    const auto bytes = x.options().dtype(at::kByte);
+    Tensor out = at::empty({p.T, p.d}, x.options());
+    Tensor saved = at::empty({static_cast<int64_t>(plan.saved_bytes)}, bytes);
+    Tensor ws = at::empty({static_cast<int64_t>(plan.forward_workspace_bytes)}, bytes);
+    ExpertsForwardArgs a;
+    a.x = x.data_ptr();  // (w1 and w2 stay null: with FP8 the copies stand for them)
+    a.scores = scores.data_ptr<float>();
+    a.pair_token = token_idx.data_ptr<int32_t>(), a.pair_expert = expert_idx.data_ptr<int32_t>();
+    a.out = out.data_ptr(), a.saved = saved.data_ptr(), a.workspace = ws.data_ptr();
+    a.fp8_weights = &w;
+    experts_forward(valid, a, at::cuda::getCurrentCUDAStream());
+    return std::make_tuple(out, saved);
+  });
+}
+
+// (dx [T, d] bf16, d_scores fp32 [R], dw1 [E, 2n, d], dw2 [E, d, n] bf16) of op_experts_forward_fp8
+// from its saved block, the same list and copies, and dout [T, d] bf16.
+std::tuple<Tensor, Tensor, Tensor, Tensor> op_experts_backward_fp8(const Tensor& x, at::TensorList fp8_weights,
+                                                                   const Tensor& token_idx, const Tensor& expert_idx,
+                                                                   const Tensor& saved, const Tensor& dout) {
+  return translate_errors([&] {
+    check_dims(token_idx, "token_idx", 1);
+    const ValidExpertsProblem valid = fp8_experts_problem(x, fp8_weights, token_idx.numel());
+    const ExpertsProblem& p = *valid;
+    const at::Device device = x.device();
+    const Fp8ExpertWeights w = fp8_weights_of(fp8_weights, p.E, p.d, p.n, device);
+    check_tensor(token_idx, "token_idx", at::kInt, {p.R}, &device);
+    check_tensor(expert_idx, "expert_idx", at::kInt, {p.R}, &device);
+    check_bf16(dout, "dout", {p.T, p.d}, &device);
+    const WorkspacePlan plan = plan_workspace(valid);
+    check_saved(saved, plan.saved_bytes, device, "experts_forward_fp8");
+    const c10::cuda::CUDAGuard guard(device);
+    Tensor dx = at::empty({p.T, p.d}, x.options());
+    Tensor d_scores = at::empty({p.R}, x.options().dtype(at::kFloat));
+    Tensor dw1 = at::empty({p.E, 2 * p.n, p.d}, x.options());
+    Tensor dw2 = at::empty({p.E, p.d, p.n}, x.options());
+    Tensor ws = at::empty({static_cast<int64_t>(plan.backward_workspace_bytes)}, x.options().dtype(at::kByte));
+    ExpertsBackwardArgs a;
+    a.x = x.data_ptr();
+    a.pair_token = token_idx.data_ptr<int32_t>(), a.pair_expert = expert_idx.data_ptr<int32_t>();
+    a.saved = saved.data_ptr(), a.dout = dout.data_ptr();
+    a.dx = dx.data_ptr(), a.d_scores = d_scores.data_ptr<float>(), a.dw1 = dw1.data_ptr(), a.dw2 = dw2.data_ptr();
+    a.workspace = ws.data_ptr();
+    a.fp8_weights = &w;
+    experts_backward(valid, a, at::cuda::getCurrentCUDAStream());
+    return std::make_tuple(dx, d_scores, dw1, dw2);
+  });
+}
+
+// The saved block of an FP8 experts call (host/layer/saved_layout.hpp): what the fake kernels
+// size it with. No GPU needed.
+std::vector<int64_t> op_experts_fp8_saved_layout(int64_t n, int64_t E) {
+  return translate_errors([&] {
+    ExpertsProblem p;  // T = R = 0 and d = 16 stand for every T, R and d
+    p.d = 16, p.n = n, p.E = E, p.precision = Precision::FP8;
+    return detail::experts_saved_layout_ints(validate(p));
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(machmoe, m) {
@@ -332,6 +442,11 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
         " -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("grouped_wgrad_fp8(Tensor a_qt, Tensor a_scales, Tensor b_qt, Tensor b_scales, Tensor chunk_offsets,"
         " ScalarType out_dtype, bool transpose_c, int max_ctas=0) -> Tensor");
+  m.def("experts_forward_fp8(Tensor x, Tensor[] fp8_weights, Tensor scores, Tensor token_idx, Tensor expert_idx)"
+        " -> (Tensor out, Tensor saved)");
+  m.def("experts_backward_fp8(Tensor x, Tensor[] fp8_weights, Tensor token_idx, Tensor expert_idx, Tensor saved,"
+        " Tensor dout) -> (Tensor dx, Tensor d_scores, Tensor dw1, Tensor dw2)");
+  m.def("experts_fp8_saved_layout(int n, int E) -> int[]", &op_experts_fp8_saved_layout);
   m.def("fp8_swiglu_backward(Tensor da, Tensor hq, Tensor h_scales, Tensor scores, Tensor row_pair)"
         " -> (Tensor, Tensor, Tensor)");
 }
@@ -344,6 +459,8 @@ TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {
   m.impl("grouped_gemm_fp8_glu", &op_grouped_gemm_fp8_glu);
   m.impl("grouped_wgrad_fp8", &op_grouped_wgrad_fp8);
   m.impl("fp8_swiglu_backward", &op_fp8_swiglu_backward);
+  m.impl("experts_forward_fp8", &op_experts_forward_fp8);
+  m.impl("experts_backward_fp8", &op_experts_backward_fp8);
 }
 
 }  // namespace machmoe::bindings

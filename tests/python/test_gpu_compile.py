@@ -63,6 +63,9 @@ def _op_cases():
     x_q, x_scales = m.fp8_quantize_rows(t["x"], None)  # [T, d], gathered by the GEMM (R = T·K rows)
     xt_q, xt_scales, chunks = m.fp8_quantize_columns(t["x"], row_token, offs)  # the weight gradients' operands
     ht_q, ht_scales, _ = m.fp8_quantize_columns(h, None, offs)
+    # The FP8 experts on the top-K list: the weights' copies, plain and transposed.
+    fp8_weights = [*m.fp8_quantize_weights(t["w1"], True), *m.fp8_quantize_weights(t["w2"], True)]
+    _, fp8_saved = m.experts_forward_fp8(t["x"], fp8_weights, pair_scores, tok, exp)
     # pull_rows: three "peers" that are plain buffers of this GPU, send counts [3] int64 at byte 0
     # and rows of 32 bytes at byte 512 (kept alive here: the op reads them by address).
     _PULL_BUFFERS[:] = [torch.randint(0, 256, (512 + 10 * 32,), dtype=torch.uint8, device="cuda") for _ in range(3)]
@@ -119,6 +122,8 @@ def _op_cases():
                                   t["b1"], 0, row_token)),
         ("grouped_wgrad_fp8", (xt_q, xt_scales, ht_q, ht_scales, chunks, torch.float32, False)),
         ("grouped_wgrad_fp8", (xt_q, xt_scales, ht_q, ht_scales, chunks, torch.bfloat16, True, 2)),
+        ("experts_forward_fp8", (t["x"], fp8_weights, pair_scores, tok, exp)),
+        ("experts_backward_fp8", (t["x"], fp8_weights, tok, exp, fp8_saved, dout)),
     ]
 
 
@@ -131,7 +136,8 @@ def test_every_fake_agrees_with_its_kernel():
     for name, args in cases:
         try:
             # opcheck's schema test does arithmetic on the inputs, which float8 tensors lack.
-            fp8_inputs = any(isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn for a in args)
+            flat = [v for a in args for v in (a if isinstance(a, (list, tuple)) else [a])]
+            fp8_inputs = any(isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn for a in flat)
             checks = tuple(c for c in CHECKS if c != "test_schema") if fp8_inputs else CHECKS
             torch.library.opcheck(getattr(ops(), name).default, args, test_utils=checks)
         except Exception as err:  # collect them all: one failing op should not hide the others

@@ -154,7 +154,9 @@ void experts_forward(const ValidExpertsProblem& valid, const ExpertsForwardArgs&
   constexpr const char* fn = "experts_forward";
   const ExpertsProblem& p = *valid;
   detail::require_gpu_problem(valid, fn);
-  detail::require_given(fn, {{"w1", a.w1}, {"w2", a.w2}, {"saved", a.saved}, {"workspace", a.workspace}});
+  detail::require_given(fn, {{"saved", a.saved}, {"workspace", a.workspace}});
+  if (p.precision == Precision::BF16)  // (with FP8 the copies in fp8_weights stand for them)
+    detail::require_given(fn, {{"w1", a.w1}, {"w2", a.w2}}, "precision is BF16");
   // x and out have T rows, the list R: empty (and so possibly null, as an empty framework tensor is) when 0.
   if (p.T > 0) detail::require_given(fn, {{"x", a.x}, {"out", a.out}}, "T > 0");
   if (p.R > 0)

@@ -360,7 +360,9 @@ void experts_backward(const ValidExpertsProblem& valid, const ExpertsBackwardArg
                           std::to_string(a.early_tokens));
   detail::require_arg(a.weights_max_ctas >= 0, fn, "weights_max_ctas",
                       "must be >= 0 (0: one CTA per SM); got " + std::to_string(a.weights_max_ctas));
-  detail::require_given(fn, {{"w1", a.w1}, {"w2", a.w2}, {"saved", a.saved}, {"workspace", a.workspace}});
+  detail::require_given(fn, {{"saved", a.saved}, {"workspace", a.workspace}});
+  if (p.precision == Precision::BF16)  // (with FP8 the copies in fp8_weights stand for them)
+    detail::require_given(fn, {{"w1", a.w1}, {"w2", a.w2}}, "precision is BF16");
   if (weights) detail::require_given(fn, {{"dw1", a.dw1}, {"dw2", a.dw2}}, "the weight gradients are computed");
   // x, dout and dx have T rows, the list and d_scores R: empty (possibly null) when 0.
   if (p.T > 0) detail::require_given(fn, {{"x", a.x}, {"dout", a.dout}}, "T > 0");

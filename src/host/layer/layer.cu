@@ -47,8 +47,10 @@ void layer_forward(const ValidLayerProblem& valid, const LayerForwardArgs& a, cu
   constexpr const char* fn = "layer_forward";
   const LayerProblem& p = *valid;
   detail::require_gpu_problem(valid, fn);
-  detail::require_given(fn, {{"router_weight", a.router_weight}, {"w1", a.w1}, {"w2", a.w2}, {"aux_loss", a.aux_loss},
-                             {"saved", a.saved}, {"workspace", a.workspace}});
+  detail::require_given(fn, {{"router_weight", a.router_weight}, {"aux_loss", a.aux_loss}, {"saved", a.saved},
+                             {"workspace", a.workspace}});
+  if (p.precision == Precision::BF16)  // (with FP8 the copies in fp8_weights stand for them)
+    detail::require_given(fn, {{"w1", a.w1}, {"w2", a.w2}}, "precision is BF16");
   // x and out have T rows: empty (and so possibly null, as an empty framework tensor is) when T = 0.
   if (p.T > 0) detail::require_given(fn, {{"x", a.x}, {"out", a.out}}, "T > 0");
   detail::require_given_exactly_when(p.has_bias, "has_bias", fn, {{"b1", a.b1}, {"b2", a.b2}});

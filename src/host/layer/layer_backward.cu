@@ -43,9 +43,11 @@ void check_args(const ValidLayerProblem& valid, const LayerBackwardArgs& a) {
   constexpr const char* fn = "layer_backward";
   const LayerProblem& p = *valid;
   detail::require_gpu_problem(valid, fn);
-  detail::require_given(fn, {{"router_weight", a.router_weight}, {"w1", a.w1}, {"w2", a.w2}, {"saved", a.saved},
+  detail::require_given(fn, {{"router_weight", a.router_weight}, {"saved", a.saved},
                              {"d_router_weight", a.d_router_weight}, {"dw1", a.dw1}, {"dw2", a.dw2},
                              {"workspace", a.workspace}});
+  if (p.precision == Precision::BF16)  // (with FP8 the copies in fp8_weights stand for them)
+    detail::require_given(fn, {{"w1", a.w1}, {"w2", a.w2}}, "precision is BF16");
   // x, dout and dx have T rows: empty (and so possibly null, as an empty framework tensor is) when T = 0.
   if (p.T > 0) detail::require_given(fn, {{"x", a.x}, {"dout", a.dout}, {"dx", a.dx}}, "T > 0");
   detail::require_given_exactly_when(p.has_bias, "has_bias", fn,

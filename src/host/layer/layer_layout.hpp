@@ -70,17 +70,17 @@ inline size_t fp8_rows_bytes(int64_t rows, int64_t cols) {
   return static_cast<size_t>(rows) * static_cast<size_t>(cols + 4 * ceil_div(cols, int64_t{128}));
 }
 
-// The FP8 backward's scratch beyond the bf16 one's (host/layer/fp8_experts.cu). Its phases
-// reuse one region: dout's E4M3 rows and dA' [R, n] bf16 (dA' = dout·W2); then the column
-// operands of dW2 (dout and A'); then dH's E4M3 rows and dX~ [R, d] (in the bf16 scratch's
-// dx_rows); then the column operands of dW1 (x and dH). The column operands' chunk offsets
-// [E+1] have a block of their own.
+// The FP8 backward's scratch (host/layer/fp8_experts.cu) besides the gather index, dH and A' of
+// the bf16 one's. Its phases reuse one region: dout's E4M3 rows and dA' [R, n] bf16 (dA' =
+// dout·W2); then the column operands of dW2 (dout and A'); then dH's E4M3 rows and dX~ [R, d]
+// bf16; then the column operands of dW1 (x and dH). The column operands' chunk offsets [E+1]
+// have a block of their own.
 struct Fp8BackwardScratch {
   size_t region = 0, chunk_offsets = 0;
   // Offsets inside `region`, by phase: dA'; dW2's operands; dX~'s; dW1's.
   size_t dout_q = 0, da = 0;
   size_t dout_cols = 0, dout_cols_scales = 0, ap_cols = 0, ap_cols_scales = 0;
-  size_t dh_q = 0;
+  size_t dh_q = 0, dx_rows = 0;
   size_t x_cols = 0, x_cols_scales = 0, dh_cols = 0, dh_cols_scales = 0;
   int64_t max_chunks = 0;  // the column operands' chunk bound (fp8_columns_layout), all three widths
   void carve(Carve& b, const ExpertsShape& s, int64_t R) {
@@ -93,8 +93,9 @@ struct Fp8BackwardScratch {
     Carve w2grad;  // doutᵀ and A'ᵀ by expert chunks
     dout_cols = w2grad.take(cd.qt_bytes), dout_cols_scales = w2grad.take(cd.scales_bytes);
     ap_cols = w2grad.take(cn.qt_bytes), ap_cols_scales = w2grad.take(cn.scales_bytes);
-    Carve xgrad;  // dH's E4M3 rows
+    Carve xgrad;  // dH's E4M3 rows, dX~ [R, d] bf16
     dh_q = xgrad.take(fp8_rows_bytes(R, s.n1));
+    dx_rows = xgrad.take(static_cast<size_t>(R) * static_cast<size_t>(s.d) * 2);
     Carve w1grad;  // xᵀ and dHᵀ by expert chunks
     x_cols = w1grad.take(cd.qt_bytes), x_cols_scales = w1grad.take(cd.scales_bytes);
     dh_cols = w1grad.take(cn1.qt_bytes), dh_cols_scales = w1grad.take(cn1.scales_bytes);
@@ -143,6 +144,11 @@ struct ExpertsBackwardScratch {
     row_token = b.take(r * 4);                                   // [R] row -> token
     dh = b.take(r * static_cast<size_t>(s.n1) * es);             // [R, n1] dH
     a_prime = b.take(r * static_cast<size_t>(s.n) * es);         // [R, n] A' = s·act(H)
+    if (s.precision == Precision::FP8) {  // dX~ in the FP8 region; no dH kernel partials, no biases
+      tile_offsets = b.take((static_cast<size_t>(s.E) + 1) * 4);
+      fp8.carve(b, s, R);
+      return;
+    }
     dx_rows = b.take(r * static_cast<size_t>(s.d) * es);         // [R, d] dX~ = dH·W1
     ds_tiles = grouped_gemm_column_tiles(s.n);
     ds_partial = b.take(r * static_cast<size_t>(ds_tiles) * 4);  // [R, ds_tiles] fp32
@@ -159,7 +165,6 @@ struct ExpertsBackwardScratch {
       shared_run_offsets = b.take(cut.offsets_bytes);  // [S·m + 1] int32
       shared_pieces = b.take(cut.pieces_bytes);        // [S·m, d, max(n, n1)] fp32
     }
-    if (s.precision == Precision::FP8) fp8.carve(b, s, R);
   }
 };
 
