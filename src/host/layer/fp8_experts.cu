@@ -127,7 +127,7 @@ void experts_backward_fp8(const ExpertsBackwardRun& r, cudaStream_t stream) {
   int32_t* tile_offsets = at<int32_t>(ws, r.scratch.tile_offsets);
   int32_t* chunk_offsets = at<int32_t>(ws, F.chunk_offsets);
   auto* dh = at<__nv_bfloat16>(ws, r.scratch.dh);            // [R, n1]
-  auto* a_prime = at<__nv_bfloat16>(ws, r.scratch.a_prime);  // [R, n] score·A
+  auto* a_prime = at<__nv_bfloat16>(region, F.a_prime);      // [R, n] score·A, through dW2
   auto* dx_rows = at<__nv_bfloat16>(region, F.dx_rows);      // [R, d], in the region's dX~ phase
   auto columns = [&](size_t codes, size_t scales) {
     return Fp8Columns{at<uint8_t>(region, codes), at<float>(region, scales)};

@@ -70,15 +70,15 @@ inline size_t fp8_rows_bytes(int64_t rows, int64_t cols) {
   return static_cast<size_t>(rows) * static_cast<size_t>(cols + 4 * ceil_div(cols, int64_t{128}));
 }
 
-// The FP8 backward's scratch (host/layer/fp8_experts.cu) besides the gather index, dH and A' of
-// the bf16 one's. Its phases reuse one region: dout's E4M3 rows and dA' [R, n] bf16 (dA' =
-// dout·W2); then the column operands of dW2 (dout and A'); then dH's E4M3 rows and dX~ [R, d]
-// bf16; then the column operands of dW1 (x and dH). The column operands' chunk offsets [E+1]
-// have a block of their own.
+// The FP8 backward's scratch (host/layer/fp8_experts.cu) besides the gather index and dH of the
+// bf16 one's. Its phases reuse one region: A' [R, n] bf16 (score·A, written with dH) first,
+// beside dout's E4M3 rows and dA' [R, n] bf16 (dA' = dout·W2), then beside the column operands
+// of dW2 (dout and A'); then dH's E4M3 rows and dX~ [R, d] bf16; then the column operands of dW1
+// (x and dH). The column operands' chunk offsets [E+1] have a block of their own.
 struct Fp8BackwardScratch {
   size_t region = 0, chunk_offsets = 0;
-  // Offsets inside `region`, by phase: dA'; dW2's operands; dX~'s; dW1's.
-  size_t dout_q = 0, da = 0;
+  // Offsets inside `region`, by phase: A' and dA'; A' and dW2's operands; dX~'s; dW1's.
+  size_t a_prime = 0, dout_q = 0, da = 0;
   size_t dout_cols = 0, dout_cols_scales = 0, ap_cols = 0, ap_cols_scales = 0;
   size_t dh_q = 0, dx_rows = 0;
   size_t x_cols = 0, x_cols_scales = 0, dh_cols = 0, dh_cols_scales = 0;
@@ -87,10 +87,12 @@ struct Fp8BackwardScratch {
     const Fp8ColumnsLayout cd = fp8_columns_layout(R, s.E, s.d), cn = fp8_columns_layout(R, s.E, s.n),
                            cn1 = fp8_columns_layout(R, s.E, s.n1);
     max_chunks = cd.max_chunks;
-    Carve dgrad;  // dout's E4M3 rows, dA' [R, n] bf16
+    Carve a;  // A' [R, n] bf16, through the dW2 phase
+    a_prime = a.take(static_cast<size_t>(R) * static_cast<size_t>(s.n) * 2);
+    Carve dgrad = a;  // dout's E4M3 rows, dA' [R, n] bf16
     dout_q = dgrad.take(fp8_rows_bytes(s.T, s.d));
     da = dgrad.take(static_cast<size_t>(R) * static_cast<size_t>(s.n) * 2);
-    Carve w2grad;  // doutᵀ and A'ᵀ by expert chunks
+    Carve w2grad = a;  // doutᵀ and A'ᵀ by expert chunks
     dout_cols = w2grad.take(cd.qt_bytes), dout_cols_scales = w2grad.take(cd.scales_bytes);
     ap_cols = w2grad.take(cn.qt_bytes), ap_cols_scales = w2grad.take(cn.scales_bytes);
     Carve xgrad;  // dH's E4M3 rows, dX~ [R, d] bf16
@@ -143,12 +145,12 @@ struct ExpertsBackwardScratch {
     const size_t r = static_cast<size_t>(R), es = s.elem;
     row_token = b.take(r * 4);                                   // [R] row -> token
     dh = b.take(r * static_cast<size_t>(s.n1) * es);             // [R, n1] dH
-    a_prime = b.take(r * static_cast<size_t>(s.n) * es);         // [R, n] A' = s·act(H)
-    if (s.precision == Precision::FP8) {  // dX~ in the FP8 region; no dH kernel partials, no biases
+    if (s.precision == Precision::FP8) {  // A' and dX~ in the FP8 region; no dH kernel partials, no biases
       tile_offsets = b.take((static_cast<size_t>(s.E) + 1) * 4);
       fp8.carve(b, s, R);
       return;
     }
+    a_prime = b.take(r * static_cast<size_t>(s.n) * es);         // [R, n] A' = s·act(H)
     dx_rows = b.take(r * static_cast<size_t>(s.d) * es);         // [R, d] dX~ = dH·W1
     ds_tiles = grouped_gemm_column_tiles(s.n);
     ds_partial = b.take(r * static_cast<size_t>(ds_tiles) * 4);  // [R, ds_tiles] fp32
