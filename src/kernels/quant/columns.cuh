@@ -16,6 +16,7 @@
 // Included by host/quant/quantize_columns.cu only.
 #pragma once
 
+#include "kernels/ptx/sm90_ptx.cuh"
 #include "kernels/quant/fp8_common.cuh"
 
 namespace machmoe::kernels::fp8 {
@@ -70,56 +71,93 @@ __global__ void __launch_bounds__(kScanThreads) fp8_chunk_offsets_kernel(const i
   if (threadIdx.x == 0) chunk_offsets[E] = carry;
 }
 
+// One work item: a chunk's 128 rows x a 64-column slab.
+struct ColumnsItem {
+  int64_t c = 0, col0 = 0, row0 = 0;  // chunk, first column, first row of the chunk
+  int ncols = 0, nrows = 0;            // columns in the slab (a multiple of 16), rows of the chunk
+};
+
+__device__ __forceinline__ ColumnsItem locate_item(const ColumnsParams& p, int64_t item) {
+  ColumnsItem it;
+  it.c = item / p.slabs;
+  it.col0 = (item - it.c * p.slabs) * kColsSlab;
+  it.ncols = static_cast<int>(min64(kColsSlab, p.d - it.col0));
+  // The expert of chunk c: the e with chunk_offsets[e] <= c < chunk_offsets[e+1] (empty experts
+  // share their offset with the next one; the search finds the last e with offset <= c).
+  int64_t lo = 0, hi = p.E;
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (p.chunk_offsets[mid] <= it.c) lo = mid; else hi = mid;
+  }
+  int64_t begin, end;
+  expert_rows(p.offsets, p.R, lo, &begin, &end);
+  it.row0 = begin + (it.c - p.chunk_offsets[lo]) * kTile;
+  // (row0 < begin only with inconsistent offsets: then the chunk is left empty.)
+  it.nrows = it.row0 < begin ? 0 : static_cast<int>(max64(0, min64(kTile, end - it.row0)));
+  return it;
+}
+
+// The item's 1024 16-byte units of x, [row][unit], four per thread (512 contiguous bytes per
+// warp), copied into `tile` by cp.async (one commit group per thread): zeros past the expert's
+// rows and past d, NaN for a bad gather index (both stored directly).
+__device__ __forceinline__ void load_item(const ColumnsParams& p, const ColumnsItem& it, int tid, uint4* tile) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int v = tid + kColsThreads * i, row = v / 8, unit = v % 8;
+    if (row < it.nrows && unit * 8 < it.ncols) {
+      const int64_t r = it.row0 + row;
+      const int64_t src = p.gather ? static_cast<int64_t>(p.gather[r]) : r;
+      if (src >= 0 && src < p.T) {
+        sm90::cp_async_16(sm90::smem_addr(tile + v), p.x + src * p.ld + it.col0 + unit * 8, 16);
+      } else {
+        const uint32_t nan2 = kBf16NanBits | (kBf16NanBits << 16);
+        tile[v] = make_uint4(nan2, nan2, nan2, nan2);
+      }
+    } else {
+      tile[v] = make_uint4(0, 0, 0, 0);
+    }
+  }
+  sm90::cp_async_commit();
+}
+
 // Persistent: the grid's CTAs stride over (chunk, 64-column slab) items, for the chunks that
 // exist (chunk_offsets[E], read on the device, at most max_chunks).
-// Per item: load the chunk's 128 gathered rows x 64 columns (each row segment 128 contiguous
-// bytes) into shared memory; warp w reduces rows [16w, 16w + 16) for columns 2·lane, 2·lane+1,
-// the eight warps' partial amaxes meet in shared memory; each warp quantises its 16 rows of its
-// two columns (16 bytes each) into a [64 columns][128 bytes] tile, which goes out as whole
-// 128-byte qt row segments.
+// Per item: the chunk's 128 gathered rows x 64 columns (each row segment 128 contiguous bytes)
+// land in one of two shared-memory tiles by cp.async, the next item's copies being issued into
+// the other before this item's are waited for, so that each CTA keeps its loads in flight while
+// it quantises; warp w reduces rows [16w, 16w + 16) for columns 2·lane, 2·lane+1, the eight
+// warps' partial amaxes meet in shared memory; each warp quantises its 16 rows of its two columns
+// (16 bytes each) into a [64 columns][128 bytes] tile, which goes out as whole 128-byte qt row
+// segments.
 __global__ void __launch_bounds__(kColsThreads) fp8_quantize_columns_kernel(const ColumnsParams p) {
-  __shared__ uint4 in_tile[kTile * kColsSlab / 8];    // [128 rows][64 bf16], 16 KB
-  __shared__ uint4 out_tile[kColsSlab * kTile / 16];  // [64 columns][128 codes], 8 KB; 16-byte
-                                                      // units xor-swizzled by (column / 2) % 8
-  __shared__ uint32_t part[kColsWarps][kWarpSize];    // partial amax bits, two columns per word
+  __shared__ uint4 in_tiles[2][kTile * kColsSlab / 8];  // 2 x [128 rows][64 bf16], 32 KB
+  __shared__ uint4 out_tile[kColsSlab * kTile / 16];    // [64 columns][128 codes], 8 KB; 16-byte
+                                                        // units xor-swizzled by (column / 2) % 8
+  __shared__ uint32_t part[kColsWarps][kWarpSize];      // partial amax bits, two columns per word
   const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
   const int64_t used = min64(p.chunk_offsets[p.E], p.max_chunks);
   const int64_t items = used * p.slabs;
-  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const int64_t c = item / p.slabs;
-    const int64_t col0 = (item - c * p.slabs) * kColsSlab;
-    const int ncols = static_cast<int>(min64(kColsSlab, p.d - col0));  // multiple of 16
-    // The expert of chunk c: the e with chunk_offsets[e] <= c < chunk_offsets[e+1] (empty experts
-    // share their offset with the next one; the search finds the last e with offset <= c).
-    int64_t lo = 0, hi = p.E;
-    while (hi - lo > 1) {
-      const int64_t mid = (lo + hi) / 2;
-      if (p.chunk_offsets[mid] <= c) lo = mid; else hi = mid;
+  ColumnsItem next_it;
+  if (blockIdx.x < items) {
+    next_it = locate_item(p, blockIdx.x);
+    load_item(p, next_it, tid, in_tiles[0]);
+  }
+  int buf = 0;
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x, buf ^= 1) {
+    const ColumnsItem it = next_it;
+    const int64_t c = it.c, col0 = it.col0;
+    const int ncols = it.ncols, nrows = it.nrows;
+    // The other tile was last read before the previous item's second barrier: free for the next
+    // item's copies, issued before this item's are waited for.
+    if (item + gridDim.x < items) {
+      next_it = locate_item(p, item + gridDim.x);
+      load_item(p, next_it, tid, in_tiles[buf ^ 1]);
+      sm90::cp_async_wait<1>();
+    } else {
+      sm90::cp_async_wait<0>();
     }
-    int64_t begin, end;
-    expert_rows(p.offsets, p.R, lo, &begin, &end);
-    const int64_t row0 = begin + (c - p.chunk_offsets[lo]) * kTile;
-    // (row0 < begin only with inconsistent offsets: then the chunk is left empty.)
-    const int nrows = row0 < begin ? 0 : static_cast<int>(max64(0, min64(kTile, end - row0)));
-
-    // Load: 1024 16-byte units, [row][unit]: four per thread, 512 contiguous bytes per warp.
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int v = tid + kColsThreads * i, row = v / 8, unit = v % 8;
-      uint4 val = make_uint4(0, 0, 0, 0);  // rows past the expert and columns past d: zeros
-      if (row < nrows && unit * 8 < ncols) {
-        const int64_t r = row0 + row;
-        const int64_t src = p.gather ? static_cast<int64_t>(p.gather[r]) : r;
-        if (src >= 0 && src < p.T) {
-          val = load16(p.x + src * p.ld + col0 + unit * 8);
-        } else {
-          const uint32_t nan2 = kBf16NanBits | (kBf16NanBits << 16);
-          val = make_uint4(nan2, nan2, nan2, nan2);
-        }
-      }
-      in_tile[v] = val;
-    }
-    __syncthreads();
+    __syncthreads();  // every thread's copies of this item have landed
+    const uint4* in_tile = in_tiles[buf];
 
     // Warp w: rows [16w, 16w+16), lane: columns 2·lane (low halves) and 2·lane+1 (high halves).
     const uint32_t* in_words = reinterpret_cast<const uint32_t*>(in_tile);
@@ -174,8 +212,8 @@ __global__ void __launch_bounds__(kColsThreads) fp8_quantize_columns_kernel(cons
       const uint4 val = out_tile[col * 8 + (unit ^ ((col / 2) % 8))];
       if (col < ncols) store16(p.qt + (col0 + col) * p.r_pad + c * kTile + unit * 16, val);
     }
-    // No barrier here: the next item writes in_tile (last read before the second barrier) and
-    // only then, after its first barrier, part and out_tile.
+    // No barrier here: the item after next writes this tile (last read before the second
+    // barrier) only after the next item's first barrier, and so part and out_tile.
   }
 }
 
