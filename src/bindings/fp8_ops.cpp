@@ -344,14 +344,24 @@ Fp8ExpertWeights fp8_weights_of(at::TensorList w, int64_t E, int64_t d, int64_t 
   return f;
 }
 
-// The problem of an FP8 experts call: x [T, d] bf16, w2_q [E, d, n] (fp8_weights[4]), R pairs.
-ValidExpertsProblem fp8_experts_problem(const Tensor& x, at::TensorList w, int64_t R) {
+// An FP8 experts call's checked problem (x [T, d] bf16, w2_q [E, d, n] = fp8_weights[4], the
+// list's R pairs: token_idx's length) and the copies as the C++ call reads them.
+struct Fp8ExpertsCall {
+  ValidExpertsProblem valid;
+  Fp8ExpertWeights weights;
+};
+Fp8ExpertsCall fp8_experts_call(const Tensor& x, at::TensorList w, const Tensor& token_idx, const Tensor& expert_idx) {
   check_first(x, "x", at::kBFloat16, 2);
+  check_dims(token_idx, "token_idx", 1);
   MACHMOE_CHECK_VALUE(w.size() == 8 && w[4].dim() == 3, "fp8_weights[4] (w2_q) must be [E, d, n]");
   ExpertsProblem p;
-  p.T = x.size(0), p.d = x.size(1), p.E = w[4].size(0), p.n = w[4].size(2), p.R = R;
+  p.T = x.size(0), p.d = x.size(1), p.E = w[4].size(0), p.n = w[4].size(2), p.R = token_idx.numel();
   p.precision = Precision::FP8;
-  return validate(p);
+  const ValidExpertsProblem valid = validate(p);
+  const at::Device device = x.device();
+  check_tensor(token_idx, "token_idx", at::kInt, {p.R}, &device);
+  check_tensor(expert_idx, "expert_idx", at::kInt, {p.R}, &device);
+  return {valid, fp8_weights_of(w, p.E, p.d, p.n, device)};
 }
 
 // out [T, d] bf16 and the saved block of the experts in FP8 on the list (scores fp32 [R],
@@ -360,14 +370,10 @@ ValidExpertsProblem fp8_experts_problem(const Tensor& x, at::TensorList w, int64
 std::tuple<Tensor, Tensor> op_experts_forward_fp8(const Tensor& x, at::TensorList fp8_weights, const Tensor& scores,
                                                   const Tensor& token_idx, const Tensor& expert_idx) {
   return translate_errors([&] {
-    check_dims(scores, "scores", 1);
-    const ValidExpertsProblem valid = fp8_experts_problem(x, fp8_weights, scores.numel());
+    const auto [valid, w] = fp8_experts_call(x, fp8_weights, token_idx, expert_idx);
     const ExpertsProblem& p = *valid;
     const at::Device device = x.device();
-    const Fp8ExpertWeights w = fp8_weights_of(fp8_weights, p.E, p.d, p.n, device);
     check_tensor(scores, "scores", at::kFloat, {p.R}, &device);
-    check_tensor(token_idx, "token_idx", at::kInt, {p.R}, &device);
-    check_tensor(expert_idx, "expert_idx", at::kInt, {p.R}, &device);
     const c10::cuda::CUDAGuard guard(device);
     const WorkspacePlan plan = plan_workspace(valid);
     const auto bytes = x.options().dtype(at::kByte);
@@ -391,13 +397,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> op_experts_backward_fp8(const Tensor&
                                                                    const Tensor& token_idx, const Tensor& expert_idx,
                                                                    const Tensor& saved, const Tensor& dout) {
   return translate_errors([&] {
-    check_dims(token_idx, "token_idx", 1);
-    const ValidExpertsProblem valid = fp8_experts_problem(x, fp8_weights, token_idx.numel());
+    const auto [valid, w] = fp8_experts_call(x, fp8_weights, token_idx, expert_idx);
     const ExpertsProblem& p = *valid;
     const at::Device device = x.device();
-    const Fp8ExpertWeights w = fp8_weights_of(fp8_weights, p.E, p.d, p.n, device);
-    check_tensor(token_idx, "token_idx", at::kInt, {p.R}, &device);
-    check_tensor(expert_idx, "expert_idx", at::kInt, {p.R}, &device);
     check_bf16(dout, "dout", {p.T, p.d}, &device);
     const WorkspacePlan plan = plan_workspace(valid);
     check_saved(saved, plan.saved_bytes, device, "experts_forward_fp8");
