@@ -34,8 +34,9 @@
 //     Each wave: fence, 4 wgmma, commit, wait<0>, promote. The other warpgroup's wgmmas keep the
 //     tensor cores busy while one promotes. The stage is released (one arrival per warp, 8 in
 //     all) after the last wave's wgmmas have retired; the scales were read before the first wave.
-//     At the tile's end each consumer stores its rows straight from registers as bf16 pairs,
-//     bounded by the expert's rows and by N (a first version: no staging, no TMA store).
+//     At the tile's end each consumer stores its rows straight from registers, 8 columns
+//     (16 bytes) a lane after a transpose inside each quad, bounded by the expert's rows and by N
+//     (no staging, no TMA store).
 //     Registers (ptxas of CUDA 13.0, sm_90a, 2026-11): the consumers' code uses R0-R202 of their
 //     232 with BN = 256 (138 with BN = 128), the loader's fits its 40; no spill, no stack frame.
 //     With a gather (BN = 256): the consumers R0-R202 of 224, the loaders R0-R51 of 56.
@@ -253,28 +254,47 @@ struct Fp8GemmCooperative {
     sm90::cp_async_wait_all();
   }
 
-  // The consumer's finished rows to C as bf16 pairs. Fragment of m64nNk32 (per thread t of the
+  // The consumer's finished rows to C in bf16. Fragment of m64nNk32 (per thread t of the
   // warpgroup, warp w = t / 32, lane l): register i holds row 16w + l/4 + 8·((i >> 1) & 1),
-  // column 8·(i >> 2) + 2·(l % 4) + (i & 1).
+  // column 8·(i >> 2) + 2·(l % 4) + (i & 1). A quad's four lanes hold one row's 8-column groups
+  // j as a bf16 pair each; they trade pairs (a 4x4 transpose by shuffles) so that for every four
+  // groups each lane writes one group whole: 16-byte stores of full 32-byte sectors, a quarter of
+  // the store instructions of writing the pairs (N and ldc are multiples of 8, c 16-byte aligned).
   static __device__ __forceinline__ void store(const Fp8GemmParams& p, const GemmTile& tile, int row_local,
                                                int lane, const float (&acc)[kWaves * 64]) {
-    const int col_base = tile.n0 + 2 * (lane % 4);
+    const int q = lane % 4;
     __nv_bfloat16* c = p.g.c;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = row_local + 8 * h;
       // (offsets past R break the documented rule; the second test keeps C's writes inside [R, ldc])
-      if (r >= tile.rows || tile.row0 + r >= p.c_rows) continue;
+      const bool row_ok = r < tile.rows && tile.row0 + r < p.c_rows;  // the same for a quad's lanes
       __nv_bfloat16* crow = c + static_cast<int64_t>(tile.row0 + r) * p.g.ldc;
 #pragma unroll
       for (int w = 0; w < kWaves; ++w) {
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          const int col = col_base + 128 * w + 8 * j;
-          if (col < p.g.N) {  // N is even: the pair's second column is inside too
-            const int i = w * 64 + 4 * j + 2 * h;
-            *reinterpret_cast<__nv_bfloat162*>(crow + col) = __floats2bfloat162_rn(acc[i], acc[i + 1]);
+        for (int j0 = 0; j0 < 16; j0 += 4) {
+          uint32_t pair[4];  // this lane's pairs of groups j0 .. j0 + 3
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const int i = w * 64 + 4 * (j0 + k) + 2 * h;
+            const __nv_bfloat162 b = __floats2bfloat162_rn(acc[i], acc[i + 1]);
+            pair[k] = *reinterpret_cast<const uint32_t*>(&b);
           }
+          // Step s: lane q takes lane (q + s) % 4's pair of group j0 + q, which that lane sends.
+          uint32_t group[4];  // group j0 + q: the pairs of lanes 0..3, in column order
+#pragma unroll
+          for (int s = 0; s < 4; ++s) {
+            const int send_k = (q - s) & 3, from = (q + s) & 3;
+            const uint32_t send = send_k == 0 ? pair[0] : send_k == 1 ? pair[1] : send_k == 2 ? pair[2] : pair[3];
+            const uint32_t got = __shfl_sync(0xffffffffu, send, (lane & ~3) | from);
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+              if (k == from) group[k] = got;
+          }
+          const int col = tile.n0 + 128 * w + 8 * (j0 + q);
+          if (row_ok && col < p.g.N)
+            *reinterpret_cast<uint4*>(crow + col) = make_uint4(group[0], group[1], group[2], group[3]);
         }
       }
     }
