@@ -33,7 +33,8 @@ _DEFAULT_CACHE = FP8WeightCache()
 
 def _copies(cache: FP8WeightCache, w1: torch.Tensor, w2: torch.Tensor, concatenated: bool) -> list:
     """The weights' FP8 copies as the ops take them: w1's (rows interleaved) and w2's, each plain
-    and transposed."""
+    and transposed (one quantisation per weight and change makes both: the forward asks for the
+    backward's transposed copies too)."""
     return [*cache.get(w1, True, concatenated), *cache.get(w2, True)]
 
 

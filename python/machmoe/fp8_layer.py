@@ -136,11 +136,6 @@ def moe(precision: Union[Precision, str], fp8_cache: Optional[FP8WeightCache], b
         from . import fp8_experts, machmoe_backend
 
         machmoe_backend._check(x, d, n)  # the kernels' availability, with the bf16 layer's messages
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, router_weight, w1, w2)):
-            # A backward will read the transposed copies: made now with the forward's plain ones,
-            # each weight is quantised once per change instead of twice.
-            cache.get(w1, True, concatenated)
-            cache.get(w2, True)
     if on_kernels:  # bf16 operands, fp32 accumulation and logits: the bf16 layer's router GEMM
         logits = _RouterLogits.apply(x, router_weight, router_bias)  # [T, E] fp32
     else:
