@@ -572,61 +572,6 @@ def test_fp8_experts_gradients_within_e4m3s_error(name, d, n):
         assert 0.1 * model <= err <= 2 * slack * model, f"{label}: normwise error {err:.4f}"
 
 
-def _composed_experts(x, w1, w2, scores, experts, dout):
-    """The FP8 experts composed from the FP8 ops one by one, in the order the C++ call runs them
-    (src/host/layer/fp8_experts.cu): (out, dx, dw1, dw2, d_scores)."""
-    m = ops()
-    T, K = experts.shape
-    E = w1.shape[0]
-    w1_q, w1_s, w1_qt, w1_st = m.fp8_quantize_weights(w1, True)
-    w2_q, w2_s, w2_qt, w2_st = m.fp8_quantize_weights(w2, True)
-    offs, row_token, row_pair, pair_row, token_offsets, _ = m.routing_metadata(experts, None, T, E)
-    flat = scores.reshape(-1).float().contiguous()
-    x_q, x_s = m.fp8_quantize_rows(x, None)
-    hq, hs, aq, as_ = m.grouped_gemm_fp8_glu(x_q, x_s, w1_q, w1_s, offs, "swiglu", [], None, 0, row_token)
-    y = m.grouped_gemm_fp8(aq, as_, w2_q, w2_s, offs)
-    out = m.aggregate(y, pair_row, token_offsets, flat, torch.bfloat16)
-    do_q, do_s = m.fp8_quantize_rows(dout, None)
-    da = m.grouped_gemm_fp8(do_q, do_s, w2_qt, w2_st, offs, 0, row_token)
-    dh, a_prime, d_scores = m.fp8_swiglu_backward(da, hq, hs, flat, row_pair)
-    dot, dos, chunks = m.fp8_quantize_columns(dout, row_token, offs)
-    at, as2, _ = m.fp8_quantize_columns(a_prime, None, offs)
-    dw2 = m.grouped_wgrad_fp8(dot, dos, at, as2, chunks, torch.bfloat16, False)
-    dh_q, dh_s = m.fp8_quantize_rows(dh, None)
-    dx = m.aggregate(m.grouped_gemm_fp8(dh_q, dh_s, w1_qt, w1_st, offs), pair_row, token_offsets, None,
-                     torch.bfloat16)
-    xt, xs, _ = m.fp8_quantize_columns(x, row_token, offs)
-    ht, hts, _ = m.fp8_quantize_columns(dh, None, offs)
-    dw1 = m.grouped_wgrad_fp8(xt, xs, ht, hts, chunks, torch.bfloat16, True)
-    return out, dx, dw1, dw2, d_scores.reshape(T, K)
-
-
-@on_gpu
-@pytest.mark.parametrize("name,d,n", SHAPES)
-def test_fp8_experts_ops_are_the_composed_ops_bitwise(name, d, n):
-    # The experts_forward_fp8 / experts_backward_fp8 ops (the C++ API's FP8 experts call) run the
-    # same kernels on the same operands as the FP8 ops composed one by one: bitwise equal, every
-    # output (an expert without rows, T = 301 odd).
-    from machmoe.fp8_experts import experts_backward, experts_forward
-    from machmoe.fp8_weights import FP8WeightCache
-
-    E, T, K = 9, 301, 3
-    x = torch.randn(T, d, device="cuda").bfloat16()
-    w1 = (torch.randn(E, 2 * n, d, device="cuda") / d ** 0.5).bfloat16()
-    w2 = (torch.randn(E, d, n, device="cuda") / n ** 0.5).bfloat16()
-    experts = torch.stack([torch.randperm(E - 1, device="cuda")[:K] for _ in range(T)]).int()  # expert 8: no rows
-    scores = torch.rand(T, K, device="cuda")
-    dout = torch.randn(T, d, device="cuda").bfloat16()
-    cache = FP8WeightCache()
-    out, saved = experts_forward(x, w1, w2, scores, experts, cache=cache)
-    dx, dw1, dw2, d_scores = experts_backward(x, w1, w2, scores, experts, saved, dout, cache=cache)
-    want = _composed_experts(x, w1, w2, scores, experts, dout)
-    for label, got, ref in zip(("out", "dx", "dw1", "dw2", "d_scores"), (out, dx, dw1, dw2, d_scores), want):
-        assert got.shape == ref.shape and got.dtype == ref.dtype, label
-        assert torch.equal(got, ref), f"{label}: {int((got != ref).sum())} elements differ from the composed ops"
-    assert not dw1[E - 1].any() and not dw2[E - 1].any(), "an expert without rows gets zero weight gradients"
-
-
 @on_gpu
 @pytest.mark.parametrize("R, n", [(1000, 256), (777, 512), (64, 2880), (1, 8)])  # 2n >= 16: quantisable
 def test_fp8_swiglu_backward_against_float64(R, n):
