@@ -4,12 +4,15 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <limits>
 #include <string>
 #include <vector>
 
+#include "host/layer/layer_layout.hpp"
+#include "machmoe/fp8.hpp"
 #include "machmoe/machmoe.hpp"
 #include "test_util.hpp"
 
@@ -271,6 +274,45 @@ TEST(ExpertsPlan, Fp8SavesHInE4M3) {
   EXPECT_EQ(static_cast<int64_t>(bf16.saved_bytes) - static_cast<int64_t>(fp8.saved_bytes),
             round(h_bf16) - round(h_fp8));
   EXPECT_GT(fp8.backward_workspace_bytes, bf16.backward_workspace_bytes);  // the FP8 operands' region
+}
+
+// The FP8 backward's shared region (host/layer/layer_layout.hpp, Fp8BackwardScratch): in every
+// phase the buffers alive together are disjoint and inside the region, for awkward shapes.
+TEST(ExpertsPlan, Fp8BackwardPhasesDoNotOverlap) {
+  struct Span {
+    const char* name;
+    size_t at, bytes;
+  };
+  const auto rows = [](int64_t r, int64_t c) { return detail::fp8_rows_bytes(r, c); };
+  for (const auto& [T, d, n, E, R] : {std::array<int64_t, 5>{256, 128, 64, 8, 600}, {1, 16, 16, 1, 1},
+                                     {333, 2880, 2880, 16, 999}, {67, 144, 80, 64, 13}, {5, 4096, 512, 128, 0}}) {
+    ExpertsProblem p;
+    p.T = T, p.d = d, p.n = n, p.E = E, p.R = R, p.precision = Precision::FP8;
+    const detail::ExpertsLayout L(validate(p));
+    const detail::Fp8BackwardScratch& F = L.bwd.fp8;
+    const int64_t n1 = 2 * n;
+    const Fp8ColumnsLayout cd = fp8_columns_layout(R, E, d), cn = fp8_columns_layout(R, E, n),
+                           cn1 = fp8_columns_layout(R, E, n1);
+    const size_t a_prime = static_cast<size_t>(R * n * 2), region = F.region_bytes;
+    EXPECT_GE(F.chunk_offsets, F.region + F.region_bytes) << "the chunk offsets overlap the region";
+    const std::vector<std::vector<Span>> phases = {
+        {{"A'", F.a_prime, a_prime}, {"dout rows", F.dout_q, rows(T, d)}, {"dA'", F.da, a_prime}},
+        {{"A'", F.a_prime, a_prime}, {"dout columns", F.dout_cols, cd.qt_bytes},
+         {"dout column scales", F.dout_cols_scales, cd.scales_bytes}, {"A' columns", F.ap_cols, cn.qt_bytes},
+         {"A' column scales", F.ap_cols_scales, cn.scales_bytes}},
+        {{"dH rows", F.dh_q, rows(R, n1)}, {"dX~", F.dx_rows, static_cast<size_t>(R * d * 2)}},
+        {{"x columns", F.x_cols, cd.qt_bytes}, {"x column scales", F.x_cols_scales, cd.scales_bytes},
+         {"dH columns", F.dh_cols, cn1.qt_bytes}, {"dH column scales", F.dh_cols_scales, cn1.scales_bytes}}};
+    for (const auto& live : phases)
+      for (size_t i = 0; i < live.size(); ++i) {
+        EXPECT_LE(live[i].at + live[i].bytes, region) << live[i].name << " past the region, R=" << R;
+        EXPECT_EQ(live[i].at % 16, 0u) << live[i].name << " not 16-byte aligned";
+        for (size_t j = 0; j < i; ++j)
+          EXPECT_TRUE(live[i].at >= live[j].at + live[j].bytes || live[j].at >= live[i].at + live[i].bytes)
+              << live[i].name << " overlaps " << live[j].name << ", R=" << R;
+      }
+    EXPECT_EQ(F.max_chunks, cd.max_chunks);
+  }
 }
 
 // The weights' FP8 copies: the sizes of the four parts, each 256-byte aligned; the rules by name.

@@ -76,7 +76,7 @@ inline size_t fp8_rows_bytes(int64_t rows, int64_t cols) {
 // of dW2 (dout and A'); then dH's E4M3 rows and dX~ [R, d] bf16; then the column operands of dW1
 // (x and dH). The column operands' chunk offsets [E+1] have a block of their own.
 struct Fp8BackwardScratch {
-  size_t region = 0, chunk_offsets = 0;
+  size_t region = 0, region_bytes = 0, chunk_offsets = 0;
   // Offsets inside `region`, by phase: A' and dA'; A' and dW2's operands; dX~'s; dW1's.
   size_t a_prime = 0, dout_q = 0, da = 0;
   size_t dout_cols = 0, dout_cols_scales = 0, ap_cols = 0, ap_cols_scales = 0;
@@ -101,7 +101,8 @@ struct Fp8BackwardScratch {
     Carve w1grad;  // xᵀ and dHᵀ by expert chunks
     x_cols = w1grad.take(cd.qt_bytes), x_cols_scales = w1grad.take(cd.scales_bytes);
     dh_cols = w1grad.take(cn1.qt_bytes), dh_cols_scales = w1grad.take(cn1.scales_bytes);
-    region = b.take(std::max({dgrad.bytes, w2grad.bytes, xgrad.bytes, w1grad.bytes}));
+    region_bytes = std::max({dgrad.bytes, w2grad.bytes, xgrad.bytes, w1grad.bytes});
+    region = b.take(region_bytes);
     chunk_offsets = b.take(cd.chunk_offsets_bytes);
   }
 };
