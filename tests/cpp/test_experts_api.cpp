@@ -146,15 +146,28 @@ void expect_refusal(ErrorCode code, const std::function<void()>& call, const std
   EXPECT_NE(msg.find(word), std::string::npos) << what << ": message does not say " << word << ": " << msg;
 }
 
-TEST(ExpertsForward, RefusesWhatItDoesNotRun) {
-  HostArgs h;
-  void* m = h.ptr();
-  const auto* i = static_cast<const int32_t*>(m);
+// Every pointer of a call's arguments at m (host memory: the refusals come before any CUDA call).
+ExpertsForwardArgs forward_args_at(void* m) {
   ExpertsForwardArgs fa;
   fa.x = fa.w1 = fa.w2 = m;
   fa.out = fa.saved = fa.workspace = m;
   fa.scores = static_cast<const float*>(m);
-  fa.pair_token = fa.pair_expert = i;
+  fa.pair_token = fa.pair_expert = static_cast<const int32_t*>(m);
+  return fa;
+}
+ExpertsBackwardArgs backward_args_at(void* m) {
+  ExpertsBackwardArgs ba;
+  ba.x = ba.w1 = ba.w2 = ba.saved = ba.dout = m;
+  ba.dx = ba.dw1 = ba.dw2 = ba.workspace = m;
+  ba.d_scores = static_cast<float*>(m);
+  ba.pair_token = ba.pair_expert = static_cast<const int32_t*>(m);
+  return ba;
+}
+
+TEST(ExpertsForward, RefusesWhatItDoesNotRun) {
+  HostArgs h;
+  void* m = h.ptr();
+  const ExpertsForwardArgs fa = forward_args_at(m);
   auto refuses = [&](ErrorCode code, ExpertsProblem p, ExpertsForwardArgs a, const std::string& what,
                      const std::string& word) {
     expect_refusal(code, [&] { experts_forward(p, a, nullptr); }, what, word);
@@ -220,12 +233,7 @@ TEST(ExpertsForward, RefusesWhatFp8DoesNotRun) {
 
   HostArgs h;
   void* m = h.ptr();
-  const auto* i = static_cast<const int32_t*>(m);
-  ExpertsForwardArgs fa;
-  fa.x = fa.w1 = fa.w2 = m;
-  fa.out = fa.saved = fa.workspace = m;
-  fa.scores = static_cast<const float*>(m);
-  fa.pair_token = fa.pair_expert = i;
+  const ExpertsForwardArgs fa = forward_args_at(m);
   expect_refusal(ErrorCode::InvalidArgument, [&] { experts_forward(p, fa, nullptr); }, "FP8 without its weights",
                  "fp8_weights must be given with precision FP8");
   Fp8ExpertWeights w;
@@ -249,11 +257,7 @@ TEST(ExpertsForward, RefusesWhatFp8DoesNotRun) {
   expect_refusal(ErrorCode::InvalidArgument, [&] { experts_forward(p, a, nullptr); }, "FP8 codes misaligned",
                  "fp8_weights.w1_t must be 16-byte aligned");
 
-  ExpertsBackwardArgs ba;
-  ba.x = ba.w1 = ba.w2 = ba.saved = ba.dout = m;
-  ba.dx = ba.dw1 = ba.dw2 = ba.workspace = m;
-  ba.d_scores = static_cast<float*>(m);
-  ba.pair_token = ba.pair_expert = i;
+  ExpertsBackwardArgs ba = backward_args_at(m);
   expect_refusal(ErrorCode::InvalidArgument, [&] { experts_backward(p, ba, nullptr); },
                  "FP8 backward without its weights", "fp8_weights must be given with precision FP8");
   ba.fp8_weights = &w;
@@ -332,12 +336,7 @@ TEST(Fp8Weights, BytesAndRules) {
 TEST(ExpertsBackward, RefusesWhatItDoesNotRun) {
   HostArgs h;
   void* m = h.ptr();
-  const auto* i = static_cast<const int32_t*>(m);
-  ExpertsBackwardArgs ba;
-  ba.x = ba.w1 = ba.w2 = ba.saved = ba.dout = m;
-  ba.dx = ba.dw1 = ba.dw2 = ba.workspace = m;
-  ba.d_scores = static_cast<float*>(m);
-  ba.pair_token = ba.pair_expert = i;
+  ExpertsBackwardArgs ba = backward_args_at(m);
   auto refuses = [&](ErrorCode code, ExpertsProblem p, ExpertsBackwardArgs a, const std::string& what,
                      const std::string& word) {
     expect_refusal(code, [&] { experts_backward(p, a, nullptr); }, what, word);
