@@ -62,7 +62,7 @@ def experts_forward(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores:
     out, saved = torch.ops.machmoe.experts_forward_fp8(x.contiguous(), _copies(cache, w1, w2, concatenated),
                                                        scores.to(torch.float32).reshape(-1).contiguous(), token,
                                                        expert)
-    return out.to(x.dtype), (saved, token, expert)
+    return out, (saved, token, expert)
 
 
 def experts_backward(x, w1, w2, scores, experts, saved, dout, *, cache: Optional[FP8WeightCache] = None,

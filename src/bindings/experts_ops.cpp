@@ -45,21 +45,33 @@ void check_expert_tensors(const ExpertsProblem& p, const Tensor& x, const Tensor
   }
 }
 
-// The checked problem of an experts_forward call (or part): the tensors' shapes, dtypes and devices.
+// The checked problem of an experts call on the list (token_idx, expert_idx) [R]: x, the expert
+// weights and biases, and the list's tensors, their shapes, dtypes and devices.
+ValidExpertsProblem checked_list_problem(const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1,
+                                         const Tensor& w2, const std::optional<Tensor>& b2, const Tensor& token_idx,
+                                         const Tensor& expert_idx, const std::string& activation,
+                                         const std::string& layout, at::ArrayRef<double> glu_clamp) {
+  check_dims(token_idx, "token_idx", 1);
+  const ValidExpertsProblem valid =
+      experts_problem(x, w1, w2, b1.has_value(), token_idx.numel(), activation, layout, glu_clamp);
+  const ExpertsProblem& p = *valid;
+  check_expert_tensors(p, x, w1, b1, w2, b2);
+  const at::Device device = x.device();
+  check_tensor(token_idx, "token_idx", at::kInt, {p.R}, &device);
+  check_tensor(expert_idx, "expert_idx", at::kInt, {p.R}, &device);
+  return valid;
+}
+
+// The checked problem of an experts_forward call (or part): the list's, and its scores [R].
 ValidExpertsProblem checked_forward_problem(const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1,
                                             const Tensor& w2, const std::optional<Tensor>& b2, const Tensor& scores,
                                             const Tensor& token_idx, const Tensor& expert_idx,
                                             const std::string& activation, const std::string& layout,
                                             at::ArrayRef<double> glu_clamp) {
-  check_dims(scores, "scores", 1);
   const ValidExpertsProblem valid =
-      experts_problem(x, w1, w2, b1.has_value(), scores.numel(), activation, layout, glu_clamp);
-  const ExpertsProblem& p = *valid;
-  check_expert_tensors(p, x, w1, b1, w2, b2);
+      checked_list_problem(x, w1, b1, w2, b2, token_idx, expert_idx, activation, layout, glu_clamp);
   const at::Device device = x.device();
-  check_tensor(scores, "scores", at::kFloat, {p.R}, &device);
-  check_tensor(token_idx, "token_idx", at::kInt, {p.R}, &device);
-  check_tensor(expert_idx, "expert_idx", at::kInt, {p.R}, &device);
+  check_tensor(scores, "scores", at::kFloat, {valid->R}, &device);
   return valid;
 }
 
@@ -165,14 +177,10 @@ BackwardTensors run_experts_backward(const Tensor& x, const Tensor& w1, const st
                                      at::ArrayRef<double> glu_clamp, ExpertsBackwardPart part,
                                      const Tensor* workspace, int64_t weights_max_ctas,
                                      const BackwardTensors* given = nullptr, int64_t early_tokens = 0) {
-  check_dims(token_idx, "token_idx", 1);
   const ValidExpertsProblem valid =
-      experts_problem(x, w1, w2, b1.has_value(), token_idx.numel(), activation, layout, glu_clamp);
+      checked_list_problem(x, w1, b1, w2, b2, token_idx, expert_idx, activation, layout, glu_clamp);
   const ExpertsProblem& p = *valid;
-  check_expert_tensors(p, x, w1, b1, w2, b2);
   const at::Device device = x.device();
-  check_tensor(token_idx, "token_idx", at::kInt, {p.R}, &device);
-  check_tensor(expert_idx, "expert_idx", at::kInt, {p.R}, &device);
   check_bf16(dout, "dout", {p.T, p.d}, &device);
   const WorkspacePlan plan = plan_workspace(valid);
   check_saved(saved, plan.saved_bytes, x.device(), "experts_forward");
