@@ -68,6 +68,7 @@ ValidExpertsProblem checked_forward_problem(const Tensor& x, const Tensor& w1, c
                                             const Tensor& token_idx, const Tensor& expert_idx,
                                             const std::string& activation, const std::string& layout,
                                             at::ArrayRef<double> glu_clamp) {
+  check_dims(scores, "scores", 1);
   const ValidExpertsProblem valid =
       checked_list_problem(x, w1, b1, w2, b2, token_idx, expert_idx, activation, layout, glu_clamp);
   const at::Device device = x.device();
