@@ -31,6 +31,11 @@ struct SwigluBackwardFp8Args {
   void* dh = nullptr;              // [R, 2n] bf16
   void* a_prime = nullptr;         // [R, n] bf16
   float* d_scores = nullptr;       // [pairs]: written at row_pair[r] for each row r
+  // Optional: dH quantised along its rows as well (1x128 tiles, machmoe/fp8.hpp; bitwise what
+  // quantize_rows_fp8 of the bf16 dH writes), for the dX~ GEMM without a pass over dH. Both or
+  // neither; n a multiple of 8 with them (16-byte rows of codes).
+  uint8_t* dh_q = nullptr;         // [R, 2n] E4M3 codes
+  float* dh_scales = nullptr;      // [R, ceil(2n/128)]
 };
 void swiglu_backward_fp8(const SwigluBackwardFp8Args& args, cudaStream_t stream);
 

@@ -300,8 +300,9 @@ TEST(ExpertsPlan, Fp8BackwardPhasesDoNotOverlap) {
     const size_t a_prime = static_cast<size_t>(R * n * 2), region = F.region_bytes;
     EXPECT_GE(F.chunk_offsets, F.region + F.region_bytes) << "the chunk offsets overlap the region";
     const std::vector<std::vector<Span>> phases = {
-        {{"A'", F.a_prime, a_prime}, {"dout rows", F.dout_q, rows(T, d)}, {"dA'", F.da, a_prime}},
-        {{"A'", F.a_prime, a_prime}, {"dout columns", F.dout_cols, cd.qt_bytes},
+        {{"A'", F.a_prime, a_prime}, {"dout rows", F.dout_q, rows(T, d)}, {"dA'", F.da, a_prime},
+         {"dH rows", F.dh_q, rows(R, n1)}},
+        {{"A'", F.a_prime, a_prime}, {"dH rows", F.dh_q, rows(R, n1)}, {"dout columns", F.dout_cols, cd.qt_bytes},
          {"dout column scales", F.dout_cols_scales, cd.scales_bytes}, {"A' columns", F.ap_cols, cn.qt_bytes},
          {"A' column scales", F.ap_cols_scales, cn.scales_bytes}},
         {{"dH rows", F.dh_q, rows(R, n1)}, {"dX~", F.dx_rows, static_cast<size_t>(R * d * 2)}},

@@ -4,9 +4,9 @@
 //   Forward: x quantised once 1x128 along d -> up-projection on the gathered rows, its GLU epilogue
 //   writing H's E4M3 copy (saved) and A's -> down-projection Y [R, d] bf16 -> out = Σ score·Y.
 //   Backward: dout quantised once -> dA' = dout[row_token]·W2 -> the SwiGLU backward (A recomputed
-//   from the saved H, d scores, dH, A' = score·A) -> the router's part (layer calls) -> dW2 from the
-//   columns of dout and A' -> dX~ = dH·W1 (dH quantised by rows) -> dx -> dW1 from the columns of x
-//   and dH. The column operands are cut per expert into 128-row chunks (machmoe/fp8.hpp).
+//   from the saved H, d scores, dH and its E4M3 rows, A' = score·A) -> the router's part (layer
+//   calls) -> dW2 from the columns of dout and A' -> dX~ = dH·W1 -> dx -> dW1 from the columns of
+//   x and dH. The column operands are cut per expert into 128-row chunks (machmoe/fp8.hpp).
 // The workspace regions: host/layer/layer_layout.hpp (ExpertsForwardScratch, Fp8BackwardScratch).
 #include <string>
 
@@ -143,10 +143,13 @@ void experts_backward_fp8(const ExpertsBackwardRun& r, cudaStream_t stream) {
   g.c = da, g.ldc = s.n;
   grouped_gemm_fp8(g, stream);
   // 2. The SwiGLU backward from the saved H: d scores, dH [R, n1] and A' [R, n], bf16.
+  //    dH's E4M3 rows too, the dX~ GEMM's operand (past every phase's buffers in the region).
   const Fp8Rows h = fp8_rows(const_cast<void*>(r.h), 0, R, s.n1);
+  const Fp8Rows dh_q = fp8_rows(region, F.dh_q, R, s.n1);
   SwigluBackwardFp8Args sw;
   sw.da = da, sw.hq = h.codes, sw.h_scales = h.scales, sw.scores = r.list.scores, sw.row_pair = r.row_pair;
   sw.R = R, sw.n = s.n, sw.dh = dh, sw.a_prime = a_prime, sw.d_scores = r.d_scores;
+  sw.dh_q = dh_q.codes, sw.dh_scales = dh_q.scales;
   swiglu_backward_fp8(sw, stream);
   if (r.after_scores) r.after_scores();  // a layer's router backward (d_logits from d scores)
   // 3. dW2 [E, d, n] = Σ doutᵀ·A' over each expert's rows, both cut into 128-row chunks.
@@ -156,9 +159,7 @@ void experts_backward_fp8(const ExpertsBackwardRun& r, cudaStream_t stream) {
   quantize_columns(a_prime, R, s.n, nullptr, r, chunk_offsets, ap_cols, stream);
   wgrad(dout_cols, s.d, ap_cols, s.n, chunk_offsets, s.E, F.max_chunks, r.dw2, r.grad_dtype, false,
         r.weights_max_ctas, stream);
-  // 4. dX~ [R, d] = dH·W1 (dH in E4M3 by rows; W1's transposed copy [E, d, n1]), then dx.
-  const Fp8Rows dh_q = fp8_rows(region, F.dh_q, R, s.n1);
-  quantize_rows(dh, R, s.n1, nullptr, R, dh_q, stream);
+  // 4. dX~ [R, d] = dH·W1 (dH's E4M3 rows from step 2; W1's transposed copy [E, d, n1]), then dx.
   g = fp8_gemm(dh_q, R, nullptr, R, w.w1_t, w.w1_t_scales, r.expert_offsets, s.E, s.d, s.n1, tile_offsets, 0);
   g.c = dx_rows, g.ldc = s.d;
   grouped_gemm_fp8(g, stream);

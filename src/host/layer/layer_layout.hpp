@@ -71,16 +71,18 @@ inline size_t fp8_rows_bytes(int64_t rows, int64_t cols) {
 }
 
 // The FP8 backward's scratch (host/layer/fp8_experts.cu) besides the gather index and dH of the
-// bf16 one's. Its phases reuse one region: A' [R, n] bf16 (score·A, written with dH) first,
+// bf16 one's. One region that its phases share: A' [R, n] bf16 (score·A, written with dH) first,
 // beside dout's E4M3 rows and dA' [R, n] bf16 (dA' = dout·W2), then beside the column operands
-// of dW2 (dout and A'); then dH's E4M3 rows and dX~ [R, d] bf16; then the column operands of dW1
-// (x and dH). The column operands' chunk offsets [E+1] have a block of their own.
+// of dW2 (dout and A'); then dX~ [R, d] bf16; then the column operands of dW1 (x and dH). dH's
+// E4M3 rows, written with dH and read by the dX~ GEMM, lie past all of these. The column
+// operands' chunk offsets [E+1] have a block of their own.
 struct Fp8BackwardScratch {
   size_t region = 0, region_bytes = 0, chunk_offsets = 0;
-  // Offsets inside `region`, by phase: A' and dA'; A' and dW2's operands; dX~'s; dW1's.
+  // Offsets inside `region`, by phase: A' and dA'; A' and dW2's operands; dX~; dW1's operands;
+  // dH's rows through the first three.
   size_t a_prime = 0, dout_q = 0, da = 0;
   size_t dout_cols = 0, dout_cols_scales = 0, ap_cols = 0, ap_cols_scales = 0;
-  size_t dh_q = 0, dx_rows = 0;
+  size_t dx_rows = 0, dh_q = 0;
   size_t x_cols = 0, x_cols_scales = 0, dh_cols = 0, dh_cols_scales = 0;
   int64_t max_chunks = 0;  // the column operands' chunk bound (fp8_columns_layout), all three widths
   void carve(Carve& b, const ExpertsShape& s, int64_t R) {
@@ -95,13 +97,15 @@ struct Fp8BackwardScratch {
     Carve w2grad = a;  // doutᵀ and A'ᵀ by expert chunks
     dout_cols = w2grad.take(cd.qt_bytes), dout_cols_scales = w2grad.take(cd.scales_bytes);
     ap_cols = w2grad.take(cn.qt_bytes), ap_cols_scales = w2grad.take(cn.scales_bytes);
-    Carve xgrad;  // dH's E4M3 rows, dX~ [R, d] bf16
-    dh_q = xgrad.take(fp8_rows_bytes(R, s.n1));
+    Carve xgrad;  // dX~ [R, d] bf16
     dx_rows = xgrad.take(static_cast<size_t>(R) * static_cast<size_t>(s.d) * 2);
     Carve w1grad;  // xᵀ and dHᵀ by expert chunks
     x_cols = w1grad.take(cd.qt_bytes), x_cols_scales = w1grad.take(cd.scales_bytes);
     dh_cols = w1grad.take(cn1.qt_bytes), dh_cols_scales = w1grad.take(cn1.scales_bytes);
-    region_bytes = std::max({dgrad.bytes, w2grad.bytes, xgrad.bytes, w1grad.bytes});
+    Carve all;
+    all.bytes = std::max({dgrad.bytes, w2grad.bytes, xgrad.bytes, w1grad.bytes});
+    dh_q = all.take(fp8_rows_bytes(R, s.n1));  // dH's E4M3 rows [R, n1] and scales
+    region_bytes = all.bytes;
     region = b.take(region_bytes);
     chunk_offsets = b.take(cd.chunk_offsets_bytes);
   }

@@ -25,6 +25,13 @@ void swiglu_backward_fp8(const SwigluBackwardFp8Args& a, cudaStream_t stream) {
   require_arg(detail::aligned16(a.da) && detail::aligned16(a.dh) && detail::aligned16(a.a_prime), fn,
               "da/dh/a_prime", "must be 16-byte aligned");
   require_arg(reinterpret_cast<uintptr_t>(a.hq) % 8 == 0, fn, "hq", "must be 8-byte aligned");
+  require_arg((a.dh_q == nullptr) == (a.dh_scales == nullptr), fn, "dh_q/dh_scales", "must be given together or not");
+  if (a.dh_q) {
+    require_arg(a.n % 8 == 0, fn, "n", "must be a multiple of 8 with dh_q (16-byte rows of codes), got " +
+                                         std::to_string(a.n));
+    require_arg(reinterpret_cast<uintptr_t>(a.dh_q) % 8 == 0 && detail::aligned4(a.dh_scales), fn, "dh_q/dh_scales",
+                "must be 8- and 4-byte aligned");
+  }
   kernels::Fp8SwigluBackwardParams p;
   p.da = static_cast<const __nv_bfloat16*>(a.da);
   p.hq = a.hq;
@@ -37,6 +44,8 @@ void swiglu_backward_fp8(const SwigluBackwardFp8Args& a, cudaStream_t stream) {
   p.dh = static_cast<__nv_bfloat16*>(a.dh);
   p.a_prime = static_cast<__nv_bfloat16*>(a.a_prime);
   p.d_scores = a.d_scores;
+  p.dh_q = a.dh_q;
+  p.dh_scales = a.dh_scales;
   constexpr int kWarps = 8;
   // A few waves of 8-warp blocks over the rows (memory-bound: enough warps in flight to cover
   // the loads), never more blocks than rows need.

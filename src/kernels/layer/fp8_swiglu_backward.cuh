@@ -8,6 +8,9 @@
 // All in fp32 from the bf16 dA' and the exact E4M3 values. One warp per row; lane l takes groups
 // of four j (8 bytes of dA', 8 of H, one scale: the group's eight H columns lie in one 128-column
 // tile); the d score's sum is the warp's, in a fixed order: deterministic.
+// Optionally (dh_q given) dH is also quantised along its rows, 1x128 tiles, from the bf16 values
+// written (bitwise what fp8_quantize_rows of dH gives): in an iteration the warp's 32 groups are
+// 256 columns, two tiles, one per half-warp, whose amax is a 16-lane shuffle reduction.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -15,6 +18,8 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+
+#include "kernels/quant/fp8_common.cuh"
 
 namespace machmoe::kernels {
 
@@ -29,6 +34,8 @@ struct Fp8SwigluBackwardParams {
   __nv_bfloat16* dh;        // [R, 2n]
   __nv_bfloat16* a_prime;   // [R, n]
   float* d_scores;          // [pairs], written at row_pair[r]
+  uint8_t* dh_q;            // [R, 2n] E4M3 of dH, or null (not quantised)
+  float* dh_scales;         // [R, h_tiles] with dh_q
 };
 
 // Two E4M3 codes (low byte first) times the tile's scale, in fp32 (E4M3 is exact in half).
@@ -50,33 +57,48 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_swiglu_backward(const Fp8Swig
     const uint8_t* h_row = p.hq + r * 2 * p.n;
     const float* sc_row = p.h_scales + r * p.h_tiles;
     float dot = 0.f;
-    for (int c = lane; c < groups; c += 32) {
-      const uint2 da4 = *reinterpret_cast<const uint2*>(da_row + 4 * c);
-      const uint2 h8 = *reinterpret_cast<const uint2*>(h_row + 8 * c);
-      const float hs = sc_row[(8 * c) / 128];
-      const float2 d01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&da4.x));
-      const float2 d23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&da4.y));
-      const float da[4] = {d01.x, d01.y, d23.x, d23.y};
-      const float2 gu[4] = {fp8x2_value(h8.x & 0xffffu, hs), fp8x2_value(h8.x >> 16, hs),
-                            fp8x2_value(h8.y & 0xffffu, hs), fp8x2_value(h8.y >> 16, hs)};
-      __nv_bfloat162 dh[4];
-      float ap[4];
+    // Every lane runs every iteration (the dH quantisation's shuffles need the whole warp); lanes
+    // past the row's groups hold zeros, which leave a tile's amax as it is.
+    for (int c0 = 0; c0 < groups; c0 += 32) {
+      const int c = c0 + lane;
+      const bool in_row = c < groups;
+      uint4 dh8 = make_uint4(0, 0, 0, 0);  // this group's eight dH columns, bf16
+      if (in_row) {
+        const uint2 da4 = *reinterpret_cast<const uint2*>(da_row + 4 * c);
+        const uint2 h8 = *reinterpret_cast<const uint2*>(h_row + 8 * c);
+        const float hs = sc_row[(8 * c) / 128];
+        const float2 d01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&da4.x));
+        const float2 d23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&da4.y));
+        const float da[4] = {d01.x, d01.y, d23.x, d23.y};
+        const float2 gu[4] = {fp8x2_value(h8.x & 0xffffu, hs), fp8x2_value(h8.x >> 16, hs),
+                              fp8x2_value(h8.y & 0xffffu, hs), fp8x2_value(h8.y >> 16, hs)};
+        __nv_bfloat162 dh[4];
+        float ap[4];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float g = gu[k].x, u = gu[k].y;
-        const float sig = 1.f / (1.f + __expf(-g));
-        const float act = g * sig, a = act * u;
-        dot += da[k] * a;
-        const float sda = s * da[k];
-        dh[k] = __floats2bfloat162_rn(sda * u * sig * (1.f + g * (1.f - sig)), sda * act);
-        ap[k] = s * a;
+        for (int k = 0; k < 4; ++k) {
+          const float g = gu[k].x, u = gu[k].y;
+          const float sig = 1.f / (1.f + __expf(-g));
+          const float act = g * sig, a = act * u;
+          dot += da[k] * a;
+          const float sda = s * da[k];
+          dh[k] = __floats2bfloat162_rn(sda * u * sig * (1.f + g * (1.f - sig)), sda * act);
+          ap[k] = s * a;
+        }
+        dh8 = *reinterpret_cast<const uint4*>(dh);
+        *reinterpret_cast<uint4*>(p.dh + r * 2 * p.n + 8 * c) = dh8;
+        const __nv_bfloat162 a01 = __floats2bfloat162_rn(ap[0], ap[1]), a23 = __floats2bfloat162_rn(ap[2], ap[3]);
+        uint2 a4;
+        a4.x = *reinterpret_cast<const uint32_t*>(&a01);
+        a4.y = *reinterpret_cast<const uint32_t*>(&a23);
+        *reinterpret_cast<uint2*>(p.a_prime + r * p.n + 4 * c) = a4;
       }
-      *reinterpret_cast<uint4*>(p.dh + r * 2 * p.n + 8 * c) = *reinterpret_cast<const uint4*>(dh);
-      const __nv_bfloat162 a01 = __floats2bfloat162_rn(ap[0], ap[1]), a23 = __floats2bfloat162_rn(ap[2], ap[3]);
-      uint2 a4;
-      a4.x = *reinterpret_cast<const uint32_t*>(&a01);
-      a4.y = *reinterpret_cast<const uint32_t*>(&a23);
-      *reinterpret_cast<uint2*>(p.a_prime + r * p.n + 4 * c) = a4;
+      if (p.dh_q != nullptr) {  // (uniform over the grid)
+        const fp8::TileScale t = fp8::tile_scale(fp8::group_max_bits<16>(fp8::abs_max_bits8(dh8)));
+        if (in_row) {
+          *reinterpret_cast<uint2*>(p.dh_q + r * 2 * p.n + 8 * c) = fp8::quantize8(dh8, t);
+          if (lane % 16 == 0) p.dh_scales[r * p.h_tiles + (8 * c) / 128] = t.s;
+        }
+      }
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
