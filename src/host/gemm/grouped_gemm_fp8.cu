@@ -100,7 +100,10 @@ void grouped_gemm_fp8(const GroupedGemmFp8Args& a, cudaStream_t stream) {
   if (info.cc_major != 9)
     throw Error(ErrorCode::Unsupported, std::string(kFn) + ": needs an sm_90 GPU (wgmma), the device is sm_" +
                                             std::to_string(info.cc_major) + std::to_string(info.cc_minor));
-  constexpr int smem = kernels::Fp8GemmSmem<kTileN>::kBytes;
+  const bool glu = a.epilogue == Fp8GemmEpilogue::Glu;
+  // The plain store of a contiguous A stages its output tile (fp8_cooperative.cuh): a bigger block.
+  const bool staged = !glu && !a.gather;
+  const int smem = staged ? kernels::Fp8GemmSmem<kTileN, true>::kBytes : kernels::Fp8GemmSmem<kTileN, false>::kBytes;
   require_arg(info.smem_per_block_optin >= static_cast<size_t>(smem), kFn, "device",
               "needs " + std::to_string(smem) + " bytes of shared memory per block, the device allows " +
                   std::to_string(info.smem_per_block_optin));
@@ -123,7 +126,6 @@ void grouped_gemm_fp8(const GroupedGemmFp8Args& a, cudaStream_t stream) {
   p.c_rows = static_cast<int>(a.R);
   p.k_blocks = static_cast<int>(fp8_tiles(a.K));
   p.n_blocks = static_cast<int>(fp8_tiles(a.N));
-  const bool glu = a.epilogue == Fp8GemmEpilogue::Glu;
   if (glu) {
     detail::set_activation(p.g, a.activation, a.glu_clamp);
     p.g.bias = static_cast<const __nv_bfloat16*>(a.bias);
@@ -138,6 +140,8 @@ void grouped_gemm_fp8(const GroupedGemmFp8Args& a, cudaStream_t stream) {
   const CUtensorMap map_b = detail::e4m3_tile_map(a.w_q, a.E * a.N, a.K, kFn);
   // With a gather the kernel copies A's rows itself: the map is unused (any valid map will do).
   const CUtensorMap map_a = a.gather ? map_b : detail::e4m3_tile_map(a.a_q, a.R, a.K, kFn);
+  // C [R, N] (rows ldc apart) in the staged tile's boxes; unused without staging (any valid map).
+  const CUtensorMap map_c = staged ? detail::tensor_map_2d(a.c, a.R, a.N, a.ldc, 64, 128, kFn) : map_b;
   const int ctas = a.max_ctas > 0 ? std::min(a.max_ctas, info.sm_count) : info.sm_count;
   using kernels::kFp8EpiGlu;
   using kernels::kFp8EpiStore;
@@ -146,7 +150,7 @@ void grouped_gemm_fp8(const GroupedGemmFp8Args& a, cudaStream_t stream) {
                           : (glu ? kernels::sm90_grouped_gemm_fp8<kTileN, false, kFp8EpiGlu>
                                  : kernels::sm90_grouped_gemm_fp8<kTileN, false, kFp8EpiStore>);
   detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, "grouped_gemm_fp8: cudaFuncSetAttribute");
-  kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, p);
+  kernel<<<ctas, kernels::kGemmThreads, smem, stream>>>(map_a, map_b, map_c, p);
   check_launch(kFn);
 }
 

@@ -21,8 +21,8 @@
 //     B [BN rows x 128 K], both K-major with the 128-byte swizzle (one swizzle row = 128 e4m3 =
 //     exactly one scale group). All 32 lanes copy the stage's scales by 4-byte cp.async: sa of
 //     the tile's 128 rows (4 rows a lane) and sb of its BN/128 weight blocks, completing on the
-//     stage's full barrier (1 TMA arrival + 32 cp.async arrivals). Warps 1-3 have nothing to do
-//     and leave.
+//     stage's full barrier (1 TMA arrival + 32 cp.async arrivals). Warps 1-3 write the plain
+//     store's staged tiles out (below); with the GLU epilogue they have nothing to do and leave.
 //     GATHER: all four warps load (the cp.async issue rate bounds a gathered GEMM: one warp per
 //     SM sub-partition, as the bf16 engine's gathered loaders, gemm/cooperative.cuh). Thread 0
 //     still publishes and issues B's TMA; the 128 threads copy A's rows by 16-byte cp.async into
@@ -34,12 +34,20 @@
 //     Each wave: fence, 4 wgmma, commit, wait<0>, promote. The other warpgroup's wgmmas keep the
 //     tensor cores busy while one promotes. The stage is released (one arrival per warp, 8 in
 //     all) after the last wave's wgmmas have retired; the scales were read before the first wave.
-//     At the tile's end each consumer stores its rows straight from registers, 8 columns
-//     (16 bytes) a lane after a transpose inside each quad, bounded by the expert's rows and by N
-//     (no staging, no TMA store).
-//     Registers (ptxas of CUDA 13.0, sm_90a, 2026-11): the consumers' code uses R0-R202 of their
-//     232 with BN = 256 (138 with BN = 128), the loader's fits its 40; no spill, no stack frame.
-//     With a gather (BN = 256): the consumers R0-R202 of 224, the loaders R0-R51 of 56.
+//     At the tile's end:
+//     - contiguous A, plain store (the down-projection, dX~: C [R, N] bf16, 2 bytes an output
+//       against 1/8 byte an output of A per 128-deep K block, so the store is DRAM-bound): the
+//       consumers stage the bf16 tile in shared memory (stmatrix, gemm/epilogue.cuh's boxed
+//       layout, a few hundred cycles) and go back to the tensor cores; warps 1-3 of warpgroup 0
+//       send a full tile out by TMA stores (128 x 64 boxes, clipped at N and R) or write a
+//       partial one (an expert's last rows) in 16-byte stores, so the DRAM writes overlap the
+//       next tile's main loop. The staging (64 KB) costs a pipeline stage (3 instead of 4).
+//     - with a gather (dA' = dout·W2ᵀ: N = n, a small output) or the GLU epilogue: each consumer
+//       stores its rows straight from registers, 8 columns (16 bytes) a lane after a transpose
+//       inside each quad, bounded by the expert's rows and by N.
+//     Registers (ptxas of CUDA 13.0, sm_90a, 2026-11, BN = 256; the consumers get 224): the
+//     staged store's kernel uses up to R204, the gathered store's R210, the gathered GLU's R218;
+//     no spill, no stack frame.
 // Partial tiles: an expert's last row block reads the next rows of Aq (another expert's, computed
 // and not stored; past R the TMA reads zeros and the scale copy writes 0); with a gather its rows
 // past the expert's end get zero codes and scale 0 instead (cp.async with src-size 0: nothing is
@@ -81,13 +89,14 @@ struct Fp8GemmParams {
 enum Fp8Epilogue : int { kFp8EpiStore = 0, kFp8EpiGlu = 1 };
 
 // Register split of the 64K-register file: (40 + 2 x 232) x 128 threads = 64512. The loader warp
-// holds only its tile and loop counters. With a gather, (56 + 2 x 224) x 128 as the bf16 engine's
-// gathered loaders: each thread also holds its 8 rows' offsets and its scale row (Fp8GatherRows),
-// and the consumers use 203 registers at BN = 256 (ptxas, in the comment at the top).
-template <bool GATHER>
-constexpr int fp8_producer_regs() { return GATHER ? 56 : 40; }
-template <bool GATHER>
-constexpr int fp8_consumer_regs() { return GATHER ? 224 : 232; }
+// holds only its tile and loop counters. With a gather or the staged store, (56 + 2 x 224) x 128
+// as the bf16 engine: the gathered loaders hold their 8 rows' offsets and scale row
+// (Fp8GatherRows), the epilogue warps the staged tile's item loop; the consumers fit in 224
+// (ptxas, in the comment at the top).
+template <bool kWideProducer>
+constexpr int fp8_producer_regs() { return kWideProducer ? 56 : 40; }
+template <bool kWideProducer>
+constexpr int fp8_consumer_regs() { return kWideProducer ? 224 : 232; }
 
 // A gathered row's sa when its gather value lies outside [0, T): the NaN scale (fp8.hpp), copied
 // by cp.async (which reads only global memory) so that the row's outputs are NaN, as
@@ -148,10 +157,11 @@ struct Fp8GatherRows {
   }
 };
 
-// Shared memory: S stages of [A 16 KB | B BN·128 B], then S scale slots (in the layout's
-// "epilogue" area: this kernel stages no output), then the barriers, the tile ring and the
-// tile-offset table (GroupedGemmSmemLayout without the epilogue handoff).
-template <int BN>
+// Shared memory: S stages of [A 16 KB | B BN·128 B], then the layout's "epilogue" area: the staged
+// output tile (kStaged: BN/64 boxes [128 rows][64 columns] bf16, 128-byte swizzle, 1024-byte
+// aligned as it follows whole stages) and S scale slots; then the barriers, the tile ring (with
+// the epilogue handoff when kStaged) and the tile-offset table (GroupedGemmSmemLayout).
+template <int BN, bool kStaged>
 struct Fp8GemmSmem {
   static constexpr int kWaves = BN / 128;
   static constexpr int kABytes = kGemmBM * kFp8BK;  // 16 KB
@@ -162,27 +172,37 @@ struct Fp8GemmSmem {
   static constexpr int kScaleBytes = kScaleFloats * 4;
   static constexpr int kBudget = 227 * 1024;
   static constexpr int kFixed = 4096;  // 1 KB alignment slack + barriers, ring, tile table
-  static constexpr int kFit = (kBudget - kFixed) / (kStageBytes + kScaleBytes);
+  static constexpr int kOutBytes = kStaged ? kGemmBM * BN * 2 : 0;  // 64 KB at BN = 256
+  static constexpr int kFit = (kBudget - kFixed - kOutBytes) / (kStageBytes + kScaleBytes);
   static constexpr int kStages = kFit < kTileRing - 1 ? kFit : kTileRing - 1;
-  static constexpr int kEpiBytes = kStages * kScaleBytes;
+  static constexpr int kEpiBytes = kOutBytes + kStages * kScaleBytes;
   static constexpr int kBytes = kStages * kStageBytes + kEpiBytes + kFixed;
   static_assert(BN % 128 == 0 && kWaves >= 1 && kWaves <= 4, "BN: whole 128-column waves, at most 4");
   static_assert(kStages >= 2, "at least two pipeline stages");
   static_assert(kEpiBytes % 16 == 0, "the barriers after the scale slots stay 8-byte aligned");
-  static_assert((2 * kStages + 2 * kTileRing) * 8 + kTileRing * 16 + (kGemmSmemTileE + 1) * 4 <= kFixed - 1024,
+  static_assert(kOutBytes % kEpiBoxBytes == 0, "whole 128 x 64 boxes (gemm/epilogue.cuh)");
+  // barriers (2 per stage, 2 per ring slot, 2 for the handoff), the ring and the handoff's tile,
+  // the handoff's row scores (unused here, part of the layout), the tile-offset table
+  static_assert((2 * kStages + 2 * kTileRing + 2) * 8 + (kTileRing + 1) * 16 + 128 * 4 + (kGemmSmemTileE + 1) * 4 <=
+                    kFixed - 1024,
                 "fixed shared-memory area too small");
 };
 
 template <int BN, bool GATHER, int EPI>
 struct Fp8GemmCooperative {
   static_assert(EPI == kFp8EpiStore || BN == 256, "the GLU epilogue's A scale group is one 256-column tile");
-  using Smem = Fp8GemmSmem<BN>;
-  using Layout = GroupedGemmSmemLayout<Smem, false>;
+  // The plain store of a contiguous A goes through shared memory to warps 1-3 (the loader is one
+  // warp there); a gathered A keeps all four warps loading.
+  static constexpr bool kStaged = EPI == kFp8EpiStore && !GATHER;
+  static constexpr bool kWideProducer = GATHER || kStaged;
+  using Smem = Fp8GemmSmem<BN, kStaged>;
+  using Layout = GroupedGemmSmemLayout<Smem, kStaged>;
   static constexpr int S = Smem::kStages;
   static constexpr int kWaves = Smem::kWaves;
   using Stages = StageRing<S>;
   // The loader threads: warp 0 with TMA loads of A, the whole warpgroup with a gather.
   static constexpr int kLoaders = GATHER ? 128 : 32;
+  static constexpr int kEpilogueThreads = 96;  // warps 1-3 (kStaged)
 
   static __device__ __forceinline__ void init_barriers(const Layout& sm) {
     // full: the TMA thread's expect_tx arrival + the loaders' cp.async arrivals (32, or 128 with
@@ -192,10 +212,60 @@ struct Fp8GemmCooperative {
       sm90::mbar_init(&sm.tile_full[r], 1);     // the publishing lane
       sm90::mbar_init(&sm.tile_empty[r], 256);  // every consumer thread, once it has read the slot
     }
+    if constexpr (kStaged) {
+      sm90::mbar_init(sm.epi_full, 256);  // every consumer thread has staged its part
+      sm90::mbar_init(sm.epi_empty, kEpilogueThreads);
+    }
   }
 
   static __device__ __forceinline__ float* scale_slot(const Layout& sm, int stage) {
-    return reinterpret_cast<float*>(sm.epi) + stage * Smem::kScaleFloats;
+    return reinterpret_cast<float*>(sm.epi + Smem::kOutBytes) + stage * Smem::kScaleFloats;
+  }
+
+  // Warps 1-3 (kStaged): each staged tile out to C until the consumers' stop signal. A full tile
+  // (128 rows of one expert) leaves by BN/64 TMA box stores from one thread, which waits only until
+  // they have read shared memory; an expert's last, partial tile must not touch the next expert's
+  // rows, so the 96 threads write its rows in 16-byte stores (gemm_write_out).
+  static __device__ __forceinline__ void epilogue_warps(const Fp8GemmParams& p, const CUtensorMap* tmap_c,
+                                                        const Layout& sm, int tid) {
+    const bool issuer = tid == kLoaders;
+    for (int n = 0;; ++n) {
+      sm90::mbar_wait(sm.epi_full, n & 1);
+      const GemmTile tile = *sm.epi_tile;
+      if (tile.e < 0) break;
+      if (tile.rows == kGemmBM) {
+        if (issuer) {
+#pragma unroll
+          for (int h = 0; h < BN / 64; ++h)
+            if (tile.n0 + 64 * h < p.g.N) sm90::tma_store_2d(tmap_c, sm.epi + h * kEpiBoxBytes, tile.n0 + 64 * h, tile.row0);
+          sm90::bulk_commit_group();
+          sm90::bulk_wait_read_all();  // the staged tile may be overwritten after the arrival below
+        }
+      } else {
+        gemm_write_out<BN, kEpiStore>(p.g, tile, sm.epi, tid - kLoaders, gemm_epi_items_of(tile, BN / 8),
+                                      kEpilogueThreads, 1 << 30, true, false);
+      }
+      sm90::mbar_arrive(sm.epi_empty);
+    }
+    if (issuer) sm90::bulk_wait_all();  // the last stores complete before the CTA's shared memory goes
+  }
+
+  // kStaged: this warpgroup's 64 rows of the finished tile into the staging area, once the
+  // epilogue warps are done with the previous tile. The tile handed over has its rows bounded by
+  // R as well (offsets past R break the documented rule; C's writes stay inside [R, ldc]).
+  // staged: tiles staged so far (the barriers' phase).
+  static __device__ __forceinline__ void stage_tile(const Fp8GemmParams& p, const Layout& sm, const GemmTile& tile,
+                                                    int cw, const float (&acc)[kWaves * 64], int& staged) {
+    sm90::mbar_wait(sm.epi_empty, (staged & 1) ^ 1);
+    gemm_stage_out<BN, kEpiStore>(p.g, tile, cw, acc, sm.epi);
+    sm90::fence_proxy_async_shared();  // st.shared -> the TMA store's reads
+    if (threadIdx.x == 128) {
+      GemmTile out = tile;
+      out.rows = max(0, min(tile.rows, p.c_rows - tile.row0));
+      *sm.epi_tile = out;
+    }
+    sm90::mbar_arrive(sm.epi_full);
+    ++staged;
   }
 
   // The loaders (warp 0; the warpgroup with a gather; `lane` is the thread's index among them):
@@ -310,7 +380,7 @@ struct Fp8GemmCooperative {
     float tmp[64];  // one wave's 64 x 128 block product (overwritten by each wave's first wgmma)
 #pragma unroll
     for (int i = 0; i < 64; ++i) tmp[i] = 0.f;
-    int it = 0;
+    int it = 0, staged = 0;
     for (int n = 0;; ++n) {
       const GemmTile tile = sm.tile_ring().take(n);
       if (tile.e < 0) break;
@@ -357,18 +427,27 @@ struct Fp8GemmCooperative {
         gemm_act_dispatch<true>(p.g.act, [&](auto act) {
           fp8_glu_epilogue<decltype(act)::value>(p.g, p.glu, tile, row_local, lane, acc, p.c_rows);
         });
+      } else if constexpr (kStaged) {
+        stage_tile(p, sm, tile, cw, acc, staged);
       } else {
         store(p, tile, row_local, lane, acc);
       }
+    }
+    if constexpr (kStaged) {  // tell the epilogue warps to stop
+      sm90::mbar_wait(sm.epi_empty, (staged & 1) ^ 1);
+      if (threadIdx.x == 128) sm.epi_tile->e = -1;
+      sm90::mbar_arrive(sm.epi_full);
     }
   }
 };
 
 // GATHER: A's rows through p.g.gather by cp.async (tmap_a unused: any valid map will do).
+// tmap_c: C [R, N] bf16 in 64-column x 128-row boxes, 128-byte swizzle (the staged plain store;
+// unused otherwise).
 template <int BN, bool GATHER, int EPI>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     sm90_grouped_gemm_fp8(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
-                          const Fp8GemmParams p) {
+                          const __grid_constant__ CUtensorMap tmap_c, const Fp8GemmParams p) {
   using Gemm = Fp8GemmCooperative<BN, GATHER, EPI>;
   extern __shared__ uint8_t fp8_gemm_smem_raw[];
   const typename Gemm::Layout sm(fp8_gemm_smem_raw);
@@ -378,15 +457,17 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     sm90::mbar_fence_init();
     if (!GATHER) sm90::tma_prefetch_descriptor(&tmap_a);
     sm90::tma_prefetch_descriptor(&tmap_b);
+    if (Gemm::kStaged) sm90::tma_prefetch_descriptor(&tmap_c);
   }
   if (p.g.E <= kGemmSmemTileE && threadIdx.x >= 32 && threadIdx.x < 64) gemm_tile_offsets_warp(p.g, sm.tile_table);
   __syncthreads();
   const int total_tiles = gemm_tile_table(p.g, sm.tile_table)[p.g.E];
   if (wg == 0) {
-    sm90::setmaxnreg_dec<fp8_producer_regs<GATHER>()>();
+    sm90::setmaxnreg_dec<fp8_producer_regs<Gemm::kWideProducer>()>();
     if (tid < Gemm::kLoaders) Gemm::producer(p, &tmap_a, &tmap_b, sm, tid, total_tiles);
+    else if constexpr (Gemm::kStaged) Gemm::epilogue_warps(p, &tmap_c, sm, tid);
   } else {
-    sm90::setmaxnreg_inc<fp8_consumer_regs<GATHER>()>();
+    sm90::setmaxnreg_inc<fp8_consumer_regs<Gemm::kWideProducer>()>();
     Gemm::consumer(p, sm, wg - 1, tid);
   }
 }
