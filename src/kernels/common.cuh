@@ -109,6 +109,13 @@ template <> __device__ __forceinline__ float from_float<float>(float v) { return
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
+// Two floats as a bf16 pair in one 32-bit word (lo at the lower address), each rounded to nearest
+// even: the register form stmatrix takes.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
 // A 16-byte vector of T: 8 bf16/fp16 or 4 fp32 elements, loaded and stored with one instruction.
 template <typename T>
 struct Vec16 {

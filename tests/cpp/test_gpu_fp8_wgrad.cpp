@@ -19,7 +19,8 @@
 // by a factor >= 2 in the structured cases, where every (chunk, column) of both operands has its
 // own power-of-two magnitude: far outside the bound. WgradFp8Check.ScaleFromNextChunkIsCaught shows
 // it on the reference alone (no GPU); GpuFp8Wgrad.ScaleMistakesAreCaught feeds such scales to the
-// kernel. Outputs are poisoned first (0xff: NaN in fp32 and bf16): every element must be written.
+// kernel. Outputs are poisoned first (0xff: NaN in fp32 and bf16): every element must be written,
+// and the poisoned guards on both sides of C must stay as they were.
 // The GPU tests skip without a GPU; the check, the reference and the argument rules run everywhere.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
@@ -205,30 +206,41 @@ void upload(const std::vector<T>& h, DeviceBuffer& dst) {
   if (!h.empty()) ASSERT_EQ(cudaMemcpy(dst.ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
 }
 
+// Bytes of poison on each side of C in run_gpu's buffer: more than a whole tile of any format
+// (128 x 256 fp32 = 128 KB), so that a store past C's ends (an unclipped TMA box, a row past M
+// of the last expert) lands inside it.
+constexpr size_t kGuardBytes = size_t{1} << 18;
+
 // One call on the GPU with the given scales (the data's own unless the caller corrupts them);
-// returns C's bytes, poisoned before the call.
+// returns C's bytes, poisoned before the call. C sits between two guards, poisoned too, which the
+// call must leave as they were.
 std::vector<unsigned char> run_gpu(const WgradData& d, const std::vector<float>& sa, const std::vector<float>& sb,
                                    const WgradCase& k) {
   const size_t c_bytes = static_cast<size_t>(d.E * d.M * d.N * dtype_size(k.c_dtype));
   DeviceBuffer aq(d.a.qt.size()), das(sa.size() * 4), bq(d.b.qt.size()), dsb(sb.size() * 4),
-      co(d.a.chunk_offsets.size() * 4), c(c_bytes);
+      co(d.a.chunk_offsets.size() * 4), guarded(c_bytes + 2 * kGuardBytes);
   upload(d.a.qt, aq);
   upload(sa, das);
   upload(d.b.qt, bq);
   upload(sb, dsb);
   upload(d.a.chunk_offsets, co);
-  EXPECT_EQ(cudaMemset(c.ptr, 0xff, c_bytes), cudaSuccess);
+  EXPECT_EQ(cudaMemset(guarded.ptr, 0xff, c_bytes + 2 * kGuardBytes), cudaSuccess);
+  void* c = static_cast<unsigned char*>(guarded.ptr) + kGuardBytes;
   GroupedWgradFp8Args a;
   a.a_qt = static_cast<const uint8_t*>(aq.ptr), a.a_scales = static_cast<const float*>(das.ptr), a.M = d.M;
   a.b_qt = static_cast<const uint8_t*>(bq.ptr), a.b_scales = static_cast<const float*>(dsb.ptr), a.N = d.N;
   a.chunk_offsets = static_cast<const int32_t*>(co.ptr), a.E = d.E, a.max_chunks = d.a.max_chunks;
-  a.c = c.ptr, a.c_dtype = k.c_dtype, a.transpose_c = k.transpose_c, a.max_ctas = k.max_ctas;
+  a.c = c, a.c_dtype = k.c_dtype, a.transpose_c = k.transpose_c, a.max_ctas = k.max_ctas;
   cudaStream_t stream;
   EXPECT_EQ(cudaStreamCreate(&stream), cudaSuccess);
   grouped_wgrad_fp8(a, stream);
   EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
-  return mtest::bytes_of(c.ptr, c_bytes);
+  std::vector<unsigned char> all = mtest::bytes_of(guarded.ptr, c_bytes + 2 * kGuardBytes);
+  const auto poisoned = [](unsigned char b) { return b == 0xff; };
+  EXPECT_TRUE(std::all_of(all.begin(), all.begin() + kGuardBytes, poisoned)) << "a write before C";
+  EXPECT_TRUE(std::all_of(all.end() - kGuardBytes, all.end(), poisoned)) << "a write past C's end";
+  return std::vector<unsigned char>(all.begin() + kGuardBytes, all.end() - kGuardBytes);
 }
 
 std::string describe(const WgradCase& k) {
@@ -275,6 +287,22 @@ TEST(GpuFp8Wgrad, EdgeExpertsEveryOutputFormat) {
   for (const DType dt : {DType::FP32, DType::BF16})
     for (const bool tr : {false, true})
       check_case({{0, 1, 300, 128, 0, 129}, 272, 400, Values::Structured, dt, tr}, 1 + 2 * (dt == DType::BF16) + tr);
+}
+
+// The edges of the staged bf16 store (TMA boxes clipped by the map of C as [E][rows][cols]), in
+// both layouts, with C between guards (run_gpu): M = 208, a last row tile whose second consumer
+// holds 16 of its 64 rows (transposed: a box 16 columns wide); N = 336, a last column tile of 80
+// columns (one live wave: transposed, a box of 80 of its 256 rows; plain, a full box and one of
+// 16 columns, two boxes skipped); then M = 64 (the second consumer has no rows at all) with
+// N = 16 (a plain box clipped to 16 columns, a transposed one to 16 rows). Experts without chunks
+// first, in the middle and last: their zeros leave by the same stores. max_ctas = 3: each CTA
+// walks several tiles, so a staging half is rewritten after its previous store.
+TEST(GpuFp8Wgrad, StagedStoreEdges) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU visible";
+  for (const bool tr : {false, true}) {
+    check_case({{0, 260, 0, 129, 1, 0}, 208, 336, Values::Structured, DType::BF16, tr, 3}, 22 + tr);
+    check_case({{0, 130, 0, 5, 0}, 64, 16, Values::Structured, DType::BF16, tr}, 24 + tr);
+  }
 }
 
 TEST(GpuFp8Wgrad, OneRow) {

@@ -1,6 +1,7 @@
-// TMA tensor maps for the GEMM launchers (grouped_gemm.cu, grouped_wgrad.cu): bf16 matrices with
-// the 128-byte swizzle that the wgmma descriptors expect and zeros out of bounds. The driver's
-// encoder is found through the runtime, so the library does not link against libcuda.
+// TMA tensor maps for the GEMM launchers (grouped_gemm.cu, grouped_wgrad.cu, grouped_wgrad_fp8.cu):
+// bf16 matrices with the 128-byte swizzle that the wgmma descriptors and the staged epilogues
+// expect, zeros out of bounds. The driver's encoder is found through the runtime, so the library
+// does not link against libcuda.
 #pragma once
 
 #include <cuda.h>
@@ -79,6 +80,19 @@ inline CUtensorMap tensor_map_nmajor(const void* ptr, int64_t E, int64_t K, int6
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(N), static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(E)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(N) * 2, static_cast<cuuint64_t>(K * N) * 2};
   const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_k), 1};
+  return encode_bf16_map(ptr, 3, dims, strides, box, fn);
+}
+
+// An [E, rows, cols] bf16 output (cols contiguous, experts rows·cols apart) as a 3-D map
+// {cols, rows, E} with boxes of box_cols x box_rows of one expert (box_cols = 64: one 128-byte
+// swizzle row). For TMA stores of per-expert tiles: the bounds clip a box at the expert's last row
+// and column, so a partial tile never writes into the next expert's slice.
+inline CUtensorMap tensor_map_experts(const void* ptr, int64_t E, int64_t rows, int64_t cols, int box_cols,
+                                      int box_rows, const char* fn) {
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(E)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols) * 2, static_cast<cuuint64_t>(rows * cols) * 2};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows), 1};
   return encode_bf16_map(ptr, 3, dims, strides, box, fn);
 }
 

@@ -1,6 +1,7 @@
 // Launcher of the FP8 weight-gradient grouped GEMM (kernels/gemm/fp8_wgrad.cuh): argument rules,
-// the TMA descriptors of the two e4m3 operands, and the persistent launch (at most one CTA per
-// SM, none idle: never more CTAs than tiles). The rules and the formula: machmoe/fp8_wgrad.hpp.
+// the TMA descriptors of the two e4m3 operands and (bf16 C) of the output for the staged TMA
+// store, and the persistent launch (at most one CTA per SM, none idle: never more CTAs than
+// tiles). The rules and the formula: machmoe/fp8_wgrad.hpp.
 #include <cuda.h>
 
 #include <algorithm>
@@ -26,6 +27,10 @@ constexpr const char* kFn = "grouped_wgrad_fp8";
 // The tile: 128 M x 256 N, two 128-column waves per consumer warpgroup (64 x 256 fp32
 // accumulators, 128 registers, beside one wave's temporary, 64), as the forward FP8 GEMM.
 constexpr int kTileN = 256;
+// The staged bf16 store's boxes, per consumer warpgroup (64 rows of M): transposed, C[e]ᵀ's
+// columns m0 .. m0 + 63 of rows n0 .. n0 + 255, one box; plain, 64 columns n x 64 rows m, four
+// boxes.
+constexpr int kEpiCols = kernels::kFp8WgradEpiCols;
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 // The kernel's tile counter steps past the last tile by at most the grid (<= the SM count).
 constexpr int64_t kTileSlack = int64_t{1} << 16;
@@ -52,7 +57,7 @@ void check_args(const GroupedWgradFp8Args& a) {
               "a_qt/a_scales/b_qt/b_scales", "must not be null (max_chunks > 0)");
   require_arg(detail::aligned16(a.a_qt), kFn, "a_qt", "must be 16-byte aligned (TMA)");
   require_arg(detail::aligned16(a.b_qt), kFn, "b_qt", "must be 16-byte aligned (TMA)");
-  require_arg(detail::aligned16(a.c), kFn, "c", "must be 16-byte aligned");
+  require_arg(detail::aligned16(a.c), kFn, "c", "must be 16-byte aligned (TMA store)");
   require_arg(aligned4(a.a_scales), kFn, "a_scales", "must be 4-byte aligned");
   require_arg(aligned4(a.b_scales), kFn, "b_scales", "must be 4-byte aligned");
   require_arg(aligned4(a.chunk_offsets), kFn, "chunk_offsets", "must be 4-byte aligned");
@@ -73,7 +78,10 @@ void grouped_wgrad_fp8(const GroupedWgradFp8Args& a, cudaStream_t stream) {
   if (info.cc_major != 9)
     throw Error(ErrorCode::Unsupported, std::string(kFn) + ": needs an sm_90 GPU (wgmma), the device is sm_" +
                                             std::to_string(info.cc_major) + std::to_string(info.cc_minor));
-  constexpr int smem = kernels::Fp8WgradSmem<kTileN>::kBytes;
+  const bool fp32 = a.c_dtype == DType::FP32;
+  // bf16 C: 3 stages and the staging tile; fp32 C: 4 stages (kernels::Fp8WgradSmem).
+  const int smem =
+      fp32 ? kernels::Fp8WgradSmem<kTileN, false>::kBytes : kernels::Fp8WgradSmem<kTileN, true>::kBytes;
   require_arg(info.smem_per_block_optin >= static_cast<size_t>(smem), kFn, "device",
               "needs " + std::to_string(smem) + " bytes of shared memory per block, the device allows " +
                   std::to_string(info.smem_per_block_optin));
@@ -94,16 +102,21 @@ void grouped_wgrad_fp8(const GroupedWgradFp8Args& a, cudaStream_t stream) {
   // Aqt, Bqt [rows, r_pad]: one box row = one 128-row chunk of an expert.
   const CUtensorMap map_a = detail::e4m3_tile_map(a.a_qt, a.M, r_pad, kFn);
   const CUtensorMap map_b = detail::e4m3_tile_map(a.b_qt, a.N, r_pad, kFn);
+  // C as [E][rows][cols] bf16 for the staged store (C[e]ᵀ [N, M] with transpose_c, else
+  // C[e] [M, N]); fp32 C is stored from the registers and the kernel never reads this map.
+  CUtensorMap map_c{};
+  if (!fp32)
+    map_c = a.transpose_c ? detail::tensor_map_experts(a.c, a.E, a.N, a.M, kEpiCols, kTileN, kFn)
+                          : detail::tensor_map_experts(a.c, a.E, a.M, a.N, kEpiCols, 64, kFn);
   const int64_t tiles = a.E * p.m_tiles * p.n_tiles;
   const int64_t cap = a.max_ctas > 0 ? std::min(a.max_ctas, info.sm_count) : info.sm_count;
   const int ctas = static_cast<int>(std::min(cap, tiles));
-  const bool fp32 = a.c_dtype == DType::FP32;
   auto* kernel = fp32 ? (a.transpose_c ? kernels::sm90_grouped_wgrad_fp8<kTileN, float, true>
                                        : kernels::sm90_grouped_wgrad_fp8<kTileN, float, false>)
                       : (a.transpose_c ? kernels::sm90_grouped_wgrad_fp8<kTileN, __nv_bfloat16, true>
                                        : kernels::sm90_grouped_wgrad_fp8<kTileN, __nv_bfloat16, false>);
   detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, "grouped_wgrad_fp8: cudaFuncSetAttribute");
-  kernel<<<ctas, kernels::kFp8WgradThreads, smem, stream>>>(map_a, map_b, p);
+  kernel<<<ctas, kernels::kFp8WgradThreads, smem, stream>>>(map_a, map_b, map_c, p);
   check_launch(kFn);
 }
 

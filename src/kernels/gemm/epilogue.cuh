@@ -121,12 +121,6 @@ __device__ __forceinline__ int gemm_weight_col(const GroupedGemmParams& p, const
   return t.n0 + c;
 }
 
-// Two floats as a bf16 pair in one 32-bit word (lo at the lower address).
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-
 // Consumer side: accumulator fragment (+ bias) -> bf16 tile in shared memory. Fragment layout of
 // wgmma m64nBN: register 4·jj + 2·half + i holds row (warp·16 + lane/4 + 8·half) of the
 // warpgroup's 64, column 8·jj + 2·(lane % 4) + i. That is the layout stmatrix takes: one

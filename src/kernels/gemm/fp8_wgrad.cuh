@@ -34,18 +34,34 @@
 //   warpgroups 1-2, consumers (232 registers): each owns 64 rows of M and runs its 64 x BN as BN/128
 //     waves per chunk: fence, 4 wgmma, commit, wait<0>, promote. tmp[64] + acc[BN/2] (64 + 128 at
 //     BN = 256). The stage is released (one arrival per warp, 8 in all) after the last wave's
-//     promotion, which still reads the stage's sb. At the tile's end each consumer stores its rows
-//     straight from registers (fp32 pairs or bf16 pairs, or single elements transposed), bounded
-//     by M and N: a first version, no staging and no TMA store. C's format (fp32 / bf16,
-//     transposed or not) is a template argument: one kernel each.
-//     Registers (ptxas of CUDA 13.0, sm_90a, 2026-11, BN = 256): the consumers use R0-R217 of
-//     their 232 (fp32 C; R0-R209 for the other three formats), the loader R0-R37 of its 40; no
-//     spill, no stack frame. SASS: 19-20 KB per kernel, 37-39 KB with the transposed store.
+//     promotion, which still reads the stage's sb. C's format (fp32 / bf16, transposed or not) is
+//     a template argument: one kernel each. At the tile's end each consumer stores its 64 rows:
+//   - bf16 C, staged: the accumulators, rounded to bf16, go by stmatrix into the consumer's half
+//     of a 128 x BN staging tile laid out as C is (transposed: [BN n][64 m], by stmatrix.trans;
+//     plain: BN/64 boxes [64 m][64 n]; 128-byte swizzled rows), and one thread sends the half to
+//     C by TMA stores through a 3-D map of C as [E][rows][cols], whose bounds clip the box at M and
+//     N. The consumers go straight on to the next tile's main loop while the store drains; the
+//     half is rewritten only at the next tile's end, after that thread's wait for the store's
+//     reads and a named barrier of the warpgroup. This replaced a store straight from the
+//     fragments (2-byte stores, 8 lanes per 16 contiguous bytes, with transpose; 4-byte pairs
+//     without) during which the tensor cores idled. The staging tile (64 KB at BN = 256) costs a
+//     pipeline stage: 3 instead of 4 (a stage is ~1600 cycles of tensor work, so two loads stay
+//     in flight under one stage's wgmmas).
+//   - fp32 C: straight from the fragments (fp32 pairs, or single elements transposed), bounded by
+//     M and N; a staged fp32 tile would need 128 KB. Not the layer's format (it stores bf16).
+// Registers (ptxas of CUDA 13.0, sm_90a, BN = 256, from the SASS): the consumers use R0-R211 of
+// their 232 with the staged bf16 store (both layouts), R0-R217 (plain) and R0-R209 (transposed)
+// with fp32 C; the loader R0-R37 of its 40; no spill, no stack frame. SASS: 18.5 KB (transposed)
+// and 19.5 KB (plain) with the staged store, whose 16 stmatrix and 64 conversions a thread take
+// ~110 instructions between its two named barriers; 19-36 KB with the fp32 store.
 // Edges: tile rows past M and columns past N read zeros (TMA out of bounds, zero scales) and are
-// not stored. Fixed K order (the expert's chunks in order): deterministic.
+// not stored (the fp32 store's bounds; the TMA store's map, per expert, for bf16). Fixed K order
+// (the expert's chunks in order) and the same fp32 sums and rounding in every format: deterministic.
 #pragma once
 
 #include <cuda_bf16.h>
+
+#include <type_traits>
 
 #include "kernels/common.cuh"
 #include "kernels/gemm/pipeline.cuh"
@@ -59,6 +75,10 @@ constexpr int kFp8WgradThreads = 384;  // loader warpgroup + two consumer warpgr
 // Register split of the 64K-register file, as the forward's: (40 + 2 x 232) x 128 = 64512.
 constexpr int kFp8WgradProducerRegs = 40;
 constexpr int kFp8WgradConsumerRegs = 232;
+// The staged store's boxes are 64 bf16 wide: one 128-byte swizzle row.
+constexpr int kFp8WgradEpiCols = 64;
+// Named barriers 1 and 2: consumer warpgroup cw's staging half (0 is __syncthreads).
+constexpr int kFp8WgradEpiBarrier = 1;
 
 struct Fp8WgradParams {
   const float* sa;                // [M, max_chunks]
@@ -70,10 +90,13 @@ struct Fp8WgradParams {
   void* c;                        // [E, M, N], or [E, N, M] transposed (the kernel's template arguments)
 };
 
-// Shared memory: S stages of A [128][128] e4m3, then S of B [BN][128], then S scale slots
+// Shared memory: S stages of A [128][128] e4m3, then S of B [BN][128], then (kStaged: bf16 C) the
+// staging tile, two halves of 64 x BN bf16, one per consumer warpgroup, then S scale slots
 // (sa [128] | sb [BN] fp32), then the barriers (full [S], empty [S]). Declared 1024-byte aligned
-// (fp8_wgrad_smem), so the stages start on a swizzle atom without slack.
-template <int BN>
+// (fp8_wgrad_smem), so the stages and the staging boxes start on a swizzle atom without slack.
+// At BN = 256: staged, 3 x (16 + 32 + 1.5) KB + 64 KB + 1 KB = 218624 bytes; fp32 C, 4 stages
+// and no staging tile, 203776 bytes.
+template <int BN, bool kStaged>
 struct Fp8WgradSmem {
   static constexpr int kWaves = BN / 128;
   static constexpr int kABytes = kFp8WgradBM * kFp8WgradBK;  // 16 KB
@@ -81,19 +104,30 @@ struct Fp8WgradSmem {
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kScaleFloats = kFp8WgradBM + BN;      // sa of the tile's m, sb of its n
   static constexpr int kScaleBytes = kScaleFloats * 4;
+  static constexpr int kEpiHalfBytes = kStaged ? 64 * BN * 2 : 0;  // 32 KB at BN = 256
+  static constexpr int kEpiBytes = 2 * kEpiHalfBytes;
   static constexpr int kBudget = 227 * 1024;
   static constexpr int kFixed = 1024;  // the barriers
-  static constexpr int kStages = (kBudget - kFixed) / (kStageBytes + kScaleBytes);
+  static constexpr int kStages = (kBudget - kFixed - kEpiBytes) / (kStageBytes + kScaleBytes);
   static constexpr int kBOffset = kStages * kABytes;
-  static constexpr int kScaleOffset = kStages * kStageBytes;
+  static constexpr int kEpiOffset = kStages * kStageBytes;
+  static constexpr int kScaleOffset = kEpiOffset + kEpiBytes;
   static constexpr int kBarOffset = kScaleOffset + kStages * kScaleBytes;
   static constexpr int kBytes = kBarOffset + kFixed;
   static_assert(BN % 128 == 0 && kWaves >= 1 && kWaves <= 2, "BN: one or two 128-column waves");
   static_assert(kStages >= 2, "at least two pipeline stages");
+  static_assert(kBytes <= kBudget, "shared memory over the per-block budget");
   static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "stages on 1024-byte swizzle atoms");
+  static_assert(kEpiOffset % 1024 == 0 && (64 * kFp8WgradEpiCols * 2) % 1024 == 0,
+                "staging boxes on 1024-byte swizzle atoms");
+  static_assert(BN <= 256, "a transposed half is one TMA box of BN rows (at most 256)");
   static_assert(kScaleBytes % 16 == 0, "scale slots keep the barriers 8-byte aligned");
   static_assert(2 * kStages * 8 <= kFixed, "fixed shared-memory area too small");
 };
+static_assert(Fp8WgradSmem<256, true>::kStages == 3 && Fp8WgradSmem<256, true>::kBytes == 218624,
+              "staged bf16 C at BN = 256: 3 stages (the header comment's figures)");
+static_assert(Fp8WgradSmem<256, false>::kStages == 4 && Fp8WgradSmem<256, false>::kBytes == 203776,
+              "fp32 C at BN = 256: 4 stages (the header comment's figures)");
 
 // Its own name: the alignment of a shared extern array reaches every kernel that declares it.
 extern __shared__ __align__(1024) uint8_t fp8_wgrad_smem[];
@@ -120,13 +154,13 @@ __device__ __forceinline__ Fp8WgradTile fp8_wgrad_tile(const Fp8WgradParams& p, 
   return w;
 }
 
-// One output element, fp32 or rounded to bf16 (round to nearest even).
-__device__ __forceinline__ void fp8_wgrad_put(float* at, float v) { *at = v; }
-__device__ __forceinline__ void fp8_wgrad_put(__nv_bfloat16* at, float v) { *at = __float2bfloat16_rn(v); }
-
-template <int BN>
+// T (float or __nv_bfloat16) and kTranspose: C's format. bf16 C is staged (kStaged), fp32 C is
+// stored from the fragments.
+template <int BN, typename T, bool kTranspose>
 struct Fp8Wgrad {
-  using Smem = Fp8WgradSmem<BN>;
+  static constexpr bool kStaged = std::is_same_v<T, __nv_bfloat16>;
+  static_assert(kStaged || std::is_same_v<T, float>, "C is fp32 or bf16");
+  using Smem = Fp8WgradSmem<BN, kStaged>;
   static constexpr int S = Smem::kStages;
   static constexpr int kWaves = Smem::kWaves;
   using Stages = StageRing<S>;
@@ -208,13 +242,12 @@ struct Fp8Wgrad {
     }
   }
 
-  // This consumer's 64 x BN part of tile (e, m0, n0) to C, straight from the accumulators, bounded
-  // by M and N (N is even: a pair's second column is inside too). T: float or __nv_bfloat16;
-  // kTranspose: C[e]ᵀ [N, M].
-  template <typename T, bool kTranspose>
-  static __device__ __forceinline__ void store(const Fp8WgradParams& p, const Fp8WgradTile& tile, int row_local,
-                                               int lane, const float (&acc)[kWaves * 64]) {
-    T* c = static_cast<T*>(p.c) + static_cast<int64_t>(tile.e) * p.M * p.N;
+  // fp32 C: this consumer's 64 x BN part of tile (e, m0, n0), straight from the fragments, bounded
+  // by M and N (N is even: a pair's second column is inside too). Transposed, C[e]ᵀ [N, M]: the 8
+  // rows of a lane quad are 8 adjacent m, one 4-byte element each.
+  static __device__ __forceinline__ void store_direct(const Fp8WgradParams& p, const Fp8WgradTile& tile,
+                                                      int row_local, int lane, const float (&acc)[kWaves * 64]) {
+    float* c = static_cast<float*>(p.c) + static_cast<int64_t>(tile.e) * p.M * p.N;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int m = tile.m0 + row_local + 8 * h;
@@ -226,23 +259,83 @@ struct Fp8Wgrad {
           const int n = tile.n0 + 128 * w + 8 * j + 2 * (lane % 4);
           if (n >= p.N) continue;
           const float v0 = acc[w * 64 + 4 * j + 2 * h], v1 = acc[w * 64 + 4 * j + 2 * h + 1];
-          if constexpr (kTranspose) {  // C[e]ᵀ [N, M]: the 8 rows of a lane quad are 8 adjacent m
-            T* at = c + static_cast<int64_t>(n) * p.M + m;
-            fp8_wgrad_put(at, v0);
-            fp8_wgrad_put(at + p.M, v1);
-          } else if constexpr (sizeof(T) == 4) {
-            *reinterpret_cast<float2*>(c + static_cast<int64_t>(m) * p.N + n) = make_float2(v0, v1);
+          if constexpr (kTranspose) {
+            float* at = c + static_cast<int64_t>(n) * p.M + m;
+            at[0] = v0;
+            at[p.M] = v1;
           } else {
-            *reinterpret_cast<__nv_bfloat162*>(c + static_cast<int64_t>(m) * p.N + n) = __floats2bfloat162_rn(v0, v1);
+            *reinterpret_cast<float2*>(c + static_cast<int64_t>(m) * p.N + n) = make_float2(v0, v1);
           }
         }
       }
     }
   }
 
+  // bf16 C: the accumulators, rounded to nearest even, into this consumer's staging half at `buf`
+  // in C's layout. One stmatrix.x4 per two 8-column groups g, g + 1 of a wave stores the warp's 16
+  // rows of both: matrix q = rows 8·(q % 2) .. +7 of group g + q / 2, whose register in every lane
+  // is the fragment's bf16 pair (row l / 4, columns 2·(l % 4), +1); lane l gives the address of
+  // row l % 8 of matrix l / 8. 16 stmatrix a thread at BN = 256.
+  //   transposed: buf = [BN n][64 m], one box {64 m, BN n} of C[e]ᵀ; .trans stores each 8 x 8
+  //     matrix turned, one 16-byte memory row per column n holding its 8 rows m;
+  //   plain: buf = BN/64 boxes [64 m][64 n], boxes {64 n, 64 m} of C[e].
+  // 128-byte rows with the 128-byte swizzle (16-byte chunk k of row r at slot k ^ (r % 8)), as the
+  // TMA store reads them; the 8 rows of one matrix land in 8 different slots: no bank conflict.
+  // Waves wholly past N (from live_waves on) are not staged: their columns are never stored.
+  static __device__ __forceinline__ void stage_bf16(uint32_t buf, int warp, int lane, int live_waves,
+                                                    const float (&acc)[kWaves * 64]) {
+    const int q = lane / 8, r = lane % 8;  // this lane addresses row r of matrix q
+    const int h = q % 2;                   // matrix q holds fragment rows 8h .. 8h + 7 of the warp's 16
+#pragma unroll
+    for (int w = 0; w < kWaves; ++w) {
+      if (w >= live_waves) break;  // uniform over the warpgroup
+#pragma unroll
+      for (int j = 0; j < 16; j += 2) {
+        const float* a = acc + w * 64 + 4 * j;
+        const uint32_t v0 = pack_bf16x2(a[0], a[1]), v1 = pack_bf16x2(a[2], a[3]);
+        const uint32_t v2 = pack_bf16x2(a[4], a[5]), v3 = pack_bf16x2(a[6], a[7]);
+        const int g = 16 * w + j + q / 2;  // this lane's 8-column group of the tile: columns 8g .. 8g + 7
+        if constexpr (kTranspose) {        // memory row n = 8g + r, chunk of m = 16·warp + 8h
+          sm90::stmatrix_x4_trans(buf + (8 * g + r) * 128 + (((2 * warp + h) ^ r) << 4), v0, v1, v2, v3);
+        } else {                           // box g / 8, row m = 16·warp + 8h + r, chunk g % 8
+          sm90::stmatrix_x4(buf + (g / 8) * (64 * 128) + (16 * warp + 8 * h + r) * 128 + (((g % 8) ^ r) << 4), v0,
+                            v1, v2, v3);
+        }
+      }
+    }
+  }
+
+  // bf16 C: this consumer's 64 x BN part of tile (e, m0, n0) to C by TMA, through its staging
+  // half. Thread 0 of the warpgroup issues the stores; the half may be rewritten once that thread
+  // has waited for their reads (the previous tile's, one main loop ago: normally done already).
+  // Every box is clipped by the map at the expert's M and N; boxes wholly past N are skipped.
+  static __device__ __forceinline__ void store_staged(const Fp8WgradParams& p, const CUtensorMap* tmap_c,
+                                                      const Fp8WgradTile& tile, int cw, int tid,
+                                                      const float (&acc)[kWaves * 64]) {
+    const int m0 = tile.m0 + 64 * cw;
+    if (m0 >= p.M) return;  // none of this consumer's rows exist (uniform over the warpgroup)
+    uint8_t* buf = fp8_wgrad_smem + Smem::kEpiOffset + cw * Smem::kEpiHalfBytes;
+    if (tid == 0) sm90::bulk_wait_read_all();                 // the previous store has read buf
+    sm90::named_barrier_sync(kFp8WgradEpiBarrier + cw, 128);  // ... as every thread now knows
+    stage_bf16(sm90::smem_addr(buf), tid / 32, tid % 32, (p.N - tile.n0 + 127) / 128, acc);
+    sm90::fence_proxy_async_shared();                         // the stmatrix writes -> the TMA's reads
+    sm90::named_barrier_sync(kFp8WgradEpiBarrier + cw, 128);  // the whole half is staged
+    if (tid == 0) {
+      if constexpr (kTranspose) {
+        sm90::tma_store_3d(tmap_c, buf, m0, tile.n0, tile.e);  // C[e]ᵀ rows n0 .., columns m0 .. m0 + 63
+      } else {
+#pragma unroll
+        for (int b = 0; b < BN / kFp8WgradEpiCols; ++b)
+          if (tile.n0 + kFp8WgradEpiCols * b < p.N)
+            sm90::tma_store_3d(tmap_c, buf + b * (64 * 128), tile.n0 + kFp8WgradEpiCols * b, m0, tile.e);
+      }
+      sm90::bulk_commit_group();
+    }
+  }
+
   // Consumer warpgroup cw (0 or 1): rows [64cw, 64cw + 64) of every tile's M.
-  template <typename T, bool kTranspose>
-  static __device__ __forceinline__ void consumer(const Fp8WgradParams& p, int cw, int tid, int units) {
+  static __device__ __forceinline__ void consumer(const Fp8WgradParams& p, const CUtensorMap* tmap_c, int cw,
+                                                  int tid, int units) {
     const Stages ring = stages();
     const int warp = tid / 32, lane = tid % 32;
     const int row_local = cw * 64 + warp * 16 + lane / 4;  // this thread's first row in the tile (+8: second)
@@ -284,25 +377,30 @@ struct Fp8Wgrad {
         __syncwarp();
         if (lane == 0) ring.release(s);
       }
-      store<T, kTranspose>(p, tile, row_local, lane, acc);
+      if constexpr (kStaged)
+        store_staged(p, tmap_c, tile, cw, tid, acc);
+      else
+        store_direct(p, tile, row_local, lane, acc);
     }
+    if (kStaged && tid == 0) sm90::bulk_wait_all();  // the last stores are done before the CTA's smem goes
   }
 };
 
 // T (float or __nv_bfloat16) and kTranspose pick C's format: one kernel each, so that each holds
 // only its own store (the four stores in one kernel made it 68 KB of SASS, against 24 KB for the
-// forward FP8 GEMM).
+// forward FP8 GEMM). tmap_c: C as [E][rows][cols] bf16 for the staged store (unused with fp32 C).
 template <int BN, typename T, bool kTranspose>
 __global__ void __launch_bounds__(kFp8WgradThreads, 1)
     sm90_grouped_wgrad_fp8(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
-                           const Fp8WgradParams p) {
-  using Wgrad = Fp8Wgrad<BN>;
+                           const __grid_constant__ CUtensorMap tmap_c, const Fp8WgradParams p) {
+  using Wgrad = Fp8Wgrad<BN, T, kTranspose>;
   const int wg = sm90::warpgroup_index(), tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
     Wgrad::init_barriers();
     sm90::mbar_fence_init();
     sm90::tma_prefetch_descriptor(&tmap_a);
     sm90::tma_prefetch_descriptor(&tmap_b);
+    if constexpr (Wgrad::kStaged) sm90::tma_prefetch_descriptor(&tmap_c);
   }
   __syncthreads();
   const int units = p.E * p.m_tiles * p.n_tiles;  // below 2^31 - 2^16 (the launcher's rule)
@@ -311,7 +409,7 @@ __global__ void __launch_bounds__(kFp8WgradThreads, 1)
     if (tid < 32) Wgrad::loader(p, &tmap_a, &tmap_b, tid, units);
   } else {
     sm90::setmaxnreg_inc<kFp8WgradConsumerRegs>();
-    Wgrad::template consumer<T, kTranspose>(p, wg - 1, tid, units);
+    Wgrad::consumer(p, &tmap_c, wg - 1, tid, units);
   }
 }
 
