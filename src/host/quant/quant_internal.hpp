@@ -34,9 +34,11 @@ inline void check_fp8_row_source(const char* fn, const void* x, int64_t T, int64
 }
 
 // Blocks of a persistent grid-stride kernel: enough for `items` blocks' worth of work, at most
-// what the device keeps resident (device_info's SM count times the occupancy).
-inline int persistent_blocks(const void* kernel, int threads, int64_t block_items, const char* what) {
-  const int per_sm = std::max(1, blocks_per_sm(kernel, threads, 0, what));
+// what the device keeps resident (device_info's SM count times the occupancy at `smem` bytes of
+// dynamic shared memory).
+inline int persistent_blocks(const void* kernel, int threads, int64_t block_items, const char* what,
+                             size_t smem = 0) {
+  const int per_sm = std::max(1, blocks_per_sm(kernel, threads, smem, what));
   const int64_t resident = int64_t{per_sm} * device_info().sm_count;
   return static_cast<int>(std::max<int64_t>(1, std::min(block_items, resident)));
 }
