@@ -59,25 +59,21 @@ void quantize_columns_fp8(const QuantizeColumnsArgs& a, cudaStream_t stream) {
   check_launch("quantize_columns_fp8: chunk offsets");
   if (layout.max_chunks == 0) return;
 
-  // One configuration for every shape (ColsDefault, kernels/quant/columns.cuh) until measurements
-  // show that the best one depends on the shape (d).
-  using Cfg = k::ColsDefault;
   k::ColumnsParams p;
   p.x = static_cast<const __nv_bfloat16*>(a.x);
   p.ld = a.ld, p.T = a.T, p.gather = a.gather, p.R = a.R, p.d = a.d;
   p.offsets = a.expert_offsets, p.E = a.E, p.chunk_offsets = a.chunk_offsets;
   p.max_chunks = layout.max_chunks, p.r_pad = layout.r_pad;
   p.qt = a.qt, p.scales = a.scales;
-  const auto kernel = k::fp8_quantize_columns_kernel<Cfg>;
-  constexpr size_t smem = k::columns_smem_bytes<Cfg>();
-  if constexpr (smem > 48 * 1024)
-    detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), static_cast<int>(smem),
-                               "quantize_columns_fp8: cudaFuncSetAttribute");
-  // The chunks that exist are known on the device only: size the grid for the most there can be.
-  const int64_t slabs = detail::ceil_div(a.d, Cfg::kSlab);
-  const int blocks = detail::persistent_blocks(reinterpret_cast<const void*>(kernel), Cfg::kThreads,
-                                               layout.max_chunks * slabs, "quantize_columns_fp8: occupancy", smem);
-  kernel<<<blocks, Cfg::kThreads, smem, stream>>>(p);
+  const void* kernel = reinterpret_cast<const void*>(k::fp8_quantize_columns_kernel);
+  constexpr size_t smem = k::kColsSmemBytes;  // > 48 KiB: needs the opt-in
+  detail::allow_dynamic_smem(kernel, static_cast<int>(smem), "quantize_columns_fp8: cudaFuncSetAttribute");
+  // The chunks that exist are known on the device only: size the grid for the most there can be
+  // (at most the CTAs resident with this dynamic shared memory: two per SM).
+  const int64_t slabs = detail::ceil_div(a.d, int64_t{k::kColsSlab});
+  const int blocks = detail::persistent_blocks(kernel, k::kColsThreads, layout.max_chunks * slabs,
+                                               "quantize_columns_fp8: occupancy", smem);
+  k::fp8_quantize_columns_kernel<<<blocks, k::kColsThreads, smem, stream>>>(p);
   check_launch("quantize_columns_fp8");
 }
 
