@@ -34,6 +34,24 @@ __device__ __forceinline__ void expert_rows(const int32_t* offsets, int64_t R, i
   if (*end < *begin) *end = *begin;
 }
 
+// Chunk c's rows, for c < chunk_offsets[E] (chunk_offsets non-decreasing, chunk_offsets[0] = 0):
+// its expert is the last e with chunk_offsets[e] <= c (empty experts share their offset with the
+// next one), found by bisection; its rows are [row0, row0 + nrows), row0 = begin(e) + 128·(c −
+// chunk_offsets[e]), nrows <= 128 (0 only with inconsistent offsets). The column quantiser's
+// locate_item gives the same with a cache over consecutive items.
+__device__ __forceinline__ void chunk_rows(const int32_t* offsets, int64_t R, const int32_t* chunk_offsets, int64_t E,
+                                           int64_t c, int64_t* row0, int* nrows) {
+  int64_t lo = 0, hi = E;  // invariant: chunk_offsets[lo] <= c, the answer in [lo, hi)
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (chunk_offsets[mid] <= c) lo = mid; else hi = mid;
+  }
+  int64_t begin, end;
+  expert_rows(offsets, R, lo, &begin, &end);
+  *row0 = begin + (c - chunk_offsets[lo]) * kTile;
+  *nrows = *row0 < begin ? 0 : static_cast<int>(max64(0, min64(kTile, end - *row0)));
+}
+
 // Reduce: warp (row group rg, column group cg) reads rows [32·rg, 32·rg + 32) of the input tile
 // [128 rows][64 words]; lane's word column wcol = 32·cg + lane holds the slab's columns 2·wcol
 // (low halves) and 2·wcol + 1 (high halves). Returns the chunk's amax of both columns (two bf16
