@@ -281,7 +281,9 @@ TEST(ExpertsPlan, Fp8SavesHInE4M3) {
 }
 
 // The FP8 backward's shared region (host/layer/layer_layout.hpp, Fp8BackwardScratch): in every
-// phase the buffers alive together are disjoint and inside the region, for awkward shapes.
+// step of host/layer/fp8_experts.cu the buffers alive together (written by that step or an
+// earlier one and read by it or a later one) are disjoint and inside the region, for awkward
+// shapes.
 TEST(ExpertsPlan, Fp8BackwardPhasesDoNotOverlap) {
   struct Span {
     const char* name;
@@ -297,17 +299,25 @@ TEST(ExpertsPlan, Fp8BackwardPhasesDoNotOverlap) {
     const int64_t n1 = 2 * n;
     const Fp8ColumnsLayout cd = fp8_columns_layout(R, E, d), cn = fp8_columns_layout(R, E, n),
                            cn1 = fp8_columns_layout(R, E, n1);
-    const size_t a_prime = static_cast<size_t>(R * n * 2), region = F.region_bytes;
+    const size_t da = static_cast<size_t>(R * n * 2), region = F.region_bytes;
     EXPECT_GE(F.chunk_offsets, F.region + F.region_bytes) << "the chunk offsets overlap the region";
+    const Span dh_rows{"dH rows", F.dh_q, rows(R, n1)}, dh_cols{"dH columns", F.dh_cols, cn1.qt_bytes},
+        dh_cols_scales{"dH column scales", F.dh_cols_scales, cn1.scales_bytes},
+        ap_cols{"A' columns", F.ap_cols, cn.qt_bytes},
+        ap_cols_scales{"A' column scales", F.ap_cols_scales, cn.scales_bytes};
     const std::vector<std::vector<Span>> phases = {
-        {{"A'", F.a_prime, a_prime}, {"dout rows", F.dout_q, rows(T, d)}, {"dA'", F.da, a_prime},
-         {"dH rows", F.dh_q, rows(R, n1)}},
-        {{"A'", F.a_prime, a_prime}, {"dH rows", F.dh_q, rows(R, n1)}, {"dout columns", F.dout_cols, cd.qt_bytes},
-         {"dout column scales", F.dout_cols_scales, cd.scales_bytes}, {"A' columns", F.ap_cols, cn.qt_bytes},
-         {"A' column scales", F.ap_cols_scales, cn.scales_bytes}},
-        {{"dH rows", F.dh_q, rows(R, n1)}, {"dX~", F.dx_rows, static_cast<size_t>(R * d * 2)}},
-        {{"x columns", F.x_cols, cd.qt_bytes}, {"x column scales", F.x_cols_scales, cd.scales_bytes},
-         {"dH columns", F.dh_cols, cn1.qt_bytes}, {"dH column scales", F.dh_cols_scales, cn1.scales_bytes}}};
+        // 1. dout's rows, dA' = dout·W2
+        {{"dout rows", F.dout_q, rows(T, d)}, {"dA'", F.da, da}},
+        // 2. the fused SwiGLU backward: dA' -> dH's rows and columns, A''s columns
+        {{"dA'", F.da, da}, dh_rows, dh_cols, dh_cols_scales, ap_cols, ap_cols_scales},
+        // 3. dout's columns, dW2
+        {dh_rows, dh_cols, dh_cols_scales, ap_cols, ap_cols_scales, {"dout columns", F.dout_cols, cd.qt_bytes},
+         {"dout column scales", F.dout_cols_scales, cd.scales_bytes}},
+        // 4. dX~ = dH·W1, dx
+        {dh_rows, dh_cols, dh_cols_scales, {"dX~", F.dx_rows, static_cast<size_t>(R * d * 2)}},
+        // 5. x's columns, dW1
+        {dh_cols, dh_cols_scales, {"x columns", F.x_cols, cd.qt_bytes},
+         {"x column scales", F.x_cols_scales, cd.scales_bytes}}};
     for (const auto& live : phases)
       for (size_t i = 0; i < live.size(); ++i) {
         EXPECT_LE(live[i].at + live[i].bytes, region) << live[i].name << " past the region, R=" << R;

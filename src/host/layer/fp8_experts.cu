@@ -4,17 +4,19 @@
 //   Forward: x quantised once 1x128 along d -> up-projection on the gathered rows, its GLU epilogue
 //   writing H's E4M3 copy (saved) and A's -> down-projection Y [R, d] bf16 -> out = Σ score·Y.
 //   Backward: dout quantised once -> dA' = dout[row_token]·W2 -> the SwiGLU backward (A recomputed
-//   from the saved H, d scores, dH and its E4M3 rows, A' = score·A) -> the router's part (layer
-//   calls) -> dW2 from the columns of dout and A' -> dX~ = dH·W1 -> dx -> dW1 from the columns of
-//   x and dH. The column operands are cut per expert into 128-row chunks (machmoe/fp8.hpp).
+//   from the saved H, d scores, dH and A' = score·A) fused with their quantisation: dH's E4M3 rows
+//   and the column operands of dH and A' (dH and A' never reach memory) -> the router's part
+//   (layer calls) -> dW2 from the columns of dout and A' -> dX~ = dH·W1 -> dx -> dW1 from the
+//   columns of x and dH. The column operands are cut per expert into 128-row chunks
+//   (machmoe/fp8.hpp).
 // The workspace regions: host/layer/layer_layout.hpp (ExpertsForwardScratch, Fp8BackwardScratch).
 #include <string>
 
 #include "host/common/check.hpp"
 #include "host/layer/experts_internal.hpp"
 #include "host/layer/layer_layout.hpp"
+#include "host/quant/quant_internal.hpp"
 #include "machmoe/fp8.hpp"
-#include "machmoe/fp8_swiglu.hpp"
 #include "machmoe/fp8_wgrad.hpp"
 #include "machmoe/machmoe.hpp"
 
@@ -126,9 +128,7 @@ void experts_backward_fp8(const ExpertsBackwardRun& r, cudaStream_t stream) {
   int32_t* row_token = at<int32_t>(ws, r.scratch.row_token);
   int32_t* tile_offsets = at<int32_t>(ws, r.scratch.tile_offsets);
   int32_t* chunk_offsets = at<int32_t>(ws, F.chunk_offsets);
-  auto* dh = at<__nv_bfloat16>(ws, r.scratch.dh);            // [R, n1]
-  auto* a_prime = at<__nv_bfloat16>(region, F.a_prime);      // [R, n] score·A, through dW2
-  auto* dx_rows = at<__nv_bfloat16>(region, F.dx_rows);      // [R, d], in the region's dX~ phase
+  auto* dx_rows = at<__nv_bfloat16>(region, F.dx_rows);  // [R, d], in the region's dX~ phase
   auto columns = [&](size_t codes, size_t scales) {
     return Fp8Columns{at<uint8_t>(region, codes), at<float>(region, scales)};
   };
@@ -142,21 +142,24 @@ void experts_backward_fp8(const ExpertsBackwardRun& r, cudaStream_t stream) {
                                   tile_offsets, 0);
   g.c = da, g.ldc = s.n;
   grouped_gemm_fp8(g, stream);
-  // 2. The SwiGLU backward from the saved H: d scores, dH [R, n1] and A' [R, n], bf16.
-  //    dH's E4M3 rows too, the dX~ GEMM's operand (past every phase's buffers in the region).
+  // 2. The SwiGLU backward from the saved H, fused with the quantisation of its outputs: d scores;
+  //    dH's E4M3 rows (the dX~ GEMM's operand) and columns (dW1's), A''s columns (dW2's), each
+  //    expert's rows in 128-row chunks (chunk_offsets written here, rewritten alike below).
   const Fp8Rows h = fp8_rows(const_cast<void*>(r.h), 0, R, s.n1);
   const Fp8Rows dh_q = fp8_rows(region, F.dh_q, R, s.n1);
-  SwigluBackwardFp8Args sw;
+  const Fp8Columns ap_cols = columns(F.ap_cols, F.ap_cols_scales);
+  const Fp8Columns dh_cols = columns(F.dh_cols, F.dh_cols_scales);
+  detail::SwigluBackwardColumnsFp8Args sw;
   sw.da = da, sw.hq = h.codes, sw.h_scales = h.scales, sw.scores = r.list.scores, sw.row_pair = r.row_pair;
-  sw.R = R, sw.n = s.n, sw.dh = dh, sw.a_prime = a_prime, sw.d_scores = r.d_scores;
-  sw.dh_q = dh_q.codes, sw.dh_scales = dh_q.scales;
-  swiglu_backward_fp8(sw, stream);
+  sw.R = R, sw.n = s.n, sw.expert_offsets = r.expert_offsets, sw.E = s.E, sw.chunk_offsets = chunk_offsets;
+  sw.d_scores = r.d_scores, sw.dh_q = dh_q.codes, sw.dh_scales = dh_q.scales;
+  sw.dh_qt = dh_cols.codes, sw.dh_col_scales = dh_cols.scales;
+  sw.ap_qt = ap_cols.codes, sw.ap_col_scales = ap_cols.scales;
+  detail::swiglu_backward_columns_fp8(sw, stream);
   if (r.after_scores) r.after_scores();  // a layer's router backward (d_logits from d scores)
   // 3. dW2 [E, d, n] = Σ doutᵀ·A' over each expert's rows, both cut into 128-row chunks.
   const Fp8Columns dout_cols = columns(F.dout_cols, F.dout_cols_scales);
-  const Fp8Columns ap_cols = columns(F.ap_cols, F.ap_cols_scales);
   quantize_columns(r.dout, s.T, s.d, row_token, r, chunk_offsets, dout_cols, stream);
-  quantize_columns(a_prime, R, s.n, nullptr, r, chunk_offsets, ap_cols, stream);
   wgrad(dout_cols, s.d, ap_cols, s.n, chunk_offsets, s.E, F.max_chunks, r.dw2, r.grad_dtype, false,
         r.weights_max_ctas, stream);
   // 4. dX~ [R, d] = dH·W1 (dH's E4M3 rows from step 2; W1's transposed copy [E, d, n1]), then dx.
@@ -166,9 +169,7 @@ void experts_backward_fp8(const ExpertsBackwardRun& r, cudaStream_t stream) {
   aggregate_input_gradient(r, dx_rows, stream);
   // 5. dW1 [E, n1, d] = (Σ xᵀ·dH)ᵀ over each expert's rows (x gathered by row_token).
   const Fp8Columns x_cols = columns(F.x_cols, F.x_cols_scales);
-  const Fp8Columns dh_cols = columns(F.dh_cols, F.dh_cols_scales);
   quantize_columns(r.x, s.T, s.d, row_token, r, chunk_offsets, x_cols, stream);
-  quantize_columns(dh, R, s.n1, nullptr, r, chunk_offsets, dh_cols, stream);
   wgrad(x_cols, s.d, dh_cols, s.n1, chunk_offsets, s.E, F.max_chunks, r.dw1, r.grad_dtype, true, r.weights_max_ctas,
         stream);
 }

@@ -70,41 +70,44 @@ inline size_t fp8_rows_bytes(int64_t rows, int64_t cols) {
   return static_cast<size_t>(rows) * static_cast<size_t>(cols + 4 * ceil_div(cols, int64_t{128}));
 }
 
-// The FP8 backward's scratch (host/layer/fp8_experts.cu) besides the gather index and dH of the
-// bf16 one's. One region that its phases share: A' [R, n] bf16 (score·A, written with dH) first,
-// beside dout's E4M3 rows and dA' [R, n] bf16 (dA' = dout·W2), then beside the column operands
-// of dW2 (dout and A'); then dX~ [R, d] bf16; then the column operands of dW1 (x and dH). dH's
-// E4M3 rows, written with dH and read by the dX~ GEMM, lie past all of these. The column
-// operands' chunk offsets [E+1] have a block of their own.
+// The FP8 backward's scratch (host/layer/fp8_experts.cu) besides the gather index. One region
+// that its steps share; a buffer lives from the step that writes it to the last that reads it:
+//   dH's columns (dW1's operand) 2-5, from the fused SwiGLU backward to dW1;
+//   A''s columns (dW2's operand) 2-3, beside dH's;
+//   dout's E4M3 rows and dA' [R, n] bf16 (dA' = dout·W2) 1-2, past A''s columns;
+//   dout's columns 3, past A''s; dX~ [R, d] bf16 4 and x's columns 5, past dH's columns;
+//   dH's E4M3 rows 2-4 (the dX~ GEMM's operand), past all of these.
+// dH and A' themselves never reach memory (the fused kernel writes their E4M3 forms only). The
+// column operands' chunk offsets [E+1] have a block of their own.
 struct Fp8BackwardScratch {
   size_t region = 0, region_bytes = 0, chunk_offsets = 0;
-  // Offsets inside `region`, by phase: A' and dA'; A' and dW2's operands; dX~; dW1's operands;
-  // dH's rows through the first three.
-  size_t a_prime = 0, dout_q = 0, da = 0;
-  size_t dout_cols = 0, dout_cols_scales = 0, ap_cols = 0, ap_cols_scales = 0;
-  size_t dx_rows = 0, dh_q = 0;
-  size_t x_cols = 0, x_cols_scales = 0, dh_cols = 0, dh_cols_scales = 0;
+  // Offsets inside `region` (the steps above).
+  size_t dh_cols = 0, dh_cols_scales = 0, ap_cols = 0, ap_cols_scales = 0;
+  size_t dout_q = 0, da = 0;
+  size_t dout_cols = 0, dout_cols_scales = 0;
+  size_t dx_rows = 0, x_cols = 0, x_cols_scales = 0;
+  size_t dh_q = 0;
   int64_t max_chunks = 0;  // the column operands' chunk bound (fp8_columns_layout), all three widths
   void carve(Carve& b, const ExpertsShape& s, int64_t R) {
     const Fp8ColumnsLayout cd = fp8_columns_layout(R, s.E, s.d), cn = fp8_columns_layout(R, s.E, s.n),
                            cn1 = fp8_columns_layout(R, s.E, s.n1);
     max_chunks = cd.max_chunks;
-    Carve a;  // A' [R, n] bf16, through the dW2 phase
-    a_prime = a.take(static_cast<size_t>(R) * static_cast<size_t>(s.n) * 2);
-    Carve dgrad = a;  // dout's E4M3 rows, dA' [R, n] bf16
+    Carve h;  // dH's columns, steps 2-5
+    dh_cols = h.take(cn1.qt_bytes), dh_cols_scales = h.take(cn1.scales_bytes);
+    Carve a = h;  // A''s columns, steps 2-3
+    ap_cols = a.take(cn.qt_bytes), ap_cols_scales = a.take(cn.scales_bytes);
+    Carve dgrad = a;  // dout's E4M3 rows, dA' [R, n] bf16: steps 1-2
     dout_q = dgrad.take(fp8_rows_bytes(s.T, s.d));
     da = dgrad.take(static_cast<size_t>(R) * static_cast<size_t>(s.n) * 2);
-    Carve w2grad = a;  // doutᵀ and A'ᵀ by expert chunks
+    Carve w2grad = a;  // doutᵀ by expert chunks: step 3
     dout_cols = w2grad.take(cd.qt_bytes), dout_cols_scales = w2grad.take(cd.scales_bytes);
-    ap_cols = w2grad.take(cn.qt_bytes), ap_cols_scales = w2grad.take(cn.scales_bytes);
-    Carve xgrad;  // dX~ [R, d] bf16
+    Carve xgrad = h;  // dX~ [R, d] bf16: step 4
     dx_rows = xgrad.take(static_cast<size_t>(R) * static_cast<size_t>(s.d) * 2);
-    Carve w1grad;  // xᵀ and dHᵀ by expert chunks
+    Carve w1grad = h;  // xᵀ by expert chunks: step 5
     x_cols = w1grad.take(cd.qt_bytes), x_cols_scales = w1grad.take(cd.scales_bytes);
-    dh_cols = w1grad.take(cn1.qt_bytes), dh_cols_scales = w1grad.take(cn1.scales_bytes);
     Carve all;
     all.bytes = std::max({dgrad.bytes, w2grad.bytes, xgrad.bytes, w1grad.bytes});
-    dh_q = all.take(fp8_rows_bytes(R, s.n1));  // dH's E4M3 rows [R, n1] and scales
+    dh_q = all.take(fp8_rows_bytes(R, s.n1));  // dH's E4M3 rows [R, n1] and scales: steps 2-4
     region_bytes = all.bytes;
     region = b.take(region_bytes);
     chunk_offsets = b.take(cd.chunk_offsets_bytes);
@@ -149,12 +152,12 @@ struct ExpertsBackwardScratch {
   void carve(Carve& b, const ExpertsShape& s, int64_t R, int64_t shared = 0) {
     const size_t r = static_cast<size_t>(R), es = s.elem;
     row_token = b.take(r * 4);                                   // [R] row -> token
-    dh = b.take(r * static_cast<size_t>(s.n1) * es);             // [R, n1] dH
-    if (s.precision == Precision::FP8) {  // A' and dX~ in the FP8 region; no dH kernel partials, no biases
+    if (s.precision == Precision::FP8) {  // no bf16 dH or A'; dX~ in the FP8 region; no partials, no biases
       tile_offsets = b.take((static_cast<size_t>(s.E) + 1) * 4);
       fp8.carve(b, s, R);
       return;
     }
+    dh = b.take(r * static_cast<size_t>(s.n1) * es);             // [R, n1] dH
     a_prime = b.take(r * static_cast<size_t>(s.n) * es);         // [R, n] A' = s·act(H)
     dx_rows = b.take(r * static_cast<size_t>(s.d) * es);         // [R, d] dX~ = dH·W1
     ds_tiles = grouped_gemm_column_tiles(s.n);

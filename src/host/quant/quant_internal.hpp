@@ -1,5 +1,7 @@
 // Host helpers shared by the FP8 quantisation launchers (quantize_rows.cu, quantize_columns.cu,
-// quantize_weights.cu): the argument rules of a bf16 row source and the persistent grid size.
+// quantize_weights.cu, fp8_swiglu_columns.cu): the argument rules of a bf16 row source and the
+// persistent grid size; the column layout's chunk offsets; and the library-internal fused SwiGLU
+// backward with the column operands (the FP8 experts' backward calls it).
 #pragma once
 
 #include <algorithm>
@@ -8,6 +10,7 @@
 #include <string>
 
 #include "host/common/check.hpp"
+#include "machmoe/fp8.hpp"
 #include "machmoe/machmoe.hpp"
 
 namespace machmoe::detail {
@@ -42,5 +45,43 @@ inline int persistent_blocks(const void* kernel, int threads, int64_t block_item
   const int64_t resident = int64_t{per_sm} * device_info().sm_count;
   return static_cast<int>(std::max<int64_t>(1, std::min(block_items, resident)));
 }
+
+// chunk_offsets [E+1] of the column layout (machmoe/fp8.hpp) from expert_offsets [E+1], on the
+// device (one small kernel on `stream`, no host sync): what quantize_columns_fp8 writes first.
+// Takes checked arguments (quantize_columns.cu).
+void launch_fp8_chunk_offsets(const int32_t* expert_offsets, int64_t E, int64_t R, int32_t* chunk_offsets,
+                              cudaStream_t stream);
+
+// The FP8 experts' SwiGLU backward (machmoe/fp8_swiglu.hpp states the math) fused with the column
+// quantisation of its dH and A' (kernels/layer/fp8_swiglu_columns.cuh), for rows grouped by
+// expert (expert_offsets [E+1], device). Writes bitwise what these write, without dH or A' in
+// memory:
+//   swiglu_backward_fp8 (with dh_q):   d_scores, dh_q / dh_scales  (for the experts' rows)
+//   quantize_columns_fp8 of dH:        chunk_offsets, dh_qt [2n, r_pad], dh_col_scales [2n, max_chunks]
+//   quantize_columns_fp8 of A':        ap_qt [n, r_pad], ap_col_scales [n, max_chunks]
+// (r_pad, max_chunks: fp8_columns_layout(R, E, ·)). Rows outside [off[0], off[E]) are not
+// computed (their d score and dH rows are not written). Rules (Error InvalidArgument naming the
+// argument): n >= 16 and a multiple of 16; 0 <= R < 2^31; 1 <= E < 2^31 - 1; da, dh_qt, ap_qt
+// 16-byte aligned; hq, dh_q 8-byte aligned; the rest 4-byte aligned; no pointer null when R > 0
+// (expert_offsets and chunk_offsets never).
+struct SwigluBackwardColumnsFp8Args {
+  const void* da = nullptr;                 // [R, n] bf16 dA'
+  const uint8_t* hq = nullptr;              // [R, 2n] E4M3 codes of H
+  const float* h_scales = nullptr;          // [R, fp8_tiles(2n)]
+  const float* scores = nullptr;            // [pairs] fp32
+  const int32_t* row_pair = nullptr;        // [R]
+  int64_t R = 0, n = 0;
+  const int32_t* expert_offsets = nullptr;  // [E+1] device
+  int64_t E = 0;
+  int32_t* chunk_offsets = nullptr;         // [E+1] out
+  float* d_scores = nullptr;                // [pairs]: written at row_pair[r]
+  uint8_t* dh_q = nullptr;                  // [R, 2n] E4M3
+  float* dh_scales = nullptr;               // [R, fp8_tiles(2n)]
+  uint8_t* dh_qt = nullptr;                 // [2n, r_pad] E4M3
+  float* dh_col_scales = nullptr;           // [2n, max_chunks]
+  uint8_t* ap_qt = nullptr;                 // [n, r_pad] E4M3
+  float* ap_col_scales = nullptr;           // [n, max_chunks]
+};
+void swiglu_backward_columns_fp8(const SwigluBackwardColumnsFp8Args& args, cudaStream_t stream);
 
 }  // namespace machmoe::detail

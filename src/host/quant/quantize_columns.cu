@@ -23,6 +23,13 @@ void check_layout_shape(const char* fn, int64_t R, int64_t E, int64_t d) {
 
 }  // namespace
 
+void detail::launch_fp8_chunk_offsets(const int32_t* expert_offsets, int64_t E, int64_t R, int32_t* chunk_offsets,
+                                      cudaStream_t stream) {
+  namespace k = kernels::fp8;
+  k::fp8_chunk_offsets_kernel<<<1, k::kScanThreads, 0, stream>>>(expert_offsets, E, R, chunk_offsets);
+  check_launch("fp8 column layout: chunk offsets");
+}
+
 Fp8ColumnsLayout fp8_columns_layout(int64_t R, int64_t E, int64_t d) {
   check_layout_shape("fp8_columns_layout", R, E, d);
   // Σ_e ceil(rows(e) / 128) over the k nonempty experts is at most k + (R - k) / 128, which grows
@@ -54,11 +61,10 @@ void quantize_columns_fp8(const QuantizeColumnsArgs& a, cudaStream_t stream) {
   require_arg(layout.qt_bytes / static_cast<size_t>(a.d) == static_cast<size_t>(layout.r_pad), fn, "d*r_pad",
               "overflows size_t");
 
-  namespace k = kernels::fp8;
-  k::fp8_chunk_offsets_kernel<<<1, k::kScanThreads, 0, stream>>>(a.expert_offsets, a.E, a.R, a.chunk_offsets);
-  check_launch("quantize_columns_fp8: chunk offsets");
+  detail::launch_fp8_chunk_offsets(a.expert_offsets, a.E, a.R, a.chunk_offsets, stream);
   if (layout.max_chunks == 0) return;
 
+  namespace k = kernels::fp8;
   k::ColumnsParams p;
   p.x = static_cast<const __nv_bfloat16*>(a.x);
   p.ld = a.ld, p.T = a.T, p.gather = a.gather, p.R = a.R, p.d = a.d;

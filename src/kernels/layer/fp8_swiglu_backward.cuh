@@ -5,20 +5,20 @@
 //   d_scores[row_pair[r]] = Σ_j dA'[r, j]·A[r, j]
 //   dH[r, 2j]   = s·dA'·u·σ·(1 + g·(1 − σ)),  dH[r, 2j+1] = s·dA'·act     (bf16)
 //   A'[r, j]    = s·A                                                     (bf16, dW2's operand)
-// All in fp32 from the bf16 dA' and the exact E4M3 values. One warp per row; lane l takes groups
-// of four j (8 bytes of dA', 8 of H, one scale: the group's eight H columns lie in one 128-column
-// tile); the d score's sum is the warp's, in a fixed order: deterministic.
+// All in fp32 from the bf16 dA' and the exact E4M3 values (fp8_swiglu_math.cuh). One warp per
+// row; lane l takes groups of four j (8 bytes of dA', 8 of H, one scale: the group's eight H
+// columns lie in one 128-column tile); the d score's sum is the warp's, in a fixed order:
+// deterministic.
 // Optionally (dh_q given) dH is also quantised along its rows, 1x128 tiles, from the bf16 values
 // written (bitwise what fp8_quantize_rows of dH gives): in an iteration the warp's 32 groups are
 // 256 columns, two tiles, one per half-warp, whose amax is a 16-lane shuffle reduction.
 #pragma once
 
 #include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
 
 #include <cstdint>
 
+#include "kernels/layer/fp8_swiglu_math.cuh"
 #include "kernels/quant/fp8_common.cuh"
 
 namespace machmoe::kernels {
@@ -37,13 +37,6 @@ struct Fp8SwigluBackwardParams {
   uint8_t* dh_q;            // [R, 2n] E4M3 of dH, or null (not quantised)
   float* dh_scales;         // [R, h_tiles] with dh_q
 };
-
-// Two E4M3 codes (low byte first) times the tile's scale, in fp32 (E4M3 is exact in half).
-__device__ __forceinline__ float2 fp8x2_value(uint32_t two_codes, float s) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_codes), __NV_E4M3);
-  const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&h));
-  return make_float2(v.x * s, v.y * s);
-}
 
 template <int kWarps>
 __global__ void __launch_bounds__(kWarps * 32) fp8_swiglu_backward(const Fp8SwigluBackwardParams p) {
@@ -67,30 +60,10 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_swiglu_backward(const Fp8Swig
         const uint2 da4 = *reinterpret_cast<const uint2*>(da_row + 4 * c);
         const uint2 h8 = *reinterpret_cast<const uint2*>(h_row + 8 * c);
         const float hs = sc_row[(8 * c) / 128];
-        const float2 d01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&da4.x));
-        const float2 d23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&da4.y));
-        const float da[4] = {d01.x, d01.y, d23.x, d23.y};
-        const float2 gu[4] = {fp8x2_value(h8.x & 0xffffu, hs), fp8x2_value(h8.x >> 16, hs),
-                              fp8x2_value(h8.y & 0xffffu, hs), fp8x2_value(h8.y >> 16, hs)};
-        __nv_bfloat162 dh[4];
-        float ap[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const float g = gu[k].x, u = gu[k].y;
-          const float sig = 1.f / (1.f + __expf(-g));
-          const float act = g * sig, a = act * u;
-          dot += da[k] * a;
-          const float sda = s * da[k];
-          dh[k] = __floats2bfloat162_rn(sda * u * sig * (1.f + g * (1.f - sig)), sda * act);
-          ap[k] = s * a;
-        }
-        dh8 = *reinterpret_cast<const uint4*>(dh);
+        const SwigluGroup gr = swiglu_backward_group(da4, h8, hs, s, dot);
+        dh8 = gr.dh8;
         *reinterpret_cast<uint4*>(p.dh + r * 2 * p.n + 8 * c) = dh8;
-        const __nv_bfloat162 a01 = __floats2bfloat162_rn(ap[0], ap[1]), a23 = __floats2bfloat162_rn(ap[2], ap[3]);
-        uint2 a4;
-        a4.x = *reinterpret_cast<const uint32_t*>(&a01);
-        a4.y = *reinterpret_cast<const uint32_t*>(&a23);
-        *reinterpret_cast<uint2*>(p.a_prime + r * p.n + 4 * c) = a4;
+        *reinterpret_cast<uint2*>(p.a_prime + r * p.n + 4 * c) = gr.a4;
       }
       if (p.dh_q != nullptr) {  // (uniform over the grid)
         const fp8::TileScale t = fp8::tile_scale(fp8::group_max_bits<16>(fp8::abs_max_bits8(dh8)));

@@ -21,33 +21,22 @@
 // dH (d = 1024) 0.288 -> 0.251 ms, A' (d = 512) 0.149 -> 0.132 ms, 7B-a x/dout (d = 1536)
 // 0.323 -> 0.267 ms. 3 stages gained nothing; 4 stages, 512 threads, 5 CTAs per SM (64-column
 // slabs), cp.async's L2::256B prefetch hint and slab-major item orders did not help or lost.
-// Included by host/quant/quantize_columns.cu only.
+// The tile step (reduce, scales, codes, store) is columns_tile.cuh's. Included by
+// host/quant/quantize_columns.cu only.
 #pragma once
 
 #include "kernels/ptx/sm90_ptx.cuh"
-#include "kernels/quant/fp8_common.cuh"
+#include "kernels/quant/columns_tile.cuh"
 
 namespace machmoe::kernels::fp8 {
 
 constexpr int kScanThreads = 1024;
 
-// The tiling (the header says why 128-column slabs): 256-byte row segments per item.
-constexpr int kColsSlab = 128;                         // columns per item
-constexpr int kColsThreads = 256;                      // 8 warps: 2 column groups x 4 row groups
-constexpr int kColsCtasPerSm = 2;                      // what shared memory allows (80 KiB each)
-constexpr int kColGroups = kColsSlab / 64;             // 64 columns (32 words) per warp
-constexpr int kRowGroups = kColsThreads / kWarpSize / kColGroups;
-constexpr int kRowsPerWarp = kTile / kRowGroups;       // 32 rows each warp reduces
-constexpr int kWordsPerRow = kColsSlab / 2;            // 32-bit words (bf16 pairs) per tile row
-constexpr int kUnitsPerRow = kColsSlab / 8;            // 16-byte units of x per tile row
-constexpr int kInUnits = kTile * kUnitsPerRow;         // one input tile [128 rows][128] bf16, 32 KiB
+// The quantiser's own tiling beside columns_tile.cuh's: how an item's input tile is loaded.
+constexpr int kColsCtasPerSm = 2;                        // what shared memory allows (80 KiB each)
 constexpr int kLoadsPerThread = kInUnits / kColsThreads;
-constexpr int kOutUnits = kColsSlab * kTile / 16;      // [128 columns][128 codes] e4m3, 16 KiB
-constexpr int kStoresPerThread = kOutUnits / kColsThreads;
 constexpr int kRowStride = kColsThreads / kUnitsPerRow;  // tile rows between a thread's loads
-static_assert(kRowsPerWarp % 16 == 0, "each warp quantises whole 16-code units");
 static_assert(kInUnits % kColsThreads == 0 && kColsThreads % kUnitsPerRow == 0, "whole rows per thread");
-static_assert(kOutUnits % kColsThreads == 0, "whole stores per thread");
 
 struct ColumnsParams {
   const __nv_bfloat16* x;        // [T, d], ld
@@ -61,15 +50,6 @@ struct ColumnsParams {
   uint8_t* qt;                   // [d, r_pad]
   float* scales;                 // [d, max_chunks]
 };
-
-// Expert e's row range, clamped into [0, R]: offsets are device data the host never checks, so
-// invalid ones may give a meaningless result but never an access outside the buffers.
-__device__ __forceinline__ void expert_rows(const int32_t* offsets, int64_t R, int64_t e, int64_t* begin,
-                                            int64_t* end) {
-  *begin = min64(max64(offsets[e], 0), R);
-  *end = min64(max64(offsets[e + 1], 0), R);
-  if (*end < *begin) *end = *begin;
-}
 
 // chunk_offsets [E+1] from expert_offsets: one block of 1024 threads scans E in steps of 1024.
 // (Non-decreasing by construction, whatever the offsets: the expert searches below rely on it.)
@@ -204,74 +184,6 @@ __device__ __forceinline__ void issue_item(const ColumnsParams& p, const StagedI
   sm90::cp_async_commit();
 }
 
-// Reduce: warp (row group rg, column group cg) reads rows [32·rg, 32·rg + 32) of the input tile
-// [128 rows][64 words]; lane's word column wcol = 32·cg + lane holds the slab's columns 2·wcol
-// (low halves) and 2·wcol + 1 (high halves). Returns the chunk's amax of both columns (two bf16
-// |bits|), w keeps the lane's 32 words for the quantisation. The 4 row groups' partials meet in
-// the tile itself: each warp's in the first row it read, which no other warp reads. Contains the
-// item's second barrier.
-__device__ __forceinline__ uint32_t reduce_amax2(uint32_t* in_words, int rg, int wcol, uint32_t (&w)[kRowsPerWarp]) {
-  constexpr int RW = kRowsPerWarp;
-  uint32_t m = 0;
-#pragma unroll
-  for (int k = 0; k < RW; ++k) {
-    w[k] = in_words[(rg * RW + k) * kWordsPerRow + wcol];  // 32 consecutive words: 32 banks
-    m = __vmaxu2(m, w[k] & kBf16AbsMask2);
-  }
-  in_words[rg * RW * kWordsPerRow + wcol] = m;  // where this lane read w[0]
-  __syncthreads();
-#pragma unroll
-  for (int k = 0; k < kRowGroups; ++k) m = __vmaxu2(m, in_words[k * RW * kWordsPerRow + wcol]);
-  return m;
-}
-
-// Quantise: the codes of the lane's two columns for its warp's 32 rows (4 rows per word, rows in
-// order) into out_tile [128 columns][8 units of 16 codes], units xor-swizzled by (column / 2) % 8
-// so that both the writes here and the column-wise reads of the store are conflict-free.
-__device__ __forceinline__ void quantize_codes(const uint32_t (&w)[kRowsPerWarp], const TileScale& s_lo,
-                                               const TileScale& s_hi, int rg, int wcol, int nrows, uint4* out_tile) {
-  constexpr int RW = kRowsPerWarp;
-  uint32_t q_lo[RW / 4], q_hi[RW / 4];
-#pragma unroll
-  for (int k = 0; k < RW / 4; ++k) {
-    const uint32_t a0 = w[4 * k], a1 = w[4 * k + 1], a2 = w[4 * k + 2], a3 = w[4 * k + 3];
-    // Regroup by column: low halves (column 2·wcol) of four rows, then the high halves.
-    q_lo[k] = quantize4(__byte_perm(a0, a1, 0x5410), __byte_perm(a2, a3, 0x5410), s_lo);
-    q_hi[k] = quantize4(__byte_perm(a0, a1, 0x7632), __byte_perm(a2, a3, 0x7632), s_hi);
-  }
-  // A non-finite column: NaN codes for its real rows, zeros (padding) past the expert's end.
-  if (s_lo.bad || s_hi.bad) {
-#pragma unroll
-    for (int k = 0; k < RW / 4; ++k) {
-      uint32_t mask = 0;
-#pragma unroll
-      for (int b = 0; b < 4; ++b)
-        if (rg * RW + 4 * k + b < nrows) mask |= 0xffu << (8 * b);
-      if (s_lo.bad) q_lo[k] = kE4M3Nan4 & mask;
-      if (s_hi.bad) q_hi[k] = kE4M3Nan4 & mask;
-    }
-  }
-  const int swz = wcol % 8;  // (column / 2) % 8 for both columns 2·wcol and 2·wcol + 1
-#pragma unroll
-  for (int j = 0; j < RW / 16; ++j) {
-    const int unit = (rg * RW / 16 + j) ^ swz;
-    out_tile[(2 * wcol) * 8 + unit] = make_uint4(q_lo[4 * j], q_lo[4 * j + 1], q_lo[4 * j + 2], q_lo[4 * j + 3]);
-    out_tile[(2 * wcol + 1) * 8 + unit] = make_uint4(q_hi[4 * j], q_hi[4 * j + 1], q_hi[4 * j + 2], q_hi[4 * j + 3]);
-  }
-}
-
-// Store: out_tile's codes as whole 128-byte qt row segments, qt[col0 + col, 128c + [0, 128)]:
-// eight consecutive threads write one column's 128 bytes.
-__device__ __forceinline__ void store_codes(const ColumnsParams& p, const uint4* out_tile, int64_t c, int64_t col0,
-                                            int ncols, int tid) {
-#pragma unroll
-  for (int i = 0; i < kStoresPerThread; ++i) {
-    const int u = tid + kColsThreads * i, col = u / 8, unit = u % 8;
-    const uint4 val = out_tile[col * 8 + (unit ^ ((col / 2) % 8))];
-    if (col < ncols) store16(p.qt + (col0 + col) * p.r_pad + c * kTile + unit * 16, val);
-  }
-}
-
 // Shared memory (dynamic, 80 KiB + 64 bytes: two CTAs per SM of an H100/H200's 228 KiB, not
 // three): 2 input tiles [128 rows][128 bf16] | out_tile [128 columns][128 codes] | 2 ColumnsItem
 // (the item each input tile holds).
@@ -320,7 +232,7 @@ __global__ void __launch_bounds__(kColsThreads, kColsCtasPerSm) fp8_quantize_col
     }
     quantize_codes(w, s_lo, s_hi, rg, wcol, it.nrows, out_tile);
     __syncthreads();
-    store_codes(p, out_tile, it.c, it.col0, it.ncols, tid);
+    store_codes(p.qt, p.r_pad, out_tile, it.c, it.col0, it.ncols, tid);
     // No barrier here: out_tile is next written after the next item's second barrier, which
     // every thread reaches after its stores' reads of it.
     stage ^= 1;
