@@ -100,6 +100,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="held-out batches (the corpus's last 5%%, then not trained on) whose mean loss is "
                         "measured every --eval-every steps and after the last; 0: no evaluation")
     p.add_argument("--eval-every", type=int, default=0, help="0: only after the last step")
+    p.add_argument("--eval-other-precision", action="store_true",
+                   help="machmoe-fused / machmoe-fp8: also measure each held-out loss with the fused "
+                        "blocks' routed experts in the other precision (bf16 <-> fp8), which separates "
+                        "what evaluating in a precision costs from what training in it does")
     p.add_argument("--skip-timing", type=int, default=2,
                    help="first steps left out of tokens/s (allocator and kernel warm-up)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -234,6 +238,30 @@ def compute_dtype_of(args, dist: Distributed) -> torch.dtype:
     return getattr(torch, args.dtype)
 
 
+def fused_blocks(model) -> list:
+    """The model's blocks fused by machmoe (machmoe-fused, machmoe-fp8), in module order."""
+    from machmoe.integrations.transformers import FusedSparseMoeBlock
+    return [m for m in model.modules() if isinstance(m, FusedSparseMoeBlock)]
+
+
+@contextlib.contextmanager
+def experts_precision(blocks: list, precision):
+    """The fused blocks' routed experts in `precision` inside the block, as trained after it."""
+    saved = [(b.precision, b.__dict__.get("fp8_cache")) for b in blocks]
+    try:
+        for b in blocks:
+            b.precision = precision
+            if precision.value == "fp8" and b.__dict__.get("fp8_cache") is None:
+                from machmoe import fp8_layer
+                b.fp8_cache = fp8_layer.new_cache()
+        yield
+    finally:
+        for b, (precision_was, cache) in zip(blocks, saved):
+            b.precision = precision_was
+            if cache is None:
+                b.__dict__.pop("fp8_cache", None)
+
+
 def build_model(args, implementation: str, dist: Distributed):
     """The model with the same random weights for every implementation (the seed is reset here).
 
@@ -306,6 +334,13 @@ def train(args, implementation: str, dist: Distributed, corpus: torch.Tensor) ->
     # With held-out batches the training windows come from the rest of the corpus only.
     train_corpus, held_out = split_held_out(corpus, 0.05) if args.eval_batches else (corpus, None)
 
+    fused = fused_blocks(model)
+    trained_in = fused[0].precision if fused else None
+    other = None
+    if args.eval_other_precision and trained_in is not None:
+        from machmoe.enums import Precision
+        other = Precision.BF16 if trained_in == Precision.FP8 else Precision.FP8
+
     @torch.no_grad()
     def evaluate() -> float:
         """The mean language-model loss over the held-out batches, the model in eval mode."""
@@ -320,6 +355,12 @@ def train(args, implementation: str, dist: Distributed, corpus: torch.Tensor) ->
             total += dist.mean(lm_loss.detach().float()).item()
         model.train()
         return total / args.eval_batches
+
+    def evaluate_in(precision) -> float:
+        """evaluate() with the fused blocks' routed experts switched to `precision` (the same
+        weights; FP8 makes its own copies of them), then switched back."""
+        with experts_precision(fused, precision):
+            return evaluate()
 
     def step(index: int) -> torch.Tensor:
         input_ids = batch_for_step(train_corpus, index, args.batch, args.seq, args.seed,
@@ -337,7 +378,7 @@ def train(args, implementation: str, dist: Distributed, corpus: torch.Tensor) ->
             bias_updater.update()
         return dist.mean(lm_loss.detach().float())
 
-    losses, evals, timed_s, timed_steps = [], [], 0.0, 0
+    losses, evals, other_evals, timed_s, timed_steps = [], [], [], 0.0, 0
     for index in range(args.steps):
         start = time.perf_counter()
         loss = step(index).item()                           # .item() waits for the GPU
@@ -346,8 +387,11 @@ def train(args, implementation: str, dist: Distributed, corpus: torch.Tensor) ->
         if args.eval_batches and ((args.eval_every and (index + 1) % args.eval_every == 0)
                                   or index + 1 == args.steps):
             evals.append((index + 1, evaluate()))           # outside the timed region
+            if other is not None:
+                other_evals.append((index + 1, evaluate_in(other)))
             if dist.rank == 0:
-                print(f"[{implementation:>10}] step {index + 1}: held-out loss {evals[-1][1]:.4f} "
+                also = f" ({other_evals[-1][1]:.4f} with {other.value} experts)" if other is not None else ""
+                print(f"[{implementation:>10}] step {index + 1}: held-out loss {evals[-1][1]:.4f}{also} "
                       f"over {args.eval_batches} batches", flush=True)
         if not math.isfinite(loss):
             raise FloatingPointError(f"{implementation}: loss is {loss} at step {index + 1}")
@@ -368,6 +412,9 @@ def train(args, implementation: str, dist: Distributed, corpus: torch.Tensor) ->
     if evals:
         result["held_out"] = [{"step": s_, "loss": v} for s_, v in evals]
         result["final_held_out_loss"] = evals[-1][1]
+    if other_evals:
+        result["held_out_other_precision"] = {
+            "precision": other.value, "losses": [{"step": s_, "loss": v} for s_, v in other_evals]}
     if args.profile:
         result["profile"] = profile(args, implementation, model, step, dist)
     return result
@@ -421,6 +468,9 @@ def main(argv=None) -> dict:
     if dist.rank == 0:
         for name, run in runs.items():
             held_out = f" | held-out {run['final_held_out_loss']:.4f}" if "final_held_out_loss" in run else ""
+            if "held_out_other_precision" in run:
+                other = run["held_out_other_precision"]
+                held_out += f" ({other['losses'][-1]['loss']:.4f} with {other['precision']} experts)"
             print(f"[{name:>10}] final loss {run['final_loss']:.4f}{held_out} | {run['tokens_per_s']:,.0f} "
                   f"tok/s | peak {format_bytes(run['peak_memory_bytes'])} ({run['peak_memory_kind']})")
         if args.out:

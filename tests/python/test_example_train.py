@@ -171,6 +171,27 @@ def test_qwen3_tiny_fp8_blocks_agree_and_learn(seed, tmp_path):
     assert runs["machmoe-fp8"]["losses"] != runs["machmoe-fused"]["losses"]  # FP8 did run
 
 
+@pytest.mark.skipif(not machmoe_integration_available(), reason="machmoe's transformers integration is missing")
+def test_held_out_loss_in_the_other_precision(seed, tmp_path):
+    """--eval-other-precision: each held-out loss of a machmoe-fp8 run is also measured with the
+    fused blocks' experts in bf16, at the same steps; the switch takes effect (the values differ
+    from the FP8 ones) and is undone (training is bitwise that of a run without the option, and
+    the blocks are FP8 again afterwards)."""
+    args = ["--preset", "tiny", "--steps", "4", "--seed", str(seed), "--dtype", "bfloat16",
+            "--experts", "machmoe-fp8", "--eval-batches", "2", "--eval-every", "2", "--out", str(tmp_path)] + SMALL
+    plain = train_moe_lm.main(args)["machmoe-fp8"]
+    crossed = train_moe_lm.main(args + ["--eval-other-precision"])["machmoe-fp8"]
+    assert crossed["losses"] == plain["losses"] and crossed["held_out"] == plain["held_out"]
+    other = crossed["held_out_other_precision"]
+    assert other["precision"] == "bf16"
+    assert [e["step"] for e in other["losses"]] == [e["step"] for e in crossed["held_out"]] == [2, 4]
+    assert all(math.isfinite(e["loss"]) for e in other["losses"])
+    assert [e["loss"] for e in other["losses"]] != [e["loss"] for e in crossed["held_out"]]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["implementations"]["machmoe-fp8"]["held_out_other_precision"] == other
+    assert "held_out_other_precision" not in plain
+
+
 def test_held_out_loss_is_measured_on_the_same_batches(seed, tmp_path):
     """--eval-batches: the held-out loss (the corpus's last 5%, fixed windows) after the given
     steps and the last; the same batches for every implementation, so two runs of one
