@@ -74,19 +74,10 @@ inline CUtensorMap tensor_map_2d(const void* ptr, int64_t rows, int64_t cols, in
   return encode_bf16_map(ptr, 2, dims, strides, box, fn);
 }
 
-// W [E, K, N] (N contiguous) as a 3-D map {N, K, E} with boxes of 64 N x box_k K rows of one
-// expert: K rows past the expert's K read as zeros, never the next expert's rows.
-inline CUtensorMap tensor_map_nmajor(const void* ptr, int64_t E, int64_t K, int64_t N, int box_k, const char* fn) {
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(N), static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(E)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(N) * 2, static_cast<cuuint64_t>(K * N) * 2};
-  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_k), 1};
-  return encode_bf16_map(ptr, 3, dims, strides, box, fn);
-}
-
-// An [E, rows, cols] bf16 output (cols contiguous, experts rows·cols apart) as a 3-D map
+// An [E, rows, cols] bf16 tensor (cols contiguous, experts rows·cols apart) as a 3-D map
 // {cols, rows, E} with boxes of box_cols x box_rows of one expert (box_cols = 64: one 128-byte
-// swizzle row). For TMA stores of per-expert tiles: the bounds clip a box at the expert's last row
-// and column, so a partial tile never writes into the next expert's slice.
+// swizzle row). The bounds clip a box at the expert's last row and column: a load past them reads
+// zeros, a store past them writes nothing, never the next expert's slice.
 inline CUtensorMap tensor_map_experts(const void* ptr, int64_t E, int64_t rows, int64_t cols, int box_cols,
                                       int box_rows, const char* fn) {
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
@@ -94,6 +85,12 @@ inline CUtensorMap tensor_map_experts(const void* ptr, int64_t E, int64_t rows, 
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols) * 2, static_cast<cuuint64_t>(rows * cols) * 2};
   const cuuint32_t box[3] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows), 1};
   return encode_bf16_map(ptr, 3, dims, strides, box, fn);
+}
+
+// W [E, K, N] (N contiguous, an N-major GEMM operand) in boxes of 64 N x box_k K rows of one
+// expert: K rows past the expert's K read as zeros, never the next expert's rows.
+inline CUtensorMap tensor_map_nmajor(const void* ptr, int64_t E, int64_t K, int64_t N, int box_k, const char* fn) {
+  return tensor_map_experts(ptr, E, K, N, 64, box_k, fn);
 }
 
 }  // namespace machmoe::detail
