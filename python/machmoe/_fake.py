@@ -74,9 +74,9 @@ class SavedLayout(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def layer_saved_layout(n: int, E: int, K: int, activation: str, rounding: str, tile_m: int,
-                       write_h: bool = True, num_shared: int = 0) -> SavedLayout:
+                       write_h: bool = True, num_shared: int = 0, fp8: bool = False) -> SavedLayout:
     return SavedLayout.decode(torch.ops.machmoe.layer_saved_layout(n, E, K, activation, rounding, tile_m, write_h,
-                                                                   num_shared))
+                                                                   num_shared, fp8))
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,10 +84,12 @@ def experts_saved_layout(n: int, E: int, activation: str) -> SavedLayout:
     return SavedLayout.decode(torch.ops.machmoe.experts_saved_layout(n, E, activation))
 
 
-def layer_saved_bytes(T, n, E, K, activation: str, rounding: str, tile_m, write_h: bool = True, num_shared: int = 0):
-    """Bytes of layer_forward's saved block (without H for inference); T may be symbolic."""
+def layer_saved_bytes(T, n, E, K, activation: str, rounding: str, tile_m, write_h: bool = True, num_shared: int = 0,
+                      fp8: bool = False):
+    """Bytes of layer_forward's saved block (without H for inference; fp8: H in E4M3 with its
+    scales); T may be symbolic."""
     layout = layer_saved_layout(int(n), int(E), int(K), activation, rounding, int(tile_m), bool(write_h),
-                                int(num_shared))
+                                int(num_shared), bool(fp8))
     return layout.nbytes(layout.rows(T), T)
 
 
@@ -144,11 +146,11 @@ def _token_rounding_backward(logits, topk_scores, topk_experts, token_offsets, e
 def _layer_forward(x, router_weight, w1, b1, w2, b2, selection_bias, K, activation, layout, routing,
                    renormalize, rounding, tile_m, seed, write_h=True, router_bias=None, routed_scaling_factor=1.0,
                    n_group=1, topk_group=1, glu_clamp=(), w1_shared=None, b1_shared=None, w2_shared=None,
-                   b2_shared=None, shared_scores=None, shared_gate=None):
+                   b2_shared=None, shared_scores=None, shared_gate=None, fp8_weights=None):
     T, d = x.shape
     E, n = w1.shape[0], w2.shape[2]
     S = 0 if w1_shared is None else w1_shared.shape[0]
-    saved = layer_saved_bytes(T, n, E, K, activation, rounding, tile_m, write_h, S)
+    saved = layer_saved_bytes(T, n, E, K, activation, rounding, tile_m, write_h, S, fp8_weights is not None)
     return x.new_empty(T, d), x.new_empty((), dtype=torch.float32), x.new_empty(saved, dtype=torch.uint8)
 
 
@@ -163,7 +165,7 @@ def _weight_grads(x, w1, b1, w2):
 def _layer_backward(x, router_weight, w1, b1, w2, b2, saved, dout, d_aux, K, activation, layout, routing,
                     renormalize, rounding, tile_m, router_bias=None, routed_scaling_factor=1.0, n_group=1,
                     topk_group=1, glu_clamp=(), w1_shared=None, b1_shared=None, w2_shared=None, b2_shared=None,
-                    has_shared_scores=False, shared_gate=None):
+                    has_shared_scores=False, shared_gate=None, fp8_weights=None):
     # With shared experts the weight gradients cover the routed and the shared experts: [E+S, ...].
     S = 0 if w1_shared is None else w1_shared.shape[0]
     E, n1, d = w1.shape

@@ -1,15 +1,15 @@
 """`precision="fp8"` of the layer (machmoe.functional.moe, machmoe.MoE): the router in high
 precision, the experts in FP8 (E4M3, DeepSeek-V3's tile scaling; docs/LAYER.md, "FP8").
 
-    logits = x·Wrᵀ (+ b_r) in fp32 (on the kernels from the bf16 operands with fp32 accumulation,
-             as the bf16 layer);  scores, experts = top-K routing (machmoe.functional.route's
-    code, every routing option);  aux = the load-balancing loss of those logits and experts;
-    out = the FP8 experts on (scores, experts):
-      backend "machmoe": machmoe.fp8_experts.experts (the FP8 ops on an sm_90 GPU),
-      backend "torch":   machmoe.fp8_emulation.experts (the same recipe in PyTorch, any device).
-The router, the routing and the aux loss are the torch backend's PyTorch code on either backend, so
-the router weight, its bias and x get their gradients through the scores and the aux loss by
-autograd, as in the bf16 layer; the experts' node returns the gradients of x, w1, w2 and the scores.
+    logits = x·Wrᵀ (+ b_r) in fp32 (from the bf16 operands with fp32 accumulation);  scores,
+    experts = top-K routing (every routing option);  aux = the load-balancing loss of those logits
+    and experts;  out = the FP8 experts on (scores, experts).
+  backend "machmoe": the bf16 layer's one C++ call per direction (machmoe.machmoe_backend:
+    router GEMM, routing kernels, aux loss, aggregation) with the expert GEMMs in FP8, reading the
+    weights' FP8 copies (machmoe::layer_forward / layer_backward with precision FP8);
+  backend "torch": the router, routing and aux loss as the torch backend's PyTorch code, the
+    experts as machmoe.fp8_emulation.experts (the same recipe in PyTorch, any device), the
+    gradients of the router weight, its bias and x through the scores and the aux loss by autograd.
 
 The weights' FP8 copies come from an FP8WeightCache (machmoe.fp8_weights), remade only when a
 weight changes: MoE keeps one per module, the functional API takes one as `fp8_cache` (default: one
@@ -43,31 +43,6 @@ def quantize_weights(w: torch.Tensor, transposed: bool) -> tuple:
     if w.is_cuda and w.dtype == torch.bfloat16 and _ops.kernels_unavailable_reason(w.device) is None:
         return _quantize_on_kernels(w, transposed)
     return fp8_emulation.quantize_weights(w, transposed)
-
-
-class _RouterLogits(torch.autograd.Function):
-    """logits [T, E] fp32 = x [T, d] · router_weightᵀ (+ router_bias) from the bf16 operands with fp32
-    accumulation and output, as the bf16 layer's router GEMM computes them (a float32 copy of x and
-    float32 GEMMs cost 4·T·d bytes and SIMT-speed GEMMs instead); the backward rounds d_logits to
-    bf16 for its two GEMMs, as the bf16 layer's backward does."""
-
-    @staticmethod
-    def forward(ctx, x, router_weight, router_bias):
-        logits = torch.mm(x, router_weight.t(), out_dtype=torch.float32)
-        if router_bias is not None:
-            logits = logits + router_bias.float()
-        ctx.save_for_backward(x, router_weight)
-        ctx.has_bias = router_bias is not None
-        return logits
-
-    @staticmethod
-    def backward(ctx, d_logits):
-        x, router_weight = ctx.saved_tensors
-        g = d_logits.to(torch.bfloat16)
-        dx = torch.mm(g, router_weight) if ctx.needs_input_grad[0] else None
-        dwr = torch.mm(g.t(), x) if ctx.needs_input_grad[1] else None
-        db = d_logits.sum(0).to(torch.bfloat16) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dwr, db
 
 
 def new_cache() -> FP8WeightCache:
@@ -132,18 +107,13 @@ def moe(precision: Union[Precision, str], fp8_cache: Optional[FP8WeightCache], b
     on_kernels = resolve_backend(backend, x, d, n) == Backend.MACHMOE
     cache = _DEFAULT_CACHE if fp8_cache is None else fp8_cache
     concatenated = layout == GateUpLayout.CONCATENATED  # w1's FP8 copy is then of its rows interleaved
-    if on_kernels:
-        from . import fp8_experts, machmoe_backend
+    if on_kernels:  # the bf16 layer's one call per direction, the experts' GEMMs in FP8
+        from . import machmoe_backend
 
-        machmoe_backend._check(x, d, n)  # the kernels' availability, with the bf16 layer's messages
-    if on_kernels:  # bf16 operands, fp32 accumulation and logits: the bf16 layer's router GEMM
-        logits = _RouterLogits.apply(x, router_weight, router_bias)  # [T, E] fp32
-    else:
-        logits = torch_backend.router_logits(x, router_weight, router_bias)  # [T, E] fp32
+        return machmoe_backend.moe(x, router_weight, w1, None, w2, None, K, activation, layout, routing, renormalize,
+                                   selection_bias, rounding, 128, 0, router_bias, options, fp8=(cache, concatenated))
+    logits = torch_backend.router_logits(x, router_weight, router_bias)  # [T, E] fp32
     scores, experts = torch_backend.route_topk(logits, K, routing, renormalize, selection_bias, options)  # [T, K]
     aux = torch_backend.aux_loss(logits, experts)
-    if on_kernels:
-        out = fp8_experts.experts(x.contiguous(), w1, w2, scores, experts, cache=cache, concatenated=concatenated)
-    else:
-        out = fp8_emulation.experts(x, w1, w2, scores, experts, cache, concatenated)
+    out = fp8_emulation.experts(x, w1, w2, scores, experts, cache, concatenated)
     return out, aux

@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from . import _ops
 from .enums import ActivationType, GateUpLayout, GluClamp, RoutingMethod, TokenRounding, glu_clamp_list
+from .fp8_weights import concatenate_gate_up
 
 
 def _check(x: torch.Tensor, d: int, n: int) -> None:
@@ -67,21 +68,26 @@ class _Layer(torch.autograd.Function):
     router_opts: (routed_scaling_factor, n_group, topk_group). Shared experts (w1s [S, N1, d],
     b1s, w2s, b2s, shared_scores [T] fp32 or None, or Qwen's gate shared_gate [1, d] whose sigmoid
     the op computes) run in the same launches as the routed ones; the op returns their weight
-    gradients after the routed experts' ([E+S, ...]), split here."""
+    gradients after the routed experts' ([E+S, ...]), split here.
+    fp8: None (bf16), or (cache, concatenated) for precision FP8: the op reads the weights' FP8
+    copies from the FP8WeightCache (fetched again by the backward: the same copies while the weights
+    are unchanged, which autograd's version check on the saved weights guarantees), and dw1 comes
+    back in the interleaved order of those copies (concatenated again here when w1 is)."""
 
     @staticmethod
     def forward(ctx, x, router_weight, w1, b1, w2, b2, selection_bias, router_bias, opts, router_opts, glu_clamp,
-                w1s, b1s, w2s, b2s, shared_scores, shared_gate):
+                w1s, b1s, w2s, b2s, shared_scores, shared_gate, fp8=None):
         out, aux, saved = torch.ops.machmoe.layer_forward(
             x, router_weight, w1, b1, w2, b2, selection_bias, *opts, True, router_bias, *router_opts,
             glu_clamp=glu_clamp, w1_shared=w1s, b1_shared=b1s, w2_shared=w2s, b2_shared=b2s,
-            shared_scores=shared_scores, shared_gate=shared_gate)
+            shared_scores=shared_scores, shared_gate=shared_gate, fp8_weights=_fp8_copies(fp8, w1, w2))
         ctx.save_for_backward(x, router_weight, w1, b1, w2, b2, router_bias, w1s, b1s, w2s, b2s, shared_gate,
                               saved)  # saved last
         ctx.opts = opts
         ctx.router_opts = router_opts
         ctx.glu_clamp = glu_clamp
         ctx.has_shared_scores = shared_scores is not None
+        ctx.fp8 = fp8
         # Unused outputs arrive as None (no zero tensors made): d_aux None means 0.
         ctx.set_materialize_grads(False)
         return out, aux
@@ -96,7 +102,9 @@ class _Layer(torch.autograd.Function):
             x, router_weight, w1, b1, w2, b2, saved, dout, d_aux, K, activation, layout, routing, renormalize,
             rounding, tile_m, router_bias, *ctx.router_opts, glu_clamp=ctx.glu_clamp, w1_shared=w1s,
             b1_shared=b1s, w2_shared=w2s, b2_shared=b2s, has_shared_scores=ctx.has_shared_scores,
-            shared_gate=shared_gate)
+            shared_gate=shared_gate, fp8_weights=_fp8_copies(ctx.fp8, w1, w2))
+        if ctx.fp8 is not None and ctx.fp8[1]:  # the FP8 copies' interleaved rows -> w1's concatenated ones
+            dw1 = concatenate_gate_up(dw1)
         dw1s = db1s = dw2s = db2s = None
         if w1s is not None:  # [E+S, ...] -> the routed experts' [E, ...] and the shared ones' [S, ...]
             E = w1.shape[0]
@@ -106,13 +114,21 @@ class _Layer(torch.autograd.Function):
                 db1, db1s = db1[:E], db1[E:]
                 db2, db2s = db2[:E], db2[E:]
         return (dx, dwr, dw1, db1, dw2, db2, None, dbr, None, None, None, dw1s, db1s, dw2s, db2s,
-                d_shared_scores, d_shared_gate)
+                d_shared_scores, d_shared_gate, None)
+
+
+def _fp8_copies(fp8, w1, w2):
+    """The weights' FP8 copies as the layer ops take them (fp8_weights), or None for bf16."""
+    if fp8 is None:
+        return None
+    cache, concatenated = fp8
+    return [*cache.get(w1, True, concatenated), *cache.get(w2, True)]
 
 
 def moe(x, router_weight, w1, b1, w2, b2, K: int, activation: ActivationType, layout: GateUpLayout,
         routing: RoutingMethod, renormalize: bool, selection_bias, rounding: TokenRounding, tile_m: int,
         seed: int, router_bias=None, router_options=None, glu_clamp: Optional[GluClamp] = None,
-        shared=None):
+        shared=None, fp8=None):
     """The layer on the kernels. shared: None, or (w1s, b1s, w2s, b2s, shared_scores, shared_gate)
     of S shared experts of the routed experts' size, weighted by shared_scores [T] fp32, or by
     sigmoid(x · shared_gateᵀ) (Qwen's gate [1, d], computed in the layer's launches), or by 1."""
@@ -122,6 +138,8 @@ def moe(x, router_weight, w1, b1, w2, b2, K: int, activation: ActivationType, la
     x, router_weight, w1, w2, b1, b2, router_bias = (_contiguous(t) for t in (x, router_weight, w1, w2, b1, b2,
                                                                               router_bias))
     bias = None if selection_bias is None else selection_bias.detach().float().contiguous()
+    if fp8 is not None:  # the FP8 copies hold w1's rows interleaved whatever w1's layout
+        layout = GateUpLayout.INTERLEAVED
     opts = (K, activation.value, layout.value, routing.value, renormalize, rounding.value, tile_m, seed)
     router_opts = (1.0, 1, 1) if router_options is None else (float(router_options.routed_scaling_factor),
                                                               int(router_options.n_group),
@@ -130,14 +148,16 @@ def moe(x, router_weight, w1, b1, w2, b2, K: int, activation: ActivationType, la
     shared = (None,) * 6 if shared is None else tuple(_contiguous(t) for t in shared)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                             for t in (x, router_weight, w1, b1, w2, b2, router_bias, *shared))):
-        # Inference: no autograd node, and the up-projection does not write H (nothing will read it).
+        # Inference: no autograd node, and in bf16 the up-projection does not write H (nothing will
+        # read it; the FP8 up-projection always writes H's E4M3 copy).
         w1s, b1s, w2s, b2s, shared_scores, shared_gate = shared
-        out, aux, _ = torch.ops.machmoe.layer_forward(x, router_weight, w1, b1, w2, b2, bias, *opts, False,
+        out, aux, _ = torch.ops.machmoe.layer_forward(x, router_weight, w1, b1, w2, b2, bias, *opts, fp8 is not None,
                                                       router_bias, *router_opts, glu_clamp=glu, w1_shared=w1s,
                                                       b1_shared=b1s, w2_shared=w2s, b2_shared=b2s,
-                                                      shared_scores=shared_scores, shared_gate=shared_gate)
+                                                      shared_scores=shared_scores, shared_gate=shared_gate,
+                                                      fp8_weights=_fp8_copies(fp8, w1, w2))
         return out, aux
-    return _Layer.apply(x, router_weight, w1, b1, w2, b2, bias, router_bias, opts, router_opts, glu, *shared)
+    return _Layer.apply(x, router_weight, w1, b1, w2, b2, bias, router_bias, opts, router_opts, glu, *shared, fp8)
 
 
 class _General(torch.autograd.Function):

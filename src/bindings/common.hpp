@@ -11,7 +11,18 @@
 
 #include "machmoe/types.hpp"
 
+namespace machmoe {
+struct Fp8ExpertWeights;  // machmoe/machmoe.hpp
+}
+
 namespace machmoe::bindings {
+
+// The expert weights' FP8 copies as the C++ calls read them, from the 8 tensors
+// fp8_quantize_weights wrote with transposed = true for w1 [E, 2n, d] (gate/up interleaved) and
+// w2 [E, d, n]: [w1_q, w1_scales, w1_qt, w1_scales_t, w2_q, w2_scales, w2_qt, w2_scales_t], each
+// checked (device, dtype, shape) against E, d, n. Defined in fp8_ops.cpp; the FP8 experts ops and
+// the layer ops take them.
+Fp8ExpertWeights fp8_weights_of(at::TensorList w, int64_t E, int64_t d, int64_t n, const at::Device& device);
 
 // Error messages are built here from std::string and std::to_string and handed to PyTorch as one
 // finished string, never through an ostream (which TORCH_CHECK's variadic form, c10::str, uses).

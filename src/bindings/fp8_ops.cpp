@@ -323,27 +323,6 @@ std::tuple<Tensor, Tensor, Tensor> op_fp8_swiglu_backward(const Tensor& da, cons
 
 // ---- the FP8 experts on a top-K or general list (machmoe::ExpertsProblem with precision FP8)
 
-// The weights' FP8 copies as the C++ call reads them, from the tensors fp8_quantize_weights wrote
-// with transposed = true for w1 [E, 2n, d] (gate/up interleaved) and w2 [E, d, n]:
-// [w1_q, w1_scales, w1_qt, w1_scales_t, w2_q, w2_scales, w2_qt, w2_scales_t].
-Fp8ExpertWeights fp8_weights_of(at::TensorList w, int64_t E, int64_t d, int64_t n, const at::Device& device) {
-  MACHMOE_CHECK_VALUE(w.size() == 8, "fp8_weights must hold 8 tensors (w1_q, w1_scales, w1_qt, w1_scales_t, w2_q, "
-                      "w2_scales, w2_qt, w2_scales_t), got ", w.size());
-  const int64_t n1 = 2 * n;
-  check_tensor(w[0], "fp8_weights[0] (w1_q)", kE4M3, {E, n1, d}, &device);
-  check_tensor(w[1], "fp8_weights[1] (w1_scales)", at::kFloat, {E, fp8_tiles(n1), fp8_tiles(d)}, &device);
-  check_tensor(w[2], "fp8_weights[2] (w1_qt)", kE4M3, {E, d, n1}, &device);
-  check_tensor(w[3], "fp8_weights[3] (w1_scales_t)", at::kFloat, {E, fp8_tiles(d), fp8_tiles(n1)}, &device);
-  check_tensor(w[4], "fp8_weights[4] (w2_q)", kE4M3, {E, d, n}, &device);
-  check_tensor(w[5], "fp8_weights[5] (w2_scales)", at::kFloat, {E, fp8_tiles(d), fp8_tiles(n)}, &device);
-  check_tensor(w[6], "fp8_weights[6] (w2_qt)", kE4M3, {E, n, d}, &device);
-  check_tensor(w[7], "fp8_weights[7] (w2_scales_t)", at::kFloat, {E, fp8_tiles(n), fp8_tiles(d)}, &device);
-  Fp8ExpertWeights f;
-  f.w1 = codes(w[0]), f.w1_scales = w[1].data_ptr<float>(), f.w1_t = codes(w[2]), f.w1_t_scales = w[3].data_ptr<float>();
-  f.w2 = codes(w[4]), f.w2_scales = w[5].data_ptr<float>(), f.w2_t = codes(w[6]), f.w2_t_scales = w[7].data_ptr<float>();
-  return f;
-}
-
 // An FP8 experts call's checked problem (x [T, d] bf16, w2_q [E, d, n] = fp8_weights[4], the
 // list's R pairs: token_idx's length) and the copies as the C++ call reads them.
 struct Fp8ExpertsCall {
@@ -432,6 +411,25 @@ std::vector<int64_t> op_experts_fp8_saved_layout(int64_t n, int64_t E) {
 }
 
 }  // namespace
+
+// The weights' FP8 copies as the C++ calls read them (declared in bindings/common.hpp).
+Fp8ExpertWeights fp8_weights_of(at::TensorList w, int64_t E, int64_t d, int64_t n, const at::Device& device) {
+  MACHMOE_CHECK_VALUE(w.size() == 8, "fp8_weights must hold 8 tensors (w1_q, w1_scales, w1_qt, w1_scales_t, w2_q, "
+                      "w2_scales, w2_qt, w2_scales_t), got ", w.size());
+  const int64_t n1 = 2 * n;
+  check_tensor(w[0], "fp8_weights[0] (w1_q)", kE4M3, {E, n1, d}, &device);
+  check_tensor(w[1], "fp8_weights[1] (w1_scales)", at::kFloat, {E, fp8_tiles(n1), fp8_tiles(d)}, &device);
+  check_tensor(w[2], "fp8_weights[2] (w1_qt)", kE4M3, {E, d, n1}, &device);
+  check_tensor(w[3], "fp8_weights[3] (w1_scales_t)", at::kFloat, {E, fp8_tiles(d), fp8_tiles(n1)}, &device);
+  check_tensor(w[4], "fp8_weights[4] (w2_q)", kE4M3, {E, d, n}, &device);
+  check_tensor(w[5], "fp8_weights[5] (w2_scales)", at::kFloat, {E, fp8_tiles(d), fp8_tiles(n)}, &device);
+  check_tensor(w[6], "fp8_weights[6] (w2_qt)", kE4M3, {E, n, d}, &device);
+  check_tensor(w[7], "fp8_weights[7] (w2_scales_t)", at::kFloat, {E, fp8_tiles(n), fp8_tiles(d)}, &device);
+  Fp8ExpertWeights f;
+  f.w1 = codes(w[0]), f.w1_scales = w[1].data_ptr<float>(), f.w1_t = codes(w[2]), f.w1_t_scales = w[3].data_ptr<float>();
+  f.w2 = codes(w[4]), f.w2_scales = w[5].data_ptr<float>(), f.w2_t = codes(w[6]), f.w2_t_scales = w[7].data_ptr<float>();
+  return f;
+}
 
 TORCH_LIBRARY_FRAGMENT(machmoe, m) {
   m.def("fp8_quantize_rows(Tensor x, Tensor? gather) -> (Tensor, Tensor)");

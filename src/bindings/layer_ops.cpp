@@ -51,12 +51,14 @@ Tensor with_shared(const Tensor& w, const std::optional<Tensor>& ws) {
 
 // The problem of a layer call from the tensors' shapes and the string options, validated: the one
 // validation of the call (plan_workspace and the C++ call take the validated problem as it is).
+// fp8: precision FP8 (the call was given the weights' FP8 copies).
 
 ValidLayerProblem layer_problem(const Tensor& x, const Tensor& w1, const Tensor& w2, bool has_bias, int64_t K,
                                 const std::string& activation, const std::string& layout, const std::string& routing,
                                 bool renormalize, const std::string& rounding, int64_t tile_m, const RouterArgs& r,
-                                at::ArrayRef<double> glu_clamp, const SharedArgs& shared) {
+                                at::ArrayRef<double> glu_clamp, const SharedArgs& shared, bool fp8) {
   LayerProblem p = problem_from_tensors<LayerProblem>(x, w1, w2, has_bias, activation, layout, glu_clamp);
+  if (fp8) p.precision = Precision::FP8;
   if (shared.w1) check_dims(*shared.w1, "w1_shared", 3);
   p.num_shared = shared.count();
   p.has_shared_scores = shared.has_scores;
@@ -128,15 +130,19 @@ std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tenso
                                                     const std::optional<Tensor>& w2_shared,
                                                     const std::optional<Tensor>& b2_shared,
                                                     const std::optional<Tensor>& shared_scores,
-                                                    const std::optional<Tensor>& shared_gate) {
+                                                    const std::optional<Tensor>& shared_gate,
+                                                    std::optional<at::TensorList> fp8_weights) {
   return translate_errors([&] {
     const SharedArgs shared{w1_shared, b1_shared, w2_shared, b2_shared, shared_scores.has_value(), shared_gate};
-    const ValidLayerProblem valid =
-        layer_problem(x, w1, w2, b1.has_value(), K, activation, layout, routing, renormalize, rounding, tile_m,
-                      {router_bias.has_value(), routed_scaling_factor, n_group, topk_group}, glu_clamp, shared);
+    const ValidLayerProblem valid = layer_problem(
+        x, w1, w2, b1.has_value(), K, activation, layout, routing, renormalize, rounding, tile_m,
+        {router_bias.has_value(), routed_scaling_factor, n_group, topk_group}, glu_clamp, shared, fp8_weights.has_value());
     const LayerProblem& p = *valid;
     check_layer_tensors(p, x, router_weight, w1, b1, w2, b2, shared);
     const at::Device device = x.device();
+    const std::optional<Fp8ExpertWeights> fp8 =
+        fp8_weights ? std::optional<Fp8ExpertWeights>(fp8_weights_of(*fp8_weights, p.E, p.d, p.n, device))
+                    : std::nullopt;
     if (selection_bias) check_tensor(*selection_bias, "selection_bias", at::kFloat, {p.E}, &device);
     if (router_bias) check_bf16(*router_bias, "router_bias", {p.E}, &device);
     if (shared_scores) check_tensor(*shared_scores, "shared_scores", at::kFloat, {p.T}, &device);
@@ -167,6 +173,7 @@ std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tenso
     a.workspace = ws.data_ptr();
     a.seed = static_cast<uint64_t>(seed);
     a.write_h = write_h;
+    a.fp8_weights = fp8 ? &*fp8 : nullptr;
     layer_forward(valid, a, at::cuda::getCurrentCUDAStream());
     return std::make_tuple(out, aux, saved);
   });
@@ -190,15 +197,18 @@ Grads op_layer_backward(const Tensor& x, const Tensor& router_weight, const Tens
                         at::ArrayRef<double> glu_clamp, const std::optional<Tensor>& w1_shared,
                         const std::optional<Tensor>& b1_shared, const std::optional<Tensor>& w2_shared,
                         const std::optional<Tensor>& b2_shared, bool has_shared_scores,
-                        const std::optional<Tensor>& shared_gate) {
+                        const std::optional<Tensor>& shared_gate, std::optional<at::TensorList> fp8_weights) {
   return translate_errors([&] {
     const SharedArgs shared{w1_shared, b1_shared, w2_shared, b2_shared, has_shared_scores, shared_gate};
-    const ValidLayerProblem valid =
-        layer_problem(x, w1, w2, b1.has_value(), K, activation, layout, routing, renormalize, rounding, tile_m,
-                      {router_bias.has_value(), routed_scaling_factor, n_group, topk_group}, glu_clamp, shared);
+    const ValidLayerProblem valid = layer_problem(
+        x, w1, w2, b1.has_value(), K, activation, layout, routing, renormalize, rounding, tile_m,
+        {router_bias.has_value(), routed_scaling_factor, n_group, topk_group}, glu_clamp, shared, fp8_weights.has_value());
     const LayerProblem& p = *valid;
     check_layer_tensors(p, x, router_weight, w1, b1, w2, b2, shared);
     const at::Device device = x.device();
+    const std::optional<Fp8ExpertWeights> fp8 =
+        fp8_weights ? std::optional<Fp8ExpertWeights>(fp8_weights_of(*fp8_weights, p.E, p.d, p.n, device))
+                    : std::nullopt;
     check_bf16(dout, "dout", {p.T, p.d}, &device);
     const WorkspacePlan plan = plan_workspace(valid);
     check_saved(saved, plan.saved_bytes, x.device(), "layer_forward");
@@ -248,6 +258,7 @@ Grads op_layer_backward(const Tensor& x, const Tensor& router_weight, const Tens
     a.db2 = db2 ? db2->data_ptr() : nullptr;
     a.workspace = ws.data_ptr();
     a.weight_grad_dtype = DType::BF16;
+    a.fp8_weights = fp8 ? &*fp8 : nullptr;
     layer_backward(valid, a, at::cuda::getCurrentCUDAStream());
     return Grads(dx, dwr, dw1, db1, dw2, db2, dbr, d_shared, d_gate);
   });
@@ -261,13 +272,14 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
         " str rounding, int tile_m, int seed, bool write_h=True, Tensor? router_bias=None,"
         " float routed_scaling_factor=1.0, int n_group=1, int topk_group=1, float[] glu_clamp=[],"
         " Tensor? w1_shared=None, Tensor? b1_shared=None, Tensor? w2_shared=None, Tensor? b2_shared=None,"
-        " Tensor? shared_scores=None, Tensor? shared_gate=None) -> (Tensor, Tensor, Tensor)");
+        " Tensor? shared_scores=None, Tensor? shared_gate=None, Tensor[]? fp8_weights=None)"
+        " -> (Tensor, Tensor, Tensor)");
   m.def("layer_backward(Tensor x, Tensor router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2,"
         " Tensor saved, Tensor dout, Tensor? d_aux, int K, str activation, str layout, str routing,"
         " bool renormalize, str rounding, int tile_m, Tensor? router_bias=None, float routed_scaling_factor=1.0,"
         " int n_group=1, int topk_group=1, float[] glu_clamp=[], Tensor? w1_shared=None, Tensor? b1_shared=None,"
-        " Tensor? w2_shared=None, Tensor? b2_shared=None, bool has_shared_scores=False, Tensor? shared_gate=None)"
-        " -> (Tensor dx, Tensor d_router_weight, Tensor dw1, Tensor? db1, Tensor dw2, Tensor? db2,"
+        " Tensor? w2_shared=None, Tensor? b2_shared=None, bool has_shared_scores=False, Tensor? shared_gate=None,"
+        " Tensor[]? fp8_weights=None) -> (Tensor dx, Tensor d_router_weight, Tensor dw1, Tensor? db1, Tensor dw2, Tensor? db2,"
         " Tensor? d_router_bias, Tensor? d_shared_scores, Tensor? d_shared_gate)");
 }
 

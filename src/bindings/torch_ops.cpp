@@ -34,13 +34,15 @@ std::vector<int64_t> op_device_info() {
 
 // [saved, forward workspace, backward workspace, saved without H] bytes of one layer call
 // (machmoe::plan_workspace): what the forward keeps for the backward, the scratch of each
-// direction, and the block an inference forward (write_h = false) returns. No GPU needed.
+// direction, and the block an inference forward (write_h = false) returns; fp8: precision FP8.
+// No GPU needed.
 std::vector<int64_t> op_layer_workspace_bytes(int64_t T, int64_t d, int64_t n, int64_t E, int64_t K,
                                               const std::string& activation, const std::string& rounding,
-                                              int64_t tile_m, int64_t num_shared) {
+                                              int64_t tile_m, int64_t num_shared, bool fp8) {
   return translate_errors([&] {
     LayerProblem p;
     p.T = T, p.d = d, p.n = n, p.E = E, p.K = K, p.num_shared = num_shared;
+    if (fp8) p.precision = Precision::FP8;
     p.activation = parse_activation(activation);
     p.rounding = parse_token_rounding(rounding);
     p.rounding_tile_m = tile_m;
@@ -55,13 +57,15 @@ std::vector<int64_t> op_layer_workspace_bytes(int64_t T, int64_t d, int64_t n, i
 // d: no part has a size in d), in saved_layout_ints' encoding: the part sizes as functions of the
 // rows R and the tokens T, and R as a function of T. The fake kernels (python/machmoe/_fake.py)
 // size the block from it on symbolic T, so the fake and the C++ planner share one definition.
-// Without write_h the list stops before H (inference). No GPU needed.
+// Without write_h the list stops before H (inference); fp8: precision FP8 (H in E4M3 with its
+// scales). No GPU needed.
 std::vector<int64_t> op_layer_saved_layout(int64_t n, int64_t E, int64_t K, const std::string& activation,
                                            const std::string& rounding, int64_t tile_m, bool write_h,
-                                           int64_t num_shared) {
+                                           int64_t num_shared, bool fp8) {
   return translate_errors([&] {
-    LayerProblem p;  // T = 0 and d = 1 stand for every T and d
-    p.d = 1, p.n = n, p.E = E, p.K = K, p.num_shared = num_shared;
+    LayerProblem p;  // T = 0 and d = 16 (FP8's smallest) stand for every T and d
+    p.d = 16, p.n = n, p.E = E, p.K = K, p.num_shared = num_shared;
+    if (fp8) p.precision = Precision::FP8;
     p.activation = parse_activation(activation);
     p.rounding = parse_token_rounding(rounding);
     p.rounding_tile_m = tile_m;
@@ -76,9 +80,9 @@ TORCH_LIBRARY(machmoe, m) {
   m.def("device_self_test() -> ()", &op_device_self_test);
   m.def("device_info() -> int[]", &op_device_info);
   m.def("layer_workspace_bytes(int T, int d, int n, int E, int K, str activation, str rounding, int tile_m,"
-        " int num_shared=0) -> int[]", &op_layer_workspace_bytes);
+        " int num_shared=0, bool fp8=False) -> int[]", &op_layer_workspace_bytes);
   m.def("layer_saved_layout(int n, int E, int K, str activation, str rounding, int tile_m, bool write_h=True,"
-        " int num_shared=0) -> int[]", &op_layer_saved_layout);
+        " int num_shared=0, bool fp8=False) -> int[]", &op_layer_saved_layout);
 }
 
 }  // namespace machmoe::bindings

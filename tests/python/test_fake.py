@@ -113,6 +113,12 @@ def test_saved_block_sizes_are_the_planners():
                             layout = _fake.layer_saved_layout(n, E, K, act, rounding, tile_m)
                             assert _fake.rounding_capacity(T, E, K, tile_m) == layout.rows(T)
                         checked += 1
+                    if act == "swiglu":  # precision FP8 (swiglu, no rounding; d a multiple of 16)
+                        plan = torch.ops.machmoe.layer_workspace_bytes(T, 96, n, E, K, act, "none", 128, fp8=True)
+                        assert _fake.layer_saved_bytes(T, n, E, K, act, "none", 128, fp8=True) == plan[0]
+                        bf16 = torch.ops.machmoe.layer_workspace_bytes(T, 96, n, E, K, act, "none", 128)
+                        # H in E4M3 with its scales (equal when the parts' 256-byte alignment hides it)
+                        assert plan[0] <= bf16[0] and (T < 64 or plan[0] < bf16[0])
                     for R in sorted({0, min(5, T * E), min(T * K + 3, T * E)}):
                         for bias in (False, True):
                             plan = torch.ops.machmoe.experts_workspace_bytes(T, 96, n, E, R, act, bias)

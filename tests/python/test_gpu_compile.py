@@ -66,6 +66,11 @@ def _op_cases():
     # The FP8 experts on the top-K list: the weights' copies, plain and transposed.
     fp8_weights = [*m.fp8_quantize_weights(t["w1"], True), *m.fp8_quantize_weights(t["w2"], True)]
     _, fp8_saved = m.experts_forward_fp8(t["x"], fp8_weights, pair_scores, tok, exp)
+    # The layer with those copies (precision FP8: no biases; every optional argument up to fp8_weights).
+    layer_fp8 = (t["x"], t["router_weight"], t["w1"], None, t["w2"], None) + layer[6:] + (True, None, 1.0, 1, 1, [],
+                                                                                         None, None, None, None, None,
+                                                                                         None, fp8_weights)
+    _, _, saved_fp8 = m.layer_forward(*layer_fp8)
     # pull_rows: three "peers" that are plain buffers of this GPU, send counts [3] int64 at byte 0
     # and rows of 32 bytes at byte 512 (kept alive here: the op reads them by address).
     _PULL_BUFFERS[:] = [torch.randint(0, 256, (512 + 10 * 32,), dtype=torch.uint8, device="cuda") for _ in range(3)]
@@ -123,6 +128,9 @@ def _op_cases():
         ("grouped_wgrad_fp8", (xt_q, xt_scales, ht_q, ht_scales, chunks, torch.float32, False)),
         ("grouped_wgrad_fp8", (xt_q, xt_scales, ht_q, ht_scales, chunks, torch.bfloat16, True, 2)),
         ("experts_forward_fp8", (t["x"], fp8_weights, pair_scores, tok, exp)),
+        ("layer_forward", layer_fp8),
+        ("layer_backward", layer_fp8[:6] + (saved_fp8, dout, torch.ones((), device="cuda")) + layer[7:14]
+         + (None, 1.0, 1, 1, [], None, None, None, None, False, None, fp8_weights)),
         ("experts_backward_fp8", (t["x"], fp8_weights, tok, exp, fp8_saved, dout)),
     ]
 

@@ -1,4 +1,4 @@
-"""precision="fp8" on the kernels (machmoe.fp8_layer over machmoe.fp8_experts), at the 7B-a
+"""precision="fp8" on the kernels (machmoe.fp8_layer: the layer ops with the weights' FP8 copies), at the 7B-a
 (d = 1536, n = 256, E = 64, K = 8) and 30B-b (d = 4096, n = 512, E = 128, K = 8) shapes with
 T = 2001 and T = 1: the functional layer and the module, forward and every gradient, against
 float64 within FP8's derived error (test_fp8_layer.py's model: 2·sqrt(m)·0.024 for a path through m
