@@ -352,6 +352,16 @@ def test_unknown_config_is_an_error_naming_the_valid_ones():
     assert [c.name for c in parse_args(["--configs", "7b-a, 30B-b"]).config_list] == ["7B-a", "30B-b"]
 
 
+def test_fp8_bench_rows_option_is_checked_before_anything_runs(capsys):
+    from machmoe.bench import fp8_gemm
+
+    for bad in ("bogus", "layer,gemms", ""):
+        with pytest.raises(SystemExit) as exc:
+            fp8_gemm.main(["--rows", bad])
+        assert exc.value.code == 2
+        assert "--rows takes a comma-separated subset of gemm,forward,layer" in capsys.readouterr().err
+
+
 def _ok_row(name, machmoe_fwd, machmoe_bwd, held):
     row = _fake_row()
     cfg = C.CONFIGS_BY_NAME[name]

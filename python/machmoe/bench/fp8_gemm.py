@@ -306,7 +306,13 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--min-reps", type=int, default=20)
     p.add_argument("--max-ctas", type=int, default=0, help="grouped_gemm_fp8's max_ctas (0: one per SM)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rows", default="gemm,forward,layer",
+                   help="which rows per config: gemm (up, up + GLU, down), forward (experts forward), layer "
+                        "(layer fwd+bwd); the large configs' GEMM rows need ~120 GiB for their references")
     args = p.parse_args(argv)
+    rows_wanted = set(args.rows.split(","))
+    if not rows_wanted or rows_wanted - {"gemm", "forward", "layer"}:
+        p.error(f"--rows takes a comma-separated subset of gemm,forward,layer; got {args.rows!r}")
     try:
         configs = select_configs(args.configs)
     except ValueError as err:
@@ -326,10 +332,12 @@ def main(argv: Optional[list] = None) -> int:
     print(f"# FP8 grouped GEMM, {torch.cuda.get_device_name()}, torch {torch.__version__}; {describe_protocol()}")
     rows = []
     for cfg in configs:
-        for shape in config_shapes(cfg):
+        for shape in config_shapes(cfg) if "gemm" in rows_wanted else ():
             rows.append(run_shape(*shape, args.min_reps, args.max_ctas))
             print(table(rows[-1:]).splitlines()[2], flush=True)
-        for run in (run_forward, run_layer):
+        for name, run in (("forward", run_forward), ("layer", run_layer)):
+            if name not in rows_wanted:
+                continue
             rows.append(run(cfg, args.min_reps))
             print(table(rows[-1:]).splitlines()[2], flush=True)
     text = table(rows)
