@@ -7,14 +7,20 @@ weights change only at an optimizer step, so the copies are kept and made again 
 weight has changed. A stale copy would be a silent wrong answer, so a copy is reused only while
 all of these still hold for its weight:
 
+- no `torch.optim` optimizer has taken a step since the copy was made (a process-wide count kept by
+  torch.optim's global step hook). The version counter alone misses fused optimizers:
+  `AdamW(fused=True)` writes the parameters in one kernel without moving their version counters,
+  and with it the copies would stay those of the first step while the weights train;
 - the same tensor object (held weakly: the copy dies with its weight);
 - the same version counter: every in-place write through the tensor itself or a view of it bumps
-  it (optimizer steps, `copy_` / `load_state_dict` under `no_grad`, FSDP2's unsharding writes);
+  it (foreach and single-tensor optimizer steps, `copy_` / `load_state_dict` under `no_grad`);
 - the same storage pointer, shape, strides, dtype and device (`param.data = other` changes these).
 
-Not seen: in-place writes through `param.data` (a tensor with a version counter of its own),
-which bypass the version counter by design. Call `invalidate()` after such writes. Inference
-tensors have no version counter: they are quantised on every call, never cached.
+Not seen: writes that are neither an optimizer step nor an in-place op on the tensor or a view of
+it: through `param.data` (a tensor with a version counter of its own), by a collective or a
+kernel outside PyTorch's in-place ops, or by an optimizer that is not a `torch.optim.Optimizer`.
+Call `invalidate()` after such writes. Inference tensors have no version counter: they are
+quantised on every call, never cached.
 """
 
 from __future__ import annotations
@@ -23,8 +29,25 @@ import weakref
 from typing import Callable, Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 Quantized = tuple  # (q [E, N, K] e4m3, scales [E, ceil(N/128), ceil(K/128)] f32, qt or None, qt_scales or None)
+
+# torch.optim steps taken in this process since the first cache was made (module docstring).
+_optimizer_steps = 0
+_step_hook = None
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+def _watch_optimizer_steps() -> None:
+    """Registers the global post-step hook once (the first cache made does it)."""
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_post_hook(_count_optimizer_step)
 
 
 def interleave_gate_up(w: torch.Tensor) -> torch.Tensor:
@@ -53,12 +76,13 @@ class FP8WeightCache:
 
     def __init__(self, quantize: Optional[Callable[[torch.Tensor, bool], Quantized]] = None):
         self._quantize = quantize or _quantize_on_kernels
+        _watch_optimizer_steps()
         # id(weight) -> (weakref to it, what it looked like, transposed -> copies)
         self._entries: dict[int, tuple] = {}
 
     @staticmethod
     def _signature(w: torch.Tensor) -> tuple:
-        return (w._version, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device)
+        return (_optimizer_steps, w._version, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device)
 
     def get(self, w: torch.Tensor, transposed: bool = False, interleave: bool = False) -> Quantized:
         """The FP8 copies of w (with the transposed copy when `transposed`, and whenever it was

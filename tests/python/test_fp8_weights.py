@@ -61,6 +61,31 @@ def test_every_visible_change_makes_new_copies():
     assert cache.get(w)[0].shape == (4, 8, 16) and q.calls == 6
 
 
+def test_every_optimizer_step_makes_new_copies_fused_ones_included():
+    # AdamW(fused=True) writes the parameters without moving their version counters; the cache
+    # counts torch.optim's steps instead (a copy kept across one would train stale weights).
+    for options in ({"fused": True}, {"foreach": True}, {"foreach": False}):
+        q = CountingQuantizer()
+        cache = FP8WeightCache(q)
+        w, other = weight(), weight()
+        opt = torch.optim.AdamW([w], lr=0.1, **options)
+        for step in range(1, 4):
+            got = cache.get(w)
+            assert q.calls == step and torch.equal(got[0], w.detach()), options
+            assert cache.get(w) is got  # reused until the next step
+            w.grad = torch.randn_like(w)
+            version = w._version
+            opt.step()
+            if options.get("fused"):
+                assert w._version == version  # what the version counter alone would miss
+        # A step of any optimizer in the process counts, whichever weights it updates.
+        kept = cache.get(w)
+        calls = q.calls
+        other.grad = torch.randn_like(other)
+        torch.optim.SGD([other], lr=0.1).step()
+        assert cache.get(w) is not kept and q.calls == calls + 1
+
+
 def test_writes_through_data_are_not_seen_until_invalidated():
     q = CountingQuantizer()
     cache = FP8WeightCache(q)
