@@ -72,11 +72,43 @@ __device__ __forceinline__ float glu(const GroupedGemmParams& g, float gate, flo
   }
 }
 
+// The word of four picked by t (0-3, a register index known only at run time: selects, not an
+// indexed array, which would go to local memory).
+__device__ __forceinline__ uint32_t pick4(uint32_t v0, uint32_t v1, uint32_t v2, uint32_t v3, int t) {
+  const uint32_t lo = (t & 1) ? v1 : v0, hi = (t & 1) ? v3 : v2;
+  return (t & 2) ? hi : lo;
+}
+
+// Quad exchange for 16-byte stores. Each of a quad's four lanes holds words w[2t + k] (k < 2)
+// meant for lane t of the quad; afterwards lane q holds in got[2s + k] the word w[2q + k] of lane
+// s. Three xor-shuffle rounds: in round r a lane sends its partner q ^ r the words meant for it.
+// Both ends index by a lane number (q ^ r, q ^ s) known only at run time, so both pick by selects
+// (pick4): an array indexed so would go to local memory.
+__device__ __forceinline__ void quad_exchange(const uint32_t (&w)[8], int q, uint32_t (&got)[8]) {
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    uint32_t recv[4];  // recv[r]: from lane q ^ r (recv[0]: this lane's own)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const uint32_t mine = pick4(w[k], w[2 + k], w[4 + k], w[6 + k], q ^ r);
+      recv[r] = r == 0 ? mine : __shfl_xor_sync(0xffffffffu, mine, r);
+    }
+#pragma unroll
+    for (int s = 0; s < 4; ++s) got[2 * s + k] = pick4(recv[0], recv[1], recv[2], recv[3], q ^ s);
+  }
+}
+
 }  // namespace fp8_glu
 
 // One consumer thread's two rows (row_local, row_local + 8) of a finished 128 x 256 tile.
 // acc: the thread's fragment of its warpgroup's 64 x 256 (two 128-column waves, 64 each).
 // rows_total: R (rows at or past it are not stored).
+// Stores: in the fragment a quad holds a row's 128 H codes of a wave as 2-byte pieces strided by
+// 8 bytes (and its 128 A codes as single bytes strided by 4), so the quad first trades codes
+// (fp8_glu::quad_exchange) until each lane holds 32 contiguous bytes of the row, then stores them
+// as two 16-byte stores: 8 H stores and 4 A stores a thread per tile instead of 64 2-byte and 64
+// 1-byte ones, each of which filled a quarter or an eighth of a 32-byte sector. N and n are
+// multiples of 16 (the FP8 rule), so a 16-byte piece lies wholly inside or wholly past them.
 template <int ACT>
 __device__ __forceinline__ void fp8_glu_epilogue(const GroupedGemmParams& g, const Fp8GluOutputs& o,
                                                  const GemmTile& tile, int row_local, int lane,
@@ -111,31 +143,61 @@ __device__ __forceinline__ void fp8_glu_epilogue(const GroupedGemmParams& g, con
         }
       }
       const fp8::TileScale sh = fp8_glu::scale_of(fp8::group_max_bits<4>(h_amax));
-      // Phase 2: Hq out, and A from the fp32 pair (A from the dequantised pair would put a
-      // second E4M3 rounding on the forward's path: measured, a 7B-a-shaped model's held-out loss
-      // 5-10% above bf16 after 1000 steps, against within bf16's own run-to-run spread).
-      uint8_t* hrow = o.hq + row * N;
+      // Phase 2: Hq, and A from the fp32 pair (A from the dequantised pair would put a second
+      // E4M3 rounding on the forward's path: measured, a 7B-a-shaped model's held-out loss 5-10%
+      // above bf16 after 1000 steps, against within bf16's own run-to-run spread). The code pair
+      // of group j (bytes 8j + 2q of the wave's 128) goes into word hw[2t + k] for lane t = j / 4,
+      // k = (j % 4) / 2, half j % 2.
+      uint32_t hw[8];
+#pragma unroll
+      for (int j = 0; j < 16; j += 2) {
+        const uint32_t c0 = fp8_glu::code_of(hv[2 * j], sh) | (fp8_glu::code_of(hv[2 * j + 1], sh) << 8);
+        const uint32_t c1 = fp8_glu::code_of(hv[2 * j + 2], sh) | (fp8_glu::code_of(hv[2 * j + 3], sh) << 8);
+        hw[j / 2] = c0 | (c1 << 16);
+      }
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const int col = tile.n0 + 128 * w + 8 * j + 2 * q;
-        const uint32_t cg = fp8_glu::code_of(hv[2 * j], sh), cu = fp8_glu::code_of(hv[2 * j + 1], sh);
-        if (store_row && col < N) *reinterpret_cast<uint16_t*>(hrow + col) = static_cast<uint16_t>(cg | (cu << 8));
         const float av = fp8_glu::glu<ACT>(g, hv[2 * j], hv[2 * j + 1]);
         a[16 * w + j] = av;
         if (col < N) a_amax = max(a_amax, fp8_glu::abs_bits(av));
       }
+      // Lane q's 32 bytes of the wave are groups 4q .. 4q + 3; got[2s + k] holds lane s's code
+      // pairs of groups 4q + 2k, 4q + 2k + 1. A group's 8 bytes are the four lanes' pairs in order.
+      uint32_t got[8];
+      fp8_glu::quad_exchange(hw, q, got);
+      const int c0 = tile.n0 + 128 * w + 32 * q;  // this lane's first column
+      uint8_t* hrow = o.hq + row * N;
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const uint4 v = make_uint4(__byte_perm(got[k], got[2 + k], 0x5410), __byte_perm(got[4 + k], got[6 + k], 0x5410),
+                                   __byte_perm(got[k], got[2 + k], 0x7632), __byte_perm(got[4 + k], got[6 + k], 0x7632));
+        if (store_row && c0 + 16 * k < N) *reinterpret_cast<uint4*>(hrow + c0 + 16 * k) = v;
+      }
       if (store_row && q == 0 && tile.n0 + 128 * w < N) o.h_scales[row * h_tiles + tile.n0 / 128 + w] = sh.s;
     }
-    // Phase 3: A's one scale group of the tile, Aq out (A column of pair j of wave w: n0/2 + 64w + 4j + q).
+    // Phase 3: A's one scale group of the tile, Aq out. Lane q's A byte of pair j of wave w sits at
+    // n0/2 + 64w + 4j + q, so lane t of the quad stores bytes 32t .. 32t + 31: wave t / 2, pairs
+    // 8(t % 2) .. + 7, the words aw[2t + k] = pairs 8(t % 2) + 4k .. + 3 of wave t / 2 (a[8t + 4k ..]).
     const fp8::TileScale sa = fp8_glu::scale_of(fp8::group_max_bits<4>(a_amax));
+    uint32_t aw[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      aw[i] = fp8_glu::code_of(a[4 * i], sa) | (fp8_glu::code_of(a[4 * i + 1], sa) << 8) |
+              (fp8_glu::code_of(a[4 * i + 2], sa) << 16) | (fp8_glu::code_of(a[4 * i + 3], sa) << 24);
+    uint32_t got[8];
+    fp8_glu::quad_exchange(aw, q, got);
+    // got[2s + k] byte b is lane s's code of pair 8(q % 2) + 4k + b: byte 16k + 4b + s of the 32.
+    const int a0 = tile.n0 / 2 + 32 * q;
     uint8_t* arow = o.aq + row * n;
 #pragma unroll
-    for (int w = 0; w < 2; ++w)
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const int acol = tile.n0 / 2 + 64 * w + 4 * j + q;
-        if (store_row && acol < n) arow[acol] = static_cast<uint8_t>(fp8_glu::code_of(a[16 * w + j], sa));
-      }
+    for (int k = 0; k < 2; ++k) {
+      const uint32_t lo01 = __byte_perm(got[k], got[2 + k], 0x5140), hi01 = __byte_perm(got[k], got[2 + k], 0x7362);
+      const uint32_t lo23 = __byte_perm(got[4 + k], got[6 + k], 0x5140), hi23 = __byte_perm(got[4 + k], got[6 + k], 0x7362);
+      const uint4 v = make_uint4(__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
+                                 __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632));
+      if (store_row && a0 + 16 * k < n) *reinterpret_cast<uint4*>(arow + a0 + 16 * k) = v;
+    }
     if (store_row && q == 0) o.a_scales[row * a_tiles + tile.n0 / 256] = sa.s;
   }
 }
