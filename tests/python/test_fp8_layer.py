@@ -304,12 +304,19 @@ def counting_cache():
     return FP8WeightCache(quantize), calls
 
 
-def test_module_requantises_after_an_optimizer_step_only():
+# AdamW(fused=True) writes the parameters without moving their version counters: the cache must
+# see its steps all the same (machmoe.fp8_weights).
+@pytest.mark.parametrize("optimizer", [
+    lambda p: torch.optim.SGD(p, lr=1.0),
+    lambda p: torch.optim.AdamW(p, lr=0.05, fused=True),
+    lambda p: torch.optim.AdamW(p, lr=0.05, foreach=True),
+], ids=["sgd", "adamw_fused", "adamw_foreach"])
+def test_module_requantises_after_an_optimizer_step_only(optimizer):
     torch.manual_seed(torch.initial_seed())
     layer = MoE(4, 2, 128, 128, precision="fp8", std=0.05).bfloat16()
     layer.fp8_cache, calls = counting_cache()
     x = torch.randn(21, 128).bfloat16()
-    opt = torch.optim.SGD(layer.parameters(), lr=1.0)
+    opt = optimizer(layer.parameters())
 
     def step():
         out, aux = layer(x)
