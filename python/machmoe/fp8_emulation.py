@@ -55,8 +55,9 @@ def e4m3_codes(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     to fp32, as the kernels), round to nearest even, saturating at ±448; every element of a
     NaN-scaled tile gets the NaN code 0x7f."""
     q = (v.float() * torch.reciprocal(s)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    nan = torch.full_like(q.view(torch.uint8), _NAN_CODE).view(torch.float8_e4m3fn)
-    return torch.where(torch.isfinite(s).expand_as(q), q, nan)
+    # The select on the codes' bytes: torch.compile's inductor has no type promotion for float8.
+    codes = torch.where(torch.isfinite(s).expand_as(q), q.view(torch.uint8), _NAN_CODE)
+    return codes.view(torch.float8_e4m3fn)
 
 
 def _expand(s: torch.Tensor, size: int, dim: int) -> torch.Tensor:
