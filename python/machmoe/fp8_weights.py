@@ -19,8 +19,9 @@ all of these still hold for its weight:
 Not seen: writes that are neither an optimizer step nor an in-place op on the tensor or a view of
 it: through `param.data` (a tensor with a version counter of its own), by a collective or a
 kernel outside PyTorch's in-place ops, or by an optimizer that is not a `torch.optim.Optimizer`.
-Call `invalidate()` after such writes. Inference tensors have no version counter: they are
-quantised on every call, never cached.
+Call `invalidate()` after such writes. Inference tensors have no version counter, and fake
+tensors (a trace: FakeTensorMode, torch.compile) no data: both are quantised on every call, never
+cached.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import weakref
 from typing import Callable, Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 Quantized = tuple  # (q [E, N, K] e4m3, scales [E, ceil(N/128), ceil(K/128)] f32, qt or None, qt_scales or None)
@@ -90,7 +92,7 @@ class FP8WeightCache:
         made (or never was). interleave: w [E, 2n, K] holds concatenated gate/up rows, and the
         copies are of its rows interleaved (interleave_gate_up), kept beside the plain ones."""
         rows = (lambda t: interleave_gate_up(t)) if interleave else (lambda t: t)
-        if w.is_inference():  # no version counter to tell a change by
+        if w.is_inference() or is_fake(w):  # no version counter to tell a change by; or a trace (no data)
             return self._quantize(rows(w.detach()), transposed)
         key = id(w)
         entry = self._entries.get(key)

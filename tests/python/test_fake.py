@@ -54,6 +54,32 @@ def test_layer_traces_forward_and_backward_on_fake_tensors(act, bias, rounding):
                 assert grad.shape == p.shape and grad.dtype == p.dtype and grad.device == p.device
 
 
+def test_fp8_layer_traces_forward_and_backward_on_fake_tensors():
+    # precision="fp8" on the kernels: the weights' FP8 copies (made on the fakes, never cached: a
+    # trace has no data) go into the layer ops, whose saved block is the FP8 planner's size.
+    from machmoe.fp8_layer import new_cache
+
+    T, d, n, E, K = 77, 128, 64, 8, 2
+    cache = new_cache()
+    with FakeTensorMode():
+        def param(*shape):
+            return torch.empty(*shape, device="cuda", dtype=torch.bfloat16).requires_grad_()
+
+        x, wr, w1, w2 = param(T, d), param(E, d), param(E, 2 * n, d), param(E, d, n)
+        for layout in ("interleaved", "concatenated"):
+            out, aux = functional.moe(x, wr, w1, w2, num_experts_per_tok=K, layout=layout, backend="machmoe",
+                                      precision="fp8", fp8_cache=cache)
+            assert out.shape == (T, d) and out.dtype == torch.bfloat16 and aux.shape == ()
+            saved = out.grad_fn.saved_tensors[-1]
+            plan = torch.ops.machmoe.layer_workspace_bytes(T, d, n, E, K, "swiglu", "none", 128, fp8=True)
+            assert saved.dtype == torch.uint8 and saved.numel() == plan[0]
+            grads = out.grad_fn.apply(torch.ones_like(out), torch.ones_like(aux))
+            for p, grad in zip((x, wr, w1, None, w2), grads):
+                if p is not None:
+                    assert grad.shape == p.shape and grad.dtype == p.dtype and grad.device == p.device
+    assert len(cache) == 0
+
+
 def test_inference_forward_fake_saves_no_h():
     T, d, n, E, K = 33, 64, 64, 4, 1
     plan = torch.ops.machmoe.layer_workspace_bytes(T, d, n, E, K, "swiglu", "none", 128)
