@@ -193,7 +193,8 @@ def moe(
             scaling, the router in fp32 (machmoe.fp8_layer; bfloat16 tensors, swiglu,
             interleaved, no biases, no token rounding, d and n multiples of 16; shared experts run beside in bf16).
         fp8_cache: with precision="fp8", the FP8WeightCache of the weights' FP8 copies (None: one
-            for the process); remade when a weight changes.
+            for the process); remade after every torch.optim step and every in-place write of a
+            weight (machmoe.fp8_weights; call its invalidate() after writes it cannot see).
 
     Returns:
         out: [T, d] in x's dtype.

@@ -140,7 +140,8 @@ class MoE(nn.Module):
             activations take none.
         precision: "bf16" (default) or "fp8": the routed experts' GEMMs in E4M3 (DeepSeek-V3's
             tile scaling), the router in fp32; the weights' FP8 copies are kept in
-            `fp8_cache`, remade after each change of a weight (machmoe.fp8_layer: swiglu,
+            `fp8_cache`, remade after every torch.optim step and every in-place write of a
+            weight (machmoe.fp8_weights; machmoe.fp8_layer: swiglu,
             interleaved, no biases, no token rounding, sizes multiples of 16, bfloat16 tensors).
             Shared experts run beside in bf16.
 
