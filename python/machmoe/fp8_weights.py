@@ -19,9 +19,11 @@ all of these still hold for its weight:
 Not seen: writes that are neither an optimizer step nor an in-place op on the tensor or a view of
 it: through `param.data` (a tensor with a version counter of its own), by a collective or a
 kernel outside PyTorch's in-place ops, or by an optimizer that is not a `torch.optim.Optimizer`.
-Call `invalidate()` after such writes. Inference tensors have no version counter, and fake
-tensors (a trace: FakeTensorMode, torch.compile) no data: both are quantised on every call, never
-cached.
+Call `invalidate()` after such writes. Quantised on every call, never cached: inference tensors
+(no version counter), fake tensors (a trace: FakeTensorMode, torch.compile; no data), and any weight
+while a CUDA graph is being captured on the current stream (a cached copy would be frozen into the
+graph and replayed stale after the next optimizer step; made inside the capture, each replay
+quantises the weights it reads).
 """
 
 from __future__ import annotations
@@ -43,6 +45,13 @@ _step_hook = None
 def _count_optimizer_step(optimizer, args, kwargs) -> None:
     global _optimizer_steps
     _optimizer_steps += 1
+
+
+def _capturing(w: torch.Tensor) -> bool:
+    """Whether w's device is recording a CUDA graph on the current stream: a copy kept from before
+    the capture would be baked into the graph and replayed after the weights change, so under
+    capture the copies are made inside the graph (each replay quantises the weights as they are)."""
+    return w.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _watch_optimizer_steps() -> None:
@@ -92,7 +101,7 @@ class FP8WeightCache:
         made (or never was). interleave: w [E, 2n, K] holds concatenated gate/up rows, and the
         copies are of its rows interleaved (interleave_gate_up), kept beside the plain ones."""
         rows = (lambda t: interleave_gate_up(t)) if interleave else (lambda t: t)
-        if w.is_inference() or is_fake(w):  # no version counter to tell a change by; or a trace (no data)
+        if w.is_inference() or is_fake(w) or _capturing(w):
             return self._quantize(rows(w.detach()), transposed)
         key = id(w)
         entry = self._entries.get(key)

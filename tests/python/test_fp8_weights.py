@@ -86,6 +86,22 @@ def test_every_optimizer_step_makes_new_copies_fused_ones_included():
         assert cache.get(w) is not kept and q.calls == calls + 1
 
 
+def test_under_cuda_graph_capture_the_copies_are_made_every_call(monkeypatch):
+    # A copy taken from the cache during a capture would be replayed after the weights changed: the
+    # cache makes them anew (inside the graph) and keeps nothing. CPU: the capture state is faked.
+    import machmoe.fp8_weights as fw
+
+    q = CountingQuantizer()
+    cache = FP8WeightCache(q)
+    w = weight()
+    kept = cache.get(w)
+    monkeypatch.setattr(fw, "_capturing", lambda t: True)
+    a, b = cache.get(w), cache.get(w)
+    assert a is not kept and b is not a and q.calls == 3
+    monkeypatch.setattr(fw, "_capturing", lambda t: False)
+    assert cache.get(w) is kept and q.calls == 3  # what was cached before the capture is untouched
+
+
 def test_writes_through_data_are_not_seen_until_invalidated():
     q = CountingQuantizer()
     cache = FP8WeightCache(q)
