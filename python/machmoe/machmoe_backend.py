@@ -71,8 +71,9 @@ class _Layer(torch.autograd.Function):
     gradients after the routed experts' ([E+S, ...]), split here.
     fp8: None (bf16), or (cache, concatenated) for precision FP8: the op reads the weights' FP8
     copies from the FP8WeightCache (fetched again by the backward: the same copies while the weights
-    are unchanged, which autograd's version check on the saved weights guarantees), and dw1 comes
-    back in the interleaved order of those copies (concatenated again here when w1 is)."""
+    are unchanged; weights changed in between are read as they are then, as the bf16 backward reads
+    them), and dw1 comes back in the interleaved order of those copies (concatenated again here
+    when w1 is)."""
 
     @staticmethod
     def forward(ctx, x, router_weight, w1, b1, w2, b2, selection_bias, router_bias, opts, router_opts, glu_clamp,
