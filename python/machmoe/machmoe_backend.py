@@ -134,7 +134,7 @@ def moe(x, router_weight, w1, b1, w2, b2, K: int, activation: ActivationType, la
     of S shared experts of the routed experts' size, weighted by shared_scores [T] fp32, or by
     sigmoid(x · shared_gateᵀ) (Qwen's gate [1, d], computed in the layer's launches), or by 1."""
     T, d = x.shape
-    E, n = w1.shape[0], w2.shape[2]
+    n = w2.shape[2]
     _check(x, d, n)
     x, router_weight, w1, w2, b1, b2, router_bias = (_contiguous(t) for t in (x, router_weight, w1, w2, b1, b2,
                                                                               router_bias))
