@@ -8,12 +8,15 @@
 #   3. the kernel table (machmoe.bench.gemm_kernels: dense 8192³ with cuBLAS and the six expert
 #      GEMMs of 7B-a and 30B-b) for A, B, C, ..., A, B, C, ... (AB_REPS rounds, default 2). GPUs
 #      of the same model differ by up to ~10%: compare variants only within one run;
-#   4. with AB_LAYER="7B-a,30B-b" (config names), the layer benchmark of each (machmoe only).
+#   4. with AB_LAYER="7B-a,30B-b" (config names), the layer benchmark of each (machmoe only);
+#   5. with AB_FP8="7B-a,30B-b", the FP8 layer's forward + backward beside bf16 for each
+#      (machmoe.bench.fp8_gemm --rows layer), the variants interleaved, AB_FP8_REPS rounds (1).
 #
 # Usage, locally:   git diff main my-branch -- src include > my_change.patch
 #        on the GPU: MACHMOE_OUT_DIR=/some/dir scripts/gpu_ab.sh my_change.patch [other.patch ...]
 # Environment: AB_REPS, AB_LAYER, AB_SKIP_TESTS=1 (timing only, for variants already verified),
 #   AB_TESTS=gemm (a screening: only the GEMM test files, no racecheck; verify a winner in full),
+#   AB_TESTS=fp8 (the FP8 GPU test files instead, no racecheck; AB_REPS=0 skips the bf16 kernel table),
 #   MACHMOE_KERNEL_ROWS / MACHMOE_KERNEL_CONFIGS (which rows and configs the kernel table times).
 set -uo pipefail
 
@@ -67,8 +70,11 @@ ok=(); for (( i = 0; i < ${#labels[@]}; ++i )); do ok+=(1); done
 if [[ -z "${AB_SKIP_TESTS:-}" ]]; then
   test_files=(tests/python/test_gpu_gemm.py tests/python/test_gpu_gemm_backward.py)
   quick=""
-  if [[ ${AB_TESTS:-full} == gemm ]]; then quick=1
-  else test_files+=(tests/python/test_gpu_layer.py tests/python/test_gpu_backward.py); fi
+  case ${AB_TESTS:-full} in
+    gemm) quick=1 ;;
+    fp8) quick=1; test_files=(tests/python/test_gpu_fp8.py tests/python/test_gpu_fp8_layer.py) ;;
+    *) test_files+=(tests/python/test_gpu_layer.py tests/python/test_gpu_backward.py) ;;
+  esac
   cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   variant_tests() {  # variant_tests I: its pytest files, then (unless a screening) racecheck
     in_variant "$1" env MACHMOE_REQUIRE_GPU=1 timeout 240 "$MACHMOE_PYTHON" -m pytest -q -x "${test_files[@]}" \
@@ -107,6 +113,17 @@ if [[ -n "${AB_LAYER:-}" ]]; then
     in_variant "$i" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 200 "$MACHMOE_PYTHON" \
       -m machmoe.bench --configs "$AB_LAYER" --impls machmoe --kernels off --out "$aux/layer_$i" > "$aux/layer_$i.log" 2>&1
     grep -E '^\| [0-9A-Za-z.-]+ \| [0-9]+ \|' "$aux/layer_$i/bench.md" | tee -a "$log"
+  done
+fi
+if [[ -n "${AB_FP8:-}" ]]; then
+  for (( rep = 1; rep <= ${AB_FP8_REPS:-1}; ++rep )); do
+    for (( i = 0; i < ${#labels[@]}; ++i )); do
+      (( ok[i] )) || continue
+      say "== FP8 layer, ${labels[$i]}, round $rep"
+      in_variant "$i" timeout 300 "$MACHMOE_PYTHON" -m machmoe.bench.fp8_gemm --configs "$AB_FP8" --rows layer \
+        --min-reps 10 > "$aux/fp8_${i}_$rep.log" 2>&1
+      grep -E '^\| [0-9A-Za-z.-]+ layer' "$aux/fp8_${i}_$rep.log" | awk '!seen[$0]++' | tee -a "$log"
+    done
   done
 fi
 say "gpu_ab: done ($SECONDS s)"
