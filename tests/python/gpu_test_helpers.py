@@ -78,11 +78,10 @@ def redraw_near_ties(t, K, routing="softmax_topk", selection_bias=None, max_roun
     raise AssertionError(f"redraw_near_ties: tokens still within the tie window after {max_rounds} redraws")
 
 
-def eager_and_graph_replay(layer, x, g):
-    """An expert-parallel layer's forward + backward (out and the gradients of x and of every
-    parameter, for output gradient g) run eagerly, again with host syncs forbidden (sync debug
-    mode "error"), then captured in a CUDA graph whose outputs are poisoned with NaN and replayed:
-    -> (eager, replayed) lists, for the caller to compare bitwise.
+def _capture_step(layer, x, g):
+    """A layer's forward + backward (out and the gradients of x and of every parameter, for output
+    gradient g) run eagerly, again with host syncs forbidden (sync debug mode "error"), then
+    captured in a CUDA graph -> (side stream, step, params, eager results, graph, captured outputs).
 
     Everything runs on a side stream, as torch's recipe for capturing a backward asks: autograd
     keeps the stream a leaf's gradient was first produced on, and a warm-up on the legacy default
@@ -110,9 +109,39 @@ def eager_and_graph_replay(layer, x, g):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=side):
             captured = step()
-        for t in captured:
-            t.fill_(float("nan"))  # poisoned: the replay must write every element
-        graph.replay()
+    return side, step, params, eager, graph, captured
+
+
+def _poisoned_replay(graph, captured):
+    for t in captured:
+        t.fill_(float("nan"))  # poisoned: the replay must write every element
+    graph.replay()
+
+
+def eager_and_graph_replay(layer, x, g):
+    """_capture_step's eager results and its graph's outputs after one replay (outputs poisoned with
+    NaN before it) -> (eager, replayed) lists, for the caller to compare bitwise."""
+    side, _, _, eager, graph, captured = _capture_step(layer, x, g)
+    with torch.cuda.stream(side):
+        _poisoned_replay(graph, captured)
     torch.cuda.synchronize()
     return eager, captured
+
+
+def check_graph_replays_follow_the_parameters(layer, x, g, change, rounds=2):
+    """_capture_step's graph replayed `rounds` times, `change(params)` writing the parameters in
+    place between replays (as an optimizer step does): each replay (outputs poisoned before it)
+    must equal bitwise an eager step on the parameters as they are then."""
+    side, step, params, _, graph, captured = _capture_step(layer, x, g)
+    with torch.cuda.stream(side):
+        for replay in range(rounds):
+            if replay:
+                with torch.no_grad():
+                    change(params)
+            _poisoned_replay(graph, captured)
+            want = step()
+            side.synchronize()
+            for i, (got, ref) in enumerate(zip(captured, want)):
+                assert torch.equal(got, ref), f"replay {replay}: output {i} differs from the eager call"
+    torch.cuda.synchronize()
 

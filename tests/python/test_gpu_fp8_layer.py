@@ -26,7 +26,7 @@ import copy
 import pytest
 import torch
 
-from gpu_test_helpers import offsets, ops, redraw_near_ties
+from gpu_test_helpers import check_graph_replays_follow_the_parameters, offsets, ops, redraw_near_ties
 from test_fp8_layer import PATHS, dlogits_norm, layer_inputs, model, rel, run_layer
 
 from machmoe import MoE, fp8_layer, functional
@@ -164,44 +164,16 @@ def test_fp8_module_in_a_cuda_graph_quantises_the_weights_it_reads():
     # MoE(precision="fp8") forward + backward: no host synchronisation (sync debug mode "error"),
     # and capturable: each replay equals an eager call bitwise, also after the weights changed in
     # place between replays (under capture the FP8 copies are made inside the graph, never taken
-    # from the cache: machmoe.fp8_weights). As the bf16 layer's graph tests, all on a side stream.
+    # from the cache: machmoe.fp8_weights).
     T, d, n, E, K = 300, 256, 128, 16, 4
-    x = torch.randn(T, d, device="cuda").bfloat16()
-    g = torch.randn(T, d, device="cuda").bfloat16()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        module = MoE(E, K, d, n, precision="fp8", backend="machmoe", std=0.05).cuda().bfloat16()
-        params = list(module.parameters())
-        xs = x.clone().requires_grad_(True)
 
-        def step():
-            out, _ = module(xs)
-            return [out] + list(torch.autograd.grad([out], [xs] + params, [g]))
+    def scale(params):
+        for p in params:
+            p.mul_(0.75)
 
-        step()
-        side.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        side.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            captured = step()
-        for replay in range(2):
-            for t in captured:
-                t.fill_(float("nan"))  # poisoned: the replay must write every element
-            graph.replay()
-            want = step()  # eager, through the cache, on the weights as they are now
-            side.synchronize()
-            for i, (got, ref) in enumerate(zip(captured, want)):
-                assert torch.equal(got, ref), f"replay {replay}: output {i} differs from the eager call"
-            with torch.no_grad():
-                for p in params:
-                    p.mul_(0.75)  # in place, as an optimizer step writes them
-    torch.cuda.synchronize()
+    check_graph_replays_follow_the_parameters(
+        lambda: MoE(E, K, d, n, precision="fp8", backend="machmoe", std=0.05).cuda().bfloat16(),
+        torch.randn(T, d, device="cuda").bfloat16(), torch.randn(T, d, device="cuda").bfloat16(), scale)
 
 
 @on_gpu
