@@ -1,6 +1,7 @@
-"""The experts in FP8 (E4M3, DeepSeek-V3's recipe) on the kernels: what the layer runs with
-`precision="fp8"` on the kernels (machmoe.fp8_layer), one op per direction over the C++ API's
-experts call with precision FP8 (src/host/layer/fp8_experts.cu).
+"""The experts in FP8 (E4M3, DeepSeek-V3's recipe) on the kernels, on a top-K routing the caller
+made: one op per direction over the C++ API's experts call with precision FP8
+(src/host/layer/fp8_experts.cu). The layer with `precision="fp8"` (machmoe.fp8_layer) runs the
+same expert code inside the layer call, with its own router and routing.
 
     out, saved = experts_forward(x, w1, w2, scores, experts)
     dx, dw1, dw2, d_scores = experts_backward(x, w1, w2, scores, experts, saved, dout)
