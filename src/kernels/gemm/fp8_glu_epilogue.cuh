@@ -91,7 +91,7 @@ __device__ __forceinline__ void quad_exchange(const uint32_t (&w)[8], int q, uin
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const uint32_t mine = pick4(w[k], w[2 + k], w[4 + k], w[6 + k], q ^ r);
-      recv[r] = r == 0 ? mine : __shfl_xor_sync(0xffffffffu, mine, r);
+      recv[r] = r == 0 ? mine : __shfl_xor_sync(kFullMask, mine, r);
     }
 #pragma unroll
     for (int s = 0; s < 4; ++s) got[2 * s + k] = pick4(recv[0], recv[1], recv[2], recv[3], q ^ s);
@@ -192,10 +192,7 @@ __device__ __forceinline__ void fp8_glu_epilogue(const GroupedGemmParams& g, con
     uint8_t* arow = o.aq + row * n;
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
-      const uint32_t lo01 = __byte_perm(got[k], got[2 + k], 0x5140), hi01 = __byte_perm(got[k], got[2 + k], 0x7362);
-      const uint32_t lo23 = __byte_perm(got[4 + k], got[6 + k], 0x5140), hi23 = __byte_perm(got[4 + k], got[6 + k], 0x7362);
-      const uint4 v = make_uint4(__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
-                                 __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632));
+      const uint4 v = fp8::transpose4x4_bytes(got[k], got[2 + k], got[4 + k], got[6 + k]);
       if (store_row && a0 + 16 * k < n) *reinterpret_cast<uint4*>(arow + a0 + 16 * k) = v;
     }
     if (store_row && q == 0) o.a_scales[row * a_tiles + tile.n0 / 256] = sa.s;

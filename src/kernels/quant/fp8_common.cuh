@@ -104,6 +104,14 @@ __device__ __forceinline__ uint4 pair_exchange(const uint2& a, const uint2& b, i
   return odd ? make_uint4(rx, ry, b.x, b.y) : make_uint4(a.x, a.y, rx, ry);
 }
 
+// A 4 x 4 block of bytes turned: r_i byte j -> out_j byte i (r0 .. r3 the block's rows as words).
+__device__ __forceinline__ uint4 transpose4x4_bytes(uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  const uint32_t t0 = __byte_perm(r0, r1, 0x5140), t1 = __byte_perm(r0, r1, 0x7362);  // r0/r1 bytes 0,1 | 2,3
+  const uint32_t t2 = __byte_perm(r2, r3, 0x5140), t3 = __byte_perm(r2, r3, 0x7362);
+  return make_uint4(__byte_perm(t0, t2, 0x5410), __byte_perm(t0, t2, 0x7632), __byte_perm(t1, t3, 0x5410),
+                    __byte_perm(t1, t3, 0x7632));
+}
+
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 __device__ __forceinline__ int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
