@@ -76,15 +76,16 @@ void quantize_rows_fp8(const QuantizeRowsArgs& args, cudaStream_t stream);
 // chunk). Chunks are numbered expert after expert:
 //   chunk_offsets[e] = Σ_{e' < e} ceil(rows(e') / 128)     [E+1] int32, written on the device
 // Chunk c = chunk_offsets[e] + j holds the expert's rows off[e] + 128j + [0, 128) and owns
-//   qt[:, 128c .. 128c + 128)   e4m3 [d, r_pad]: column i of the gathered x becomes row i of qt,
-//                               contiguous along the rows, so that a K-major wgmma operand can
-//                               TMA whole 128-wide K blocks; rows past the expert's end in its
-//                               last chunk are zero codes (no masking needed in the GEMM);
-//   scales[:, c]                fp32 [d, max_chunks]: chunk c's scale for each column.
+//   qt[c]       e4m3 [max_chunks, d, 128]: column i of the gathered x becomes row i of qt[c],
+//               its 128 codes contiguous along the rows, so that a K-major wgmma operand can TMA
+//               a whole 128-deep K block; rows past the expert's end in its last chunk are zero
+//               codes (no masking needed in the GEMM);
+//   scales[c]   fp32 [max_chunks, d]: chunk c's scale for each column.
+// Chunk-major, so that each chunk's codes and scales are written as contiguous blocks.
 // The sizes come from (R, E, d) alone (fp8_columns_layout), without reading device data: at most
 //   max_chunks = m + (R - m) / 128 (integer division), m = min(E, R),
 // chunks exist for any offsets within R (each nonempty expert adds at most one partial chunk);
-// r_pad = 128·max_chunks. Chunks c >= chunk_offsets[E] and their qt columns are not written.
+// r_pad = 128·max_chunks. Chunks c >= chunk_offsets[E] (their qt[c], scales[c]) are not written.
 // A GEMM reads chunk_offsets to find expert e's K blocks: [chunk_offsets[e], chunk_offsets[e+1]).
 // Rules: d >= 16 and a multiple of 16; ld >= d and a multiple of 8; 1 <= E < 2^31; 0 <= T, R <
 // 2^31; x and qt 16-byte aligned, scales, gather, offsets and chunk_offsets 4-byte aligned.
@@ -92,8 +93,8 @@ void quantize_rows_fp8(const QuantizeRowsArgs& args, cudaStream_t stream);
 // buffers; the result is then meaningless).
 struct Fp8ColumnsLayout {
   int64_t max_chunks = 0;          // the most chunks any offsets give
-  int64_t r_pad = 0;               // qt's row length: 128·max_chunks
-  size_t qt_bytes = 0;             // d·r_pad
+  int64_t r_pad = 0;               // the rows the chunks can hold: 128·max_chunks
+  size_t qt_bytes = 0;             // d·r_pad (qt [max_chunks, d, 128])
   size_t scales_bytes = 0;         // 4·d·max_chunks
   size_t chunk_offsets_bytes = 0;  // 4·(E+1)
 };
@@ -107,8 +108,8 @@ struct QuantizeColumnsArgs {
   const int32_t* expert_offsets = nullptr;  // [E+1] device
   int64_t E = 0;
   int32_t* chunk_offsets = nullptr;         // [E+1] out
-  uint8_t* qt = nullptr;                    // [d, r_pad] e4m3 out
-  float* scales = nullptr;                  // [d, max_chunks] out
+  uint8_t* qt = nullptr;                    // [max_chunks, d, 128] e4m3 out
+  float* scales = nullptr;                  // [max_chunks, d] out
 };
 void quantize_columns_fp8(const QuantizeColumnsArgs& args, cudaStream_t stream);
 

@@ -282,8 +282,8 @@ def _fp8_quantize_columns(x, gather, expert_offsets):
     R = x.shape[0] if gather is None else gather.shape[0]
     E = expert_offsets.shape[0] - 1
     chunks = fp8_max_chunks(R, E)
-    return (x.new_empty(d, FP8_TILE * chunks, dtype=torch.float8_e4m3fn),
-            x.new_empty(d, chunks, dtype=torch.float32), x.new_empty(E + 1, dtype=torch.int32))
+    return (x.new_empty(chunks, d, FP8_TILE, dtype=torch.float8_e4m3fn),
+            x.new_empty(chunks, d, dtype=torch.float32), x.new_empty(E + 1, dtype=torch.int32))
 
 
 def _grouped_gemm_fp8(a_q, a_scales, w_q, w_scales, expert_offsets, max_ctas=0, gather=None):
@@ -318,7 +318,7 @@ def _grouped_gemm_fp8_glu(a_q, a_scales, w_q, w_scales, expert_offsets, activati
 
 
 def _grouped_wgrad_fp8(a_qt, a_scales, b_qt, b_scales, chunk_offsets, out_dtype, transpose_c, max_ctas=0):
-    E, M, N = chunk_offsets.shape[0] - 1, a_qt.shape[0], b_qt.shape[0]
+    E, M, N = chunk_offsets.shape[0] - 1, a_qt.shape[1], b_qt.shape[1]
     return a_scales.new_empty((E, N, M) if transpose_c else (E, M, N), dtype=out_dtype)
 
 

@@ -110,9 +110,9 @@ std::tuple<Tensor, Tensor, std::optional<Tensor>, std::optional<Tensor>> op_fp8_
 }
 
 // x [T, d] bf16, gather [R] int32 (None: x itself, R = T), expert_offsets [E+1] int32 ->
-// qt [d, r_pad] e4m3, scales [d, max_chunks] f32, chunk_offsets [E+1] int32, with
-// (max_chunks, r_pad) = fp8_columns_layout(R, E, d): the most chunks any offsets within R give.
-// The chunks past chunk_offsets[E] (and their qt columns) are left unwritten.
+// qt [max_chunks, d, 128] e4m3, scales [max_chunks, d] f32, chunk_offsets [E+1] int32, with
+// max_chunks = fp8_columns_layout(R, E, d).max_chunks: the most chunks any offsets within R give.
+// The chunks past chunk_offsets[E] (their qt and scales rows) are left unwritten.
 std::tuple<Tensor, Tensor, Tensor> op_fp8_quantize_columns(const Tensor& x, const std::optional<Tensor>& gather,
                                                            const Tensor& expert_offsets) {
   return translate_errors([&] {
@@ -123,8 +123,8 @@ std::tuple<Tensor, Tensor, Tensor> op_fp8_quantize_columns(const Tensor& x, cons
     const int64_t E = check_offsets(expert_offsets, device);
     const Fp8ColumnsLayout layout = fp8_columns_layout(R, E, d);  // host arithmetic: no sync
     const c10::cuda::CUDAGuard guard(device);
-    Tensor qt = at::empty({d, layout.r_pad}, x.options().dtype(kE4M3));
-    Tensor scales = at::empty({d, layout.max_chunks}, x.options().dtype(at::kFloat));
+    Tensor qt = at::empty({layout.max_chunks, d, 128}, x.options().dtype(kE4M3));
+    Tensor scales = at::empty({layout.max_chunks, d}, x.options().dtype(at::kFloat));
     Tensor chunk_offsets = at::empty({E + 1}, x.options().dtype(at::kInt));
     QuantizeColumnsArgs a;
     a.x = x.data_ptr();
@@ -244,18 +244,16 @@ Tensor op_grouped_wgrad_fp8(const Tensor& a_qt, const Tensor& a_scales, const Te
                             const Tensor& chunk_offsets, at::ScalarType out_dtype, bool transpose_c,
                             int64_t max_ctas) {
   return translate_errors([&] {
-    check_first(a_qt, "a_qt", kE4M3, 2);
+    check_first(a_qt, "a_qt", kE4M3, 3);
     const at::Device device = a_qt.device();
-    const int64_t M = a_qt.size(0), r_pad = a_qt.size(1);
-    check_dims(a_scales, "a_scales", 2);
-    const int64_t chunks = a_scales.size(1);
-    MACHMOE_CHECK_VALUE(r_pad == 128 * chunks, "a_qt must be [M, 128·C] with C = a_scales.shape[1] = ", chunks,
-                        " (quantize_columns_fp8's layout), got shape ", a_qt.sizes());
-    check_tensor(a_scales, "a_scales", at::kFloat, {M, chunks}, &device);
-    check_dims(b_qt, "b_qt", 2);
-    const int64_t N = b_qt.size(0);
-    check_tensor(b_qt, "b_qt", kE4M3, {N, r_pad}, &device);
-    check_tensor(b_scales, "b_scales", at::kFloat, {N, chunks}, &device);
+    const int64_t chunks = a_qt.size(0), M = a_qt.size(1);
+    MACHMOE_CHECK_VALUE(a_qt.size(2) == 128, "a_qt must be [C, M, 128] (quantize_columns_fp8's layout), got shape ",
+                        a_qt.sizes());
+    check_tensor(a_scales, "a_scales", at::kFloat, {chunks, M}, &device);
+    check_dims(b_qt, "b_qt", 3);
+    const int64_t N = b_qt.size(1);
+    check_tensor(b_qt, "b_qt", kE4M3, {chunks, N, 128}, &device);
+    check_tensor(b_scales, "b_scales", at::kFloat, {chunks, N}, &device);
     check_dims(chunk_offsets, "chunk_offsets", 1);
     check_tensor(chunk_offsets, "chunk_offsets", at::kInt, chunk_offsets.sizes(), &device);
     const int64_t E = chunk_offsets.size(0) - 1;

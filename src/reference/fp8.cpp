@@ -174,10 +174,10 @@ Fp8Columns quantize_columns_fp8(const uint16_t* x, int64_t T, int64_t d, int64_t
         Amax am;
         for (int64_t r = r0; r < r1; ++r) am.add(gathered(x, T, ld, gather, r, i));
         const float s = am.scale();
-        out.scales[i * out.max_chunks + c] = s;
+        out.scales[c * d + i] = s;
         // Rows r1 .. r0 + 128 of the chunk stay zero codes (padding).
         for (int64_t r = r0; r < r1; ++r)
-          out.qt[i * out.r_pad + c * kTile + (r - r0)] = fp8_quantize(gathered(x, T, ld, gather, r, i), s);
+          out.qt[(c * d + i) * kTile + (r - r0)] = fp8_quantize(gathered(x, T, ld, gather, r, i), s);
       }
     }
   }

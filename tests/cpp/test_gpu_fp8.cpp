@@ -281,18 +281,15 @@ void check_columns(int64_t T, int64_t d, const std::vector<int32_t>& offsets, bo
   EXPECT_TRUE(same_bytes("chunk_offsets", gco.data(), reinterpret_cast<const unsigned char*>(want.chunk_offsets.data()),
                          co.bytes, 4));
   const int64_t used = want.chunk_offsets[E];
-  for (int64_t i = 0; i < d; ++i) {
-    // The chunks that exist, bitwise; the rest of the row never written.
-    const size_t row = static_cast<size_t>(i * l.r_pad), used_bytes = static_cast<size_t>(128 * used);
-    ASSERT_TRUE(same_bytes("qt row " + std::to_string(i), gqt.data() + row, want.qt.data() + row, used_bytes));
-    for (size_t b = used_bytes; b < static_cast<size_t>(l.r_pad); ++b)
-      ASSERT_EQ(gqt[row + b], 0xff) << "qt row " << i << ": unused chunk column " << b << " written";
-    const size_t srow = static_cast<size_t>(i * l.max_chunks) * 4;
-    ASSERT_TRUE(same_bytes("scales row " + std::to_string(i), gsc.data() + srow, raw(want.scales) + srow,
-                           static_cast<size_t>(used) * 4, 4));
-    for (size_t b = static_cast<size_t>(used) * 4; b < static_cast<size_t>(l.max_chunks) * 4; ++b)
-      ASSERT_EQ(gsc[srow + b], 0xff) << "scales row " << i << ": unused chunk written";
-  }
+  // The chunks that exist (the first `used` blocks of qt [max_chunks, d, 128] and rows of scales
+  // [max_chunks, d]), bitwise; the rest never written.
+  const size_t used_qt = static_cast<size_t>(used * d * 128), used_sc = static_cast<size_t>(used * d) * 4;
+  ASSERT_TRUE(same_bytes("qt", gqt.data(), want.qt.data(), used_qt));
+  for (size_t b = used_qt; b < l.qt_bytes; ++b)
+    ASSERT_EQ(gqt[b], 0xff) << "qt: unused chunk " << b / static_cast<size_t>(d * 128) << " written";
+  ASSERT_TRUE(same_bytes("scales", gsc.data(), raw(want.scales), used_sc, 4));
+  for (size_t b = used_sc; b < l.scales_bytes; ++b)
+    ASSERT_EQ(gsc[b], 0xff) << "scales: unused chunk " << b / static_cast<size_t>(d * 4) << " written";
   EXPECT_TRUE(guard_intact("chunk_offsets", gco, co.bytes));
   EXPECT_TRUE(guard_intact("qt", gqt, qt.bytes));
   EXPECT_TRUE(guard_intact("scales", gsc, sc.bytes));

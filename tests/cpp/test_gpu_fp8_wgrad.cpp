@@ -106,13 +106,16 @@ struct WgradRef {
   std::vector<double> c, abs;
 };
 
-// q·s of one operand [width, r_pad] for the chunks that exist (the rest is never read).
+// q·s of one operand (qt [max_chunks, width, 128], scales [max_chunks, width]) as [width, r_pad],
+// each column's rows contiguous, for the chunks that exist (the rest is never read).
 std::vector<double> dequantise(const ref::Fp8Columns& q, const std::vector<float>& scales, int64_t used) {
   std::vector<double> v(static_cast<size_t>(q.d * q.r_pad), 0.0);
   for (int64_t i = 0; i < q.d; ++i)
-    for (int64_t k = 0; k < 128 * used; ++k)
-      v[i * q.r_pad + k] = static_cast<double>(ref::e4m3_to_float(q.qt[i * q.r_pad + k])) *
-                           static_cast<double>(scales[i * q.max_chunks + k / 128]);
+    for (int64_t k = 0; k < 128 * used; ++k) {
+      const int64_t c = k / 128;
+      v[i * q.r_pad + k] = static_cast<double>(ref::e4m3_to_float(q.qt[(c * q.d + i) * 128 + k % 128])) *
+                           static_cast<double>(scales[c * q.d + i]);
+    }
   return v;
 }
 
@@ -269,12 +272,12 @@ void check_case(const WgradCase& k, uint64_t salt) {
 }
 
 // Each chunk's scales replaced by the next chunk's (the last one's by chunk 0's): the mistake of a
-// kernel that reads column c + 1 of the scale tensor.
+// kernel that reads row c + 1 of the scale tensor.
 std::vector<float> next_chunk_scales(const ref::Fp8Columns& q) {
   std::vector<float> s = q.scales;
   const int64_t used = q.chunk_offsets.back();
   for (int64_t i = 0; i < q.d; ++i)
-    for (int64_t c = 0; c < used; ++c) s[i * q.max_chunks + c] = q.scales[i * q.max_chunks + (c + 1) % used];
+    for (int64_t c = 0; c < used; ++c) s[c * q.d + i] = q.scales[((c + 1) % used) * q.d + i];
   return s;
 }
 

@@ -256,10 +256,10 @@ void check_columns(mtest::Rng& rng, int64_t T, int64_t d, const std::vector<int3
         for (int64_t r = 0; r < n; ++r) xt[i * n + r] = x[(gp ? gp[r0 + r] : r0 + r) * d + i];
       const ref::Fp8Rows rows_q = ref::quantize_rows_fp8(xt.data(), d, n, n, nullptr, d);
       for (int64_t i = 0; i < d; ++i) {
-        ASSERT_EQ(bits_of(col.scales[i * col.max_chunks + c]), bits_of(rows_q.scales[i]))
+        ASSERT_EQ(bits_of(col.scales[c * d + i]), bits_of(rows_q.scales[i]))
             << "column " << i << " chunk " << c;
         for (int64_t r = 0; r < 128; ++r)
-          ASSERT_EQ(col.qt[i * col.r_pad + 128 * c + r], r < n ? rows_q.q[i * n + r] : 0)
+          ASSERT_EQ(col.qt[(c * d + i) * 128 + r], r < n ? rows_q.q[i * n + r] : 0)
               << "column " << i << " chunk " << c << " row " << r << (r < n ? "" : " (padding)");
       }
     }
@@ -287,9 +287,9 @@ TEST(Fp8Reference, ColumnsNaNStaysInItsColumnAndChunk) {
   for (int64_t i = 0; i < d; ++i)
     for (int64_t c = 0; c < 2; ++c) {
       const bool nan = i == 7 && c == 1;
-      EXPECT_EQ(bits_of(col.scales[i * col.max_chunks + c]), nan ? ref::kFp8NanScale : bits_of(1.f / 448.f));
+      EXPECT_EQ(bits_of(col.scales[c * d + i]), nan ? ref::kFp8NanScale : bits_of(1.f / 448.f));
       for (int64_t r = 0; r < 128; ++r)
-        ASSERT_EQ(col.qt[i * col.r_pad + 128 * c + r], r >= 100 ? 0 : nan ? 0x7f : 0x7e) << i << " " << c << " " << r;
+        ASSERT_EQ(col.qt[(c * d + i) * 128 + r], r >= 100 ? 0 : nan ? 0x7f : 0x7e) << i << " " << c << " " << r;
     }
 }
 

@@ -96,21 +96,22 @@ def ref_quantize_weights(w):
 
 
 def ref_quantize_columns(x, gather, counts):
-    """(qt [d, r_pad] uint8, scales [d, max_chunks], chunk_offsets [E+1]) with zero codes past an
-    expert's last row in its last chunk; chunks past chunk_offsets[E] are zero (the op's are unset)."""
+    """(qt [max_chunks, d, 128] uint8, scales [max_chunks, d], chunk_offsets [E+1]) with zero codes
+    past an expert's last row in its last chunk; chunks past chunk_offsets[E] are zero (the op's
+    are unset)."""
     rows = gathered(x, gather)
     R, d = rows.shape
     E = len(counts)
     max_chunks = _fake.fp8_max_chunks(R, E)
-    qt = torch.zeros(d, TILE * max_chunks, dtype=torch.uint8)
-    scales = torch.zeros(d, max_chunks)
+    qt = torch.zeros(max_chunks, d, TILE, dtype=torch.uint8)
+    scales = torch.zeros(max_chunks, d)
     chunk_offsets, c, start = [0], 0, 0
     for rows_e in counts:
         for j in range(0, rows_e, TILE):
             blk = rows[start + j:start + min(j + TILE, rows_e)]  # [m, d]
             s = ref_scales(blk.abs().amax(0))  # [d]
-            qt[:, TILE * c:TILE * c + blk.shape[0]] = ref_codes(blk, s[None, :]).T
-            scales[:, c] = s
+            qt[c, :, :blk.shape[0]] = ref_codes(blk, s[None, :]).T
+            scales[c] = s
             c += 1
         start += rows_e
         chunk_offsets.append(c)
@@ -207,9 +208,12 @@ def test_reference_columns_layout_by_hand():
     x = torch.arange(1, 17, dtype=torch.float32).repeat(300, 1).bfloat16()  # [300, 16]
     qt, scales, chunks = ref_quantize_columns(x, None, [130, 0, 1, 169])
     assert chunks.tolist() == [0, 2, 2, 3, 5]
-    assert qt.shape == (16, TILE * _fake.fp8_max_chunks(300, 4)) and scales.shape[1] == _fake.fp8_max_chunks(300, 4)
-    assert (qt[:, 130:256] == 0).all() and (qt[:, 256:257] == 0x7e).all() and (qt[:, 257:384] == 0).all()
-    assert (qt[:, :130] == 0x7e).all()  # every column constant: each element is its chunk's amax
+    chunks_bound = _fake.fp8_max_chunks(300, 4)
+    assert qt.shape == (chunks_bound, 16, TILE) and scales.shape == (chunks_bound, 16)
+    # Every column constant: each element is its chunk's amax. Chunk 1 holds expert 0's last 2 rows,
+    # chunk 2 expert 2's one row; the rest of both is zero padding.
+    assert (qt[0] == 0x7e).all() and (qt[1, :, :2] == 0x7e).all() and (qt[1, :, 2:] == 0).all()
+    assert (qt[2, :, :1] == 0x7e).all() and (qt[2, :, 1:] == 0).all()
 
 
 def test_gemm_check_catches_a_wrong_element():
@@ -257,7 +261,7 @@ def test_fp8_fakes_follow_the_op_docs():
         assert torch.ops.machmoe.fp8_quantize_weights(w, False)[2:] == (None, None)
         qt, cs, co = torch.ops.machmoe.fp8_quantize_columns(x, torch.empty(R, **i32), torch.empty(E + 1, **i32))
         chunks = 5 + (R - 5) // 128
-        assert (qt.shape, cs.shape, co.shape, co.dtype) == ((d, 128 * chunks), (d, chunks), (E + 1,), torch.int32)
+        assert (qt.shape, cs.shape, co.shape, co.dtype) == ((chunks, d, 128), (chunks, d), (E + 1,), torch.int32)
         c = torch.ops.machmoe.grouped_gemm_fp8(q, s, wq, ws, torch.empty(E + 1, **i32))
         assert (c.shape, c.dtype) == ((R, N), torch.bfloat16)
         xq, xs = torch.ops.machmoe.fp8_quantize_rows(x, None)  # [T, d]: gathered by the GEMM
@@ -337,8 +341,8 @@ def test_quantize_columns_bitwise(name, d, n, gathered_rows):
     assert (qt.shape, s.shape) == (want_qt.shape, want_s.shape)
     assert torch.equal(chunk_offsets.cpu(), want_chunks)
     c = int(want_chunks[-1])  # the chunks past chunk_offsets[E] are not written
-    assert_scales_equal(s[:, :c], want_s[:, :c], f"{name} columns scales")
-    assert_codes_equal(qt[:, :TILE * c], want_qt[:, :TILE * c], f"{name} columns codes")
+    assert_scales_equal(s[:c], want_s[:c], f"{name} columns scales")
+    assert_codes_equal(qt[:c], want_qt[:c], f"{name} columns codes")
 
 
 # ---------------------------------------------------------------- GPU: the grouped GEMM
@@ -526,8 +530,9 @@ def test_grouped_wgrad_fp8_against_float64(name, d, n, out_dtype, transpose_c):
     ht, hs, co_h = m.fp8_quantize_columns(dh, None, offsets(COUNTS))
     assert torch.equal(co, co_h)
     c = m.grouped_wgrad_fp8(xt, xs, ht, hs, co, out_dtype, transpose_c)
-    xd = xt.double() * xs.double().repeat_interleave(TILE, dim=1)
-    hd = ht.double() * hs.double().repeat_interleave(TILE, dim=1)
+    # Dequantised and laid out [width, 128·chunks]: each column's rows in order.
+    xd = (xt.double() * xs.double()[..., None]).permute(1, 0, 2).reshape(d, -1)
+    hd = (ht.double() * hs.double()[..., None]).permute(1, 0, 2).reshape(2 * n, -1)
     got = c.double().transpose(1, 2) if transpose_c else c.double()
     cl = co.tolist()
     for e in range(E):

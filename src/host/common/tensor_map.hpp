@@ -31,14 +31,14 @@ inline EncodeTiledFn encode_tiled() {
   return fn;
 }
 
-// A bf16 tensor of `rank` dims (dims[0] innermost, strides in bytes for dims 1..), boxes `box`.
-inline CUtensorMap encode_bf16_map(const void* ptr, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
-                                   const cuuint32_t* box, const char* fn) {
+// Encodes a map of `rank` dims (dims[0] innermost; strides in bytes for dims 1..) or throws.
+inline CUtensorMap encode_map(CUtensorMapDataType type, const void* ptr, int rank, const cuuint64_t* dims,
+                              const cuuint64_t* strides, const cuuint32_t* box, CUtensorMapSwizzle swizzle,
+                              const char* fn) {
   CUtensorMap map;
   const cuuint32_t elem_strides[3] = {1, 1, 1};
-  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(ptr), dims,
-                                    strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                    CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+  const CUresult r = encode_tiled()(&map, type, rank, const_cast<void*>(ptr), dims, strides, box, elem_strides,
+                                    CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw Error(ErrorCode::CudaError, std::string(fn) + ": cuTensorMapEncodeTiled failed with CUresult " +
@@ -46,23 +46,42 @@ inline CUtensorMap encode_bf16_map(const void* ptr, int rank, const cuuint64_t* 
   return map;
 }
 
+// A bf16 tensor of `rank` dims (dims[0] innermost, strides in bytes for dims 1..), boxes `box`.
+inline CUtensorMap encode_bf16_map(const void* ptr, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
+                                   const cuuint32_t* box, const char* fn) {
+  return encode_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, ptr, rank, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B, fn);
+}
+
 // An e4m3 matrix [rows, cols] (rows `cols` bytes apart) in boxes of 128 columns x 128 rows with the
 // 128-byte swizzle: one box row is one swizzle row and one FP8 scale group (128 codes along the
 // reduction dimension). Zeros out of bounds, which partial last K blocks and rows past the end
-// rely on. The FP8 GEMMs' operands (K-major: cols = K, or an expert-chunked row length r_pad).
+// rely on. The FP8 GEMMs' K-major operands (cols = K).
 inline CUtensorMap e4m3_tile_map(const void* ptr, int64_t rows, int64_t cols, const char* fn) {
-  CUtensorMap map;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols)};
   const cuuint32_t box[2] = {128, 128};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(ptr), dims, strides,
-                                    box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    throw Error(ErrorCode::CudaError, std::string(fn) + ": cuTensorMapEncodeTiled failed with CUresult " +
-                                          std::to_string(static_cast<int>(r)));
-  return map;
+  return encode_map(CU_TENSOR_MAP_DATA_TYPE_UINT8, ptr, 2, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B, fn);
+}
+
+// The column operands of the FP8 weight gradients, e4m3 [chunks, rows, 128] (one 128-row chunk of
+// an expert per block, machmoe/fp8.hpp), as a 3-D map {128, rows, chunks} in boxes of one chunk's
+// 128 codes x 128 rows, 128-byte swizzle: the box of chunk c, rows r0 .. is the wgmma's K-major
+// tile, and rows past the end read as zeros.
+inline CUtensorMap e4m3_chunk_map(const void* ptr, int64_t chunks, int64_t rows, const char* fn) {
+  const cuuint64_t dims[3] = {128, static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(chunks)};
+  const cuuint64_t strides[2] = {128, static_cast<cuuint64_t>(rows) * 128};
+  const cuuint32_t box[3] = {128, 128, 1};
+  return encode_map(CU_TENSOR_MAP_DATA_TYPE_UINT8, ptr, 3, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B, fn);
+}
+
+// An fp32 matrix [rows, cols] (cols % 4 == 0: rows 16-byte multiples apart) in boxes of box_cols
+// columns of one row, unswizzled: a chunk's scales of box_cols consecutive columns, zeros past
+// the last column.
+inline CUtensorMap f32_row_map(const void* ptr, int64_t rows, int64_t cols, int box_cols, const char* fn) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 4};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), 1};
+  return encode_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, ptr, 2, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE, fn);
 }
 
 // A bf16 matrix [rows, cols] with `ld` elements between rows, boxes of box_cols x box_rows.

@@ -45,7 +45,7 @@ void check_args(const GroupedWgradFp8Args& a) {
   require_arg(a.N >= 16 && a.N % 16 == 0 && a.N <= (1 << 24), kFn, "N",
               "must be a multiple of 16 in [16, 2^24] (quantize_columns_fp8's d), got " + std::to_string(a.N));
   require_arg(a.max_chunks >= 0 && a.max_chunks <= kInt32Max / kernels::kFp8WgradBK, kFn, "max_chunks",
-              "must be >= 0 with 128·max_chunks < 2^31 (int32 TMA coordinates along r_pad), got " +
+              "must be >= 0 with 128·max_chunks < 2^31 (int32 row counts of the chunk layout), got " +
                   std::to_string(a.max_chunks));
   // (at most 2^24 · 2^17 · 2^16: no overflow in int64)
   const int64_t tiles = a.E * ceil_div(a.M, kernels::kFp8WgradBM) * ceil_div(a.N, kTileN);
@@ -58,8 +58,8 @@ void check_args(const GroupedWgradFp8Args& a) {
   require_arg(detail::aligned16(a.a_qt), kFn, "a_qt", "must be 16-byte aligned (TMA)");
   require_arg(detail::aligned16(a.b_qt), kFn, "b_qt", "must be 16-byte aligned (TMA)");
   require_arg(detail::aligned16(a.c), kFn, "c", "must be 16-byte aligned (TMA store)");
-  require_arg(aligned4(a.a_scales), kFn, "a_scales", "must be 4-byte aligned");
-  require_arg(aligned4(a.b_scales), kFn, "b_scales", "must be 4-byte aligned");
+  require_arg(detail::aligned16(a.a_scales), kFn, "a_scales", "must be 16-byte aligned (TMA)");
+  require_arg(detail::aligned16(a.b_scales), kFn, "b_scales", "must be 16-byte aligned (TMA)");
   require_arg(aligned4(a.chunk_offsets), kFn, "chunk_offsets", "must be 4-byte aligned");
   require_arg(a.max_ctas >= 0, kFn, "max_ctas", "must be >= 0 (0: one CTA per SM), got " + std::to_string(a.max_ctas));
 }
@@ -87,8 +87,6 @@ void grouped_wgrad_fp8(const GroupedWgradFp8Args& a, cudaStream_t stream) {
                   std::to_string(info.smem_per_block_optin));
 
   kernels::Fp8WgradParams p{};
-  p.sa = a.a_scales;
-  p.sb = a.b_scales;
   p.chunk_offsets = a.chunk_offsets;
   p.E = static_cast<int>(a.E);
   p.M = static_cast<int>(a.M);
@@ -98,10 +96,12 @@ void grouped_wgrad_fp8(const GroupedWgradFp8Args& a, cudaStream_t stream) {
   p.n_tiles = static_cast<int>(ceil_div(a.N, kTileN));
   p.c = a.c;
 
-  const int64_t r_pad = kernels::kFp8WgradBK * a.max_chunks;
-  // Aqt, Bqt [rows, r_pad]: one box row = one 128-row chunk of an expert.
-  const CUtensorMap map_a = detail::e4m3_tile_map(a.a_qt, a.M, r_pad, kFn);
-  const CUtensorMap map_b = detail::e4m3_tile_map(a.b_qt, a.N, r_pad, kFn);
+  // Aqt [max_chunks, M, 128], Bqt [max_chunks, N, 128]: one box = one 128-row chunk of an expert
+  // for 128 rows; their scales [max_chunks, M | N]: one box = a chunk's scales of a tile's rows.
+  const CUtensorMap map_a = detail::e4m3_chunk_map(a.a_qt, a.max_chunks, a.M, kFn);
+  const CUtensorMap map_b = detail::e4m3_chunk_map(a.b_qt, a.max_chunks, a.N, kFn);
+  const CUtensorMap map_sa = detail::f32_row_map(a.a_scales, a.max_chunks, a.M, kernels::kFp8WgradBM, kFn);
+  const CUtensorMap map_sb = detail::f32_row_map(a.b_scales, a.max_chunks, a.N, kTileN, kFn);
   // C as [E][rows][cols] bf16 for the staged store (C[e]ᵀ [N, M] with transpose_c, else
   // C[e] [M, N]); fp32 C is stored from the registers and the kernel never reads this map.
   CUtensorMap map_c{};
@@ -116,7 +116,7 @@ void grouped_wgrad_fp8(const GroupedWgradFp8Args& a, cudaStream_t stream) {
                       : (a.transpose_c ? kernels::sm90_grouped_wgrad_fp8<kTileN, __nv_bfloat16, true>
                                        : kernels::sm90_grouped_wgrad_fp8<kTileN, __nv_bfloat16, false>);
   detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, "grouped_wgrad_fp8: cudaFuncSetAttribute");
-  kernel<<<ctas, kernels::kFp8WgradThreads, smem, stream>>>(map_a, map_b, map_c, p);
+  kernel<<<ctas, kernels::kFp8WgradThreads, smem, stream>>>(map_a, map_b, map_sa, map_sb, map_c, p);
   check_launch(kFn);
 }
 

@@ -36,7 +36,7 @@ Fp8Rows fp8_rows(void* base, size_t offset, int64_t rows, int64_t cols) {
   return {codes, reinterpret_cast<float*>(codes + static_cast<size_t>(rows) * static_cast<size_t>(cols))};
 }
 
-// The same for a column operand of the weight gradients [cols, r_pad] and its scales.
+// The same for a column operand of the weight gradients [max_chunks, cols, 128] and its scales.
 struct Fp8Columns {
   uint8_t* codes;
   float* scales;

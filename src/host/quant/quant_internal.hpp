@@ -57,9 +57,9 @@ void launch_fp8_chunk_offsets(const int32_t* expert_offsets, int64_t E, int64_t 
 // expert (expert_offsets [E+1], device). Writes bitwise what these write, without dH or A' in
 // memory:
 //   swiglu_backward_fp8 (with dh_q):   d_scores, dh_q / dh_scales  (for the experts' rows)
-//   quantize_columns_fp8 of dH:        chunk_offsets, dh_qt [2n, r_pad], dh_col_scales [2n, max_chunks]
-//   quantize_columns_fp8 of A':        ap_qt [n, r_pad], ap_col_scales [n, max_chunks]
-// (r_pad, max_chunks: fp8_columns_layout(R, E, ·)). Rows outside [off[0], off[E]) are not
+//   quantize_columns_fp8 of dH:        chunk_offsets, dh_qt [max_chunks, 2n, 128], dh_col_scales [max_chunks, 2n]
+//   quantize_columns_fp8 of A':        ap_qt [max_chunks, n, 128], ap_col_scales [max_chunks, n]
+// (max_chunks: fp8_columns_layout(R, E, ·)). Rows outside [off[0], off[E]) are not
 // computed (their d score and dH rows are not written). Rules (Error InvalidArgument naming the
 // argument): n >= 16 and a multiple of 16; 0 <= R < 2^31; 1 <= E < 2^31 - 1; da, dh_qt, ap_qt
 // 16-byte aligned; hq, dh_q 8-byte aligned; the rest 4-byte aligned; no pointer null when R > 0
@@ -77,10 +77,10 @@ struct SwigluBackwardColumnsFp8Args {
   float* d_scores = nullptr;                // [pairs]: written at row_pair[r]
   uint8_t* dh_q = nullptr;                  // [R, 2n] E4M3
   float* dh_scales = nullptr;               // [R, fp8_tiles(2n)]
-  uint8_t* dh_qt = nullptr;                 // [2n, r_pad] E4M3
-  float* dh_col_scales = nullptr;           // [2n, max_chunks]
-  uint8_t* ap_qt = nullptr;                 // [n, r_pad] E4M3
-  float* ap_col_scales = nullptr;           // [n, max_chunks]
+  uint8_t* dh_qt = nullptr;                 // [max_chunks, 2n, 128] E4M3
+  float* dh_col_scales = nullptr;           // [max_chunks, 2n]
+  uint8_t* ap_qt = nullptr;                 // [max_chunks, n, 128] E4M3
+  float* ap_col_scales = nullptr;           // [max_chunks, n]
 };
 void swiglu_backward_columns_fp8(const SwigluBackwardColumnsFp8Args& args, cudaStream_t stream);
 

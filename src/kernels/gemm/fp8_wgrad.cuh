@@ -3,16 +3,17 @@
 // (varlen K), by quantize_columns_fp8 (machmoe/fp8.hpp, "along each expert's rows"):
 //
 //   for every expert e, its K blocks are its chunks c in [chunk_offsets[e], chunk_offsets[e+1]):
-//     C[e][m, n] = Σ_c sa[m, c] · sb[n, c] · Σ_{k < 128} Aqt[m, 128c + k] · Bqt[n, 128c + k]
-//   Aqt e4m3 [M, r_pad], sa fp32 [M, max_chunks]; Bqt e4m3 [N, r_pad], sb fp32 [N, max_chunks]
-//   (r_pad = 128·max_chunks; both from the same expert_offsets, so they share chunk_offsets);
+//     C[e][m, n] = Σ_c sa[c, m] · sb[c, n] · Σ_{k < 128} Aqt[c, m, k] · Bqt[c, n, k]
+//   Aqt e4m3 [max_chunks, M, 128], sa fp32 [max_chunks, M]; Bqt e4m3 [max_chunks, N, 128],
+//   sb fp32 [max_chunks, N] (both from the same expert_offsets, so they share chunk_offsets);
 //   C fp32 or bf16 [E, M, N], or with transpose_c C[e]ᵀ into [E, N, M].
 // dW1ᵀ = xᵀ·dH: A = x's columns (M = d), B = dH's (N = n1); dW2 = doutᵀ·A': A = dout's (M = d),
 // B = A''s (N = n). An expert without chunks gets C[e] = 0.
 //
-// Both operands are K-major (each row of Aqt / Bqt is contiguous along the expert's rows), as the
-// FP8 wgmma requires, so a stage is a plain TMA box: one chunk = 128 e4m3 = one 128-byte swizzle
-// row. The quantiser zero-pads every chunk past its expert's last row, so no masking along K.
+// Both operands are K-major (each row of Aqt[c] / Bqt[c] is contiguous along the expert's rows),
+// as the FP8 wgmma requires, so a stage is a plain TMA box: one chunk = 128 e4m3 = one 128-byte
+// swizzle row. The quantiser zero-pads every chunk past its expert's last row, so no masking
+// along K. A chunk's scales are contiguous too ([max_chunks, cols]): one TMA box each.
 //
 // Promotion. A chunk's product is accumulated by four wgmma m64n128k32 per 128-column wave into a
 // temporary fp32 fragment `tmp`, then added into the main accumulator with both scales in fp32:
@@ -25,12 +26,10 @@
 // 128 x BN, are walked statically and expert-major (as gemm/wgrad.cuh): CTA b takes tiles b,
 // b + gridDim.x, ...; loader and consumers decode the same tile from its index and read the same
 // chunk range, so no tile ring is needed.
-//   warpgroup 0 (40 registers): warp 0 loads. Per chunk, lane 0 issues the TMA loads of a stage,
-//     A [128 M x 128 K] and B [BN N x 128 K] (BN/128 boxes of 128 rows), 128-byte swizzle; the 32
-//     lanes copy the stage's scales by 4-byte cp.async (sa of the tile's 128 m: 4 a lane; sb of
-//     its BN n: BN/32 a lane; rows past M or N are written as 0), completing on the stage's full
-//     barrier (1 expect_tx arrival + 32 cp.async arrivals). The scale columns are max_chunks
-//     floats apart, so no TMA box fits them (its strides must be multiples of 16 bytes).
+//   warpgroup 0 (40 registers): one thread loads. Per chunk it issues the TMA loads of a stage,
+//     A [128 M x 128 K] and B [BN N x 128 K] (BN/128 boxes of 128 rows), 128-byte swizzle, and
+//     the chunk's scales, sa of the tile's 128 m and sb of its BN n (zeros past M or N), all
+//     completing on the stage's full barrier (one expect_tx arrival).
 //   warpgroups 1-2, consumers (232 registers): each owns 64 rows of M and runs its 64 x BN as BN/128
 //     waves per chunk: fence, 4 wgmma, commit, wait<0>, promote. tmp[64] + acc[BN/2] (64 + 128 at
 //     BN = 256). The stage is released (one arrival per warp, 8 in all) after the last wave's
@@ -81,8 +80,6 @@ constexpr int kFp8WgradEpiCols = 64;
 constexpr int kFp8WgradEpiBarrier = 1;
 
 struct Fp8WgradParams {
-  const float* sa;                // [M, max_chunks]
-  const float* sb;                // [N, max_chunks]
   const int32_t* chunk_offsets;   // [E+1]: expert e's chunks [chunk_offsets[e], chunk_offsets[e+1])
   int E, M, N;
   int max_chunks;
@@ -173,57 +170,35 @@ struct Fp8Wgrad {
     return reinterpret_cast<float*>(fp8_wgrad_smem + Smem::kScaleOffset) + stage * Smem::kScaleFloats;
   }
 
-  // By thread 0 before the CTA's first barrier. full: lane 0's expect_tx arrival + the loader
-  // warp's 32 cp.async arrivals; empty: one arrival per consumer warp.
-  static __device__ __forceinline__ void init_barriers() { stages().init(1 + 32, 8); }
+  // By thread 0 before the CTA's first barrier. full: the loader's expect_tx arrival; empty: one
+  // arrival per consumer warp.
+  static __device__ __forceinline__ void init_barriers() { stages().init(1, 8); }
 
-  // Loader warp 0: per chunk of every tile, the operands by TMA and the scales by cp.async.
-  static __device__ __forceinline__ void loader(const Fp8WgradParams& p, const CUtensorMap* tmap_a,
-                                                const CUtensorMap* tmap_b, int lane, int units) {
+  // The loader thread: per chunk of every tile, the stage's operands and scales by TMA.
+  struct Maps {
+    const CUtensorMap *a, *b, *sa, *sb;
+  };
+  static __device__ __forceinline__ void loader(const Fp8WgradParams& p, const Maps& maps, int units) {
     const Stages ring = stages();
-    const int64_t step = 32 * static_cast<int64_t>(p.max_chunks);  // 32 rows of the scales
     int it = 0;
     for (int t = blockIdx.x; t < units; t += gridDim.x) {
       const Fp8WgradTile tile = fp8_wgrad_tile<BN>(p, t);
-      const int c_end = sm90::warp_uniform(tile.c_end);
-      // This lane's first scale row of each operand and how many rows it has left before M / N.
-      // (A lane past the end keeps a row inside the tensor: a skipped copy still gets an address
-      // within the buffer.)
-      const int a_left = p.M - tile.m0 - lane, b_left = p.N - tile.n0 - lane;
-      const float* sa_lane = p.sa + static_cast<int64_t>(min(tile.m0 + lane, p.M - 1)) * p.max_chunks;
-      const float* sb_lane = p.sb + static_cast<int64_t>(min(tile.n0 + lane, p.N - 1)) * p.max_chunks;
-      for (int c = sm90::warp_uniform(tile.c_begin); c < c_end; ++c, ++it) {
+      for (int c = tile.c_begin; c < tile.c_end; ++c, ++it) {
         const typename Stages::Slot slot = Stages::slot(it);
         const int s = slot.stage;
+        uint64_t* full = ring.full_barrier(s);
         ring.acquire(slot);
-        if (lane == 0) {
-          ring.commit_tx(s, Smem::kStageBytes);
-          sm90::tma_load_2d(fp8_wgrad_smem + s * Smem::kABytes, tmap_a, ring.full_barrier(s), c * kFp8WgradBK,
-                            tile.m0);
-          uint8_t* b_stage = fp8_wgrad_smem + Smem::kBOffset + s * Smem::kBBytes;
+        ring.commit_tx(s, Smem::kStageBytes + Smem::kScaleBytes);
+        sm90::tma_load_3d(fp8_wgrad_smem + s * Smem::kABytes, maps.a, full, 0, tile.m0, c);
+        uint8_t* b_stage = fp8_wgrad_smem + Smem::kBOffset + s * Smem::kBBytes;
 #pragma unroll
-          for (int h = 0; h < kWaves; ++h)  // Bqt rows n0 + 128h .. (past N: zeros)
-            sm90::tma_load_2d(b_stage + h * 128 * kFp8WgradBK, tmap_b, ring.full_barrier(s), c * kFp8WgradBK,
-                              tile.n0 + 128 * h);
-        }
-        // sa[m0 + lane + 32i, c] (rows past M: 0), then sb[n0 + lane + 32i, c] (columns past N: 0),
-        // from one row pointer per operand stepped by 32 rows (the 40 registers hold no more).
+        for (int h = 0; h < kWaves; ++h)  // Bqt[c] rows n0 + 128h .. (past N: zeros)
+          sm90::tma_load_3d(b_stage + h * 128 * kFp8WgradBK, maps.b, full, 0, tile.n0 + 128 * h, c);
         float* sc = scale_slot(s);
-#pragma unroll
-        for (int i = 0; i < kFp8WgradBM / 32; ++i) {
-          const bool ok = 32 * i < a_left;
-          sm90::cp_async_4(sm90::smem_addr(sc + lane + 32 * i), sa_lane + (ok ? i * step + c : 0), ok ? 4 : 0);
-        }
-#pragma unroll
-        for (int i = 0; i < BN / 32; ++i) {
-          const bool ok = 32 * i < b_left;
-          sm90::cp_async_4(sm90::smem_addr(sc + kFp8WgradBM + lane + 32 * i), sb_lane + (ok ? i * step + c : 0),
-                           ok ? 4 : 0);
-        }
-        ring.commit_cp_async(s);
+        sm90::tma_load_2d(sc, maps.sa, full, tile.m0, c);                 // sa[c, m0 .. m0 + 127]
+        sm90::tma_load_2d(sc + kFp8WgradBM, maps.sb, full, tile.n0, c);  // sb[c, n0 .. n0 + BN - 1]
       }
     }
-    sm90::cp_async_wait_all();  // no copy of the last stages still owned by a finished warp
   }
 
   // acc of wave w += (sa·sb)·tmp. Fragment of m64nNk32 (thread t of the warpgroup, warp w = t / 32,
@@ -388,10 +363,12 @@ struct Fp8Wgrad {
 
 // T (float or __nv_bfloat16) and kTranspose pick C's format: one kernel each, so that each holds
 // only its own store (the four stores in one kernel made it 68 KB of SASS, against 24 KB for the
-// forward FP8 GEMM). tmap_c: C as [E][rows][cols] bf16 for the staged store (unused with fp32 C).
+// forward FP8 GEMM). tmap_a / tmap_b: the operands [max_chunks, M | N, 128] e4m3; tmap_sa / tmap_sb: their
+// scales [max_chunks, M | N]; tmap_c: C as [E][rows][cols] bf16 for the staged store (unused with fp32 C).
 template <int BN, typename T, bool kTranspose>
 __global__ void __launch_bounds__(kFp8WgradThreads, 1)
     sm90_grouped_wgrad_fp8(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
+                           const __grid_constant__ CUtensorMap tmap_sa, const __grid_constant__ CUtensorMap tmap_sb,
                            const __grid_constant__ CUtensorMap tmap_c, const Fp8WgradParams p) {
   using Wgrad = Fp8Wgrad<BN, T, kTranspose>;
   const int wg = sm90::warpgroup_index(), tid = threadIdx.x % 128;
@@ -400,13 +377,15 @@ __global__ void __launch_bounds__(kFp8WgradThreads, 1)
     sm90::mbar_fence_init();
     sm90::tma_prefetch_descriptor(&tmap_a);
     sm90::tma_prefetch_descriptor(&tmap_b);
+    sm90::tma_prefetch_descriptor(&tmap_sa);
+    sm90::tma_prefetch_descriptor(&tmap_sb);
     if constexpr (Wgrad::kStaged) sm90::tma_prefetch_descriptor(&tmap_c);
   }
   __syncthreads();
   const int units = p.E * p.m_tiles * p.n_tiles;  // below 2^31 - 2^16 (the launcher's rule)
   if (wg == 0) {
     sm90::setmaxnreg_dec<kFp8WgradProducerRegs>();
-    if (tid < 32) Wgrad::loader(p, &tmap_a, &tmap_b, tid, units);
+    if (tid == 0) Wgrad::loader(p, {&tmap_a, &tmap_b, &tmap_sa, &tmap_sb}, units);
   } else {
     sm90::setmaxnreg_inc<kFp8WgradConsumerRegs>();
     Wgrad::consumer(p, &tmap_c, wg - 1, tid, units);

@@ -4,8 +4,8 @@
 // saved E4M3 H [R, n1 = 2n] with its 1x128 scales, it writes
 //   d_scores[row_pair[r]]              fp32, each row's Σ_j dA'·A
 //   dh_q [R, n1], dh_scales [R, h_tiles]      dH's E4M3 rows (1x128 tiles along n1)
-//   dh_qt [n1, r_pad], dh_col_scales [n1, max_chunks]   dH's columns by chunk (dW1's operand)
-//   ap_qt [n, r_pad], ap_col_scales [n, max_chunks]     A''s columns by chunk (dW2's operand)
+//   dh_qt [max_chunks, n1, 128], dh_col_scales [max_chunks, n1]   dH's columns by chunk (dW1's operand)
+//   ap_qt [max_chunks, n, 128], ap_col_scales [max_chunks, n]     A''s columns by chunk (dW2's operand)
 // bitwise what the unfused path writes: fp8_swiglu_backward (with dh_q) for the first three, then
 // the column quantiser (kernels/quant/columns.cuh) on its bf16 dH and A'. dH and A' never reach
 // global memory: they exist only as the bf16 values staged in shared memory for the columns.
@@ -78,10 +78,10 @@ struct Fp8SwigluColumnsParams {
   float* d_scores;                // [pairs], written at row_pair[r]
   uint8_t* dh_q;                  // [R, n1]
   float* dh_scales;               // [R, h_tiles]
-  uint8_t* dh_qt;                 // [n1, r_pad]
-  float* dh_col_scales;           // [n1, max_chunks]
-  uint8_t* ap_qt;                 // [n, r_pad]
-  float* ap_col_scales;           // [n, max_chunks]
+  uint8_t* dh_qt;                 // [max_chunks, n1, 128]
+  float* dh_col_scales;           // [max_chunks, n1]
+  uint8_t* ap_qt;                 // [max_chunks, n, 128]
+  float* ap_col_scales;           // [max_chunks, n]
 };
 
 // Phase A for one batch of rows (chunk rows first + k0 + b, b < kSwcRowBatch) of the lane's
@@ -133,24 +133,23 @@ __device__ __forceinline__ void compute_batch(const Fp8SwigluColumnsParams& p, i
 }
 
 // Phase B for one staged tile: the column quantiser's tile step on columns [col0, col0 + ncols)
-// of an operand qt [cols, r_pad] / scales [cols, max_chunks] (ncols a multiple of 16, > 0). The
+// of an operand qt [max_chunks, cols, 128] / scales [max_chunks, cols] (ncols a multiple of 16, > 0). The
 // codes [128 columns][128] go into the tile itself (its first 16 KiB) once every thread has read
 // its values and partial amaxes (one barrier more than the column quantiser, which has an out
 // tile of its own: here those 16 KiB hold the d-score partials).
-__device__ __forceinline__ void quantize_tile(const Fp8SwigluColumnsParams& p, uint4* tile, uint8_t* qt, float* scales,
-                                              int64_t c, int64_t col0, int ncols, int nrows, int rg, int wcol,
-                                              int tid) {
+__device__ __forceinline__ void quantize_tile(uint4* tile, uint8_t* qt, float* scales, int64_t cols, int64_t c,
+                                              int64_t col0, int ncols, int nrows, int rg, int wcol, int tid) {
   uint32_t w[fp8::kRowsPerWarp];
   const uint32_t m = fp8::reduce_amax2(reinterpret_cast<uint32_t*>(tile), rg, wcol, w);
   const fp8::TileScale s_lo = fp8::tile_scale(m & 0xffffu), s_hi = fp8::tile_scale(m >> 16);
   if (rg == 0 && 2 * wcol < ncols) {
-    scales[(col0 + 2 * wcol) * p.max_chunks + c] = s_lo.s;
-    scales[(col0 + 2 * wcol + 1) * p.max_chunks + c] = s_hi.s;
+    scales[fp8::column_scale_index(cols, c, col0 + 2 * wcol)] = s_lo.s;
+    scales[fp8::column_scale_index(cols, c, col0 + 2 * wcol + 1)] = s_hi.s;
   }
   __syncthreads();  // the tile's values and partial amaxes are read: it takes the codes
   fp8::quantize_codes(w, s_lo, s_hi, rg, wcol, nrows, tile);
   __syncthreads();
-  fp8::store_codes(qt, p.r_pad, tile, c, col0, ncols, tid);
+  fp8::store_codes(qt, cols, tile, c, col0, ncols, tid);
 }
 
 // One CTA per chunk c = blockIdx.x (the grid covers max_chunks; chunks >= chunk_offsets[E] do
@@ -198,9 +197,9 @@ __global__ void __launch_bounds__(kSwcThreads, kSwcCtasPerSm)
       const int64_t col0 = dh_col0 + fp8::kColsSlab * h;
       const int ncols = static_cast<int>(fp8::min64(fp8::kColsSlab, p.n1 - col0));
       if (ncols > 0)
-        quantize_tile(p, tiles + h * fp8::kInUnits, p.dh_qt, p.dh_col_scales, c, col0, ncols, nrows, rg, wcol, tid);
+        quantize_tile(tiles + h * fp8::kInUnits, p.dh_qt, p.dh_col_scales, p.n1, c, col0, ncols, nrows, rg, wcol, tid);
     }
-    quantize_tile(p, tiles + 2 * fp8::kInUnits, p.ap_qt, p.ap_col_scales, c, ap_col0,
+    quantize_tile(tiles + 2 * fp8::kInUnits, p.ap_qt, p.ap_col_scales, p.n, c, ap_col0,
                   static_cast<int>(fp8::min64(fp8::kColsSlab, p.n - ap_col0)), nrows, rg, wcol, tid);
   }
 

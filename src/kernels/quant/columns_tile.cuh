@@ -1,7 +1,7 @@
 // The tile step of the FP8 quantisation along each expert's rows (columns.cuh has the layout):
 // one 128-row chunk x 128 columns of bf16 staged in shared memory [128 rows][128] (row-major, 256
 // bytes a row) -> each column's amax over the chunk, its scale, its 128 codes transposed into
-// [128 columns][128 codes] and stored as whole 128-byte qt row segments. Shared by the column
+// [128 columns][128 codes] and stored as one contiguous block of qt. Shared by the column
 // quantiser (columns.cuh) and the fused SwiGLU backward (kernels/layer/fp8_swiglu_columns.cuh),
 // whose outputs must be bitwise the same. Device helpers only, no kernels. Also the clamped row
 // range of an expert, which both use to place a chunk.
@@ -108,16 +108,21 @@ __device__ __forceinline__ void quantize_codes(const uint32_t (&w)[kRowsPerWarp]
   }
 }
 
-// Store: out_tile's codes as whole 128-byte qt row segments, qt[col0 + col, 128c + [0, 128)]:
-// eight consecutive threads write one column's 128 bytes.
-__device__ __forceinline__ void store_codes(uint8_t* qt, int64_t r_pad, const uint4* out_tile, int64_t c,
-                                            int64_t col0, int ncols, int tid) {
+// Store: out_tile's codes into chunk c's block of qt [max_chunks, d, 128], column col0 + col at
+// qt[c, col0 + col, 0 .. 128): eight consecutive threads write one column's 128 bytes, and the
+// item's 128 columns are one contiguous 16 KiB run.
+__device__ __forceinline__ void store_codes(uint8_t* qt, int64_t d, const uint4* out_tile, int64_t c, int64_t col0,
+                                            int ncols, int tid) {
 #pragma unroll
   for (int i = 0; i < kStoresPerThread; ++i) {
     const int u = tid + kColsThreads * i, col = u / 8, unit = u % 8;
     const uint4 val = out_tile[col * 8 + (unit ^ ((col / 2) % 8))];
-    if (col < ncols) store16(qt + (col0 + col) * r_pad + c * kTile + unit * 16, val);
+    if (col < ncols) store16(qt + (c * d + col0 + col) * kTile + unit * 16, val);
   }
 }
+
+// Where chunk c's scale of column col lives in scales [max_chunks, d]: chunk-major, so that an
+// item's scales (and a weight-gradient tile's) are one contiguous run.
+__device__ __forceinline__ int64_t column_scale_index(int64_t d, int64_t c, int64_t col) { return c * d + col; }
 
 }  // namespace machmoe::kernels::fp8
