@@ -108,12 +108,11 @@ __global__ void __launch_bounds__(kWeightsThreads) fp8_quantize_weights_kernel(c
       const uint32_t r0 = q_tile[q_word(4 * nblk + 0, kw)], r1 = q_tile[q_word(4 * nblk + 1, kw)];
       const uint32_t r2 = q_tile[q_word(4 * nblk + 2, kw)], r3 = q_tile[q_word(4 * nblk + 3, kw)];
       // r_i byte j = Q[4nblk + i][4kw + j]; c_j byte i = the same code = QT[4kw + j][4nblk + i].
-      const uint32_t t0 = __byte_perm(r0, r1, 0x5140), t1 = __byte_perm(r0, r1, 0x7362);
-      const uint32_t t2 = __byte_perm(r2, r3, 0x5140), t3 = __byte_perm(r2, r3, 0x7362);
-      qt_words[qt_word(4 * kw + 0, nblk)] = __byte_perm(t0, t2, 0x5410);
-      qt_words[qt_word(4 * kw + 1, nblk)] = __byte_perm(t0, t2, 0x7632);
-      qt_words[qt_word(4 * kw + 2, nblk)] = __byte_perm(t1, t3, 0x5410);
-      qt_words[qt_word(4 * kw + 3, nblk)] = __byte_perm(t1, t3, 0x7632);
+      const uint4 c = transpose4x4_bytes(r0, r1, r2, r3);
+      qt_words[qt_word(4 * kw + 0, nblk)] = c.x;
+      qt_words[qt_word(4 * kw + 1, nblk)] = c.y;
+      qt_words[qt_word(4 * kw + 2, nblk)] = c.z;
+      qt_words[qt_word(4 * kw + 3, nblk)] = c.w;
     }
     __syncthreads();
     // qt rows k0 + k, columns n0 + [16g, 16g + 16): eight lanes write one 128-byte row segment.
