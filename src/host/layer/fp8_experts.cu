@@ -49,14 +49,15 @@ void quantize_rows(const void* x, int64_t T, int64_t d, const int32_t* gather, i
   quantize_rows_fp8(q, stream);
 }
 
-// x [T, cols] bf16 (row r = x[gather[r]], or x[r] with T = R) in 128-row chunks of each expert.
+// x [T, cols] bf16 (row r = x[gather[r]], or x[r] with T = R) in 128-row chunks of each expert;
+// chunk_offsets already written (by the fused SwiGLU backward, step 2 of the backward).
 void quantize_columns(const void* x, int64_t T, int64_t cols, const int32_t* gather, const detail::ExpertsBackwardRun& r,
                       int32_t* chunk_offsets, Fp8Columns out, cudaStream_t stream) {
   QuantizeColumnsArgs q;
   q.x = x, q.T = T, q.d = cols, q.ld = cols, q.gather = gather, q.R = r.list.pairs;
   q.expert_offsets = r.expert_offsets, q.E = r.shape.E, q.chunk_offsets = chunk_offsets;
   q.qt = out.codes, q.scales = out.scales;
-  quantize_columns_fp8(q, stream);
+  detail::quantize_columns_fp8_given_offsets(q, stream);
 }
 
 // C [R, N] bf16 = the FP8 grouped GEMM of a's rows (gathered: a [T, K]) with w [E, N, K].
@@ -144,7 +145,7 @@ void experts_backward_fp8(const ExpertsBackwardRun& r, cudaStream_t stream) {
   grouped_gemm_fp8(g, stream);
   // 2. The SwiGLU backward from the saved H, fused with the quantisation of its outputs: d scores;
   //    dH's E4M3 rows (the dX~ GEMM's operand) and columns (dW1's), A''s columns (dW2's), each
-  //    expert's rows in 128-row chunks (chunk_offsets written here, rewritten alike below).
+  //    expert's rows in 128-row chunks (chunk_offsets written here, read by the steps below).
   const Fp8Rows h = fp8_rows(const_cast<void*>(r.h), 0, R, s.n1);
   const Fp8Rows dh_q = fp8_rows(region, F.dh_q, R, s.n1);
   const Fp8Columns ap_cols = columns(F.ap_cols, F.ap_cols_scales);

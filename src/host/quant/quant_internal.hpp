@@ -52,6 +52,12 @@ inline int persistent_blocks(const void* kernel, int threads, int64_t block_item
 void launch_fp8_chunk_offsets(const int32_t* expert_offsets, int64_t E, int64_t R, int32_t* chunk_offsets,
                               cudaStream_t stream);
 
+// quantize_columns_fp8 with args.chunk_offsets read, not written: the chunk offsets of these
+// expert_offsets, already written on `stream` (by launch_fp8_chunk_offsets, quantize_columns_fp8
+// or swiglu_backward_columns_fp8). The FP8 experts' backward quantises three operands on the same
+// rows and so scans the offsets once. Same rules as quantize_columns_fp8.
+void quantize_columns_fp8_given_offsets(const QuantizeColumnsArgs& args, cudaStream_t stream);
+
 // The FP8 experts' SwiGLU backward (machmoe/fp8_swiglu.hpp states the math) fused with the column
 // quantisation of its dH and A' (kernels/layer/fp8_swiglu_columns.cuh), for rows grouped by
 // expert (expert_offsets [E+1], device). Writes bitwise what these write, without dH or A' in

@@ -44,8 +44,10 @@ Fp8ColumnsLayout fp8_columns_layout(int64_t R, int64_t E, int64_t d) {
   return l;
 }
 
-void quantize_columns_fp8(const QuantizeColumnsArgs& a, cudaStream_t stream) {
-  constexpr const char* fn = "quantize_columns_fp8";
+namespace {
+
+// The rules of quantize_columns_fp8 (fp8.hpp), checked before any CUDA call; the layout's sizes.
+Fp8ColumnsLayout check_columns_args(const char* fn, const QuantizeColumnsArgs& a) {
   check_layout_shape(fn, a.R, a.E, a.d);
   detail::check_fp8_row_source(fn, a.x, a.T, a.d, a.ld, a.gather, a.R);
   const Fp8ColumnsLayout layout = fp8_columns_layout(a.R, a.E, a.d);
@@ -60,10 +62,12 @@ void quantize_columns_fp8(const QuantizeColumnsArgs& a, cudaStream_t stream) {
   // Every index of the kernels is int64; qt's byte offsets need d·r_pad to fit.
   require_arg(layout.qt_bytes / static_cast<size_t>(a.d) == static_cast<size_t>(layout.r_pad), fn, "d*r_pad",
               "overflows size_t");
+  return layout;
+}
 
-  detail::launch_fp8_chunk_offsets(a.expert_offsets, a.E, a.R, a.chunk_offsets, stream);
+// The quantiser itself, on checked arguments, reading chunk_offsets (already on the stream).
+void launch_columns(const QuantizeColumnsArgs& a, const Fp8ColumnsLayout& layout, cudaStream_t stream) {
   if (layout.max_chunks == 0) return;
-
   namespace k = kernels::fp8;
   k::ColumnsParams p;
   p.x = static_cast<const __nv_bfloat16*>(a.x);
@@ -81,6 +85,18 @@ void quantize_columns_fp8(const QuantizeColumnsArgs& a, cudaStream_t stream) {
                                                "quantize_columns_fp8: occupancy", smem);
   k::fp8_quantize_columns_kernel<<<blocks, k::kColsThreads, smem, stream>>>(p);
   check_launch("quantize_columns_fp8");
+}
+
+}  // namespace
+
+void quantize_columns_fp8(const QuantizeColumnsArgs& a, cudaStream_t stream) {
+  const Fp8ColumnsLayout layout = check_columns_args("quantize_columns_fp8", a);
+  detail::launch_fp8_chunk_offsets(a.expert_offsets, a.E, a.R, a.chunk_offsets, stream);
+  launch_columns(a, layout, stream);
+}
+
+void detail::quantize_columns_fp8_given_offsets(const QuantizeColumnsArgs& a, cudaStream_t stream) {
+  launch_columns(a, check_columns_args("quantize_columns_fp8", a), stream);
 }
 
 }  // namespace machmoe
