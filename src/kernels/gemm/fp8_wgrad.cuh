@@ -48,11 +48,11 @@
 //     in flight under one stage's wgmmas).
 //   - fp32 C: straight from the fragments (fp32 pairs, or single elements transposed), bounded by
 //     M and N; a staged fp32 tile would need 128 KB. Not the layer's format (it stores bf16).
-// Registers (ptxas of CUDA 13.0, sm_90a, BN = 256, from the SASS): the consumers use R0-R211 of
-// their 232 with the staged bf16 store (both layouts), R0-R217 (plain) and R0-R209 (transposed)
-// with fp32 C; the loader R0-R37 of its 40; no spill, no stack frame. SASS: 18.5 KB (transposed)
-// and 19.5 KB (plain) with the staged store, whose 16 stmatrix and 64 conversions a thread take
-// ~110 instructions between its two named barriers; 19-36 KB with the fp32 store.
+// Registers (ptxas of CUDA 13.0, sm_90a, BN = 256, from the SASS): the consumers use up to R212 of
+// their 232 with the staged bf16 store (both layouts), R215 (plain) and R213 (transposed) with
+// fp32 C; the loader up to R26 of its 40; no spill, no stack frame. SASS: 16.0 KB (transposed)
+// and 17.0 KB (plain) with the staged store, whose 16 stmatrix and 64 conversions a thread take
+// ~110 instructions between its two named barriers; 16-33 KB with the fp32 store.
 // Edges: tile rows past M and columns past N read zeros (TMA out of bounds, zero scales) and are
 // not stored (the fp32 store's bounds; the TMA store's map, per expert, for bf16). Fixed K order
 // (the expert's chunks in order) and the same fp32 sums and rounding in every format: deterministic.
