@@ -515,7 +515,8 @@ TEST(WgradFp8Api, RefusesBadArguments) {
   refused([&](A& a) { a.a_qt = p16 + 8; }, "a_qt", "a_qt misaligned");
   refused([&](A& a) { a.b_qt = p16 + 4; }, "b_qt", "b_qt misaligned");
   refused([&](A& a) { a.c = p16 + 8; }, "c", "c misaligned");
-  refused([&](A& a) { a.a_scales = reinterpret_cast<float*>(p16 + 2); }, "a_scales", "a_scales misaligned");
+  refused([&](A& a) { a.a_scales = reinterpret_cast<float*>(p16 + 4); }, "a_scales",
+          "a_scales 4- but not 16-byte aligned (TMA)");
   refused([&](A& a) { a.b_scales = reinterpret_cast<float*>(p16 + 1); }, "b_scales", "b_scales misaligned");
   refused([&](A& a) { a.chunk_offsets = reinterpret_cast<int32_t*>(p16 + 2); }, "chunk_offsets",
           "chunk_offsets misaligned");
