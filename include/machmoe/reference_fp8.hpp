@@ -50,8 +50,8 @@ Fp8Rows quantize_rows_fp8(const uint16_t* x, int64_t T, int64_t d, int64_t ld, c
 
 // Columns per expert (128-row chunks per expert segment, transposed): see fp8.hpp for the layout.
 // offsets [E+1] must be nondecreasing within [0, R] (else Error InvalidArgument). qt
-// [max_chunks, d, 128], scales [max_chunks, d], chunk_offsets [E+1]; the chunks c >= chunk_offsets[E] are not part of
-// the result (the GPU leaves them unwritten; here they are zero).
+// [max_chunks, d, 128], scales [max_chunks, d], chunk_offsets [E+1]; the chunks c >=
+// chunk_offsets[E] are not part of the result (the GPU leaves them unwritten; here they are zero).
 struct Fp8Columns {
   int64_t d = 0, max_chunks = 0, r_pad = 0;
   std::vector<int32_t> chunk_offsets;

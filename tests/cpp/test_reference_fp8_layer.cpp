@@ -87,7 +87,8 @@ TEST(Fp8LayerReference, ColumnsAreTheColumnQuantiser) {
     for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r) {
       const int64_t chunk = q.chunk_offsets[e] + (r - offsets[e]) / 128;
       const int64_t k = (r - offsets[e]) % 128;  // row r's place in its chunk: qt[chunk, i, k]
-      for (int64_t i = 0; i < d; ++i) want[r * d + i] = dequant(q.qt[(chunk * d + i) * 128 + k], q.scales[chunk * d + i]);
+      for (int64_t i = 0; i < d; ++i)
+        want[r * d + i] = dequant(q.qt[(chunk * d + i) * 128 + k], q.scales[chunk * d + i]);
     }
   const Vec xd = as_doubles(x);
   expect_same("columns", ref::fp8_columns_dequantized(xd.data(), R, d, offsets), want);
