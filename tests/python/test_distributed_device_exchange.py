@@ -241,6 +241,10 @@ def _worker(rank, world, init_file, seed, errors):
         else:
             _check_pull_transport_emulated(rank, world, seed)
         _check_errors()
+        # Every rank past its last collective before any rank tears its group down. Once in about 40
+        # runs a worker died of SIGABRT ("terminate called without an active exception") with no
+        # Python error; a rank closing its connections while a peer still reads is the suspect.
+        dist.barrier()
     except BaseException:
         errors.put(f"rank {rank}: {traceback.format_exc()}")
         raise
