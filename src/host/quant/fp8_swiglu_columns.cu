@@ -51,7 +51,7 @@ void swiglu_backward_columns_fp8(const SwigluBackwardColumnsFp8Args& a, cudaStre
   p.R = a.R;
   p.n = static_cast<int>(a.n), p.n1 = static_cast<int>(n1), p.h_tiles = static_cast<int>(fp8_tiles(n1));
   p.offsets = a.expert_offsets, p.E = a.E, p.chunk_offsets = a.chunk_offsets;
-  p.max_chunks = layout.max_chunks, p.r_pad = layout.r_pad;
+  p.max_chunks = layout.max_chunks;
   p.d_scores = a.d_scores, p.dh_q = a.dh_q, p.dh_scales = a.dh_scales;
   p.dh_qt = a.dh_qt, p.dh_col_scales = a.dh_col_scales, p.ap_qt = a.ap_qt, p.ap_col_scales = a.ap_col_scales;
   const void* kernel = reinterpret_cast<const void*>(k::fp8_swiglu_columns_kernel);

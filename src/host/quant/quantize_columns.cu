@@ -73,7 +73,7 @@ void launch_columns(const QuantizeColumnsArgs& a, const Fp8ColumnsLayout& layout
   p.x = static_cast<const __nv_bfloat16*>(a.x);
   p.ld = a.ld, p.T = a.T, p.gather = a.gather, p.R = a.R, p.d = a.d;
   p.offsets = a.expert_offsets, p.E = a.E, p.chunk_offsets = a.chunk_offsets;
-  p.max_chunks = layout.max_chunks, p.r_pad = layout.r_pad;
+  p.max_chunks = layout.max_chunks;
   p.qt = a.qt, p.scales = a.scales;
   const void* kernel = reinterpret_cast<const void*>(k::fp8_quantize_columns_kernel);
   constexpr size_t smem = k::kColsSmemBytes;  // > 48 KiB: needs the opt-in

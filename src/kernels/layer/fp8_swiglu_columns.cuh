@@ -74,7 +74,7 @@ struct Fp8SwigluColumnsParams {
   const int32_t* offsets;         // [E+1] expert_offsets
   int64_t E;
   const int32_t* chunk_offsets;   // [E+1], from fp8_chunk_offsets_kernel (launched before)
-  int64_t max_chunks, r_pad;      // fp8_columns_layout(R, E, ·)
+  int64_t max_chunks;             // fp8_columns_layout(R, E, ·)
   float* d_scores;                // [pairs], written at row_pair[r]
   uint8_t* dh_q;                  // [R, n1]
   float* dh_scales;               // [R, h_tiles]

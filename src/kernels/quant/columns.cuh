@@ -49,7 +49,7 @@ struct ColumnsParams {
   const int32_t* offsets;        // [E+1]
   int64_t E;
   const int32_t* chunk_offsets;  // [E+1], from fp8_chunk_offsets_kernel
-  int64_t max_chunks, r_pad;     // r_pad = 128 * max_chunks
+  int64_t max_chunks;            // fp8_columns_layout(R, E, d)
   uint8_t* qt;                   // [max_chunks, d, 128]
   float* scales;                 // [max_chunks, d]
 };
