@@ -149,10 +149,10 @@ def moe(x, router_weight, w1, b1, w2, b2, K: int, activation: ActivationType, la
     shared = (None,) * 6 if shared is None else tuple(_contiguous(t) for t in shared)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                             for t in (x, router_weight, w1, b1, w2, b2, router_bias, *shared))):
-        # Inference: no autograd node, and in bf16 the up-projection does not write H (nothing will
-        # read it; the FP8 up-projection always writes H's E4M3 copy).
+        # Inference: no autograd node, and H is not saved (write_h false: the returned block stops
+        # before it; the FP8 up-projection's copy of H goes to workspace).
         w1s, b1s, w2s, b2s, shared_scores, shared_gate = shared
-        out, aux, _ = torch.ops.machmoe.layer_forward(x, router_weight, w1, b1, w2, b2, bias, *opts, fp8 is not None,
+        out, aux, _ = torch.ops.machmoe.layer_forward(x, router_weight, w1, b1, w2, b2, bias, *opts, False,
                                                       router_bias, *router_opts, glu_clamp=glu, w1_shared=w1s,
                                                       b1_shared=b1s, w2_shared=w2s, b2_shared=b2s,
                                                       shared_scores=shared_scores, shared_gate=shared_gate,

@@ -110,6 +110,13 @@ void check_layer_tensors(const LayerProblem& p, const Tensor& x, const Tensor& r
   }
 }
 
+// The weights' FP8 copies of a layer call (fp8_weights_of), when given (precision FP8).
+std::optional<Fp8ExpertWeights> optional_fp8_weights(const std::optional<at::TensorList>& fp8_weights,
+                                                     const LayerProblem& p, const at::Device& device) {
+  if (!fp8_weights) return std::nullopt;
+  return fp8_weights_of(*fp8_weights, p.E, p.d, p.n, device);
+}
+
 // The optional bias of the routed and shared experts as one tensor (or none).
 std::optional<Tensor> bias_with_shared(const std::optional<Tensor>& b, const std::optional<Tensor>& bs) {
   return b ? std::optional<Tensor>(with_shared(*b, bs)) : std::nullopt;
@@ -140,9 +147,7 @@ std::tuple<Tensor, Tensor, Tensor> op_layer_forward(const Tensor& x, const Tenso
     const LayerProblem& p = *valid;
     check_layer_tensors(p, x, router_weight, w1, b1, w2, b2, shared);
     const at::Device device = x.device();
-    const std::optional<Fp8ExpertWeights> fp8 =
-        fp8_weights ? std::optional<Fp8ExpertWeights>(fp8_weights_of(*fp8_weights, p.E, p.d, p.n, device))
-                    : std::nullopt;
+    const std::optional<Fp8ExpertWeights> fp8 = optional_fp8_weights(fp8_weights, p, device);
     if (selection_bias) check_tensor(*selection_bias, "selection_bias", at::kFloat, {p.E}, &device);
     if (router_bias) check_bf16(*router_bias, "router_bias", {p.E}, &device);
     if (shared_scores) check_tensor(*shared_scores, "shared_scores", at::kFloat, {p.T}, &device);
@@ -206,9 +211,7 @@ Grads op_layer_backward(const Tensor& x, const Tensor& router_weight, const Tens
     const LayerProblem& p = *valid;
     check_layer_tensors(p, x, router_weight, w1, b1, w2, b2, shared);
     const at::Device device = x.device();
-    const std::optional<Fp8ExpertWeights> fp8 =
-        fp8_weights ? std::optional<Fp8ExpertWeights>(fp8_weights_of(*fp8_weights, p.E, p.d, p.n, device))
-                    : std::nullopt;
+    const std::optional<Fp8ExpertWeights> fp8 = optional_fp8_weights(fp8_weights, p, device);
     check_bf16(dout, "dout", {p.T, p.d}, &device);
     const WorkspacePlan plan = plan_workspace(valid);
     check_saved(saved, plan.saved_bytes, x.device(), "layer_forward");

@@ -177,6 +177,35 @@ def test_fp8_module_in_a_cuda_graph_quantises_the_weights_it_reads():
 
 
 @on_gpu
+@pytest.mark.parametrize("d,n", ((256, 256), (2880, 2880), (1536, 256)))
+def test_fp8_inference_forward_saves_no_h_and_matches(d, n):
+    """write_h=False with precision FP8 (inference): the up-projection's E4M3 copy of H goes to the
+    workspace (Y's region, which must then hold R·(2n + 4·ceil(2n/128)) bytes: more than Y's R·2d
+    bytes at d = n), the returned block stops before H, and out and aux are bitwise the training
+    call's. The functional layer under no_grad takes that path."""
+    from machmoe.machmoe_backend import _fp8_copies
+    torch.manual_seed(5)
+    T, E, K = 301, 8, 2
+    x = torch.randn(T, d, device="cuda").bfloat16()
+    wr = (torch.randn(E, d, device="cuda") * 0.1).bfloat16()
+    w1 = (torch.randn(E, 2 * n, d, device="cuda") * d ** -0.5).bfloat16()
+    w2 = (torch.randn(E, d, n, device="cuda") * n ** -0.5).bfloat16()
+    cache = fp8_layer.new_cache()
+    args = (x, wr, w1, None, w2, None, None, K, "swiglu", "interleaved", "softmax_topk", True, "none", 128, 0)
+    m = torch.ops.machmoe
+    out_t, aux_t, saved_t = m.layer_forward(*args, True, fp8_weights=_fp8_copies((cache, False), w1, w2))
+    out_i, aux_i, saved_i = m.layer_forward(*args, False, fp8_weights=_fp8_copies((cache, False), w1, w2))
+    assert torch.equal(out_t, out_i) and torch.equal(aux_t, aux_i)
+    n1 = 2 * n
+    h_bytes = T * K * (n1 + 4 * ((n1 + 127) // 128))  # H's E4M3 codes and scales, carved last
+    assert saved_t.numel() - saved_i.numel() >= h_bytes - 255, (saved_t.numel(), saved_i.numel(), h_bytes)
+    with torch.no_grad():
+        out_b, aux_b = functional.moe(x, wr, w1, w2, num_experts_per_tok=K, backend="machmoe", precision="fp8",
+                                      fp8_cache=cache)
+    assert torch.equal(out_b, out_t) and torch.equal(aux_b, aux_t)
+
+
+@on_gpu
 def test_fp8_concatenated_layout_on_the_kernels():
     """The kernels with w1's gate/up rows concatenated (Hugging Face's layout): bitwise the
     interleaved layer on w1 permuted that way (the same FP8 copy, GEMMs and epilogue), output and

@@ -98,9 +98,10 @@ void experts_forward_gemms_fp8(const ExpertsForwardRun& r, cudaStream_t stream) 
   // 1. x [T, d] in E4M3 once (not gathered: the up-projection gathers the quantised rows).
   const Fp8Rows x = fp8_rows(ws, r.scratch.x_fp8, s.T, s.d);
   quantize_rows(r.x, s.T, s.d, nullptr, s.T, x, stream);
-  // 2. H [R, n1] = x[row_token]·W1ᵀ; the epilogue writes H's E4M3 copy (saved) and A = SwiGLU(H)
-  //    from the fp32 H, in E4M3 [R, n].
-  const Fp8Rows h = fp8_rows(r.h, 0, R, s.n1);
+  // 2. H [R, n1] = x[row_token]·W1ᵀ; the epilogue writes H's E4M3 copy (saved; in inference, with
+  //    r.h null, into Y's region, which step 3 overwrites) and A = SwiGLU(H) from the fp32 H, in
+  //    E4M3 [R, n].
+  const Fp8Rows h = r.h ? fp8_rows(r.h, 0, R, s.n1) : fp8_rows(ws, r.scratch.y, R, s.n1);
   const Fp8Rows a = fp8_rows(ws, r.scratch.a, R, s.n);
   GroupedGemmFp8Args up = fp8_gemm(x, R, row_token, s.T, w.w1, w.w1_scales, r.md.expert_offsets, s.E, s.n1, s.d,
                                    tile_offsets, r.max_ctas);

@@ -65,8 +65,6 @@ void layer_forward(const ValidLayerProblem& valid, const LayerForwardArgs& a, cu
   detail::require_block_aligned(fn, {{"saved", a.saved}, {"workspace", a.workspace}});
   detail::require_row_aligned(fn, {{"x", a.x}, {"w1", a.w1}, {"w2", a.w2}, {"b2", a.b2}});
   detail::require_fp8_weights(p.precision, a.fp8_weights, true, fn);
-  require_arg(a.write_h || p.precision == Precision::BF16, fn, "write_h",
-              "must be true with precision FP8 (the FP8 up-projection writes H's E4M3 copy)");
   const LayerLayout L(valid);
   if (p.T == 0) {
     check_cuda(cudaMemsetAsync(a.aux_loss, 0, sizeof(float), stream), "layer_forward: memset aux");

@@ -117,7 +117,8 @@ struct Fp8BackwardScratch {
 // The expert part's forward scratch for R rows (bf16 data): the gather index row -> token [R],
 // A [R, n], Y [R, d], the routing metadata's workspace, the GEMMs' tile offsets [E+1] and, for a
 // call split into early and late tokens, each expert's first late row [E] (host/layer/early_rows.hpp).
-// With precision FP8, A is E4M3 with its scales and x's E4M3 rows [T, d] (and scales) come first.
+// With precision FP8, A is E4M3 with its scales and x's E4M3 rows [T, d] (and scales) come first,
+// and Y's region also holds H's E4M3 copy when H is not saved.
 struct ExpertsForwardScratch {
   size_t row_token = 0, a = 0, y = 0, metadata = 0, tile_offsets = 0, row_split = 0;
   size_t x_fp8 = 0;  // FP8 only
@@ -127,7 +128,10 @@ struct ExpertsForwardScratch {
     row_token = f.take(r * 4);
     if (fp8) x_fp8 = f.take(fp8_rows_bytes(s.T, s.d));
     a = f.take(fp8 ? fp8_rows_bytes(R, s.n) : r * static_cast<size_t>(s.n) * es);
-    y = f.take(r * static_cast<size_t>(s.d) * es);
+    // FP8 inference (H not saved): the up-projection's E4M3 H [R, n1] and scales land here, where
+    // Y is written next (the down-projection reads A, not H). Larger than Y only when
+    // n1 + 4·ceil(n1/128) > 2d (n close to d).
+    y = f.take(std::max(r * static_cast<size_t>(s.d) * es, fp8 ? fp8_rows_bytes(R, s.n1) : size_t{0}));
     metadata = f.take(routing_metadata_workspace_bytes(s.T, s.E));
     tile_offsets = f.take((static_cast<size_t>(s.E) + 1) * 4);
     row_split = f.take(static_cast<size_t>(s.E) * 4);
