@@ -326,6 +326,10 @@ def _pull_rows(peers, header_offset, rows_offset, src_rows, rank, out_rows, row_
     return peers.new_empty(out_rows, row_bytes, dtype=torch.uint8)
 
 
+def _sum_blocks(parts):
+    return torch.empty_like(parts[0], memory_format=torch.contiguous_format)
+
+
 # Every op with a CUDA kernel (the tensor-free ops and the CPU reference ops need no fake).
 FAKES = {
     "topk_router": _topk_router,
@@ -356,6 +360,7 @@ FAKES = {
     "experts_forward_fp8": _experts_forward_fp8,
     "experts_backward_fp8": _experts_backward_fp8,
     "pull_rows": _pull_rows,
+    "sum_blocks": _sum_blocks,
 }
 
 

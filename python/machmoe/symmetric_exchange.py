@@ -29,6 +29,8 @@ import importlib.util
 
 import torch
 
+from . import _ops
+
 _STAGING: dict[str, tuple[torch.Tensor, object]] = {}  # group name -> (buffer [bytes] uint8, handle)
 # Views of the staging buffers by (handle, rank, shape, dtype, offset): each view is a tensor made on
 # the host, which costs more host time per collective than its copy costs a small layer's GPU.
@@ -183,10 +185,24 @@ def sum_blocks(parts: list) -> torch.Tensor:
     """Σ parts in list order, accumulated in float32 and rounded once to their dtype, into a fresh
     tensor (parts[0] can be a view of the caller's input, this rank's own block).
 
-    One pass per part: the first copied into a float32 buffer, the middle ones added to it in
-    place, the last added while rounding to the parts' dtype (float32 + bf16 computes in float32;
-    bf16 + bf16 into a float32 output would round the sum to bf16 first). At W = 4 and bf16 this
-    moves 17 block-sizes of memory, against 21 for a float32 copy, three in-place adds and a cast."""
+    On a GPU that runs machmoe's kernels: one kernel (torch.ops.machmoe.sum_blocks) that reads each
+    part once and writes the sum once, W + 1 block-sizes of memory traffic. Elsewhere PyTorch, one
+    pass per part: the first copied into a float32 buffer, the middle ones added to it in place,
+    the last added while rounding to the parts' dtype (float32 + bf16 computes in float32; bf16 +
+    bf16 into a float32 output would round the sum to bf16 first), 17 block-sizes at W = 4 and
+    bf16 (sum_blocks_torch). Both give the same bits."""
+    if len(parts) <= _KERNEL_MAX_PARTS and parts[0].is_cuda and _ops.kernels_unavailable_reason(parts[0].device) is None:
+        return torch.ops.machmoe.sum_blocks([p.contiguous() for p in parts])
+    return sum_blocks_torch(parts)
+
+
+_KERNEL_MAX_PARTS = 64  # the kernel's limit (machmoe/sum_blocks.hpp)
+
+
+def sum_blocks_torch(parts: list) -> torch.Tensor:
+    """sum_blocks in PyTorch ops (any device, any number of parts)."""
+    if len(parts) == 1:
+        return parts[0].clone()
     if len(parts) == 2:
         return torch.add(parts[0], parts[1])  # computed in float32 and rounded once
     acc = parts[0].to(torch.float32, copy=True)

@@ -1,11 +1,16 @@
-// PyTorch op over the device-counted exchange's receive kernel (docs/OPS.md): pull_rows copies
-// the rows each peer's staging buffer holds for this rank, every count read on the device.
+// PyTorch ops over expert parallelism's exchange kernels (docs/OPS.md): pull_rows copies the rows
+// each peer's staging buffer holds for this rank, every count read on the device; sum_blocks adds
+// a reduce-scatter's received blocks in one pass.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <string>
+#include <vector>
+
 #include "bindings/common.hpp"
 #include "machmoe/pull_rows.hpp"
+#include "machmoe/sum_blocks.hpp"
 
 namespace machmoe::bindings {
 namespace {
@@ -38,13 +43,45 @@ Tensor op_pull_rows(const Tensor& peers, int64_t header_offset, int64_t rows_off
   });
 }
 
+// parts: count tensors of one shape, bf16 or float32, contiguous, on one CUDA device -> their sum
+// (float32 in list order, rounded once to their dtype) as a new tensor of that shape.
+Tensor op_sum_blocks(at::TensorList parts) {
+  return translate_errors([&] {
+    MACHMOE_CHECK_VALUE(!parts.empty(), "parts must hold at least one tensor");
+    const Tensor& first = parts[0];
+    MACHMOE_CHECK_VALUE(first.scalar_type() == at::kBFloat16 || first.scalar_type() == at::kFloat,
+                        "parts must be bfloat16 or float32, got ", first.scalar_type());
+    const at::Device device = first.device();
+    std::vector<const void*> ptrs;
+    for (size_t q = 0; q < parts.size(); ++q) {
+      const std::string name = "parts[" + std::to_string(q) + "]";
+      check_tensor(parts[q], name.c_str(), first.scalar_type(), first.sizes(), &device);
+      ptrs.push_back(parts[q].data_ptr());
+    }
+    const c10::cuda::CUDAGuard guard(device);
+    Tensor out = at::empty_like(first, at::MemoryFormat::Contiguous);
+    SumBlocksArgs a;
+    a.parts = ptrs.data();
+    a.count = static_cast<int64_t>(ptrs.size());
+    a.elems = first.numel();
+    a.dtype = first.scalar_type() == at::kBFloat16 ? DType::BF16 : DType::FP32;
+    a.out = out.data_ptr();
+    sum_blocks(a, at::cuda::getCurrentCUDAStream());
+    return out;
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(machmoe, m) {
   m.def("pull_rows(Tensor peers, int header_offset, int rows_offset, int src_rows, int rank, int out_rows,"
         " int row_bytes) -> Tensor");
+  m.def("sum_blocks(Tensor[] parts) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(machmoe, CUDA, m) { m.impl("pull_rows", &op_pull_rows); }
+TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {
+  m.impl("pull_rows", &op_pull_rows);
+  m.impl("sum_blocks", &op_sum_blocks);
+}
 
 }  // namespace machmoe::bindings
