@@ -19,7 +19,8 @@ def parts_of(count, elems, dtype, offset=0):
     of both signs at the first elements; each block a view `offset` elements into its storage."""
     out = []
     for q in range(count):
-        base = torch.randn(elems + offset, device="cuda") * 10.0 ** torch.randint(-3, 4, (elems + offset,), device="cuda")
+        n = elems + offset
+        base = torch.randn(n, device="cuda") * 10.0 ** torch.randint(-3, 4, (n,), device="cuda")
         base[offset:offset + 4] = torch.tensor([0.0, -0.0, -0.0, 0.0]) * (1 if q % 2 else -1)
         out.append(base.to(dtype)[offset:])
     return out

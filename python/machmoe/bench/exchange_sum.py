@@ -38,8 +38,8 @@ def main(argv=None) -> None:
             moved = (W + 1) * block
             kernel = cuda_time(lambda p: torch.ops.machmoe.sum_blocks(p), [(s,) for s in sets])
             passes = cuda_time(symmetric_exchange.sum_blocks_torch, [(s,) for s in sets])
-            print(f"| {cfg.name} | {W} | {block / 2**20:.0f} | {kernel.median_ms:.3f} ({moved / kernel.median_ms / 1e6:.0f}) "
-                  f"| {passes.median_ms:.3f} ({moved / passes.median_ms / 1e6:.0f}) "
+            rate = lambda t: f"{t.median_ms:.3f} ({moved / t.median_ms / 1e6:.0f})"  # noqa: E731
+            print(f"| {cfg.name} | {W} | {block / 2**20:.0f} | {rate(kernel)} | {rate(passes)} "
                   f"| {passes.median_ms / kernel.median_ms:.2f} |")
             del sets
             torch.cuda.empty_cache()
