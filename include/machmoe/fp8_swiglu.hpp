@@ -6,7 +6,11 @@
 //   dH[r, 2j]   = s·dA'[r, j]·u·σ·(1 + g·(1 − σ))                     (bf16)
 //   dH[r, 2j+1] = s·dA'[r, j]·act                                     (bf16)
 //   A'[r, j]    = s·A                                                 (bf16, dW2's column operand)
-// computed in fp32 from the bf16 dA' and the exact E4M3 values. A is recomputed from the saved
+// computed in fp32 from the bf16 dA' and the exact E4M3 values. With `clamp` (the clamped SwiGLU,
+// machmoe::GluClamp): gc = min(g, limit) (clamp_after: g), σ = sigmoid(alpha·gc), f = gc·σ
+// (clamp_after: min(gc·σ, limit)), uc = clamp(u, ±limit) + up_offset, A = f·uc; dH[r, 2j] =
+// s·dA'·uc·σ·(1 + alpha·gc·(1 − σ)) where no clamp of the gate binds, else 0; dH[r, 2j+1] = s·dA'·f
+// where |u| <= limit, else 0. A is recomputed from the saved
 // E4M3 H (the forward's GLU epilogue computed its A from the fp32 H: the backward's A differs from
 // it by H's quantisation, as in DeepSeek-V3's recipe, which recomputes the SwiGLU from its cached
 // FP8 input).
@@ -18,6 +22,8 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+
+#include "machmoe/types.hpp"
 
 namespace machmoe {
 
@@ -36,6 +42,7 @@ struct SwigluBackwardFp8Args {
   // neither; n a multiple of 8 with them (16-byte rows of codes).
   uint8_t* dh_q = nullptr;         // [R, 2n] E4M3 codes
   float* dh_scales = nullptr;      // [R, ceil(2n/128)]
+  const GluClamp* clamp = nullptr; // the clamped SwiGLU's parameters, or null: SwiGLU
 };
 void swiglu_backward_fp8(const SwigluBackwardFp8Args& args, cudaStream_t stream);
 

@@ -272,7 +272,7 @@ def _fp8_quantize_weights(w, transposed):
             w.new_empty(E, fp8_tiles(K), fp8_tiles(N), dtype=torch.float32))
 
 
-def _fp8_swiglu_backward(da, hq, h_scales, scores, row_pair):
+def _fp8_swiglu_backward(da, hq, h_scales, scores, row_pair, glu_clamp=()):
     R, n = da.shape
     return da.new_empty(R, 2 * n), da.new_empty(R, n), scores.new_empty(scores.shape)
 

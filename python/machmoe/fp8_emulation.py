@@ -14,7 +14,8 @@ gradients) are rounded to bf16 here at the same places. So this matches the kern
 accumulation order (an E4M3 or bf16 rounding can flip where a value sits that close to a rounding
 boundary), not bitwise.
 
-Forward (rows grouped by expert, t the row's token, e its expert; SwiGLU, interleaved gate/up):
+Forward (rows grouped by expert, t the row's token, e its expert; SwiGLU, or the clamped SwiGLU
+with glu_clamp (A = act(gate, up) and its derivatives then the clamped ones); interleaved gate/up):
     Xq = rows(x)  [T, d];  W1q, W2q = blocks(w1), blocks(w2) (from the FP8WeightCache)
     H = Xq[t]·W1q[e]ᵀ  fp32 [R, 2n];  Hq = rows(H), kept for the backward
     A = silu(gate(H))·up(H) fp32 (from H, not Hq);  Y = rows(A)·W2q[e]ᵀ -> bf16;  out = Σ score·Y -> bf16
@@ -137,12 +138,22 @@ def _weight_grads(a: torch.Tensor, b: torch.Tensor, counts: list) -> torch.Tenso
     return torch.stack([pa.T @ pb for pa, pb in zip(a.split(counts), b.split(counts))])
 
 
+def _glu(h: torch.Tensor, glu_clamp) -> torch.Tensor:
+    """A [R, n] from H [R, 2n] (gate/up interleaved): SwiGLU, or the clamped SwiGLU."""
+    if glu_clamp is None:
+        return torch.nn.functional.silu(h[:, 0::2]) * h[:, 1::2]
+    from .torch_backend import _clamped_swiglu
+
+    return _clamped_swiglu(h[:, 0::2], h[:, 1::2], glu_clamp)
+
+
 class _EmulatedExperts(torch.autograd.Function):
-    """The FP8 experts (SwiGLU, interleaved, no biases) on a top-K routing, emulated (module
-    docstring). Saves x, the weights, the scores, the row order and Hq (fp32 [R, 2n])."""
+    """The FP8 experts (SwiGLU or the clamped SwiGLU, interleaved, no biases) on a top-K routing,
+    emulated (module docstring). Saves x, the weights, the scores, the row order and Hq (fp32
+    [R, 2n])."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, scores, experts, cache, concatenated):
+    def forward(ctx, x, w1, w2, scores, experts, cache, concatenated, glu_clamp=None):
         T, K = experts.shape
         E = w1.shape[0]
         pair_expert = experts.reshape(-1).long()  # [T·K], pair (t, k) at t·K + k
@@ -151,12 +162,12 @@ class _EmulatedExperts(torch.autograd.Function):
         counts = torch.bincount(pair_expert, minlength=E).tolist()  # the torch backend's host sync
         h = _per_expert(rows_dequantized(x)[row_token], weights_dequantized(cache, w1, concatenated), counts, True)
         hq = rows_dequantized(h)  # [R, 2n], kept for the backward
-        a = torch.nn.functional.silu(h[:, 0::2]) * h[:, 1::2]  # A [R, n] from the fp32 H
+        a = _glu(h, glu_clamp)  # A [R, n] from the fp32 H
         y = _per_expert(rows_dequantized(a), weights_dequantized(cache, w2), counts, True).bfloat16()
         score_row = scores.reshape(-1).float()[row_pair]  # [R]
         out = torch.zeros(T, x.shape[1], device=x.device).index_add_(0, row_token, y.float() * score_row[:, None])
         ctx.save_for_backward(x, w1, w2, scores, row_pair, row_token, hq)
-        ctx.counts, ctx.cache, ctx.concatenated = counts, cache, concatenated
+        ctx.counts, ctx.cache, ctx.concatenated, ctx.glu_clamp = counts, cache, concatenated, glu_clamp
         return out.to(x.dtype)
 
     @staticmethod
@@ -168,14 +179,24 @@ class _EmulatedExperts(torch.autograd.Function):
         # dA' = dOq[t]·W2q[e] [R, n], stored in bf16 by the kernels
         da = _per_expert(rows_dequantized(dout)[row_token], weights_dequantized(cache, w2), counts,
                          False).bfloat16().float()
-        gate, up = hq[:, 0::2], hq[:, 1::2]
-        sig = torch.sigmoid(gate)
-        act = gate * sig
-        a = act * up  # A [R, n] recomputed from Hq (the forward's came from the fp32 H)
         score_row = scores.reshape(-1).float()[row_pair]
-        d_scores = torch.zeros(T * K, device=x.device).index_copy_(0, row_pair, (da * a).sum(1))
-        da = da * score_row[:, None]
-        dh = torch.stack([da * up * sig * (1 + gate * (1 - sig)), da * act], dim=2).reshape(hq.shape).bfloat16()
+        if ctx.glu_clamp is None:
+            gate, up = hq[:, 0::2], hq[:, 1::2]
+            sig = torch.sigmoid(gate)
+            act = gate * sig
+            a = act * up  # A [R, n] recomputed from Hq (the forward's came from the fp32 H)
+            d_scores = torch.zeros(T * K, device=x.device).index_copy_(0, row_pair, (da * a).sum(1))
+            da = da * score_row[:, None]
+            dh = torch.stack([da * up * sig * (1 + gate * (1 - sig)), da * act], dim=2).reshape(hq.shape)
+        else:  # the clamped SwiGLU's derivatives by autograd (torch.clamp's: bounds included)
+            with torch.enable_grad():
+                gate, up = (hq[:, 0::2].detach().requires_grad_(), hq[:, 1::2].detach().requires_grad_())
+                a_graph = _glu(torch.stack([gate, up], dim=2).reshape(hq.shape), ctx.glu_clamp)
+                d_scores = torch.zeros(T * K, device=x.device).index_copy_(0, row_pair, (da * a_graph).sum(1))
+                d_gate, d_up = torch.autograd.grad(a_graph, (gate, up), da * score_row[:, None])
+            a = a_graph.detach()
+            dh = torch.stack([d_gate, d_up], dim=2).reshape(hq.shape)
+        dh = dh.bfloat16()
         dx_rows = _per_expert(rows_dequantized(dh), weights_dequantized(cache, w1, ctx.concatenated), counts,
                               False).bfloat16()
         dx = torch.zeros(T, x.shape[1], device=x.device).index_add_(0, row_token, dx_rows.float()).to(x.dtype)
@@ -186,15 +207,15 @@ class _EmulatedExperts(torch.autograd.Function):
         do_cols = columns_dequantized(dout[row_token], counts)  # [R, d]
         a_cols = columns_dequantized((a * score_row[:, None]).bfloat16(), counts)  # [R, n]
         dw2 = _weight_grads(do_cols, a_cols, counts).to(w2.dtype)  # [E, d, n]
-        return dx, dw1, dw2, d_scores.reshape(T, K).to(scores.dtype), None, None, None
+        return dx, dw1, dw2, d_scores.reshape(T, K).to(scores.dtype), None, None, None, None
 
 
 def experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: torch.Tensor, experts_idx: torch.Tensor,
-            cache: Optional[FP8WeightCache] = None, concatenated: bool = False) -> torch.Tensor:
+            cache: Optional[FP8WeightCache] = None, concatenated: bool = False, glu_clamp=None) -> torch.Tensor:
     """out [T, d] bf16 of the FP8 experts emulated: x [T, d] bf16, w1 [E, 2n, d] (gate/up
     interleaved, or concatenated with `concatenated`), w2 [E, d, n] bf16, scores [T, K] float,
     experts_idx [T, K] integer in [0, E), a token's experts distinct. Gradients for x, w1, w2 and
     scores. cache: the weights' FP8 copies (None: a fresh one per call, the weights quantised
-    every time)."""
+    every time). glu_clamp: a machmoe.GluClamp for the clamped SwiGLU, or None for SwiGLU."""
     cache = FP8WeightCache(quantize_weights) if cache is None else cache
-    return _EmulatedExperts.apply(x, w1, w2, scores, experts_idx, cache, concatenated)
+    return _EmulatedExperts.apply(x, w1, w2, scores, experts_idx, cache, concatenated, glu_clamp)

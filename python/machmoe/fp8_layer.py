@@ -18,7 +18,7 @@ can run, else the emulation's (the same codes and scales by the recipe; tests/py
 test_gpu_fp8_layer.py compares them bitwise).
 
 What the FP8 experts do not support is refused with an error naming the argument: activations
-other than swiglu, biases, token rounding, dtypes other than bfloat16, and d or n not multiples of 16 (the FP8 ops' rule: 16-byte rows of E4M3 codes; d and n
+other than swiglu and clamped_swiglu, biases, token rounding, dtypes other than bfloat16, and d or n not multiples of 16 (the FP8 ops' rule: 16-byte rows of E4M3 codes; d and n
 need not be multiples of 128, the edge tiles are partial). Shared experts (MoE's
 num_shared_experts) run beside in bf16: they are a dense MLP over every token, not the routed
 experts the FP8 path composes, and keeping them out leaves one code path for them.
@@ -59,9 +59,9 @@ def check_options(names: dict, activation: ActivationType, layout: GateUpLayout,
     "bias", "token_rounding", "d", "n"), what the FP8 experts do not support yet. Both gate/up
     layouts are computed (the concatenated one through an interleaved FP8 copy of w1)."""
     rule = "with precision='fp8'"
-    if activation != ActivationType.SWIGLU:
-        raise ValueError(f"{names['activation']} must be 'swiglu' {rule} (the FP8 experts' GLU epilogue and "
-                         f"backward are SwiGLU's); got {activation.value!r}")
+    if activation not in (ActivationType.SWIGLU, ActivationType.CLAMPED_SWIGLU):
+        raise ValueError(f"{names['activation']} must be 'swiglu' or 'clamped_swiglu' {rule} (the FP8 experts' "
+                         f"backward kernels); got {activation.value!r}")
     if has_bias:
         raise ValueError(f"{names['bias']} {rule}: the FP8 experts have no biases yet")
     if rounding != TokenRounding.NONE:
@@ -88,9 +88,10 @@ def check_module(module) -> None:
 def moe(precision: Union[Precision, str], fp8_cache: Optional[FP8WeightCache], backend: Union[Backend, str],
         x, router_weight, w1, b1, w2, b2, K: int, activation: ActivationType, layout: GateUpLayout,
         routing: RoutingMethod, renormalize: bool, selection_bias, rounding: TokenRounding, router_bias,
-        options: torch_backend.RouterOptions) -> tuple[torch.Tensor, torch.Tensor]:
+        options: torch_backend.RouterOptions, glu_clamp=None) -> tuple[torch.Tensor, torch.Tensor]:
     """machmoe.functional.moe with precision='fp8' (module docstring), on arguments it has checked
-    already but for the rules of FP8 -> (out [T, d] bf16, aux [] fp32)."""
+    already but for the rules of FP8 -> (out [T, d] bf16, aux [] fp32). glu_clamp: the clamped
+    SwiGLU's parameters (resolved: a machmoe.GluClamp with activation 'clamped_swiglu', else None)."""
     if parse_enum(Precision, precision, "precision") != Precision.FP8:
         raise ValueError(f"fp8_cache is only used with precision='fp8'; got precision={precision!r}")
     if fp8_cache is not None and not isinstance(fp8_cache, FP8WeightCache):
@@ -111,9 +112,10 @@ def moe(precision: Union[Precision, str], fp8_cache: Optional[FP8WeightCache], b
         from . import machmoe_backend
 
         return machmoe_backend.moe(x, router_weight, w1, None, w2, None, K, activation, layout, routing, renormalize,
-                                   selection_bias, rounding, 128, 0, router_bias, options, fp8=(cache, concatenated))
+                                   selection_bias, rounding, 128, 0, router_bias, options, glu_clamp,
+                                   fp8=(cache, concatenated))
     logits = torch_backend.router_logits(x, router_weight, router_bias)  # [T, E] fp32
     scores, experts = torch_backend.route_topk(logits, K, routing, renormalize, selection_bias, options)  # [T, K]
     aux = torch_backend.aux_loss(logits, experts)
-    out = fp8_emulation.experts(x, w1, w2, scores, experts, cache, concatenated)
+    out = fp8_emulation.experts(x, w1, w2, scores, experts, cache, concatenated, glu_clamp)
     return out, aux

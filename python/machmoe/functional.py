@@ -238,7 +238,8 @@ def moe(
         from . import fp8_layer
 
         out, aux = fp8_layer.moe(precision, fp8_cache, backend, x, router_weight, w1, b1, w2, b2, K, activation,
-                                 layout, routing, renormalize, selection_bias, rounding, router_bias, options)
+                                 layout, routing, renormalize, selection_bias, rounding, router_bias, options,
+                                 glu_clamp)
     else:
         n = w2.shape[2]
         on_kernels = resolve_backend(backend, x, d, n) == Backend.MACHMOE

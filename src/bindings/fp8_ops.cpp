@@ -287,8 +287,10 @@ Tensor op_grouped_wgrad_fp8(const Tensor& a_qt, const Tensor& a_scales, const Te
 // The FP8 experts' SwiGLU backward (machmoe/fp8_swiglu.hpp): dA' [R, n] bf16, the forward's
 // hq [R, 2n] e4m3 and h_scales [R, ceil(2n/128)] f32, the list's scores [pairs] f32 and
 // row_pair [R] int32 -> dH [R, 2n] bf16, A' [R, n] bf16, d_scores [pairs] f32 (zero where no row).
+// glu_clamp: empty (SwiGLU) or the clamped SwiGLU's [alpha, limit, up_offset, clamp_after].
 std::tuple<Tensor, Tensor, Tensor> op_fp8_swiglu_backward(const Tensor& da, const Tensor& hq, const Tensor& h_scales,
-                                                          const Tensor& scores, const Tensor& row_pair) {
+                                                          const Tensor& scores, const Tensor& row_pair,
+                                                          at::ArrayRef<double> glu_clamp) {
   return translate_errors([&] {
     check_first(da, "da", at::kBFloat16, 2);
     const at::Device device = da.device();
@@ -314,6 +316,8 @@ std::tuple<Tensor, Tensor, Tensor> op_fp8_swiglu_backward(const Tensor& da, cons
     a.dh = dh.data_ptr();
     a.a_prime = a_prime.data_ptr();
     a.d_scores = d_scores.data_ptr<float>();
+    const GluClamp clamp = glu_clamp_from(glu_clamp);
+    a.clamp = glu_clamp.empty() ? nullptr : &clamp;
     swiglu_backward_fp8(a, at::cuda::getCurrentCUDAStream());
     return std::make_tuple(dh, a_prime, d_scores);
   });
@@ -445,8 +449,8 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
   m.def("experts_backward_fp8(Tensor x, Tensor[] fp8_weights, Tensor token_idx, Tensor expert_idx, Tensor saved,"
         " Tensor dout) -> (Tensor dx, Tensor d_scores, Tensor dw1, Tensor dw2)");
   m.def("experts_fp8_saved_layout(int n, int E) -> int[]", &op_experts_fp8_saved_layout);
-  m.def("fp8_swiglu_backward(Tensor da, Tensor hq, Tensor h_scales, Tensor scores, Tensor row_pair)"
-        " -> (Tensor, Tensor, Tensor)");
+  m.def("fp8_swiglu_backward(Tensor da, Tensor hq, Tensor h_scales, Tensor scores, Tensor row_pair,"
+        " float[] glu_clamp=[]) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {

@@ -1,5 +1,5 @@
-// Small device helpers shared by the kernel families: ordered float keys, warp reductions, and
-// 16-byte vector access of bf16/fp16/fp32 rows. Header-only, CUDA only (no PyTorch).
+// Small device helpers shared by the kernel families: the fast sigmoid, ordered float keys, warp
+// reductions, and 16-byte vector access of bf16/fp16/fp32 rows. Header-only, CUDA only (no PyTorch).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -10,6 +10,18 @@ namespace machmoe::kernels {
 
 constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
+
+// 1 / (1 + e^-h) by ex2.approx.ftz and rcp.approx.ftz, two MUFU operations. __expf and
+// __fdividef compile (without -ftz) to the same two plus a guard for the subnormal range: a
+// compare and two predicated multiplies per element in the epilogues' SASS. With
+// ftz, 2^x below 2^-126 becomes 0, where the sigmoid is 1 to fp32 precision anyway, and e^-h =
+// inf gives 0, as it should.
+__device__ __forceinline__ float sigmoid_approx(float h) {
+  float e, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(h * -1.4426950408889634f));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.f + e));
+  return r;
+}
 
 // Maps a float to a uint32 whose unsigned order is the float order, with every NaN above +inf
 // (LAYER.md: NaN counts as the largest logit, so it is selected and propagates). 0 is below the

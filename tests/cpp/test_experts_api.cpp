@@ -219,7 +219,7 @@ TEST(ExpertsForward, RefusesWhatFp8DoesNotRun) {
   };
   ExpertsProblem q = p;
   q.activation = Activation::GeGLU;
-  invalid(q, "FP8 GeGLU", "ExpertsProblem.activation: must be SwiGLU with precision FP8");
+  invalid(q, "FP8 GeGLU", "ExpertsProblem.activation: must be SwiGLU or ClampedSwiGLU with precision FP8");
   q = p, q.layout = GateUpLayout::Concatenated;
   invalid(q, "FP8 concatenated", "ExpertsProblem.layout: must be interleaved with precision FP8");
   q = p, q.has_bias = true;

@@ -618,3 +618,58 @@ def test_fp8_swiglu_backward_against_float64(R, n):
     unused = torch.ones(pairs, dtype=torch.bool, device="cuda")
     unused[row_pair.long()] = False
     assert (d_scores[unused] == 0).all(), "pairs without a row keep d_score 0"
+
+
+@on_gpu
+@pytest.mark.parametrize("R, n", [(1000, 256), (64, 2880)])
+@pytest.mark.parametrize("alpha, limit, up_offset, after", [(1.702, 1.0, 1.0, 0), (1.0, 0.75, 0.0, 0),
+                                                             (1.702, 1.5, 1.0, 1)])
+def test_fp8_swiglu_backward_clamped_against_float64(R, n, alpha, limit, up_offset, after):
+    # The clamped SwiGLU (glu_clamp: gpt-oss's form, DeepSeek-V4's, the clamp after the
+    # activation) on the dequantised H with limits near H's rms, so that the clamps bind on a large
+    # share of the elements. The clamps are decided on the same fp32 values of H in both, so dH and
+    # A' are within bf16's rounding, as the plain kernel's; d_scores within fp32
+    # summation error. Only where gc·σ lies within 1e-5 (relative) of the limit (clamp after) may
+    # the kernel's approximate fp32 sigmoid and float64's decide differently: such elements are
+    # left out, and there are few.
+    m = ops()
+    torch.manual_seed(R + n)
+    h = (torch.randn(R, 2 * n, device="cuda") * 1.5).bfloat16()
+    hq, hs = m.fp8_quantize_rows(h, None)
+    da = torch.randn(R, n, device="cuda").bfloat16()
+    pairs = R + 5
+    row_pair = torch.randperm(pairs, device="cuda")[:R].int()
+    scores = torch.rand(pairs, device="cuda")
+    dh, a_prime, d_scores = m.fp8_swiglu_backward(da, hq, hs, scores, row_pair, [alpha, limit, up_offset, after])
+    # H as the kernel (and the emulation) dequantises it: code·scale rounded to fp32. The exact
+    # product can lie just past a limit that its fp32 value meets (a bf16 value of 1.0 comes back
+    # as 1.0000000447 at some scales): the clamps are decided on the fp32 value.
+    hd = (hq.float() * hs.repeat_interleave(TILE, dim=1)[:, : 2 * n]).double()
+    g, u = hd[:, 0::2], hd[:, 1::2]
+    inf = float("inf")
+    gate_limit, act_limit = (inf, limit) if after else (limit, inf)
+    gc = g.clamp(max=gate_limit)
+    sig = torch.sigmoid(alpha * gc)
+    f = (gc * sig).clamp(max=act_limit)
+    uc = u.clamp(-limit, limit) + up_offset
+    a = f * uc
+    s = scores.double()[row_pair.long()][:, None]
+    sda = s * da.double()
+    gate_passes = (g <= gate_limit) & (gc * sig <= act_limit)
+    up_passes = u.abs() <= limit
+    assert 0.1 < 1 - up_passes.double().mean().item() < 0.9, "the clamp binds on a large share"
+    d_gate = torch.where(gate_passes, sda * sig * (1 + alpha * gc * (1 - sig)) * uc, 0.0)
+    d_up = torch.where(up_passes, sda * f, 0.0)
+    want_dh = torch.stack([d_gate, d_up], dim=2).reshape(R, 2 * n)
+    near = ((gc * sig - act_limit).abs() <= 1e-5 * act_limit) if after else torch.zeros_like(g, dtype=torch.bool)
+    assert near.double().mean().item() < 1e-3
+    keep_dh = ~torch.stack([near, torch.zeros_like(near)], dim=2).reshape(R, 2 * n)
+    for name, got, want, keep in (("dh", dh, want_dh, keep_dh), ("a_prime", a_prime, s * a, ~near)):
+        err = (got.double()[keep] - want[keep]).abs()
+        tol = 2.0 ** -8 * want[keep].abs() + 1e-6 * want[keep].abs().max()
+        assert (err <= tol).all(), f"{name}: {int((err > tol).sum())} elements outside bf16 rounding"
+    want_ds = (da.double() * a).sum(1)
+    absdot = (da.double().abs() * a.abs()).sum(1)
+    err = (d_scores.double()[row_pair.long()] - want_ds).abs()
+    rows = ~near.any(1)
+    assert (err[rows] <= 1e-4 * absdot[rows] + 1e-30).all(), "d_scores"

@@ -22,12 +22,13 @@ And the FP8 experts' ops (the C++ call) against the FP8 ops composed one by one:
 """
 
 import copy
+import functools
 
 import pytest
 import torch
 
 from gpu_test_helpers import check_graph_replays_follow_the_parameters, offsets, ops, redraw_near_ties
-from test_fp8_layer import PATHS, dlogits_norm, layer_inputs, model, rel, run_layer
+from test_fp8_layer import CLAMPS, PATHS, dlogits_norm, layer_inputs, model, rel, run_layer
 
 from machmoe import MoE, fp8_layer, functional
 from machmoe.fp8_weights import FP8WeightCache
@@ -79,11 +80,24 @@ def test_emulated_quantisers_match_the_kernels_bitwise():
 def test_fp8_layer_on_the_kernels(name, T, d, n, E, K):
     # functional.moe(precision="fp8", backend="machmoe"): against float64 (and away from the bf16
     # kernels), and against the emulation (module docstring).
+    check_layer_on_the_kernels(name, T, d, n, E, K)
+
+
+@on_gpu
+@pytest.mark.parametrize("clamp", list(CLAMPS))
+def test_fp8_clamped_swiglu_layer_on_the_kernels(clamp):
+    # The clamped SwiGLU at the 7B-a shape, limits of 3 (test_fp8_layer.py's CLAMPS says why):
+    # the same checks; the fused SwiGLU backward's clamped kernel against the emulation.
+    check_layer_on_the_kernels(f"7B-a {clamp}", 2001, 1536, 256, 64, 8, CLAMPS[clamp])
+
+
+def check_layer_on_the_kernels(name, T, d, n, E, K, glu_clamp=None):
     t, dout = layer_inputs(T, d, n, E, K, "softmax_topk", device="cuda")
-    fp8 = run_layer(t, dout, K, "softmax_topk", torch.bfloat16, "fp8", backend="machmoe")
-    emulated = run_layer(t, dout, K, "softmax_topk", torch.bfloat16, "fp8", backend="torch")
-    bf16 = run_layer(t, dout, K, "softmax_topk", torch.bfloat16, "bf16", backend="machmoe")
-    ref = run_layer(t, dout, K, "softmax_topk", torch.float64, "bf16", backend="torch")
+    run = functools.partial(run_layer, t, dout, K, "softmax_topk", glu_clamp=glu_clamp)
+    fp8 = run(torch.bfloat16, "fp8", backend="machmoe")
+    emulated = run(torch.bfloat16, "fp8", backend="torch")
+    bf16 = run(torch.bfloat16, "bf16", backend="machmoe")
+    ref = run(torch.float64, "bf16", backend="torch")
     # The same routing code on logits from the bf16 operands: fp32-accumulated on the kernels' path
     # (as the bf16 layer's router GEMM), an fp32 GEMM in the emulation; equal to fp32 summation order.
     assert torch.allclose(fp8["aux"], emulated["aux"], rtol=1e-5, atol=0)
@@ -95,7 +109,7 @@ def test_fp8_layer_on_the_kernels(name, T, d, n, E, K):
     for label in PATHS:
         m, slack = model(label)
         slack *= spread
-        scale = dlogits_norm(t, dout, K, "softmax_topk") if label == "d_router_bias" else None
+        scale = dlogits_norm(t, dout, K, "softmax_topk", glu_clamp) if label == "d_router_bias" else None
         err, err_bf16 = rel(fp8[label], ref[label], scale), rel(bf16[label], ref[label], scale)
         err_emu = rel(fp8[label], emulated[label], scale)
         print(f"{name} {label}: fp8 {err:.4f} (model {m:.4f}), bf16 kernels {err_bf16:.5f}, "

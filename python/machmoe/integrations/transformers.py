@@ -453,8 +453,8 @@ def fuse_moe(model: nn.Module, backend: Union[Backend, str] = Backend.AUTO,
     experts_implementation="machmoe".
 
     precision="fp8" runs the fused blocks' routed experts in FP8 (docs/LAYER.md "FP8"); a block
-    whose experts the FP8 layer does not compute (biases, activations other than SwiGLU, sizes
-    not multiples of 16) is left unfused, with the reason.
+    whose experts the FP8 layer does not compute (biases, activations other than the SwiGLU,
+    clamped or not, sizes not multiples of 16) is left unfused, with the reason.
 
     Returns FuseReport(fused=[names], unfused={name: reason}).
     """

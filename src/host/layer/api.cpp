@@ -21,15 +21,17 @@ void require(bool ok, const char* field, const std::string& rule) {
     throw Error(ErrorCode::InvalidArgument, std::string("LayerProblem.") + field + ": " + rule);
 }
 
-// precision FP8's rules common to both problems (the FP8 experts: SwiGLU's GLU epilogue and
-// backward kernels, 16-byte rows of E4M3 codes); `require` names the problem's field.
+// precision FP8's rules common to both problems (the FP8 experts: the GLU epilogue and backward
+// kernels of SwiGLU and the clamped SwiGLU, 16-byte rows of E4M3 codes); `require` names the
+// problem's field.
 template <typename Problem, typename Require>
 void check_fp8_rules(const Problem& p, Require require) {
   require(p.precision == Precision::BF16 || p.precision == Precision::FP8, "precision", "must be BF16 or FP8");
   if (p.precision != Precision::FP8) return;
   const std::string rule = " with precision FP8";
-  require(p.activation == Activation::SwiGLU, "activation",
-          "must be SwiGLU" + rule + " (the FP8 experts' backward is SwiGLU's), got " + to_string(p.activation));
+  require(p.activation == Activation::SwiGLU || p.activation == Activation::ClampedSwiGLU, "activation",
+          "must be SwiGLU or ClampedSwiGLU" + rule + " (the FP8 experts' backward kernels), got " +
+              to_string(p.activation));
   require(p.layout == GateUpLayout::Interleaved, "layout", "must be interleaved" + rule + " (quantise the weights " +
                                                                "of a concatenated layout with their rows interleaved)");
   require(!p.has_bias, "has_bias", "must be false" + rule + " (the FP8 experts have no biases)");

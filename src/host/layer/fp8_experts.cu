@@ -157,6 +157,7 @@ void experts_backward_fp8(const ExpertsBackwardRun& r, cudaStream_t stream) {
   sw.d_scores = r.d_scores, sw.dh_q = dh_q.codes, sw.dh_scales = dh_q.scales;
   sw.dh_qt = dh_cols.codes, sw.dh_col_scales = dh_cols.scales;
   sw.ap_qt = ap_cols.codes, sw.ap_col_scales = ap_cols.scales;
+  sw.clamp = s.activation == Activation::ClampedSwiGLU ? &s.glu_clamp : nullptr;
   detail::swiglu_backward_columns_fp8(sw, stream);
   if (r.after_scores) r.after_scores();  // a layer's router backward (d_logits from d scores)
   // 3. dW2 [E, d, n] = Σ doutᵀ·A' over each expert's rows, both cut into 128-row chunks.

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "host/common/check.hpp"
+#include "host/quant/swiglu_clamp.hpp"
 #include "kernels/layer/fp8_swiglu_backward.cuh"
 #include "machmoe/fp8_swiglu.hpp"
 #include "machmoe/machmoe.hpp"
@@ -32,6 +33,7 @@ void swiglu_backward_fp8(const SwigluBackwardFp8Args& a, cudaStream_t stream) {
     require_arg(reinterpret_cast<uintptr_t>(a.dh_q) % 8 == 0 && detail::aligned4(a.dh_scales), fn, "dh_q/dh_scales",
                 "must be 8- and 4-byte aligned");
   }
+  if (a.clamp) check_glu_clamp(fn, Activation::ClampedSwiGLU, *a.clamp);
   kernels::Fp8SwigluBackwardParams p;
   p.da = static_cast<const __nv_bfloat16*>(a.da);
   p.hq = a.hq;
@@ -46,11 +48,13 @@ void swiglu_backward_fp8(const SwigluBackwardFp8Args& a, cudaStream_t stream) {
   p.d_scores = a.d_scores;
   p.dh_q = a.dh_q;
   p.dh_scales = a.dh_scales;
+  p.clamp = detail::swiglu_clamp_params(a.clamp ? *a.clamp : GluClamp{});
   constexpr int kWarps = 8;
   // A few waves of 8-warp blocks over the rows (memory-bound: enough warps in flight to cover
   // the loads), never more blocks than rows need.
   const int64_t blocks = std::min<int64_t>((a.R + kWarps - 1) / kWarps, int64_t{8} * device_info().sm_count);
-  kernels::fp8_swiglu_backward<kWarps><<<static_cast<unsigned>(blocks), kWarps * 32, 0, stream>>>(p);
+  const auto kernel = a.clamp ? kernels::fp8_swiglu_backward<kWarps, true> : kernels::fp8_swiglu_backward<kWarps, false>;
+  kernel<<<static_cast<unsigned>(blocks), kWarps * 32, 0, stream>>>(p);
   check_launch(fn);
 }
 

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "host/quant/quant_internal.hpp"
+#include "host/quant/swiglu_clamp.hpp"
 #include "kernels/layer/fp8_swiglu_columns.cuh"
 #include "machmoe/fp8.hpp"
 
@@ -41,6 +42,8 @@ void swiglu_backward_columns_fp8(const SwigluBackwardColumnsFp8Args& a, cudaStre
                   aligned4(a.dh_scales) && aligned4(a.dh_col_scales) && aligned4(a.ap_col_scales),
               fn, "h_scales/scores/row_pair/d_scores/dh_scales/dh_col_scales/ap_col_scales", "must be 4-byte aligned");
 
+  if (a.clamp) check_glu_clamp(fn, Activation::ClampedSwiGLU, *a.clamp);
+
   launch_fp8_chunk_offsets(a.expert_offsets, a.E, a.R, a.chunk_offsets, stream);
   if (layout.max_chunks == 0) return;
 
@@ -54,12 +57,14 @@ void swiglu_backward_columns_fp8(const SwigluBackwardColumnsFp8Args& a, cudaStre
   p.max_chunks = layout.max_chunks;
   p.d_scores = a.d_scores, p.dh_q = a.dh_q, p.dh_scales = a.dh_scales;
   p.dh_qt = a.dh_qt, p.dh_col_scales = a.dh_col_scales, p.ap_qt = a.ap_qt, p.ap_col_scales = a.ap_col_scales;
-  const void* kernel = reinterpret_cast<const void*>(k::fp8_swiglu_columns_kernel);
+  p.clamp = swiglu_clamp_params(a.clamp ? *a.clamp : GluClamp{});
+  const auto launch = a.clamp ? k::fp8_swiglu_columns_kernel<true> : k::fp8_swiglu_columns_kernel<false>;
+  const void* kernel = reinterpret_cast<const void*>(launch);
   constexpr size_t smem = k::kSwcSmemBytes;  // > 48 KiB: needs the opt-in
   allow_dynamic_smem(kernel, static_cast<int>(smem), "swiglu_backward_columns_fp8: cudaFuncSetAttribute");
   // The chunks that exist are known on the device only: one CTA for each there can be (those past
   // chunk_offsets[E] return at once; max_chunks <= R < 2^31 fits the grid).
-  k::fp8_swiglu_columns_kernel<<<static_cast<unsigned>(layout.max_chunks), k::kSwcThreads, smem, stream>>>(p);
+  launch<<<static_cast<unsigned>(layout.max_chunks), k::kSwcThreads, smem, stream>>>(p);
   check_launch(fn);
 }
 

@@ -87,6 +87,7 @@ struct SwigluBackwardColumnsFp8Args {
   float* dh_col_scales = nullptr;           // [max_chunks, 2n]
   uint8_t* ap_qt = nullptr;                 // [max_chunks, n, 128] E4M3
   float* ap_col_scales = nullptr;           // [max_chunks, n]
+  const GluClamp* clamp = nullptr;          // the clamped SwiGLU's parameters, or null: SwiGLU
 };
 void swiglu_backward_columns_fp8(const SwigluBackwardColumnsFp8Args& args, cudaStream_t stream);
 

@@ -18,18 +18,6 @@
 
 namespace machmoe::kernels {
 
-// 1 / (1 + e^-h) by ex2.approx.ftz and rcp.approx.ftz, two MUFU operations. __expf and
-// __fdividef compile (without -ftz) to the same two plus a guard for the subnormal range: a
-// compare and two predicated multiplies per element in the epilogues' SASS. With
-// ftz, 2^x below 2^-126 becomes 0, where the sigmoid is 1 to fp32 precision anyway, and e^-h =
-// inf gives 0, as it should.
-__device__ __forceinline__ float sigmoid_approx(float h) {
-  float e, r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(h * -1.4426950408889634f));
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.f + e));
-  return r;
-}
-
 // The activation as a compile-time choice (one instantiation per activation, picked by a switch
 // per tile). Fast intrinsics: the result is rounded to bf16 anyway.
 template <int ACT>

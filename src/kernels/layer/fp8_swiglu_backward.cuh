@@ -2,6 +2,7 @@
 // rows (host/quant/fp8_swiglu_backward.cu; machmoe/fp8_swiglu.hpp states the math). Per row r of
 // R (rows grouped by expert), with H dequantised from the forward's E4M3 H and its 1x128 scales:
 //   g, u = H[r, 2j], H[r, 2j+1];  σ = sigmoid(g);  act = g·σ;  A = act·u;  s = scores[row_pair[r]]
+//   (kClamped: the clamped SwiGLU's A and derivatives, fp8_swiglu_math.cuh)
 //   d_scores[row_pair[r]] = Σ_j dA'[r, j]·A[r, j]
 //   dH[r, 2j]   = s·dA'·u·σ·(1 + g·(1 − σ)),  dH[r, 2j+1] = s·dA'·act     (bf16)
 //   A'[r, j]    = s·A                                                     (bf16, dW2's operand)
@@ -36,9 +37,10 @@ struct Fp8SwigluBackwardParams {
   float* d_scores;          // [pairs], written at row_pair[r]
   uint8_t* dh_q;            // [R, 2n] E4M3 of dH, or null (not quantised)
   float* dh_scales;         // [R, h_tiles] with dh_q
+  SwigluClamp clamp;        // kClamped: the clamped SwiGLU's parameters
 };
 
-template <int kWarps>
+template <int kWarps, bool kClamped>
 __global__ void __launch_bounds__(kWarps * 32) fp8_swiglu_backward(const Fp8SwigluBackwardParams p) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
@@ -60,7 +62,7 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_swiglu_backward(const Fp8Swig
         const uint2 da4 = *reinterpret_cast<const uint2*>(da_row + 4 * c);
         const uint2 h8 = *reinterpret_cast<const uint2*>(h_row + 8 * c);
         const float hs = sc_row[(8 * c) / 128];
-        const SwigluGroup gr = swiglu_backward_group(da4, h8, hs, s, dot);
+        const SwigluGroup gr = swiglu_backward_group<kClamped>(da4, h8, hs, s, dot, p.clamp);
         dh8 = gr.dh8;
         *reinterpret_cast<uint4*>(p.dh + r * 2 * p.n + 8 * c) = dh8;
         *reinterpret_cast<uint2*>(p.a_prime + r * p.n + 4 * c) = gr.a4;

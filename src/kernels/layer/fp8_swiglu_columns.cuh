@@ -82,12 +82,14 @@ struct Fp8SwigluColumnsParams {
   float* dh_col_scales;           // [max_chunks, n1]
   uint8_t* ap_qt;                 // [max_chunks, n, 128]
   float* ap_col_scales;           // [max_chunks, n]
+  SwigluClamp clamp;              // kClamped: the clamped SwiGLU's parameters
 };
 
 // Phase A for one batch of rows (chunk rows first + k0 + b, b < kSwcRowBatch) of the lane's
 // group g (in_row: g < n/4): loads, the group math, dH's E4M3 row codes and scale, the staging.
 // Rows past the chunk's (i >= nrows, warp-uniform) are staged as zeros and write nothing.
 // dot: this thread's d-score partials in shared memory, row first + k at dot[k·256].
+template <bool kClamped>
 __device__ __forceinline__ void compute_batch(const Fp8SwigluColumnsParams& p, int64_t row0, int nrows, int first,
                                               int k0, int g, bool in_row, int lane, const float* row_scores,
                                               float* dot, uint4* tiles) {
@@ -114,7 +116,7 @@ __device__ __forceinline__ void compute_batch(const Fp8SwigluColumnsParams& p, i
       const int64_t r = row0 + i;
       if (in_row) {
         float partial = dot[k * kSwcThreads];
-        const SwigluGroup gr = swiglu_backward_group(da4[b], h8[b], hs[b], row_scores[i], partial);
+        const SwigluGroup gr = swiglu_backward_group<kClamped>(da4[b], h8[b], hs[b], row_scores[i], partial, p.clamp);
         dot[k * kSwcThreads] = partial;
         dh8 = gr.dh8, a4 = gr.a4;
       }
@@ -153,7 +155,8 @@ __device__ __forceinline__ void quantize_tile(uint4* tile, uint8_t* qt, float* s
 }
 
 // One CTA per chunk c = blockIdx.x (the grid covers max_chunks; chunks >= chunk_offsets[E] do
-// nothing, as the column quantiser writes nothing for them).
+// nothing, as the column quantiser writes nothing for them). kClamped: the clamped SwiGLU.
+template <bool kClamped>
 __global__ void __launch_bounds__(kSwcThreads, kSwcCtasPerSm)
     fp8_swiglu_columns_kernel(const Fp8SwigluColumnsParams p) {
   extern __shared__ uint4 smem[];
@@ -187,7 +190,7 @@ __global__ void __launch_bounds__(kSwcThreads, kSwcCtasPerSm)
     const bool in_row = g < groups;
 #pragma unroll 1
     for (int k0 = 0; k0 < kSwcRowsPerWarp; k0 += kSwcRowBatch)
-      compute_batch(p, row0, nrows, first, k0, g, in_row, lane, row_scores, dot, tiles);
+      compute_batch<kClamped>(p, row0, nrows, first, k0, g, in_row, lane, row_scores, dot, tiles);
     __syncthreads();
     // B. the columns: dH [256t, 256t + 256) as two tiles (the second past n1 in a last partial
     // slab: skipped), A' [128t, 128t + 128).

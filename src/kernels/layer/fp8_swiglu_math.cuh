@@ -1,7 +1,8 @@
 // The per-element math of the FP8 experts' SwiGLU backward (machmoe/fp8_swiglu.hpp states it), for
-// one group of four j: the unfused kernel (fp8_swiglu_backward.cuh) and the fused one with the
-// column operands (fp8_swiglu_columns.cuh) both call it, so that their dH, A' and d-score partial
-// sums are bitwise the same (the same fp32 operations in the same order, the same roundings).
+// one group of four j, plain or clamped (kClamped): the unfused kernel (fp8_swiglu_backward.cuh)
+// and the fused one with the column operands (fp8_swiglu_columns.cuh) both call it, so that their
+// dH, A' and d-score partial sums are bitwise the same (the same fp32 operations in the same order,
+// the same roundings).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -9,6 +10,8 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+
+#include "kernels/common.cuh"
 
 namespace machmoe::kernels {
 
@@ -19,16 +22,28 @@ __device__ __forceinline__ float2 fp8x2_value(uint32_t two_codes, float s) {
   return make_float2(v.x * s, v.y * s);
 }
 
+// The clamped SwiGLU's parameters (machmoe::GluClamp as the GEMM epilogues take it, its two
+// variants as limits, +inf where not applied): gc = min(g, gate_limit), σ = sigmoid(alpha·gc),
+// f = min(gc·σ, act_limit), uc = clamp(u, ±up_limit) + up_offset, A = f·uc.
+struct SwigluClamp {
+  float alpha, gate_limit, act_limit, up_limit, up_offset;
+};
+
 // One group: dA'[r, 4c .. 4c+4) (four bf16, da4), H[r, 8c .. 8c+8) (eight E4M3 codes, gate/up
 // interleaved, h8) with its tile's scale hs, the row's score s. Returns the group's eight dH
 // values (bf16, columns 8c .. 8c+8, in memory order) and its four A' values (bf16, a4); adds
 // dA'·A to `dot` for j = 4c, 4c+1, 4c+2, 4c+3 in that order.
+//   plain:   σ = sigmoid(g), A = g·σ·u;  dgate = s·dA'·u·σ·(1 + g·(1 − σ)),  dup = s·dA'·g·σ
+//   clamped: A = f·uc;  dgate = s·dA'·uc·σ·(1 + alpha·gc·(1 − σ)) where neither clamp of the gate
+//            binds (g <= gate_limit, gc·σ <= act_limit), else 0;  dup = s·dA'·f where |u| <=
+//            up_limit, else 0 (torch.clamp's gradient, bounds included, as the bf16 backward).
 struct SwigluGroup {
   uint4 dh8;
   uint2 a4;
 };
+template <bool kClamped>
 __device__ __forceinline__ SwigluGroup swiglu_backward_group(const uint2& da4, const uint2& h8, float hs, float s,
-                                                             float& dot) {
+                                                             float& dot, const SwigluClamp& c) {
   const float2 d01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&da4.x));
   const float2 d23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&da4.y));
   const float da[4] = {d01.x, d01.y, d23.x, d23.y};
@@ -39,12 +54,27 @@ __device__ __forceinline__ SwigluGroup swiglu_backward_group(const uint2& da4, c
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const float g = gu[k].x, u = gu[k].y;
-    const float sig = 1.f / (1.f + __expf(-g));
-    const float act = g * sig, a = act * u;
-    dot += da[k] * a;
-    const float sda = s * da[k];
-    dh[k] = __floats2bfloat162_rn(sda * u * sig * (1.f + g * (1.f - sig)), sda * act);
-    ap[k] = s * a;
+    if constexpr (kClamped) {
+      const float gc = fminf(g, c.gate_limit);
+      const float sig = sigmoid_approx(c.alpha * gc);
+      const float f = fminf(gc * sig, c.act_limit);
+      const float uc = fminf(fmaxf(u, -c.up_limit), c.up_limit) + c.up_offset;
+      const float a = f * uc;
+      dot += da[k] * a;
+      const float sda = s * da[k];
+      const bool gate_passes = g <= c.gate_limit && gc * sig <= c.act_limit;
+      const bool up_passes = fabsf(u) <= c.up_limit;
+      const float df = sig * (1.f + c.alpha * gc * (1.f - sig));
+      dh[k] = __floats2bfloat162_rn(gate_passes ? sda * df * uc : 0.f, up_passes ? sda * f : 0.f);
+      ap[k] = s * a;
+    } else {
+      const float sig = 1.f / (1.f + __expf(-g));
+      const float act = g * sig, a = act * u;
+      dot += da[k] * a;
+      const float sda = s * da[k];
+      dh[k] = __floats2bfloat162_rn(sda * u * sig * (1.f + g * (1.f - sig)), sda * act);
+      ap[k] = s * a;
+    }
   }
   SwigluGroup out;
   out.dh8 = *reinterpret_cast<const uint4*>(dh);
