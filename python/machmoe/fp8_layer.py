@@ -18,8 +18,9 @@ can run, else the emulation's (the same codes and scales by the recipe; tests/py
 test_gpu_fp8_layer.py compares them bitwise).
 
 What the FP8 experts do not support is refused with an error naming the argument: activations
-other than swiglu and clamped_swiglu, biases, token rounding, dtypes other than bfloat16, and d or n not multiples of 16 (the FP8 ops' rule: 16-byte rows of E4M3 codes; d and n
-need not be multiples of 128, the edge tiles are partial). Shared experts (MoE's
+other than swiglu and clamped_swiglu, biases, token rounding, dtypes other than bfloat16, and d
+or n not multiples of 16 (the FP8 ops' rule: 16-byte rows of E4M3 codes; d and n need not be
+multiples of 128, the edge tiles are partial). Shared experts (MoE's
 num_shared_experts) run beside in bf16: they are a dense MLP over every token, not the routed
 experts the FP8 path composes, and keeping them out leaves one code path for them.
 """

@@ -53,7 +53,8 @@ void swiglu_backward_fp8(const SwigluBackwardFp8Args& a, cudaStream_t stream) {
   // A few waves of 8-warp blocks over the rows (memory-bound: enough warps in flight to cover
   // the loads), never more blocks than rows need.
   const int64_t blocks = std::min<int64_t>((a.R + kWarps - 1) / kWarps, int64_t{8} * device_info().sm_count);
-  const auto kernel = a.clamp ? kernels::fp8_swiglu_backward<kWarps, true> : kernels::fp8_swiglu_backward<kWarps, false>;
+  const auto kernel =
+      a.clamp ? kernels::fp8_swiglu_backward<kWarps, true> : kernels::fp8_swiglu_backward<kWarps, false>;
   kernel<<<static_cast<unsigned>(blocks), kWarps * 32, 0, stream>>>(p);
   check_launch(fn);
 }
