@@ -193,8 +193,8 @@ def sum_blocks(parts: list) -> torch.Tensor:
     last added while rounding to the parts' dtype (float32 + bf16 computes in float32; bf16 + bf16
     into a float32 output would round the sum to bf16 first), 17 block-sizes at W = 4 and bf16,
     5.3-6.3x the kernel's time at W = 4-8. Both give the same bits."""
-    on_kernels = parts[0].is_cuda and _ops.kernels_unavailable_reason(parts[0].device) is None
-    if 2 < len(parts) <= _KERNEL_MAX_PARTS and on_kernels:
+    if (2 < len(parts) <= _KERNEL_MAX_PARTS and parts[0].is_cuda
+            and _ops.kernels_unavailable_reason(parts[0].device) is None):
         return torch.ops.machmoe.sum_blocks([p.contiguous() for p in parts])
     return sum_blocks_torch(parts)
 
