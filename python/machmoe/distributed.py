@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import functional, torch_backend
-from .enums import (ActivationType, Backend, GateUpLayout, GluClamp, RoutingMethod, TokenRounding,
+from .enums import (ActivationType, Backend, GateUpLayout, GluClamp, Precision, RoutingMethod, TokenRounding,
                     is_gate_routing, is_glu, parse_enum, resolve_glu_clamp)
 from .expert_all_to_all import all_to_all_experts
 from .expert_capacity_exchange import capacity_all_to_all_experts, capacity_rows
@@ -468,6 +468,9 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError("ExpertParallelMoE does not offer shared experts; this MoE has "
                              f"{moe.num_shared_experts}, so its shard would compute another layer "
                              "(run them beside it: machmoe.shared_experts)")
+        if moe.precision != Precision.BF16:
+            raise ValueError("ExpertParallelMoE runs its experts in bf16 (precision='fp8' is not offered "
+                             f"yet); this MoE has precision={moe.precision.value!r}, which its shard would drop")
         layer = cls(moe.num_experts, moe.num_experts_per_tok, moe.hidden_size,
                     moe.intermediate_size, moe.activation_function, moe.c_fc.bias is not None,
                     moe.c_fc.std, routing=moe.routing, renormalize=moe.renormalize,

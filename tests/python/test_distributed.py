@@ -309,6 +309,8 @@ def _check_errors(world):
 
     with pytest.raises(ValueError, match="ExpertParallelMoE does not offer shared experts"):
         ExpertParallelMoE.from_moe(MoE(2 * world, 2, 16, 8, num_shared_experts=1, backend="torch"))
+    with pytest.raises(ValueError, match="ExpertParallelMoE runs its experts in bf16 .precision='fp8' is not"):
+        ExpertParallelMoE.from_moe(MoE(2 * world, 2, 16, 16, backend="torch", precision="fp8"))
     with pytest.raises(ValueError, match="group-limited selection .n_group > 1. needs routing='sigmoid'"):
         ExpertParallelMoE(2 * world, 2, 16, 8, backend="torch", n_group=2, topk_group=1)
     with pytest.raises(ValueError, match=r"capacity_factor must be a number in \(0, 1\]"):
