@@ -34,6 +34,8 @@ from typing import Optional
 
 import torch
 
+from . import torch_backend
+from .enums import ActivationType, GateUpLayout
 from .fp8_weights import FP8WeightCache, concatenate_gate_up
 
 TILE = 128  # elements per scale: 1x128 along a row, 128x128 weight blocks, 128-row column chunks
@@ -140,11 +142,8 @@ def _weight_grads(a: torch.Tensor, b: torch.Tensor, counts: list) -> torch.Tenso
 
 def _glu(h: torch.Tensor, glu_clamp) -> torch.Tensor:
     """A [R, n] from H [R, 2n] (gate/up interleaved): SwiGLU, or the clamped SwiGLU."""
-    if glu_clamp is None:
-        return torch.nn.functional.silu(h[:, 0::2]) * h[:, 1::2]
-    from .torch_backend import _clamped_swiglu
-
-    return _clamped_swiglu(h[:, 0::2], h[:, 1::2], glu_clamp)
+    act = ActivationType.SWIGLU if glu_clamp is None else ActivationType.CLAMPED_SWIGLU
+    return torch_backend.apply_activation(h, act, GateUpLayout.INTERLEAVED, glu_clamp)
 
 
 class _EmulatedExperts(torch.autograd.Function):

@@ -1,5 +1,5 @@
-// Small device helpers shared by the kernel families: the fast sigmoid, ordered float keys, warp
-// reductions, and 16-byte vector access of bf16/fp16/fp32 rows. Header-only, CUDA only (no PyTorch).
+// Small device helpers shared by the kernel families: the fast sigmoid, the clamped SwiGLU's
+// limits, ordered float keys, warp reductions, and 16-byte vector access of bf16/fp16/fp32 rows. Header-only, CUDA only (no PyTorch).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -22,6 +22,14 @@ __device__ __forceinline__ float sigmoid_approx(float h) {
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.f + e));
   return r;
 }
+
+// The clamped SwiGLU's parameters as kernels take them (host/gemm/activation_params.hpp makes them
+// from machmoe::GluClamp): its two variants as limits, +inf where a clamp is not applied, so that
+// kernels have no branch. gc = min(g, gate_limit), σ = sigmoid(alpha·gc), f = min(gc·σ,
+// act_limit), uc = clamp(u, ±up_limit) + up_offset, A = f·uc.
+struct GluClampLimits {
+  float alpha, gate_limit, act_limit, up_limit, up_offset;
+};
 
 // Maps a float to a uint32 whose unsigned order is the float order, with every NaN above +inf
 // (LAYER.md: NaN counts as the largest logit, so it is selected and propagates). 0 is below the

@@ -5,7 +5,7 @@
 #include <string>
 
 #include "host/common/check.hpp"
-#include "host/quant/swiglu_clamp.hpp"
+#include "host/gemm/activation_params.hpp"
 #include "kernels/layer/fp8_swiglu_backward.cuh"
 #include "machmoe/fp8_swiglu.hpp"
 #include "machmoe/machmoe.hpp"
@@ -48,7 +48,7 @@ void swiglu_backward_fp8(const SwigluBackwardFp8Args& a, cudaStream_t stream) {
   p.d_scores = a.d_scores;
   p.dh_q = a.dh_q;
   p.dh_scales = a.dh_scales;
-  p.clamp = detail::swiglu_clamp_params(a.clamp ? *a.clamp : GluClamp{});
+  p.clamp = detail::glu_clamp_limits(a.clamp ? *a.clamp : GluClamp{});
   constexpr int kWarps = 8;
   // A few waves of 8-warp blocks over the rows (memory-bound: enough warps in flight to cover
   // the loads), never more blocks than rows need.

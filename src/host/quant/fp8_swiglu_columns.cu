@@ -5,8 +5,8 @@
 #include <limits>
 #include <string>
 
+#include "host/gemm/activation_params.hpp"
 #include "host/quant/quant_internal.hpp"
-#include "host/quant/swiglu_clamp.hpp"
 #include "kernels/layer/fp8_swiglu_columns.cuh"
 #include "machmoe/fp8.hpp"
 
@@ -57,7 +57,7 @@ void swiglu_backward_columns_fp8(const SwigluBackwardColumnsFp8Args& a, cudaStre
   p.max_chunks = layout.max_chunks;
   p.d_scores = a.d_scores, p.dh_q = a.dh_q, p.dh_scales = a.dh_scales;
   p.dh_qt = a.dh_qt, p.dh_col_scales = a.dh_col_scales, p.ap_qt = a.ap_qt, p.ap_col_scales = a.ap_col_scales;
-  p.clamp = swiglu_clamp_params(a.clamp ? *a.clamp : GluClamp{});
+  p.clamp = glu_clamp_limits(a.clamp ? *a.clamp : GluClamp{});
   const auto launch = a.clamp ? k::fp8_swiglu_columns_kernel<true> : k::fp8_swiglu_columns_kernel<false>;
   const void* kernel = reinterpret_cast<const void*>(launch);
   constexpr size_t smem = k::kSwcSmemBytes;  // > 48 KiB: needs the opt-in

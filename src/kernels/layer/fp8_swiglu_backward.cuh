@@ -37,7 +37,7 @@ struct Fp8SwigluBackwardParams {
   float* d_scores;          // [pairs], written at row_pair[r]
   uint8_t* dh_q;            // [R, 2n] E4M3 of dH, or null (not quantised)
   float* dh_scales;         // [R, h_tiles] with dh_q
-  SwigluClamp clamp;        // kClamped: the clamped SwiGLU's parameters
+  GluClampLimits clamp;     // kClamped: the clamped SwiGLU's parameters
 };
 
 template <int kWarps, bool kClamped>

@@ -82,7 +82,7 @@ struct Fp8SwigluColumnsParams {
   float* dh_col_scales;           // [max_chunks, n1]
   uint8_t* ap_qt;                 // [max_chunks, n, 128]
   float* ap_col_scales;           // [max_chunks, n]
-  SwigluClamp clamp;              // kClamped: the clamped SwiGLU's parameters
+  GluClampLimits clamp;           // kClamped: the clamped SwiGLU's parameters
 };
 
 // Phase A for one batch of rows (chunk rows first + k0 + b, b < kSwcRowBatch) of the lane's

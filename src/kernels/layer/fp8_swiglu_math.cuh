@@ -22,28 +22,22 @@ __device__ __forceinline__ float2 fp8x2_value(uint32_t two_codes, float s) {
   return make_float2(v.x * s, v.y * s);
 }
 
-// The clamped SwiGLU's parameters (machmoe::GluClamp as the GEMM epilogues take it, its two
-// variants as limits, +inf where not applied): gc = min(g, gate_limit), σ = sigmoid(alpha·gc),
-// f = min(gc·σ, act_limit), uc = clamp(u, ±up_limit) + up_offset, A = f·uc.
-struct SwigluClamp {
-  float alpha, gate_limit, act_limit, up_limit, up_offset;
-};
-
 // One group: dA'[r, 4c .. 4c+4) (four bf16, da4), H[r, 8c .. 8c+8) (eight E4M3 codes, gate/up
 // interleaved, h8) with its tile's scale hs, the row's score s. Returns the group's eight dH
 // values (bf16, columns 8c .. 8c+8, in memory order) and its four A' values (bf16, a4); adds
 // dA'·A to `dot` for j = 4c, 4c+1, 4c+2, 4c+3 in that order.
 //   plain:   σ = sigmoid(g), A = g·σ·u;  dgate = s·dA'·u·σ·(1 + g·(1 − σ)),  dup = s·dA'·g·σ
-//   clamped: A = f·uc;  dgate = s·dA'·uc·σ·(1 + alpha·gc·(1 − σ)) where neither clamp of the gate
-//            binds (g <= gate_limit, gc·σ <= act_limit), else 0;  dup = s·dA'·f where |u| <=
-//            up_limit, else 0 (torch.clamp's gradient, bounds included, as the bf16 backward).
+//   clamped (c: kernels/common.cuh's GluClampLimits): A = f·uc;  dgate = s·dA'·uc·σ·(1 + alpha·gc·
+//            (1 − σ)) where neither clamp of the gate binds (g <= gate_limit, gc·σ <= act_limit),
+//            else 0;  dup = s·dA'·f where |u| <= up_limit, else 0 (torch.clamp's gradient, bounds
+//            included, as the bf16 backward).
 struct SwigluGroup {
   uint4 dh8;
   uint2 a4;
 };
 template <bool kClamped>
 __device__ __forceinline__ SwigluGroup swiglu_backward_group(const uint2& da4, const uint2& h8, float hs, float s,
-                                                             float& dot, const SwigluClamp& c) {
+                                                             float& dot, const GluClampLimits& c) {
   const float2 d01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&da4.x));
   const float2 d23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&da4.y));
   const float da[4] = {d01.x, d01.y, d23.x, d23.y};
