@@ -35,18 +35,16 @@ void sum_blocks(const SumBlocksArgs& a, cudaStream_t stream) {
   const int64_t per_unit = a.dtype == DType::BF16 ? 8 : 4;
   p.units = aligned ? a.elems / per_unit : 0;
   p.out = a.out;
-  const void* kernel = a.dtype == DType::BF16 ? reinterpret_cast<const void*>(kernels::sum_blocks_kernel<__nv_bfloat16>)
-                                              : reinterpret_cast<const void*>(kernels::sum_blocks_kernel<float>);
+  const auto kernel =
+      a.dtype == DType::BF16 ? kernels::sum_blocks_kernel<__nv_bfloat16> : kernels::sum_blocks_kernel<float>;
   // As many blocks as fit at once (the loop is grid-strided), but no more than the work needs.
-  const int per_sm = std::max(1, detail::blocks_per_sm(kernel, kernels::kSumThreads, 0, "sum_blocks: occupancy"));
+  const int per_sm = std::max(1, detail::blocks_per_sm(reinterpret_cast<const void*>(kernel), kernels::kSumThreads, 0,
+                                                       "sum_blocks: occupancy"));
   const int64_t resident = static_cast<int64_t>(device_info().sm_count) * per_sm;
   const int64_t items = std::max(ceil_div(p.units, int64_t{kernels::kSumUnroll}), a.elems - p.units * per_unit);
   const auto blocks =
       static_cast<unsigned>(std::max<int64_t>(1, std::min(resident, ceil_div(items, int64_t{kernels::kSumThreads}))));
-  if (a.dtype == DType::BF16)
-    kernels::sum_blocks_kernel<__nv_bfloat16><<<blocks, kernels::kSumThreads, 0, stream>>>(p);
-  else
-    kernels::sum_blocks_kernel<float><<<blocks, kernels::kSumThreads, 0, stream>>>(p);
+  kernel<<<blocks, kernels::kSumThreads, 0, stream>>>(p);
   detail::check_launch("sum_blocks");
 }
 
