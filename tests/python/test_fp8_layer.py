@@ -176,7 +176,10 @@ def test_fp8_layer_against_float64_and_away_from_bf16(T, d, n, E, K, routing):
 # That error grows with the density of H at the limits (measured: limit 2 puts dx and dw1 at
 # 0.13-0.14 against the model's 0.118, clamp_after at limit 1 at 0.17-0.23); at 3 it stays inside
 # the model (0.066-0.074). The clamps' arithmetic on equal H is checked tightly by
-# test_gpu_fp8.py's test of the SwiGLU backward kernel.
+# test_gpu_fp8.py's test of the SwiGLU backward kernel. The bf16 layer re-decides the clamps on its
+# bf16 H too (a window of 2^-9 instead of 2^-4): at this small size a few flipped elements can put
+# its error near a third of FP8's (dw1 0.029 against 0.081, seed 1850213024), so that FP8 ran at
+# all is checked as the FP8 result's distance from the bf16 layer's, at least the model's floor.
 CLAMPS = {"gpt-oss": GluClamp.gpt_oss(limit=3.0), "deepseek-v4": GluClamp.deepseek_v4(limit=3.0),
           "clamp-after": GluClamp(alpha=1.702, limit=3.0, up_offset=1.0, clamp_after=True)}
 
@@ -195,12 +198,12 @@ def test_fp8_clamped_swiglu_layer_against_float64(clamp):
     for name in PATHS:
         m, slack = model(name)
         scale = dlogits_norm(t, dout, K, routing, glu_clamp) if name == "d_router_bias" else None
-        err, err_bf16 = rel(fp8[name], ref[name], scale), rel(bf16[name], ref[name], scale)
-        print(f"{clamp} {name}: fp8 {err:.4f} (model {m:.4f}), bf16 {err_bf16:.5f}")
+        err, apart = rel(fp8[name], ref[name], scale), rel(fp8[name], bf16[name], scale)
+        print(f"{clamp} {name}: fp8 {err:.4f} (model {m:.4f}), fp8 vs the bf16 layer {apart:.4f}")
         if not 0.1 * m <= err <= 2 * slack * m:
             failures.append(f"{name}: fp8 error {err:.4f} outside [{0.1 * m:.4f}, {2 * slack * m:.4f}]")
-        if err < 3 * err_bf16 and name != "d_router_bias":
-            failures.append(f"{name}: fp8 error {err:.4f} not 3x the bf16 layer's {err_bf16:.5f}")
+        if apart < 0.1 * m:
+            failures.append(f"{name}: fp8 result within {apart:.4f} of the bf16 layer's (floor {0.1 * m:.4f})")
     assert not failures, "\n".join(failures)
 
 
