@@ -165,7 +165,8 @@ void quantize_weights_fp8(const QuantizeWeightsArgs& args, cudaStream_t stream);
 // Scales as the quantisers': amax/448, 1 for an all-zero tile, NaN (codes 0x7f) for a tile with a
 // NaN or Inf. Rules with Glu: N a multiple of 32 (16-byte rows of act_q); activation a GLU kind;
 // hq, act_q 16-byte aligned, h_scales, act_scales 4-byte aligned, bias (bf16 [E, N] or null)
-// 2-byte aligned; c and ldc unused. A bias is refused with the plain store.
+// 2-byte aligned; c and ldc unused. The plain store adds a bias (bf16 [E, N], 2-byte aligned) to C
+// in fp32 before the rounding when A is contiguous; with a gather it refuses one.
 enum class Fp8GemmEpilogue : int32_t { Store = 0, Glu = 1 };
 
 struct GroupedGemmFp8Args {
@@ -178,7 +179,7 @@ struct GroupedGemmFp8Args {
   const float* w_scales = nullptr;          // [E, fp8_tiles(N), fp8_tiles(K)]
   const int32_t* expert_offsets = nullptr;  // [E+1] device
   int64_t E = 0, N = 0, K = 0;
-  void* c = nullptr;                        // [R, ldc] bf16
+  void* c = nullptr;                        // [R, ldc] bf16 (+ bias[e] without a gather)
   int64_t ldc = 0;
   int32_t* tile_offsets = nullptr;          // workspace [E+1] (E > 512 only)
   int max_ctas = 0;

@@ -286,7 +286,7 @@ def _fp8_quantize_columns(x, gather, expert_offsets):
             x.new_empty(chunks, d, dtype=torch.float32), x.new_empty(E + 1, dtype=torch.int32))
 
 
-def _grouped_gemm_fp8(a_q, a_scales, w_q, w_scales, expert_offsets, max_ctas=0, gather=None):
+def _grouped_gemm_fp8(a_q, a_scales, w_q, w_scales, expert_offsets, max_ctas=0, gather=None, bias=None):
     R = a_q.shape[0] if gather is None else gather.shape[0]  # C's rows: one per gathered row
     return a_q.new_empty(R, w_q.shape[1], dtype=torch.bfloat16)
 

@@ -15,14 +15,18 @@ accumulation order (an E4M3 or bf16 rounding can flip where a value sits that cl
 boundary), not bitwise.
 
 Forward (rows grouped by expert, t the row's token, e its expert; SwiGLU, or the clamped SwiGLU
-with glu_clamp (A = act(gate, up) and its derivatives then the clamped ones); interleaved gate/up):
+with glu_clamp (A = act(gate, up) and its derivatives then the clamped ones); interleaved gate/up;
+the expert biases b1, b2 optional):
     Xq = rows(x)  [T, d];  W1q, W2q = blocks(w1), blocks(w2) (from the FP8WeightCache)
-    H = Xq[t]·W1q[e]ᵀ  fp32 [R, 2n];  Hq = rows(H), kept for the backward
-    A = silu(gate(H))·up(H) fp32 (from H, not Hq);  Y = rows(A)·W2q[e]ᵀ -> bf16;  out = Σ score·Y -> bf16
+    H = Xq[t]·W1q[e]ᵀ (+ b1[e])  fp32 [R, 2n];  Hq = rows(H), kept for the backward
+    A = silu(gate(H))·up(H) fp32 (from H, not Hq);  Y = rows(A)·W2q[e]ᵀ (+ b2[e]) -> bf16
+    out = Σ score·Y -> bf16
 Backward (fp8_experts.experts_backward), A recomputed from Hq:
-    dA' = rows(dout)[t]·W2q[e] -> bf16;  d_score = dA'·A(Hq);  dH = swiglu'(Hq)·(score·dA') -> bf16
+    dA' = rows(dout)[t]·W2q[e] -> bf16;  d_score = dA'·A(Hq) (+ dout[t]·b2[e])
+    dH = swiglu'(Hq)·(score·dA') -> bf16
     dX~ = rows(dH)·W1q[e] -> bf16;  dx = Σ_token dX~ (fp32) -> bf16
     dW1[e] = columns(dH)ᵀ·columns(x[t]);  dW2[e] = columns(dout[t])ᵀ·columns(bf16(score·A))
+    db1[e] = Σ dH (the bf16 dH, fp32 sums);  db2[e] = Σ score·dout[t]
 where columns() quantises each column per 128-row chunk of an expert's rows. Where
 machmoe/reference_fp8_layer.hpp differs, this follows the kernels (src/host/layer/fp8_experts.cu):
 dW1's dH operand is quantised by columns from dH in bf16, not from the row-quantised dHq.
@@ -36,7 +40,7 @@ import torch
 
 from . import torch_backend
 from .enums import ActivationType, GateUpLayout
-from .fp8_weights import FP8WeightCache, concatenate_gate_up
+from .fp8_weights import FP8WeightCache, concatenate_gate_up, interleave_gate_up
 
 TILE = 128  # elements per scale: 1x128 along a row, 128x128 weight blocks, 128-row column chunks
 E4M3_MAX = 448.0
@@ -146,32 +150,44 @@ def _glu(h: torch.Tensor, glu_clamp) -> torch.Tensor:
     return torch_backend.apply_activation(h, act, GateUpLayout.INTERLEAVED, glu_clamp)
 
 
+def _per_expert_sums(v: torch.Tensor, counts: list) -> torch.Tensor:
+    """[E, C]: each expert's sum of its rows of v [R, C] fp32 (rows grouped by expert)."""
+    return torch.stack([p.sum(0) for p in v.split(counts)])
+
+
 class _EmulatedExperts(torch.autograd.Function):
-    """The FP8 experts (SwiGLU or the clamped SwiGLU, interleaved, no biases) on a top-K routing,
-    emulated (module docstring). Saves x, the weights, the scores, the row order and Hq (fp32
-    [R, 2n])."""
+    """The FP8 experts (SwiGLU or the clamped SwiGLU, interleaved, optional biases) on a top-K
+    routing, emulated (module docstring). Saves x, the weights, the biases, the scores, the row
+    order and Hq (fp32 [R, 2n])."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, scores, experts, cache, concatenated, glu_clamp=None):
+    def forward(ctx, x, w1, w2, scores, experts, cache, concatenated, glu_clamp=None, b1=None, b2=None):
         T, K = experts.shape
         E = w1.shape[0]
         pair_expert = experts.reshape(-1).long()  # [T·K], pair (t, k) at t·K + k
         row_pair = torch.sort(pair_expert, stable=True).indices  # rows by expert, then by token
         row_token = row_pair // K
+        row_expert = pair_expert[row_pair]
         counts = torch.bincount(pair_expert, minlength=E).tolist()  # the torch backend's host sync
         h = _per_expert(rows_dequantized(x)[row_token], weights_dequantized(cache, w1, concatenated), counts, True)
+        if b1 is not None:  # in the FP8 copy's interleaved row order
+            b1_rows = interleave_gate_up(b1.unsqueeze(-1)).squeeze(-1) if concatenated else b1
+            h = h + b1_rows.float()[row_expert]
         hq = rows_dequantized(h)  # [R, 2n], kept for the backward
         a = _glu(h, glu_clamp)  # A [R, n] from the fp32 H
-        y = _per_expert(rows_dequantized(a), weights_dequantized(cache, w2), counts, True).bfloat16()
+        y = _per_expert(rows_dequantized(a), weights_dequantized(cache, w2), counts, True)
+        if b2 is not None:
+            y = y + b2.float()[row_expert]
+        y = y.bfloat16()
         score_row = scores.reshape(-1).float()[row_pair]  # [R]
         out = torch.zeros(T, x.shape[1], device=x.device).index_add_(0, row_token, y.float() * score_row[:, None])
-        ctx.save_for_backward(x, w1, w2, scores, row_pair, row_token, hq)
+        ctx.save_for_backward(x, w1, w2, scores, row_pair, row_token, hq, b1, b2)
         ctx.counts, ctx.cache, ctx.concatenated, ctx.glu_clamp = counts, cache, concatenated, glu_clamp
         return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        x, w1, w2, scores, row_pair, row_token, hq = ctx.saved_tensors
+        x, w1, w2, scores, row_pair, row_token, hq, b1, b2 = ctx.saved_tensors
         counts, cache = ctx.counts, ctx.cache
         T, K = scores.shape
         dout = dout.to(torch.bfloat16)
@@ -184,18 +200,28 @@ class _EmulatedExperts(torch.autograd.Function):
             sig = torch.sigmoid(gate)
             act = gate * sig
             a = act * up  # A [R, n] recomputed from Hq (the forward's came from the fp32 H)
-            d_scores = torch.zeros(T * K, device=x.device).index_copy_(0, row_pair, (da * a).sum(1))
+            d_rows = (da * a).sum(1)
             da = da * score_row[:, None]
             dh = torch.stack([da * up * sig * (1 + gate * (1 - sig)), da * act], dim=2).reshape(hq.shape)
         else:  # the clamped SwiGLU's derivatives by autograd (torch.clamp's: bounds included)
             with torch.enable_grad():
                 gate, up = (hq[:, 0::2].detach().requires_grad_(), hq[:, 1::2].detach().requires_grad_())
                 a_graph = _glu(torch.stack([gate, up], dim=2).reshape(hq.shape), ctx.glu_clamp)
-                d_scores = torch.zeros(T * K, device=x.device).index_copy_(0, row_pair, (da * a_graph).sum(1))
+                d_rows = (da * a_graph).sum(1)
                 d_gate, d_up = torch.autograd.grad(a_graph, (gate, up), da * score_row[:, None])
             a = a_graph.detach()
             dh = torch.stack([d_gate, d_up], dim=2).reshape(hq.shape)
         dh = dh.bfloat16()
+        db1 = db2 = None
+        if b2 is not None:  # the output bias's d-score term ⟨dout_t, b2_e⟩ (bf16 operands, fp32 sums)
+            row_expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
+                                                 torch.tensor(counts, device=x.device))
+            d_rows = d_rows + (dout.float()[row_token] * b2.float()[row_expert]).sum(1)
+            db2 = _per_expert_sums(dout.float()[row_token] * score_row[:, None], counts).to(b2.dtype)
+        if b1 is not None:
+            db1 = _per_expert_sums(dh.float(), counts)  # [E, 2n], H's interleaved order
+            db1 = (concatenate_gate_up(db1.unsqueeze(-1)).squeeze(-1) if ctx.concatenated else db1).to(b1.dtype)
+        d_scores = torch.zeros(T * K, device=x.device).index_copy_(0, row_pair, d_rows)
         dx_rows = _per_expert(rows_dequantized(dh), weights_dequantized(cache, w1, ctx.concatenated), counts,
                               False).bfloat16()
         dx = torch.zeros(T, x.shape[1], device=x.device).index_add_(0, row_token, dx_rows.float()).to(x.dtype)
@@ -206,15 +232,17 @@ class _EmulatedExperts(torch.autograd.Function):
         do_cols = columns_dequantized(dout[row_token], counts)  # [R, d]
         a_cols = columns_dequantized((a * score_row[:, None]).bfloat16(), counts)  # [R, n]
         dw2 = _weight_grads(do_cols, a_cols, counts).to(w2.dtype)  # [E, d, n]
-        return dx, dw1, dw2, d_scores.reshape(T, K).to(scores.dtype), None, None, None, None
+        return dx, dw1, dw2, d_scores.reshape(T, K).to(scores.dtype), None, None, None, None, db1, db2
 
 
 def experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: torch.Tensor, experts_idx: torch.Tensor,
-            cache: Optional[FP8WeightCache] = None, concatenated: bool = False, glu_clamp=None) -> torch.Tensor:
+            cache: Optional[FP8WeightCache] = None, concatenated: bool = False, glu_clamp=None,
+            b1: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None) -> torch.Tensor:
     """out [T, d] bf16 of the FP8 experts emulated: x [T, d] bf16, w1 [E, 2n, d] (gate/up
     interleaved, or concatenated with `concatenated`), w2 [E, d, n] bf16, scores [T, K] float,
-    experts_idx [T, K] integer in [0, E), a token's experts distinct. Gradients for x, w1, w2 and
-    scores. cache: the weights' FP8 copies (None: a fresh one per call, the weights quantised
-    every time). glu_clamp: a machmoe.GluClamp for the clamped SwiGLU, or None for SwiGLU."""
+    experts_idx [T, K] integer in [0, E), a token's experts distinct; the expert biases b1 [E, 2n]
+    (in w1's row order) and b2 [E, d], or None. Gradients for x, w1, w2, scores and the biases.
+    cache: the weights' FP8 copies (None: a fresh one per call, the weights quantised every time).
+    glu_clamp: a machmoe.GluClamp for the clamped SwiGLU, or None for SwiGLU."""
     cache = FP8WeightCache(quantize_weights) if cache is None else cache
-    return _EmulatedExperts.apply(x, w1, w2, scores, experts_idx, cache, concatenated, glu_clamp)
+    return _EmulatedExperts.apply(x, w1, w2, scores, experts_idx, cache, concatenated, glu_clamp, b1, b2)

@@ -17,8 +17,10 @@ for the whole process). Its quantiser is the kernels' for bfloat16 CUDA weights 
 can run, else the emulation's (the same codes and scales by the recipe; tests/python/
 test_gpu_fp8_layer.py compares them bitwise).
 
+The expert biases (b1 in the up-projection's epilogue, b2 in the down-projection's store, as in
+bf16) are supported; db1 is summed from the bf16 dH the backward quantises, db2 from dout.
 What the FP8 experts do not support is refused with an error naming the argument: activations
-other than swiglu and clamped_swiglu, biases, token rounding, dtypes other than bfloat16, and d
+other than swiglu and clamped_swiglu, token rounding, dtypes other than bfloat16, and d
 or n not multiples of 16 (the FP8 ops' rule: 16-byte rows of E4M3 codes; d and n need not be
 multiples of 128, the edge tiles are partial). Shared experts (MoE's
 num_shared_experts) run beside in bf16: they are a dense MLP over every token, not the routed
@@ -33,7 +35,7 @@ import torch
 
 from . import _ops, fp8_emulation, torch_backend
 from .enums import ActivationType, Backend, GateUpLayout, Precision, RoutingMethod, TokenRounding, parse_enum
-from .fp8_weights import FP8WeightCache, _quantize_on_kernels
+from .fp8_weights import FP8WeightCache, _quantize_on_kernels, interleave_gate_up
 
 _ALIGN = 16  # d and n: the FP8 ops' rows of E4M3 codes are read 16 bytes at a time
 
@@ -54,17 +56,15 @@ def new_cache() -> FP8WeightCache:
 _DEFAULT_CACHE = new_cache()  # the functional API's, when no fp8_cache is given
 
 
-def check_options(names: dict, activation: ActivationType, layout: GateUpLayout, has_bias: bool,
-                  rounding: TokenRounding, d: int, n: int) -> None:
+def check_options(names: dict, activation: ActivationType, layout: GateUpLayout, rounding: TokenRounding, d: int,
+                  n: int) -> None:
     """Refuses, naming the argument (names: rule -> the caller's argument name, for "activation",
-    "bias", "token_rounding", "d", "n"), what the FP8 experts do not support yet. Both gate/up
-    layouts are computed (the concatenated one through an interleaved FP8 copy of w1)."""
+    "token_rounding", "d", "n"), what the FP8 experts do not support yet. Both gate/up layouts are
+    computed (the concatenated one through an interleaved FP8 copy of w1 and of b1)."""
     rule = "with precision='fp8'"
     if activation not in (ActivationType.SWIGLU, ActivationType.CLAMPED_SWIGLU):
         raise ValueError(f"{names['activation']} must be 'swiglu' or 'clamped_swiglu' {rule} (the FP8 experts' "
                          f"backward kernels); got {activation.value!r}")
-    if has_bias:
-        raise ValueError(f"{names['bias']} {rule}: the FP8 experts have no biases yet")
     if rounding != TokenRounding.NONE:
         raise ValueError(f"{names['token_rounding']} must be 'none' {rule} (the FP8 experts run on a top-K "
                          f"routing); got {rounding.value!r}")
@@ -74,16 +74,16 @@ def check_options(names: dict, activation: ActivationType, layout: GateUpLayout,
                              f"in the FP8 ops); got {size}")
 
 
-_FUNCTIONAL_NAMES = {"activation": "activation", "layout": "layout", "bias": "b1/b2 must be None",
-                     "token_rounding": "token_rounding", "d": "x.shape[1] (d)", "n": "w2.shape[2] (n)"}
-MODULE_NAMES = {"activation": "activation_function", "layout": "gate_up_layout", "bias": "add_bias must be False",
-                "token_rounding": "token_rounding", "d": "hidden_size", "n": "intermediate_size"}
+_FUNCTIONAL_NAMES = {"activation": "activation", "layout": "layout", "token_rounding": "token_rounding",
+                     "d": "x.shape[1] (d)", "n": "w2.shape[2] (n)"}
+MODULE_NAMES = {"activation": "activation_function", "layout": "gate_up_layout", "token_rounding": "token_rounding",
+                "d": "hidden_size", "n": "intermediate_size"}
 
 
 def check_module(module) -> None:
     """MoE's constructor arguments against precision='fp8' (the dtype is checked per call)."""
-    check_options(MODULE_NAMES, module.activation_function, module.gate_up_layout, module.c_fc.bias is not None,
-                  module.token_rounding, module.hidden_size, module.intermediate_size)
+    check_options(MODULE_NAMES, module.activation_function, module.gate_up_layout, module.token_rounding,
+                  module.hidden_size, module.intermediate_size)
 
 
 def moe(precision: Union[Precision, str], fp8_cache: Optional[FP8WeightCache], backend: Union[Backend, str],
@@ -100,7 +100,7 @@ def moe(precision: Union[Precision, str], fp8_cache: Optional[FP8WeightCache], b
                         f"got {type(fp8_cache).__name__}")
     T, d = x.shape
     n = w2.shape[2]
-    check_options(_FUNCTIONAL_NAMES, activation, layout, b1 is not None or b2 is not None, rounding, d, n)
+    check_options(_FUNCTIONAL_NAMES, activation, layout, rounding, d, n)
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bfloat16 with precision='fp8' (and so the weights, which share x's dtype); "
                          f"got {x.dtype}")
@@ -112,11 +112,14 @@ def moe(precision: Union[Precision, str], fp8_cache: Optional[FP8WeightCache], b
     if on_kernels:  # the bf16 layer's one call per direction, the experts' GEMMs in FP8
         from . import machmoe_backend
 
-        return machmoe_backend.moe(x, router_weight, w1, None, w2, None, K, activation, layout, routing, renormalize,
-                                   selection_bias, rounding, 128, 0, router_bias, options, glu_clamp,
+        # b1 in the FP8 copy's interleaved row order (a differentiable permutation: db1 comes back
+        # in b1's order through autograd).
+        b1_rows = interleave_gate_up(b1.unsqueeze(-1)).squeeze(-1) if concatenated and b1 is not None else b1
+        return machmoe_backend.moe(x, router_weight, w1, b1_rows, w2, b2, K, activation, layout, routing,
+                                   renormalize, selection_bias, rounding, 128, 0, router_bias, options, glu_clamp,
                                    fp8=(cache, concatenated))
     logits = torch_backend.router_logits(x, router_weight, router_bias)  # [T, E] fp32
     scores, experts = torch_backend.route_topk(logits, K, routing, renormalize, selection_bias, options)  # [T, K]
     aux = torch_backend.aux_loss(logits, experts)
-    out = fp8_emulation.experts(x, w1, w2, scores, experts, cache, concatenated, glu_clamp)
+    out = fp8_emulation.experts(x, w1, w2, scores, experts, cache, concatenated, glu_clamp, b1, b2)
     return out, aux

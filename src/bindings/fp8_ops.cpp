@@ -192,13 +192,17 @@ Fp8GemmCall fp8_gemm_call(const Tensor& a_q, const Tensor& a_scales, const Tenso
 
 // C [R, N] bf16 = the FP8 grouped GEMM of a_q [T, K] (a_scales [T, ceil(K/128)]) with w_q [E, N, K]
 // (w_scales [E, ceil(N/128), ceil(K/128)]) per expert's rows [off[e], off[e+1]), row r reading
-// a_q[gather[r]] (gather [R] int32; None: a_q[r], R = T). Rows outside every expert are not
-// written (C is allocated uninitialised, as grouped_gemm's).
+// a_q[gather[r]] (gather [R] int32; None: a_q[r], R = T), + bias[e] (bf16 [E, N], without a
+// gather only). Rows outside every expert are not written (C is allocated uninitialised, as
+// grouped_gemm's).
 Tensor op_grouped_gemm_fp8(const Tensor& a_q, const Tensor& a_scales, const Tensor& w_q, const Tensor& w_scales,
-                           const Tensor& expert_offsets, int64_t max_ctas, const std::optional<Tensor>& gather) {
+                           const Tensor& expert_offsets, int64_t max_ctas, const std::optional<Tensor>& gather,
+                           const std::optional<Tensor>& bias) {
   return translate_errors([&] {
     Fp8GemmCall call = fp8_gemm_call(a_q, a_scales, w_q, w_scales, expert_offsets, max_ctas, gather);
     GroupedGemmFp8Args& g = call.args;
+    if (bias) check_tensor(*bias, "bias", at::kBFloat16, {g.E, g.N}, &call.device);
+    g.bias = bias ? bias->data_ptr() : nullptr;
     const c10::cuda::CUDAGuard guard(call.device);
     Tensor c = at::empty({g.R, g.N}, a_q.options().dtype(at::kBFloat16));
     g.c = c.data_ptr();
@@ -438,7 +442,7 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
   m.def("fp8_quantize_weights(Tensor w, bool transposed) -> (Tensor, Tensor, Tensor?, Tensor?)");
   m.def("fp8_quantize_columns(Tensor x, Tensor? gather, Tensor expert_offsets) -> (Tensor, Tensor, Tensor)");
   m.def("grouped_gemm_fp8(Tensor a_q, Tensor a_scales, Tensor w_q, Tensor w_scales, Tensor expert_offsets,"
-        " int max_ctas=0, Tensor? gather=None) -> Tensor");
+        " int max_ctas=0, Tensor? gather=None, Tensor? bias=None) -> Tensor");
   m.def("grouped_gemm_fp8_glu(Tensor a_q, Tensor a_scales, Tensor w_q, Tensor w_scales, Tensor expert_offsets,"
         " str activation, float[] glu_clamp, Tensor? bias=None, int max_ctas=0, Tensor? gather=None)"
         " -> (Tensor, Tensor, Tensor, Tensor)");

@@ -208,8 +208,9 @@ TEST(ExpertsForward, RefusesWhatItDoesNotRun) {
   refuses(ErrorCode::InvalidArgument, valid_experts(), a, "an unknown part", "part must be All, EarlyRows");
 }
 
-// precision FP8: the problem's rules (SwiGLU, interleaved, bf16, no biases, d and n multiples of
-// 16), the weights' FP8 copies given exactly with it, and whole calls only, refused by name.
+// precision FP8: the problem's rules (SwiGLU or the clamped SwiGLU, interleaved, bf16, d and n
+// multiples of 16; biases allowed), the weights' FP8 copies given exactly with it, and whole calls
+// only, refused by name.
 TEST(ExpertsForward, RefusesWhatFp8DoesNotRun) {
   ExpertsProblem p = valid_experts();
   p.precision = Precision::FP8;
@@ -223,7 +224,7 @@ TEST(ExpertsForward, RefusesWhatFp8DoesNotRun) {
   q = p, q.layout = GateUpLayout::Concatenated;
   invalid(q, "FP8 concatenated", "ExpertsProblem.layout: must be interleaved with precision FP8");
   q = p, q.has_bias = true;
-  invalid(q, "FP8 biases", "ExpertsProblem.has_bias: must be false with precision FP8");
+  EXPECT_NO_THROW(validate(q));  // the expert biases run in FP8 too
   q = p, q.d = 136;  // a multiple of 8, not of 16
   invalid(q, "FP8 d % 16", "ExpertsProblem.d: must be a multiple of 16 with precision FP8");
   q = p, q.n = 40;

@@ -44,6 +44,7 @@ struct Case {
   int64_t T, d, n, E;
   int max_per_token = 3;  // each token gets 0..max_per_token distinct experts
   DType grad_dtype = DType::BF16;
+  bool bias = false;  // the expert biases b1, b2
 };
 
 ref::RoutingList random_list(mtest::Rng& rng, int64_t T, int64_t E, int max_per_token) {
@@ -80,7 +81,8 @@ void expect_fp8(const char* name, const std::vector<double>& got, const std::vec
 
 void check_fp8_experts(const Case& c) {
   const std::string what = "T=" + std::to_string(c.T) + " d=" + std::to_string(c.d) + " n=" + std::to_string(c.n) +
-                           " E=" + std::to_string(c.E) + " grads=" + to_string(c.grad_dtype);
+                           " E=" + std::to_string(c.E) + " grads=" + to_string(c.grad_dtype) +
+                           (c.bias ? " biases" : "");
   SCOPED_TRACE(what);
   std::printf("%s\n", what.c_str());
   const uint64_t seed = mtest::test_seed(static_cast<uint64_t>(c.T * 131 + c.E * 7 + c.d));
@@ -92,12 +94,18 @@ void check_fp8_experts(const Case& c) {
   ExpertsProblem p;
   p.T = T, p.d = d, p.n = n, p.E = E, p.R = R;
   p.precision = Precision::FP8;
+  p.has_bias = c.bias;
 
   DeviceBuffer x(T * d * 2), w1(E * n1 * d * 2), w2(E * d * n * 2), dout(T * d * 2);
+  DeviceBuffer b1(c.bias ? E * n1 * 2 : 0), b2(c.bias ? E * d * 2 : 0);
   const auto hx = upload_bf16(rng, T * d, 1.0, x);
   const auto hw1 = upload_bf16(rng, E * n1 * d, 1.0 / std::sqrt(double(d)), w1);
   const auto hw2 = upload_bf16(rng, E * d * n, 1.0 / std::sqrt(double(n)), w2);
   const auto hdout = upload_bf16(rng, T * d, 1.0, dout);
+  // Biases about the scale of the H and Y they are added to: they matter, and the GEMMs' FP8
+  // error still shows.
+  const auto hb1 = c.bias ? upload_bf16(rng, E * n1, 0.5, b1) : std::vector<double>();
+  const auto hb2 = c.bias ? upload_bf16(rng, E * d, 0.05, b2) : std::vector<double>();
   DeviceBuffer tok(R * 4), exp(R * 4), scores(R * 4);
   upload(list.token, tok);
   upload(list.expert, exp);
@@ -112,6 +120,7 @@ void check_fp8_experts(const Case& c) {
   ASSERT_EQ(cudaMemset(fws.ptr, 0xff, plan.forward_workspace_bytes), cudaSuccess);
   ExpertsForwardArgs fa;
   fa.x = x.ptr, fa.w1 = w1.ptr, fa.w2 = w2.ptr;
+  if (c.bias) fa.b1 = b1.ptr, fa.b2 = b2.ptr;
   fa.scores = static_cast<const float*>(scores.ptr);
   fa.pair_token = static_cast<const int32_t*>(tok.ptr), fa.pair_expert = static_cast<const int32_t*>(exp.ptr);
   fa.out = out.ptr, fa.saved = saved.ptr, fa.workspace = fws.ptr;
@@ -119,8 +128,8 @@ void check_fp8_experts(const Case& c) {
   experts_forward(p, fa, nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
-  const ref::Shape shape{T, d, n, E, Activation::SwiGLU, GateUpLayout::Interleaved, false};
-  const ref::Weights rw{hw1.data(), nullptr, hw2.data(), nullptr};
+  const ref::Shape shape{T, d, n, E, Activation::SwiGLU, GateUpLayout::Interleaved, c.bias};
+  const ref::Weights rw{hw1.data(), c.bias ? hb1.data() : nullptr, hw2.data(), c.bias ? hb2.data() : nullptr};
   const ref::Metadata md = ref::build_metadata(list, T, E);
   const auto exact = ref::experts_forward(shape, hx.data(), rw, list, md);
   const auto fp8 = ref::experts_forward_fp8(shape, hx.data(), rw, list, md);
@@ -130,9 +139,12 @@ void check_fp8_experts(const Case& c) {
 
   const size_t gs = c.grad_dtype == DType::FP32 ? 4 : 2;
   GradOut dx("dx", T * d, 2), dw1("dw1", E * n1 * d, gs), dw2("dw2", E * d * n, gs), ds("d_scores", R, 4);
-  const std::vector<GradOut*> outs = {&dx, &dw1, &dw2, &ds};
+  GradOut db1("db1", c.bias ? E * n1 : 0, gs), db2("db2", c.bias ? E * d : 0, gs);
+  std::vector<GradOut*> outs = {&dx, &dw1, &dw2, &ds};
+  if (c.bias) outs.insert(outs.end(), {&db1, &db2});
   ExpertsBackwardArgs ba;
   ba.x = x.ptr, ba.w1 = w1.ptr, ba.w2 = w2.ptr;
+  if (c.bias) ba.b1 = b1.ptr, ba.b2 = b2.ptr, ba.db1 = db1.buf.ptr, ba.db2 = db2.buf.ptr;
   ba.pair_token = fa.pair_token, ba.pair_expert = fa.pair_expert;
   ba.saved = saved.ptr, ba.dout = dout.ptr;
   ba.dx = dx.buf.ptr, ba.dw1 = dw1.buf.ptr, ba.dw2 = dw2.buf.ptr;
@@ -157,6 +169,20 @@ void check_fp8_experts(const Case& c) {
   expect_fp8("dx", got_dx, g_fp8.dx, g_exact.dx, 5, 0.5);
   expect_fp8("dw2", got_dw2, g_fp8.dw2, g_exact.dw2, 3, 0.5);
   expect_fp8("dw1", got_dw1, g_fp8.dw1, g_exact.dw1, 5, 0.75);
+  if (c.bias) {
+    // db1 = Σ dH: dout, W2 and H on its path (the GPU sums the bf16 dH, the FP8 reference the
+    // unquantised one); db2 = Σ score·dout crosses nothing quantised: bf16 roundings only.
+    const auto got_db1 = download(db1.buf.ptr, E * n1, gs == 4), got_db2 = download(db2.buf.ptr, E * d, gs == 4);
+    expect_fp8("db1", got_db1, g_fp8.db1, g_exact.db1, 3, 0.5);
+    const double db2_err = rel_err(got_db2, g_exact.db2);
+    std::printf("  db2       GPU vs unquantised %.5f (bound 2^-7)\n", db2_err);
+    EXPECT_LT(db2_err, std::ldexp(1.0, -7)) << "db2";
+    for (int64_t e = 0; e < E; ++e) {
+      if (md.expert_offsets[e + 1] != md.expert_offsets[e]) continue;
+      for (int64_t i = 0; i < n1; ++i) ASSERT_EQ(got_db1[e * n1 + i], 0.0) << "db1 of empty expert " << e;
+      for (int64_t i = 0; i < d; ++i) ASSERT_EQ(got_db2[e * d + i], 0.0) << "db2 of empty expert " << e;
+    }
+  }
 
   // Experts without rows: exact zeros; tokens without pairs: dx exactly zero.
   for (int64_t e = 0; e < E; ++e) {
@@ -178,6 +204,15 @@ TEST(GpuFp8Experts, MatchTheReferences) {
   check_fp8_experts({67, 144, 80, 4, 4, DType::FP32});  // partial 128-tiles along d and n
   check_fp8_experts({1, 128, 64, 8, 3});                 // one token
   check_fp8_experts({13, 128, 64, 64, 1});               // most experts without rows
+}
+
+// The expert biases (gpt-oss): b1 in the up-projection's epilogue, b2 in the down-projection's
+// store, d scores' ⟨dout, b2⟩, db1 from the fused SwiGLU backward's chunk sums, db2.
+TEST(GpuFp8Experts, ExpertBiasesMatchTheReferences) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU visible";
+  check_fp8_experts({200, 256, 128, 8, 3, DType::BF16, true});
+  check_fp8_experts({300, 144, 80, 4, 4, DType::FP32, true});  // partial tiles, > 128 rows an expert
+  check_fp8_experts({13, 128, 64, 64, 1, DType::BF16, true});  // most experts without rows
 }
 
 // The layer with precision FP8 against the bf16 layer on the same inputs: the same router (aux

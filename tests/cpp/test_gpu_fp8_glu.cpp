@@ -261,8 +261,12 @@ TEST(GemmFp8GluApi, RefusesBadArguments) {
   refused([&](A& a) { a.hq = p16 + 8; }, "hq/act_q", "hq misaligned");
   refused([&](A& a) { a.act_scales = reinterpret_cast<float*>(p16 + 2); }, "h_scales/act_scales", "act_scales misaligned");
   refused([&](A& a) { a.bias = p16 + 1; }, "bias", "bias misaligned");
-  refused([&](A& a) { a.epilogue = Fp8GemmEpilogue::Store, a.c = p16, a.ldc = 256, a.bias = p16; }, "bias",
-          "a bias with the plain store");
+  refused([&](A& a) {
+    a.epilogue = Fp8GemmEpilogue::Store, a.c = p16, a.ldc = 256, a.bias = p16;
+    a.gather = reinterpret_cast<int32_t*>(p16), a.T = 256;
+  }, "bias", "a bias with a gather and the plain store");
+  refused([&](A& a) { a.epilogue = Fp8GemmEpilogue::Store, a.c = p16, a.ldc = 256, a.bias = p16 + 1; }, "bias",
+          "a misaligned bias with the plain store");
   refused([](A& a) { a.epilogue = static_cast<Fp8GemmEpilogue>(7); }, "epilogue", "an unknown epilogue");
 }
 

@@ -87,16 +87,20 @@ def test_quantisers_by_hand():
 
 
 # ---------------------------------------------------------------- the layer against float64
-def layer_inputs(T, d, n, E, K, routing, device="cpu"):
+def layer_inputs(T, d, n, E, K, routing, device="cpu", biases=False):
     """(bf16 inputs, dout) with the last expert never chosen (router bias -30: an expert with no
     rows) and no token near a top-K tie (the fp32 router could choose differently from float64's:
-    keys within 1e-4, ~100x the fp32 router's error at d = 4096, are redrawn)."""
+    keys within 1e-4, ~100x the fp32 router's error at d = 4096, are redrawn). biases: the expert
+    biases b1, b2 too, half the scale of the H and Y they are added to (so that a missing or
+    misplaced one fails, and the GEMMs' FP8 error still shows)."""
     def randn(*shape):
         return torch.randn(*shape, device=device)
 
     t = {"x": randn(T, d).bfloat16(), "router_weight": (randn(E, d) * 0.05).bfloat16(),
          "router_bias": (randn(E) * 0.1).bfloat16(),
          "w1": (randn(E, 2 * n, d) / d ** 0.5).bfloat16(), "w2": (randn(E, d, n) / n ** 0.5).bfloat16()}
+    if biases:
+        t["b1"], t["b2"] = (randn(E, 2 * n) * 0.5).bfloat16(), (randn(E, d) * 0.3).bfloat16()
     t["router_bias"][-1] = -30
     for _ in range(50):
         logits = torch_backend.router_logits(t["x"].double(), t["router_weight"].double(), t["router_bias"].double())
@@ -116,11 +120,14 @@ def run_layer(t, dout, K, routing, dtype, precision, backend="torch", glu_clamp=
     act = {} if glu_clamp is None else {"activation": "clamped_swiglu", "glu_clamp": glu_clamp}
     out, aux = functional.moe(leaves["x"], leaves["router_weight"], leaves["w1"], leaves["w2"], num_experts_per_tok=K,
                               routing=routing, router_bias=leaves["router_bias"], backend=backend,
-                              precision=precision, **act)
+                              precision=precision, b1=leaves.get("b1"), b2=leaves.get("b2"), **act)
     (out.double() * dout.double()).sum().add(aux.double() * 3.0).backward()
-    return {"out": out.detach(), "aux": aux.detach(), "dx": leaves["x"].grad, "dw1": leaves["w1"].grad,
-            "dw2": leaves["w2"].grad, "d_router_weight": leaves["router_weight"].grad,
-            "d_router_bias": leaves["router_bias"].grad}
+    got = {"out": out.detach(), "aux": aux.detach(), "dx": leaves["x"].grad, "dw1": leaves["w1"].grad,
+           "dw2": leaves["w2"].grad, "d_router_weight": leaves["router_weight"].grad,
+           "d_router_bias": leaves["router_bias"].grad}
+    if "b1" in leaves:
+        got["db1"], got["db2"] = leaves["b1"].grad, leaves["b2"].grad
+    return got
 
 
 def rel(a, b, scale=None):
@@ -133,11 +140,12 @@ def dlogits_norm(t, dout, K, routing, glu_clamp=None):
     Σ_t dlogits_t, whose T terms can cancel to far below their own size (each term's FP8 error
     does not cancel with them)."""
     x, wr, b, w1, w2 = (t[k].double() for k in ("x", "router_weight", "router_bias", "w1", "w2"))
+    b1, b2 = (t[k].double() if k in t else None for k in ("b1", "b2"))
     logits = torch_backend.router_logits(x, wr, b).requires_grad_()
     scores, experts = torch_backend.route_topk(logits, K, routing)
     token = torch.arange(x.shape[0], device=x.device).repeat_interleave(K)
     act = "swiglu" if glu_clamp is None else "clamped_swiglu"
-    out = torch_backend.experts(x, w1, None, w2, None, token, experts.reshape(-1), scores.reshape(-1), act,
+    out = torch_backend.experts(x, w1, b1, w2, b2, token, experts.reshape(-1), scores.reshape(-1), act,
                                 glu_clamp=glu_clamp)
     ((out * dout.double()).sum() + 3.0 * torch_backend.aux_loss(logits, experts)).backward()
     return logits.grad.norm().item()
@@ -207,6 +215,53 @@ def test_fp8_clamped_swiglu_layer_against_float64(clamp):
     assert not failures, "\n".join(failures)
 
 
+# The expert biases (gpt-oss): db1 = Σ dH crosses the operands of dH (dout, W2 and the kept H:
+# 5, as dW2); db2 = Σ score·dout is not quantised at all, so it must match the bf16 layer's (the
+# same sums in another chunk order). Checked with SwiGLU and with gpt-oss's clamped SwiGLU.
+BIAS_PATHS = {**PATHS, "db1": (5, 1)}
+
+
+def check_fp8_biases(fp8, bf16, ref, t, dout, K, routing, glu_clamp, label, emulated=None, spread=1.0):
+    """The failures of an FP8 run with expert biases against float64 (test docstrings above); with
+    `emulated`, also the kernels against the emulation (test_gpu_fp8_layer.py's bound)."""
+    failures = []
+    for name in (*BIAS_PATHS, "db2"):
+        scale = dlogits_norm(t, dout, K, routing, glu_clamp) if name == "d_router_bias" else None
+        err, err_bf16 = rel(fp8[name], ref[name], scale), rel(bf16[name], ref[name], scale)
+        apart = rel(fp8[name], bf16[name], scale)
+        err_emu = None if emulated is None else rel(fp8[name], emulated[name], scale)
+        print(f"{label} {name}: fp8 {err:.4f}, bf16 {err_bf16:.5f}, fp8 vs bf16 {apart:.4f}"
+              + ("" if err_emu is None else f", vs emulation {err_emu:.5f}"))
+        if name == "db2":  # unquantised: the bf16 layer's error, up to a bf16 rounding of the result
+            if err > 2 * err_bf16 + 2.0 ** -9:
+                failures.append(f"db2: fp8 error {err:.5f} not the bf16 layer's {err_bf16:.5f}")
+            continue
+        m, slack = BIAS_PATHS[name][0] ** 0.5 * RMS, BIAS_PATHS[name][1] * spread
+        if not 0.1 * m <= err <= 2 * slack * m:
+            failures.append(f"{name}: fp8 error {err:.4f} outside [{0.1 * m:.4f}, {2 * slack * m:.4f}]")
+        if apart < 0.1 * m:
+            failures.append(f"{name}: fp8 result within {apart:.4f} of the bf16 layer's (floor {0.1 * m:.4f})")
+        if err_emu is not None and err_emu > 0.35 * slack * m:
+            failures.append(f"{name}: kernels vs emulation {err_emu:.5f} above {0.35 * slack * m:.4f}")
+    return failures
+
+
+@pytest.mark.parametrize("clamp", [None, "gpt-oss"])
+def test_fp8_layer_expert_biases_against_float64(clamp):
+    T, d, n, E, K, routing = 51, 256, 128, 6, 3, "softmax_topk"
+    glu_clamp = None if clamp is None else CLAMPS[clamp]
+    t, dout = layer_inputs(T, d, n, E, K, routing, biases=True)
+    fp8 = run_layer(t, dout, K, routing, torch.bfloat16, "fp8", glu_clamp=glu_clamp)
+    bf16 = run_layer(t, dout, K, routing, torch.bfloat16, "bf16", glu_clamp=glu_clamp)
+    ref = run_layer(t, dout, K, routing, torch.float64, "bf16", glu_clamp=glu_clamp)
+    unbiased = {k: v for k, v in t.items() if k not in ("b1", "b2")}
+    without = run_layer(unbiased, dout, K, routing, torch.float64, "bf16", glu_clamp=glu_clamp)
+    assert rel(without["out"], ref["out"]) > 0.2, "the biases barely change the output: the test would not see them"
+    assert not fp8["db1"][-1].any() and not fp8["db2"][-1].any()  # the never-chosen expert
+    failures = check_fp8_biases(fp8, bf16, ref, t, dout, K, routing, glu_clamp, f"biases {clamp}")
+    assert not failures, "\n".join(failures)
+
+
 def test_fp8_layer_one_token_and_auto_backend():
     # T = 1 (K rows, most experts empty); on the CPU "auto" runs the same emulation. One token is
     # one scale tile per quantised operand row, so its error is a few tiles' rather than an average
@@ -226,9 +281,9 @@ def test_fp8_layer_one_token_and_auto_backend():
 def test_concatenated_layout_is_the_interleaved_layer_on_permuted_rows():
     """precision='fp8' with w1's gate/up rows concatenated (Hugging Face's layout) computes through
     an FP8 copy of the rows interleaved: it must equal the interleaved layer on w1 permuted that
-    way, bitwise (the same codes, scales and GEMMs), output and every gradient, with dw1 handed
-    back in the concatenated order; and the copies are cached per layout (a second call with the
-    same cache makes none)."""
+    way, bitwise (the same codes, scales and GEMMs), output and every gradient, with dw1 (and db1
+    of the expert biases, permuted alike) handed back in the concatenated order; and the copies are
+    cached per layout (a second call with the same cache makes none)."""
     torch.manual_seed(5)
     T, d, n, E, K = 40, 128, 64, 4, 2
     x = torch.randn(T, d).bfloat16()
@@ -236,14 +291,25 @@ def test_concatenated_layout_is_the_interleaved_layer_on_permuted_rows():
     w1c = (torch.randn(E, 2 * n, d) * 0.05).bfloat16()  # rows [0, n) gate, [n, 2n) up
     w2 = (torch.randn(E, d, n) * 0.05).bfloat16()
     w1i = w1c.reshape(E, 2, n, d).transpose(1, 2).reshape(E, 2 * n, d).contiguous()  # gate j, up j at 2j, 2j + 1
+    b1c, b2 = (torch.randn(E, 2 * n) * 0.5).bfloat16(), (torch.randn(E, d) * 0.3).bfloat16()
+    b1i = b1c.reshape(E, 2, n).transpose(1, 2).reshape(E, 2 * n).contiguous()
     g = torch.randn(T, d).bfloat16()
 
-    def run(w1, layout, cache):
-        leaves = [t.detach().clone().requires_grad_(True) for t in (x, wr, w1, w2)]
-        out, aux = functional.moe(*leaves, num_experts_per_tok=K, layout=layout, backend="torch",
-                                  precision="fp8", fp8_cache=cache)
+    def run(w1, layout, cache, b1=None):
+        tensors = (x, wr, w1, w2) if b1 is None else (x, wr, w1, w2, b1, b2)
+        leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
+        biases = {} if b1 is None else {"b1": leaves[4], "b2": leaves[5]}
+        out, aux = functional.moe(*leaves[:4], num_experts_per_tok=K, layout=layout, backend="torch",
+                                  precision="fp8", fp8_cache=cache, **biases)
         grads = torch.autograd.grad([out, aux], leaves, [g, torch.ones_like(aux)])
-        return out, dict(zip(("x", "router_weight", "w1", "w2"), grads))
+        return out, dict(zip(("x", "router_weight", "w1", "w2", "b1", "b2"), grads))
+
+    out_c, grads_c = run(w1c, "concatenated", FP8WeightCache(emu.quantize_weights), b1c)
+    out_i, grads_i = run(w1i, "interleaved", FP8WeightCache(emu.quantize_weights), b1i)
+    assert torch.equal(out_c, out_i)
+    for k in ("x", "router_weight", "w2", "b2"):
+        assert torch.equal(grads_c[k], grads_i[k]), k
+    assert torch.equal(grads_c["b1"].reshape(E, 2, n).transpose(1, 2).reshape(E, 2 * n), grads_i["b1"])
 
     calls = []
 
@@ -297,10 +363,6 @@ def test_functional_refuses_what_fp8_lacks(kwargs, args, match):
 
 def test_functional_fp8_argument_errors():
     x, wr, w1, w2 = small()
-    E, n1, d = w1.shape[0], w1.shape[1], x.shape[1]
-    with pytest.raises(ValueError, match="b1/b2 must be None with precision='fp8'"):
-        functional.moe(x, wr, w1, w2, num_experts_per_tok=2, b1=torch.zeros(E, n1).bfloat16(),
-                       b2=torch.zeros(E, d).bfloat16(), precision="fp8")
     with pytest.raises(ValueError, match="precision must be one of 'bf16', 'fp8'"):
         functional.moe(x, wr, w1, w2, num_experts_per_tok=2, precision="fp16")
     with pytest.raises(ValueError, match="fp8_cache is only used with precision='fp8'"):
@@ -314,7 +376,6 @@ def test_functional_fp8_argument_errors():
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"activation_function": "geglu"}, "activation_function must be 'swiglu' or 'clamped_swiglu' with precision='fp8'"),
-    ({"add_bias": True}, "add_bias must be False with precision='fp8'"),
     ({"token_rounding": "up"}, "token_rounding must be 'none' with precision='fp8'"),
     ({"hidden_size": 136}, "hidden_size must be a multiple of 16 with precision='fp8'"),
     ({"intermediate_size": 72}, "intermediate_size must be a multiple of 16 with precision='fp8'"),
@@ -333,6 +394,27 @@ def test_module_fp8_dtype_checked_per_call():
         layer(torch.randn(5, 128))
     out, _ = layer.bfloat16()(torch.randn(5, 128).bfloat16())
     assert out.dtype == torch.bfloat16
+
+
+def test_module_fp8_with_expert_biases_is_the_functional_layer():
+    # MoE(add_bias=True, precision="fp8", gpt-oss's layout and activation): the functional layer on
+    # the module's parameters, output and the biases' gradients (non-zero biases: zeros at init).
+    torch.manual_seed(3)
+    layer = MoE(4, 2, 128, 64, add_bias=True, precision="fp8", activation_function="clamped_swiglu",
+                glu_clamp=CLAMPS["gpt-oss"]).bfloat16()
+    with torch.no_grad():
+        layer.c_fc.bias.normal_(0, 0.5), layer.c_proj.bias.normal_(0, 0.3)
+    x = torch.randn(9, 128).bfloat16()
+    out, aux = layer(x)
+    out.float().square().sum().backward()
+    leaves = [p.detach().clone().requires_grad_() for p in (layer.c_fc.bias, layer.c_proj.bias)]
+    want, _ = functional.moe(x, layer.router.weight, layer.c_fc.weight, layer.c_proj.weight, num_experts_per_tok=2,
+                             b1=leaves[0], b2=leaves[1], activation="clamped_swiglu", glu_clamp=CLAMPS["gpt-oss"],
+                             backend="torch", precision="fp8")
+    want.float().square().sum().backward()
+    assert torch.equal(out, want)
+    assert torch.equal(layer.c_fc.bias.grad, leaves[0].grad) and torch.equal(layer.c_proj.bias.grad, leaves[1].grad)
+    assert layer.c_fc.bias.grad.any() and layer.c_proj.bias.grad.any()
 
 
 # ---------------------------------------------------------------- the module's cache

@@ -391,6 +391,31 @@ def test_grouped_gemm_fp8_gathered_against_float64(label, N, K):
 
 
 @on_gpu
+@pytest.mark.parametrize("label,N,K", [case for case in GEMM_CASES if " down" in case[0]])
+def test_grouped_gemm_fp8_bias_against_float64(label, N, K):
+    # The down-projection's staged store adds bias[e] [N] in fp32 before the rounding (expert
+    # biases, gpt-oss); biases on the output's scale, so that a missing or misplaced one fails.
+    m = ops()
+    E, R = len(COUNTS), sum(COUNTS)
+    a_q, a_s = m.fp8_quantize_rows(structured(R, K), None)
+    w_q, w_s, _, _ = m.fp8_quantize_weights(structured(E, N, K) * 0.02, False)
+    want, absum = gemm_reference(dequantise_rows(a_q, a_s, K), dequantise_weights(w_q, w_s, N, K), COUNTS)
+    bias = (torch.randn(E, N, device="cuda") * want.abs().mean().item()).bfloat16()
+    c = m.grouped_gemm_fp8(a_q, a_s, w_q, w_s, offsets(COUNTS), 0, None, bias)
+    row_expert = torch.repeat_interleave(torch.arange(E, device="cuda"), torch.tensor(COUNTS, device="cuda"))
+    b = bias.double()[row_expert]
+    failures = gemm_failures(c, want + b, absum + b.abs(), f"{label} + bias")
+    assert not failures, "\n".join(failures)
+    # Each expert's own bias: the biases rolled by one expert fail.
+    wrong = bias.double().roll(1, 0)[row_expert]
+    assert gemm_failures(c, want + wrong, absum + wrong.abs(), "bias rolled"), "a misplaced bias went unnoticed"
+    # A gathered A (the plain store from registers) refuses a bias, naming it.
+    gather = torch.zeros(R, device="cuda", dtype=torch.int32)
+    with pytest.raises(ValueError, match="bias must be null with a gather"):
+        m.grouped_gemm_fp8(a_q, a_s, w_q, w_s, offsets(COUNTS), 0, gather, bias)
+
+
+@on_gpu
 def test_grouped_gemm_fp8_few_ctas_many_experts_and_rerun():
     # E = 600 > 512 (the op allocates the tile table), 3 CTAs, zero-row experts; bitwise on a rerun.
     m = ops()

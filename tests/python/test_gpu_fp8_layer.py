@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from gpu_test_helpers import check_graph_replays_follow_the_parameters, offsets, ops, redraw_near_ties
-from test_fp8_layer import CLAMPS, PATHS, dlogits_norm, layer_inputs, model, rel, run_layer
+from test_fp8_layer import CLAMPS, PATHS, check_fp8_biases, dlogits_norm, layer_inputs, model, rel, run_layer
 
 from machmoe import MoE, fp8_layer, functional
 from machmoe.fp8_weights import FP8WeightCache
@@ -89,6 +89,26 @@ def test_fp8_clamped_swiglu_layer_on_the_kernels(clamp):
     # The clamped SwiGLU at the 7B-a shape, limits of 3 (test_fp8_layer.py's CLAMPS says why):
     # the same checks; the fused SwiGLU backward's clamped kernel against the emulation.
     check_layer_on_the_kernels(f"7B-a {clamp}", 2001, 1536, 256, 64, 8, CLAMPS[clamp])
+
+
+@on_gpu
+@pytest.mark.parametrize("name,T,d,n,E,K,clamp", (("7B-a", 2001, 1536, 256, 64, 8, None),
+                                                  ("gpt-oss-20b", 1001, 2880, 2880, 32, 4, "gpt-oss")))
+def test_fp8_expert_biases_on_the_kernels(name, T, d, n, E, K, clamp):
+    # The expert biases on the kernels (b1 in the GLU epilogue, b2 in the down-projection's store,
+    # d scores' ⟨dout, b2⟩, db1 from the fused SwiGLU backward's chunk sums, db2): against float64,
+    # the bf16 kernels and the emulation (test_fp8_layer.check_fp8_biases); gpt-oss-20b's shape
+    # (d = n = 2880: partial 128-tiles) with its clamped SwiGLU at a limit of 3.
+    glu_clamp = None if clamp is None else CLAMPS[clamp]
+    t, dout = layer_inputs(T, d, n, E, K, "softmax_topk", device="cuda", biases=True)
+    run = functools.partial(run_layer, t, dout, K, "softmax_topk", glu_clamp=glu_clamp)
+    fp8 = run(torch.bfloat16, "fp8", backend="machmoe")
+    emulated = run(torch.bfloat16, "fp8", backend="torch")
+    bf16 = run(torch.bfloat16, "bf16", backend="machmoe")
+    ref = run(torch.float64, "bf16", backend="torch")
+    assert not fp8["db1"][-1].any() and not fp8["db2"][-1].any()  # the never-chosen expert
+    failures = check_fp8_biases(fp8, bf16, ref, t, dout, K, "softmax_topk", glu_clamp, name, emulated)
+    assert not failures, "\n".join(failures)
 
 
 def check_layer_on_the_kernels(name, T, d, n, E, K, glu_clamp=None):
@@ -191,12 +211,13 @@ def test_fp8_module_in_a_cuda_graph_quantises_the_weights_it_reads():
 
 
 @on_gpu
-@pytest.mark.parametrize("d,n", ((256, 256), (2880, 2880), (1536, 256)))
-def test_fp8_inference_forward_saves_no_h_and_matches(d, n):
+@pytest.mark.parametrize("d,n,biases", ((256, 256, False), (2880, 2880, True), (1536, 256, False)))
+def test_fp8_inference_forward_saves_no_h_and_matches(d, n, biases):
     """write_h=False with precision FP8 (inference): the up-projection's E4M3 copy of H goes to the
     workspace (Y's region, which must then hold R·(2n + 4·ceil(2n/128)) bytes: more than Y's R·2d
     bytes at d = n), the returned block stops before H, and out and aux are bitwise the training
-    call's. The functional layer under no_grad takes that path."""
+    call's (with the expert biases at gpt-oss's d = n = 2880). The functional layer under no_grad
+    takes that path."""
     from machmoe.machmoe_backend import _fp8_copies
     torch.manual_seed(5)
     T, E, K = 301, 8, 2
@@ -204,8 +225,10 @@ def test_fp8_inference_forward_saves_no_h_and_matches(d, n):
     wr = (torch.randn(E, d, device="cuda") * 0.1).bfloat16()
     w1 = (torch.randn(E, 2 * n, d, device="cuda") * d ** -0.5).bfloat16()
     w2 = (torch.randn(E, d, n, device="cuda") * n ** -0.5).bfloat16()
+    b1 = (torch.randn(E, 2 * n, device="cuda") * 0.5).bfloat16() if biases else None
+    b2 = (torch.randn(E, d, device="cuda") * 0.3).bfloat16() if biases else None
     cache = fp8_layer.new_cache()
-    args = (x, wr, w1, None, w2, None, None, K, "swiglu", "interleaved", "softmax_topk", True, "none", 128, 0)
+    args = (x, wr, w1, b1, w2, b2, None, K, "swiglu", "interleaved", "softmax_topk", True, "none", 128, 0)
     m = torch.ops.machmoe
     out_t, aux_t, saved_t = m.layer_forward(*args, True, fp8_weights=_fp8_copies((cache, False), w1, w2))
     out_i, aux_i, saved_i = m.layer_forward(*args, False, fp8_weights=_fp8_copies((cache, False), w1, w2))
@@ -215,7 +238,7 @@ def test_fp8_inference_forward_saves_no_h_and_matches(d, n):
     assert saved_t.numel() - saved_i.numel() >= h_bytes - 255, (saved_t.numel(), saved_i.numel(), h_bytes)
     with torch.no_grad():
         out_b, aux_b = functional.moe(x, wr, w1, w2, num_experts_per_tok=K, backend="machmoe", precision="fp8",
-                                      fp8_cache=cache)
+                                      fp8_cache=cache, b1=b1, b2=b2)
     assert torch.equal(out_b, out_t) and torch.equal(aux_b, aux_t)
 
 

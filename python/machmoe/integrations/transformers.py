@@ -438,8 +438,8 @@ def _sharded(experts: nn.Module) -> Optional[str]:
 
 
 # The FP8 layer's rules, named as a transformers experts module holds them.
-_FP8_NAMES = {"activation": "the activation", "layout": "the gate/up layout", "bias": "biases must be absent",
-              "token_rounding": "token rounding", "d": "the hidden size", "n": "the intermediate size"}
+_FP8_NAMES = {"activation": "the activation", "layout": "the gate/up layout", "token_rounding": "token rounding",
+              "d": "the hidden size", "n": "the intermediate size"}
 
 
 def fuse_moe(model: nn.Module, backend: Union[Backend, str] = Backend.AUTO,
@@ -453,8 +453,8 @@ def fuse_moe(model: nn.Module, backend: Union[Backend, str] = Backend.AUTO,
     experts_implementation="machmoe".
 
     precision="fp8" runs the fused blocks' routed experts in FP8 (docs/LAYER.md "FP8"); a block
-    whose experts the FP8 layer does not compute (biases, activations other than the SwiGLU,
-    clamped or not, sizes not multiples of 16) is left unfused, with the reason.
+    whose experts the FP8 layer does not compute (activations other than the SwiGLU, clamped or
+    not, sizes not multiples of 16) is left unfused, with the reason.
 
     Returns FuseReport(fused=[names], unfused={name: reason}).
     """
@@ -487,8 +487,8 @@ def fuse_moe(model: nn.Module, backend: Union[Backend, str] = Backend.AUTO,
             from .. import fp8_layer
 
             try:
-                fp8_layer.check_options(_FP8_NAMES, plan.activation, plan.layout, plan.b1 is not None,
-                                        TokenRounding.NONE, plan.w2.shape[1], plan.w2.shape[2])
+                fp8_layer.check_options(_FP8_NAMES, plan.activation, plan.layout, TokenRounding.NONE,
+                                        plan.w2.shape[1], plan.w2.shape[2])
             except ValueError as error:
                 unfused[name] = f"its experts cannot run in FP8: {error}"
                 continue

@@ -70,10 +70,11 @@ void check_args(const GroupedGemmFp8Args& a) {
     require_arg(detail::aligned16(a.hq) && detail::aligned16(a.act_q), kFn, "hq/act_q",
                 "must be 16-byte aligned (the down-projection and the backward read them by TMA)");
     require_arg(aligned4(a.h_scales) && aligned4(a.act_scales), kFn, "h_scales/act_scales", "must be 4-byte aligned");
-    require_arg((reinterpret_cast<uintptr_t>(a.bias) & 1u) == 0, kFn, "bias", "must be 2-byte aligned (bf16)");
   } else {
     require_arg(a.epilogue == Fp8GemmEpilogue::Store, kFn, "epilogue", "must be Store or Glu");
-    require_arg(a.bias == nullptr, kFn, "bias", "is not supported with the plain store (only with the GLU epilogue)");
+    require_arg(a.bias == nullptr || a.gather == nullptr, kFn, "bias",
+                "must be null with a gather and the plain store (a bias is added by the GLU epilogue or the "
+                "staged store of a contiguous A)");
     require_arg(a.c != nullptr, kFn, "c", "must not be null");
     require_arg(a.ldc >= a.N && a.ldc % 8 == 0, kFn, "ldc",
                 "must be >= N and a multiple of 8, got ldc=" + std::to_string(a.ldc) + ", N=" + std::to_string(a.N));
@@ -81,6 +82,7 @@ void check_args(const GroupedGemmFp8Args& a) {
   }
   require_arg(a.E <= kernels::kGemmSmemTileE || a.tile_offsets != nullptr, kFn, "tile_offsets",
               "must not be null when E > " + std::to_string(kernels::kGemmSmemTileE) + " (the kernel's table is global)");
+  require_arg((reinterpret_cast<uintptr_t>(a.bias) & 1u) == 0, kFn, "bias", "must be 2-byte aligned (bf16)");
   require_arg(detail::aligned16(a.a_q), kFn, "a_q", "must be 16-byte aligned (TMA)");
   require_arg(detail::aligned16(a.w_q), kFn, "w_q", "must be 16-byte aligned (TMA)");
   require_arg(aligned4(a.a_scales), kFn, "a_scales", "must be 4-byte aligned");
@@ -128,9 +130,9 @@ void grouped_gemm_fp8(const GroupedGemmFp8Args& a, cudaStream_t stream) {
   p.n_blocks = static_cast<int>(fp8_tiles(a.N));
   if (glu) {
     detail::set_activation(p.g, a.activation, a.glu_clamp);
-    p.g.bias = static_cast<const __nv_bfloat16*>(a.bias);
     p.glu = {a.hq, a.h_scales, a.act_q, a.act_scales};
   }
+  p.g.bias = static_cast<const __nv_bfloat16*>(a.bias);  // [E, N] bf16, added in fp32 before rounding
 
   // Above the kernel's shared-memory table the tile-offset table comes from the scan kernel.
   if (a.E > kernels::kGemmSmemTileE) {

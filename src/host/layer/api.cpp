@@ -34,7 +34,6 @@ void check_fp8_rules(const Problem& p, Require require) {
               to_string(p.activation));
   require(p.layout == GateUpLayout::Interleaved, "layout", "must be interleaved" + rule + " (quantise the weights " +
                                                                "of a concatenated layout with their rows interleaved)");
-  require(!p.has_bias, "has_bias", "must be false" + rule + " (the FP8 experts have no biases)");
   require(p.dtype == DType::BF16, "dtype", "must be bfloat16" + rule + ", got " + std::string(to_string(p.dtype)));
   require(p.d >= 16 && p.d % 16 == 0, "d",
           "must be a multiple of 16" + rule + " (16-byte rows of E4M3 codes), got " + std::to_string(p.d));

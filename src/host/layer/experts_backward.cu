@@ -29,30 +29,10 @@ constexpr int kThreads = detail::kBackwardThreads;
 constexpr int kWarpsPerBlock = detail::kBackwardWarpsPerBlock;
 using detail::blocks_for;
 
-// db[e] [cols] = Σ_{rows r of e} scale_r · src[row(r)] (fixed order; kernels/layer/layer_backward.cuh).
-void bias_gradient(const ExpertsBackwardScratch& S, int64_t E, void* ws, const __nv_bfloat16* src,
-                   const int32_t* gather, const float* pair_scores, const int32_t* row_pair,
-                   const int32_t* expert_offsets, int64_t cols, void* out, DType out_dtype, cudaStream_t stream) {
-  constexpr int kChunk = ExpertsBackwardScratch::kBiasChunkRows;
-  kernels::BiasGradParams bp{};
-  bp.src = src;
-  bp.gather = gather;
-  bp.pair_scores = pair_scores;
-  bp.row_pair = row_pair;
-  bp.expert_offsets = expert_offsets;
-  bp.chunk_prefix = at<int32_t>(ws, S.bias_chunk_prefix);
-  bp.partials = at<float>(ws, S.bias_partials);
-  bp.out = out;
-  bp.E = static_cast<int>(E);
-  bp.cols = static_cast<int>(cols);
-  const unsigned col_blocks = static_cast<unsigned>(ceil_div(cols, kThreads));
-  kernels::bwd_bias_partial<kThreads, kChunk>
-      <<<dim3(static_cast<unsigned>(S.bias_chunks), col_blocks), kThreads, 0, stream>>>(bp);
-  check_launch("experts backward: bias gradient partial sums");
-  const dim3 grid(static_cast<unsigned>(E), col_blocks);
-  if (out_dtype == DType::FP32) kernels::bwd_bias_finalize<kThreads, float><<<grid, kThreads, 0, stream>>>(bp);
-  else kernels::bwd_bias_finalize<kThreads, __nv_bfloat16><<<grid, kThreads, 0, stream>>>(bp);
-  check_launch("experts backward: bias gradient");
+// The bf16 backward's chunks of the bias gradients: 256 rows, numbered by bwd_bias_chunk_prefix.
+detail::BiasChunks bias_chunks(const ExpertsBackwardScratch& S, void* ws) {
+  return {at<int32_t>(ws, S.bias_chunk_prefix), at<float>(ws, S.bias_partials), S.bias_chunks,
+          ExpertsBackwardScratch::kBiasChunkRows};
 }
 
 // dx [T, d] = Σ_{pairs of t} dX~[pair_row] + d_logits[t]·Wr (+ the rank-1 term) in one pass
@@ -280,9 +260,11 @@ void weight_gradients(const ExpertsBackwardRun& r, cudaStream_t stream) {
     kernels::bwd_bias_chunk_prefix<1024, ExpertsBackwardScratch::kBiasChunkRows><<<1, 1024, 0, stream>>>(
         r.expert_offsets, static_cast<int>(s.E), at<int32_t>(w, S.bias_chunk_prefix));
     check_launch("experts backward: bias chunk offsets");
-    bias_gradient(S, s.E, w, static_cast<const __nv_bfloat16*>(r.dout), row_token, r.list.scores, r.row_pair,
-                  r.expert_offsets, s.d, r.db2, r.grad_dtype, stream);
-    bias_gradient(S, s.E, w, dh, nullptr, nullptr, nullptr, r.expert_offsets, n1, r.db1, r.grad_dtype, stream);
+    const detail::BiasChunks chunks = bias_chunks(S, w);
+    detail::bias_gradient(chunks, s.E, r.dout, row_token, r.list.scores, r.row_pair, r.expert_offsets, s.d, r.db2,
+                          r.grad_dtype, stream);
+    detail::bias_gradient(chunks, s.E, dh, nullptr, nullptr, nullptr, r.expert_offsets, n1, r.db1, r.grad_dtype,
+                          stream);
   }
 }
 

@@ -13,6 +13,7 @@
 
 #include "host/common/check.hpp"
 #include "host/layer/layer_layout.hpp"
+#include "machmoe/fp8.hpp"
 #include "machmoe/machmoe.hpp"
 
 namespace machmoe::detail {
@@ -126,6 +127,30 @@ void aggregate_input_gradient(const ExpertsBackwardRun& r, const void* dx_rows, 
 // H is saved as E4M3 codes [pairs, n1] followed by their scales (saved_h_row_bytes).
 void experts_forward_gemms_fp8(const ExpertsForwardRun& r, cudaStream_t stream);
 void experts_backward_fp8(const ExpertsBackwardRun& r, cudaStream_t stream);
+
+// The expert biases' gradients (bias_gradients.cu): db [E, cols] = Σ over each expert's rows r of
+// scale_r · src[row(r)] (bf16 src [*, cols]; row(r) = gather[r] or r; scale_r =
+// pair_scores[row_pair[r]] or 1), as fp32 partials per chunk of an expert's rows, added per expert
+// in chunk order into `out` (grad dtype). The chunks: `prefix` [E+1] numbers each expert's first
+// chunk of `chunk_rows` rows (the bf16 backward's 256, or FP8's 128-row column chunks), `partials`
+// [slots, cols] fp32 with `slots` at least the chunks there can be.
+inline constexpr int kBiasChunkRowsBf16 = ExpertsBackwardScratch::kBiasChunkRows;
+inline constexpr int kBiasChunkRowsFp8 = static_cast<int>(kFp8Tile);
+struct BiasChunks {
+  const int32_t* prefix = nullptr;  // [E+1] device
+  float* partials = nullptr;        // [slots, cols] fp32
+  int64_t slots = 0;
+  int chunk_rows = kBiasChunkRowsBf16;  // kBiasChunkRowsBf16 or kBiasChunkRowsFp8
+};
+void bias_gradient(const BiasChunks& chunks, int64_t E, const void* src, const int32_t* gather,
+                   const float* pair_scores, const int32_t* row_pair, const int32_t* expert_offsets, int64_t cols,
+                   void* out, DType out_dtype, cudaStream_t stream);
+// Its second pass alone, on partials another kernel wrote (FP8: the SwiGLU backward's dH sums).
+void bias_gradient_finalize(const BiasChunks& chunks, int64_t E, int64_t cols, void* out, DType out_dtype,
+                            cudaStream_t stream);
+// d_scores[p] += ⟨dout[t], b2[e]⟩ for every pair p with a row (t its token, e its expert): the
+// output bias's term where the rest of the d scores is written already (FP8).
+void add_output_bias_scores(const ExpertsBackwardRun& r, cudaStream_t stream);
 
 // Zeros for the expert weight and bias gradients (no rows: T = 0 or an empty list).
 void zero_expert_gradients(const ExpertsShape& s, void* dw1, void* db1, void* dw2, void* db2, DType grad_dtype,

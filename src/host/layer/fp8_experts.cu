@@ -1,11 +1,13 @@
 // The expert part of a call with precision FP8 (E4M3, DeepSeek-V3's recipe; machmoe/
 // reference_fp8_layer.hpp states the same in double), on the caller's stream, no host
 // synchronisation, and the weights' FP8 copies (quantize_expert_weights_fp8, also here).
-//   Forward: x quantised once 1x128 along d -> up-projection on the gathered rows, its GLU epilogue
-//   writing H's E4M3 copy (saved) and A's -> down-projection Y [R, d] bf16 -> out = Σ score·Y.
+//   Forward: x quantised once 1x128 along d -> up-projection on the gathered rows (+ b1), its GLU
+//   epilogue writing H's E4M3 copy (saved) and A's -> down-projection Y [R, d] bf16 (+ b2) -> out =
+//   Σ score·Y.
 //   Backward: dout quantised once -> dA' = dout[row_token]·W2 -> the SwiGLU backward (A recomputed
 //   from the saved H, d scores, dH and A' = score·A) fused with their quantisation: dH's E4M3 rows
-//   and the column operands of dH and A' (dH and A' never reach memory) -> the router's part
+//   and the column operands of dH and A' (dH and A' never reach memory; with biases, db1's
+//   partial sums too) -> with biases, d scores' ⟨dout, b2⟩, db1 and db2 -> the router's part
 //   (layer calls) -> dW2 from the columns of dout and A' -> dX~ = dH·W1 -> dx -> dW1 from the
 //   columns of x and dH. The column operands are cut per expert into 128-row chunks
 //   (machmoe/fp8.hpp).
@@ -98,9 +100,9 @@ void experts_forward_gemms_fp8(const ExpertsForwardRun& r, cudaStream_t stream) 
   // 1. x [T, d] in E4M3 once (not gathered: the up-projection gathers the quantised rows).
   const Fp8Rows x = fp8_rows(ws, r.scratch.x_fp8, s.T, s.d);
   quantize_rows(r.x, s.T, s.d, nullptr, s.T, x, stream);
-  // 2. H [R, n1] = x[row_token]·W1ᵀ; the epilogue writes H's E4M3 copy (saved; in inference, with
-  //    r.h null, into Y's region, which step 3 overwrites) and A = SwiGLU(H) from the fp32 H, in
-  //    E4M3 [R, n].
+  // 2. H [R, n1] = x[row_token]·W1ᵀ (+ b1); the epilogue writes H's E4M3 copy (saved; in inference,
+  //    with r.h null, into Y's region, which step 3 overwrites) and A = SwiGLU(H) from the fp32 H,
+  //    in E4M3 [R, n].
   const Fp8Rows h = r.h ? fp8_rows(r.h, 0, R, s.n1) : fp8_rows(ws, r.scratch.y, R, s.n1);
   const Fp8Rows a = fp8_rows(ws, r.scratch.a, R, s.n);
   GroupedGemmFp8Args up = fp8_gemm(x, R, row_token, s.T, w.w1, w.w1_scales, r.md.expert_offsets, s.E, s.n1, s.d,
@@ -108,13 +110,15 @@ void experts_forward_gemms_fp8(const ExpertsForwardRun& r, cudaStream_t stream) 
   up.epilogue = Fp8GemmEpilogue::Glu;
   up.activation = s.activation;
   up.glu_clamp = s.glu_clamp;
+  up.bias = r.b1;  // null without biases
   up.hq = h.codes, up.h_scales = h.scales, up.act_q = a.codes, up.act_scales = a.scales;
   grouped_gemm_fp8(up, stream);
-  // 3. Y [R, d] bf16 = A·W2ᵀ.
+  // 3. Y [R, d] bf16 = A·W2ᵀ (+ b2, added in fp32 before the rounding).
   void* y = at<void>(ws, r.scratch.y);
   GroupedGemmFp8Args down = fp8_gemm(a, R, nullptr, R, w.w2, w.w2_scales, r.md.expert_offsets, s.E, s.d, s.n,
                                      tile_offsets, r.max_ctas);
   down.c = y, down.ldc = s.d;
+  down.bias = r.b2;
   grouped_gemm_fp8(down, stream);
   // 4. out [T, d] = Σ_{pairs of t} score · Y[pair_row] (fp32, rounded once).
   aggregate(y, DType::BF16, r.md.pair_row, r.md.token_offsets, r.list.scores, s.T, s.d, r.out, DType::BF16, stream);
@@ -158,7 +162,20 @@ void experts_backward_fp8(const ExpertsBackwardRun& r, cudaStream_t stream) {
   sw.dh_qt = dh_cols.codes, sw.dh_col_scales = dh_cols.scales;
   sw.ap_qt = ap_cols.codes, sw.ap_col_scales = ap_cols.scales;
   sw.clamp = s.activation == Activation::ClampedSwiGLU ? &s.glu_clamp : nullptr;
+  // With biases, db1's partial sums per chunk [chunks, n1] from the kernel's bf16 dH (chunk_offsets
+  // numbers each expert's chunks, as for the columns).
+  const BiasChunks bias_chunks{chunk_offsets, s.has_bias ? at<float>(ws, F.bias_partials) : nullptr, F.max_chunks,
+                               kBiasChunkRowsFp8};
+  sw.dh_col_sums = bias_chunks.partials;
   detail::swiglu_backward_columns_fp8(sw, stream);
+  if (s.has_bias) {
+    // d scores += ⟨dout_t, b2_e⟩ (before the router reads them); db1 = Σ dH, db2 = Σ score·dout
+    // per expert, in chunk order.
+    add_output_bias_scores(r, stream);
+    bias_gradient_finalize(bias_chunks, s.E, s.n1, r.db1, r.grad_dtype, stream);
+    bias_gradient(bias_chunks, s.E, r.dout, row_token, r.list.scores, r.row_pair, r.expert_offsets, s.d, r.db2,
+                  r.grad_dtype, stream);
+  }
   if (r.after_scores) r.after_scores();  // a layer's router backward (d_logits from d scores)
   // 3. dW2 [E, d, n] = Σ doutᵀ·A' over each expert's rows, both cut into 128-row chunks.
   const Fp8Columns dout_cols = columns(F.dout_cols, F.dout_cols_scales);

@@ -87,6 +87,9 @@ struct Fp8BackwardScratch {
   size_t dout_cols = 0, dout_cols_scales = 0;
   size_t dx_rows = 0, x_cols = 0, x_cols_scales = 0;
   size_t dh_q = 0;
+  // With expert biases, outside the region: [max_chunks, max(d, n1)] fp32, the per-chunk sums of
+  // db1 (written by step 2) and then of db2 (each chunk of an expert's rows, chunk_offsets).
+  size_t bias_partials = 0;
   int64_t max_chunks = 0;  // the column operands' chunk bound (fp8_columns_layout), all three widths
   void carve(Carve& b, const ExpertsShape& s, int64_t R) {
     const Fp8ColumnsLayout cd = fp8_columns_layout(R, s.E, s.d), cn = fp8_columns_layout(R, s.E, s.n),
@@ -111,6 +114,8 @@ struct Fp8BackwardScratch {
     region_bytes = all.bytes;
     region = b.take(region_bytes);
     chunk_offsets = b.take(cd.chunk_offsets_bytes);
+    if (s.has_bias)
+      bias_partials = b.take(static_cast<size_t>(max_chunks) * static_cast<size_t>(std::max(s.d, s.n1)) * 4);
   }
 };
 
@@ -156,7 +161,7 @@ struct ExpertsBackwardScratch {
   void carve(Carve& b, const ExpertsShape& s, int64_t R, int64_t shared = 0) {
     const size_t r = static_cast<size_t>(R), es = s.elem;
     row_token = b.take(r * 4);                                   // [R] row -> token
-    if (s.precision == Precision::FP8) {  // no bf16 dH or A'; dX~ in the FP8 region; no partials, no biases
+    if (s.precision == Precision::FP8) {  // no bf16 dH or A'; dX~ in the FP8 region; no d-score partials
       tile_offsets = b.take((static_cast<size_t>(s.E) + 1) * 4);
       fp8.carve(b, s, R);
       return;

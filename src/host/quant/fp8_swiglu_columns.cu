@@ -39,8 +39,10 @@ void swiglu_backward_columns_fp8(const SwigluBackwardColumnsFp8Args& a, cudaStre
   require_arg(reinterpret_cast<uintptr_t>(a.hq) % 8 == 0 && reinterpret_cast<uintptr_t>(a.dh_q) % 8 == 0, fn,
               "hq/dh_q", "must be 8-byte aligned");
   require_arg(aligned4(a.h_scales) && aligned4(a.scores) && aligned4(a.row_pair) && aligned4(a.d_scores) &&
-                  aligned4(a.dh_scales) && aligned4(a.dh_col_scales) && aligned4(a.ap_col_scales),
-              fn, "h_scales/scores/row_pair/d_scores/dh_scales/dh_col_scales/ap_col_scales", "must be 4-byte aligned");
+                  aligned4(a.dh_scales) && aligned4(a.dh_col_scales) && aligned4(a.ap_col_scales) &&
+                  aligned4(a.dh_col_sums),
+              fn, "h_scales/scores/row_pair/d_scores/dh_scales/dh_col_scales/ap_col_scales/dh_col_sums",
+              "must be 4-byte aligned");
 
   if (a.clamp) check_glu_clamp(fn, Activation::ClampedSwiGLU, *a.clamp);
 
@@ -57,6 +59,7 @@ void swiglu_backward_columns_fp8(const SwigluBackwardColumnsFp8Args& a, cudaStre
   p.max_chunks = layout.max_chunks;
   p.d_scores = a.d_scores, p.dh_q = a.dh_q, p.dh_scales = a.dh_scales;
   p.dh_qt = a.dh_qt, p.dh_col_scales = a.dh_col_scales, p.ap_qt = a.ap_qt, p.ap_col_scales = a.ap_col_scales;
+  p.dh_col_sums = a.dh_col_sums;
   p.clamp = glu_clamp_limits(a.clamp ? *a.clamp : GluClamp{});
   const auto launch = a.clamp ? k::fp8_swiglu_columns_kernel<true> : k::fp8_swiglu_columns_kernel<false>;
   const void* kernel = reinterpret_cast<const void*>(launch);

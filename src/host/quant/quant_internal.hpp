@@ -65,11 +65,12 @@ void quantize_columns_fp8_given_offsets(const QuantizeColumnsArgs& args, cudaStr
 //   swiglu_backward_fp8 (with dh_q):   d_scores, dh_q / dh_scales  (for the experts' rows)
 //   quantize_columns_fp8 of dH:        chunk_offsets, dh_qt [max_chunks, 2n, 128], dh_col_scales [max_chunks, 2n]
 //   quantize_columns_fp8 of A':        ap_qt [max_chunks, n, 128], ap_col_scales [max_chunks, n]
+// and, when dh_col_sums is given (expert biases), each chunk's column sums of the bf16 dH.
 // (max_chunks: fp8_columns_layout(R, E, ·)). Rows outside [off[0], off[E]) are not
 // computed (their d score and dH rows are not written). Rules (Error InvalidArgument naming the
 // argument): n >= 16 and a multiple of 16; 0 <= R < 2^31; 1 <= E < 2^31 - 1; da, dh_qt, ap_qt
 // 16-byte aligned; hq, dh_q 8-byte aligned; the rest 4-byte aligned; no pointer null when R > 0
-// (expert_offsets and chunk_offsets never).
+// but dh_col_sums (expert_offsets and chunk_offsets never).
 struct SwigluBackwardColumnsFp8Args {
   const void* da = nullptr;                 // [R, n] bf16 dA'
   const uint8_t* hq = nullptr;              // [R, 2n] E4M3 codes of H
@@ -87,6 +88,7 @@ struct SwigluBackwardColumnsFp8Args {
   float* dh_col_scales = nullptr;           // [max_chunks, 2n]
   uint8_t* ap_qt = nullptr;                 // [max_chunks, n, 128] E4M3
   float* ap_col_scales = nullptr;           // [max_chunks, n]
+  float* dh_col_sums = nullptr;             // [max_chunks, 2n] fp32 out (expert biases: db1's partials), or null
   const GluClamp* clamp = nullptr;          // the clamped SwiGLU's parameters, or null: SwiGLU
 };
 void swiglu_backward_columns_fp8(const SwigluBackwardColumnsFp8Args& args, cudaStream_t stream);

@@ -6,6 +6,8 @@
 //   dh_q [R, n1], dh_scales [R, h_tiles]      dH's E4M3 rows (1x128 tiles along n1)
 //   dh_qt [max_chunks, n1, 128], dh_col_scales [max_chunks, n1]   dH's columns by chunk (dW1's operand)
 //   ap_qt [max_chunks, n, 128], ap_col_scales [max_chunks, n]     A''s columns by chunk (dW2's operand)
+//   dh_col_sums [max_chunks, n1] fp32  (with expert biases, else null) each chunk's column sums of
+//                                      the bf16 dH: db1's partials, added per expert in chunk order
 // bitwise what the unfused path writes: fp8_swiglu_backward (with dh_q) for the first three, then
 // the column quantiser (kernels/quant/columns.cuh) on its bf16 dH and A'. dH and A' never reach
 // global memory: they exist only as the bf16 values staged in shared memory for the columns.
@@ -82,6 +84,7 @@ struct Fp8SwigluColumnsParams {
   float* dh_col_scales;           // [max_chunks, n1]
   uint8_t* ap_qt;                 // [max_chunks, n, 128]
   float* ap_col_scales;           // [max_chunks, n]
+  float* dh_col_sums;             // [max_chunks, n1] or null (no expert biases)
   GluClampLimits clamp;           // kClamped: the clamped SwiGLU's parameters
 };
 
@@ -154,6 +157,25 @@ __device__ __forceinline__ void quantize_tile(uint4* tile, uint8_t* qt, float* s
   fp8::store_codes(qt, cols, tile, c, col0, ncols, tid);
 }
 
+// With expert biases, phase B first sums the chunk's rows of the slab's two staged dH tiles, one
+// column a thread (kSwcThreads = 2 x 128 columns), before the column step overwrites them: four chains
+// over rows i % 4, added in a fixed order (deterministic). Rows past the chunk's are staged zeros.
+__device__ __forceinline__ void dh_column_sums(const uint4* tiles, float* sums, int64_t n1, int64_t c,
+                                               int64_t dh_col0, int tid) {
+  static_assert(kSwcThreads == 2 * fp8::kColsSlab, "one thread per column of the slab's two dH tiles");
+  const int h = tid / fp8::kColsSlab, col = tid % fp8::kColsSlab;
+  const int64_t gcol = dh_col0 + fp8::kColsSlab * h + col;
+  if (gcol >= n1) return;
+  const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(tiles + h * fp8::kInUnits) + col;
+  float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 8
+  for (int i = 0; i < fp8::kTile; i += 4) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) s[k] += __bfloat162float(v[(i + k) * fp8::kColsSlab]);
+  }
+  sums[c * n1 + gcol] = (s[0] + s[1]) + (s[2] + s[3]);
+}
+
 // One CTA per chunk c = blockIdx.x (the grid covers max_chunks; chunks >= chunk_offsets[E] do
 // nothing, as the column quantiser writes nothing for them). kClamped: the clamped SwiGLU.
 template <bool kClamped>
@@ -195,6 +217,12 @@ __global__ void __launch_bounds__(kSwcThreads, kSwcCtasPerSm)
     // B. the columns: dH [256t, 256t + 256) as two tiles (the second past n1 in a last partial
     // slab: skipped), A' [128t, 128t + 128).
     const int64_t dh_col0 = int64_t{2} * fp8::kColsSlab * t, ap_col0 = int64_t{fp8::kColsSlab} * t;
+    // (every thread done with both tiles before quantize_tile writes its partial amaxes and codes
+    // into them: a barrier more, with biases only)
+    if (p.dh_col_sums != nullptr) {
+      dh_column_sums(tiles, p.dh_col_sums, p.n1, c, dh_col0, tid);
+      __syncthreads();
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t col0 = dh_col0 + fp8::kColsSlab * h;

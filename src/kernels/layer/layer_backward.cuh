@@ -68,7 +68,8 @@ __global__ void __launch_bounds__(kThreads)
 // ---------------------------------------------------------------- d scores
 
 struct PairScoreParams {
-  const float* ds_partial;         // [R, tiles] the dH kernel's Σ over column tile j of dA'·A
+  const float* ds_partial;         // [R, tiles] the dH kernel's Σ over column tile j of dA'·A, or
+                                   // null (bias only): d_score already holds Σ dA'·A (FP8)
   const int32_t* pair_row;         // [pairs] row of pair p, -1: no row
   const __nv_bfloat16* dout;       // [T, d] (bias only)
   const __nv_bfloat16* b2;         // [E, d] (bias only)
@@ -94,7 +95,8 @@ __global__ void __launch_bounds__(kThreads) bwd_pair_scores(PairScoreParams p) {
 }
 
 // With biases: one warp per pair; lane 0 adds the tiles in j order, the warp adds ⟨dout_t, b2_e⟩
-// (lane-strided 16-byte vectors, then a fixed-shape warp sum), lane 0 writes tiles + dot.
+// (lane-strided 16-byte vectors, then a fixed-shape warp sum), lane 0 writes tiles + dot. Without
+// ds_partial the dot is added to d_score (a pair without a row keeps its value).
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads) bwd_pair_scores_bias(PairScoreParams p) {
   const int lane = threadIdx.x % kWarpSize;
@@ -102,7 +104,7 @@ __global__ void __launch_bounds__(kThreads) bwd_pair_scores_bias(PairScoreParams
   if (pair >= p.pairs) return;
   const int32_t row = p.pair_row[pair];
   if (row < 0) {
-    if (lane == 0) p.d_score[pair] = 0.f;
+    if (lane == 0 && p.ds_partial != nullptr) p.d_score[pair] = 0.f;
     return;
   }
   const int64_t t = p.list_token ? p.list_token[pair] : pair / p.K;
@@ -117,9 +119,13 @@ __global__ void __launch_bounds__(kThreads) bwd_pair_scores_bias(PairScoreParams
   }
   dot = warp_sum(dot);
   if (lane == 0) {
-    const float* part = p.ds_partial + static_cast<int64_t>(row) * p.tiles;
     float acc = 0.f;
-    for (int j = 0; j < p.tiles; ++j) acc += part[j];
+    if (p.ds_partial != nullptr) {
+      const float* part = p.ds_partial + static_cast<int64_t>(row) * p.tiles;
+      for (int j = 0; j < p.tiles; ++j) acc += part[j];
+    } else {
+      acc = p.d_score[pair];
+    }
     p.d_score[pair] = acc + dot;
   }
 }
@@ -128,7 +134,8 @@ __global__ void __launch_bounds__(kThreads) bwd_pair_scores_bias(PairScoreParams
 // db[e, c] = Σ_{rows r of e, in order} scale_r · src[row(r), c]. An expert's rows are cut into
 // chunks of kChunk rows; chunk_prefix[e] numbers its first chunk (chunks of e are contiguous).
 // Pass 1 writes one fp32 partial per (chunk, column), pass 2 adds an expert's chunks in order.
-// db2: src = dout gathered by row_token, scale = score of the row's pair; db1: src = dH, scale 1.
+// db2: src = dout gathered by row_token, scale = score of the row's pair; db1: src = dH, scale 1
+// (precision FP8: the fused SwiGLU backward writes db1's partials, per 128-row column chunk).
 
 // chunk_prefix [E+1] = exclusive prefix of ceil(rows_e / kChunk), by one block (chunked scan).
 template <int kThreads, int kChunk>
