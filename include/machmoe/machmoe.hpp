@@ -31,8 +31,8 @@ struct LayerProblem {
   // The expert GEMMs' operands (types.hpp). FP8 takes the weights' FP8 copies in the call's
   // fp8_weights (quantize_expert_weights_fp8; the bf16 w1 and w2 are then not read and may be
   // null), keeps H in E4M3 in `saved`, and is defined for
-  // SwiGLU and the clamped SwiGLU, the interleaved layout, bf16, no token rounding and no shared
-  // experts, with d and n multiples of 16 (biases allowed); validate() refuses anything else.
+  // SwiGLU and the clamped SwiGLU, the interleaved layout, bf16 and no shared experts, with d and
+  // n multiples of 16 (biases and token rounding allowed); validate() refuses anything else.
   Precision precision = Precision::BF16;
   // ---- router options of recent MoE models (docs/LAYER.md "Routing"); defaults: off.
   double routed_scaling_factor = 1.0;  // > 0; scores × this after renormalisation

@@ -156,19 +156,25 @@ def _per_expert_sums(v: torch.Tensor, counts: list) -> torch.Tensor:
 
 
 class _EmulatedExperts(torch.autograd.Function):
-    """The FP8 experts (SwiGLU or the clamped SwiGLU, interleaved, optional biases) on a top-K
-    routing, emulated (module docstring). Saves x, the weights, the biases, the scores, the row
+    """The FP8 experts (SwiGLU or the clamped SwiGLU, interleaved, optional biases) on a routing
+    list of P pairs (token [P], expert [P], score [P]; a pair whose expert is outside [0, E) gets
+    no row, adds nothing and gets a zero score gradient), emulated (module docstring). Rows are
+    grouped by expert, in pair order within an expert (the kernels' order, which the column
+    chunks of the weight gradients follow). Saves x, the weights, the biases, the scores, the row
     order and Hq (fp32 [R, 2n])."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, scores, experts, cache, concatenated, glu_clamp=None, b1=None, b2=None):
-        T, K = experts.shape
-        E = w1.shape[0]
-        pair_expert = experts.reshape(-1).long()  # [T·K], pair (t, k) at t·K + k
-        row_pair = torch.sort(pair_expert, stable=True).indices  # rows by expert, then by token
-        row_token = row_pair // K
+    def forward(ctx, x, w1, w2, score, token, expert, cache, concatenated, glu_clamp=None, b1=None, b2=None):
+        T, E = x.shape[0], w1.shape[0]
+        P = expert.numel()
+        pair_expert = expert.long()
+        valid = (pair_expert >= 0) & (pair_expert < E)
+        # rows by expert, then by pair (a stable sort; pairs without a row sorted last, then cut)
+        order = torch.sort(torch.where(valid, pair_expert, E), stable=True).indices
+        counts = torch.bincount(pair_expert[valid], minlength=E).tolist()  # the torch backend's host sync
+        row_pair = order[:sum(counts)]
+        row_token = token.long()[row_pair]
         row_expert = pair_expert[row_pair]
-        counts = torch.bincount(pair_expert, minlength=E).tolist()  # the torch backend's host sync
         h = _per_expert(rows_dequantized(x)[row_token], weights_dequantized(cache, w1, concatenated), counts, True)
         if b1 is not None:  # in the FP8 copy's interleaved row order
             b1_rows = interleave_gate_up(b1.unsqueeze(-1)).squeeze(-1) if concatenated else b1
@@ -179,22 +185,21 @@ class _EmulatedExperts(torch.autograd.Function):
         if b2 is not None:
             y = y + b2.float()[row_expert]
         y = y.bfloat16()
-        score_row = scores.reshape(-1).float()[row_pair]  # [R]
+        score_row = score.float()[row_pair]  # [R]
         out = torch.zeros(T, x.shape[1], device=x.device).index_add_(0, row_token, y.float() * score_row[:, None])
-        ctx.save_for_backward(x, w1, w2, scores, row_pair, row_token, hq, b1, b2)
-        ctx.counts, ctx.cache, ctx.concatenated, ctx.glu_clamp = counts, cache, concatenated, glu_clamp
+        ctx.save_for_backward(x, w1, w2, score, row_pair, row_token, hq, b1, b2)
+        ctx.counts, ctx.cache, ctx.concatenated, ctx.glu_clamp, ctx.pairs = counts, cache, concatenated, glu_clamp, P
         return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        x, w1, w2, scores, row_pair, row_token, hq, b1, b2 = ctx.saved_tensors
+        x, w1, w2, score, row_pair, row_token, hq, b1, b2 = ctx.saved_tensors
         counts, cache = ctx.counts, ctx.cache
-        T, K = scores.shape
         dout = dout.to(torch.bfloat16)
         # dA' = dOq[t]·W2q[e] [R, n], stored in bf16 by the kernels
         da = _per_expert(rows_dequantized(dout)[row_token], weights_dequantized(cache, w2), counts,
                          False).bfloat16().float()
-        score_row = scores.reshape(-1).float()[row_pair]
+        score_row = score.float()[row_pair]
         if ctx.glu_clamp is None:
             gate, up = hq[:, 0::2], hq[:, 1::2]
             sig = torch.sigmoid(gate)
@@ -221,10 +226,10 @@ class _EmulatedExperts(torch.autograd.Function):
         if b1 is not None:
             db1 = _per_expert_sums(dh.float(), counts)  # [E, 2n], H's interleaved order
             db1 = (concatenate_gate_up(db1.unsqueeze(-1)).squeeze(-1) if ctx.concatenated else db1).to(b1.dtype)
-        d_scores = torch.zeros(T * K, device=x.device).index_copy_(0, row_pair, d_rows)
+        d_score = torch.zeros(ctx.pairs, device=x.device).index_copy_(0, row_pair, d_rows)
         dx_rows = _per_expert(rows_dequantized(dh), weights_dequantized(cache, w1, ctx.concatenated), counts,
                               False).bfloat16()
-        dx = torch.zeros(T, x.shape[1], device=x.device).index_add_(0, row_token, dx_rows.float()).to(x.dtype)
+        dx = torch.zeros(x.shape[0], x.shape[1], device=x.device).index_add_(0, row_token, dx_rows.float()).to(x.dtype)
         x_cols = columns_dequantized(x[row_token], counts)  # [R, d]
         dw1 = _weight_grads(columns_dequantized(dh, counts), x_cols, counts).to(w1.dtype)  # [E, 2n, d], H's order
         if ctx.concatenated:
@@ -232,17 +237,31 @@ class _EmulatedExperts(torch.autograd.Function):
         do_cols = columns_dequantized(dout[row_token], counts)  # [R, d]
         a_cols = columns_dequantized((a * score_row[:, None]).bfloat16(), counts)  # [R, n]
         dw2 = _weight_grads(do_cols, a_cols, counts).to(w2.dtype)  # [E, d, n]
-        return dx, dw1, dw2, d_scores.reshape(T, K).to(scores.dtype), None, None, None, None, db1, db2
+        return dx, dw1, dw2, d_score.to(score.dtype), None, None, None, None, None, db1, db2
+
+
+def experts_on_list(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, token: torch.Tensor, expert: torch.Tensor,
+                    score: torch.Tensor, cache: Optional[FP8WeightCache] = None, concatenated: bool = False,
+                    glu_clamp=None, b1: Optional[torch.Tensor] = None,
+                    b2: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """out [T, d] bf16 of the FP8 experts emulated on a routing list of P pairs: token [P] in
+    [0, T), expert [P] (a pair whose expert is outside [0, E) is dropped), score [P] float (the
+    top-K routing's T·K pairs in (t, k) order, or a token-rounded list). x [T, d] bf16, w1 [E, 2n,
+    d] (gate/up interleaved, or concatenated with `concatenated`), w2 [E, d, n] bf16; the expert
+    biases b1 [E, 2n] (in w1's row order) and b2 [E, d], or None. Gradients for x, w1, w2, score
+    and the biases. cache: the weights' FP8 copies (None: a fresh one per call, the weights
+    quantised every time). glu_clamp: a machmoe.GluClamp for the clamped SwiGLU, or None for
+    SwiGLU."""
+    cache = FP8WeightCache(quantize_weights) if cache is None else cache
+    return _EmulatedExperts.apply(x, w1, w2, score, token, expert, cache, concatenated, glu_clamp, b1, b2)
 
 
 def experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: torch.Tensor, experts_idx: torch.Tensor,
             cache: Optional[FP8WeightCache] = None, concatenated: bool = False, glu_clamp=None,
             b1: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """out [T, d] bf16 of the FP8 experts emulated: x [T, d] bf16, w1 [E, 2n, d] (gate/up
-    interleaved, or concatenated with `concatenated`), w2 [E, d, n] bf16, scores [T, K] float,
-    experts_idx [T, K] integer in [0, E), a token's experts distinct; the expert biases b1 [E, 2n]
-    (in w1's row order) and b2 [E, d], or None. Gradients for x, w1, w2, scores and the biases.
-    cache: the weights' FP8 copies (None: a fresh one per call, the weights quantised every time).
-    glu_clamp: a machmoe.GluClamp for the clamped SwiGLU, or None for SwiGLU."""
-    cache = FP8WeightCache(quantize_weights) if cache is None else cache
-    return _EmulatedExperts.apply(x, w1, w2, scores, experts_idx, cache, concatenated, glu_clamp, b1, b2)
+    """experts_on_list on a top-K routing: scores [T, K] float, experts_idx [T, K] integer in
+    [0, E), a token's experts distinct (the pairs in (t, k) order)."""
+    T, K = experts_idx.shape
+    token = torch.arange(T, device=x.device).repeat_interleave(K)
+    return experts_on_list(x, w1, w2, token, experts_idx.reshape(-1), scores.reshape(-1), cache, concatenated,
+                           glu_clamp, b1, b2)

@@ -8,7 +8,7 @@ precision, the experts in FP8 (E4M3, DeepSeek-V3's tile scaling; docs/LAYER.md, 
     router GEMM, routing kernels, aux loss, aggregation) with the expert GEMMs in FP8, reading the
     weights' FP8 copies (machmoe::layer_forward / layer_backward with precision FP8);
   backend "torch": the router, routing and aux loss as the torch backend's PyTorch code, the
-    experts as machmoe.fp8_emulation.experts (the same recipe in PyTorch, any device), the
+    experts as machmoe.fp8_emulation.experts_on_list (the same recipe in PyTorch, any device), the
     gradients of the router weight, its bias and x through the scores and the aux loss by autograd.
 
 The weights' FP8 copies come from an FP8WeightCache (machmoe.fp8_weights), remade only when a
@@ -19,8 +19,9 @@ test_gpu_fp8_layer.py compares them bitwise).
 
 The expert biases (b1 in the up-projection's epilogue, b2 in the down-projection's store, as in
 bf16) are supported; db1 is summed from the bf16 dH the backward quantises, db2 from dout.
-What the FP8 experts do not support is refused with an error naming the argument: activations
-other than swiglu and clamped_swiglu, token rounding, dtypes other than bfloat16, and d
+Token rounding runs as in bf16 (the rounded list's experts in FP8). What the FP8 experts do not
+support is refused with an error naming the argument: activations other than swiglu and
+clamped_swiglu, dtypes other than bfloat16, and d
 or n not multiples of 16 (the FP8 ops' rule: 16-byte rows of E4M3 codes; d and n need not be
 multiples of 128, the edge tiles are partial). Shared experts (MoE's
 num_shared_experts) run beside in bf16: they are a dense MLP over every token, not the routed
@@ -56,40 +57,33 @@ def new_cache() -> FP8WeightCache:
 _DEFAULT_CACHE = new_cache()  # the functional API's, when no fp8_cache is given
 
 
-def check_options(names: dict, activation: ActivationType, layout: GateUpLayout, rounding: TokenRounding, d: int,
-                  n: int) -> None:
+def check_options(names: dict, activation: ActivationType, d: int, n: int) -> None:
     """Refuses, naming the argument (names: rule -> the caller's argument name, for "activation",
-    "token_rounding", "d", "n"), what the FP8 experts do not support yet. Both gate/up layouts are
-    computed (the concatenated one through an interleaved FP8 copy of w1 and of b1)."""
+    "d", "n"), what the FP8 experts do not compute. Both gate/up layouts are computed (the
+    concatenated one through an interleaved FP8 copy of w1 and of b1)."""
     rule = "with precision='fp8'"
     if activation not in (ActivationType.SWIGLU, ActivationType.CLAMPED_SWIGLU):
         raise ValueError(f"{names['activation']} must be 'swiglu' or 'clamped_swiglu' {rule} (the FP8 experts' "
                          f"backward kernels); got {activation.value!r}")
-    if rounding != TokenRounding.NONE:
-        raise ValueError(f"{names['token_rounding']} must be 'none' {rule} (the FP8 experts run on a top-K "
-                         f"routing); got {rounding.value!r}")
     for key, size in (("d", d), ("n", n)):
         if size % _ALIGN:
             raise ValueError(f"{names[key]} must be a multiple of {_ALIGN} {rule} (16-byte rows of E4M3 codes "
                              f"in the FP8 ops); got {size}")
 
 
-_FUNCTIONAL_NAMES = {"activation": "activation", "layout": "layout", "token_rounding": "token_rounding",
-                     "d": "x.shape[1] (d)", "n": "w2.shape[2] (n)"}
-MODULE_NAMES = {"activation": "activation_function", "layout": "gate_up_layout", "token_rounding": "token_rounding",
-                "d": "hidden_size", "n": "intermediate_size"}
+_FUNCTIONAL_NAMES = {"activation": "activation", "d": "x.shape[1] (d)", "n": "w2.shape[2] (n)"}
+MODULE_NAMES = {"activation": "activation_function", "d": "hidden_size", "n": "intermediate_size"}
 
 
 def check_module(module) -> None:
     """MoE's constructor arguments against precision='fp8' (the dtype is checked per call)."""
-    check_options(MODULE_NAMES, module.activation_function, module.gate_up_layout, module.token_rounding,
-                  module.hidden_size, module.intermediate_size)
+    check_options(MODULE_NAMES, module.activation_function, module.hidden_size, module.intermediate_size)
 
 
 def moe(precision: Union[Precision, str], fp8_cache: Optional[FP8WeightCache], backend: Union[Backend, str],
         x, router_weight, w1, b1, w2, b2, K: int, activation: ActivationType, layout: GateUpLayout,
-        routing: RoutingMethod, renormalize: bool, selection_bias, rounding: TokenRounding, router_bias,
-        options: torch_backend.RouterOptions, glu_clamp=None) -> tuple[torch.Tensor, torch.Tensor]:
+        routing: RoutingMethod, renormalize: bool, selection_bias, rounding: TokenRounding, tile_m: int, seed: int,
+        router_bias, options: torch_backend.RouterOptions, glu_clamp=None) -> tuple[torch.Tensor, torch.Tensor]:
     """machmoe.functional.moe with precision='fp8' (module docstring), on arguments it has checked
     already but for the rules of FP8 -> (out [T, d] bf16, aux [] fp32). glu_clamp: the clamped
     SwiGLU's parameters (resolved: a machmoe.GluClamp with activation 'clamped_swiglu', else None)."""
@@ -100,7 +94,7 @@ def moe(precision: Union[Precision, str], fp8_cache: Optional[FP8WeightCache], b
                         f"got {type(fp8_cache).__name__}")
     T, d = x.shape
     n = w2.shape[2]
-    check_options(_FUNCTIONAL_NAMES, activation, layout, rounding, d, n)
+    check_options(_FUNCTIONAL_NAMES, activation, d, n)
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bfloat16 with precision='fp8' (and so the weights, which share x's dtype); "
                          f"got {x.dtype}")
@@ -116,10 +110,12 @@ def moe(precision: Union[Precision, str], fp8_cache: Optional[FP8WeightCache], b
         # in b1's order through autograd).
         b1_rows = interleave_gate_up(b1.unsqueeze(-1)).squeeze(-1) if concatenated and b1 is not None else b1
         return machmoe_backend.moe(x, router_weight, w1, b1_rows, w2, b2, K, activation, layout, routing,
-                                   renormalize, selection_bias, rounding, 128, 0, router_bias, options, glu_clamp,
-                                   fp8=(cache, concatenated))
+                                   renormalize, selection_bias, rounding, tile_m, seed, router_bias, options,
+                                   glu_clamp, fp8=(cache, concatenated))
     logits = torch_backend.router_logits(x, router_weight, router_bias)  # [T, E] fp32
-    scores, experts = torch_backend.route_topk(logits, K, routing, renormalize, selection_bias, options)  # [T, K]
-    aux = torch_backend.aux_loss(logits, experts)
-    out = fp8_emulation.experts(x, w1, w2, scores, experts, cache, concatenated, glu_clamp, b1, b2)
+    # The routing list: the T·K top-K pairs, or the token-rounded list.
+    token, expert, score = torch_backend.route_pairs(logits, K, routing, renormalize, selection_bias, rounding,
+                                                     tile_m, seed, options)
+    aux = torch_backend.aux_loss(logits, expert)
+    out = fp8_emulation.experts_on_list(x, w1, w2, token, expert, score, cache, concatenated, glu_clamp, b1, b2)
     return out, aux

@@ -190,8 +190,8 @@ def moe(
         shared_gate: [1, d] Qwen's shared-expert gate: the shared experts' sum is weighted per
             token by sigmoid(x · shared_gateᵀ); None (default): weight 1.
         precision: "bf16" (default) or "fp8": the experts' GEMMs in E4M3 with DeepSeek-V3's tile
-            scaling, the router in fp32 (machmoe.fp8_layer; bfloat16 tensors, swiglu,
-            interleaved, no biases, no token rounding, d and n multiples of 16; shared experts run beside in bf16).
+            scaling, the router in fp32 (machmoe.fp8_layer; bfloat16 tensors, swiglu or
+            clamped_swiglu, d and n multiples of 16; shared experts run beside in bf16).
         fp8_cache: with precision="fp8", the FP8WeightCache of the weights' FP8 copies (None: one
             for the process); remade after every torch.optim step and every in-place write of a
             weight (machmoe.fp8_weights; call its invalidate() after writes it cannot see).
@@ -238,8 +238,8 @@ def moe(
         from . import fp8_layer
 
         out, aux = fp8_layer.moe(precision, fp8_cache, backend, x, router_weight, w1, b1, w2, b2, K, activation,
-                                 layout, routing, renormalize, selection_bias, rounding, router_bias, options,
-                                 glu_clamp)
+                                 layout, routing, renormalize, selection_bias, rounding, tile_m, seed, router_bias,
+                                 options, glu_clamp)
     else:
         n = w2.shape[2]
         on_kernels = resolve_backend(backend, x, d, n) == Backend.MACHMOE

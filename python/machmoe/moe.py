@@ -141,9 +141,8 @@ class MoE(nn.Module):
         precision: "bf16" (default) or "fp8": the routed experts' GEMMs in E4M3 (DeepSeek-V3's
             tile scaling), the router in fp32; the weights' FP8 copies are kept in
             `fp8_cache`, remade after every torch.optim step and every in-place write of a
-            weight (machmoe.fp8_weights; machmoe.fp8_layer: swiglu,
-            interleaved, no biases, no token rounding, sizes multiples of 16, bfloat16 tensors).
-            Shared experts run beside in bf16.
+            weight (machmoe.fp8_weights; machmoe.fp8_layer: swiglu or clamped_swiglu, sizes
+            multiples of 16, bfloat16 tensors). Shared experts run beside in bf16.
 
     Parameters: router.weight [E, d]; c_fc.weight [E, N1, d] (N1 = 2n for GLU activations, n
     otherwise), c_fc.bias [E, N1]; c_proj.weight [E, d, n], c_proj.bias [E, d]; router.bias [E]

@@ -342,14 +342,15 @@ TEST(LayerBackward, RefusesWhatItDoesNotRun) {
 
 // The layer forward refuses, before touching memory, what it does not run: non-bf16 data and
 // sizes that are not multiples of 8 (unsupported), token rounding with K > 32, missing biases.
-// precision FP8 on the layer: the experts' rules, plus no token rounding and no shared experts.
+// precision FP8 on the layer: the experts' rules, plus no shared experts (token rounding and
+// biases run in FP8 too).
 TEST(Validate, Fp8Rules) {
   LayerProblem p = valid_problem();
   p.precision = Precision::FP8;
   EXPECT_NO_THROW(validate(p));
   LayerProblem q = p;
-  q.rounding = TokenRounding::Nearest;
-  expect_invalid(q, {"rounding"}, "FP8 with token rounding");
+  q.rounding = TokenRounding::Nearest, q.has_bias = true;
+  EXPECT_NO_THROW(validate(q));
   q = p, q.num_shared = 1;
   expect_invalid(q, {"num_shared"}, "FP8 with shared experts");
   q = p, q.activation = Activation::ReLU;

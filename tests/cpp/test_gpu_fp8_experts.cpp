@@ -44,8 +44,29 @@ struct Case {
   int64_t T, d, n, E;
   int max_per_token = 3;  // each token gets 0..max_per_token distinct experts
   DType grad_dtype = DType::BF16;
-  bool bias = false;  // the expert biases b1, b2
+  bool bias = false;   // the expert biases b1, b2
+  bool stray = false;  // the GPU's list also holds pairs with experts outside [0, E) (no row)
 };
+
+// list with a pair of expert E or -1 (alternately) after every third token's pairs, for the GPU;
+// at[q] = the index in list of the GPU list's pair q, or -1 for a stray one.
+ref::RoutingList with_stray_pairs(const ref::RoutingList& list, int64_t T, int64_t E, std::vector<int64_t>& at) {
+  ref::RoutingList g;
+  at.clear();
+  size_t p = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    for (; p < list.token.size() && list.token[p] == t; ++p) {
+      g.token.push_back(list.token[p]), g.expert.push_back(list.expert[p]), g.score.push_back(list.score[p]);
+      at.push_back(static_cast<int64_t>(p));
+    }
+    if (t % 3 == 0) {
+      g.token.push_back(static_cast<int32_t>(t)), g.expert.push_back(t % 2 ? -1 : static_cast<int32_t>(E));
+      g.score.push_back(0.5);
+      at.push_back(-1);
+    }
+  }
+  return g;
+}
 
 ref::RoutingList random_list(mtest::Rng& rng, int64_t T, int64_t E, int max_per_token) {
   ref::RoutingList l;
@@ -82,7 +103,7 @@ void expect_fp8(const char* name, const std::vector<double>& got, const std::vec
 void check_fp8_experts(const Case& c) {
   const std::string what = "T=" + std::to_string(c.T) + " d=" + std::to_string(c.d) + " n=" + std::to_string(c.n) +
                            " E=" + std::to_string(c.E) + " grads=" + to_string(c.grad_dtype) +
-                           (c.bias ? " biases" : "");
+                           (c.bias ? " biases" : "") + (c.stray ? " stray pairs" : "");
   SCOPED_TRACE(what);
   std::printf("%s\n", what.c_str());
   const uint64_t seed = mtest::test_seed(static_cast<uint64_t>(c.T * 131 + c.E * 7 + c.d));
@@ -90,7 +111,9 @@ void check_fp8_experts(const Case& c) {
   mtest::Rng rng(seed);
   const int64_t T = c.T, d = c.d, n = c.n, E = c.E, n1 = 2 * n;
   const ref::RoutingList list = random_list(rng, T, E, c.max_per_token);
-  const int64_t R = list.size();
+  std::vector<int64_t> at;  // the GPU list's pairs in `list` (-1: stray)
+  const ref::RoutingList gpu_list = c.stray ? with_stray_pairs(list, T, E, at) : list;
+  const int64_t R = gpu_list.size();
   ExpertsProblem p;
   p.T = T, p.d = d, p.n = n, p.E = E, p.R = R;
   p.precision = Precision::FP8;
@@ -107,9 +130,9 @@ void check_fp8_experts(const Case& c) {
   const auto hb1 = c.bias ? upload_bf16(rng, E * n1, 0.5, b1) : std::vector<double>();
   const auto hb2 = c.bias ? upload_bf16(rng, E * d, 0.05, b2) : std::vector<double>();
   DeviceBuffer tok(R * 4), exp(R * 4), scores(R * 4);
-  upload(list.token, tok);
-  upload(list.expert, exp);
-  upload(std::vector<float>(list.score.begin(), list.score.end()), scores);
+  upload(gpu_list.token, tok);
+  upload(gpu_list.expert, exp);
+  upload(std::vector<float>(gpu_list.score.begin(), gpu_list.score.end()), scores);
   DeviceBuffer wq(fp8_expert_weights_bytes(E, d, n));
   const Fp8ExpertWeights fw = quantize_expert_weights_fp8(E, d, n, w1.ptr, w2.ptr, wq.ptr, nullptr);
 
@@ -161,7 +184,15 @@ void check_fp8_experts(const Case& c) {
   const auto got_dx = download(dx.buf.ptr, T * d);
   const auto got_dw1 = download(dw1.buf.ptr, E * n1 * d, gs == 4);
   const auto got_dw2 = download(dw2.buf.ptr, E * d * n, gs == 4);
-  const auto got_ds = download(ds.buf.ptr, R, true);
+  auto got_ds = download(ds.buf.ptr, R, true);
+  if (c.stray) {  // a stray pair's score gradient is exactly 0; the others in list order
+    std::vector<double> kept;
+    for (int64_t q = 0; q < R; ++q) {
+      if (at[q] < 0) ASSERT_EQ(got_ds[q], 0.0) << "d_scores of stray pair " << q;
+      else kept.push_back(got_ds[q]);
+    }
+    got_ds = kept;
+  }
   // Quantised operands on each path: d scores dout, W2, H (A recomputed from it); dx those and
   // dH, W1; dW2 the columns of dout and of A' (from H); dW1 the columns of x and of dH (from
   // dout, W2, H).
@@ -204,6 +235,17 @@ TEST(GpuFp8Experts, MatchTheReferences) {
   check_fp8_experts({67, 144, 80, 4, 4, DType::FP32});  // partial 128-tiles along d and n
   check_fp8_experts({1, 128, 64, 8, 3});                 // one token
   check_fp8_experts({13, 128, 64, 64, 1});               // most experts without rows
+}
+
+// Pairs whose expert is outside [0, E) get no row, add nothing and get a zero score gradient
+// (experts parallelism's lists hold the other ranks' experts so): the result is the valid pairs'.
+TEST(GpuFp8Experts, PairsWithoutRowsAddNothing) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU visible";
+  Case c{150, 256, 128, 8};
+  c.stray = true;
+  check_fp8_experts(c);
+  c.bias = true;
+  check_fp8_experts(c);
 }
 
 // The expert biases (gpt-oss): b1 in the up-projection's epilogue, b2 in the down-projection's

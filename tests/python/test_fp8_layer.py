@@ -113,11 +113,12 @@ def layer_inputs(T, d, n, E, K, routing, device="cpu", biases=False):
     raise AssertionError("near ties remain")
 
 
-def run_layer(t, dout, K, routing, dtype, precision, backend="torch", glu_clamp=None):
+def run_layer(t, dout, K, routing, dtype, precision, backend="torch", glu_clamp=None, **options):
     """(out, aux and every gradient) of functional.moe, t's tensors in dtype; glu_clamp: the
-    clamped SwiGLU's parameters (None: SwiGLU)."""
+    clamped SwiGLU's parameters (None: SwiGLU); options: more of functional.moe's arguments."""
     leaves = {k: v.detach().to(dtype).clone().requires_grad_() for k, v in t.items()}
     act = {} if glu_clamp is None else {"activation": "clamped_swiglu", "glu_clamp": glu_clamp}
+    act.update(options)
     out, aux = functional.moe(leaves["x"], leaves["router_weight"], leaves["w1"], leaves["w2"], num_experts_per_tok=K,
                               routing=routing, router_bias=leaves["router_bias"], backend=backend,
                               precision=precision, b1=leaves.get("b1"), b2=leaves.get("b2"), **act)
@@ -262,6 +263,47 @@ def test_fp8_layer_expert_biases_against_float64(clamp):
     assert not failures, "\n".join(failures)
 
 
+# Token rounding: the FP8 experts on the rounded list. A float64 layer would round on float64
+# logits, and where two pairs' scores lie within the fp32 router's error of each other it can keep
+# or pad another pair; so the reference is the bf16 layer on the same fp32 routing (the same
+# list), whose own error (~0.004) is a tenth of FP8's model: FP8's distance from it must lie in the
+# model's band. (The router bias's gradient, a sum over tokens, is left out: see dlogits_norm.)
+ROUNDING_PATHS = ("out", "dx", "dw1", "dw2", "d_router_weight")
+
+
+def check_fp8_rounding(fp8, bf16, label, emulated=None, spread=1.0):
+    """The failures of an FP8 run with token rounding against the bf16 layer (above); with
+    `emulated`, also against the FP8 emulation (test_gpu_fp8_layer.py's bound)."""
+    failures = []
+    assert torch.equal(fp8["aux"], bf16["aux"]), "not the same routing"
+    for name in ROUNDING_PATHS:
+        m, slack = model(name)
+        slack *= spread
+        err = rel(fp8[name], bf16[name])
+        err_emu = None if emulated is None else rel(fp8[name], emulated[name])
+        print(f"{label} {name}: fp8 vs the bf16 layer {err:.4f} (model {m:.4f})"
+              + ("" if err_emu is None else f", vs emulation {err_emu:.5f}"))
+        if not 0.1 * m <= err <= 2 * slack * m:
+            failures.append(f"{name}: fp8 vs bf16 {err:.4f} outside [{0.1 * m:.4f}, {2 * slack * m:.4f}]")
+        if err_emu is not None and err_emu > 0.35 * slack * m:
+            failures.append(f"{name}: kernels vs emulation {err_emu:.5f} above {0.35 * slack * m:.4f}")
+    return failures
+
+
+@pytest.mark.parametrize("mode", ["nr", "up", "down"])
+def test_fp8_layer_token_rounding_against_the_bf16_layer(mode):
+    T, d, n, E, K, tile_m = 301, 128, 64, 8, 2, 16
+    t, dout = layer_inputs(T, d, n, E, K, "softmax_topk", biases=True)
+    logits = torch_backend.router_logits(t["x"], t["router_weight"], t["router_bias"])
+    rounded = torch_backend.token_rounding(logits, K, mode, tile_m)
+    assert rounded.token.numel() != T * K or rounded.padded.any(), "the rounding changed nothing"
+    options = {"token_rounding": mode, "tile_m": tile_m}
+    fp8 = run_layer(t, dout, K, "softmax_topk", torch.bfloat16, "fp8", **options)
+    bf16 = run_layer(t, dout, K, "softmax_topk", torch.bfloat16, "bf16", **options)
+    failures = check_fp8_rounding(fp8, bf16, f"rounding {mode}")
+    assert not failures, "\n".join(failures)
+
+
 def test_fp8_layer_one_token_and_auto_backend():
     # T = 1 (K rows, most experts empty); on the CPU "auto" runs the same emulation. One token is
     # one scale tile per quantised operand row, so its error is a few tiles' rather than an average
@@ -350,7 +392,6 @@ def small(d=128, n=128, E=4, dtype=torch.bfloat16, glu=True):
 @pytest.mark.parametrize("kwargs,args,match", [
     ({"activation": "geglu"}, {}, "activation must be 'swiglu' or 'clamped_swiglu' with precision='fp8'"),
     ({"activation": "relu"}, {"glu": False}, "activation must be 'swiglu' or 'clamped_swiglu' with precision='fp8'"),
-    ({"token_rounding": "nr"}, {}, "token_rounding must be 'none' with precision='fp8'"),
     ({}, {"dtype": torch.float32}, "x must be bfloat16 with precision='fp8'"),
     ({}, {"d": 136}, r"x.shape\[1\] \(d\) must be a multiple of 16 with precision='fp8'.*got 136"),
     ({}, {"n": 72}, r"w2.shape\[2\] \(n\) must be a multiple of 16 with precision='fp8'.*got 72"),
@@ -376,7 +417,6 @@ def test_functional_fp8_argument_errors():
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"activation_function": "geglu"}, "activation_function must be 'swiglu' or 'clamped_swiglu' with precision='fp8'"),
-    ({"token_rounding": "up"}, "token_rounding must be 'none' with precision='fp8'"),
     ({"hidden_size": 136}, "hidden_size must be a multiple of 16 with precision='fp8'"),
     ({"intermediate_size": 72}, "intermediate_size must be a multiple of 16 with precision='fp8'"),
     ({"precision": "int8"}, "precision must be one of 'bf16', 'fp8'"),

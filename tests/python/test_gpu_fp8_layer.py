@@ -28,7 +28,8 @@ import pytest
 import torch
 
 from gpu_test_helpers import check_graph_replays_follow_the_parameters, offsets, ops, redraw_near_ties
-from test_fp8_layer import CLAMPS, PATHS, check_fp8_biases, dlogits_norm, layer_inputs, model, rel, run_layer
+from test_fp8_layer import (CLAMPS, PATHS, check_fp8_biases, check_fp8_rounding, dlogits_norm, layer_inputs, model,
+                            rel, run_layer)
 
 from machmoe import MoE, fp8_layer, functional
 from machmoe.fp8_weights import FP8WeightCache
@@ -108,6 +109,22 @@ def test_fp8_expert_biases_on_the_kernels(name, T, d, n, E, K, clamp):
     ref = run(torch.float64, "bf16", backend="torch")
     assert not fp8["db1"][-1].any() and not fp8["db2"][-1].any()  # the never-chosen expert
     failures = check_fp8_biases(fp8, bf16, ref, t, dout, K, "softmax_topk", glu_clamp, name, emulated)
+    assert not failures, "\n".join(failures)
+
+
+@on_gpu
+@pytest.mark.parametrize("mode", ["nr", "up", "down"])
+def test_fp8_token_rounding_on_the_kernels(mode):
+    # Token rounding at the 7B-a shape with the expert biases: the kernels' FP8 layer against the
+    # bf16 kernels on the same rounded list (test_fp8_layer.check_fp8_rounding says why not
+    # float64) and against the emulation (the torch backend rounds the same way).
+    T, d, n, E, K = 2001, 1536, 256, 64, 8
+    t, dout = layer_inputs(T, d, n, E, K, "softmax_topk", device="cuda", biases=True)
+    run = functools.partial(run_layer, t, dout, K, "softmax_topk", token_rounding=mode, tile_m=128)
+    fp8 = run(torch.bfloat16, "fp8", backend="machmoe")
+    emulated = run(torch.bfloat16, "fp8", backend="torch")
+    bf16 = run(torch.bfloat16, "bf16", backend="machmoe")
+    failures = check_fp8_rounding(fp8, bf16, f"7B-a rounding {mode}", emulated)
     assert not failures, "\n".join(failures)
 
 

@@ -45,8 +45,7 @@ from torch import nn
 
 from .. import functional
 from .. import torch_backend
-from ..enums import (ActivationType, Backend, GateUpLayout, GluClamp, Precision, RoutingMethod, TokenRounding,
-                     parse_enum)
+from ..enums import ActivationType, Backend, GateUpLayout, GluClamp, Precision, RoutingMethod, parse_enum
 
 try:
     from transformers import activations as _hf_activations
@@ -438,8 +437,7 @@ def _sharded(experts: nn.Module) -> Optional[str]:
 
 
 # The FP8 layer's rules, named as a transformers experts module holds them.
-_FP8_NAMES = {"activation": "the activation", "layout": "the gate/up layout", "token_rounding": "token rounding",
-              "d": "the hidden size", "n": "the intermediate size"}
+_FP8_NAMES = {"activation": "the activation", "d": "the hidden size", "n": "the intermediate size"}
 
 
 def fuse_moe(model: nn.Module, backend: Union[Backend, str] = Backend.AUTO,
@@ -487,8 +485,7 @@ def fuse_moe(model: nn.Module, backend: Union[Backend, str] = Backend.AUTO,
             from .. import fp8_layer
 
             try:
-                fp8_layer.check_options(_FP8_NAMES, plan.activation, plan.layout, TokenRounding.NONE,
-                                        plan.w2.shape[1], plan.w2.shape[2])
+                fp8_layer.check_options(_FP8_NAMES, plan.activation, plan.w2.shape[1], plan.w2.shape[2])
             except ValueError as error:
                 unfused[name] = f"its experts cannot run in FP8: {error}"
                 continue

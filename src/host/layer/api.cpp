@@ -88,8 +88,6 @@ ValidLayerProblem validate(const LayerProblem& p) {
           "the shared experts' weight is either given (has_shared_scores) or computed from a gate "
           "(has_shared_gate), not both");
   check_fp8_rules(p, require);
-  require(p.precision != Precision::FP8 || p.rounding == TokenRounding::None, "rounding",
-          "token rounding is not available with precision FP8 (rounding must be none)");
   require(p.precision != Precision::FP8 || p.num_shared == 0, "num_shared",
           "shared experts are not available with precision FP8 (run them beside the layer)");
   // Row indices are int32 on the device; element offsets are 64-bit.

@@ -24,6 +24,7 @@
 
 namespace machmoe {
 using detail::at;
+using detail::check_cuda;
 
 namespace {
 
@@ -140,6 +141,10 @@ void experts_backward_fp8(const ExpertsBackwardRun& r, cudaStream_t stream) {
   };
 
   rebuild_row_token(r, stream);
+  // A pair without a row (its expert or token out of range, or dropped by token rounding) adds
+  // nothing and its score's gradient is 0; step 2 writes the pairs that have rows.
+  check_cuda(cudaMemsetAsync(r.d_scores, 0, static_cast<size_t>(R) * sizeof(float), stream),
+             "experts backward (FP8): zero d_scores");
   // 1. dA' [R, n] bf16 = dout[row_token]·W2 (dout in E4M3 once; W2's transposed copy [E, n, d]).
   const Fp8Rows dout = fp8_rows(region, F.dout_q, s.T, s.d);
   quantize_rows(r.dout, s.T, s.d, nullptr, s.T, dout, stream);
