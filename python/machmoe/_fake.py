@@ -178,14 +178,19 @@ def _layer_backward(x, router_weight, w1, b1, w2, b2, saved, dout, d_aux, K, act
             d_gate)
 
 
-def _experts_forward(x, w1, b1, w2, b2, scores, token_idx, expert_idx, activation, layout, glu_clamp=()):
+def _experts_forward(x, w1, b1, w2, b2, scores, token_idx, expert_idx, activation, layout, glu_clamp=(),
+                     fp8_weights=None):
     T, d = x.shape
     E, n = w1.shape[0], w2.shape[2]
-    saved = experts_saved_bytes(T, scores.numel(), n, E, activation)
+    if fp8_weights is not None:  # H in E4M3 with its scales
+        saved = experts_fp8_saved_layout(int(n), int(E)).nbytes(scores.numel(), T)
+    else:
+        saved = experts_saved_bytes(T, scores.numel(), n, E, activation)
     return x.new_empty(T, d), x.new_empty(saved, dtype=torch.uint8)
 
 
-def _experts_backward(x, w1, b1, w2, b2, token_idx, expert_idx, saved, dout, activation, layout, glu_clamp=()):
+def _experts_backward(x, w1, b1, w2, b2, token_idx, expert_idx, saved, dout, activation, layout, glu_clamp=(),
+                      fp8_weights=None):
     dw1, db1, dw2, db2 = _weight_grads(x, w1, b1, w2)
     return x.new_empty(x.shape), dw1, db1, dw2, db2, x.new_empty(token_idx.numel(), dtype=torch.float32)
 

@@ -159,10 +159,13 @@ def pair_capacity(capacity_factor: float, W: int, rows: int, K: int) -> Optional
 
 
 def _check_exchange(exchange: str, max_tokens: Optional[int], capacity_factor,
-                    rounding: TokenRounding) -> None:
+                    rounding: TokenRounding, precision: Precision = Precision.BF16) -> None:
     """The exchange's settings, checked alike by the function and the module."""
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}; got {exchange!r}")
+    if precision == Precision.FP8 and exchange != "all_gather":
+        raise ValueError(f"precision='fp8' runs with exchange='all_gather' (its experts on the gathered rows); "
+                         f"got exchange={exchange!r}")
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                    or max_tokens < 1):
         raise ValueError(f"max_tokens must be an int >= 1 or None; got {max_tokens!r}")
@@ -207,6 +210,8 @@ def expert_parallel_moe(
     routed_scaling_factor: float = 1.0,
     n_group: int = 1,
     topk_group: int = 1,
+    precision: Union[Precision, str] = Precision.BF16,
+    fp8_cache=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [T, d], aux []) of the layer on this rank's tokens x [T, d], with the experts sharded.
 
@@ -248,6 +253,10 @@ def expert_parallel_moe(
             with one host synchronisation per forward for their counts.
         router_bias, routed_scaling_factor, n_group, topk_group: the router's options, as for
             machmoe.functional.moe (router_bias [E] is a replica, like router_weight).
+        precision, fp8_cache: as for machmoe.functional.moe: "fp8" runs this rank's experts in
+            FP8 on the gathered rows (exchange "all_gather" only; the transfers are then not
+            overlapped with the experts' kernels), with the FP8 copies of this rank's weights
+            in fp8_cache (None: machmoe.fp8_layer's process-wide cache).
         capacity_factor: in (0, 1] (default 1: no batch can overflow). "all_to_all" with
             max_tokens: rows per block over max_tokens; smaller sends fewer bytes.
             "all_to_all_device": the rows a rank receives over W·max_tokens; smaller holds less
@@ -294,7 +303,9 @@ def expert_parallel_moe(
     if backend == Backend.MACHMOE and x.dtype != torch.bfloat16:
         raise NotImplementedError(f"the machmoe backend takes bfloat16 x; got {x.dtype}")
 
-    _check_exchange(exchange, max_tokens, capacity_factor, rounding)
+    precision = parse_enum(Precision, precision, "precision")
+    _check_exchange(exchange, max_tokens, capacity_factor, rounding, precision)
+    fp8 = _fp8_call(precision, fp8_cache, x, activation, layout, d, n)
     if max_tokens is not None:
         _check_max_tokens(T, max_tokens)
     if exchange == "all_gather":  # rows per rank of the exchange
@@ -338,7 +349,7 @@ def expert_parallel_moe(
             es = torch.cat([experts, experts.new_full((pad, K), E)])
         common = dict(world=W, rank=dist.get_rank(group), group_name=_group_name(group),
                       num_experts=E, activation=activation, layout=layout, backend=backend,
-                      glu_clamp=glu_clamp)
+                      glu_clamp=glu_clamp, fp8=fp8)
         if rounding == TokenRounding.NONE:
             out = gathered_experts(xs, ss, es, w1, w2, b1, b2, group=group,
                                    pair_capacity=pair_capacity(capacity_factor, W, rows, K), **common)
@@ -346,6 +357,26 @@ def expert_parallel_moe(
             out = rounded_gathered_experts(xs, ls, ss, es, w1, w2, b1, b2, mode=rounding,
                                            tile_m=tile_m, seed=seed, **common)
     return (out[:T] if pad else out), aux
+
+
+def _fp8_call(precision: Precision, fp8_cache, x, activation, layout, d: int, n: int):
+    """None (bf16), or the experts' FP8 setting (cache, concatenated) after FP8's rules
+    (machmoe.fp8_layer)."""
+    if precision != Precision.FP8:
+        if fp8_cache is not None:
+            raise ValueError("fp8_cache is only used with precision='fp8'")
+        return None
+    from . import fp8_layer
+    from .fp8_weights import FP8WeightCache
+
+    if fp8_cache is not None and not isinstance(fp8_cache, FP8WeightCache):
+        raise TypeError(f"fp8_cache must be a machmoe.fp8_weights.FP8WeightCache or None; "
+                        f"got {type(fp8_cache).__name__}")
+    fp8_layer.check_options(fp8_layer.FUNCTIONAL_NAMES, activation, d, n)
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bfloat16 with precision='fp8'; got {x.dtype}")
+    cache = fp8_layer.default_cache() if fp8_cache is None else fp8_cache
+    return cache, layout == GateUpLayout.CONCATENATED
 
 
 class ExpertParallelMoE(nn.Module):
@@ -367,9 +398,10 @@ class ExpertParallelMoE(nn.Module):
 
     Args: num_experts, num_experts_per_tok, hidden_size, intermediate_size,
     activation_function, add_bias, std, routing, renormalize, gate_up_layout, backend, glu_clamp,
-    router_bias, routed_scaling_factor, n_group and topk_group as for `MoE` (num_experts must be a
-    multiple of the group's size W; with routed_scaling_factor or n_group the top-K selection runs
-    in torch ops on the fp32 logits); and
+    router_bias, routed_scaling_factor, n_group, topk_group and precision as for `MoE` (num_experts
+    must be a multiple of the group's size W; with routed_scaling_factor or n_group the top-K
+    selection runs in torch ops on the fp32 logits; precision "fp8" with exchange "all_gather"
+    only, this rank's experts' FP8 copies kept in `fp8_cache`); and
         process_group: the group whose ranks share the experts (None: the default group).
         seed: the initialisation seed, an int >= 0 (default 0), the same on every rank.
         exchange, max_tokens, capacity_factor: as for `expert_parallel_moe`. Give max_tokens
@@ -406,6 +438,7 @@ class ExpertParallelMoE(nn.Module):
         routed_scaling_factor: float = 1.0,
         n_group: int = 1,
         topk_group: int = 1,
+        precision: Union[Precision, str] = Precision.BF16,
     ):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
@@ -424,7 +457,8 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"seed must be an int >= 0; got {seed!r}")
         self.world_size, self.rank = W, rank
         self.token_rounding = parse_enum(TokenRounding, token_rounding, "token_rounding")
-        _check_exchange(exchange, max_tokens, capacity_factor, self.token_rounding)
+        self.precision = parse_enum(Precision, precision, "precision")
+        _check_exchange(exchange, max_tokens, capacity_factor, self.token_rounding, self.precision)
         self.exchange, self.max_tokens, self.capacity_factor = exchange, max_tokens, capacity_factor
         self.tile_m = _positive_int(tile_m, "tile_m")
         if self.token_rounding != TokenRounding.NONE:
@@ -457,6 +491,12 @@ class ExpertParallelMoE(nn.Module):
             self.register_buffer("selection_bias", torch.zeros(E))
         else:
             self.selection_bias = None
+        self.fp8_cache = None  # this rank's experts' FP8 copies (precision "fp8"), remade when they change
+        if self.precision == Precision.FP8:
+            from . import fp8_layer
+
+            fp8_layer.check_module(self)
+            self.fp8_cache = fp8_layer.new_cache()
 
     @classmethod
     def from_moe(cls, moe: MoE, process_group=None, **exchange) -> "ExpertParallelMoE":
@@ -468,9 +508,6 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError("ExpertParallelMoE does not offer shared experts; this MoE has "
                              f"{moe.num_shared_experts}, so its shard would compute another layer "
                              "(run them beside it: machmoe.shared_experts)")
-        if moe.precision != Precision.BF16:
-            raise ValueError("ExpertParallelMoE runs its experts in bf16 (precision='fp8' is not offered "
-                             f"yet); this MoE has precision={moe.precision.value!r}, which its shard would drop")
         layer = cls(moe.num_experts, moe.num_experts_per_tok, moe.hidden_size,
                     moe.intermediate_size, moe.activation_function, moe.c_fc.bias is not None,
                     moe.c_fc.std, routing=moe.routing, renormalize=moe.renormalize,
@@ -479,7 +516,7 @@ class ExpertParallelMoE(nn.Module):
                     token_rounding=moe.token_rounding, tile_m=moe.tile_m,
                     router_bias=moe.router.bias is not None,
                     routed_scaling_factor=moe.routed_scaling_factor, n_group=moe.n_group,
-                    topk_group=moe.topk_group, **exchange)
+                    topk_group=moe.topk_group, precision=moe.precision, **exchange)
         layer = layer.to(device=moe.router.weight.device, dtype=moe.router.weight.dtype)
         part = slice(layer.rank * (moe.num_experts // layer.world_size),
                      (layer.rank + 1) * (moe.num_experts // layer.world_size))
@@ -515,7 +552,7 @@ class ExpertParallelMoE(nn.Module):
             token_rounding=rounding, tile_m=self.tile_m, seed=seed,
             capacity_factor=self.capacity_factor, router_bias=self.router.bias,
             routed_scaling_factor=self.routed_scaling_factor, n_group=self.n_group,
-            topk_group=self.topk_group)
+            topk_group=self.topk_group, precision=self.precision, fp8_cache=self.fp8_cache)
         return out.reshape(hidden_states.shape), aux
 
     def expert_parameters(self) -> list[nn.Parameter]:
@@ -551,4 +588,4 @@ class ExpertParallelMoE(nn.Module):
                 f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"activation_function={self.activation_function.value}, "
                 f"routing={self.routing.value}, gate_up_layout={self.gate_up_layout.value}, "
-                f"backend={self.backend.value}")
+                f"backend={self.backend.value}, precision={self.precision.value}")

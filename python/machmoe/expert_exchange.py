@@ -137,12 +137,15 @@ def gathered_experts(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tenso
 
     pair_capacity: None, or the (token, expert) pairs this rank's experts are sized for, fewer
     than the W·T·K gathered ones (compact_pairs); a batch that gives some rank more makes every
-    rank's output NaN, and check_capacity() raise (machmoe.exchange_overflow)."""
+    rank's output NaN, and check_capacity() raise (machmoe.exchange_overflow). experts_kwargs'
+    fp8 (cache, concatenated): the experts in FP8 (their calls are whole, so the transfers are not
+    overlapped with them)."""
     E_local = num_experts // world
     sg, eg = _GatherRouting.apply(scores, experts, world, group_name)  # [W·T, K] each
     call = _parsed_call(x, w1, w2, b1, b2, experts_kwargs)
     # On the kernels over symmetric memory: the transfers beside the kernels (overlapped_experts).
-    overlapped = _OVERLAP_TRANSFERS and call[3] and symmetric_exchange.available(x, world)
+    overlapped = (_OVERLAP_TRANSFERS and call[3] and experts_kwargs.get("fp8") is None
+                  and symmetric_exchange.available(x, world))
     if overlapped:  # this rank's tokens first (overlapped_experts)
         T = scores.shape[0]
         sg, eg = torch.roll(sg, -rank * T, 0), torch.roll(eg, -rank * T, 0)
@@ -241,7 +244,7 @@ def _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, gr
         keep = expert < w1.shape[0]
         score, token, expert = score[keep], token[keep], expert[keep]
     y = functional._run_experts(xg, w1, b1, w2, b2, score, token, expert, activation, layout, glu_clamp,
-                                on_kernels)  # [W·T, d]
+                                on_kernels, fp8=experts_kwargs.get("fp8"))  # [W·T, d]
     return _ReduceScatterRows.apply(y, world, group_name)
 
 

@@ -57,6 +57,11 @@ def new_cache() -> FP8WeightCache:
 _DEFAULT_CACHE = new_cache()  # the functional API's, when no fp8_cache is given
 
 
+def default_cache() -> FP8WeightCache:
+    """The process-wide cache of the functional calls given no fp8_cache."""
+    return _DEFAULT_CACHE
+
+
 def check_options(names: dict, activation: ActivationType, d: int, n: int) -> None:
     """Refuses, naming the argument (names: rule -> the caller's argument name, for "activation",
     "d", "n"), what the FP8 experts do not compute. Both gate/up layouts are computed (the
@@ -71,7 +76,7 @@ def check_options(names: dict, activation: ActivationType, d: int, n: int) -> No
                              f"in the FP8 ops); got {size}")
 
 
-_FUNCTIONAL_NAMES = {"activation": "activation", "d": "x.shape[1] (d)", "n": "w2.shape[2] (n)"}
+FUNCTIONAL_NAMES = {"activation": "activation", "d": "x.shape[1] (d)", "n": "w2.shape[2] (n)"}
 MODULE_NAMES = {"activation": "activation_function", "d": "hidden_size", "n": "intermediate_size"}
 
 
@@ -94,7 +99,7 @@ def moe(precision: Union[Precision, str], fp8_cache: Optional[FP8WeightCache], b
                         f"got {type(fp8_cache).__name__}")
     T, d = x.shape
     n = w2.shape[2]
-    check_options(_FUNCTIONAL_NAMES, activation, d, n)
+    check_options(FUNCTIONAL_NAMES, activation, d, n)
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bfloat16 with precision='fp8' (and so the weights, which share x's dtype); "
                          f"got {x.dtype}")

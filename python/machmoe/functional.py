@@ -51,14 +51,20 @@ from ._arguments import (
 
 
 def _run_experts(x, w1, b1, w2, b2, scores, token, expert, activation, layout, glu_clamp, on_kernels: bool,
-                 repeats: int = 1) -> torch.Tensor:
+                 repeats: int = 1, fp8=None) -> torch.Tensor:
     """The experts on a checked list (scores, token, expert) [R] on the kernels or the torch
-    backend (repeats: machmoe_backend._General's copies per expert, kernels only)."""
+    backend (repeats: machmoe_backend._General's copies per expert, kernels only). fp8: None, or
+    (cache, concatenated): the experts in FP8 (the kernels, or the emulation on the torch
+    backend; machmoe.fp8_layer)."""
     if on_kernels:
         from . import machmoe_backend
 
         return machmoe_backend.moe_general(x, w1, b1, w2, b2, scores, token, expert, activation, layout,
-                                           glu_clamp, repeats=repeats)
+                                           glu_clamp, repeats=repeats, fp8=fp8)
+    if fp8 is not None:
+        from . import fp8_emulation
+
+        return fp8_emulation.experts_on_list(x, w1, w2, token, expert, scores, fp8[0], fp8[1], glu_clamp, b1, b2)
     return torch_backend.experts(x, w1, b1, w2, b2, token, expert, scores, activation, layout, glu_clamp)
 
 

@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from . import _ops
 from .enums import ActivationType, GateUpLayout, GluClamp, RoutingMethod, TokenRounding, glu_clamp_list
-from .fp8_weights import concatenate_gate_up
+from .fp8_weights import concatenate_gate_up, interleave_gate_up
 
 
 def _check(x: torch.Tensor, d: int, n: int) -> None:
@@ -171,18 +171,21 @@ class _General(torch.autograd.Function):
     are e·m .. e·m + m − 1 of the list): the weight-gradient GEMMs then split an expert's rows m
     ways, which keeps the GPU busy when there are few experts with many rows each (shared
     experts). The copies exist during each kernel call only; the m partial weight gradients are
-    summed (fp32 accumulation) into the expert's."""
+    summed (fp32 accumulation) into the expert's.
+
+    fp8: None (bf16), or (cache, concatenated) for precision FP8, as _Layer's (repeats 1 only)."""
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, scores, token, expert, opts, repeats=1):
+    def forward(ctx, x, w1, b1, w2, b2, scores, token, expert, opts, repeats=1, fp8=None):
         # scores [R] any float dtype -> fp32 for the kernels; token/expert [R] int32.
         # opts: (activation, layout, glu_clamp list)
         w1r, b1r, w2r, b2r = (_repeat(t, repeats) for t in (w1, b1, w2, b2))
         out, saved = torch.ops.machmoe.experts_forward(x, w1r, b1r, w2r, b2r, scores.float().contiguous(), token,
-                                                       expert, *opts)
+                                                       expert, *opts, fp8_weights=_fp8_copies(fp8, w1, w2))
         ctx.save_for_backward(x, w1, b1, w2, b2, token, expert, saved)
         ctx.opts = opts
         ctx.repeats = repeats
+        ctx.fp8 = fp8
         ctx.scores_dtype = scores.dtype
         ctx.set_materialize_grads(False)
         return out
@@ -190,14 +193,17 @@ class _General(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         if dout is None:
-            return (None,) * 10
+            return (None,) * 11
         x, w1, b1, w2, b2, token, expert, saved = ctx.saved_tensors
         m = ctx.repeats
         dout = dout.to(torch.bfloat16).contiguous()  # [T, d]
         dx, dw1, db1, dw2, db2, d_scores = torch.ops.machmoe.experts_backward(
-            x, *(_repeat(t, m) for t in (w1, b1, w2, b2)), token, expert, saved, dout, *ctx.opts)
+            x, *(_repeat(t, m) for t in (w1, b1, w2, b2)), token, expert, saved, dout, *ctx.opts,
+            fp8_weights=_fp8_copies(ctx.fp8, w1, w2))
+        if ctx.fp8 is not None and ctx.fp8[1]:  # the FP8 copies' interleaved rows -> w1's concatenated ones
+            dw1 = concatenate_gate_up(dw1)
         dw1, db1, dw2, db2 = (_sum_repeats(g, m) for g in (dw1, db1, dw2, db2))
-        return dx, dw1, db1, dw2, db2, d_scores.to(ctx.scores_dtype), None, None, None, None
+        return dx, dw1, db1, dw2, db2, d_scores.to(ctx.scores_dtype), None, None, None, None, None
 
 
 def _repeat(t: Optional[torch.Tensor], m: int) -> Optional[torch.Tensor]:
@@ -213,17 +219,24 @@ def _sum_repeats(g: Optional[torch.Tensor], m: int) -> Optional[torch.Tensor]:
 
 
 def moe_general(x, w1, b1, w2, b2, scores, token_idx, expert_idx, activation: ActivationType,
-                layout: GateUpLayout, glu_clamp: Optional[GluClamp] = None, repeats: int = 1):
+                layout: GateUpLayout, glu_clamp: Optional[GluClamp] = None, repeats: int = 1, fp8=None):
     """out [T, d] of the experts on the list (scores, token_idx, expert_idx) [R], differentiable in x,
     the weights, the biases and the scores. machmoe.functional has checked the list (ordered by
-    token, in range, no repeated (token, expert) pair: the kernels' metadata would merge a repeat
-    into one row, whose backward is wrong). With repeats m, expert_idx counts kernel experts
-    (E·m of them, see _General)."""
+    token, no repeated (token, expert) pair: the kernels' metadata would merge a repeat into one
+    row, whose backward is wrong; a pair whose expert is out of range gets no row). With repeats
+    m, expert_idx counts kernel experts (E·m of them, see _General). fp8: None, or (cache,
+    concatenated): the experts in FP8 on the weights' cached FP8 copies (precision FP8)."""
     T, d = x.shape
     n = w2.shape[2]
     _check(x, d, n)
+    if fp8 is not None:  # the FP8 copies hold w1's rows interleaved whatever w1's layout; b1 alike
+        if repeats != 1:
+            raise ValueError(f"repeats must be 1 with the FP8 experts (their copies are per expert); got {repeats}")
+        if fp8[1] and b1 is not None:  # (a differentiable permutation: db1 comes back in b1's order)
+            b1 = interleave_gate_up(b1.unsqueeze(-1)).squeeze(-1)
+        layout = GateUpLayout.INTERLEAVED
     x, w1, w2, b1, b2 = (_contiguous(t) for t in (x, w1, w2, b1, b2))
     tok = token_idx.to(torch.int32).contiguous()
     exp = expert_idx.to(torch.int32).contiguous()
     return _General.apply(x, w1, b1, w2, b2, scores, tok, exp,
-                          (activation.value, layout.value, glu_clamp_list(glu_clamp)), repeats)
+                          (activation.value, layout.value, glu_clamp_list(glu_clamp)), repeats, fp8)

@@ -5,15 +5,13 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
 
+#include "machmoe/machmoe.hpp"
 #include "machmoe/types.hpp"
-
-namespace machmoe {
-struct Fp8ExpertWeights;  // machmoe/machmoe.hpp
-}
 
 namespace machmoe::bindings {
 
@@ -23,6 +21,14 @@ namespace machmoe::bindings {
 // checked (device, dtype, shape) against E, d, n. Defined in fp8_ops.cpp; the FP8 experts ops and
 // the layer ops take them.
 Fp8ExpertWeights fp8_weights_of(at::TensorList w, int64_t E, int64_t d, int64_t n, const at::Device& device);
+
+// The copies of a layer or experts call (problem p: its E, d, n) when given: precision FP8.
+template <typename Problem>
+std::optional<Fp8ExpertWeights> optional_fp8_weights(const std::optional<at::TensorList>& fp8_weights,
+                                                     const Problem& p, const at::Device& device) {
+  if (!fp8_weights) return std::nullopt;
+  return fp8_weights_of(*fp8_weights, p.E, p.d, p.n, device);
+}
 
 // Error messages are built here from std::string and std::to_string and handed to PyTorch as one
 // finished string, never through an ostream (which TORCH_CHECK's variadic form, c10::str, uses).

@@ -20,12 +20,14 @@ namespace {
 using at::Tensor;
 
 // The problem of an experts call from the tensors' shapes (x [T, d], w1 [E, n1, d], w2 [E, d, n]),
-// the list's length R and the string options, validated: the one validation of the call.
+// the list's length R and the string options, validated: the one validation of the call. fp8:
+// precision FP8 (the call was given the weights' FP8 copies).
 ValidExpertsProblem experts_problem(const Tensor& x, const Tensor& w1, const Tensor& w2, bool has_bias, int64_t R,
                                     const std::string& activation, const std::string& layout,
-                                    at::ArrayRef<double> glu_clamp) {
+                                    at::ArrayRef<double> glu_clamp, bool fp8 = false) {
   ExpertsProblem p = problem_from_tensors<ExpertsProblem>(x, w1, w2, has_bias, activation, layout, glu_clamp);
   p.R = R;
+  if (fp8) p.precision = Precision::FP8;
   return validate(p);
 }
 
@@ -50,10 +52,11 @@ void check_expert_tensors(const ExpertsProblem& p, const Tensor& x, const Tensor
 ValidExpertsProblem checked_list_problem(const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1,
                                          const Tensor& w2, const std::optional<Tensor>& b2, const Tensor& token_idx,
                                          const Tensor& expert_idx, const std::string& activation,
-                                         const std::string& layout, at::ArrayRef<double> glu_clamp) {
+                                         const std::string& layout, at::ArrayRef<double> glu_clamp,
+                                         bool fp8 = false) {
   check_dims(token_idx, "token_idx", 1);
   const ValidExpertsProblem valid =
-      experts_problem(x, w1, w2, b1.has_value(), token_idx.numel(), activation, layout, glu_clamp);
+      experts_problem(x, w1, w2, b1.has_value(), token_idx.numel(), activation, layout, glu_clamp, fp8);
   const ExpertsProblem& p = *valid;
   check_expert_tensors(p, x, w1, b1, w2, b2);
   const at::Device device = x.device();
@@ -67,10 +70,10 @@ ValidExpertsProblem checked_forward_problem(const Tensor& x, const Tensor& w1, c
                                             const Tensor& w2, const std::optional<Tensor>& b2, const Tensor& scores,
                                             const Tensor& token_idx, const Tensor& expert_idx,
                                             const std::string& activation, const std::string& layout,
-                                            at::ArrayRef<double> glu_clamp) {
+                                            at::ArrayRef<double> glu_clamp, bool fp8 = false) {
   check_dims(scores, "scores", 1);
   const ValidExpertsProblem valid =
-      checked_list_problem(x, w1, b1, w2, b2, token_idx, expert_idx, activation, layout, glu_clamp);
+      checked_list_problem(x, w1, b1, w2, b2, token_idx, expert_idx, activation, layout, glu_clamp, fp8);
   const at::Device device = x.device();
   check_tensor(scores, "scores", at::kFloat, {valid->R}, &device);
   return valid;
@@ -100,19 +103,22 @@ std::tuple<Tensor, Tensor> op_experts_forward(const Tensor& x, const Tensor& w1,
                                               const Tensor& w2, const std::optional<Tensor>& b2, const Tensor& scores,
                                               const Tensor& token_idx, const Tensor& expert_idx,
                                               const std::string& activation, const std::string& layout,
-                                              at::ArrayRef<double> glu_clamp) {
+                                              at::ArrayRef<double> glu_clamp,
+                                              std::optional<at::TensorList> fp8_weights) {
   return translate_errors([&] {
     const ValidExpertsProblem valid = checked_forward_problem(x, w1, b1, w2, b2, scores, token_idx, expert_idx,
-                                                              activation, layout, glu_clamp);
+                                                              activation, layout, glu_clamp, fp8_weights.has_value());
     const ExpertsProblem& p = *valid;
+    const std::optional<Fp8ExpertWeights> fp8 = optional_fp8_weights(fp8_weights, p, x.device());
     const c10::cuda::CUDAGuard guard(x.device());
     const WorkspacePlan plan = plan_workspace(valid);
     const auto bytes = x.options().dtype(at::kByte);
     Tensor out = at::empty({p.T, p.d}, x.options());
     Tensor saved = at::empty({static_cast<int64_t>(plan.saved_bytes)}, bytes);
     Tensor ws = at::empty({static_cast<int64_t>(plan.forward_workspace_bytes)}, bytes);
-    experts_forward(valid, forward_args(x, w1, b1, w2, b2, scores, token_idx, expert_idx, out, saved, ws),
-                    at::cuda::getCurrentCUDAStream());
+    ExpertsForwardArgs a = forward_args(x, w1, b1, w2, b2, scores, token_idx, expert_idx, out, saved, ws);
+    a.fp8_weights = fp8 ? &*fp8 : nullptr;
+    experts_forward(valid, a, at::cuda::getCurrentCUDAStream());
     return std::make_tuple(out, saved);
   });
 }
@@ -177,11 +183,13 @@ BackwardTensors run_experts_backward(const Tensor& x, const Tensor& w1, const st
                                      const std::string& activation, const std::string& layout,
                                      at::ArrayRef<double> glu_clamp, ExpertsBackwardPart part,
                                      const Tensor* workspace, int64_t weights_max_ctas,
-                                     const BackwardTensors* given = nullptr, int64_t early_tokens = 0) {
-  const ValidExpertsProblem valid =
-      checked_list_problem(x, w1, b1, w2, b2, token_idx, expert_idx, activation, layout, glu_clamp);
+                                     const BackwardTensors* given = nullptr, int64_t early_tokens = 0,
+                                     const std::optional<at::TensorList>& fp8_weights = std::nullopt) {
+  const ValidExpertsProblem valid = checked_list_problem(x, w1, b1, w2, b2, token_idx, expert_idx, activation, layout,
+                                                         glu_clamp, fp8_weights.has_value());
   const ExpertsProblem& p = *valid;
   const at::Device device = x.device();
+  const std::optional<Fp8ExpertWeights> fp8 = optional_fp8_weights(fp8_weights, p, device);
   check_bf16(dout, "dout", {p.T, p.d}, &device);
   const WorkspacePlan plan = plan_workspace(valid);
   check_saved(saved, plan.saved_bytes, x.device(), "experts_forward");
@@ -237,6 +245,7 @@ BackwardTensors run_experts_backward(const Tensor& x, const Tensor& w1, const st
   a.weights_max_ctas = static_cast<int>(std::clamp<int64_t>(weights_max_ctas, -1, int64_t{1} << 30));
   a.early_tokens = early_tokens;
   a.dout_early = given && given->dout_early.defined() ? given->dout_early.data_ptr() : nullptr;
+  a.fp8_weights = fp8 ? &*fp8 : nullptr;
   experts_backward(valid, a, at::cuda::getCurrentCUDAStream());
   return t;
 }
@@ -246,10 +255,12 @@ BackwardTensors run_experts_backward(const Tensor& x, const Tensor& w1, const st
 Grads op_experts_backward(const Tensor& x, const Tensor& w1, const std::optional<Tensor>& b1, const Tensor& w2,
                           const std::optional<Tensor>& b2, const Tensor& token_idx, const Tensor& expert_idx,
                           const Tensor& saved, const Tensor& dout, const std::string& activation,
-                          const std::string& layout, at::ArrayRef<double> glu_clamp) {
+                          const std::string& layout, at::ArrayRef<double> glu_clamp,
+                          std::optional<at::TensorList> fp8_weights) {
   return translate_errors([&] {
     BackwardTensors t = run_experts_backward(x, w1, b1, w2, b2, token_idx, expert_idx, saved, dout, activation,
-                                             layout, glu_clamp, ExpertsBackwardPart::All, nullptr, 0);
+                                             layout, glu_clamp, ExpertsBackwardPart::All, nullptr, 0, nullptr, 0,
+                                             fp8_weights);
     return Grads(t.dx, t.dw1, t.db1, t.dw2, t.db2, t.d_scores);
   });
 }
@@ -342,10 +353,12 @@ std::vector<int64_t> op_experts_saved_layout(int64_t n, int64_t E, const std::st
 
 TORCH_LIBRARY_FRAGMENT(machmoe, m) {
   m.def("experts_forward(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, Tensor scores, Tensor token_idx,"
-        " Tensor expert_idx, str activation, str layout, float[] glu_clamp=[]) -> (Tensor out, Tensor saved)");
+        " Tensor expert_idx, str activation, str layout, float[] glu_clamp=[], Tensor[]? fp8_weights=None)"
+        " -> (Tensor out, Tensor saved)");
   m.def("experts_backward(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, Tensor token_idx,"
-        " Tensor expert_idx, Tensor saved, Tensor dout, str activation, str layout, float[] glu_clamp=[])"
-        " -> (Tensor dx, Tensor dw1, Tensor? db1, Tensor dw2, Tensor? db2, Tensor d_scores)");
+        " Tensor expert_idx, Tensor saved, Tensor dout, str activation, str layout, float[] glu_clamp=[],"
+        " Tensor[]? fp8_weights=None) -> (Tensor dx, Tensor dw1, Tensor? db1, Tensor dw2, Tensor? db2,"
+        " Tensor d_scores)");
   m.def("experts_backward_data(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, Tensor token_idx,"
         " Tensor expert_idx, Tensor saved, Tensor dout, str activation, str layout, float[] glu_clamp=[])"
         " -> (Tensor dx, Tensor d_scores, Tensor workspace)");

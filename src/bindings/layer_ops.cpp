@@ -110,13 +110,6 @@ void check_layer_tensors(const LayerProblem& p, const Tensor& x, const Tensor& r
   }
 }
 
-// The weights' FP8 copies of a layer call (fp8_weights_of), when given (precision FP8).
-std::optional<Fp8ExpertWeights> optional_fp8_weights(const std::optional<at::TensorList>& fp8_weights,
-                                                     const LayerProblem& p, const at::Device& device) {
-  if (!fp8_weights) return std::nullopt;
-  return fp8_weights_of(*fp8_weights, p.E, p.d, p.n, device);
-}
-
 // The optional bias of the routed and shared experts as one tensor (or none).
 std::optional<Tensor> bias_with_shared(const std::optional<Tensor>& b, const std::optional<Tensor>& bs) {
   return b ? std::optional<Tensor>(with_shared(*b, bs)) : std::nullopt;

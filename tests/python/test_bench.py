@@ -417,6 +417,11 @@ def test_expert_parallel_bench_without_gpu_says_so(capsys):
     with pytest.raises(SystemExit) as exc:  # a bad config is refused first, GPU or not
         expert_parallel.main(["--configs", "7B-z"])
     assert exc.value.code == 2 and "unknown config '7B-z'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # FP8 with another exchange than the all-gather
+        expert_parallel.main(["--configs", "7B-a", "--precision", "fp8"])
+    assert exc.value.code == 2 and "--precision fp8 runs with --exchange all_gather only" in capsys.readouterr().err
+    expert_parallel.main(["--configs", "7B-a", "--precision", "fp8", "--exchange", "all_gather"])
+    assert "no CUDA GPU; nothing to measure" in capsys.readouterr().out
 
 
 def test_variants_bench_refuses_bad_configs_and_tabulates(capsys):

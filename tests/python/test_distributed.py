@@ -120,6 +120,56 @@ CASES = [
 ]
 
 
+def _check_fp8(rank, world, seed, layout, activation):
+    """precision='fp8' (the emulation on the torch backend): the sharded layer against the whole
+    FP8 layer on the ranks' batches put end to end, in one call. An expert's rows are then the
+    same rows in the same order (rank by rank), so every operand is quantised alike (x, dout and
+    H by row, the weight gradients' operands in the same 128-row chunks) and the results differ
+    only where the sharded layer rounds a token's partial sums to bf16 per rank before adding
+    them (out, dx) and in fp32 summation order: 2^-7 relative, against FP8's ~0.05 (a path
+    quantised differently fails). The aux loss is per rank in the sharded layer, so it is left
+    out of the loss here (aux_weight 0)."""
+    from machmoe import GluClamp, MoE
+    from machmoe.distributed import ExpertParallelMoE
+
+    E, K, d, n = 4 * world, 2, 128, 64
+    torch.manual_seed(seed)
+    extra = {"glu_clamp": GluClamp.gpt_oss(limit=3.0)} if activation == "clamped_swiglu" else {}
+    full = MoE(E, K, d, n, activation, True, 0.05, gate_up_layout=layout, backend="torch", precision="fp8",
+               router_bias=True, **extra).bfloat16()
+    with torch.no_grad():
+        full.c_fc.bias.normal_(0.0, 0.3), full.c_proj.bias.normal_(0.0, 0.1), full.router.bias.normal_(0.0, 0.5)
+    xs, gs = _case_inputs(seed + 1, world, 150, d, torch.bfloat16, None)
+    x_all = torch.cat(xs).requires_grad_(True)
+    out_all, _ = full(x_all)
+    (out_all.float() * torch.cat(gs).float()).sum().backward()
+    start = sum(x.shape[0] for x in xs[:rank])
+    rows = slice(start, start + xs[rank].shape[0])
+
+    layer = ExpertParallelMoE.from_moe(full, exchange="all_gather")
+    assert layer.precision.value == "fp8" and layer.fp8_cache is not None
+    x = xs[rank].clone().requires_grad_(True)
+    out, _ = layer(x)
+    (out.float() * gs[rank].float()).sum().backward()
+    layer.reduce_gradients(average=False)
+    name = f"fp8 {layout} {activation} W={world} rank {rank}"
+    part = slice(rank * (E // world), (rank + 1) * (E // world))
+    checks = [("out", out, out_all[rows]), ("dx", x.grad, x_all.grad[rows]),
+              ("router.weight", layer.router.weight.grad, full.router.weight.grad),
+              ("router.bias", layer.router.bias.grad, full.router.bias.grad)]
+    for local, whole in ((layer.c_fc, full.c_fc), (layer.c_proj, full.c_proj)):
+        checks += [(f"{type(local).__name__}.weight", local.weight.grad, whole.weight.grad[part]),
+                   (f"{type(local).__name__}.bias", local.bias.grad, whole.bias.grad[part])]
+    for what, got, want in checks:
+        err = _rel(got, want)
+        assert err <= 2.0 ** -7, f"{name}: {what} off by {err:.2e} from the whole FP8 layer"
+    # Not the bf16 layer: the sharded FP8 layer is FP8's distance away from it.
+    bf16 = ExpertParallelMoE.from_moe(full, exchange="all_gather")
+    bf16.precision, bf16.fp8_cache = type(layer.precision).BF16, None
+    out_bf16, _ = bf16(xs[rank])
+    assert _rel(out_bf16, out) > 0.01, f"{name}: the FP8 result is the bf16 one"
+
+
 def _worker(rank, world, init_file, seed, errors):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -132,6 +182,8 @@ def _worker(rank, world, init_file, seed, errors):
         for mode in ("nr", "up", "down", "stochastic"):
             _check_rounding(rank, world, seed, mode)
         _check_init_independent_of_world(rank, world)
+        _check_fp8(rank, world, seed, "interleaved", "swiglu")
+        _check_fp8(rank, world, seed, "concatenated", "clamped_swiglu")
         _check_errors(world)
     except BaseException:
         errors.put(f"rank {rank}: {traceback.format_exc()}")
@@ -309,8 +361,10 @@ def _check_errors(world):
 
     with pytest.raises(ValueError, match="ExpertParallelMoE does not offer shared experts"):
         ExpertParallelMoE.from_moe(MoE(2 * world, 2, 16, 8, num_shared_experts=1, backend="torch"))
-    with pytest.raises(ValueError, match="ExpertParallelMoE runs its experts in bf16 .precision='fp8' is not"):
-        ExpertParallelMoE.from_moe(MoE(2 * world, 2, 16, 16, backend="torch", precision="fp8"))
+    with pytest.raises(ValueError, match="precision='fp8' runs with exchange='all_gather'"):
+        ExpertParallelMoE.from_moe(MoE(2 * world, 2, 16, 16, backend="torch", precision="fp8"), exchange="all_to_all")
+    with pytest.raises(ValueError, match="intermediate_size must be a multiple of 16 with precision='fp8'"):
+        ExpertParallelMoE(2 * world, 2, 16, 8, backend="torch", precision="fp8")
     with pytest.raises(ValueError, match="group-limited selection .n_group > 1. needs routing='sigmoid'"):
         ExpertParallelMoE(2 * world, 2, 16, 8, backend="torch", n_group=2, topk_group=1)
     with pytest.raises(ValueError, match=r"capacity_factor must be a number in \(0, 1\]"):

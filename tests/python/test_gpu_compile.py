@@ -71,6 +71,9 @@ def _op_cases():
                                                                                          None, None, None, None, None,
                                                                                          None, fp8_weights)
     _, _, saved_fp8 = m.layer_forward(*layer_fp8)
+    # The experts on the general list in FP8, with the biases: the same op given the copies.
+    g_fp8 = ("swiglu", "interleaved", [], fp8_weights)
+    _, g_saved_fp8 = m.experts_forward(*general, pair_scores, tok, exp, *g_fp8)
     # pull_rows: three "peers" that are plain buffers of this GPU, send counts [3] int64 at byte 0
     # and rows of 32 bytes at byte 512 (kept alive here: the op reads them by address).
     _PULL_BUFFERS[:] = [torch.randint(0, 256, (512 + 10 * 32,), dtype=torch.uint8, device="cuda") for _ in range(3)]
@@ -79,6 +82,7 @@ def _op_cases():
     peers = torch.tensor([b.data_ptr() for b in _PULL_BUFFERS], dtype=torch.int64, device="cuda")
     return [
         ("pull_rows", (peers, 0, 512, 10, 1, 12, 32)),
+        ("sum_blocks", ([torch.randn(R, d, device="cuda").bfloat16() for _ in range(3)],)),
         ("topk_router", (logits, K, "softmax_topk", True, None)),
         ("topk_router_backward", (logits, scores, experts, torch.randn(T, K, device="cuda"), "softmax_topk", True)),
         ("routing_metadata", (experts, None, T, E)),
@@ -98,6 +102,8 @@ def _op_cases():
          + (None, 1.0, 1, 1, []) + shared + (False, gate)),
         ("experts_forward", general + (pair_scores, tok, exp, "swiglu", "interleaved")),
         ("experts_backward", general + (tok, exp, g_saved, dout, "swiglu", "interleaved")),
+        ("experts_forward", general + (pair_scores, tok, exp) + g_fp8),
+        ("experts_backward", general + (tok, exp, g_saved_fp8, dout) + g_fp8),
         ("experts_backward_data", general + (tok, exp, g_saved, dout, "swiglu", "interleaved")),
         ("experts_backward_weights", general + (tok, exp, g_saved, dout, g_workspace, "swiglu", "interleaved", [],
                                                 100)),
@@ -122,6 +128,7 @@ def _op_cases():
         ("grouped_gemm_fp8", (a_q, a_scales, w_q, w_scales, offs)),
         ("grouped_gemm_fp8", (a_q, a_scales, w_q, w_scales, offs, 2)),
         ("grouped_gemm_fp8", (x_q, x_scales, w_q, w_scales, offs, 0, row_token)),
+        ("grouped_gemm_fp8", (a_q, a_scales, w_q, w_scales, offs, 0, None, t["b1"])),
         ("grouped_gemm_fp8_glu", (a_q, a_scales, w_q, w_scales, offs, "swiglu", [])),
         ("grouped_gemm_fp8_glu", (x_q, x_scales, w_q, w_scales, offs, "clamped_swiglu", [1.702, 7.0, 1.0, 0.0],
                                   t["b1"], 0, row_token)),

@@ -253,6 +253,53 @@ def check_ep_layer(layer, rank, world, xs, gs, single, ref, label):
     return runs[0]
 
 
+def _check_fp8_on_kernels(rank, world, seed, layout):
+    """precision='fp8' on the kernels: the sharded layer (its experts' calls on the gathered rows,
+    transfers not overlapped) against the whole FP8 layer on the ranks' batches put end to end
+    (test_distributed._check_fp8 says why they agree to bf16 roundings: 2^-7 relative, against
+    FP8's ~0.05), with expert biases; and FP8's distance away from the bf16 sharded layer."""
+    from machmoe import MoE
+    from machmoe.distributed import ExpertParallelMoE
+
+    E, K, d, n, T_rank = 8 * world, 2, 256, 128, 301
+    torch.manual_seed(seed)
+    full = MoE(E, K, d, n, "swiglu", True, 0.05, gate_up_layout=layout, backend="machmoe", precision="fp8",
+               router_bias=True).cuda().bfloat16()
+    with torch.no_grad():
+        full.c_fc.bias.normal_(0.0, 0.3), full.c_proj.bias.normal_(0.0, 0.1), full.router.bias.normal_(0.0, 0.5)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    xs = [torch.randn(T_rank + q, d, device="cuda", generator=gen).bfloat16() for q in range(world)]
+    gs = [torch.randn(T_rank + q, d, device="cuda", generator=gen).bfloat16() for q in range(world)]
+    x_all = torch.cat(xs).requires_grad_(True)
+    out_all, _ = full(x_all)
+    (out_all.float() * torch.cat(gs).float()).sum().backward()
+    start = sum(x.shape[0] for x in xs[:rank])
+    rows = slice(start, start + xs[rank].shape[0])
+    layer = ExpertParallelMoE.from_moe(full, exchange="all_gather", max_tokens=T_rank + world)
+    x = xs[rank].clone().requires_grad_(True)
+    out, _ = layer(x)
+    (out.float() * gs[rank].float()).sum().backward()
+    layer.reduce_gradients(average=False)
+    part = slice(rank * (E // world), (rank + 1) * (E // world))
+    checks = [("out", out, out_all[rows]), ("dx", x.grad, x_all.grad[rows]),
+              ("router.weight", layer.router.weight.grad, full.router.weight.grad),
+              ("c_fc.weight", layer.c_fc.weight.grad, full.c_fc.weight.grad[part]),
+              ("c_fc.bias", layer.c_fc.bias.grad, full.c_fc.bias.grad[part]),
+              ("c_proj.weight", layer.c_proj.weight.grad, full.c_proj.weight.grad[part]),
+              ("c_proj.bias", layer.c_proj.bias.grad, full.c_proj.bias.grad[part])]
+    for what, got, want in checks:
+        err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        print(f"expert parallel fp8 {layout} W={world} rank {rank}: {what} vs the whole FP8 layer {err:.2e}",
+              flush=True)
+        assert err <= 2.0 ** -7, f"fp8 W={world} rank {rank}: {what} off by {err:.2e}"
+    bf16 = ExpertParallelMoE.from_moe(full, exchange="all_gather", max_tokens=T_rank + world)
+    bf16.precision, bf16.fp8_cache = type(layer.precision).BF16, None
+    with torch.no_grad():
+        out_bf16, _ = bf16(xs[rank])
+    apart = ((out_bf16.double() - out.double()).norm() / out.double().norm()).item()
+    assert apart > 0.01, f"fp8 W={world} rank {rank}: the FP8 result is the bf16 one ({apart:.2e})"
+
+
 def _ep_worker(rank, world, init_file, seed):
     import copy
 
@@ -291,6 +338,8 @@ def _ep_worker(rank, world, init_file, seed):
             _check_no_sync_and_graph(model, xs[rank], gs[rank], T + 3 * (world - 1))
         _force_transfers_overlapped(True)
         _check_rounding_on_kernels(model, xs[rank], gs[rank], T + 3 * (world - 1), rank, world)
+        for layout in ("interleaved", "concatenated"):
+            _check_fp8_on_kernels(rank, world, seed, layout)
     finally:
         dist.destroy_process_group()
 

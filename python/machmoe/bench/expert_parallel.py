@@ -3,6 +3,7 @@
   python -m machmoe.bench.expert_parallel [--configs 7B-a,30B-b] [--world W] [--reps 20] [--profile]
                                           [--exchange all_gather,all_to_all,all_to_all_capacity] [--out DIR]
   python -m machmoe.bench.expert_parallel --exchange all_to_all_device,all_to_all_capacity
+  python -m machmoe.bench.expert_parallel --precision fp8 --exchange all_gather
 
 Each of W ranks (NCCL, one GPU each) holds a whole config's batch of T tokens and E / W experts;
 `machmoe.distributed.ExpertParallelMoE` trains the layer with tokens exchanged (each --exchange, the
@@ -16,6 +17,9 @@ one call (above the device's time per call, the host bounds the loop) and the pe
 all_to_all_device (the all-to-all's rows with their counts on the device, max_tokens = T and
 capacity_factor 1) moves its rows by the pull_rows kernel through the same symmetric-memory
 staging buffer as all_gather's copy-engine collectives: both run in one call.
+
+--precision fp8 runs both layers' experts in FP8 (exchange all_gather only: the FP8 experts' calls
+are whole, so the sharded layer's transfers are not overlapped with them).
 
 --profile adds, per config, rank 0's GPU time per call by kernel and by autograd op
 (torch.profiler over 5 calls), for the single-GPU layer and the expert-parallel one.
@@ -181,7 +185,7 @@ def _variants(exchanges: list[str]) -> list[tuple[str, dict, bool]]:
 
 def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup: int,
          profile_calls: bool = False, out_dir: str | None = None,
-         variants: list | None = None) -> None:
+         variants: list | None = None, precision: str = "bf16") -> None:
     from machmoe import MoE
     from machmoe.distributed import ExpertParallelMoE
 
@@ -197,7 +201,7 @@ def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup
     try:
         if rank == 0:
             say(f"expert parallelism over {world} x {torch.cuda.get_device_name()} (NCCL); "
-                f"forward + backward, {reps} calls after {warmup}, slowest rank")
+                f"forward + backward, {reps} calls after {warmup}, slowest rank; experts in {precision}")
             say("")
             say("| config | exchange | T per rank | E per rank | single GPU ms (TFLOPS) | expert parallel ms "
                 "(TFLOPS) | ratio | host ms per call (single / EP) | MB sent per rank per forward | "
@@ -205,7 +209,7 @@ def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup
             say("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|")
         for cfg in configs:
             torch.manual_seed(0)
-            full = MoE(cfg.E, cfg.K, cfg.d, cfg.n).cuda().bfloat16()
+            full = MoE(cfg.E, cfg.K, cfg.d, cfg.n, precision=precision).cuda().bfloat16()
             gen = torch.Generator(device="cuda").manual_seed(1 + rank)
             x = torch.randn(cfg.T, cfg.d, device="cuda", generator=gen).bfloat16().requires_grad_(True)
             dout = torch.randn(cfg.T, cfg.d, device="cuda", generator=gen).bfloat16()
@@ -248,7 +252,7 @@ def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup
                 del layer
             del full
             if profile_calls:
-                full = MoE(cfg.E, cfg.K, cfg.d, cfg.n).cuda().bfloat16()
+                full = MoE(cfg.E, cfg.K, cfg.d, cfg.n, precision=precision).cuda().bfloat16()
                 label, settings, bounded = variants[0]
                 layer = ExpertParallelMoE.from_moe(full, max_tokens=cfg.T if bounded else None,
                                                    **_settings_for(settings, world))
@@ -280,6 +284,8 @@ def main(argv=None) -> None:
                         help="comma-separated exchanges to time: all_gather, all_to_all_capacity and "
                              "all_to_all_device (max_tokens = T: no host sync), all_to_all (exact rows, a host sync)")
     parser.add_argument("--out", default=None, metavar="DIR", help="also write the table to DIR/expert_parallel.md")
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp8"),
+                        help="the experts' precision in both layers (fp8: --exchange all_gather only)")
     args = parser.parse_args(argv)
     try:
         configs = select_configs(args.configs, args.T_scale)
@@ -290,6 +296,8 @@ def main(argv=None) -> None:
         if exchange not in EXCHANGE_SETTINGS:
             parser.error(f"--exchange: {exchange!r} is not one of {', '.join(EXCHANGE_SETTINGS)}")
     variants = _variants(exchanges)
+    if args.precision == "fp8" and exchanges != ["all_gather"]:
+        parser.error(f"--precision fp8 runs with --exchange all_gather only; got {args.exchange!r}")
     if not torch.cuda.is_available():
         print("expert_parallel: no CUDA GPU; nothing to measure")
         return
@@ -301,7 +309,7 @@ def main(argv=None) -> None:
             raise SystemExit(f"{cfg.name}: E = {cfg.E} is not a multiple of --world {world}")
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_run, args=(world, os.path.join(tmp, "init"), configs, args.reps, args.warmup, args.profile,
-                             args.out, variants), nprocs=world, join=True)
+                             args.out, variants, args.precision), nprocs=world, join=True)
 
 
 if __name__ == "__main__":
