@@ -422,6 +422,9 @@ def test_expert_parallel_bench_without_gpu_says_so(capsys):
     assert exc.value.code == 2 and "--precision fp8 runs with --exchange all_gather only" in capsys.readouterr().err
     expert_parallel.main(["--configs", "7B-a", "--precision", "fp8", "--exchange", "all_gather"])
     assert "no CUDA GPU; nothing to measure" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:  # a graph cannot hold the exact all-to-all's host sync
+        expert_parallel.main(["--configs", "7B-a", "--graph", "--exchange", "all_gather,all_to_all"])
+    assert exc.value.code == 2 and "--graph needs exchanges without a host sync" in capsys.readouterr().err
 
 
 def test_variants_bench_refuses_bad_configs_and_tabulates(capsys):

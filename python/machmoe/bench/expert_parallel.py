@@ -4,6 +4,7 @@
                                           [--exchange all_gather,all_to_all,all_to_all_capacity] [--out DIR]
   python -m machmoe.bench.expert_parallel --exchange all_to_all_device,all_to_all_capacity
   python -m machmoe.bench.expert_parallel --precision fp8 --exchange all_gather
+  python -m machmoe.bench.expert_parallel --graph --exchange all_gather
 
 Each of W ranks (NCCL, one GPU each) holds a whole config's batch of T tokens and E / W experts;
 `machmoe.distributed.ExpertParallelMoE` trains the layer with tokens exchanged (each --exchange, the
@@ -17,6 +18,10 @@ one call (above the device's time per call, the host bounds the loop) and the pe
 all_to_all_device (the all-to-all's rows with their counts on the device, max_tokens = T and
 capacity_factor 1) moves its rows by the pull_rows kernel through the same symmetric-memory
 staging buffer as all_gather's copy-engine collectives: both run in one call.
+
+--graph times both layers' forward + backward captured in a CUDA graph and replayed (the host's
+cost per call then is one replay: what a training step captured whole pays), for the exchanges
+without a host sync.
 
 --precision fp8 runs both layers' experts in FP8 (exchange all_gather only: the FP8 experts' calls
 are whole, so the sharded layer's transfers are not overlapped with them).
@@ -58,6 +63,21 @@ def _host_ms(step, calls: int = 5) -> float:
     ms = torch.tensor([sorted(times)[len(times) // 2]], device="cuda")
     dist.all_reduce(ms, op=dist.ReduceOp.MAX)
     return float(ms)
+
+
+def _graphed(step, warmup: int = 3):
+    """step captured in a CUDA graph (after warm-up calls on a side stream, which create the
+    gradients the captured backward accumulates into): a callable that replays it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def _loop_ms(step, reps: int, warmup: int) -> float:
@@ -185,7 +205,7 @@ def _variants(exchanges: list[str]) -> list[tuple[str, dict, bool]]:
 
 def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup: int,
          profile_calls: bool = False, out_dir: str | None = None,
-         variants: list | None = None, precision: str = "bf16") -> None:
+         variants: list | None = None, precision: str = "bf16", graph: bool = False) -> None:
     from machmoe import MoE
     from machmoe.distributed import ExpertParallelMoE
 
@@ -201,7 +221,8 @@ def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup
     try:
         if rank == 0:
             say(f"expert parallelism over {world} x {torch.cuda.get_device_name()} (NCCL); "
-                f"forward + backward, {reps} calls after {warmup}, slowest rank; experts in {precision}")
+                f"forward + backward, {reps} calls after {warmup}, slowest rank; experts in {precision}"
+                + ("; each call one CUDA graph replay" if graph else ""))
             say("")
             say("| config | exchange | T per rank | E per rank | single GPU ms (TFLOPS) | expert parallel ms "
                 "(TFLOPS) | ratio | host ms per call (single / EP) | MB sent per rank per forward | "
@@ -219,9 +240,11 @@ def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup
                 out.backward(dout)
 
             torch.cuda.reset_peak_memory_stats()
-            single_ms = _loop_ms(lambda: step(full), reps, warmup)
+            single_step = _graphed(lambda: step(full)) if graph else (lambda: step(full))
+            single_ms = _loop_ms(single_step, reps, warmup)
             single_peak = torch.cuda.max_memory_allocated()
-            single_host = _host_ms(lambda: step(full))
+            single_host = _host_ms(single_step)
+            del single_step
             full.zero_grad(set_to_none=True)
             flop = sum(layer_flops(cfg.T, cfg.K, cfg.n, cfg.d))
             for label, settings, bounded in variants:
@@ -229,9 +252,11 @@ def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup
                                                    **_settings_for(settings, world))
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-                ep_ms = _loop_ms(lambda: step(layer), reps, warmup)
+                ep_step = _graphed(lambda: step(layer)) if graph else (lambda: step(layer))
+                ep_ms = _loop_ms(ep_step, reps, warmup)
                 ep_peak = torch.cuda.max_memory_allocated()
-                ep_host = _host_ms(lambda: step(layer))
+                ep_host = _host_ms(ep_step)
+                del ep_step
                 # Rows this rank sends, there and back, d bf16 each: all-to-all one per (token,
                 # owning rank); all-gather every token to every other rank.
                 with torch.no_grad():
@@ -284,6 +309,9 @@ def main(argv=None) -> None:
                         help="comma-separated exchanges to time: all_gather, all_to_all_capacity and "
                              "all_to_all_device (max_tokens = T: no host sync), all_to_all (exact rows, a host sync)")
     parser.add_argument("--out", default=None, metavar="DIR", help="also write the table to DIR/expert_parallel.md")
+    parser.add_argument("--graph", action="store_true",
+                        help="time each layer's forward + backward as one CUDA graph replay (exchanges without a "
+                             "host sync)")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp8"),
                         help="the experts' precision in both layers (fp8: --exchange all_gather only)")
     args = parser.parse_args(argv)
@@ -296,6 +324,8 @@ def main(argv=None) -> None:
         if exchange not in EXCHANGE_SETTINGS:
             parser.error(f"--exchange: {exchange!r} is not one of {', '.join(EXCHANGE_SETTINGS)}")
     variants = _variants(exchanges)
+    if args.graph and any(not bounded for _, _, bounded in variants):
+        parser.error("--graph needs exchanges without a host sync (all_to_all without max_tokens has one)")
     if args.precision == "fp8" and exchanges != ["all_gather"]:
         parser.error(f"--precision fp8 runs with --exchange all_gather only; got {args.exchange!r}")
     if not torch.cuda.is_available():
@@ -309,7 +339,7 @@ def main(argv=None) -> None:
             raise SystemExit(f"{cfg.name}: E = {cfg.E} is not a multiple of --world {world}")
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_run, args=(world, os.path.join(tmp, "init"), configs, args.reps, args.warmup, args.profile,
-                             args.out, variants, args.precision), nprocs=world, join=True)
+                             args.out, variants, args.precision, args.graph), nprocs=world, join=True)
 
 
 if __name__ == "__main__":
