@@ -305,7 +305,7 @@ def expert_parallel_moe(
 
     precision = parse_enum(Precision, precision, "precision")
     _check_exchange(exchange, max_tokens, capacity_factor, rounding, precision)
-    fp8 = _fp8_call(precision, fp8_cache, x, activation, layout, d, n)
+    fp8 = functional._fp8_setting(precision, fp8_cache, x, activation, layout, d, n)
     if max_tokens is not None:
         _check_max_tokens(T, max_tokens)
     if exchange == "all_gather":  # rows per rank of the exchange
@@ -357,26 +357,6 @@ def expert_parallel_moe(
             out = rounded_gathered_experts(xs, ls, ss, es, w1, w2, b1, b2, mode=rounding,
                                            tile_m=tile_m, seed=seed, **common)
     return (out[:T] if pad else out), aux
-
-
-def _fp8_call(precision: Precision, fp8_cache, x, activation, layout, d: int, n: int):
-    """None (bf16), or the experts' FP8 setting (cache, concatenated) after FP8's rules
-    (machmoe.fp8_layer)."""
-    if precision != Precision.FP8:
-        if fp8_cache is not None:
-            raise ValueError("fp8_cache is only used with precision='fp8'")
-        return None
-    from . import fp8_layer
-    from .fp8_weights import FP8WeightCache
-
-    if fp8_cache is not None and not isinstance(fp8_cache, FP8WeightCache):
-        raise TypeError(f"fp8_cache must be a machmoe.fp8_weights.FP8WeightCache or None; "
-                        f"got {type(fp8_cache).__name__}")
-    fp8_layer.check_options(fp8_layer.FUNCTIONAL_NAMES, activation, d, n)
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"x must be bfloat16 with precision='fp8'; got {x.dtype}")
-    cache = fp8_layer.default_cache() if fp8_cache is None else fp8_cache
-    return cache, layout == GateUpLayout.CONCATENATED
 
 
 class ExpertParallelMoE(nn.Module):

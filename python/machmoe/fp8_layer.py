@@ -35,7 +35,7 @@ from typing import Optional, Union
 import torch
 
 from . import _ops, fp8_emulation, torch_backend
-from .enums import ActivationType, Backend, GateUpLayout, Precision, RoutingMethod, TokenRounding, parse_enum
+from .enums import ActivationType, Backend, GateUpLayout, Precision, RoutingMethod, TokenRounding
 from .fp8_weights import FP8WeightCache, _quantize_on_kernels, interleave_gate_up
 
 _ALIGN = 16  # d and n: the FP8 ops' rows of E4M3 codes are read 16 bytes at a time
@@ -92,22 +92,13 @@ def moe(precision: Union[Precision, str], fp8_cache: Optional[FP8WeightCache], b
     """machmoe.functional.moe with precision='fp8' (module docstring), on arguments it has checked
     already but for the rules of FP8 -> (out [T, d] bf16, aux [] fp32). glu_clamp: the clamped
     SwiGLU's parameters (resolved: a machmoe.GluClamp with activation 'clamped_swiglu', else None)."""
-    if parse_enum(Precision, precision, "precision") != Precision.FP8:
-        raise ValueError(f"fp8_cache is only used with precision='fp8'; got precision={precision!r}")
-    if fp8_cache is not None and not isinstance(fp8_cache, FP8WeightCache):
-        raise TypeError(f"fp8_cache must be a machmoe.fp8_weights.FP8WeightCache or None; "
-                        f"got {type(fp8_cache).__name__}")
+    from .functional import _fp8_setting, resolve_backend  # functional imports this module on use
+
     T, d = x.shape
     n = w2.shape[2]
-    check_options(FUNCTIONAL_NAMES, activation, d, n)
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"x must be bfloat16 with precision='fp8' (and so the weights, which share x's dtype); "
-                         f"got {x.dtype}")
-    from .functional import resolve_backend  # functional imports this module on use
-
+    # FP8's rules; the cache, and whether w1's FP8 copy is of its concatenated rows interleaved.
+    cache, concatenated = _fp8_setting(precision, fp8_cache, x, activation, layout, d, n)
     on_kernels = resolve_backend(backend, x, d, n) == Backend.MACHMOE
-    cache = _DEFAULT_CACHE if fp8_cache is None else fp8_cache
-    concatenated = layout == GateUpLayout.CONCATENATED  # w1's FP8 copy is then of its rows interleaved
     if on_kernels:  # the bf16 layer's one call per direction, the experts' GEMMs in FP8
         from . import machmoe_backend
 

@@ -11,7 +11,10 @@ all of these still hold for its weight:
   torch.optim's global step hook). The version counter alone misses fused optimizers:
   `AdamW(fused=True)` writes the parameters in one kernel without moving their version counters,
   and with it the copies would stay those of the first step while the weights train;
-- the same tensor object (held weakly: the copy dies with its weight);
+- the same tensor object (held weakly: the copy dies with its weight), or for a view the same
+  base tensor and the same view of it (shape, strides, offset): a module that hands its weight
+  over as a fresh view on every call (`weight.transpose(1, 2)`, as transformers' transposed
+  experts) still finds its copies;
 - the same version counter: every in-place write through the tensor itself or a view of it bumps
   it (foreach and single-tensor optimizer steps, `copy_` / `load_state_dict` under `no_grad`);
 - the same storage pointer, shape, strides, dtype and device (`param.data = other` changes these).
@@ -103,18 +106,21 @@ class FP8WeightCache:
         rows = (lambda t: interleave_gate_up(t)) if interleave else (lambda t: t)
         if w.is_inference() or is_fake(w) or _capturing(w):
             return self._quantize(rows(w.detach()), transposed)
-        key = id(w)
+        # A view is held through its base, the copies keyed by the view's geometry as well.
+        base = w._base if w._base is not None else w
+        view = (tuple(w.shape), w.stride(), w.storage_offset())
+        key = id(base)
         entry = self._entries.get(key)
-        signature = self._signature(w)
-        if entry is None or entry[0]() is not w or entry[1] != signature:
-            entry = (weakref.ref(w, self._forget(key)), signature, {})
+        signature = self._signature(base)
+        if entry is None or entry[0]() is not base or entry[1] != signature:
+            entry = (weakref.ref(base, self._forget(key)), signature, {})
             self._entries[key] = entry
-        copies = entry[2]  # (transposed, interleave) -> copies
-        if (True, interleave) in copies:  # the transposed quantisation holds the plain copy as well
-            return copies[(True, interleave)]
-        if (transposed, interleave) not in copies:
-            copies[(transposed, interleave)] = self._quantize(rows(w.detach()), transposed)
-        return copies[(transposed, interleave)]
+        copies = entry[2]  # (view, transposed, interleave) -> copies
+        if (view, True, interleave) in copies:  # the transposed quantisation holds the plain copy as well
+            return copies[(view, True, interleave)]
+        if (view, transposed, interleave) not in copies:
+            copies[(view, transposed, interleave)] = self._quantize(rows(w.detach()), transposed)
+        return copies[(view, transposed, interleave)]
 
     def _forget(self, key: int):
         """A weakref callback that drops key's entry once its weight is gone (if the entry is
@@ -129,11 +135,12 @@ class FP8WeightCache:
         return drop
 
     def invalidate(self, w: Optional[torch.Tensor] = None) -> None:
-        """Forgets w's copies (every weight's with None): after writes the cache cannot see."""
+        """Forgets w's copies (those of w's base and every view of it, for a view; every weight's
+        with None): after writes the cache cannot see."""
         if w is None:
             self._entries.clear()
         else:
-            self._entries.pop(id(w), None)
+            self._entries.pop(id(w._base if w._base is not None else w), None)
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -330,6 +330,8 @@ def experts_topk(
     layout: Union[GateUpLayout, str] = GateUpLayout.INTERLEAVED,
     backend: Union[Backend, str] = Backend.AUTO,
     glu_clamp: Optional[GluClamp] = None,
+    precision: Union[Precision, str] = Precision.BF16,
+    fp8_cache=None,
 ) -> torch.Tensor:
     """The experts on a top-K routing result -> out [T, d] in x's dtype: moe_general on the list
     of the T·K pairs (t, topk_experts[t, k], topk_scores[t, k]) in (t, k) order, with every pair
@@ -348,9 +350,13 @@ def experts_topk(
         x, w1, w2, b1, b2, activation, layout, backend, glu_clamp: as moe_general.
         topk_scores: [T, K] pair weights, any float dtype; they receive gradients.
         topk_experts: [T, K] integer experts; values outside [0, E) are dropped.
+        precision, fp8_cache: as for moe: "fp8" runs the experts' GEMMs in FP8 (machmoe.fp8_layer's
+            rules: swiglu or clamped_swiglu, bfloat16, d and n multiples of 16), on the weights'
+            FP8 copies in fp8_cache (None: one cache for the process).
     """
     activation, layout, glu_clamp, T, d, E, n = _parse_experts_call(x, w1, w2, b1, b2, activation, layout,
                                                                    backend, glu_clamp)
+    fp8 = _fp8_setting(precision, fp8_cache, x, activation, layout, d, n)
     topk_scores = _float_tensor(topk_scores, "topk_scores", 2)
     topk_experts = _tensor(topk_experts, "topk_experts", 2)
     if topk_experts.dtype not in _INT_DTYPES:
@@ -367,10 +373,31 @@ def experts_topk(
     expert = topk_experts.reshape(-1)
     token = torch.arange(T, device=x.device)[:, None].expand(T, K).reshape(-1)  # [T·K], non-decreasing
     if resolve_backend(backend, x, d, n) == Backend.MACHMOE:
-        return _run_experts(x, w1, b1, w2, b2, scores, token, expert, activation, layout, glu_clamp, True)
+        return _run_experts(x, w1, b1, w2, b2, scores, token, expert, activation, layout, glu_clamp, True, fp8=fp8)
     keep = (expert >= 0) & (expert < E)  # boolean indexing: the torch backend's host sync
     return _run_experts(x, w1, b1, w2, b2, scores[keep], token[keep], expert[keep], activation, layout,
-                        glu_clamp, False)
+                        glu_clamp, False, fp8=fp8)
+
+
+def _fp8_setting(precision, fp8_cache, x, activation, layout, d: int, n: int):
+    """None (bf16), or the experts' FP8 setting (cache, concatenated) after FP8's rules
+    (machmoe.fp8_layer), naming the argument that breaks one."""
+    if parse_enum(Precision, precision, "precision") != Precision.FP8:
+        if fp8_cache is not None:
+            raise ValueError(f"fp8_cache is only used with precision='fp8'; got precision={precision!r}")
+        return None
+    from . import fp8_layer
+    from .fp8_weights import FP8WeightCache
+
+    if fp8_cache is not None and not isinstance(fp8_cache, FP8WeightCache):
+        raise TypeError(f"fp8_cache must be a machmoe.fp8_weights.FP8WeightCache or None; "
+                        f"got {type(fp8_cache).__name__}")
+    fp8_layer.check_options(fp8_layer.FUNCTIONAL_NAMES, activation, d, n)
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bfloat16 with precision='fp8' (and so the weights, which share x's dtype); "
+                         f"got {x.dtype}")
+    cache = fp8_layer.default_cache() if fp8_cache is None else fp8_cache
+    return cache, layout == GateUpLayout.CONCATENATED
 
 
 def route(

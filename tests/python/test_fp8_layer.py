@@ -413,6 +413,14 @@ def test_functional_fp8_argument_errors():
     # backend="machmoe" never falls back to the emulation
     with pytest.raises(ValueError, match="the machmoe backend runs on CUDA tensors"):
         functional.moe(x, wr, w1, w2, num_experts_per_tok=2, precision="fp8", backend="machmoe")
+    # experts_topk with precision="fp8": the same rules, by name
+    scores, idx = torch.rand(9, 2), torch.randint(0, 4, (9, 2))
+    with pytest.raises(ValueError, match="fp8_cache is only used with precision='fp8'"):
+        functional.experts_topk(x, w1, w2, scores, idx, fp8_cache=FP8WeightCache())
+    with pytest.raises(ValueError, match="x must be bfloat16 with precision='fp8'"):
+        functional.experts_topk(x.float(), w1.float(), w2.float(), scores, idx, precision="fp8")
+    with pytest.raises(ValueError, match=r"w2.shape\[2\] \(n\) must be a multiple of 16"):
+        functional.experts_topk(*small(n=72)[:1], small(n=72)[2], small(n=72)[3], scores, idx, precision="fp8")
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -566,3 +574,37 @@ def test_compiled_fp8_module_follows_optimizer_steps(backend):
             assert all(rel(g, p.grad) < 0.02 for g, p in zip(grads, layer.parameters()))
         opt.step()
         opt.zero_grad()
+
+
+def test_experts_topk_fp8_is_the_emulation_on_the_list():
+    # functional.experts_topk(precision="fp8") on the torch backend: the emulation on the T·K
+    # pairs with those of experts outside [0, E) dropped, bitwise; gradients for x, the weights,
+    # the biases and the scores (the dropped pairs' zero).
+    torch.manual_seed(7)
+    T, d, n, E, K = 30, 128, 64, 4, 2
+    x, w1, w2 = (torch.randn(T, d) * 1.0).bfloat16(), (torch.randn(E, 2 * n, d) * 0.1).bfloat16(), \
+        (torch.randn(E, d, n) * 0.1).bfloat16()
+    b1, b2 = (torch.randn(E, 2 * n) * 0.3).bfloat16(), (torch.randn(E, d) * 0.1).bfloat16()
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    idx[::5, 0] = E  # another rank's expert
+    scores = torch.rand(T, K)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w2, b1, b2, scores)]
+        out = fn(*leaves)
+        return [out] + list(torch.autograd.grad(out.float().square().sum(), leaves))
+
+    cache = FP8WeightCache(emu.quantize_weights)
+    got = run(lambda x, w1, w2, b1, b2, s: functional.experts_topk(x, w1, w2, s, idx, b1=b1, b2=b2, backend="torch",
+                                                                   precision="fp8", fp8_cache=cache))
+    keep = (idx < E).reshape(-1)
+    token = torch.arange(T).repeat_interleave(K)[keep]
+
+    def emulated(x, w1, w2, b1, b2, s):
+        return emu.experts_on_list(x, w1, w2, token, idx.reshape(-1)[keep], s.reshape(-1)[keep], cache, False,
+                                   None, b1, b2)
+
+    want = run(emulated)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert not got[-1][::5, 0].any()  # the dropped pairs' score gradient

@@ -136,3 +136,24 @@ def test_inference_tensors_are_quantised_every_time():
     cache.get(w)
     cache.get(w)
     assert q.calls == 2 and len(cache) == 0
+
+
+def test_a_fresh_view_of_a_weight_finds_its_copies():
+    # transformers' transposed experts hand their weight over as weight.transpose(1, 2), a new
+    # tensor object on every call: the copies are kept on the base, keyed by the view's geometry.
+    q = CountingQuantizer()
+    cache = FP8WeightCache(q)
+    w = weight()  # [4, 16, 8], read as [4, 8, 16]
+    first = cache.get(w.transpose(1, 2))
+    assert cache.get(w.transpose(1, 2)) is first and q.calls == 1
+    assert torch.equal(first[0], w.detach().transpose(1, 2))
+    # another view of the same base is another copy; the base itself too
+    assert torch.equal(cache.get(w[1:])[0], w.detach()[1:]) and q.calls == 2
+    assert torch.equal(cache.get(w)[0], w.detach()) and q.calls == 3
+    assert len(cache) == 1
+    # a change to the base makes the view's copies again
+    with torch.no_grad():
+        w.mul_(2)
+    assert torch.equal(cache.get(w.transpose(1, 2))[0], w.detach().transpose(1, 2)) and q.calls == 4
+    cache.invalidate(w.transpose(1, 2))  # through a view: the base's entry
+    assert len(cache) == 0

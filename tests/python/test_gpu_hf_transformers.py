@@ -192,3 +192,29 @@ def test_gpu_experts_take_no_host_sync(seed):
     assert torch.equal(out[3].float(), torch.zeros_like(out[3].float()))
     assert torch.equal(weights.grad[3].float(), torch.zeros(2, device=x.device))
     assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("is_concatenated", [True, False])
+def test_gpu_fp8_experts_implementation(is_concatenated, seed):
+    # experts_implementation="machmoe_fp8" on the kernels (transposed, biased experts, expert-
+    # parallel sentinels): forward and every gradient against the same module through the FP8
+    # emulation (the torch backend), within 0.35 of FP8's model per tensor
+    # (test_gpu_fp8_layer.py's bound for kernels against emulation; model 2·sqrt(6)·0.024).
+    from test_hf_transformers import _flagged_experts_class, tiny_config
+
+    config = tiny_config("qwen3_moe")
+    config._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    module = _flagged_experts_class(is_concatenated)(config)
+    x, index, weights, dout = _experts_case(module, T=300, K=2, seed=seed)
+    _require_kernels(x.bfloat16(), config.hidden_size, config.moe_intermediate_size)
+    kernels_module = copy.deepcopy(module).cuda().bfloat16()
+    emulated_module = copy.deepcopy(kernels_module)
+    got = _grads(hf_machmoe.fp8_experts_forward, kernels_module, x.bfloat16(), index, weights.bfloat16(), dout)
+    emulated = _grads(hf_machmoe.make_experts_forward("torch", "fp8"), emulated_module, x.bfloat16(), index,
+                      weights.bfloat16(), dout)
+    bound = 0.35 * 2 * 6 ** 0.5 * 0.024
+    for name, a, b in [("out", got[0], emulated[0])] + [(n, got[1][n], emulated[1][n]) for n in got[1]]:
+        err = rel_err(a.float(), b.float())
+        assert err <= bound, f"{name}: kernels against the emulation {err:.4f} > {bound:.4f}"
+    assert "_machmoe_fp8_cache" in kernels_module.__dict__

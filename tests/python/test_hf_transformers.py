@@ -355,6 +355,45 @@ def test_fuse_moe_fp8(seed):
         assert 0.1 * model_err <= err <= 2 * model_err, (model_type, err)
 
 
+def test_fp8_experts_implementation(seed, caplog):
+    """experts_implementation="machmoe_fp8": each experts module's GEMMs in FP8 (the emulation on
+    the CPU; bf16 models). Qwen3-MoE's experts (concatenated gate/up) and gpt-oss's (transposed,
+    biases, clamped SwiGLU): a module's output within E4M3's error of its bf16 machmoe output (x,
+    W1, A, W2 quantised: sqrt(4)·0.024 rms, bound twice that, floor a tenth), expert ids outside
+    [0, E) dropped; a second call reuses the module's FP8 copies (gpt-oss hands its weights over
+    as fresh transposed views); float32 experts fall back to grouped_mm, saying why."""
+    assert hf_moe.ALL_EXPERTS_FUNCTIONS["machmoe_fp8"] is hf_machmoe.fp8_experts_forward
+    for model_type in ("qwen3_moe", "gpt_oss"):
+        if model_type not in FAMILIES:
+            pytest.skip(f"{model_type} is not in this transformers release")
+    gen = torch.Generator().manual_seed(seed)
+    for model_type in ("qwen3_moe", "gpt_oss"):
+        model = build(model_type, seed).bfloat16()
+        _, experts = _experts_modules(model)[0]
+        plan = hf_machmoe.plan_experts(experts)
+        E, d = plan.w1.shape[0], plan.w1.shape[2]
+        T, K = 40, 2
+        x = torch.randn(T, d, generator=gen).bfloat16()
+        idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+        in_range = idx.clone()
+        idx[::7, 1] = E  # another rank's expert: dropped
+        w = torch.rand(T, K, generator=gen)
+        want = hf_machmoe.experts_forward(experts, x, idx, w)
+        got = hf_machmoe.fp8_experts_forward(experts, x, idx, w)
+        err, model_err = ((got.float() - want.float()).norm() / want.float().norm()).item(), 4 ** 0.5 * 0.024
+        assert 0.1 * model_err <= err <= 2 * model_err, (model_type, err)
+        cache = experts.__dict__["_machmoe_fp8_cache"]
+        copies = [id(c) for entry in cache._entries.values() for c in entry[2].values()]
+        again = hf_machmoe.fp8_experts_forward(experts, x, idx, w)  # (kept: its graph holds the weights' views)
+        assert torch.equal(again, got)
+        assert [id(c) for entry in cache._entries.values() for c in entry[2].values()] == copies, model_type
+    experts.float()
+    with caplog.at_level(logging.WARNING, logger="machmoe"):
+        out = hf_machmoe.fp8_experts_forward(experts, x.float(), in_range, w)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert "cannot run in FP8: the weights are torch.float32" in caplog.text
+
+
 def test_fuse_moe_leaves_other_blocks_and_says_why(seed):
     model = build("dots1", seed)  # DeepSeek-V3-like, but a block class fuse_moe does not know
     report = hf_machmoe.fuse_moe(model)

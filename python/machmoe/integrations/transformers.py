@@ -10,7 +10,8 @@ again, under another name if wanted), so that
 
 runs every experts module that transformers decorates with `use_experts_implementation` on
 machmoe's experts (`machmoe.functional.experts_topk`): the model's own router picks the experts,
-machmoe runs them. fuse_moe(model) goes further for the sparse MoE blocks whose routing machmoe
+machmoe runs them. "machmoe_fp8" does the same with the experts' GEMMs in FP8 (bfloat16 models;
+each experts module keeps its weights' FP8 copies, remade when the weights change). fuse_moe(model) goes further for the sparse MoE blocks whose routing machmoe
 computes itself (softmax top-K: Qwen2/3-MoE, Qwen3-Next, Qwen3.5-MoE, Mixtral, OLMoE; gpt-oss's
 biased router; the sigmoid routers of DeepSeek-V3, GLM-4.5, MiniMax-M2): router, routing and
 experts in one `machmoe.functional.moe` call.
@@ -56,6 +57,7 @@ except ImportError as error:  # pragma: no cover - the module is optional
 
 _LOG = logging.getLogger("machmoe")
 IMPLEMENTATION_NAME = "machmoe"
+FP8_IMPLEMENTATION_NAME = "machmoe_fp8"  # the experts' GEMMs in FP8 (docs/LAYER.md "FP8")
 
 # ---------------------------------------------------------------- what a module computes
 
@@ -218,15 +220,39 @@ def _fallback(module, hidden_states, top_k_index, top_k_weights):
     return eager(module, hidden_states, top_k_index, top_k_weights)
 
 
-def make_experts_forward(backend: Union[Backend, str] = Backend.AUTO) -> Callable:
-    """An ExpertsInterface function running the experts on machmoe with `backend`."""
+def _fp8_options(module: nn.Module, plan: "ExpertsPlan") -> Union[dict, str]:
+    """experts_topk's FP8 arguments for the module (its weights' FP8 copies cached on it, remade
+    when they change), or why its experts cannot run in FP8."""
+    from .. import fp8_layer
+
+    try:
+        fp8_layer.check_options(_FP8_NAMES, plan.activation, plan.w2.shape[1], plan.w2.shape[2])
+    except ValueError as error:
+        return f"its experts cannot run in FP8: {error}"
+    if plan.w1.dtype != torch.bfloat16:
+        return f"its experts cannot run in FP8: the weights are {plan.w1.dtype}, not bfloat16"
+    cache = module.__dict__.get("_machmoe_fp8_cache")
+    if cache is None:
+        cache = module.__dict__["_machmoe_fp8_cache"] = fp8_layer.new_cache()
+    return {"precision": "fp8", "fp8_cache": cache}
+
+
+def make_experts_forward(backend: Union[Backend, str] = Backend.AUTO,
+                         precision: Union[Precision, str] = Precision.BF16) -> Callable:
+    """An ExpertsInterface function running the experts on machmoe with `backend`; precision
+    "fp8": their GEMMs in FP8, each module's weights' FP8 copies cached on it (a module whose
+    experts FP8 does not compute runs on transformers' grouped_mm, after a warning)."""
     backend = parse_enum(Backend, backend, "backend")
+    precision = parse_enum(Precision, precision, "precision")
 
     def machmoe_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
                                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """out [T, d] = Σ_k top_k_weights[t, k] · expert_{top_k_index[t, k]}(hidden_states[t]),
         ids outside [0, E) dropped; in hidden_states' dtype."""
         plan = plan_experts(module)
+        options = _fp8_options(module, plan) if precision == Precision.FP8 and not isinstance(plan, str) else {}
+        if isinstance(options, str):
+            plan = options
         if isinstance(plan, str):
             _warn_fallback(module, plan)
             return _fallback(module, hidden_states, top_k_index, top_k_weights)
@@ -234,25 +260,31 @@ def make_experts_forward(backend: Union[Backend, str] = Backend.AUTO) -> Callabl
         x = hidden_states.to(plan.w1.dtype)
         out = functional.experts_topk(x, plan.w1, plan.w2, top_k_weights, top_k_index, b1=plan.b1,
                                       b2=plan.b2, activation=plan.activation, layout=plan.layout,
-                                      backend=backend, glu_clamp=plan.glu_clamp)
+                                      backend=backend, glu_clamp=plan.glu_clamp, **options)
         return out.to(hidden_states.dtype)
 
     return machmoe_experts_forward
 
 
 experts_forward = make_experts_forward(Backend.AUTO)
+fp8_experts_forward = make_experts_forward(Backend.AUTO, Precision.FP8)
 
 
-def register(name: str = IMPLEMENTATION_NAME, backend: Union[Backend, str] = Backend.AUTO) -> None:
+def register(name: str = IMPLEMENTATION_NAME, backend: Union[Backend, str] = Backend.AUTO,
+             precision: Union[Precision, str] = Precision.BF16) -> None:
     """Registers machmoe's experts under `name` in transformers' ExpertsInterface (for every
     model, as transformers' own implementations are); importing this module has already
-    registered "machmoe" with backend "auto"."""
-    function = experts_forward if parse_enum(Backend, backend, "backend") == Backend.AUTO \
-        else make_experts_forward(backend)
+    registered "machmoe" (bf16) and "machmoe_fp8" (FP8), with backend "auto"."""
+    precision = parse_enum(Precision, precision, "precision")
+    if parse_enum(Backend, backend, "backend") == Backend.AUTO:
+        function = fp8_experts_forward if precision == Precision.FP8 else experts_forward
+    else:
+        function = make_experts_forward(backend, precision)
     _hf_moe.ExpertsInterface.register(name, function)
 
 
 register()
+register(FP8_IMPLEMENTATION_NAME, precision=Precision.FP8)
 
 # ---------------------------------------------------------------- fused sparse MoE blocks
 
@@ -499,5 +531,6 @@ def fuse_moe(model: nn.Module, backend: Union[Backend, str] = Backend.AUTO,
     return FuseReport(fused, unfused)
 
 
-__all__ = ["ExpertsPlan", "FuseReport", "FusedSparseMoeBlock", "IMPLEMENTATION_NAME", "experts_forward",
+__all__ = ["ExpertsPlan", "FuseReport", "FusedSparseMoeBlock", "FP8_IMPLEMENTATION_NAME", "IMPLEMENTATION_NAME",
+           "experts_forward", "fp8_experts_forward",
            "fuse_moe", "make_experts_forward", "plan_experts", "register"]
