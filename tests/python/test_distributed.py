@@ -120,7 +120,7 @@ CASES = [
 ]
 
 
-def _check_fp8(rank, world, seed, layout, activation):
+def _check_fp8(rank, world, seed, layout, activation, rounding="none"):
     """precision='fp8' (the emulation on the torch backend): the sharded layer against the whole
     FP8 layer on the ranks' batches put end to end, in one call. An expert's rows are then the
     same rows in the same order (rank by rank), so every operand is quantised alike (x, dout and
@@ -128,17 +128,22 @@ def _check_fp8(rank, world, seed, layout, activation):
     only where the sharded layer rounds a token's partial sums to bf16 per rank before adding
     them (out, dx) and in fp32 summation order: 2^-7 relative, against FP8's ~0.05 (a path
     quantised differently fails). The aux loss is per rank in the sharded layer, so it is left
-    out of the loss here (aux_weight 0)."""
+    out of the loss here (aux_weight 0). With token rounding the sharded layer rounds over the
+    group's whole batch, as the whole layer does over the batches end to end."""
     from machmoe import GluClamp, MoE
     from machmoe.distributed import ExpertParallelMoE
 
     E, K, d, n = 4 * world, 2, 128, 64
     torch.manual_seed(seed)
     extra = {"glu_clamp": GluClamp.gpt_oss(limit=3.0)} if activation == "clamped_swiglu" else {}
+    if rounding != "none":
+        extra.update(token_rounding=rounding, tile_m=16)
     full = MoE(E, K, d, n, activation, True, 0.05, gate_up_layout=layout, backend="torch", precision="fp8",
-               router_bias=True, **extra).bfloat16()
+               router_bias=rounding == "none", **extra).bfloat16()
     with torch.no_grad():
-        full.c_fc.bias.normal_(0.0, 0.3), full.c_proj.bias.normal_(0.0, 0.1), full.router.bias.normal_(0.0, 0.5)
+        full.c_fc.bias.normal_(0.0, 0.3), full.c_proj.bias.normal_(0.0, 0.1)
+        if full.router.bias is not None:
+            full.router.bias.normal_(0.0, 0.5)
     xs, gs = _case_inputs(seed + 1, world, 150, d, torch.bfloat16, None)
     x_all = torch.cat(xs).requires_grad_(True)
     out_all, _ = full(x_all)
@@ -152,11 +157,12 @@ def _check_fp8(rank, world, seed, layout, activation):
     out, _ = layer(x)
     (out.float() * gs[rank].float()).sum().backward()
     layer.reduce_gradients(average=False)
-    name = f"fp8 {layout} {activation} W={world} rank {rank}"
+    name = f"fp8 {layout} {activation} rounding {rounding} W={world} rank {rank}"
     part = slice(rank * (E // world), (rank + 1) * (E // world))
     checks = [("out", out, out_all[rows]), ("dx", x.grad, x_all.grad[rows]),
-              ("router.weight", layer.router.weight.grad, full.router.weight.grad),
-              ("router.bias", layer.router.bias.grad, full.router.bias.grad)]
+              ("router.weight", layer.router.weight.grad, full.router.weight.grad)]
+    if full.router.bias is not None:
+        checks.append(("router.bias", layer.router.bias.grad, full.router.bias.grad))
     for local, whole in ((layer.c_fc, full.c_fc), (layer.c_proj, full.c_proj)):
         checks += [(f"{type(local).__name__}.weight", local.weight.grad, whole.weight.grad[part]),
                    (f"{type(local).__name__}.bias", local.bias.grad, whole.bias.grad[part])]
@@ -184,6 +190,7 @@ def _worker(rank, world, init_file, seed, errors):
         _check_init_independent_of_world(rank, world)
         _check_fp8(rank, world, seed, "interleaved", "swiglu")
         _check_fp8(rank, world, seed, "concatenated", "clamped_swiglu")
+        _check_fp8(rank, world, seed, "interleaved", "swiglu", rounding="nr")
         _check_errors(world)
     except BaseException:
         errors.put(f"rank {rank}: {traceback.format_exc()}")
