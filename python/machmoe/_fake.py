@@ -295,22 +295,10 @@ def _grouped_gemm_fp8(a_q, a_scales, w_q, w_scales, expert_offsets, max_ctas=0, 
     R = a_q.shape[0] if gather is None else gather.shape[0]  # C's rows: one per gathered row
     return a_q.new_empty(R, w_q.shape[1], dtype=torch.bfloat16)
 
+
 @functools.lru_cache(maxsize=None)
 def experts_fp8_saved_layout(n: int, E: int) -> SavedLayout:
     return SavedLayout.decode(torch.ops.machmoe.experts_fp8_saved_layout(n, E))
-
-
-def _experts_forward_fp8(x, fp8_weights, scores, token_idx, expert_idx):
-    T, d = x.shape
-    E, n = fp8_weights[4].shape[0], fp8_weights[4].shape[2]
-    saved = experts_fp8_saved_layout(int(n), int(E)).nbytes(scores.numel(), T)
-    return x.new_empty(T, d), x.new_empty(saved, dtype=torch.uint8)
-
-
-def _experts_backward_fp8(x, fp8_weights, token_idx, expert_idx, saved, dout):
-    E, d, n = fp8_weights[4].shape
-    return (x.new_empty(x.shape), x.new_empty(token_idx.numel(), dtype=torch.float32), x.new_empty(E, 2 * n, d),
-            x.new_empty(E, d, n))
 
 
 def _grouped_gemm_fp8_glu(a_q, a_scales, w_q, w_scales, expert_offsets, activation, glu_clamp, bias=None,
@@ -362,8 +350,6 @@ FAKES = {
     "grouped_gemm_fp8": _grouped_gemm_fp8,
     "grouped_gemm_fp8_glu": _grouped_gemm_fp8_glu,
     "grouped_wgrad_fp8": _grouped_wgrad_fp8,
-    "experts_forward_fp8": _experts_forward_fp8,
-    "experts_backward_fp8": _experts_backward_fp8,
     "pull_rows": _pull_rows,
     "sum_blocks": _sum_blocks,
 }

@@ -255,13 +255,3 @@ def experts_on_list(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, token: 
     cache = FP8WeightCache(quantize_weights) if cache is None else cache
     return _EmulatedExperts.apply(x, w1, w2, score, token, expert, cache, concatenated, glu_clamp, b1, b2)
 
-
-def experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores: torch.Tensor, experts_idx: torch.Tensor,
-            cache: Optional[FP8WeightCache] = None, concatenated: bool = False, glu_clamp=None,
-            b1: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """experts_on_list on a top-K routing: scores [T, K] float, experts_idx [T, K] integer in
-    [0, E), a token's experts distinct (the pairs in (t, k) order)."""
-    T, K = experts_idx.shape
-    token = torch.arange(T, device=x.device).repeat_interleave(K)
-    return experts_on_list(x, w1, w2, token, experts_idx.reshape(-1), scores.reshape(-1), cache, concatenated,
-                           glu_clamp, b1, b2)

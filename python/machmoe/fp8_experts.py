@@ -1,6 +1,6 @@
 """The experts in FP8 (E4M3, DeepSeek-V3's recipe) on the kernels, on a top-K routing the caller
-made: one op per direction over the C++ API's experts call with precision FP8
-(src/host/layer/fp8_experts.cu). The layer with `precision="fp8"` (machmoe.fp8_layer) runs the
+made: the experts ops (experts_forward / experts_backward) given the weights' FP8 copies, one per
+direction over the C++ API's experts call with precision FP8 (src/host/layer/fp8_experts.cu). The layer with `precision="fp8"` (machmoe.fp8_layer) runs the
 same expert code inside the layer call, with its own router and routing.
 
     out, saved = experts_forward(x, w1, w2, scores, experts)
@@ -60,9 +60,11 @@ def experts_forward(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, scores:
                          f"{list(scores.shape)} and {list(experts.shape)}")
     cache = _DEFAULT_CACHE if cache is None else cache
     token, expert = _pair_list(experts)
-    out, saved = torch.ops.machmoe.experts_forward_fp8(x.contiguous(), _copies(cache, w1, w2, concatenated),
-                                                       scores.to(torch.float32).reshape(-1).contiguous(), token,
-                                                       expert)
+    # (w1 and w2 are checked by the op, not read: the FP8 copies stand for them)
+    out, saved = torch.ops.machmoe.experts_forward(x.contiguous(), w1, None, w2, None,
+                                                   scores.to(torch.float32).reshape(-1).contiguous(), token, expert,
+                                                   "swiglu", "interleaved", [],
+                                                   fp8_weights=_copies(cache, w1, w2, concatenated))
     return out, (saved, token, expert)
 
 
@@ -74,9 +76,9 @@ def experts_backward(x, w1, w2, scores, experts, saved, dout, *, cache: Optional
     block, token, expert = saved
     cache = _DEFAULT_CACHE if cache is None else cache
     T, K = scores.shape
-    dx, d_scores, dw1, dw2 = torch.ops.machmoe.experts_backward_fp8(
-        x.contiguous(), _copies(cache, w1, w2, concatenated), token, expert, block,
-        dout.to(torch.bfloat16).contiguous())
+    dx, dw1, _, dw2, _, d_scores = torch.ops.machmoe.experts_backward(
+        x.contiguous(), w1, None, w2, None, token, expert, block, dout.to(torch.bfloat16).contiguous(), "swiglu",
+        "interleaved", [], fp8_weights=_copies(cache, w1, w2, concatenated))
     if concatenated:
         dw1 = concatenate_gate_up(dw1)
     return dx, dw1, dw2, d_scores.reshape(T, K).to(scores.dtype)

@@ -36,7 +36,7 @@ import torch
 
 from . import _ops, fp8_emulation, torch_backend
 from .enums import ActivationType, Backend, GateUpLayout, Precision, RoutingMethod, TokenRounding
-from .fp8_weights import FP8WeightCache, _quantize_on_kernels, interleave_gate_up
+from .fp8_weights import FP8WeightCache, _quantize_on_kernels
 
 _ALIGN = 16  # d and n: the FP8 ops' rows of E4M3 codes are read 16 bytes at a time
 
@@ -102,10 +102,7 @@ def moe(precision: Union[Precision, str], fp8_cache: Optional[FP8WeightCache], b
     if on_kernels:  # the bf16 layer's one call per direction, the experts' GEMMs in FP8
         from . import machmoe_backend
 
-        # b1 in the FP8 copy's interleaved row order (a differentiable permutation: db1 comes back
-        # in b1's order through autograd).
-        b1_rows = interleave_gate_up(b1.unsqueeze(-1)).squeeze(-1) if concatenated and b1 is not None else b1
-        return machmoe_backend.moe(x, router_weight, w1, b1_rows, w2, b2, K, activation, layout, routing,
+        return machmoe_backend.moe(x, router_weight, w1, b1, w2, b2, K, activation, layout, routing,
                                    renormalize, selection_bias, rounding, tile_m, seed, router_bias, options,
                                    glu_clamp, fp8=(cache, concatenated))
     logits = torch_backend.router_logits(x, router_weight, router_bias)  # [T, E] fp32

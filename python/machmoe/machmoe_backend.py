@@ -118,6 +118,15 @@ class _Layer(torch.autograd.Function):
                 d_shared_scores, d_shared_gate, None)
 
 
+def _fp8_row_order(fp8, b1):
+    """b1 in the row order of the FP8 copies, which hold w1's rows interleaved whatever w1's layout
+    (with fp8 = (cache, concatenated)): permuted when concatenated, by a differentiable
+    permutation, so that db1 comes back in b1's own order through autograd."""
+    if fp8[1] and b1 is not None:
+        return interleave_gate_up(b1.unsqueeze(-1)).squeeze(-1)
+    return b1
+
+
 def _fp8_copies(fp8, w1, w2):
     """The weights' FP8 copies as the layer ops take them (fp8_weights), or None for bf16."""
     if fp8 is None:
@@ -139,7 +148,8 @@ def moe(x, router_weight, w1, b1, w2, b2, K: int, activation: ActivationType, la
     x, router_weight, w1, w2, b1, b2, router_bias = (_contiguous(t) for t in (x, router_weight, w1, w2, b1, b2,
                                                                               router_bias))
     bias = None if selection_bias is None else selection_bias.detach().float().contiguous()
-    if fp8 is not None:  # the FP8 copies hold w1's rows interleaved whatever w1's layout
+    if fp8 is not None:
+        b1 = _fp8_row_order(fp8, b1)
         layout = GateUpLayout.INTERLEAVED
     opts = (K, activation.value, layout.value, routing.value, renormalize, rounding.value, tile_m, seed)
     router_opts = (1.0, 1, 1) if router_options is None else (float(router_options.routed_scaling_factor),
@@ -229,11 +239,10 @@ def moe_general(x, w1, b1, w2, b2, scores, token_idx, expert_idx, activation: Ac
     T, d = x.shape
     n = w2.shape[2]
     _check(x, d, n)
-    if fp8 is not None:  # the FP8 copies hold w1's rows interleaved whatever w1's layout; b1 alike
+    if fp8 is not None:
         if repeats != 1:
             raise ValueError(f"repeats must be 1 with the FP8 experts (their copies are per expert); got {repeats}")
-        if fp8[1] and b1 is not None:  # (a differentiable permutation: db1 comes back in b1's order)
-            b1 = interleave_gate_up(b1.unsqueeze(-1)).squeeze(-1)
+        b1 = _fp8_row_order(fp8, b1)
         layout = GateUpLayout.INTERLEAVED
     x, w1, w2, b1, b2 = (_contiguous(t) for t in (x, w1, w2, b1, b2))
     tok = token_idx.to(torch.int32).contiguous()

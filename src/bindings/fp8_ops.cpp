@@ -327,85 +327,6 @@ std::tuple<Tensor, Tensor, Tensor> op_fp8_swiglu_backward(const Tensor& da, cons
   });
 }
 
-// ---- the FP8 experts on a top-K or general list (machmoe::ExpertsProblem with precision FP8)
-
-// An FP8 experts call's checked problem (x [T, d] bf16, w2_q [E, d, n] = fp8_weights[4], the
-// list's R pairs: token_idx's length) and the copies as the C++ call reads them.
-struct Fp8ExpertsCall {
-  ValidExpertsProblem valid;
-  Fp8ExpertWeights weights;
-};
-Fp8ExpertsCall fp8_experts_call(const Tensor& x, at::TensorList w, const Tensor& token_idx, const Tensor& expert_idx) {
-  check_first(x, "x", at::kBFloat16, 2);
-  check_dims(token_idx, "token_idx", 1);
-  MACHMOE_CHECK_VALUE(w.size() == 8 && w[4].dim() == 3, "fp8_weights[4] (w2_q) must be [E, d, n]");
-  ExpertsProblem p;
-  p.T = x.size(0), p.d = x.size(1), p.E = w[4].size(0), p.n = w[4].size(2), p.R = token_idx.numel();
-  p.precision = Precision::FP8;
-  const ValidExpertsProblem valid = validate(p);
-  const at::Device device = x.device();
-  check_tensor(token_idx, "token_idx", at::kInt, {p.R}, &device);
-  check_tensor(expert_idx, "expert_idx", at::kInt, {p.R}, &device);
-  return {valid, fp8_weights_of(w, p.E, p.d, p.n, device)};
-}
-
-// out [T, d] bf16 and the saved block of the experts in FP8 on the list (scores fp32 [R],
-// token_idx, expert_idx int32 [R], ordered by token) of x [T, d] bf16, with the weights' FP8
-// copies (fp8_weights_of): machmoe::experts_forward with precision FP8.
-std::tuple<Tensor, Tensor> op_experts_forward_fp8(const Tensor& x, at::TensorList fp8_weights, const Tensor& scores,
-                                                  const Tensor& token_idx, const Tensor& expert_idx) {
-  return translate_errors([&] {
-    const auto [valid, w] = fp8_experts_call(x, fp8_weights, token_idx, expert_idx);
-    const ExpertsProblem& p = *valid;
-    const at::Device device = x.device();
-    check_tensor(scores, "scores", at::kFloat, {p.R}, &device);
-    const c10::cuda::CUDAGuard guard(device);
-    const WorkspacePlan plan = plan_workspace(valid);
-    const auto bytes = x.options().dtype(at::kByte);
-    Tensor out = at::empty({p.T, p.d}, x.options());
-    Tensor saved = at::empty({static_cast<int64_t>(plan.saved_bytes)}, bytes);
-    Tensor ws = at::empty({static_cast<int64_t>(plan.forward_workspace_bytes)}, bytes);
-    ExpertsForwardArgs a;
-    a.x = x.data_ptr();  // (w1 and w2 stay null: with FP8 the copies stand for them)
-    a.scores = scores.data_ptr<float>();
-    a.pair_token = token_idx.data_ptr<int32_t>(), a.pair_expert = expert_idx.data_ptr<int32_t>();
-    a.out = out.data_ptr(), a.saved = saved.data_ptr(), a.workspace = ws.data_ptr();
-    a.fp8_weights = &w;
-    experts_forward(valid, a, at::cuda::getCurrentCUDAStream());
-    return std::make_tuple(out, saved);
-  });
-}
-
-// (dx [T, d] bf16, d_scores fp32 [R], dw1 [E, 2n, d], dw2 [E, d, n] bf16) of op_experts_forward_fp8
-// from its saved block, the same list and copies, and dout [T, d] bf16.
-std::tuple<Tensor, Tensor, Tensor, Tensor> op_experts_backward_fp8(const Tensor& x, at::TensorList fp8_weights,
-                                                                   const Tensor& token_idx, const Tensor& expert_idx,
-                                                                   const Tensor& saved, const Tensor& dout) {
-  return translate_errors([&] {
-    const auto [valid, w] = fp8_experts_call(x, fp8_weights, token_idx, expert_idx);
-    const ExpertsProblem& p = *valid;
-    const at::Device device = x.device();
-    check_bf16(dout, "dout", {p.T, p.d}, &device);
-    const WorkspacePlan plan = plan_workspace(valid);
-    check_saved(saved, plan.saved_bytes, device, "experts_forward_fp8");
-    const c10::cuda::CUDAGuard guard(device);
-    Tensor dx = at::empty({p.T, p.d}, x.options());
-    Tensor d_scores = at::empty({p.R}, x.options().dtype(at::kFloat));
-    Tensor dw1 = at::empty({p.E, 2 * p.n, p.d}, x.options());
-    Tensor dw2 = at::empty({p.E, p.d, p.n}, x.options());
-    Tensor ws = at::empty({static_cast<int64_t>(plan.backward_workspace_bytes)}, x.options().dtype(at::kByte));
-    ExpertsBackwardArgs a;
-    a.x = x.data_ptr();
-    a.pair_token = token_idx.data_ptr<int32_t>(), a.pair_expert = expert_idx.data_ptr<int32_t>();
-    a.saved = saved.data_ptr(), a.dout = dout.data_ptr();
-    a.dx = dx.data_ptr(), a.d_scores = d_scores.data_ptr<float>(), a.dw1 = dw1.data_ptr(), a.dw2 = dw2.data_ptr();
-    a.workspace = ws.data_ptr();
-    a.fp8_weights = &w;
-    experts_backward(valid, a, at::cuda::getCurrentCUDAStream());
-    return std::make_tuple(dx, d_scores, dw1, dw2);
-  });
-}
-
 // The saved block of an FP8 experts call (host/layer/saved_layout.hpp): what the fake kernels
 // size it with. No GPU needed.
 std::vector<int64_t> op_experts_fp8_saved_layout(int64_t n, int64_t E) {
@@ -448,10 +369,6 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
         " -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("grouped_wgrad_fp8(Tensor a_qt, Tensor a_scales, Tensor b_qt, Tensor b_scales, Tensor chunk_offsets,"
         " ScalarType out_dtype, bool transpose_c, int max_ctas=0) -> Tensor");
-  m.def("experts_forward_fp8(Tensor x, Tensor[] fp8_weights, Tensor scores, Tensor token_idx, Tensor expert_idx)"
-        " -> (Tensor out, Tensor saved)");
-  m.def("experts_backward_fp8(Tensor x, Tensor[] fp8_weights, Tensor token_idx, Tensor expert_idx, Tensor saved,"
-        " Tensor dout) -> (Tensor dx, Tensor d_scores, Tensor dw1, Tensor dw2)");
   m.def("experts_fp8_saved_layout(int n, int E) -> int[]", &op_experts_fp8_saved_layout);
   m.def("fp8_swiglu_backward(Tensor da, Tensor hq, Tensor h_scales, Tensor scores, Tensor row_pair,"
         " float[] glu_clamp=[]) -> (Tensor, Tensor, Tensor)");
@@ -465,8 +382,6 @@ TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {
   m.impl("grouped_gemm_fp8_glu", &op_grouped_gemm_fp8_glu);
   m.impl("grouped_wgrad_fp8", &op_grouped_wgrad_fp8);
   m.impl("fp8_swiglu_backward", &op_fp8_swiglu_backward);
-  m.impl("experts_forward_fp8", &op_experts_forward_fp8);
-  m.impl("experts_backward_fp8", &op_experts_backward_fp8);
 }
 
 }  // namespace machmoe::bindings

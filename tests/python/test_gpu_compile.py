@@ -65,7 +65,6 @@ def _op_cases():
     ht_q, ht_scales, _ = m.fp8_quantize_columns(h, None, offs)
     # The FP8 experts on the top-K list: the weights' copies, plain and transposed.
     fp8_weights = [*m.fp8_quantize_weights(t["w1"], True), *m.fp8_quantize_weights(t["w2"], True)]
-    _, fp8_saved = m.experts_forward_fp8(t["x"], fp8_weights, pair_scores, tok, exp)
     # The layer with those copies (precision FP8: no biases; every optional argument up to fp8_weights).
     layer_fp8 = (t["x"], t["router_weight"], t["w1"], None, t["w2"], None) + layer[6:] + (True, None, 1.0, 1, 1, [],
                                                                                          None, None, None, None, None,
@@ -134,11 +133,9 @@ def _op_cases():
                                   t["b1"], 0, row_token)),
         ("grouped_wgrad_fp8", (xt_q, xt_scales, ht_q, ht_scales, chunks, torch.float32, False)),
         ("grouped_wgrad_fp8", (xt_q, xt_scales, ht_q, ht_scales, chunks, torch.bfloat16, True, 2)),
-        ("experts_forward_fp8", (t["x"], fp8_weights, pair_scores, tok, exp)),
         ("layer_forward", layer_fp8),
         ("layer_backward", layer_fp8[:6] + (saved_fp8, dout, torch.ones((), device="cuda")) + layer[7:14]
          + (None, 1.0, 1, 1, [], None, None, None, None, False, None, fp8_weights)),
-        ("experts_backward_fp8", (t["x"], fp8_weights, tok, exp, fp8_saved, dout)),
     ]
 
 

@@ -318,7 +318,7 @@ def _composed_experts(x, w1, w2, scores, experts, dout):
 @on_gpu
 @pytest.mark.parametrize("name,d,n", (("7B-a", 1536, 256), ("30B-b", 4096, 512), ("gpt-oss", 2880, 2880)))
 def test_fp8_experts_ops_are_the_composed_ops_bitwise(name, d, n):
-    # The experts_forward_fp8 / experts_backward_fp8 ops (the C++ API's FP8 experts call) run the
+    # The experts_forward / experts_backward ops given the FP8 copies (the C++ API's FP8 experts call) run the
     # same kernels on the same operands as the FP8 ops composed one by one: bitwise equal, every
     # output (an expert without rows, T = 301 odd).
     from machmoe.fp8_experts import experts_backward, experts_forward

@@ -109,16 +109,23 @@ def test_gpu_experts_bf16_vs_fp32_eager(model_type, seed):
     assert torch.equal(got[1]["top_k_weights"][sentinel].float(), torch.zeros(int(sentinel.sum()), device=x.device))
 
 
-@pytest.mark.parametrize("is_concatenated", [True, False])
-def test_gpu_transposed_biased_experts(is_concatenated, seed):
+def _flagged_case(is_concatenated, seed, T):
+    """A transposed, biased experts module (test_hf_transformers' flagged class on Qwen3-MoE's tiny
+    config, its gate/up rows concatenated or not) and its case (_experts_case, K = 2)."""
     from test_hf_transformers import _flagged_experts_class, tiny_config
 
     config = tiny_config("qwen3_moe")
     config._experts_implementation = "eager"
     torch.manual_seed(seed)
     module = _flagged_experts_class(is_concatenated)(config)
-    x, index, weights, dout = _experts_case(module, T=48, K=2, seed=seed)
-    _require_kernels(x.bfloat16(), config.hidden_size, config.moe_intermediate_size)
+    case = _experts_case(module, T=T, K=2, seed=seed)
+    _require_kernels(case[0].bfloat16(), config.hidden_size, config.moe_intermediate_size)
+    return module, case
+
+
+@pytest.mark.parametrize("is_concatenated", [True, False])
+def test_gpu_transposed_biased_experts(is_concatenated, seed):
+    module, (x, index, weights, dout) = _flagged_case(is_concatenated, seed, T=48)
     ref = _grads(_eager, copy.deepcopy(module).cuda().float(), x, index, weights, dout)
     bf16_module = copy.deepcopy(module).cuda().bfloat16()
     bf16 = _grads(_eager, bf16_module, x.bfloat16(), index, weights.bfloat16(), dout)
@@ -200,14 +207,7 @@ def test_gpu_fp8_experts_implementation(is_concatenated, seed):
     # parallel sentinels): forward and every gradient against the same module through the FP8
     # emulation (the torch backend), within 0.35 of FP8's model per tensor
     # (test_gpu_fp8_layer.py's bound for kernels against emulation; model 2·sqrt(6)·0.024).
-    from test_hf_transformers import _flagged_experts_class, tiny_config
-
-    config = tiny_config("qwen3_moe")
-    config._experts_implementation = "eager"
-    torch.manual_seed(seed)
-    module = _flagged_experts_class(is_concatenated)(config)
-    x, index, weights, dout = _experts_case(module, T=300, K=2, seed=seed)
-    _require_kernels(x.bfloat16(), config.hidden_size, config.moe_intermediate_size)
+    module, (x, index, weights, dout) = _flagged_case(is_concatenated, seed, T=300)
     kernels_module = copy.deepcopy(module).cuda().bfloat16()
     emulated_module = copy.deepcopy(kernels_module)
     got = _grads(hf_machmoe.fp8_experts_forward, kernels_module, x.bfloat16(), index, weights.bfloat16(), dout)
