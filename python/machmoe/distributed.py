@@ -46,10 +46,51 @@ from .expert_exchange import gathered_experts, rounded_gathered_experts
 from .moe import ExpertLinear, MoE, _positive_int, layer_settings, rounding_for_call
 
 
+class _RouteOnKernels(torch.autograd.Function):
+    """The router on the kernels, as one autograd node (each node and op costs host time that a
+    small layer's GPU time does not hide): logits [T, E] fp32 = x [T, d] · Wr [E, d]ᵀ (+ router
+    bias [E]) from bf16 operands (cuBLAS, fp32 accumulation), as machmoe::layer_forward computes
+    them, then machmoe's top-K router kernel: scores [T, K] fp32, experts [T, K] int32 (LAYER.md's
+    selection and ties). The backward adds the logits' own gradient (the aux loss's) to the top-K
+    kernel's and rounds the sum to bf16 for its two GEMMs, as machmoe::layer_backward does."""
+
+    @staticmethod
+    def forward(ctx, x, router_weight, router_bias, K, routing, renormalize, selection_bias):
+        logits = torch.mm(x, router_weight.t(), out_dtype=torch.float32)
+        if router_bias is not None:
+            logits += router_bias.float()  # [E] broadcast
+        scores, experts = torch.ops.machmoe.topk_router(logits, K, routing, renormalize, selection_bias)
+        ctx.save_for_backward(x, router_weight, logits, scores, experts)
+        ctx.routing, ctx.renormalize = routing, renormalize
+        ctx.router_bias_dtype = None if router_bias is None else router_bias.dtype
+        ctx.mark_non_differentiable(experts)
+        ctx.set_materialize_grads(False)
+        return logits, scores, experts
+
+    @staticmethod
+    def backward(ctx, d_logits, d_scores, _):
+        x, wr, logits, scores, experts = ctx.saved_tensors
+        if d_scores is not None:
+            d_topk = torch.ops.machmoe.topk_router_backward(logits, scores, experts, d_scores.contiguous(),
+                                                            ctx.routing, ctx.renormalize)
+            d_logits = d_topk if d_logits is None else d_topk + d_logits
+        if d_logits is None:
+            return (None,) * 7
+        dx, dwr = _router_gradients(ctx, x, wr, d_logits)
+        d_bias = d_logits.sum(0).to(ctx.router_bias_dtype) if ctx.needs_input_grad[2] else None
+        return dx, dwr, d_bias, None, None, None, None
+
+
+def _router_gradients(ctx, x, wr, d_logits):
+    """(dx, dWr) of logits = x · Wrᵀ from d_logits rounded to bf16, dWr accumulated in fp32."""
+    g = d_logits.to(x.dtype)
+    dx = torch.mm(g, wr) if ctx.needs_input_grad[0] else None
+    dwr = torch.mm(g.t(), x, out_dtype=torch.float32).to(wr.dtype) if ctx.needs_input_grad[1] else None
+    return dx, dwr
+
+
 class _RouterLogits(torch.autograd.Function):
-    """logits [T, E] fp32 = x [T, d] · Wr [E, d]ᵀ from bf16 operands (cuBLAS, fp32 accumulation),
-    as machmoe::layer_forward computes them; the backward rounds d_logits to bf16 for its two
-    GEMMs, as machmoe::layer_backward does."""
+    """The logits alone, as _RouteOnKernels (for router options, whose selection runs in torch ops)."""
 
     @staticmethod
     def forward(ctx, x, router_weight):
@@ -58,31 +99,7 @@ class _RouterLogits(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_logits):
-        x, wr = ctx.saved_tensors
-        g = d_logits.to(x.dtype)
-        dx = torch.mm(g, wr) if ctx.needs_input_grad[0] else None
-        dwr = torch.mm(g.t(), x, out_dtype=torch.float32).to(wr.dtype) if ctx.needs_input_grad[1] else None
-        return dx, dwr
-
-
-class _TopK(torch.autograd.Function):
-    """machmoe's top-K router kernel: logits [T, E] fp32 -> scores [T, K] fp32, experts [T, K]
-    int32 (LAYER.md's selection and ties), with its backward kernel."""
-
-    @staticmethod
-    def forward(ctx, logits, K, routing, renormalize, selection_bias):
-        scores, experts = torch.ops.machmoe.topk_router(logits, K, routing, renormalize, selection_bias)
-        ctx.save_for_backward(logits, scores, experts)
-        ctx.routing, ctx.renormalize = routing, renormalize
-        ctx.mark_non_differentiable(experts)
-        return scores, experts
-
-    @staticmethod
-    def backward(ctx, d_scores, _):
-        logits, scores, experts = ctx.saved_tensors
-        d_logits = torch.ops.machmoe.topk_router_backward(logits, scores, experts, d_scores.contiguous(),
-                                                          ctx.routing, ctx.renormalize)
-        return d_logits, None, None, None, None
+        return _router_gradients(ctx, *ctx.saved_tensors, d_logits)
 
 
 def _on_kernels(x: torch.Tensor) -> bool:
@@ -97,14 +114,14 @@ def _route(x, router_weight, K, routing, renormalize, selection_bias, kernels, r
     """-> logits [T, E] (routing dtype), scores [T, K], experts [T, K] (int32 from the top-K
     kernel, else int64): the layer's routing. With router options (scaling, groups) the
     selection runs in torch ops on the fp32 logits, also on the GPU (the top-K kernel takes none)."""
-    if kernels:
+    if kernels and options == torch_backend.RouterOptions():
+        bias = None if selection_bias is None else selection_bias.float().contiguous()
+        return _RouteOnKernels.apply(x, router_weight.to(x.dtype), router_bias, K, routing.value, renormalize,
+                                     bias)  # experts int32
+    if kernels:  # the logits as above, the selection in torch ops
         logits = _RouterLogits.apply(x, router_weight.to(x.dtype))
         if router_bias is not None:
-            logits = logits + router_bias.float()  # [E] broadcast; its gradient: a column sum
-        if options == torch_backend.RouterOptions():
-            bias = None if selection_bias is None else selection_bias.float().contiguous()
-            scores, experts = _TopK.apply(logits, K, routing.value, renormalize, bias)
-            return logits, scores, experts  # int32
+            logits = logits + router_bias.float()
     else:
         logits = torch_backend.router_logits(x, router_weight, router_bias)
     scores, experts = torch_backend.route_topk(logits, K, routing, renormalize, selection_bias, options)
@@ -323,7 +340,8 @@ def expert_parallel_moe(
         return all_to_all_experts(x, logits, scores, experts, w1, w2, b1, b2, num_experts=E, group=group,
                                   kernels=kernels, activation=activation, layout=layout, backend=backend,
                                   glu_clamp=glu_clamp)
-    aux = torch_backend.aux_loss(logits, experts)
+    # (one autograd node: the host issues this layer op by op)
+    aux = torch_backend.aux_loss_from_counts(logits, torch_backend.expert_counts(experts, E), experts.numel())
     if exchange == "all_to_all_device":  # exact rows, counts on the device
         out = device_all_to_all_experts(
             x, scores, experts, w1, w2, b1, b2, num_experts=E, group=group,
@@ -461,12 +479,16 @@ class ExpertParallelMoE(nn.Module):
         self.c_proj = ExpertLinear(E_local, n, d, add_bias, std)
         with torch.no_grad():
             gen = torch.Generator().manual_seed(seed)
-            self.router.weight.normal_(0.0, std, generator=gen)
+
+            def draw(p: torch.Tensor) -> None:  # on the generator's CPU, whatever device p is on
+                p.copy_(torch.empty(p.shape, device="meta" if p.is_meta else "cpu").normal_(0.0, std, generator=gen))
+
+            draw(self.router.weight)
             for i in range(E_local):
                 # Global expert e's own stream: the same weights whatever W is.
                 gen.manual_seed(torch_backend.splitmix64(seed * 2**32 + rank * E_local + i) % 2**63)
-                self.c_fc.weight[i].normal_(0.0, std, generator=gen)
-                self.c_proj.weight[i].normal_(0.0, std, generator=gen)
+                draw(self.c_fc.weight[i])
+                draw(self.c_proj.weight[i])
         if is_gate_routing(self.routing):  # sigmoid, sqrt_softplus: as MoE
             self.register_buffer("selection_bias", torch.zeros(E))
         else:
@@ -488,16 +510,20 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError("ExpertParallelMoE does not offer shared experts; this MoE has "
                              f"{moe.num_shared_experts}, so its shard would compute another layer "
                              "(run them beside it: machmoe.shared_experts)")
-        layer = cls(moe.num_experts, moe.num_experts_per_tok, moe.hidden_size,
-                    moe.intermediate_size, moe.activation_function, moe.c_fc.bias is not None,
-                    moe.c_fc.std, routing=moe.routing, renormalize=moe.renormalize,
-                    gate_up_layout=moe.gate_up_layout, backend=moe.backend,
-                    process_group=process_group, glu_clamp=moe.glu_clamp,
-                    token_rounding=moe.token_rounding, tile_m=moe.tile_m,
-                    router_bias=moe.router.bias is not None,
-                    routed_scaling_factor=moe.routed_scaling_factor, n_group=moe.n_group,
-                    topk_group=moe.topk_group, precision=moe.precision, **exchange)
-        layer = layer.to(device=moe.router.weight.device, dtype=moe.router.weight.dtype)
+        # Built on the meta device, then given uninitialised storage where moe lives: every value
+        # is copied from moe below, so drawing the constructor's initialisation (on the CPU, one
+        # expert at a time: minutes for DeepSeek-V3's 11 GiB per rank) would be wasted.
+        with torch.device("meta"):
+            layer = cls(moe.num_experts, moe.num_experts_per_tok, moe.hidden_size,
+                        moe.intermediate_size, moe.activation_function, moe.c_fc.bias is not None,
+                        moe.c_fc.std, routing=moe.routing, renormalize=moe.renormalize,
+                        gate_up_layout=moe.gate_up_layout, backend=moe.backend,
+                        process_group=process_group, glu_clamp=moe.glu_clamp,
+                        token_rounding=moe.token_rounding, tile_m=moe.tile_m,
+                        router_bias=moe.router.bias is not None,
+                        routed_scaling_factor=moe.routed_scaling_factor, n_group=moe.n_group,
+                        topk_group=moe.topk_group, precision=moe.precision, **exchange)
+        layer = layer.to_empty(device=moe.router.weight.device).to(dtype=moe.router.weight.dtype)
         part = slice(layer.rank * (moe.num_experts // layer.world_size),
                      (layer.rank + 1) * (moe.num_experts // layer.world_size))
         with torch.no_grad():

@@ -60,22 +60,34 @@ from .enums import ActivationType, Backend, GateUpLayout, glu_clamp_list
 _c10d = torch.ops._c10d_functional
 
 
-def _all_gather(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
-    """[R, ...] -> [W·R, ...] in rank order, ordered before whatever the current stream runs
-    next (a stream dependency, not a host wait, on CUDA). On CUDA by the copy engines through
-    symmetric memory (machmoe.symmetric_exchange: 1.5x NCCL's bandwidth on NVLink), elsewhere
-    by torch's functional collective."""
+def _all_gather(t: torch.Tensor, W: int, group_name: str, rotated: bool = False) -> torch.Tensor:
+    """[R, ...] -> [W·R, ...] in rank order (rotated: this rank's rows first, then the ranks after
+    it; symmetric memory only), ordered before whatever the current stream runs next (a stream
+    dependency, not a host wait, on CUDA). On CUDA by the copy engines through symmetric memory
+    (machmoe.symmetric_exchange: 1.5x NCCL's bandwidth on NVLink), elsewhere by torch's
+    functional collective."""
     if symmetric_exchange.available(t, W):
-        return symmetric_exchange.all_gather_op(t.contiguous(), W, group_name)
+        return _symmetric(symmetric_exchange.all_gather_op, symmetric_exchange.all_gather)(
+            t.contiguous(), W, group_name, rotated)
+    assert not rotated, "the rotated layout runs over symmetric memory only"
     return _c10d.wait_tensor(_c10d.all_gather_into_tensor(t.contiguous(), W, group_name))
 
 
-def _sum_scatter(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
+def _sum_scatter(t: torch.Tensor, W: int, group_name: str, rotated: bool = False) -> torch.Tensor:
     """[W·R, ...] -> [R, ...], the sum over the ranks of this rank's block (in rank order on
-    CUDA; see _all_gather for the transport)."""
+    CUDA; rotated: the adjoint of the rotated _all_gather; see _all_gather for the transport)."""
     if symmetric_exchange.available(t, W):
-        return symmetric_exchange.reduce_scatter_op(t.contiguous(), W, group_name)
+        return _symmetric(symmetric_exchange.reduce_scatter_op, symmetric_exchange.reduce_scatter)(
+            t.contiguous(), W, group_name, rotated)
+    assert not rotated, "the rotated layout runs over symmetric memory only"
     return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(t.contiguous(), "sum", W, group_name))
+
+
+def _symmetric(op, function):
+    """A symmetric-memory collective: its custom op under torch.compile (an opaque node of the
+    graph), the function itself in eager mode (the op's Python dispatch costs host time that a
+    small layer's GPU time does not hide)."""
+    return op if torch.compiler.is_compiling() else function
 
 
 class _GatherRows(torch.autograd.Function):
@@ -93,22 +105,22 @@ class _GatherRows(torch.autograd.Function):
 
 
 class _GatherRouting(torch.autograd.Function):
-    """scores [R, K] and experts [R, K] -> both gathered [W·R, K], in one collective: the scores'
-    bits and the experts (as integers of the scores' width) side by side. Backward: the
-    reduce-scatter (sum) of the scores' gradient."""
+    """scores [R, K] and experts [R, K] -> both gathered [W·R, K] (rotated: this rank's rows
+    first), in one collective: the scores' bits and the experts (as integers of the scores'
+    width) side by side. Backward: the reduce-scatter (sum) of the scores' gradient."""
 
     @staticmethod
-    def forward(ctx, scores, experts, W, group_name):
-        ctx.W, ctx.group_name = W, group_name
+    def forward(ctx, scores, experts, W, group_name, rotated):
+        ctx.W, ctx.group_name, ctx.rotated = W, group_name, rotated
         twin = {4: torch.int32, 8: torch.int64}[scores.element_size()]
         K = scores.shape[1]
         packed = torch.cat([scores.contiguous().view(twin), experts.to(twin)], 1)  # [R, 2K]
-        got = _all_gather(packed, W, group_name)  # [W·R, 2K]
+        got = _all_gather(packed, W, group_name, rotated)  # [W·R, 2K]
         return got[:, :K].contiguous().view(scores.dtype), got[:, K:].contiguous()
 
     @staticmethod
     def backward(ctx, grad_scores, _):
-        return _sum_scatter(grad_scores, ctx.W, ctx.group_name), None, None, None
+        return _sum_scatter(grad_scores, ctx.W, ctx.group_name, ctx.rotated), None, None, None, None
 
 
 class _ReduceScatterRows(torch.autograd.Function):
@@ -141,17 +153,15 @@ def gathered_experts(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tenso
     fp8 (cache, concatenated): the experts in FP8 (their calls are whole, so the transfers are not
     overlapped with them)."""
     E_local = num_experts // world
-    sg, eg = _GatherRouting.apply(scores, experts, world, group_name)  # [W·T, K] each
     call = _parsed_call(x, w1, w2, b1, b2, experts_kwargs)
-    # On the kernels over symmetric memory: the transfers beside the kernels (overlapped_experts).
+    # On the kernels over symmetric memory: the transfers beside the kernels (overlapped_experts),
+    # which take the gathered rows rotated, this rank's tokens first.
     overlapped = (_OVERLAP_TRANSFERS and call[3] and experts_kwargs.get("fp8") is None
                   and symmetric_exchange.available(x, world))
-    if overlapped:  # this rank's tokens first (overlapped_experts)
-        T = scores.shape[0]
-        sg, eg = torch.roll(sg, -rank * T, 0), torch.roll(eg, -rank * T, 0)
-    local = eg - rank * E_local
-    # Experts another rank holds: out of [0, E_local), so dropped (no host check).
-    local = torch.where((local >= 0) & (local < E_local), local, E_local)
+    sg, eg = _GatherRouting.apply(scores, experts, world, group_name, overlapped)  # [W·T, K] each
+    # This rank's expert ids: an expert another rank holds falls outside [0, E_local), below or
+    # above, and every experts path drops such pairs (no host check).
+    local = eg - rank * E_local if rank else eg
     rows, K = local.shape
     score, expert = sg.reshape(-1), local.to(torch.int32).reshape(-1)  # [W·T·K], (t, k) order
     token = _row_of_each_pair(rows, K, x.device)
@@ -185,7 +195,7 @@ def compact_pairs(score: torch.Tensor, token: torch.Tensor, expert: torch.Tensor
     make that token's loop P long (tens of thousands at 4 ranks) while the rest wait for it.
     Padding pair j of P sits on token j·tokens/P (at most ceil(P/tokens) per token)."""
     C, tokens = capacity, max(tokens, 1)
-    mine = expert < E_local
+    mine = (expert >= 0) & (expert < E_local)
     position = torch.cumsum(mine.to(torch.int64), 0) - 1  # [R] place among the in-range pairs
     count = mine.sum()
     keep = mine & (position < C)
@@ -241,7 +251,7 @@ def _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, gr
                                                           world, group_name)
     xg = _GatherRows.apply(x, world, group_name)  # [W·T, d]
     if not on_kernels:  # the torch backend takes in-range pairs only (it synchronises anyway)
-        keep = expert < w1.shape[0]
+        keep = (expert >= 0) & (expert < w1.shape[0])
         score, token, expert = score[keep], token[keep], expert[keep]
     y = functional._run_experts(xg, w1, b1, w2, b2, score, token, expert, activation, layout, glu_clamp,
                                 on_kernels, fp8=experts_kwargs.get("fp8"))  # [W·T, d]

@@ -46,13 +46,9 @@ from . import _ops, symmetric_exchange
 _SMS_LEFT_TO_THE_EXCHANGE = 2
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per GPU, made once, for the transfers."""
-    return _stream_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
 @functools.lru_cache(maxsize=None)
 def _stream_of(index: int) -> torch.cuda.Stream:
+    """One side stream per GPU, made once, for the transfers."""
     return torch.cuda.Stream(device=index)
 
 
@@ -61,15 +57,25 @@ def _gemm_ctas(device: torch.device) -> int:
     return max(1, _ops.sm_count(device) - _SMS_LEFT_TO_THE_EXCHANGE)
 
 
+def _streams(device: torch.device) -> tuple:
+    """(this stream, the side stream) of a CUDA device. (The index given, current_stream skips the
+    lookup of the current device, which costs host time per call.)"""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.current_stream(index), _stream_of(index)
+
+
 def _rotated_gather(t: torch.Tensor, W: int, group_name: str, here, side) -> torch.Tensor:
     """t [T, ...] -> [W·T, ...] rotated: the peers' blocks pulled, then t itself copied first, all on
     the side stream (the caller waits for it before reading any of it; the first part of a split
     call reads t itself)."""
     out = t.new_empty((W * t.shape[0],) + tuple(t.shape[1:]))
     side.wait_stream(here)
-    with torch.cuda.stream(side):
+    torch.cuda.set_stream(side)  # (torch.cuda.stream's context, without its lookups)
+    try:
         symmetric_exchange.gather_blocks(t, out, W, group_name, rotated=True)
         out[: t.shape[0]].copy_(t)
+    finally:
+        torch.cuda.set_stream(here)
     out.record_stream(side)
     return out
 
@@ -79,9 +85,11 @@ def _send_peer_blocks(t: torch.Tensor, W: int, group_name: str, here, side) -> l
     final on this stream (its own block may still be in the making): the W blocks that sum to this
     rank's rows, in rank order, pulled on the side stream (its own block a view of t)."""
     side.wait_stream(here)
-    with torch.cuda.stream(side):
-        parts = symmetric_exchange.pull_blocks(t, W, group_name, rotated=True, in_staging=True)
-    return parts
+    torch.cuda.set_stream(side)
+    try:
+        return symmetric_exchange.pull_blocks(t, W, group_name, rotated=True, in_staging=True)
+    finally:
+        torch.cuda.set_stream(here)
 
 
 def _sum_parts(parts: list, own: torch.Tensor, here, side) -> torch.Tensor:
@@ -114,7 +122,7 @@ def _forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: 
     rotated rows, experts of other ranks out of range. xg and saved are what the backward reads."""
     T, d = x.shape
     ops = torch.ops.machmoe
-    here, side = torch.cuda.current_stream(), _side_stream(x.device)
+    here, side = _streams(x.device)
     saved_bytes, fwd_bytes, _ = _experts_bytes(W * T, d, w1, w2, token.numel(), activation, b1 is not None)
     opts = (activation, layout, glu_clamp)
     # out is written where the peers pull it (no copy into the staging buffer); the gather below
@@ -155,7 +163,7 @@ def _backward(xg: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2
     overlapped_experts_forward, from its xg and saved and the output gradient dout [T, d]."""
     T, d = dout.shape
     ops = torch.ops.machmoe
-    here, side = torch.cuda.current_stream(), _side_stream(xg.device)
+    here, side = _streams(xg.device)
     R = token.numel()
     _, _, bwd_bytes = _experts_bytes(W * T, d, w1, w2, R, activation, b1 is not None)
     opts = (activation, layout, glu_clamp)

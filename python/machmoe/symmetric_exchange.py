@@ -95,11 +95,14 @@ def _buffer(handle, rank: int, shape: tuple, dtype: torch.dtype, offset_elems: i
     return view
 
 
-def all_gather(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
-    """t [R, ...] on every rank -> [W·R, ...], rank q's rows at [q·R, (q+1)·R)."""
-    out = t.new_empty((W * t.shape[0],) + tuple(t.shape[1:]))
-    rank = gather_blocks(t, out, W, group_name)
-    out.chunk(W)[rank].copy_(t)
+def all_gather(t: torch.Tensor, W: int, group_name: str, rotated: bool = False) -> torch.Tensor:
+    """t [R, ...] on every rank -> [W·R, ...], rank q's rows at [q·R, (q+1)·R), or (rotated) at
+    rotated_place(q): this rank's own first."""
+    R = t.shape[0]
+    out = t.new_empty((W * R,) + tuple(t.shape[1:]))
+    rank = gather_blocks(t, out, W, group_name, rotated)
+    place = 0 if rotated else rank
+    out[place * R:(place + 1) * R].copy_(t)
     return out
 
 
@@ -127,10 +130,11 @@ def gather_blocks(t: torch.Tensor, out: torch.Tensor, W: int, group_name: str, r
     return rank
 
 
-def reduce_scatter(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
+def reduce_scatter(t: torch.Tensor, W: int, group_name: str, rotated: bool = False) -> torch.Tensor:
     """t [W·R, ...] on every rank -> [R, ...]: rank r gets the sum over q = 0..W-1 (in that order,
-    float32, rounded once) of rank q's block r."""
-    return sum_blocks(pull_blocks(t, W, group_name))
+    float32, rounded once) of rank q's block r, or (rotated) of its block rotated_place(r, q): the
+    adjoint of all_gather with the same layout."""
+    return sum_blocks(pull_blocks(t, W, group_name, rotated=rotated))
 
 
 def staging_rows(rows: int, like: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -216,21 +220,23 @@ def sum_blocks_torch(parts: list) -> torch.Tensor:
 
 # As custom ops, so that torch.compile keeps each collective as one opaque node of the graph
 # (the staging handle and the barriers are not traceable).
+# (In eager mode callers call the functions themselves: an op's Python dispatch costs ~0.2 ms of
+# host time per call on an H200's host, more than a small layer's collective costs the GPU.)
 @torch.library.custom_op("machmoe::symmetric_all_gather", mutates_args=())
-def all_gather_op(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
-    return all_gather(t, W, group_name)
+def all_gather_op(t: torch.Tensor, W: int, group_name: str, rotated: bool = False) -> torch.Tensor:
+    return all_gather(t, W, group_name, rotated)
 
 
 @all_gather_op.register_fake
-def _(t, W, group_name):
+def _(t, W, group_name, rotated=False):
     return t.new_empty((W * t.shape[0],) + tuple(t.shape[1:]))
 
 
 @torch.library.custom_op("machmoe::symmetric_reduce_scatter", mutates_args=())
-def reduce_scatter_op(t: torch.Tensor, W: int, group_name: str) -> torch.Tensor:
-    return reduce_scatter(t, W, group_name)
+def reduce_scatter_op(t: torch.Tensor, W: int, group_name: str, rotated: bool = False) -> torch.Tensor:
+    return reduce_scatter(t, W, group_name, rotated)
 
 
 @reduce_scatter_op.register_fake
-def _(t, W, group_name):
+def _(t, W, group_name, rotated=False):
     return t.new_empty((t.shape[0] // W,) + tuple(t.shape[1:]))

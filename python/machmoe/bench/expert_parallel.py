@@ -230,7 +230,8 @@ def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup
             say("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|")
         for cfg in configs:
             torch.manual_seed(0)
-            full = MoE(cfg.E, cfg.K, cfg.d, cfg.n, precision=precision).cuda().bfloat16()
+            with torch.device("cuda"):  # drawn on the GPU: DeepSeek-V3's 45 GB of fp32 takes minutes on the CPU
+                full = MoE(cfg.E, cfg.K, cfg.d, cfg.n, precision=precision).bfloat16()
             gen = torch.Generator(device="cuda").manual_seed(1 + rank)
             x = torch.randn(cfg.T, cfg.d, device="cuda", generator=gen).bfloat16().requires_grad_(True)
             dout = torch.randn(cfg.T, cfg.d, device="cuda", generator=gen).bfloat16()
@@ -277,7 +278,8 @@ def _run(rank: int, world: int, init_file: str, configs: list, reps: int, warmup
                 del layer
             del full
             if profile_calls:
-                full = MoE(cfg.E, cfg.K, cfg.d, cfg.n, precision=precision).cuda().bfloat16()
+                with torch.device("cuda"):
+                    full = MoE(cfg.E, cfg.K, cfg.d, cfg.n, precision=precision).bfloat16()
                 label, settings, bounded = variants[0]
                 layer = ExpertParallelMoE.from_moe(full, max_tokens=cfg.T if bounded else None,
                                                    **_settings_for(settings, world))
