@@ -332,6 +332,55 @@ void topk_router_backward(const float* logits, const float* scores, const int32_
                           RoutingMethod method, bool renormalize, const RouterOptions& options,
                           float* d_logits, cudaStream_t stream);
 
+// The layer's router on its own, as layer_forward and layer_backward run it, for callers that route
+// tokens before they travel (expert parallelism routes each rank's own tokens, then exchanges them).
+// Forward: logits [T, E] fp32 = x [T, d] · Wrᵀ (+ router_bias [E]) (bf16 operands, fp32
+// accumulation) -> top-K scores [T, K] fp32 and experts [T, K] int32 (as topk_router, with its
+// options), expert_offsets [E+1] int32 of those T·K pairs (expert e has offsets[e+1] - offsets[e]),
+// aux_loss [1] fp32 (the layer's load-balancing loss of them, docs/LAYER.md).
+// Backward: d_scores [T, K] and the aux loss's gradient d_aux [1] (each on the device, or null for
+// none) -> d_logits, rounded to bf16 for the GEMMs -> dx [T, d] bf16 = d_logits · Wr (written, not
+// added), d_router_weight [E, d] = d_logitsᵀ · x and, exactly when has_router_bias, d_router_bias
+// [E] = Σ_t d_logits, both in weight_grad_dtype. Deterministic, graph-capturable, no host
+// synchronisation; d % 8 == 0 and 16-byte aligned x and router_weight.
+struct RouterProblem {
+  int64_t T = 0, d = 0, E = 0, K = 0;
+  RoutingMethod routing = RoutingMethod::SoftmaxTopK;
+  bool renormalize = true;
+  RouterOptions options{};
+  bool has_router_bias = false;
+};
+struct RouterForwardArgs {
+  const void* x = nullptr;                // [T, d] bf16
+  const void* router_weight = nullptr;    // [E, d] bf16
+  const void* router_bias = nullptr;      // [E] bf16, exactly when has_router_bias
+  const float* selection_bias = nullptr;  // [E] with the gate routings, or null
+  float* logits = nullptr;                // [T, E]
+  float* scores = nullptr;                // [T, K]
+  int32_t* experts = nullptr;             // [T, K]
+  int32_t* expert_offsets = nullptr;      // [E+1]
+  float* aux_loss = nullptr;              // [1]
+  void* workspace = nullptr;              // router_workspace_bytes(p), no initialisation needed
+};
+struct RouterBackwardArgs {
+  const void* x = nullptr;               // the forward's inputs and outputs
+  const void* router_weight = nullptr;
+  const float* logits = nullptr;
+  const float* scores = nullptr;
+  const int32_t* experts = nullptr;
+  const int32_t* expert_offsets = nullptr;
+  const float* d_scores = nullptr;  // [T, K], or null
+  const float* d_aux = nullptr;     // [1], or null
+  void* dx = nullptr;               // [T, d] bf16
+  void* d_router_weight = nullptr;  // [E, d]
+  void* d_router_bias = nullptr;    // [E], exactly when has_router_bias
+  DType weight_grad_dtype = DType::BF16;
+  void* workspace = nullptr;  // router_workspace_bytes(p)
+};
+size_t router_workspace_bytes(const RouterProblem& p);
+void router_forward(const RouterProblem& p, const RouterForwardArgs& a, cudaStream_t stream);
+void router_backward(const RouterProblem& p, const RouterBackwardArgs& a, cudaStream_t stream);
+
 // Routing metadata of R pairs, ordered by token: pair_expert [R], and pair_token [R] or null
 // for a top-K list (token of pair p = p / K). Outputs (int32, device): see RoutingMetadataOutputs.
 // A pair whose expert or token is out of range gets pair_row = -1 and no row (expert_offsets[E]

@@ -109,6 +109,21 @@ def _topk_router_backward(logits, scores, experts, d_scores, routing, renormaliz
     return logits.new_empty(logits.shape)
 
 
+def _router_forward(x, router_weight, router_bias, K, routing, renormalize, selection_bias, routed_scaling_factor=1.0,
+                    n_group=1, topk_group=1):
+    T, E = x.shape[0], router_weight.shape[0]
+    f32, i32 = dict(dtype=torch.float32), dict(dtype=torch.int32)
+    return (x.new_empty(T, E, **f32), x.new_empty(T, K, **f32), x.new_empty(T, K, **i32), x.new_empty(E + 1, **i32),
+            x.new_empty((), **f32))
+
+
+def _router_backward(x, router_weight, logits, scores, experts, expert_offsets, d_scores, d_aux, has_router_bias,
+                     routing, renormalize, routed_scaling_factor=1.0, n_group=1, topk_group=1):
+    E = router_weight.shape[0]
+    return x.new_empty(x.shape), router_weight.new_empty(router_weight.shape), router_weight.new_empty(
+        E if has_router_bias else 0)
+
+
 def _routing_metadata(pair_expert, pair_token, T, E):
     R = pair_expert.numel()
     i32 = dict(dtype=torch.int32)
@@ -327,6 +342,8 @@ def _sum_blocks(parts):
 FAKES = {
     "topk_router": _topk_router,
     "topk_router_backward": _topk_router_backward,
+    "router_forward": _router_forward,
+    "router_backward": _router_backward,
     "routing_metadata": _routing_metadata,
     "exchange_plan": _exchange_plan,
     "aggregate": _aggregate,

@@ -47,59 +47,37 @@ from .moe import ExpertLinear, MoE, _positive_int, layer_settings, rounding_for_
 
 
 class _RouteOnKernels(torch.autograd.Function):
-    """The router on the kernels, as one autograd node (each node and op costs host time that a
-    small layer's GPU time does not hide): logits [T, E] fp32 = x [T, d] · Wr [E, d]ᵀ (+ router
-    bias [E]) from bf16 operands (cuBLAS, fp32 accumulation), as machmoe::layer_forward computes
-    them, then machmoe's top-K router kernel: scores [T, K] fp32, experts [T, K] int32 (LAYER.md's
-    selection and ties). The backward adds the logits' own gradient (the aux loss's) to the top-K
-    kernel's and rounds the sum to bf16 for its two GEMMs, as machmoe::layer_backward does."""
+    """The layer's router on the kernels as one op and one autograd node (machmoe::router_forward:
+    each node and op costs host time that a small layer's GPU time does not hide): logits [T, E]
+    fp32 = x [T, d] · Wr [E, d]ᵀ (+ router bias [E]), bf16 operands and fp32 accumulation; the
+    top-K router kernel's scores [T, K] fp32 and experts [T, K] int32 (LAYER.md's selection and
+    ties, the router options); the aux loss [] fp32 of those pairs, computed as the single-GPU
+    layer computes it. The backward (machmoe::router_backward) takes the scores' and the aux loss's
+    gradients; a gradient of the logits themselves (token rounding reads them) is added here."""
 
     @staticmethod
-    def forward(ctx, x, router_weight, router_bias, K, routing, renormalize, selection_bias):
-        logits = torch.mm(x, router_weight.t(), out_dtype=torch.float32)
-        if router_bias is not None:
-            logits += router_bias.float()  # [E] broadcast
-        scores, experts = torch.ops.machmoe.topk_router(logits, K, routing, renormalize, selection_bias)
-        ctx.save_for_backward(x, router_weight, logits, scores, experts)
-        ctx.routing, ctx.renormalize = routing, renormalize
-        ctx.router_bias_dtype = None if router_bias is None else router_bias.dtype
+    def forward(ctx, x, router_weight, router_bias, K, routing, renormalize, selection_bias, options):
+        logits, scores, experts, offsets, aux = torch.ops.machmoe.router_forward(
+            x, router_weight, router_bias, K, routing, renormalize, selection_bias, *options)
+        ctx.save_for_backward(x, router_weight, logits, scores, experts, offsets)
+        ctx.call = (router_bias is not None, routing, renormalize, *options)
         ctx.mark_non_differentiable(experts)
         ctx.set_materialize_grads(False)
-        return logits, scores, experts
+        return logits, scores, experts, aux
 
     @staticmethod
-    def backward(ctx, d_logits, d_scores, _):
-        x, wr, logits, scores, experts = ctx.saved_tensors
-        if d_scores is not None:
-            d_topk = torch.ops.machmoe.topk_router_backward(logits, scores, experts, d_scores.contiguous(),
-                                                            ctx.routing, ctx.renormalize)
-            d_logits = d_topk if d_logits is None else d_topk + d_logits
-        if d_logits is None:
-            return (None,) * 7
-        dx, dwr = _router_gradients(ctx, x, wr, d_logits)
-        d_bias = d_logits.sum(0).to(ctx.router_bias_dtype) if ctx.needs_input_grad[2] else None
-        return dx, dwr, d_bias, None, None, None, None
-
-
-def _router_gradients(ctx, x, wr, d_logits):
-    """(dx, dWr) of logits = x · Wrᵀ from d_logits rounded to bf16, dWr accumulated in fp32."""
-    g = d_logits.to(x.dtype)
-    dx = torch.mm(g, wr) if ctx.needs_input_grad[0] else None
-    dwr = torch.mm(g.t(), x, out_dtype=torch.float32).to(wr.dtype) if ctx.needs_input_grad[1] else None
-    return dx, dwr
-
-
-class _RouterLogits(torch.autograd.Function):
-    """The logits alone, as _RouteOnKernels (for router options, whose selection runs in torch ops)."""
-
-    @staticmethod
-    def forward(ctx, x, router_weight):
-        ctx.save_for_backward(x, router_weight)
-        return torch.mm(x, router_weight.t(), out_dtype=torch.float32)
-
-    @staticmethod
-    def backward(ctx, d_logits):
-        return _router_gradients(ctx, *ctx.saved_tensors, d_logits)
+    def backward(ctx, d_logits, d_scores, _, d_aux):
+        x, wr, logits, scores, experts, offsets = ctx.saved_tensors
+        dx, dwr, d_bias = torch.ops.machmoe.router_backward(
+            x, wr, logits, scores, experts, offsets, None if d_scores is None else d_scores.contiguous(),
+            None if d_aux is None else d_aux.float().contiguous(), *ctx.call)
+        if d_logits is not None:  # logits = x·Wrᵀ + b: their own gradient, rounded to bf16 as the op's
+            g = d_logits.to(x.dtype)
+            dx = dx + torch.mm(g, wr)
+            dwr = (dwr.float() + torch.mm(g.t(), x, out_dtype=torch.float32)).to(wr.dtype)
+            if ctx.call[0]:
+                d_bias = (d_bias.float() + d_logits.sum(0)).to(d_bias.dtype)
+        return dx, dwr, d_bias if ctx.call[0] else None, None, None, None, None, None
 
 
 def _on_kernels(x: torch.Tensor) -> bool:
@@ -111,21 +89,15 @@ def _on_kernels(x: torch.Tensor) -> bool:
 
 def _route(x, router_weight, K, routing, renormalize, selection_bias, kernels, router_bias=None,
            options: torch_backend.RouterOptions = torch_backend.RouterOptions()):
-    """-> logits [T, E] (routing dtype), scores [T, K], experts [T, K] (int32 from the top-K
-    kernel, else int64): the layer's routing. With router options (scaling, groups) the
-    selection runs in torch ops on the fp32 logits, also on the GPU (the top-K kernel takes none)."""
-    if kernels and options == torch_backend.RouterOptions():
+    """-> logits [T, E] (routing dtype), scores [T, K], experts [T, K] (int32 from the kernels,
+    else int64), aux [] (the load-balancing loss of those pairs): the layer's routing."""
+    if kernels:
         bias = None if selection_bias is None else selection_bias.float().contiguous()
-        return _RouteOnKernels.apply(x, router_weight.to(x.dtype), router_bias, K, routing.value, renormalize,
-                                     bias)  # experts int32
-    if kernels:  # the logits as above, the selection in torch ops
-        logits = _RouterLogits.apply(x, router_weight.to(x.dtype))
-        if router_bias is not None:
-            logits = logits + router_bias.float()
-    else:
-        logits = torch_backend.router_logits(x, router_weight, router_bias)
+        return _RouteOnKernels.apply(x, router_weight.to(x.dtype), router_bias, K, routing.value, renormalize, bias,
+                                     tuple(options))
+    logits = torch_backend.router_logits(x, router_weight, router_bias)
     scores, experts = torch_backend.route_topk(logits, K, routing, renormalize, selection_bias, options)
-    return logits, scores, experts
+    return logits, scores, experts, torch_backend.aux_loss(logits, experts)
 
 
 EXCHANGES = ("all_gather", "all_to_all", "all_to_all_device")
@@ -333,15 +305,13 @@ def expert_parallel_moe(
     phase = torch.profiler.record_function
     kernels = _on_kernels(x)
     with phase("ep.route"):
-        logits, scores, experts = _route(x, router_weight, K, routing, renormalize, selection_bias, kernels,
-                                         router_bias, options)
+        logits, scores, experts, aux = _route(x, router_weight, K, routing, renormalize, selection_bias, kernels,
+                                              router_bias, options)
     if max_tokens is None and exchange == "all_to_all":
-        # 2-4. Exact rows after one host sync (machmoe.expert_all_to_all); aux from its plan's counts.
+        # 2-4. Exact rows after one host sync (machmoe.expert_all_to_all).
         return all_to_all_experts(x, logits, scores, experts, w1, w2, b1, b2, num_experts=E, group=group,
                                   kernels=kernels, activation=activation, layout=layout, backend=backend,
-                                  glu_clamp=glu_clamp)
-    # (one autograd node: the host issues this layer op by op)
-    aux = torch_backend.aux_loss_from_counts(logits, torch_backend.expert_counts(experts, E), experts.numel())
+                                  glu_clamp=glu_clamp, aux=aux)
     if exchange == "all_to_all_device":  # exact rows, counts on the device
         out = device_all_to_all_experts(
             x, scores, experts, w1, w2, b1, b2, num_experts=E, group=group,

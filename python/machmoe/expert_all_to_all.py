@@ -238,9 +238,10 @@ def all_to_all_experts(x: torch.Tensor, logits: torch.Tensor, scores: torch.Tens
                        w1: torch.Tensor, w2: torch.Tensor, b1: Optional[torch.Tensor],
                        b2: Optional[torch.Tensor], *, num_experts: int, group, kernels: bool,
                        activation: ActivationType, layout: GateUpLayout, backend: Backend,
-                       glu_clamp: Optional[GluClamp] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [T, d], aux []): the exchange plan, the aux loss (from the plan's expert counts on the
-    kernels) and steps 2-4 of the module docstring on this rank's tokens x [T, d], routed
+                       glu_clamp: Optional[GluClamp] = None,
+                       aux: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [T, d], aux []): the exchange plan, the aux loss (`aux` when the router gave it, else
+    from the plan's expert counts on the kernels) and steps 2-4 of the module docstring on this rank's tokens x [T, d], routed
     by the caller (logits [T, E] in the routing dtype, scores [T, K], experts [T, K] global ids, int32
     from the kernels, else int64), this rank holding w1 [E/W, N1, d], w2 [E/W, d, n] (and b1
     [E/W, N1], b2 [E/W, d]). Every rank of `group` must call this together (it runs collectives).
@@ -258,8 +259,9 @@ def all_to_all_experts(x: torch.Tensor, logits: torch.Tensor, scores: torch.Tens
         # is queued before the host waits, so the device is not left idle while the host catches up.
         recv_counts = _all_to_all(plan.counts, [1] * W, [1] * W, group)  # [W, 2]
         counts_h = _to_host_async(torch.cat([plan.counts, recv_counts], 1))  # [W, 4]
-        aux = (torch_backend.aux_loss(logits, experts) if plan.expert_counts is None else
-               torch_backend.aux_loss_from_counts(logits, plan.expert_counts, experts.numel()))
+        if aux is None:
+            aux = (torch_backend.aux_loss(logits, experts) if plan.expert_counts is None else
+                   torch_backend.aux_loss_from_counts(logits, plan.expert_counts, experts.numel()))
         # The first row of each sender's chunk in what this rank will receive [W].
         recv_row_base = torch.cumsum(recv_counts[:, 0], 0) - recv_counts[:, 0]
     with phase("ep.wait_counts"):

@@ -227,6 +227,90 @@ Tensor op_token_rounding_backward(const Tensor& logits, const Tensor& topk_score
   });
 }
 
+// The layer's router on its own (machmoe::router_forward): x [T, d] bf16, router_weight [E, d]
+// bf16, router_bias [E] bf16 or absent -> (logits [T, E] fp32, scores [T, K] fp32, experts [T, K]
+// int32, expert_offsets [E+1] int32, aux [] fp32).
+RouterProblem router_problem(const Tensor& x, const Tensor& router_weight, int64_t K, const std::string& routing,
+                             bool renormalize, double routed_scaling_factor, int64_t n_group, int64_t topk_group,
+                             bool has_router_bias) {
+  check_dims(x, "x", 2);
+  check_dims(router_weight, "router_weight", 2);
+  RouterProblem p;
+  p.T = x.size(0), p.d = x.size(1), p.E = router_weight.size(0), p.K = K;
+  p.routing = parse_routing(routing);
+  p.renormalize = renormalize;
+  p.options = RouterOptions{routed_scaling_factor, n_group, topk_group};
+  p.has_router_bias = has_router_bias;
+  const at::Device device = x.device();
+  check_bf16(x, "x", x.sizes());
+  check_bf16(router_weight, "router_weight", {p.E, p.d}, &device);
+  return p;
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> op_router_forward(
+    const Tensor& x, const Tensor& router_weight, const std::optional<Tensor>& router_bias, int64_t K,
+    const std::string& routing, bool renormalize, const std::optional<Tensor>& selection_bias,
+    double routed_scaling_factor, int64_t n_group, int64_t topk_group) {
+  return translate_errors([&] {
+    const RouterProblem p = router_problem(x, router_weight, K, routing, renormalize, routed_scaling_factor, n_group,
+                                           topk_group, router_bias.has_value());
+    const at::Device device = x.device();
+    const c10::cuda::CUDAGuard guard(device);
+    if (router_bias) check_bf16(*router_bias, "router_bias", {p.E}, &device);
+    if (selection_bias) check_tensor(*selection_bias, "selection_bias", at::kFloat, {p.E}, &device);
+    const auto f32 = x.options().dtype(at::kFloat), i32 = x.options().dtype(at::kInt);
+    Tensor logits = at::empty({p.T, p.E}, f32), scores = at::empty({p.T, K}, f32);
+    Tensor experts = at::empty({p.T, K}, i32), offsets = at::empty({p.E + 1}, i32), aux = at::empty({}, f32);
+    Tensor workspace = at::empty({static_cast<int64_t>(router_workspace_bytes(p))}, x.options().dtype(at::kByte));
+    RouterForwardArgs a;
+    a.x = x.data_ptr(), a.router_weight = router_weight.data_ptr();
+    a.router_bias = router_bias ? router_bias->data_ptr() : nullptr;
+    a.selection_bias = selection_bias ? selection_bias->data_ptr<float>() : nullptr;
+    a.logits = logits.data_ptr<float>(), a.scores = scores.data_ptr<float>();
+    a.experts = experts.data_ptr<int32_t>(), a.expert_offsets = offsets.data_ptr<int32_t>();
+    a.aux_loss = aux.data_ptr<float>(), a.workspace = workspace.data_ptr();
+    router_forward(p, a, at::cuda::getCurrentCUDAStream());
+    return std::make_tuple(logits, scores, experts, offsets, aux);
+  });
+}
+
+// Its backward: d_scores [T, K] fp32 and d_aux [] fp32 (each optional) -> (dx [T, d] bf16,
+// d_router_weight [E, d] bf16, d_router_bias [E] bf16, or [0] without has_router_bias).
+std::tuple<Tensor, Tensor, Tensor> op_router_backward(
+    const Tensor& x, const Tensor& router_weight, const Tensor& logits, const Tensor& scores, const Tensor& experts,
+    const Tensor& expert_offsets, const std::optional<Tensor>& d_scores, const std::optional<Tensor>& d_aux,
+    bool has_router_bias, const std::string& routing, bool renormalize, double routed_scaling_factor,
+    int64_t n_group, int64_t topk_group) {
+  return translate_errors([&] {
+    check_dims(scores, "scores", 2);
+    const RouterProblem p = router_problem(x, router_weight, scores.size(1), routing, renormalize,
+                                           routed_scaling_factor, n_group, topk_group, has_router_bias);
+    const at::Device device = x.device();
+    const c10::cuda::CUDAGuard guard(device);
+    check_tensor(logits, "logits", at::kFloat, {p.T, p.E}, &device);
+    check_tensor(scores, "scores", at::kFloat, {p.T, p.K}, &device);
+    check_tensor(experts, "experts", at::kInt, {p.T, p.K}, &device);
+    check_tensor(expert_offsets, "expert_offsets", at::kInt, {p.E + 1}, &device);
+    if (d_scores) check_tensor(*d_scores, "d_scores", at::kFloat, {p.T, p.K}, &device);
+    if (d_aux) check_tensor(*d_aux, "d_aux", at::kFloat, {}, &device);
+    Tensor dx = at::empty_like(x), d_weight = at::empty_like(router_weight);
+    Tensor d_bias = at::empty({has_router_bias ? p.E : 0}, router_weight.options());
+    Tensor workspace = at::empty({static_cast<int64_t>(router_workspace_bytes(p))}, x.options().dtype(at::kByte));
+    RouterBackwardArgs a;
+    a.x = x.data_ptr(), a.router_weight = router_weight.data_ptr();
+    a.logits = logits.data_ptr<float>(), a.scores = scores.data_ptr<float>();
+    a.experts = experts.data_ptr<int32_t>(), a.expert_offsets = expert_offsets.data_ptr<int32_t>();
+    a.d_scores = d_scores ? d_scores->data_ptr<float>() : nullptr;
+    a.d_aux = d_aux ? d_aux->data_ptr<float>() : nullptr;
+    a.dx = dx.data_ptr(), a.d_router_weight = d_weight.data_ptr();
+    a.d_router_bias = has_router_bias ? d_bias.data_ptr() : nullptr;
+    a.weight_grad_dtype = DType::BF16;
+    a.workspace = workspace.data_ptr();
+    router_backward(p, a, at::cuda::getCurrentCUDAStream());
+    return std::make_tuple(dx, d_weight, d_bias);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(machmoe, m) {
@@ -236,6 +320,13 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
   m.def("topk_router_backward(Tensor logits, Tensor scores, Tensor experts, Tensor d_scores,"
         " str routing, bool renormalize, float routed_scaling_factor=1.0, int n_group=1, int topk_group=1)"
         " -> Tensor");
+  m.def("router_forward(Tensor x, Tensor router_weight, Tensor? router_bias, int K, str routing, bool renormalize,"
+        " Tensor? selection_bias, float routed_scaling_factor=1.0, int n_group=1, int topk_group=1)"
+        " -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("router_backward(Tensor x, Tensor router_weight, Tensor logits, Tensor scores, Tensor experts,"
+        " Tensor expert_offsets, Tensor? d_scores, Tensor? d_aux, bool has_router_bias, str routing,"
+        " bool renormalize, float routed_scaling_factor=1.0, int n_group=1, int topk_group=1)"
+        " -> (Tensor, Tensor, Tensor)");
   m.def("routing_metadata(Tensor pair_expert, Tensor? pair_token, int T, int E)"
         " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("exchange_plan(Tensor experts, Tensor scores, int E, int W, int rank)"
@@ -251,6 +342,8 @@ TORCH_LIBRARY_FRAGMENT(machmoe, m) {
 TORCH_LIBRARY_IMPL(machmoe, CUDA, m) {
   m.impl("topk_router", &op_topk_router);
   m.impl("topk_router_backward", &op_topk_router_backward);
+  m.impl("router_forward", &op_router_forward);
+  m.impl("router_backward", &op_router_backward);
   m.impl("routing_metadata", &op_routing_metadata);
   m.impl("exchange_plan", &op_exchange_plan);
   m.impl("aggregate", &op_aggregate);

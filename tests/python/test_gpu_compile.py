@@ -57,6 +57,9 @@ def _op_cases():
                  torch.empty(fwd_bytes, dtype=torch.uint8, device="cuda"))
     split_bwd = (torch.empty_like(t["x"]), torch.empty_like(pair_scores), g_workspace.clone())
     rounded = m.token_rounding(logits, K, "nr", 16, 0)
+    router_bias = torch.randn(E, device="cuda").bfloat16()
+    router = (t["x"], t["router_weight"], router_bias, K, "softmax_topk", True, None)
+    r_logits, r_scores, r_experts, r_offsets, _ = m.router_forward(*router)
     # FP8: x's rows gathered and quantised, w1 [E, 2n, d] in 128x128 blocks (N = 384: a partial block)
     a_q, a_scales = m.fp8_quantize_rows(t["x"], row_token)
     w_q, w_scales, _, _ = m.fp8_quantize_weights(t["w1"], False)
@@ -84,6 +87,13 @@ def _op_cases():
         ("sum_blocks", ([torch.randn(R, d, device="cuda").bfloat16() for _ in range(3)],)),
         ("topk_router", (logits, K, "softmax_topk", True, None)),
         ("topk_router_backward", (logits, scores, experts, torch.randn(T, K, device="cuda"), "softmax_topk", True)),
+        ("router_forward", router),
+        ("router_forward", (t["x"], t["router_weight"], None, K, "sigmoid", True, torch.randn(E, device="cuda"))),
+        ("router_backward", (t["x"], t["router_weight"], r_logits, r_scores, r_experts, r_offsets,
+                             torch.randn(T, K, device="cuda"), torch.ones((), device="cuda"), True, "softmax_topk",
+                             True)),
+        ("router_backward", (t["x"], t["router_weight"], r_logits, r_scores, r_experts, r_offsets, None, None, False,
+                             "softmax_topk", True)),
         ("routing_metadata", (experts, None, T, E)),
         ("exchange_plan", (experts, scores, E, 3, 1)),
         ("aggregate", (h, pair_row, token_offsets, row_scores, torch.float32)),

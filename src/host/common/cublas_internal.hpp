@@ -18,6 +18,9 @@ inline void check_cublas(cublasStatus_t st, const char* what) {
     throw Error(ErrorCode::CudaError, std::string(what) + ": cuBLAS status " + std::to_string(static_cast<int>(st)));
 }
 
+// The cuBLAS element type of a GEMM output in DType t (FP32 or BF16 here).
+inline cudaDataType_t cuda_type(DType t) { return t == DType::FP32 ? CUDA_R_32F : CUDA_R_16BF; }
+
 // One cuBLAS handle per (thread, device), created on first use: cuBLAS handles are not meant to
 // be shared between threads, and creating one costs milliseconds. An inline function: its
 // thread_local map is one object for every translation unit that includes this header.

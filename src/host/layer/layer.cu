@@ -7,7 +7,6 @@
 #include <string>
 
 #include "host/common/check.hpp"
-#include "host/common/cublas_internal.hpp"
 #include "host/layer/call_rules.hpp"
 #include "host/layer/experts_internal.hpp"
 #include "host/layer/layer_layout.hpp"
@@ -19,29 +18,11 @@
 namespace machmoe {
 using detail::ceil_div;
 using detail::check_cuda;
-using detail::check_cublas;
 using detail::check_launch;
 using detail::LayerLayout;
 using detail::at;
 using detail::require_arg;
 
-namespace {
-
-// logits [T, E] fp32 = x [T, d] bf16 · Wrᵀ (Wr [E, d] bf16), fp32 accumulation, plus (accumulate:
-// beta = 1) what logits already hold (the broadcast router bias). Column-major view: logitsᵀ
-// [E, T] = Wr · xᵀ. The workspace is ours, so the call is graph-capturable.
-void router_gemm(const void* x, const void* wr, float* logits, int64_t T, int64_t E, int64_t d, bool accumulate,
-                 void* ws, size_t ws_bytes, cudaStream_t stream) {
-  cublasHandle_t h = detail::cublas_on(stream, ws, ws_bytes, "layer_forward");
-  const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
-  check_cublas(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(E), static_cast<int>(T),
-                            static_cast<int>(d), &alpha, wr, CUDA_R_16BF, static_cast<int>(d), x, CUDA_R_16BF,
-                            static_cast<int>(d), &beta, logits, CUDA_R_32F, static_cast<int>(E),
-                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-               "layer_forward: router GEMM (cublasGemmEx)");
-}
-
-}  // namespace
 
 void layer_forward(const ValidLayerProblem& valid, const LayerForwardArgs& a, cudaStream_t stream) {
   constexpr const char* fn = "layer_forward";
@@ -81,8 +62,8 @@ void layer_forward(const ValidLayerProblem& valid, const LayerForwardArgs& a, cu
   const bool shared = p.num_shared > 0;
 
   if (p.has_router_bias) detail::router_bias_broadcast(a.router_bias, p.T, p.E, logits, stream);
-  router_gemm(a.x, a.router_weight, logits, p.T, p.E, p.d, p.has_router_bias, at<void>(w, L.cublas),
-              LayerLayout::kCublasWorkspace, stream);
+  detail::router_gemm(a.x, a.router_weight, logits, p.T, p.E, p.d, p.has_router_bias, at<void>(w, L.cublas),
+                      LayerLayout::kCublasWorkspace, stream, fn);
   // The expert part runs on the list the router made: top-K (token = pair / K) or the rounded list
   // (capacity rows, invalid past its length); `scores`/`experts` hold the list's scores and experts.
   detail::ExpertsForwardRun r;
@@ -109,8 +90,8 @@ void layer_forward(const ValidLayerProblem& valid, const LayerForwardArgs& a, cu
       const float* shared_scores = a.shared_scores;
       if (p.has_shared_gate) {
         float* gate_logits = at<float>(w, L.gate_logits);
-        router_gemm(a.x, a.shared_gate, gate_logits, p.T, 1, p.d, false, at<void>(w, L.cublas),
-                    LayerLayout::kCublasWorkspace, stream);
+        detail::router_gemm(a.x, a.shared_gate, gate_logits, p.T, 1, p.d, false, at<void>(w, L.cublas),
+                            LayerLayout::kCublasWorkspace, stream, fn);
         shared_scores = gate_logits;
       }
       detail::append_shared_pairs(router_scores, router_experts, shared_scores, p.has_shared_gate, p.T, p.K,

@@ -36,8 +36,7 @@ namespace {
 constexpr int kThreads = detail::kBackwardThreads;
 constexpr int kWarpsPerBlock = detail::kBackwardWarpsPerBlock;
 using detail::blocks_for;
-
-cudaDataType_t cuda_type(DType t) { return t == DType::FP32 ? CUDA_R_32F : CUDA_R_16BF; }
+using detail::cuda_type;
 
 void check_args(const ValidLayerProblem& valid, const LayerBackwardArgs& a) {
   constexpr const char* fn = "layer_backward";

@@ -51,6 +51,12 @@ void topk_router_backward_bf16(const float* logits, const float* scores, const i
                                bool renormalize, const RouterOptions& options, float* d_logits,
                                __nv_bfloat16* d_logits_bf16, cudaStream_t stream);
 
+// logits [T, E] fp32 = x [T, d] bf16 · Wrᵀ (Wr [E, d] bf16) by cuBLAS, fp32 accumulation, plus
+// (accumulate: beta = 1) what logits already hold (the broadcast router bias). ws: cuBLAS's
+// workspace (ours, so the call is graph-capturable). fn names the caller in errors.
+void router_gemm(const void* x, const void* wr, float* logits, int64_t T, int64_t E, int64_t d, bool accumulate,
+                 void* ws, size_t ws_bytes, cudaStream_t stream, const char* fn);
+
 // The router bias b_r [E] bf16: logits [T, E] fp32 <- b_r on every row (the router GEMM then adds
 // x·Wrᵀ with beta = 1).
 void router_bias_broadcast(const void* bias, int64_t T, int64_t E, float* logits, cudaStream_t stream);
