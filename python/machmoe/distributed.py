@@ -367,8 +367,7 @@ class ExpertParallelMoE(nn.Module):
     Args: num_experts, num_experts_per_tok, hidden_size, intermediate_size,
     activation_function, add_bias, std, routing, renormalize, gate_up_layout, backend, glu_clamp,
     router_bias, routed_scaling_factor, n_group, topk_group and precision as for `MoE` (num_experts
-    must be a multiple of the group's size W; with routed_scaling_factor or n_group the top-K
-    selection runs in torch ops on the fp32 logits; precision "fp8" with exchange "all_gather"
+    must be a multiple of the group's size W; precision "fp8" with exchange "all_gather"
     only, this rank's experts' FP8 copies kept in `fp8_cache`); and
         process_group: the group whose ranks share the experts (None: the default group).
         seed: the initialisation seed, an int >= 0 (default 0), the same on every rank.
