@@ -22,7 +22,8 @@ Overlap. On the kernels over symmetric memory every transfer runs beside the exp
 and the experts calls are split at them (ExpertsForwardPart / ExpertsBackwardPart): the own
 tokens' rows are computed while the peers' arrive, the peers' partial sums leave while the own
 rows' down-projection runs, and the backward likewise with the output gradient and dx (dx beside
-the weight gradients). Splitting the tokens into chunks pipelined through gather, experts and
+the weight gradients); the routing travels with x and the scores' gradient with dx, in the same
+rounds of transfers. Splitting the tokens into chunks pipelined through gather, experts and
 reduce-scatter was measured slower even before any traffic (one H200, one rank: 7B-a forward +
 backward 4.4 ms in one chunk, 5.3 in two, 8.2 in four): each chunk's weight-gradient GEMMs see a
 fraction of the rows, and the chunks' weight gradients have to be summed; the split calls keep
@@ -158,6 +159,10 @@ def gathered_experts(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tenso
     # which take the gathered rows rotated, this rank's tokens first.
     overlapped = (_OVERLAP_TRANSFERS and call[3] and experts_kwargs.get("fp8") is None
                   and symmetric_exchange.available(x, world))
+    T, K = scores.shape
+    if overlapped and (pair_capacity is None or pair_capacity >= world * T * K):
+        # The routing travels with x, in the same round of transfers (overlapped_experts).
+        return _overlapped(x, scores, None, experts, rank * E_local, w1, w2, b1, b2, world, group_name, call)
     sg, eg = _GatherRouting.apply(scores, experts, world, group_name, overlapped)  # [W·T, K] each
     # This rank's expert ids: an expert another rank holds falls outside [0, E_local), below or
     # above, and every experts path drops such pairs (no host check).
@@ -245,10 +250,7 @@ def _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, gr
     nodes (gather, experts, reduce-scatter). call: _parsed_call's result, where the caller has it."""
     activation, layout, glu_clamp, on_kernels = call or _parsed_call(x, w1, w2, b1, b2, experts_kwargs)
     if overlapped:
-        opts = (activation.value, layout.value, glu_clamp_list(glu_clamp))
-        return overlapped_experts.OverlappedExperts.apply(x.contiguous(), score, token, expert, w1.contiguous(),
-                                                          _contiguous(b1), w2.contiguous(), _contiguous(b2), opts,
-                                                          world, group_name)
+        return _overlapped(x, score, token, expert, 0, w1, w2, b1, b2, world, group_name, call)
     xg = _GatherRows.apply(x, world, group_name)  # [W·T, d]
     if not on_kernels:  # the torch backend takes in-range pairs only (it synchronises anyway)
         keep = (expert >= 0) & (expert < w1.shape[0])
@@ -256,6 +258,17 @@ def _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, gr
     y = functional._run_experts(xg, w1, b1, w2, b2, score, token, expert, activation, layout, glu_clamp,
                                 on_kernels, fp8=experts_kwargs.get("fp8"))  # [W·T, d]
     return _ReduceScatterRows.apply(y, world, group_name)
+
+
+def _overlapped(x, scores, token, expert, first_expert, w1, w2, b1, b2, world, group_name, call):
+    """overlapped_experts.OverlappedExperts on x [T, d]: with token None, scores and expert [T, K]
+    are this rank's routing (global expert ids; first_expert: this rank's first), else the list
+    over the rotated gathered rows."""
+    activation, layout, glu_clamp, _ = call
+    opts = (activation.value, layout.value, glu_clamp_list(glu_clamp))
+    return overlapped_experts.OverlappedExperts.apply(x.contiguous(), scores, token, expert, first_expert,
+                                                      w1.contiguous(), _contiguous(b1), w2.contiguous(),
+                                                      _contiguous(b2), opts, world, group_name)
 
 
 def _contiguous(t):

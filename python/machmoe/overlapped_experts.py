@@ -7,16 +7,21 @@ experts call (machmoe::ExpertsForwardPart, docs/LAYER.md): the kernels cut each 
 its first row of another rank's token. Forward, W ranks, x [T, d]:
 
     side stream                              this stream
-    pull the peers' x blocks, --------       early rows: routing metadata, up-projection of the
-    copy x itself into xg              |       own tokens' rows, from x (xg is not read)
-                                       '-->  late rows: both projections of the peers' tokens'
+    pull the peers' routing, -------->       the gathered routing list [W·T·K]
+    then their x blocks, -----         early rows: routing metadata, up-projection of the
+    copy x itself into xg     |                own tokens' rows, from x (xg is not read)
+                              '------->      late rows: both projections of the peers' tokens'
                                                rows, out's peer blocks [(W-1)·T, d]
     send out's peer blocks    <--------      early out: down-projection of the own rows, out's
     to their ranks, pull theirs                own block
                                     ---->    y = Σ_q (rank q's partial sum of this rank's tokens)
 
-The backward likewise pulls the output gradient's peer blocks while the dH kernel runs on the own
-tokens' rows, and sends dx's peer blocks to their ranks while the weight gradients run. Transfers
+The routing (scores and experts [T, K]) and x travel in one round of the staging buffer (one pair
+of barriers), the routing's blocks first: only they are waited for before the early rows. The
+backward likewise pulls the output gradient's peer blocks while the dH kernel runs on the own
+tokens' rows, and sends dx's peer blocks and the pairs' d scores to their ranks, in one round,
+while the weight gradients run. (With a pair capacity the caller gathers and compacts the routing
+itself and passes the list; its d scores then go back by the caller's reduce-scatter.) Transfers
 are copy-engine pulls through symmetric memory (machmoe.symmetric_exchange); each is ordered
 against the kernels by stream waits only, so nothing waits for the host and the sequence is
 CUDA-graph capturable. out and dx are written by the kernels straight into the staging buffer the
@@ -80,26 +85,29 @@ def _rotated_gather(t: torch.Tensor, W: int, group_name: str, here, side) -> tor
     return out
 
 
-def _send_peer_blocks(t: torch.Tensor, W: int, group_name: str, here, side) -> list:
-    """t [W·T, ...] rotated, in the staging buffer (symmetric_exchange.staging_rows), its peer blocks
-    final on this stream (its own block may still be in the making): the W blocks that sum to this
-    rank's rows, in rank order, pulled on the side stream (its own block a view of t)."""
+def _send_peer_blocks(staged: list, W: int, group_name: str, here, side) -> list:
+    """staged: tensors [W·T, ...] rotated, in the staging buffer as symmetric_exchange.staging_views
+    laid them out, their peer blocks final on this stream (their own blocks may still be in the
+    making). For each, the W blocks that sum to this rank's rows, in rank order, pulled on the side
+    stream in one round (its own block a view of the tensor)."""
     side.wait_stream(here)
     torch.cuda.set_stream(side)
     try:
-        return symmetric_exchange.pull_blocks(t, W, group_name, rotated=True, in_staging=True)
+        return symmetric_exchange.pull_staged(staged, W, group_name)
     finally:
         torch.cuda.set_stream(here)
 
 
-def _sum_parts(parts: list, own: torch.Tensor, here, side) -> torch.Tensor:
-    """Σ parts (in rank order, symmetric_exchange.sum_blocks) on this stream, once the side stream
-    has pulled them; `own` (this rank's, in the staging buffer) is the one not pulled."""
+def _sum_parts(pulled: list, staged: list, here, side) -> list:
+    """Σ of each list of blocks that _send_peer_blocks returned for `staged` (in rank order,
+    symmetric_exchange.sum_blocks, into fresh tensors), on this stream once the side stream has
+    pulled them. A tensor's own block (its first, in the staging buffer) is the one not pulled."""
     here.wait_stream(side)
-    for p in parts:
-        if p.data_ptr() != own.data_ptr():  # pulled on the side stream: used here now
-            p.record_stream(here)
-    return symmetric_exchange.sum_blocks(parts)
+    for parts, t in zip(pulled, staged):
+        for p in parts:
+            if p.data_ptr() != t.data_ptr():  # pulled on the side stream: used here now
+                p.record_stream(here)
+    return [symmetric_exchange.sum_blocks(parts) for parts in pulled]
 
 
 def _experts_bytes(T: int, d: int, w1: torch.Tensor, w2: torch.Tensor, R: int, activation: str, bias: bool):
@@ -113,31 +121,74 @@ def _workspace_bytes(T: int, d: int, n: int, E: int, R: int, activation: str, bi
     return tuple(torch.ops.machmoe.experts_workspace_bytes(T, d, n, E, R, activation, bias))
 
 
+def _gather_routing(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor, first_expert: int, W: int,
+                    group_name: str, here, side) -> tuple:
+    """x [T, d] and this rank's routing (scores [T, K] fp32, experts [T, K] int32 global ids) gathered
+    rotated in one round of the staging buffer: the routing's blocks pulled first, then x's, on the
+    side stream. -> (xg [W·T, d], still in the making on the side stream; the routing list over
+    xg's rows: scores fp32, token, expert int32 [W·T·K] in (row, k) order, ready on this stream
+    (which waits for the routing's blocks only), experts of other ranks out of [0, E/W))."""
+    T, K = scores.shape
+    routing = torch.cat([scores.view(torch.int32), experts], 1)  # [T, 2K]: the scores' bits beside the experts
+    xg, rg = x.new_empty(W * T, x.shape[1]), routing.new_empty(W * T, 2 * K)
+    rg[:T].copy_(routing)
+    routed = torch.cuda.Event()
+    side.wait_stream(here)
+    torch.cuda.set_stream(side)  # (torch.cuda.stream's context, without its lookups)
+    try:
+        symmetric_exchange.gather_parts([(routing, rg), (x, xg)], W, group_name, rotated=True,
+                                        after=lambda i: routed.record(side) if i == 0 else None)
+        xg[:T].copy_(x)
+    finally:
+        torch.cuda.set_stream(here)
+    for t in (routing, rg, xg):
+        t.record_stream(side)
+    here.wait_event(routed)
+    score = rg[:, :K].contiguous().view(torch.float32).reshape(-1)
+    expert = rg[:, K:].reshape(-1)  # (a copy: the slice is strided)
+    if first_expert:
+        expert -= first_expert
+    token = torch.arange(W * T, device=x.device, dtype=torch.int32).repeat_interleave(K)
+    return xg, score, token, expert
+
+
 def _forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
-                               b2: Optional[torch.Tensor], scores: torch.Tensor, token: torch.Tensor,
-                               expert: torch.Tensor, activation: str, layout: str, glu_clamp: list[float], W: int,
-                               group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out [T, d], xg [W·T, d], saved): this rank's experts on every rank's tokens, x [T, d] gathered
-    rotated; the routing list (scores fp32, token, expert int32 [R], ordered by token) indexes the
-    rotated rows, experts of other ranks out of range. xg and saved are what the backward reads."""
+             b2: Optional[torch.Tensor], scores: torch.Tensor, token: Optional[torch.Tensor], expert: torch.Tensor,
+             first_expert: int, activation: str, layout: str, glu_clamp: list[float], W: int,
+             group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out [T, d], xg [W·T, d], saved, token, expert): this rank's experts on every rank's tokens, x
+    [T, d] gathered rotated. With token None, scores [T, K] fp32 and expert [T, K] int32 (global
+    ids) are this rank's routing, gathered here with x (_gather_routing; first_expert = this rank's
+    first expert), and the list built from them is returned (token, expert [W·T·K]); otherwise
+    (scores fp32, token, expert int32 [R], ordered by token) is the list over the rotated rows,
+    experts of other ranks out of range, and the returned token and expert are empty. xg, saved
+    and the list are what the backward reads."""
     T, d = x.shape
     ops = torch.ops.machmoe
     here, side = _streams(x.device)
-    saved_bytes, fwd_bytes, _ = _experts_bytes(W * T, d, w1, w2, token.numel(), activation, b1 is not None)
     opts = (activation, layout, glu_clamp)
     # out is written where the peers pull it (no copy into the staging buffer); the gather below
-    # is done with that buffer before the kernels write into it (the late part waits for it).
-    out = symmetric_exchange.staging_rows(W * T, x, group_name)
-    xg = _rotated_gather(x, W, group_name, here, side)
+    # is done with that buffer before the kernels write into it (the late part waits for it), and
+    # the buffer is grown first to what the gather needs too.
+    gather = [((T, d), x.dtype)] + ([((T, 2 * scores.shape[1]), torch.int32)] if token is None else [])
+    out = symmetric_exchange.staging_views(group_name, [((W * T, d), x.dtype)],
+                                           reserve_bytes=symmetric_exchange.staging_bytes(gather))[0]
+    if token is None:
+        xg, scores, token, expert = _gather_routing(x, scores, expert, first_expert, W, group_name, here, side)
+        listed = (token, expert)
+    else:
+        xg = _rotated_gather(x, W, group_name, here, side)
+        listed = (expert.new_empty(0), expert.new_empty(0))
+    saved_bytes, fwd_bytes, _ = _experts_bytes(W * T, d, w1, w2, token.numel(), activation, b1 is not None)
     saved = x.new_empty(saved_bytes, dtype=torch.uint8)
     workspace = x.new_empty(fwd_bytes, dtype=torch.uint8)
     args = (xg, w1, b1, w2, b2, scores, token, expert, out, saved, workspace)
     ops.experts_forward_part(*args, "early_rows", T, *opts, x_early=x)  # x's rows: xg's are still in the making
     here.wait_stream(side)  # the peers' rows have landed
     ops.experts_forward_part(*args, "late_rows", T, *opts)
-    parts = _send_peer_blocks(out, W, group_name, here, side)
+    pulled = _send_peer_blocks([out], W, group_name, here, side)
     ops.experts_forward_part(*args, "early_out", T, *opts, _gemm_ctas(x.device))
-    return _sum_parts(parts, out[:T], here, side), xg, saved
+    return (_sum_parts(pulled, [out], here, side)[0], xg, saved) + listed
 
 
 overlapped_experts_forward = torch.library.custom_op("machmoe::overlapped_experts_forward", _forward,
@@ -145,40 +196,51 @@ overlapped_experts_forward = torch.library.custom_op("machmoe::overlapped_expert
 
 
 @overlapped_experts_forward.register_fake
-def _(x, w1, b1, w2, b2, scores, token, expert, activation, layout, glu_clamp, W, group_name):
+def _(x, w1, b1, w2, b2, scores, token, expert, first_expert, activation, layout, glu_clamp, W, group_name):
     from . import _fake
 
     T, d = x.shape
-    saved = _fake.experts_saved_bytes(W * T, token.numel(), w2.shape[2], w1.shape[0], activation)
-    return x.new_empty(T, d), x.new_empty(W * T, d), x.new_empty(saved, dtype=torch.uint8)
+    R = W * scores.numel() if token is None else token.numel()
+    saved = _fake.experts_saved_bytes(W * T, R, w2.shape[2], w1.shape[0], activation)
+    listed = R if token is None else 0
+    return (x.new_empty(T, d), x.new_empty(W * T, d), x.new_empty(saved, dtype=torch.uint8),
+            x.new_empty(listed, dtype=torch.int32), x.new_empty(listed, dtype=torch.int32))
 
 
 def _backward(xg: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
-                                b2: Optional[torch.Tensor], token: torch.Tensor, expert: torch.Tensor,
-                                saved: torch.Tensor, dout: torch.Tensor, activation: str, layout: str,
-                                glu_clamp: list[float], W: int, group_name: str
-                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                           torch.Tensor]:
-    """(dx [T, d], d_scores [R], dw1, db1, dw2, db2; a bias's gradient is empty without it) of
-    overlapped_experts_forward, from its xg and saved and the output gradient dout [T, d]."""
+              b2: Optional[torch.Tensor], token: torch.Tensor, expert: torch.Tensor, saved: torch.Tensor,
+              dout: torch.Tensor, K: int, activation: str, layout: str, glu_clamp: list[float], W: int,
+              group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                        torch.Tensor]:
+    """(dx [T, d], d_scores, dw1, db1, dw2, db2; a bias's gradient is empty without it) of
+    overlapped_experts_forward, from its xg, saved and list and the output gradient dout [T, d].
+    K > 0 (the forward gathered the routing): d_scores [T, K] of this rank's routing, each pair's
+    summed over the ranks in the same round as dx's blocks; K = 0: d_scores [R] of the list."""
     T, d = dout.shape
     ops = torch.ops.machmoe
     here, side = _streams(xg.device)
     R = token.numel()
     _, _, bwd_bytes = _experts_bytes(W * T, d, w1, w2, R, activation, b1 is not None)
     opts = (activation, layout, glu_clamp)
-    dxg = symmetric_exchange.staging_rows(W * T, dout, group_name)  # as the forward's out
+    # dx [W·T, d] (and with K the pairs' d scores [R]) written where the peers pull them, as the
+    # forward's out; the buffer holds dout's gather too (dx's rows are written after it).
+    staged = [((W * T, d), dout.dtype)] + ([((R,), torch.float32)] if K else [])
+    staged = symmetric_exchange.staging_views(group_name, staged)
+    dxg = staged[0]
     dg = _rotated_gather(dout, W, group_name, here, side)
-    d_scores = dout.new_empty(R, dtype=torch.float32)
+    d_scores = staged[1] if K else dout.new_empty(R, dtype=torch.float32)
     workspace = dout.new_empty(bwd_bytes, dtype=torch.uint8)
     args = (xg, w1, b1, w2, b2, token, expert, saved, dg, dxg, d_scores, workspace)
     ops.experts_backward_data_part(*args, "early_rows", T, *opts, dout_early=dout)  # dout's rows, as the forward
     here.wait_stream(side)  # the peers' output gradients have landed
     ops.experts_backward_data_part(*args, "late_rows", T, *opts)
-    parts = _send_peer_blocks(dxg, W, group_name, here, side)
+    pulled = _send_peer_blocks(staged, W, group_name, here, side)
     dw1, db1, dw2, db2 = ops.experts_backward_weights(xg, w1, b1, w2, b2, token, expert, saved, dg, workspace, *opts,
                                                       _gemm_ctas(xg.device))
-    dx = _sum_parts(parts, dxg[:T], here, side)
+    sums = _sum_parts(pulled, staged, here, side)
+    dx = sums[0]
+    if K:
+        d_scores = sums[1].view(T, K)
     # (an op's outputs may not alias one another: a fresh empty tensor for each missing bias)
     return (dx, d_scores, dw1, xg.new_empty(0) if db1 is None else db1, dw2,
             xg.new_empty(0) if db2 is None else db2)
@@ -189,9 +251,11 @@ overlapped_experts_backward = torch.library.custom_op("machmoe::overlapped_exper
 
 
 @overlapped_experts_backward.register_fake
-def _(xg, w1, b1, w2, b2, token, expert, saved, dout, activation, layout, glu_clamp, W, group_name):
+def _(xg, w1, b1, w2, b2, token, expert, saved, dout, K, activation, layout, glu_clamp, W, group_name):
     E, n1, d = w1.shape
-    return (dout.new_empty(dout.shape), dout.new_empty(token.shape[0], dtype=torch.float32), w1.new_empty(w1.shape),
+    T = dout.shape[0]
+    d_scores = dout.new_empty(T, K, dtype=torch.float32) if K else dout.new_empty(token.shape[0], dtype=torch.float32)
+    return (dout.new_empty(dout.shape), d_scores, w1.new_empty(w1.shape),
             w1.new_empty(E, n1) if b1 is not None else w1.new_empty(0), w2.new_empty(w2.shape),
             w2.new_empty(E, d) if b2 is not None else w2.new_empty(0))
 
@@ -205,14 +269,22 @@ def _op(custom_op, function):
 
 class OverlappedExperts(torch.autograd.Function):
     """x [T, d] -> out [T, d]: overlapped_experts_forward; its backward overlapped_experts_backward.
-    scores (any float dtype) get their gradient in their dtype."""
+    With token None, scores [T, K] and expert [T, K] are this rank's routing (gathered with x, its
+    experts' ids offset by first_expert); else the list over the rotated rows ([R] each). scores
+    (any float dtype) get their gradient in their dtype and shape."""
 
     @staticmethod
-    def forward(ctx, x, scores, token, expert, w1, b1, w2, b2, opts, W, group_name):
+    def forward(ctx, x, scores, token, expert, first_expert, w1, b1, w2, b2, opts, W, group_name):
         forward = _op(overlapped_experts_forward, _forward)
-        out, xg, saved = forward(x, w1, b1, w2, b2, scores.float().contiguous(), token, expert, *opts, W, group_name)
+        out, xg, saved, listed_token, listed_expert = forward(
+            x, w1, b1, w2, b2, scores.float().contiguous(), token, expert.to(torch.int32).contiguous(), first_expert,
+            *opts, W, group_name)
+        gathered = token is None
+        if gathered:
+            token, expert = listed_token, listed_expert
         ctx.save_for_backward(xg, w1, b1, w2, b2, token, expert, saved)
         ctx.opts, ctx.W, ctx.group_name = opts, W, group_name
+        ctx.K = scores.shape[1] if gathered else 0
         ctx.scores_shape, ctx.scores_dtype = scores.shape, scores.dtype
         ctx.set_materialize_grads(False)
         return out
@@ -220,11 +292,11 @@ class OverlappedExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         if dout is None:
-            return (None,) * 11
+            return (None,) * 12
         xg, w1, b1, w2, b2, token, expert, saved = ctx.saved_tensors
         dx, d_scores, dw1, db1, dw2, db2 = _op(overlapped_experts_backward, _backward)(
-            xg, w1, b1, w2, b2, token, expert, saved, dout.to(torch.bfloat16).contiguous(), *ctx.opts, ctx.W,
+            xg, w1, b1, w2, b2, token, expert, saved, dout.to(torch.bfloat16).contiguous(), ctx.K, *ctx.opts, ctx.W,
             ctx.group_name)
         d_scores = d_scores.reshape(ctx.scores_shape).to(ctx.scores_dtype)
-        return (dx, d_scores, None, None, dw1, db1 if b1 is not None else None, dw2,
+        return (dx, d_scores, None, None, None, dw1, db1 if b1 is not None else None, dw2,
                 db2 if b2 is not None else None, None, None, None)

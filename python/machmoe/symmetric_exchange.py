@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 
 import torch
 
@@ -112,20 +113,50 @@ def rotated_place(q: int, rank: int, W: int) -> int:
     return (q - rank) % W
 
 
+def _places(shapes_dtypes) -> tuple[list, int]:
+    """Byte offsets of tensors of the given (shape, dtype) laid end to end in a staging buffer, each
+    at a 256-byte boundary, and the bytes they span."""
+    offsets, at = [], 0
+    for shape, dtype in shapes_dtypes:
+        offsets.append(at)
+        at += (math.prod(shape) * dtype.itemsize + 255) // 256 * 256
+    return offsets, at
+
+
+def staging_bytes(layouts: list) -> int:
+    """The staging bytes tensors of the given (shape, dtype) take laid out by _places (what
+    gather_parts and pull_staged use)."""
+    return _places(layouts)[1]
+
+
 def gather_blocks(t: torch.Tensor, out: torch.Tensor, W: int, group_name: str, rotated: bool = False) -> int:
     """The peers' blocks of an all-gather of t [R, ...] into out [W·R, ...]: rank q's block at q, or at
     rotated_place(q) (this rank's own first). This rank's own block is not written (the caller
     places it, on whatever stream it likes). Returns this rank. Only copies and barriers: it can run
     on a side stream beside kernels that leave an SM free."""
-    t = t.contiguous()
-    handle = _staging(group_name, t.numel() * t.element_size())
+    return gather_parts([(t, out)], W, group_name, rotated)
+
+
+def gather_parts(parts: list, W: int, group_name: str, rotated: bool = False, after=None) -> int:
+    """gather_blocks of several tensors in one round (one pair of barriers): parts [(t_i [R_i, ...],
+    out_i [W·R_i, ...])], each t_i at its own place of the staging buffer (_places). after(i), if
+    given, is called on the current stream once part i's blocks are pulled (and before the next
+    part's), e.g. to record an event that work needing only part i waits for."""
+    ts = [t.contiguous() for t, _ in parts]
+    offsets, nbytes = _places([(tuple(t.shape), t.dtype) for t in ts])
+    handle = _staging(group_name, nbytes)
     rank = handle.rank
-    blocks = out.chunk(W)
-    _view(handle, rank, t).copy_(t)
+    for t, offset in zip(ts, offsets):
+        _view(handle, rank, t, offset // t.element_size()).copy_(t)
     handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
-    for step in range(1, W):
-        q = (rank + step) % W
-        blocks[rotated_place(q, rank, W) if rotated else q].copy_(_view(handle, q, t))  # by a copy engine
+    for i, (t, (_, out), offset) in enumerate(zip(ts, parts, offsets)):
+        blocks = out.chunk(W)
+        for step in range(1, W):
+            q = (rank + step) % W
+            place = rotated_place(q, rank, W) if rotated else q
+            blocks[place].copy_(_view(handle, q, t, offset // t.element_size()))  # by a copy engine
+        if after is not None:
+            after(i)
     handle.barrier(channel=1, timeout_ms=BARRIER_TIMEOUT_MS)
     return rank
 
@@ -141,10 +172,18 @@ def staging_rows(rows: int, like: torch.Tensor, group_name: str) -> torch.Tensor
     """This rank's staging buffer as a tensor [rows, like's other dims] of like's dtype (grown
     first if it holds less): a caller that writes what it sends there (pull_blocks with
     in_staging) saves the copy into it. It is overwritten by this group's next collective."""
-    shape = (rows,) + tuple(like.shape[1:])
-    nbytes = rows * (like[0].numel() if like.dim() > 1 else 1) * like.element_size()
-    handle = _staging(group_name, nbytes)
-    return _buffer(handle, handle.rank, shape, like.dtype, 0)
+    return staging_views(group_name, [((rows,) + tuple(like.shape[1:]), like.dtype)])[0]
+
+
+def staging_views(group_name: str, layouts: list, reserve_bytes: int = 0) -> list:
+    """This rank's staging buffer as tensors of the given (shape, dtype), laid end to end (_places,
+    as pull_staged expects them), the buffer first grown to hold them and at least reserve_bytes
+    (growing it later would leave these views behind: reserve what the collectives that use them
+    need). Overwritten by this group's next collective."""
+    offsets, nbytes = _places(layouts)
+    handle = _staging(group_name, max(nbytes, reserve_bytes))
+    return [_buffer(handle, handle.rank, tuple(shape), dtype, offset // dtype.itemsize)
+            for (shape, dtype), offset in zip(layouts, offsets)]
 
 
 def pull_blocks(t: torch.Tensor, W: int, group_name: str, rotated: bool = False, in_staging: bool = False) -> list:
@@ -155,34 +194,53 @@ def pull_blocks(t: torch.Tensor, W: int, group_name: str, rotated: bool = False,
     rotated): t is staging_rows' tensor, its blocks already where the peers pull them. Only copies
     and barriers: it can run on a side stream beside kernels that leave an SM free."""
     t = t.contiguous()
-    if t.shape[0] % W:
-        raise ValueError(f"reduce_scatter: t has {t.shape[0]} rows, not a multiple of W = {W}")
     if in_staging and not rotated:
         raise ValueError("pull_blocks: in_staging needs the rotated layout")
-    handle = _staging(group_name, t.numel() * t.element_size())
+    return _pull([t], W, group_name, rotated, in_staging)[0]
+
+
+def pull_staged(ts: list, W: int, group_name: str) -> list:
+    """pull_blocks(rotated=True, in_staging=True) of several tensors in one round (one pair of
+    barriers): ts are staging_views' tensors of one call, in its order, each [W·R_i, ...]. Returns
+    each one's W blocks in rank order."""
+    return _pull(ts, W, group_name, True, True)
+
+
+def _pull(ts: list, W: int, group_name: str, rotated: bool, in_staging: bool) -> list:
+    for t in ts:
+        if t.shape[0] % W:
+            raise ValueError(f"reduce_scatter: t has {t.shape[0]} rows, not a multiple of W = {W}")
+    offsets, nbytes = _places([(tuple(t.shape), t.dtype) for t in ts])
+    handle = _staging(group_name, nbytes)
     rank = handle.rank
-    chunks = t.chunk(W)
-    mine = [chunks[rotated_place(q, rank, W)] for q in range(W)] if rotated else list(chunks)  # by destination
-    block_elems = mine[0].numel()
 
     def slot(owner, dest):  # where owner's staging holds its block for dest (in blocks)
         return rotated_place(dest, owner, W) if rotated else dest
 
-    if not in_staging:
-        for q in range(W):  # the blocks the other ranks will pull, each at its place
-            if q != rank:
-                _view(handle, rank, mine[q], slot(rank, q) * block_elems).copy_(mine[q])
+    by_destination = []
+    for t, offset in zip(ts, offsets):
+        chunks = t.chunk(W)
+        mine = [chunks[rotated_place(q, rank, W)] for q in range(W)] if rotated else list(chunks)
+        block_elems, base = mine[0].numel(), offset // t.element_size()
+        by_destination.append((mine, block_elems, base))
+        if not in_staging:
+            for q in range(W):  # the blocks the other ranks will pull, each at its place
+                if q != rank:
+                    _view(handle, rank, mine[q], base + slot(rank, q) * block_elems).copy_(mine[q])
     handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
-    parts = []
-    for q in range(W):
-        if q == rank:
-            parts.append(mine[q])
-        else:
-            pulled = torch.empty_like(mine[q])
-            pulled.copy_(_view(handle, q, mine[q], slot(q, rank) * block_elems))  # by a copy engine
-            parts.append(pulled)
+    results = []
+    for mine, block_elems, base in by_destination:
+        parts = []
+        for q in range(W):
+            if q == rank:
+                parts.append(mine[q])
+            else:
+                pulled = torch.empty_like(mine[q])
+                pulled.copy_(_view(handle, q, mine[q], base + slot(q, rank) * block_elems))  # by a copy engine
+                parts.append(pulled)
+        results.append(parts)
     handle.barrier(channel=1, timeout_ms=BARRIER_TIMEOUT_MS)
-    return parts
+    return results
 
 
 def sum_blocks(parts: list) -> torch.Tensor:
