@@ -516,7 +516,8 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"hidden_states must have shape [..., hidden_size] with hidden_size "
                              f"= {self.hidden_size}; got {list(hidden_states.shape)}")
         rounding, seed = rounding_for_call(self.token_rounding, self.training)
-        x = hidden_states.reshape(-1, self.hidden_size)
+        # (no reshape of a 2-D input: each view is an autograd node the host pays for)
+        x = hidden_states if hidden_states.dim() == 2 else hidden_states.reshape(-1, self.hidden_size)
         out, aux = expert_parallel_moe(
             x, self.router.weight, self.c_fc.weight, self.c_proj.weight,
             num_experts_per_tok=self.num_experts_per_tok, b1=self.c_fc.bias, b2=self.c_proj.bias,
@@ -528,7 +529,7 @@ class ExpertParallelMoE(nn.Module):
             capacity_factor=self.capacity_factor, router_bias=self.router.bias,
             routed_scaling_factor=self.routed_scaling_factor, n_group=self.n_group,
             topk_group=self.topk_group, precision=self.precision, fp8_cache=self.fp8_cache)
-        return out.reshape(hidden_states.shape), aux
+        return (out if hidden_states.dim() == 2 else out.reshape(hidden_states.shape)), aux
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """This rank's own (sharded) parameters."""
