@@ -84,6 +84,22 @@ def _sum_scatter(t: torch.Tensor, W: int, group_name: str, rotated: bool = False
     return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(t.contiguous(), "sum", W, group_name))
 
 
+def _all_gather_parts(ts: list, W: int, group_name: str) -> list:
+    """_all_gather of each of ts, in one round of transfers over symmetric memory."""
+    if symmetric_exchange.available(ts[0], W):
+        return list(_symmetric(symmetric_exchange.all_gather_parts_op, symmetric_exchange.all_gather_parts)(
+            [t.contiguous() for t in ts], W, group_name))
+    return [_all_gather(t, W, group_name) for t in ts]
+
+
+def _sum_scatter_parts(ts: list, W: int, group_name: str) -> list:
+    """_sum_scatter of each of ts, in one round of transfers over symmetric memory."""
+    if symmetric_exchange.available(ts[0], W):
+        return list(_symmetric(symmetric_exchange.reduce_scatter_parts_op, symmetric_exchange.reduce_scatter_parts)(
+            [t.contiguous() for t in ts], W, group_name))
+    return [_sum_scatter(t, W, group_name) for t in ts]
+
+
 def _symmetric(op, function):
     """A symmetric-memory collective: its custom op under torch.compile (an opaque node of the
     graph), the function itself in eager mode (the op's Python dispatch costs host time that a
@@ -122,6 +138,26 @@ class _GatherRouting(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_scores, _):
         return _sum_scatter(grad_scores, ctx.W, ctx.group_name, ctx.rotated), None, None, None, None
+
+
+class _GatherTokens(torch.autograd.Function):
+    """x [R, d], scores [R, K] and experts [R, K] -> each gathered [W·R, ...] in rank order, in one
+    round of transfers (the routing packed as _GatherRouting packs it). Backward: x's and the
+    scores' gradients reduce-scattered, in one round."""
+
+    @staticmethod
+    def forward(ctx, x, scores, experts, W, group_name):
+        ctx.W, ctx.group_name = W, group_name
+        twin = {4: torch.int32, 8: torch.int64}[scores.element_size()]
+        K = scores.shape[1]
+        packed = torch.cat([scores.contiguous().view(twin), experts.to(twin)], 1)  # [R, 2K]
+        xg, got = _all_gather_parts([x, packed], W, group_name)
+        return xg, got[:, :K].contiguous().view(scores.dtype), got[:, K:].contiguous()
+
+    @staticmethod
+    def backward(ctx, dxg, d_scores, _):
+        dx, ds = _sum_scatter_parts([dxg, d_scores], ctx.W, ctx.group_name)
+        return dx, ds, None, None, None
 
 
 class _ReduceScatterRows(torch.autograd.Function):
@@ -163,7 +199,11 @@ def gathered_experts(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tenso
     if overlapped and (pair_capacity is None or pair_capacity >= world * T * K):
         # The routing travels with x, in the same round of transfers (overlapped_experts).
         return _overlapped(x, scores, None, experts, rank * E_local, w1, w2, b1, b2, world, group_name, call)
-    sg, eg = _GatherRouting.apply(scores, experts, world, group_name, overlapped)  # [W·T, K] each
+    if overlapped:  # with a pair capacity: the routing gathered and compacted here, x by the experts' call
+        sg, eg = _GatherRouting.apply(scores, experts, world, group_name, True)  # [W·T, K] each, rotated
+        xg = None
+    else:
+        xg, sg, eg = _GatherTokens.apply(x, scores, experts, world, group_name)  # [W·T, ...] each
     # This rank's expert ids: an expert another rank holds falls outside [0, E_local), below or
     # above, and every experts path drops such pairs (no host check).
     local = eg - rank * E_local if rank else eg
@@ -172,11 +212,11 @@ def gathered_experts(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tenso
     token = _row_of_each_pair(rows, K, x.device)
     if pair_capacity is None or pair_capacity >= rows * K:
         return _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, group_name,
-                                         experts_kwargs, overlapped, call)
+                                         experts_kwargs, overlapped, call, xg)
     score, token, expert, count = compact_pairs(score, token, expert, E_local, pair_capacity, rows)
     overflow = exchange_overflow.agreed_overflow(count, pair_capacity, group, exchange_overflow.PAIRS_PER_RANK)
     out = _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, group_name,
-                                    experts_kwargs, overlapped, call)
+                                    experts_kwargs, overlapped, call, xg)
     return exchange_overflow.poison(out, overflow)
 
 
@@ -242,16 +282,18 @@ def _parsed_call(x, w1, w2, b1, b2, experts_kwargs) -> tuple:
 
 
 def _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, group_name, experts_kwargs,
-                              overlapped=False, call=None):
+                              overlapped=False, call=None, xg=None):
     """out [T, d]: x [T, d] gathered, the experts on the gathered rows [W·T, d] with the routing
     list (score, token, expert) [R'] (ordered by token; experts out of [0, E/W) dropped), the
     partial sums reduce-scattered. overlapped: the list indexes the rows rotated (this rank's
     first), and the transfers run beside the kernels (overlapped_experts); otherwise as three
-    nodes (gather, experts, reduce-scatter). call: _parsed_call's result, where the caller has it."""
+    nodes (gather, unless the caller gathered x already into xg; experts; reduce-scatter). call:
+    _parsed_call's result, where the caller has it."""
     activation, layout, glu_clamp, on_kernels = call or _parsed_call(x, w1, w2, b1, b2, experts_kwargs)
     if overlapped:
         return _overlapped(x, score, token, expert, 0, w1, w2, b1, b2, world, group_name, call)
-    xg = _GatherRows.apply(x, world, group_name)  # [W·T, d]
+    if xg is None:
+        xg = _GatherRows.apply(x, world, group_name)  # [W·T, d]
     if not on_kernels:  # the torch backend takes in-range pairs only (it synchronises anyway)
         keep = (expert >= 0) & (expert < w1.shape[0])
         score, token, expert = score[keep], token[keep], expert[keep]

@@ -107,6 +107,21 @@ def all_gather(t: torch.Tensor, W: int, group_name: str, rotated: bool = False) 
     return out
 
 
+def all_gather_parts(ts: list, W: int, group_name: str) -> list:
+    """all_gather (rank order) of several tensors in one round of transfers (gather_parts)."""
+    ts = [t.contiguous() for t in ts]
+    outs = [t.new_empty((W * t.shape[0],) + tuple(t.shape[1:])) for t in ts]
+    rank = gather_parts(list(zip(ts, outs)), W, group_name)
+    for t, out in zip(ts, outs):
+        out[rank * t.shape[0]:(rank + 1) * t.shape[0]].copy_(t)
+    return outs
+
+
+def reduce_scatter_parts(ts: list, W: int, group_name: str) -> list:
+    """reduce_scatter (rank order) of several tensors in one round of transfers."""
+    return [sum_blocks(parts) for parts in _pull([t.contiguous() for t in ts], W, group_name, False, False)]
+
+
 def rotated_place(q: int, rank: int, W: int) -> int:
     """Where rank q's block sits in this rank's rotated gather: its own first, then the ranks after
     it, (q - rank) mod W."""
@@ -298,3 +313,23 @@ def reduce_scatter_op(t: torch.Tensor, W: int, group_name: str, rotated: bool = 
 @reduce_scatter_op.register_fake
 def _(t, W, group_name, rotated=False):
     return t.new_empty((t.shape[0] // W,) + tuple(t.shape[1:]))
+
+
+@torch.library.custom_op("machmoe::symmetric_all_gather_parts", mutates_args=())
+def all_gather_parts_op(ts: list[torch.Tensor], W: int, group_name: str) -> list[torch.Tensor]:
+    return all_gather_parts(ts, W, group_name)
+
+
+@all_gather_parts_op.register_fake
+def _(ts, W, group_name):
+    return [t.new_empty((W * t.shape[0],) + tuple(t.shape[1:])) for t in ts]
+
+
+@torch.library.custom_op("machmoe::symmetric_reduce_scatter_parts", mutates_args=())
+def reduce_scatter_parts_op(ts: list[torch.Tensor], W: int, group_name: str) -> list[torch.Tensor]:
+    return reduce_scatter_parts(ts, W, group_name)
+
+
+@reduce_scatter_parts_op.register_fake
+def _(ts, W, group_name):
+    return [t.new_empty((t.shape[0] // W,) + tuple(t.shape[1:])) for t in ts]
