@@ -241,9 +241,9 @@ def all_to_all_experts(x: torch.Tensor, logits: torch.Tensor, scores: torch.Tens
                        glu_clamp: Optional[GluClamp] = None,
                        aux: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [T, d], aux []): the exchange plan, the aux loss (`aux` when the router gave it, else
-    from the plan's expert counts on the kernels) and steps 2-4 of the module docstring on this rank's tokens x [T, d], routed
-    by the caller (logits [T, E] in the routing dtype, scores [T, K], experts [T, K] global ids, int32
-    from the kernels, else int64), this rank holding w1 [E/W, N1, d], w2 [E/W, d, n] (and b1
+    from the plan's expert counts on the kernels) and steps 2-4 of the module docstring on this
+    rank's tokens x [T, d], routed by the caller (logits [T, E] in the routing dtype, scores
+    [T, K], experts [T, K] global ids, int32 from the kernels, else int64), this rank holding w1 [E/W, N1, d], w2 [E/W, d, n] (and b1
     [E/W, N1], b2 [E/W, d]). Every rank of `group` must call this together (it runs collectives).
     kernels: whether the routing ran on machmoe's kernels (then the plan and the row sums do too);
     activation, layout, backend (resolved: machmoe or torch) and glu_clamp already parsed and checked

@@ -123,17 +123,14 @@ class _GatherRows(torch.autograd.Function):
 
 class _GatherRouting(torch.autograd.Function):
     """scores [R, K] and experts [R, K] -> both gathered [W·R, K] (rotated: this rank's rows
-    first), in one collective: the scores' bits and the experts (as integers of the scores'
-    width) side by side. Backward: the reduce-scatter (sum) of the scores' gradient."""
+    first), in one collective (overlapped_experts.pack_routing). Backward: the reduce-scatter
+    (sum) of the scores' gradient."""
 
     @staticmethod
     def forward(ctx, scores, experts, W, group_name, rotated):
         ctx.W, ctx.group_name, ctx.rotated = W, group_name, rotated
-        twin = {4: torch.int32, 8: torch.int64}[scores.element_size()]
-        K = scores.shape[1]
-        packed = torch.cat([scores.contiguous().view(twin), experts.to(twin)], 1)  # [R, 2K]
-        got = _all_gather(packed, W, group_name, rotated)  # [W·R, 2K]
-        return got[:, :K].contiguous().view(scores.dtype), got[:, K:].contiguous()
+        packed = overlapped_experts.pack_routing(scores, experts)  # [R, 2K]
+        return overlapped_experts.unpack_routing(_all_gather(packed, W, group_name, rotated), scores.dtype)
 
     @staticmethod
     def backward(ctx, grad_scores, _):
@@ -142,17 +139,14 @@ class _GatherRouting(torch.autograd.Function):
 
 class _GatherTokens(torch.autograd.Function):
     """x [R, d], scores [R, K] and experts [R, K] -> each gathered [W·R, ...] in rank order, in one
-    round of transfers (the routing packed as _GatherRouting packs it). Backward: x's and the
-    scores' gradients reduce-scattered, in one round."""
+    round of transfers (the routing packed by overlapped_experts.pack_routing). Backward: x's and
+    the scores' gradients reduce-scattered, in one round."""
 
     @staticmethod
     def forward(ctx, x, scores, experts, W, group_name):
         ctx.W, ctx.group_name = W, group_name
-        twin = {4: torch.int32, 8: torch.int64}[scores.element_size()]
-        K = scores.shape[1]
-        packed = torch.cat([scores.contiguous().view(twin), experts.to(twin)], 1)  # [R, 2K]
-        xg, got = _all_gather_parts([x, packed], W, group_name)
-        return xg, got[:, :K].contiguous().view(scores.dtype), got[:, K:].contiguous()
+        xg, got = _all_gather_parts([x, overlapped_experts.pack_routing(scores, experts)], W, group_name)
+        return (xg,) + overlapped_experts.unpack_routing(got, scores.dtype)
 
     @staticmethod
     def backward(ctx, dxg, d_scores, _):

@@ -121,6 +121,19 @@ def _workspace_bytes(T: int, d: int, n: int, E: int, R: int, activation: str, bi
     return tuple(torch.ops.machmoe.experts_workspace_bytes(T, d, n, E, R, activation, bias))
 
 
+def pack_routing(scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """scores [R, K] float and experts [R, K] -> [R, 2K] integers of the scores' width: the scores'
+    bits beside the experts, so that one transfer carries both (unpack_routing undoes it)."""
+    twin = {4: torch.int32, 8: torch.int64}[scores.element_size()]
+    return torch.cat([scores.contiguous().view(twin), experts.to(twin)], 1)
+
+
+def unpack_routing(packed: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack_routing's [R, 2K] -> (scores [R, K] of dtype, experts [R, K] of the packed integers)."""
+    K = packed.shape[1] // 2
+    return packed[:, :K].contiguous().view(dtype), packed[:, K:].contiguous()
+
+
 def _gather_routing(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor, first_expert: int, W: int,
                     group_name: str, here, side) -> tuple:
     """x [T, d] and this rank's routing (scores [T, K] fp32, experts [T, K] int32 global ids) gathered
@@ -129,7 +142,7 @@ def _gather_routing(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor
     xg's rows: scores fp32, token, expert int32 [W·T·K] in (row, k) order, ready on this stream
     (which waits for the routing's blocks only), experts of other ranks out of [0, E/W))."""
     T, K = scores.shape
-    routing = torch.cat([scores.view(torch.int32), experts], 1)  # [T, 2K]: the scores' bits beside the experts
+    routing = pack_routing(scores, experts)  # [T, 2K] int32
     xg, rg = x.new_empty(W * T, x.shape[1]), routing.new_empty(W * T, 2 * K)
     rg[:T].copy_(routing)
     routed = torch.cuda.Event()
@@ -144,8 +157,7 @@ def _gather_routing(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor
     for t in (routing, rg, xg):
         t.record_stream(side)
     here.wait_event(routed)
-    score = rg[:, :K].contiguous().view(torch.float32).reshape(-1)
-    expert = rg[:, K:].reshape(-1)  # (a copy: the slice is strided)
+    score, expert = (t.reshape(-1) for t in unpack_routing(rg, torch.float32))
     if first_expert:
         expert -= first_expert
     token = torch.arange(W * T, device=x.device, dtype=torch.int32).repeat_interleave(K)

@@ -104,11 +104,13 @@ void router_forward(const RouterProblem& p, const RouterForwardArgs& a, cudaStre
   check_problem(p, fn);
   require_arg(a.expert_offsets && a.aux_loss && a.workspace, fn, "expert_offsets/aux_loss/workspace",
               "must be given");
-  require_arg((a.router_bias != nullptr) == p.has_router_bias, fn, "router_bias", "is given exactly when has_router_bias");
+  require_arg((a.router_bias != nullptr) == p.has_router_bias, fn, "router_bias",
+              "is given exactly when has_router_bias");
   const RouterWorkspace L(p);
   void* w = a.workspace;
   if (p.T == 0) {  // no pair: offsets 0, aux 0
-    check_cuda(cudaMemsetAsync(a.expert_offsets, 0, static_cast<size_t>(p.E + 1) * 4, stream), "router_forward: memset");
+    check_cuda(cudaMemsetAsync(a.expert_offsets, 0, static_cast<size_t>(p.E + 1) * 4, stream),
+               "router_forward: memset");
     check_cuda(cudaMemsetAsync(a.aux_loss, 0, sizeof(float), stream), "router_forward: memset");
     return;
   }
