@@ -205,7 +205,7 @@ struct ExpertsProblem {
   int64_t d = 0;  // hidden size
   int64_t n = 0;  // expert intermediate size
   int64_t E = 0;  // experts
-  int64_t R = 0;  // pairs in the list (0 allowed; at most T·E, the most a list without repeats has)
+  int64_t R = 0;  // pairs in the list, those out of range included (0 allowed; 0 when T = 0)
   Activation activation = Activation::SwiGLU;
   GateUpLayout layout = GateUpLayout::Interleaved;
   bool has_bias = false;

@@ -247,7 +247,9 @@ def test_backward_in_two_parts_is_bitwise_the_whole_call(bias):
     T, d, n, E = 777, 256, 128, 16
     t = make_experts(T, d, n, E, "swiglu", bias)
     token, expert, scores = routing_list(T, E, max_per_token=4)
-    keep = expert != 3  # expert 3 gets no rows
+    # Expert 3 gets no rows (with one token, most experts get none anyway, and dropping expert 3
+    # could leave no pair at all: then every result is zero and the comparison below proves nothing).
+    keep = expert != 3 if T > 1 else torch.ones_like(expert, dtype=torch.bool)
     token, expert, scores = token[keep].int(), expert[keep].int(), scores[keep].contiguous()
     ops = torch.ops.machmoe
     w = (t["w1"], t["b1"] if bias else None, t["w2"], t["b2"] if bias else None)
@@ -287,7 +289,9 @@ def test_split_call_is_bitwise_the_whole_call(T, E, early, act, bias):
     d, n = 256, 128
     t = make_experts(T, d, n, E, act, bias)
     token, expert, scores = routing_list(T, E, max_per_token=4, min_per_token=1)
-    keep = expert != 3  # expert 3 gets no rows
+    # Expert 3 gets no rows (with one token, most experts get none anyway, and dropping expert 3
+    # could leave no pair at all: then every result is zero and the comparison below proves nothing).
+    keep = expert != 3 if T > 1 else torch.ones_like(expert, dtype=torch.bool)
     token, expert, scores = token[keep].int(), expert[keep].int(), scores[keep].contiguous()
     ops = torch.ops.machmoe
     w = (t["w1"], t["b1"] if bias else None, t["w2"], t["b2"] if bias else None)

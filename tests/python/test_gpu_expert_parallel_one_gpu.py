@@ -1,4 +1,4 @@
-"""The all-gather exchange of expert parallelism at W = 2 and 4 with every rank on ONE GPU: the
+"""The all-gather exchange of expert parallelism at W = 2, 4 and 8 with every rank on ONE GPU: the
 logic of the transfers overlapped with the expert kernels (machmoe.overlapped_experts) tested
 without a multi-GPU machine.
 
@@ -118,7 +118,7 @@ def _worker(rank, world, init_file, seed, errors, queues):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_overlapped_exchange_with_every_rank_on_one_gpu(world, seed):
     context = mp.get_context("spawn")
     errors, queues = context.SimpleQueue(), [context.SimpleQueue() for _ in range(world)]

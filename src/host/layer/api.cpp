@@ -124,12 +124,11 @@ ValidExpertsProblem validate(const ExpertsProblem& p) {
   require_experts(p.d >= 1, "d", "must be >= 1, got " + std::to_string(p.d));
   require_experts(p.n >= 1, "n", "must be >= 1, got " + std::to_string(p.n));
   require_experts(p.E >= 1 && p.E <= kInt32Max / 2, "E", "must be in [1, 2^30], got " + std::to_string(p.E));
-  // Rows and pairs are indexed by int32 on the device. A list that repeats no (token, expert) pair
-  // has at most T·E pairs (T·E cannot overflow: both are below 2^31).
+  // Rows and pairs are indexed by int32 on the device. The list may be longer than the T·E pairs a
+  // list without repeats has in range: pairs out of range are allowed and get no row (expert
+  // parallelism's gathered lists hold every rank's pairs, most of them other ranks' experts).
   require_experts(p.R >= 0 && p.R <= kInt32Max, "R", "must be in [0, 2^31), got " + std::to_string(p.R));
-  require_experts(p.R <= p.T * p.E, "R",
-                  "must be <= T*E = " + std::to_string(p.T * p.E) +
-                      " (a list may not repeat a (token, expert) pair), got " + std::to_string(p.R));
+  require_experts(p.T > 0 || p.R == 0, "R", "must be 0 when T = 0, got " + std::to_string(p.R));
   require_experts(p.dtype == DType::BF16 || p.dtype == DType::FP16 || p.dtype == DType::FP32, "dtype",
                   "must be bfloat16, float16 or float32");
   check_glu_clamp("ExpertsProblem", p.activation, p.glu_clamp);
