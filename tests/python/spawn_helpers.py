@@ -9,13 +9,14 @@ import pytest
 import torch.multiprocessing as mp
 
 
-def spawn_workers(worker, world: int, seed: int) -> None:
-    """worker(rank, world, init_file, seed, errors) on `world` processes; a failure on any rank
-    fails the calling test with the ranks' tracebacks."""
+def spawn_workers(worker, world: int, seed: int, extra_args: tuple = ()) -> None:
+    """worker(rank, world, init_file, seed, errors, *extra_args) on `world` processes; a failure on
+    any rank fails the calling test with the ranks' tracebacks."""
     errors = mp.get_context("spawn").SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            mp.spawn(worker, args=(world, os.path.join(tmp, "init"), seed, errors), nprocs=world, join=True)
+            mp.spawn(worker, args=(world, os.path.join(tmp, "init"), seed, errors) + tuple(extra_args), nprocs=world,
+                     join=True)
         except Exception:
             messages = []
             while not errors.empty():

@@ -15,14 +15,14 @@ and the FP8 experts against the whole FP8 layer."""
 
 import copy
 import math
-import os
-import tempfile
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from spawn_helpers import spawn_workers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.ops]
 
@@ -120,14 +120,5 @@ def _worker(rank, world, init_file, seed, errors, queues):
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_overlapped_exchange_with_every_rank_on_one_gpu(world, seed):
-    context = mp.get_context("spawn")
-    errors, queues = context.SimpleQueue(), [context.SimpleQueue() for _ in range(world)]
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), seed, errors, queues), nprocs=world,
-                     join=True)
-        except Exception:
-            messages = []
-            while not errors.empty():
-                messages.append(errors.get())
-            pytest.fail("\n".join(messages) or "a worker failed", pytrace=False)
+    queues = [mp.get_context("spawn").SimpleQueue() for _ in range(world)]  # each rank's inbox of buffers
+    spawn_workers(_worker, world, seed, (queues,))
