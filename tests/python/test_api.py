@@ -534,7 +534,12 @@ def test_experts_workspace_bytes_is_exact():
     assert 0 < empty < saved
     relu, _, _ = torch.ops.machmoe.experts_workspace_bytes(T, d, n, E, R, "relu", False)
     assert relu < saved
-    with pytest.raises(ValueError, match=r"ExpertsProblem.R: must be <= T\*E"):
-        torch.ops.machmoe.experts_workspace_bytes(2, d, n, 3, 7, "swiglu", False)
+    # A list longer than T·E is a valid size (its extra pairs are out of range: expert
+    # parallelism's gathered lists), sized by R like any other; with no token it must be empty.
+    longer, _, _ = torch.ops.machmoe.experts_workspace_bytes(2, d, n, 3, 7, "swiglu", False)
+    shorter, _, _ = torch.ops.machmoe.experts_workspace_bytes(2, d, n, 3, 6, "swiglu", False)
+    assert longer > shorter
+    with pytest.raises(ValueError, match=r"ExpertsProblem.R: must be 0 when T = 0"):
+        torch.ops.machmoe.experts_workspace_bytes(0, d, n, 3, 7, "swiglu", False)
     with pytest.raises(ValueError, match="ExpertsProblem.n"):
         torch.ops.machmoe.experts_workspace_bytes(T, d, 0, E, R, "swiglu", False)
