@@ -342,7 +342,7 @@ void topk_router_backward(const float* logits, const float* scores, const int32_
 // none) -> d_logits, rounded to bf16 for the GEMMs -> dx [T, d] bf16 = d_logits · Wr (written, not
 // added), d_router_weight [E, d] = d_logitsᵀ · x and, exactly when has_router_bias, d_router_bias
 // [E] = Σ_t d_logits, both in weight_grad_dtype. Deterministic, graph-capturable, no host
-// synchronisation; d % 8 == 0 and 16-byte aligned x and router_weight.
+// synchronisation; any d >= 1 (the GEMMs are cuBLAS's).
 struct RouterProblem {
   int64_t T = 0, d = 0, E = 0, K = 0;
   RoutingMethod routing = RoutingMethod::SoftmaxTopK;

@@ -38,13 +38,12 @@ TEST(RouterApi, ForwardRefusesBrokenRules) {
   auto call = [](const Call& c) { machmoe::router_forward(c.p, c.f, nullptr); };
   const Call base = valid_call();
   mtest::expect_refused(base, [](Call& c) { c.p.T = -1; }, "T", "T < 0", call);
-  mtest::expect_refused(base, [](Call& c) { c.p.d = 12; }, "d", "d not a multiple of 8", call);
+  mtest::expect_refused(base, [](Call& c) { c.p.d = 0; }, "d", "d = 0", call);
   mtest::expect_refused(base, [](Call& c) { c.p.K = 0; }, "K", "K = 0", call);
   mtest::expect_refused(base, [](Call& c) { c.p.K = 9; }, "K", "K > E", call);
   mtest::expect_refused(base, [](Call& c) { c.p.has_router_bias = true; }, "router_bias", "bias missing", call);
   mtest::expect_refused(base, [](Call& c) { c.f.expert_offsets = nullptr; }, "expert_offsets", "no offsets", call);
-  mtest::expect_refused(base, [](Call& c) { c.f.x = static_cast<const uint8_t*>(c.f.x) + 2; }, "x",
-                        "x misaligned", call);
+  mtest::expect_refused(base, [](Call& c) { c.f.x = nullptr; }, "x", "no x", call);
   mtest::expect_refused(base, [](Call& c) { c.f.logits = nullptr; }, "logits", "no logits", call);
 }
 
@@ -54,8 +53,7 @@ TEST(RouterApi, BackwardRefusesBrokenRules) {
   mtest::expect_refused(base, [](Call& c) { c.p.K = 9; }, "K", "K > E", call);
   mtest::expect_refused(base, [](Call& c) { c.b.d_router_weight = nullptr; }, "d_router_weight", "no dWr", call);
   mtest::expect_refused(base, [](Call& c) { c.p.has_router_bias = true; }, "d_router_bias", "no d bias", call);
-  mtest::expect_refused(base, [](Call& c) { c.b.dx = static_cast<uint8_t*>(c.b.dx) + 2; }, "dx", "dx misaligned",
-                        call);
+  mtest::expect_refused(base, [](Call& c) { c.b.dx = nullptr; }, "dx", "no dx", call);
   mtest::expect_refused(base, [](Call& c) { c.b.expert_offsets = nullptr; }, "expert_offsets", "no offsets", call);
 }
 
