@@ -67,37 +67,33 @@ def _all_gather(t: torch.Tensor, W: int, group_name: str, rotated: bool = False)
     dependency, not a host wait, on CUDA). On CUDA by the copy engines through symmetric memory
     (machmoe.symmetric_exchange: 1.5x NCCL's bandwidth on NVLink), elsewhere by torch's
     functional collective."""
-    if symmetric_exchange.available(t, W):
-        return _symmetric(symmetric_exchange.all_gather_op, symmetric_exchange.all_gather)(
-            t.contiguous(), W, group_name, rotated)
-    assert not rotated, "the rotated layout runs over symmetric memory only"
-    return _c10d.wait_tensor(_c10d.all_gather_into_tensor(t.contiguous(), W, group_name))
+    return _all_gather_parts([t], W, group_name, rotated)[0]
 
 
 def _sum_scatter(t: torch.Tensor, W: int, group_name: str, rotated: bool = False) -> torch.Tensor:
     """[W·R, ...] -> [R, ...], the sum over the ranks of this rank's block (in rank order on
     CUDA; rotated: the adjoint of the rotated _all_gather; see _all_gather for the transport)."""
-    if symmetric_exchange.available(t, W):
-        return _symmetric(symmetric_exchange.reduce_scatter_op, symmetric_exchange.reduce_scatter)(
-            t.contiguous(), W, group_name, rotated)
-    assert not rotated, "the rotated layout runs over symmetric memory only"
-    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(t.contiguous(), "sum", W, group_name))
+    return _sum_scatter_parts([t], W, group_name, rotated)[0]
 
 
-def _all_gather_parts(ts: list, W: int, group_name: str) -> list:
+def _all_gather_parts(ts: list, W: int, group_name: str, rotated: bool = False) -> list:
     """_all_gather of each of ts, in one round of transfers over symmetric memory."""
+    ts = [t.contiguous() for t in ts]
     if symmetric_exchange.available(ts[0], W):
-        return list(_symmetric(symmetric_exchange.all_gather_parts_op, symmetric_exchange.all_gather_parts)(
-            [t.contiguous() for t in ts], W, group_name))
-    return [_all_gather(t, W, group_name) for t in ts]
+        gather = _symmetric(symmetric_exchange.all_gather_parts_op, symmetric_exchange.all_gather_parts)
+        return list(gather(ts, W, group_name, rotated))
+    assert not rotated, "the rotated layout runs over symmetric memory only"
+    return [_c10d.wait_tensor(_c10d.all_gather_into_tensor(t, W, group_name)) for t in ts]
 
 
-def _sum_scatter_parts(ts: list, W: int, group_name: str) -> list:
+def _sum_scatter_parts(ts: list, W: int, group_name: str, rotated: bool = False) -> list:
     """_sum_scatter of each of ts, in one round of transfers over symmetric memory."""
+    ts = [t.contiguous() for t in ts]
     if symmetric_exchange.available(ts[0], W):
-        return list(_symmetric(symmetric_exchange.reduce_scatter_parts_op, symmetric_exchange.reduce_scatter_parts)(
-            [t.contiguous() for t in ts], W, group_name))
-    return [_sum_scatter(t, W, group_name) for t in ts]
+        scatter = _symmetric(symmetric_exchange.reduce_scatter_parts_op, symmetric_exchange.reduce_scatter_parts)
+        return list(scatter(ts, W, group_name, rotated))
+    assert not rotated, "the rotated layout runs over symmetric memory only"
+    return [_c10d.wait_tensor(_c10d.reduce_scatter_tensor(t, "sum", W, group_name)) for t in ts]
 
 
 def _symmetric(op, function):
@@ -121,20 +117,20 @@ class _GatherRows(torch.autograd.Function):
         return _sum_scatter(grad, ctx.W, ctx.group_name), None, None
 
 
-class _GatherRouting(torch.autograd.Function):
-    """scores [R, K] and experts [R, K] -> both gathered [W·R, K] (rotated: this rank's rows
-    first), in one collective (overlapped_experts.pack_routing). Backward: the reduce-scatter
-    (sum) of the scores' gradient."""
+class _GatherRoutingRotated(torch.autograd.Function):
+    """scores [R, K] and experts [R, K] -> both gathered [W·R, K], this rank's rows first, in one
+    collective (overlapped_experts.pack_routing). Backward: the rotated reduce-scatter (sum) of the
+    scores' gradient."""
 
     @staticmethod
-    def forward(ctx, scores, experts, W, group_name, rotated):
-        ctx.W, ctx.group_name, ctx.rotated = W, group_name, rotated
+    def forward(ctx, scores, experts, W, group_name):
+        ctx.W, ctx.group_name = W, group_name
         packed = overlapped_experts.pack_routing(scores, experts)  # [R, 2K]
-        return overlapped_experts.unpack_routing(_all_gather(packed, W, group_name, rotated), scores.dtype)
+        return overlapped_experts.unpack_routing(_all_gather(packed, W, group_name, True), scores.dtype)
 
     @staticmethod
     def backward(ctx, grad_scores, _):
-        return _sum_scatter(grad_scores, ctx.W, ctx.group_name, ctx.rotated), None, None, None, None
+        return _sum_scatter(grad_scores, ctx.W, ctx.group_name, True), None, None, None
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -194,7 +190,7 @@ def gathered_experts(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tenso
         # The routing travels with x, in the same round of transfers (overlapped_experts).
         return _overlapped(x, scores, None, experts, rank * E_local, w1, w2, b1, b2, world, group_name, call)
     if overlapped:  # with a pair capacity: the routing gathered and compacted here, x by the experts' call
-        sg, eg = _GatherRouting.apply(scores, experts, world, group_name, True)  # [W·T, K] each, rotated
+        sg, eg = _GatherRoutingRotated.apply(scores, experts, world, group_name)  # [W·T, K] each
         xg = None
     else:
         xg, sg, eg = _GatherTokens.apply(x, scores, experts, world, group_name)  # [W·T, ...] each
@@ -203,7 +199,7 @@ def gathered_experts(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tenso
     local = eg - rank * E_local if rank else eg
     rows, K = local.shape
     score, expert = sg.reshape(-1), local.to(torch.int32).reshape(-1)  # [W·T·K], (t, k) order
-    token = _row_of_each_pair(rows, K, x.device)
+    token = overlapped_experts.row_of_each_pair(rows, K, x.device)
     if pair_capacity is None or pair_capacity >= rows * K:
         return _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, group_name,
                                          experts_kwargs, overlapped, call, xg)
@@ -212,12 +208,6 @@ def gathered_experts(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tenso
     out = _experts_on_gathered_rows(x, score, token, expert, w1, w2, b1, b2, world, group_name,
                                     experts_kwargs, overlapped, call, xg)
     return exchange_overflow.poison(out, overflow)
-
-
-def _row_of_each_pair(rows: int, K: int, device) -> torch.Tensor:
-    """[rows·K] int32: 0, ..., 0, 1, ..., 1, ... (K each), the row of each pair of a [rows, K]
-    routing in (row, k) order (a broadcast: nothing is read back to the host)."""
-    return torch.arange(rows, device=device, dtype=torch.int32)[:, None].expand(rows, K).reshape(-1)
 
 
 def compact_pairs(score: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, E_local: int,
@@ -376,6 +366,6 @@ def rounded_gathered_experts(x: torch.Tensor, logits: torch.Tensor, scores: torc
     local = torch.where(keep, local, E_local)  # out of range: dropped
     kept_scores = torch.where(keep, column_scores, torch.zeros_like(column_scores))
     rows = local.shape[0]
-    token = _row_of_each_pair(rows, E_local, x.device)
+    token = overlapped_experts.row_of_each_pair(rows, E_local, x.device)
     return _experts_on_gathered_rows(x, kept_scores.reshape(-1), token, local.to(torch.int32).reshape(-1), w1, w2,
                                      b1, b2, world, group_name, experts_kwargs)

@@ -69,20 +69,27 @@ def _streams(device: torch.device) -> tuple:
     return torch.cuda.current_stream(index), _stream_of(index)
 
 
-def _rotated_gather(t: torch.Tensor, W: int, group_name: str, here, side) -> torch.Tensor:
-    """t [T, ...] -> [W·T, ...] rotated: the peers' blocks pulled, then t itself copied first, all on
-    the side stream (the caller waits for it before reading any of it; the first part of a split
-    call reads t itself)."""
-    out = t.new_empty((W * t.shape[0],) + tuple(t.shape[1:]))
+def _rotated_gather(ts: list, W: int, group_name: str, here, side, after=None) -> list:
+    """Each t [T, ...] of ts -> [W·T, ...] rotated, in one round of transfers: for each in turn the
+    peers' blocks pulled, then t itself copied first, all on the side stream (the caller waits for
+    it before reading any of it; the first part of a split call reads t itself). after(i), if
+    given, runs on the side stream once out i is whole (before the next one's pulls)."""
+    outs = [t.new_empty((W * t.shape[0],) + tuple(t.shape[1:])) for t in ts]
+
+    def whole(i):  # out i's own block, after its peers' (a copy ahead of them would hold them up)
+        outs[i][: ts[i].shape[0]].copy_(ts[i])
+        if after is not None:
+            after(i)
+
     side.wait_stream(here)
     torch.cuda.set_stream(side)  # (torch.cuda.stream's context, without its lookups)
     try:
-        symmetric_exchange.gather_blocks(t, out, W, group_name, rotated=True)
-        out[: t.shape[0]].copy_(t)
+        symmetric_exchange.gather_parts(list(zip(ts, outs)), W, group_name, rotated=True, after=whole)
     finally:
         torch.cuda.set_stream(here)
-    out.record_stream(side)
-    return out
+    for t in ts + outs:
+        t.record_stream(side)
+    return outs
 
 
 def _send_peer_blocks(staged: list, W: int, group_name: str, here, side) -> list:
@@ -134,6 +141,12 @@ def unpack_routing(packed: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tens
     return packed[:, :K].contiguous().view(dtype), packed[:, K:].contiguous()
 
 
+def row_of_each_pair(rows: int, K: int, device) -> torch.Tensor:
+    """[rows·K] int32: 0, ..., 0, 1, ..., 1, ... (K each), the row of each pair of a [rows, K]
+    routing in (row, k) order (nothing is read back to the host)."""
+    return torch.arange(rows, device=device, dtype=torch.int32).repeat_interleave(K)
+
+
 def _gather_routing(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor, first_expert: int, W: int,
                     group_name: str, here, side) -> tuple:
     """x [T, d] and this rank's routing (scores [T, K] fp32, experts [T, K] int32 global ids) gathered
@@ -142,26 +155,14 @@ def _gather_routing(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor
     xg's rows: scores fp32, token, expert int32 [W·T·K] in (row, k) order, ready on this stream
     (which waits for the routing's blocks only), experts of other ranks out of [0, E/W))."""
     T, K = scores.shape
-    routing = pack_routing(scores, experts)  # [T, 2K] int32
-    xg, rg = x.new_empty(W * T, x.shape[1]), routing.new_empty(W * T, 2 * K)
-    rg[:T].copy_(routing)
     routed = torch.cuda.Event()
-    side.wait_stream(here)
-    torch.cuda.set_stream(side)  # (torch.cuda.stream's context, without its lookups)
-    try:
-        symmetric_exchange.gather_parts([(routing, rg), (x, xg)], W, group_name, rotated=True,
-                                        after=lambda i: routed.record(side) if i == 0 else None)
-        xg[:T].copy_(x)
-    finally:
-        torch.cuda.set_stream(here)
-    for t in (routing, rg, xg):
-        t.record_stream(side)
-    here.wait_event(routed)
+    rg, xg = _rotated_gather([pack_routing(scores, experts), x], W, group_name, here, side,
+                             after=lambda i: routed.record(side) if i == 0 else None)
+    here.wait_event(routed)  # rg is whole; xg is still in the making
     score, expert = (t.reshape(-1) for t in unpack_routing(rg, torch.float32))
     if first_expert:
         expert -= first_expert
-    token = torch.arange(W * T, device=x.device, dtype=torch.int32).repeat_interleave(K)
-    return xg, score, token, expert
+    return xg, score, row_of_each_pair(W * T, K, x.device), expert
 
 
 def _forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
@@ -189,7 +190,7 @@ def _forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: 
         xg, scores, token, expert = _gather_routing(x, scores, expert, first_expert, W, group_name, here, side)
         listed = (token, expert)
     else:
-        xg = _rotated_gather(x, W, group_name, here, side)
+        (xg,) = _rotated_gather([x], W, group_name, here, side)
         listed = (expert.new_empty(0), expert.new_empty(0))
     saved_bytes, fwd_bytes, _ = _experts_bytes(W * T, d, w1, w2, token.numel(), activation, b1 is not None)
     saved = x.new_empty(saved_bytes, dtype=torch.uint8)
@@ -239,7 +240,7 @@ def _backward(xg: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2
     staged = [((W * T, d), dout.dtype)] + ([((R,), torch.float32)] if K else [])
     staged = symmetric_exchange.staging_views(group_name, staged)
     dxg = staged[0]
-    dg = _rotated_gather(dout, W, group_name, here, side)
+    (dg,) = _rotated_gather([dout], W, group_name, here, side)
     d_scores = staged[1] if K else dout.new_empty(R, dtype=torch.float32)
     workspace = dout.new_empty(bwd_bytes, dtype=torch.uint8)
     args = (xg, w1, b1, w2, b2, token, expert, saved, dg, dxg, d_scores, workspace)

@@ -99,27 +99,30 @@ def _buffer(handle, rank: int, shape: tuple, dtype: torch.dtype, offset_elems: i
 def all_gather(t: torch.Tensor, W: int, group_name: str, rotated: bool = False) -> torch.Tensor:
     """t [R, ...] on every rank -> [W·R, ...], rank q's rows at [q·R, (q+1)·R), or (rotated) at
     rotated_place(q): this rank's own first."""
-    R = t.shape[0]
-    out = t.new_empty((W * R,) + tuple(t.shape[1:]))
-    rank = gather_blocks(t, out, W, group_name, rotated)
-    place = 0 if rotated else rank
-    out[place * R:(place + 1) * R].copy_(t)
-    return out
+    return all_gather_parts([t], W, group_name, rotated)[0]
 
 
-def all_gather_parts(ts: list, W: int, group_name: str) -> list:
-    """all_gather (rank order) of several tensors in one round of transfers (gather_parts)."""
+def all_gather_parts(ts: list, W: int, group_name: str, rotated: bool = False) -> list:
+    """all_gather of each of ts, in one round of transfers (gather_parts)."""
     ts = [t.contiguous() for t in ts]
     outs = [t.new_empty((W * t.shape[0],) + tuple(t.shape[1:])) for t in ts]
-    rank = gather_parts(list(zip(ts, outs)), W, group_name)
+    rank = gather_parts(list(zip(ts, outs)), W, group_name, rotated)
+    place = 0 if rotated else rank
     for t, out in zip(ts, outs):
-        out[rank * t.shape[0]:(rank + 1) * t.shape[0]].copy_(t)
+        out[place * t.shape[0]:(place + 1) * t.shape[0]].copy_(t)
     return outs
 
 
-def reduce_scatter_parts(ts: list, W: int, group_name: str) -> list:
-    """reduce_scatter (rank order) of several tensors in one round of transfers."""
-    return [sum_blocks(parts) for parts in _pull([t.contiguous() for t in ts], W, group_name, False, False)]
+def reduce_scatter(t: torch.Tensor, W: int, group_name: str, rotated: bool = False) -> torch.Tensor:
+    """t [W·R, ...] on every rank -> [R, ...]: rank r gets the sum over q = 0..W-1 (in that order,
+    float32, rounded once) of rank q's block r, or (rotated) of its block rotated_place(r, q): the
+    adjoint of all_gather with the same layout."""
+    return reduce_scatter_parts([t], W, group_name, rotated)[0]
+
+
+def reduce_scatter_parts(ts: list, W: int, group_name: str, rotated: bool = False) -> list:
+    """reduce_scatter of each of ts, in one round of transfers."""
+    return [sum_blocks(parts) for parts in _pull([t.contiguous() for t in ts], W, group_name, rotated, False)]
 
 
 def rotated_place(q: int, rank: int, W: int) -> int:
@@ -144,19 +147,15 @@ def staging_bytes(layouts: list) -> int:
     return _places(layouts)[1]
 
 
-def gather_blocks(t: torch.Tensor, out: torch.Tensor, W: int, group_name: str, rotated: bool = False) -> int:
-    """The peers' blocks of an all-gather of t [R, ...] into out [W·R, ...]: rank q's block at q, or at
-    rotated_place(q) (this rank's own first). This rank's own block is not written (the caller
-    places it, on whatever stream it likes). Returns this rank. Only copies and barriers: it can run
-    on a side stream beside kernels that leave an SM free."""
-    return gather_parts([(t, out)], W, group_name, rotated)
-
-
 def gather_parts(parts: list, W: int, group_name: str, rotated: bool = False, after=None) -> int:
-    """gather_blocks of several tensors in one round (one pair of barriers): parts [(t_i [R_i, ...],
-    out_i [W·R_i, ...])], each t_i at its own place of the staging buffer (_places). after(i), if
-    given, is called on the current stream once part i's blocks are pulled (and before the next
-    part's), e.g. to record an event that work needing only part i waits for."""
+    """The peers' blocks of all-gathers of several tensors in one round (one pair of barriers):
+    parts [(t_i [R_i, ...], out_i [W·R_i, ...])], each t_i at its own place of the staging buffer
+    (_places); rank q's block of out_i at q, or at rotated_place(q) (this rank's own first). This
+    rank's own blocks are not written (the caller places them, on whatever stream it likes).
+    after(i), if given, is called on the current stream once part i's blocks are pulled (and before
+    the next part's), e.g. to record an event that work needing only part i waits for. Returns
+    this rank. Only copies and barriers: it can run on a side stream beside kernels that leave an SM
+    free."""
     ts = [t.contiguous() for t, _ in parts]
     offsets, nbytes = _places([(tuple(t.shape), t.dtype) for t in ts])
     handle = _staging(group_name, nbytes)
@@ -176,52 +175,33 @@ def gather_parts(parts: list, W: int, group_name: str, rotated: bool = False, af
     return rank
 
 
-def reduce_scatter(t: torch.Tensor, W: int, group_name: str, rotated: bool = False) -> torch.Tensor:
-    """t [W·R, ...] on every rank -> [R, ...]: rank r gets the sum over q = 0..W-1 (in that order,
-    float32, rounded once) of rank q's block r, or (rotated) of its block rotated_place(r, q): the
-    adjoint of all_gather with the same layout."""
-    return sum_blocks(pull_blocks(t, W, group_name, rotated=rotated))
-
-
-def staging_rows(rows: int, like: torch.Tensor, group_name: str) -> torch.Tensor:
-    """This rank's staging buffer as a tensor [rows, like's other dims] of like's dtype (grown
-    first if it holds less): a caller that writes what it sends there (pull_blocks with
-    in_staging) saves the copy into it. It is overwritten by this group's next collective."""
-    return staging_views(group_name, [((rows,) + tuple(like.shape[1:]), like.dtype)])[0]
-
-
 def staging_views(group_name: str, layouts: list, reserve_bytes: int = 0) -> list:
     """This rank's staging buffer as tensors of the given (shape, dtype), laid end to end (_places,
-    as pull_staged expects them), the buffer first grown to hold them and at least reserve_bytes
-    (growing it later would leave these views behind: reserve what the collectives that use them
-    need). Overwritten by this group's next collective."""
+    as pull_staged expects them: a caller that writes what it sends there saves the copy into it),
+    the buffer first grown to hold them and at least reserve_bytes (growing it later would leave
+    these views behind: reserve what the collectives that use them need). Overwritten by this
+    group's next collective."""
     offsets, nbytes = _places(layouts)
     handle = _staging(group_name, max(nbytes, reserve_bytes))
     return [_buffer(handle, handle.rank, tuple(shape), dtype, offset // dtype.itemsize)
             for (shape, dtype), offset in zip(layouts, offsets)]
 
 
-def pull_blocks(t: torch.Tensor, W: int, group_name: str, rotated: bool = False, in_staging: bool = False) -> list:
-    """The transfer half of reduce_scatter: t [W·R, ...] -> the W blocks [R, ...] that rank r sums,
-    in rank order: rank q's block for r at q (this rank's own a view of t, the others pulled). t's
-    block q goes to rank q, or (rotated) t's block rotated_place(q) does: then this rank's own is
-    its first, which is never read here (the caller may still be computing it). in_staging (with
-    rotated): t is staging_rows' tensor, its blocks already where the peers pull them. Only copies
-    and barriers: it can run on a side stream beside kernels that leave an SM free."""
-    t = t.contiguous()
-    if in_staging and not rotated:
-        raise ValueError("pull_blocks: in_staging needs the rotated layout")
-    return _pull([t], W, group_name, rotated, in_staging)[0]
-
-
 def pull_staged(ts: list, W: int, group_name: str) -> list:
-    """pull_blocks(rotated=True, in_staging=True) of several tensors in one round (one pair of
-    barriers): ts are staging_views' tensors of one call, in its order, each [W·R_i, ...]. Returns
-    each one's W blocks in rank order."""
+    """The transfer half of a rotated reduce_scatter of several tensors in one round (one pair of
+    barriers), their blocks already where the peers pull them: ts are staging_views' tensors of one
+    call, in its order, each [W·R_i, ...], block rotated_place(q) for rank q. Returns each one's W
+    blocks in rank order (its own, the first, a view, never read here: the caller may still be
+    computing it). Only copies and barriers: it can run on a side stream beside kernels that leave
+    an SM free."""
     return _pull(ts, W, group_name, True, True)
 
 
 def _pull(ts: list, W: int, group_name: str, rotated: bool, in_staging: bool) -> list:
+    """For each t [W·R, ...]: the W blocks [R, ...] this rank sums, in rank order (rank q's block
+    for this rank at q, this rank's own a view of t). t's block q goes to rank q, or (rotated) its
+    block rotated_place(q). in_staging: the ts are staging_views' tensors; otherwise they are first
+    copied into the staging buffer (each at its _places offset)."""
     for t in ts:
         if t.shape[0] % W:
             raise ValueError(f"reduce_scatter: t has {t.shape[0]} rows, not a multiple of W = {W}")
@@ -295,41 +275,22 @@ def sum_blocks_torch(parts: list) -> torch.Tensor:
 # (the staging handle and the barriers are not traceable).
 # (In eager mode callers call the functions themselves: an op's Python dispatch costs ~0.2 ms of
 # host time per call on an H200's host, more than a small layer's collective costs the GPU.)
-@torch.library.custom_op("machmoe::symmetric_all_gather", mutates_args=())
-def all_gather_op(t: torch.Tensor, W: int, group_name: str, rotated: bool = False) -> torch.Tensor:
-    return all_gather(t, W, group_name, rotated)
-
-
-@all_gather_op.register_fake
-def _(t, W, group_name, rotated=False):
-    return t.new_empty((W * t.shape[0],) + tuple(t.shape[1:]))
-
-
-@torch.library.custom_op("machmoe::symmetric_reduce_scatter", mutates_args=())
-def reduce_scatter_op(t: torch.Tensor, W: int, group_name: str, rotated: bool = False) -> torch.Tensor:
-    return reduce_scatter(t, W, group_name, rotated)
-
-
-@reduce_scatter_op.register_fake
-def _(t, W, group_name, rotated=False):
-    return t.new_empty((t.shape[0] // W,) + tuple(t.shape[1:]))
-
-
 @torch.library.custom_op("machmoe::symmetric_all_gather_parts", mutates_args=())
-def all_gather_parts_op(ts: list[torch.Tensor], W: int, group_name: str) -> list[torch.Tensor]:
-    return all_gather_parts(ts, W, group_name)
+def all_gather_parts_op(ts: list[torch.Tensor], W: int, group_name: str, rotated: bool = False) -> list[torch.Tensor]:
+    return all_gather_parts(ts, W, group_name, rotated)
 
 
 @all_gather_parts_op.register_fake
-def _(ts, W, group_name):
+def _(ts, W, group_name, rotated=False):
     return [t.new_empty((W * t.shape[0],) + tuple(t.shape[1:])) for t in ts]
 
 
 @torch.library.custom_op("machmoe::symmetric_reduce_scatter_parts", mutates_args=())
-def reduce_scatter_parts_op(ts: list[torch.Tensor], W: int, group_name: str) -> list[torch.Tensor]:
-    return reduce_scatter_parts(ts, W, group_name)
+def reduce_scatter_parts_op(ts: list[torch.Tensor], W: int, group_name: str,
+                            rotated: bool = False) -> list[torch.Tensor]:
+    return reduce_scatter_parts(ts, W, group_name, rotated)
 
 
 @reduce_scatter_parts_op.register_fake
-def _(ts, W, group_name):
+def _(ts, W, group_name, rotated=False):
     return [t.new_empty((t.shape[0] // W,) + tuple(t.shape[1:])) for t in ts]

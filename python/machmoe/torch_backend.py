@@ -247,15 +247,11 @@ def aux_loss(logits: torch.Tensor, experts_of_pairs: torch.Tensor) -> torch.Tens
         return logits.new_zeros(())
     probs = torch.softmax(logits, dim=1)  # [T, E]
     importance = probs.sum(dim=0) / probs.sum()  # [E]
-    frequency = expert_counts(experts_of_pairs, E).to(logits.dtype) / R
-    return E * (importance * frequency).sum()
-
-
-def expert_counts(experts_of_pairs: torch.Tensor, E: int) -> torch.Tensor:
-    """[E] int64: the pairs of each expert among experts_of_pairs (any shape, ids in [0, E)).
-    scatter_add, not bincount: bincount reads its input's maximum on the host (a sync)."""
     idx = experts_of_pairs.reshape(-1).long()
-    return torch.zeros(E, dtype=torch.int64, device=idx.device).scatter_add_(0, idx, torch.ones_like(idx))
+    # scatter_add, not bincount: bincount reads its input's maximum on the host (a sync).
+    counts = torch.zeros(E, dtype=torch.int64, device=idx.device).scatter_add_(0, idx, torch.ones_like(idx))
+    frequency = counts.to(logits.dtype) / R
+    return E * (importance * frequency).sum()
 
 
 class _AuxFromCounts(torch.autograd.Function):

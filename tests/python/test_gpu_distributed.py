@@ -419,7 +419,7 @@ def _symmetric_worker(rank, world, init_file, seed):
             want = torch.empty(world * t.shape[0], cols, device="cuda", dtype=dtype)
             dist.all_gather_into_tensor(want, t)  # NCCL's, every rank's t in rank order
             print(f"rank {rank}: {dtype} [{rows * world}, {cols}] gathered by NCCL", flush=True)
-            got = symmetric_exchange.all_gather_op(t, world, name)
+            (got,) = symmetric_exchange.all_gather_parts_op([t], world, name)
             torch.cuda.synchronize()
             print(f"rank {rank}: {dtype} [{rows * world}, {cols}] gathered from symmetric memory", flush=True)
             assert torch.equal(got, want), f"symmetric all-gather of {dtype} [{rows * world}, {cols}] differs"
@@ -432,7 +432,7 @@ def _symmetric_worker(rank, world, init_file, seed):
             acc = blocks[0].to(torch.float32, copy=True)
             for b in blocks[1:]:
                 acc += b.float()
-            scattered = symmetric_exchange.reduce_scatter_op(t, world, name)
+            (scattered,) = symmetric_exchange.reduce_scatter_parts_op([t], world, name)
             assert torch.equal(scattered, acc.to(dtype)), \
                 f"symmetric reduce-scatter of {dtype}: not the float32 sum in rank order, rounded once"
             assert not torch.equal(scattered, blocks[rank]), "reduce-scatter returned this rank's own block"
