@@ -78,29 +78,28 @@ def _sum_scatter(t: torch.Tensor, W: int, group_name: str, rotated: bool = False
 
 def _all_gather_parts(ts: list, W: int, group_name: str, rotated: bool = False) -> list:
     """_all_gather of each of ts, in one round of transfers over symmetric memory."""
-    ts = [t.contiguous() for t in ts]
-    if symmetric_exchange.available(ts[0], W):
-        gather = _symmetric(symmetric_exchange.all_gather_parts_op, symmetric_exchange.all_gather_parts)
-        return list(gather(ts, W, group_name, rotated))
-    assert not rotated, "the rotated layout runs over symmetric memory only"
-    return [_c10d.wait_tensor(_c10d.all_gather_into_tensor(t, W, group_name)) for t in ts]
+    return _collective(ts, W, group_name, rotated, symmetric_exchange.all_gather_parts_op,
+                       symmetric_exchange.all_gather_parts,
+                       lambda t: _c10d.all_gather_into_tensor(t, W, group_name))
 
 
 def _sum_scatter_parts(ts: list, W: int, group_name: str, rotated: bool = False) -> list:
     """_sum_scatter of each of ts, in one round of transfers over symmetric memory."""
+    return _collective(ts, W, group_name, rotated, symmetric_exchange.reduce_scatter_parts_op,
+                       symmetric_exchange.reduce_scatter_parts,
+                       lambda t: _c10d.reduce_scatter_tensor(t, "sum", W, group_name))
+
+
+def _collective(ts, W, group_name, rotated, symmetric_op, symmetric_function, functional) -> list:
+    """ts through a symmetric-memory collective where it runs (its custom op under torch.compile,
+    an opaque node of the graph; the function itself in eager mode, whose host time the op's
+    Python dispatch would add to), else each through torch's functional collective."""
     ts = [t.contiguous() for t in ts]
     if symmetric_exchange.available(ts[0], W):
-        scatter = _symmetric(symmetric_exchange.reduce_scatter_parts_op, symmetric_exchange.reduce_scatter_parts)
-        return list(scatter(ts, W, group_name, rotated))
+        run = symmetric_op if torch.compiler.is_compiling() else symmetric_function
+        return list(run(ts, W, group_name, rotated))
     assert not rotated, "the rotated layout runs over symmetric memory only"
-    return [_c10d.wait_tensor(_c10d.reduce_scatter_tensor(t, "sum", W, group_name)) for t in ts]
-
-
-def _symmetric(op, function):
-    """A symmetric-memory collective: its custom op under torch.compile (an opaque node of the
-    graph), the function itself in eager mode (the op's Python dispatch costs host time that a
-    small layer's GPU time does not hide)."""
-    return op if torch.compiler.is_compiling() else function
+    return [_c10d.wait_tensor(functional(t)) for t in ts]
 
 
 class _GatherRows(torch.autograd.Function):
