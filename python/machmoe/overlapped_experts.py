@@ -6,15 +6,19 @@ it (symmetric_exchange.rotated_place), so that the own tokens are the "early" on
 experts call (machmoe::ExpertsForwardPart, docs/LAYER.md): the kernels cut each expert's rows at
 its first row of another rank's token. Forward, W ranks, x [T, d]:
 
-    side stream                              this stream
+    side streams                             this stream
     pull the peers' routing, -------->       the gathered routing list [W·T·K]
     then their x blocks, -----         early rows: routing metadata, up-projection of the
-    copy x itself into xg     |                own tokens' rows, from x (xg is not read)
+    (beside: copy x into xg)  |                own tokens' rows, from x (xg is not read)
                               '------->      late rows: both projections of the peers' tokens'
                                                rows, out's peer blocks [(W-1)·T, d]
     send out's peer blocks    <--------      early out: down-projection of the own rows, out's
     to their ranks, pull theirs                own block
                                     ---->    y = Σ_q (rank q's partial sum of this rank's tokens)
+
+x's own block of xg is copied on a stream of its own, beside the pulls: the late rows do not
+read it (the backward does), and queued behind the pulls it held the late rows up by its copy
+(~40 us at 7B-a's T·d).
 
 The routing (scores and experts [T, K]) and x travel in one round of the staging buffer (one pair
 of barriers), the routing's blocks first: only they are waited for before the early rows. The
@@ -52,8 +56,10 @@ _SMS_LEFT_TO_THE_EXCHANGE = 2
 
 
 @functools.lru_cache(maxsize=None)
-def _stream_of(index: int) -> torch.cuda.Stream:
-    """One side stream per GPU, made once, for the transfers."""
+def _stream_of(index: int, role: str) -> torch.cuda.Stream:
+    """A side stream per GPU and role, made once: "transfers" (the pulls and their barriers) and
+    "copies" (this rank's own blocks copied into the gathered tensors, beside the pulls: behind
+    them on one stream they would hold up the part that waits for the pulls)."""
     return torch.cuda.Stream(device=index)
 
 
@@ -63,32 +69,46 @@ def _gemm_ctas(device: torch.device) -> int:
 
 
 def _streams(device: torch.device) -> tuple:
-    """(this stream, the side stream) of a CUDA device. (The index given, current_stream skips the
-    lookup of the current device, which costs host time per call.)"""
+    """(this stream, the transfers' side stream, the copies' side stream) of a CUDA device. (The
+    index given, current_stream skips the lookup of the current device, which costs host time per
+    call.)"""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.current_stream(index), _stream_of(index)
+    return torch.cuda.current_stream(index), _stream_of(index, "transfers"), _stream_of(index, "copies")
 
 
-def _rotated_gather(ts: list, W: int, group_name: str, here, side, after=None) -> list:
-    """Each t [T, ...] of ts -> [W·T, ...] rotated, in one round of transfers: for each in turn the
-    peers' blocks pulled, then t itself copied first, all on the side stream (the caller waits for
-    it before reading any of it; the first part of a split call reads t itself). after(i), if
-    given, runs on the side stream once out i is whole (before the next one's pulls)."""
+def _rotated_gather(ts: list, W: int, group_name: str, here, side, copies, whole_first: int = 0) -> list:
+    """Each t [T, ...] of ts -> [W·T, ...] rotated, in one round of transfers: the peers' blocks
+    pulled on the side stream, t itself copied into its block on the copies stream, once the side
+    stream has put t into the staging buffer (the copy engines ran the two copies one after the
+    other, and the peers wait at the barrier for the staging one). The first whole_first outs are
+    whole on this stream when it returns; of the others, the peers' blocks are there once this
+    stream waits for the side stream (which also waits out the round's last barrier), and the own
+    blocks once it waits for the copies stream (the first part of a split call reads t itself, not
+    its block)."""
     outs = [t.new_empty((W * t.shape[0],) + tuple(t.shape[1:])) for t in ts]
+    pulled = torch.cuda.Event()
 
-    def whole(i):  # out i's own block, after its peers' (a copy ahead of them would hold them up)
-        outs[i][: ts[i].shape[0]].copy_(ts[i])
-        if after is not None:
-            after(i)
+    def own_blocks():  # on the copies stream, after the staging copies (queued on the side stream)
+        copies.wait_stream(side)
+        torch.cuda.set_stream(copies)
+        for i, (t, out) in enumerate(zip(ts, outs)):
+            out[: t.shape[0]].copy_(t)
+            if i + 1 == whole_first:
+                here.wait_stream(copies)
+        torch.cuda.set_stream(side)
 
     side.wait_stream(here)
     torch.cuda.set_stream(side)  # (torch.cuda.stream's context, without its lookups)
     try:
-        symmetric_exchange.gather_parts(list(zip(ts, outs)), W, group_name, rotated=True, after=whole)
+        symmetric_exchange.gather_parts(list(zip(ts, outs)), W, group_name, rotated=True, staged=own_blocks,
+                                        after=lambda i: pulled.record(side) if i + 1 == whole_first else None)
     finally:
         torch.cuda.set_stream(here)
+    if whole_first:
+        here.wait_event(pulled)
     for t in ts + outs:
         t.record_stream(side)
+        t.record_stream(copies)
     return outs
 
 
@@ -148,17 +168,14 @@ def row_of_each_pair(rows: int, K: int, device) -> torch.Tensor:
 
 
 def _gather_routing(x: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor, first_expert: int, W: int,
-                    group_name: str, here, side) -> tuple:
+                    group_name: str, here, side, copies) -> tuple:
     """x [T, d] and this rank's routing (scores [T, K] fp32, experts [T, K] int32 global ids) gathered
     rotated in one round of the staging buffer: the routing's blocks pulled first, then x's, on the
-    side stream. -> (xg [W·T, d], still in the making on the side stream; the routing list over
+    side stream. -> (xg [W·T, d], still in the making on the side streams; the routing list over
     xg's rows: scores fp32, token, expert int32 [W·T·K] in (row, k) order, ready on this stream
     (which waits for the routing's blocks only), experts of other ranks out of [0, E/W))."""
     T, K = scores.shape
-    routed = torch.cuda.Event()
-    rg, xg = _rotated_gather([pack_routing(scores, experts), x], W, group_name, here, side,
-                             after=lambda i: routed.record(side) if i == 0 else None)
-    here.wait_event(routed)  # rg is whole; xg is still in the making
+    rg, xg = _rotated_gather([pack_routing(scores, experts), x], W, group_name, here, side, copies, whole_first=1)
     score, expert = (t.reshape(-1) for t in unpack_routing(rg, torch.float32))
     if first_expert:
         expert -= first_expert
@@ -178,7 +195,7 @@ def _forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: 
     and the list are what the backward reads."""
     T, d = x.shape
     ops = torch.ops.machmoe
-    here, side = _streams(x.device)
+    here, side, copies = _streams(x.device)
     opts = (activation, layout, glu_clamp)
     # out is written where the peers pull it (no copy into the staging buffer); the gather below
     # is done with that buffer before the kernels write into it (the late part waits for it), and
@@ -187,20 +204,22 @@ def _forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: 
     out = symmetric_exchange.staging_views(group_name, [((W * T, d), x.dtype)],
                                            reserve_bytes=symmetric_exchange.staging_bytes(gather))[0]
     if token is None:
-        xg, scores, token, expert = _gather_routing(x, scores, expert, first_expert, W, group_name, here, side)
+        xg, scores, token, expert = _gather_routing(x, scores, expert, first_expert, W, group_name, here, side,
+                                                    copies)
         listed = (token, expert)
     else:
-        (xg,) = _rotated_gather([x], W, group_name, here, side)
+        (xg,) = _rotated_gather([x], W, group_name, here, side, copies)
         listed = (expert.new_empty(0), expert.new_empty(0))
     saved_bytes, fwd_bytes, _ = _experts_bytes(W * T, d, w1, w2, token.numel(), activation, b1 is not None)
     saved = x.new_empty(saved_bytes, dtype=torch.uint8)
     workspace = x.new_empty(fwd_bytes, dtype=torch.uint8)
     args = (xg, w1, b1, w2, b2, scores, token, expert, out, saved, workspace)
     ops.experts_forward_part(*args, "early_rows", T, *opts, x_early=x)  # x's rows: xg's are still in the making
-    here.wait_stream(side)  # the peers' rows have landed
+    here.wait_stream(side)  # the peers' rows have landed (the late rows are theirs only)
     ops.experts_forward_part(*args, "late_rows", T, *opts)
     pulled = _send_peer_blocks([out], W, group_name, here, side)
     ops.experts_forward_part(*args, "early_out", T, *opts, _gemm_ctas(x.device))
+    here.wait_stream(copies)  # xg's own block, which the backward reads (long since copied)
     return (_sum_parts(pulled, [out], here, side)[0], xg, saved) + listed
 
 
@@ -231,7 +250,7 @@ def _backward(xg: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2
     summed over the ranks in the same round as dx's blocks; K = 0: d_scores [R] of the list."""
     T, d = dout.shape
     ops = torch.ops.machmoe
-    here, side = _streams(xg.device)
+    here, side, copies = _streams(xg.device)
     R = token.numel()
     _, _, bwd_bytes = _experts_bytes(W * T, d, w1, w2, R, activation, b1 is not None)
     opts = (activation, layout, glu_clamp)
@@ -240,14 +259,15 @@ def _backward(xg: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2
     staged = [((W * T, d), dout.dtype)] + ([((R,), torch.float32)] if K else [])
     staged = symmetric_exchange.staging_views(group_name, staged)
     dxg = staged[0]
-    (dg,) = _rotated_gather([dout], W, group_name, here, side)
+    (dg,) = _rotated_gather([dout], W, group_name, here, side, copies)
     d_scores = staged[1] if K else dout.new_empty(R, dtype=torch.float32)
     workspace = dout.new_empty(bwd_bytes, dtype=torch.uint8)
     args = (xg, w1, b1, w2, b2, token, expert, saved, dg, dxg, d_scores, workspace)
     ops.experts_backward_data_part(*args, "early_rows", T, *opts, dout_early=dout)  # dout's rows, as the forward
-    here.wait_stream(side)  # the peers' output gradients have landed
+    here.wait_stream(side)  # the peers' output gradients have landed (the late rows are theirs only)
     ops.experts_backward_data_part(*args, "late_rows", T, *opts)
     pulled = _send_peer_blocks(staged, W, group_name, here, side)
+    here.wait_stream(copies)  # dg's own block, which the weight gradients read
     dw1, db1, dw2, db2 = ops.experts_backward_weights(xg, w1, b1, w2, b2, token, expert, saved, dg, workspace, *opts,
                                                       _gemm_ctas(xg.device))
     sums = _sum_parts(pulled, staged, here, side)

@@ -147,14 +147,15 @@ def staging_bytes(layouts: list) -> int:
     return _places(layouts)[1]
 
 
-def gather_parts(parts: list, W: int, group_name: str, rotated: bool = False, after=None) -> int:
+def gather_parts(parts: list, W: int, group_name: str, rotated: bool = False, after=None, staged=None) -> int:
     """The peers' blocks of all-gathers of several tensors in one round (one pair of barriers):
     parts [(t_i [R_i, ...], out_i [W·R_i, ...])], each t_i at its own place of the staging buffer
     (_places); rank q's block of out_i at q, or at rotated_place(q) (this rank's own first). This
     rank's own blocks are not written (the caller places them, on whatever stream it likes).
     after(i), if given, is called on the current stream once part i's blocks are pulled (and before
-    the next part's), e.g. to record an event that work needing only part i waits for. Returns
-    this rank. Only copies and barriers: it can run on a side stream beside kernels that leave an SM
+    the next part's), e.g. to record an event that work needing only part i waits for; staged(),
+    once this rank's blocks are in its staging buffer (before the first barrier). Returns this
+    rank. Only copies and barriers: it can run on a side stream beside kernels that leave an SM
     free."""
     ts = [t.contiguous() for t, _ in parts]
     offsets, nbytes = _places([(tuple(t.shape), t.dtype) for t in ts])
@@ -162,6 +163,8 @@ def gather_parts(parts: list, W: int, group_name: str, rotated: bool = False, af
     rank = handle.rank
     for t, offset in zip(ts, offsets):
         _view(handle, rank, t, offset // t.element_size()).copy_(t)
+    if staged is not None:
+        staged()
     handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
     for i, (t, (_, out), offset) in enumerate(zip(ts, parts, offsets)):
         blocks = out.chunk(W)
