@@ -7,12 +7,11 @@ else (a wrong row, expert or score is off by order 1). Each test spawns one grou
 its cases in it, to keep CI fast.
 """
 
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-from spawn_helpers import spawn_workers
+from spawn_helpers import reporting_failures, spawn_workers
 
 TOL = 1e-10
 
@@ -178,7 +177,7 @@ def _check_fp8(rank, world, seed, layout, activation, rounding="none"):
 
 def _worker(rank, world, init_file, seed, errors):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with reporting_failures(rank, errors):
         for i, case in enumerate(CASES):
             for exchange in EXCHANGES:
                 _check_case(rank, world, seed + 7 * i, case, exchange)
@@ -192,11 +191,6 @@ def _worker(rank, world, init_file, seed, errors):
         _check_fp8(rank, world, seed, "concatenated", "clamped_swiglu")
         _check_fp8(rank, world, seed, "interleaved", "swiglu", rounding="nr")
         _check_errors(world)
-    except BaseException:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def _check_init_independent_of_world(rank, world):

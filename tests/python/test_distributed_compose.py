@@ -17,13 +17,11 @@ scaled by the wrong factor is off by 0.5 or more).
 
 import copy
 import os
-import tempfile
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawn_helpers import reporting_failures, spawn_workers
 from torch import nn
 
 TOL = 1e-10
@@ -36,30 +34,10 @@ def _rel(got, want):
     return ((got.double() - want).norm() / want.norm().clamp_min(1e-300)).item()
 
 
-def _spawn(worker, world, *args):
-    """Run worker(rank, world, init_file, *args, errors) on `world` spawned processes; a failure
-    reports every rank's traceback."""
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            mp.spawn(worker, args=(world, os.path.join(tmp, "init"), *args, errors), nprocs=world, join=True)
-        except Exception:
-            messages = []
-            while not errors.empty():
-                messages.append(errors.get())
-            pytest.fail("\n".join(messages) or "a worker failed", pytrace=False)
-
-
 def _run_worker(check, rank, world, init_file, errors, *args):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with reporting_failures(rank, errors):
         check(rank, world, *args)
-    except BaseException:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------ FSDP2 over a dp × ep mesh
@@ -155,7 +133,7 @@ def _fsdp2_worker(rank, world, init_file, seed, errors):
 
 
 def test_fsdp2_over_a_dp_ep_mesh_matches_one_process(seed):
-    _spawn(_fsdp2_worker, 4, seed)
+    spawn_workers(_fsdp2_worker, 4, seed)
 
 
 # ------------------------------------------------------------------ torch.compile
@@ -204,7 +182,7 @@ def _check_compile(rank, world, seed, backend):
     assert counters["stats"]["unique_graphs"] >= 2
 
 
-def _compile_worker(rank, world, init_file, seed, backend, errors):
+def _compile_worker(rank, world, init_file, seed, errors, backend):
     _run_worker(_check_compile, rank, world, init_file, errors, seed, backend)
 
 
@@ -215,4 +193,4 @@ def _compile_worker(rank, world, init_file, seed, backend, errors):
         reason="inductor compiles for minutes on a small CPU machine; MACHMOE_TEST_INDUCTOR=1 runs it")),
 ])
 def test_compiled_all_gather_exchange_matches_eager(backend, seed):
-    _spawn(_compile_worker, 2, seed, backend)
+    spawn_workers(_compile_worker, 2, seed, (backend,))

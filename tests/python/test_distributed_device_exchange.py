@@ -19,12 +19,11 @@ those cases cannot see on the CPU's zero-filled transport:
 """
 
 import math
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-from spawn_helpers import spawn_workers
+from spawn_helpers import reporting_failures, spawn_workers
 
 
 def _garbage_transports(group, calls):
@@ -232,7 +231,7 @@ def _check_errors():
 
 def _worker(rank, world, init_file, seed, errors):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with reporting_failures(rank, errors):
         _check_garbage_rows_route_nowhere(rank, world, seed)
         _check_overflow_sends_nothing(rank, world)
         _check_overflow_raises(rank, world)
@@ -245,11 +244,6 @@ def _worker(rank, world, init_file, seed, errors):
         # runs a worker died of SIGABRT ("terminate called without an active exception") with no
         # Python error; a rank closing its connections while a peer still reads is the suspect.
         dist.barrier()
-    except BaseException:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -15,14 +15,13 @@ and the FP8 experts against the whole FP8 layer."""
 
 import copy
 import math
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from spawn_helpers import spawn_workers
+from spawn_helpers import reporting_failures, spawn_workers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.ops]
 
@@ -89,7 +88,7 @@ def _worker(rank, world, init_file, seed, errors, queues):
 
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with reporting_failures(rank, errors):
         _use_staging(_share_staging(rank, world, queues))
         model = multi_gpu._model(seed)
         xs, gs = multi_gpu._ep_batch(seed, world, model)
@@ -111,11 +110,6 @@ def _worker(rank, world, init_file, seed, errors, queues):
         _use_staging(None)  # the peers' buffers let go ...
         torch.cuda.synchronize()
         dist.barrier()  # ... on every rank before any rank frees its own
-    except Exception:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

@@ -34,12 +34,11 @@ from __future__ import annotations
 import copy
 import os
 import re
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-from spawn_helpers import spawn_workers
+from spawn_helpers import reporting_failures, spawn_workers
 
 pytest.importorskip("transformers")
 
@@ -188,7 +187,7 @@ def _worker(rank, world, init_file, seed, errors):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with reporting_failures(rank, errors):
         import machmoe.integrations.transformers  # noqa: F401  (registers "machmoe")
         from machmoe import functional
 
@@ -202,11 +201,6 @@ def _worker(rank, world, init_file, seed, errors):
         functional.experts_topk = recorded
         for i, case in enumerate(CASES):
             _check_case(rank, seed + 11 * i, case, calls)
-    except BaseException:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def test_machmoe_experts_under_transformers_expert_parallelism(seed):
