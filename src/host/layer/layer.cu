@@ -12,11 +12,9 @@
 #include "host/layer/layer_layout.hpp"
 #include "host/layer/shared_pairs.hpp"
 #include "host/routing/routing_internal.hpp"
-#include "kernels/routing/aux_loss.cuh"
 #include "machmoe/machmoe.hpp"
 
 namespace machmoe {
-using detail::ceil_div;
 using detail::check_cuda;
 using detail::check_launch;
 using detail::LayerLayout;
@@ -71,7 +69,6 @@ void layer_forward(const ValidLayerProblem& valid, const LayerForwardArgs& a, cu
   r.list.expert = experts;
   r.list.scores = scores;
   r.list.pairs = R;
-  const int aux_blocks = static_cast<int>(ceil_div(p.T, LayerLayout::kAuxTokensPerBlock));
   float* aux_partials = at<float>(w, L.aux_partials);
   static_assert(LayerLayout::kAuxTokensPerBlock == detail::kRouterAuxTokens,
                 "the router kernel's aux partial sums use the aux loss's token blocks");
@@ -128,14 +125,8 @@ void layer_forward(const ValidLayerProblem& valid, const LayerForwardArgs& a, cu
   // The aux loss needs the partial sums and the expert counts only: it runs before the expert
   // GEMMs, while the partials (and the logits) are still in L2; run after the GEMMs, the same
   // single block read them back from DRAM and took 7.8 µs at the 7B-a configuration.
-  if (!have_aux_partials) {
-    kernels::aux_colsum_partial<LayerLayout::kAuxTokensPerBlock><<<aux_blocks, 256, 0, stream>>>(
-        logits, p.T, static_cast<int>(p.E), aux_partials);
-    check_launch("layer_forward: aux partial sums");
-  }
-  kernels::aux_finalize<1024><<<1, 1024, 0, stream>>>(aux_partials, aux_blocks, static_cast<int>(p.E),
-                                                      expert_offsets, at<float>(w, L.aux_colsum), a.aux_loss);
-  check_launch("layer_forward: aux loss");
+  detail::aux_loss_forward(logits, p.T, p.E, expert_offsets, have_aux_partials, aux_partials, at<float>(w, L.aux_colsum),
+                           a.aux_loss, stream, fn);
 
   detail::experts_forward_gemms(r, stream);
 }

@@ -19,13 +19,11 @@
 #include "host/layer/layer_layout.hpp"
 #include "host/layer/shared_pairs.hpp"
 #include "host/routing/routing_internal.hpp"
-#include "kernels/routing/aux_loss.cuh"
 #include "kernels/layer/layer_backward.cuh"
 #include "machmoe/machmoe.hpp"
 
 namespace machmoe {
 using detail::at;
-using detail::ceil_div;
 using detail::check_cublas;
 using detail::check_cuda;
 using detail::check_launch;
@@ -34,7 +32,6 @@ using detail::LayerLayout;
 namespace {
 
 constexpr int kThreads = detail::kBackwardThreads;
-constexpr int kWarpsPerBlock = detail::kBackwardWarpsPerBlock;
 using detail::blocks_for;
 using detail::cuda_type;
 
@@ -135,7 +132,7 @@ void layer_backward(const ValidLayerProblem& valid, const LayerBackwardArgs& a, 
   // inside the expert part, between d scores and the aggregation, and dx is written once;
   // otherwise after it, and a cuBLAS GEMM adds the router's part to dx.
   cublasHandle_t h = nullptr;
-  const int T = static_cast<int>(p.T), E = static_cast<int>(p.E), d = static_cast<int>(p.d);
+  const int T = static_cast<int>(p.T), d = static_cast<int>(p.d);
   // 6. bf16 copy of d_logits: the router GEMMs' operand (fp32 accumulation there). The top-K
   //    router backward and the aux step write it with d_logits; after the token-rounding backward,
   //    whose kernel writes fp32 only, this conversion pass makes it.
@@ -171,25 +168,11 @@ void layer_backward(const ValidLayerProblem& valid, const LayerBackwardArgs& a, 
     }
     // 5. Aux loss: d_logits += d_aux · ∂aux/∂logits. A host d_aux of 0 (and no device scalar) adds
     //    nothing, so the kernels are skipped.
-    if (a.d_aux_device != nullptr || a.d_aux != 0.f) {
-      const int blocks = static_cast<int>(ceil_div(p.T, LayerLayout::kAuxTokensPerBlock));
-      float* partials = at<float>(w, L.b_aux_partials);
-      float* grad = at<float>(w, L.aux_grad);
-      kernels::aux_colsum_partial<LayerLayout::kAuxTokensPerBlock>
-          <<<blocks, kThreads, 0, stream>>>(logits, p.T, static_cast<int>(p.E), partials);
-      check_launch("layer_backward: aux partial sums");
-      kernels::bwd_aux_coefficients<1024><<<1, 1024, 0, stream>>>(partials, blocks, static_cast<int>(p.E),
-                                                                  expert_offsets, a.d_aux, a.d_aux_device, grad);
-      check_launch("layer_backward: aux coefficients");
-      // bwd_aux_apply returns at once when the loss has no gradient (grad[E] == 0, known on the
-      // device only), so the bf16 copy must exist before it.
-      if (rounded) to_bf16();
-      kernels::bwd_aux_apply<kThreads><<<blocks_for(p.T, kWarpsPerBlock), kThreads, 0, stream>>>(
-          logits, p.T, static_cast<int>(p.E), grad, d_logits, d_logits_bf16);
-      check_launch("layer_backward: aux backward");
-    } else if (rounded) {
-      to_bf16();
-    }
+    if (rounded) to_bf16();  // (before the aux loss's backward, which updates both copies)
+    if (a.d_aux_device != nullptr || a.d_aux != 0.f)
+      detail::aux_loss_backward(logits, p.T, p.E, expert_offsets, a.d_aux, a.d_aux_device,
+                                at<float>(w, L.b_aux_partials), at<float>(w, L.aux_grad), d_logits, d_logits_bf16,
+                                stream, fn);
     // 12a. The router bias's gradient Σ_t d_logits (fp32 d_logits, fixed order); the aux partials'
     //      block is free again here and holds its partial sums.
     if (p.has_router_bias)
@@ -198,11 +181,8 @@ void layer_backward(const ValidLayerProblem& valid, const LayerBackwardArgs& a, 
     // 12. dWr (cuBLAS, bf16 operands, fp32 accumulation), column-major views of row-major arrays:
     //     dWrᵀ [d, E] = xᵀ [d, T] · d_logits [T, E].
     h = detail::cublas_on(stream, at<void>(w, L.b_cublas), LayerLayout::kCublasWorkspace, fn);
+    detail::router_weight_gradient(h, a.x, d_logits_bf16, p.T, p.E, p.d, a.d_router_weight, a.weight_grad_dtype, fn);
     const float one = 1.f, zero = 0.f;
-    check_cublas(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, d, E, T, &one, a.x, CUDA_R_16BF, d, d_logits_bf16,
-                              CUDA_R_16BF, E, &zero, a.d_router_weight, cuda_type(a.weight_grad_dtype), d,
-                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                 "layer_backward: d_router_weight GEMM (cublasGemmEx)");
     // 12c. Qwen's gate: d_shared_gate [d] = xᵀ [d, T] · ∂loss/∂(x·g) [T] (bf16 operands as dWr's).
     if (p.has_shared_gate)
       check_cublas(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, 1, T, &one, a.x, CUDA_R_16BF, d, d_gate_logits_bf16,
@@ -222,12 +202,9 @@ void layer_backward(const ValidLayerProblem& valid, const LayerBackwardArgs& a, 
   detail::experts_backward_run(r, stream);
   if (fused_dx) return;
   router_backward();
-  // 12 (second half). dxᵀ [d, T] += Wrᵀ [d, E] · d_logitsᵀ [E, T].
+  // 12 (second half). dx += d_logits · Wr.
+  detail::router_input_gradient(h, a.router_weight, d_logits_bf16, p.T, p.E, p.d, a.dx, true, fn);
   const float one = 1.f;
-  check_cublas(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, T, E, &one, a.router_weight, CUDA_R_16BF, d,
-                            d_logits_bf16, CUDA_R_16BF, E, &one, a.dx, CUDA_R_16BF, d, CUBLAS_COMPUTE_32F,
-                            CUBLAS_GEMM_DEFAULT),
-               "layer_backward: dx router GEMM (cublasGemmEx)");
   // Qwen's gate: dxᵀ [d, T] += g [d, 1] · ∂loss/∂(x·g)ᵀ [1, T].
   if (p.has_shared_gate)
     check_cublas(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, d, T, 1, &one, a.shared_gate, CUDA_R_16BF, d,

@@ -3,6 +3,7 @@
 // set <=> token t routed to expert e), and the top-K router with the aux loss's partial sums.
 #pragma once
 
+#include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -56,6 +57,29 @@ void topk_router_backward_bf16(const float* logits, const float* scores, const i
 // workspace (ours, so the call is graph-capturable). fn names the caller in errors.
 void router_gemm(const void* x, const void* wr, float* logits, int64_t T, int64_t E, int64_t d, bool accumulate,
                  void* ws, size_t ws_bytes, cudaStream_t stream, const char* fn);
+
+// aux [1] = the layer's load-balancing loss of the T·K pairs counted by expert_offsets [E+1]
+// (docs/LAYER.md), from partials [ceil(T / kRouterAuxTokens), E], the column sums of
+// softmax(logits) by token block: already written where have_partials (topk_router_with_aux
+// wrote them), else computed here from logits [T, E]. colsum [E] fp32: scratch.
+void aux_loss_forward(const float* logits, int64_t T, int64_t E, const int32_t* expert_offsets, bool have_partials,
+                      float* partials, float* colsum, float* aux, cudaStream_t stream, const char* fn);
+
+// d_logits [T, E] (fp32 and its bf16 copy, both updated) += d_aux · ∂aux/∂logits, the layer's
+// load-balancing loss of the T·K pairs counted by expert_offsets [E+1] (docs/LAYER.md). The loss's
+// gradient is the host value d_aux plus, where given, the device scalar d_aux_device [1].
+// partials [ceil(T / kRouterAuxTokens), E] and grad [E+1] fp32: scratch. fn names the caller.
+void aux_loss_backward(const float* logits, int64_t T, int64_t E, const int32_t* expert_offsets, float d_aux,
+                       const float* d_aux_device, float* partials, float* grad, float* d_logits,
+                       __nv_bfloat16* d_logits_bf16, cudaStream_t stream, const char* fn);
+
+// The router's two backward GEMMs by cuBLAS on `h` (bf16 operands, fp32 accumulation), from
+// d_logits [T, E] rounded to bf16: d_router_weight [E, d] (in `dtype`) = d_logitsᵀ · x [T, d],
+// written; dx [T, d] bf16 = d_logits · Wr [E, d], added to what dx holds when accumulate.
+void router_weight_gradient(cublasHandle_t h, const void* x, const __nv_bfloat16* d_logits_bf16, int64_t T,
+                            int64_t E, int64_t d, void* d_router_weight, DType dtype, const char* fn);
+void router_input_gradient(cublasHandle_t h, const void* router_weight, const __nv_bfloat16* d_logits_bf16, int64_t T,
+                           int64_t E, int64_t d, void* dx, bool accumulate, const char* fn);
 
 // The router bias b_r [E] bf16: logits [T, E] fp32 <- b_r on every row (the router GEMM then adds
 // x·Wrᵀ with beta = 1).
